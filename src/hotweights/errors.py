@@ -1,0 +1,21 @@
+"""The one error tree of hotweights: every message names the object at fault."""
+
+
+class HotweightsError(Exception):
+    """Base of every error hotweights raises on bad input or a bad state."""
+
+
+class LayoutError(HotweightsError):
+    """A vLLM parameter and the HF model disagree (names the vLLM and the HF parameter)."""
+
+
+class ManifestError(HotweightsError):
+    """A manifest is malformed (names the manifest and the field)."""
+
+
+class CheckpointError(HotweightsError):
+    """A checkpoint shard is wrong (names the shard file and the tensor)."""
+
+
+class ServerError(HotweightsError):
+    """The vLLM server refused or failed (names the route and the HTTP status)."""

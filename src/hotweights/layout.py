@@ -1,0 +1,371 @@
+"""Map vLLM's merged parameters to Hugging Face parameters: names and shapes in, plan out.
+
+Nothing here imports vLLM or touches tensor data. The split points come from the HF
+model's own parameter shapes (the model is built on the `meta` device from its config),
+so no model dimension is written down anywhere in this file; only naming rules are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hotweights.errors import LayoutError
+
+logger = logging.getLogger(__name__)
+
+Shape = tuple[int, ...]
+
+# vLLM name prefix -> HF name prefix (multimodal checkpoints keep the text model elsewhere).
+_PREFIXES = (
+    ("language_model.model.", "model.language_model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+# vLLM leaf -> HF leaf. FusedMoE keeps gate and up in one tensor, like transformers >= 5.
+_RENAMES = (
+    (".experts.routed_experts.w13_weight", ".experts.gate_up_proj"),
+    (".experts.routed_experts.w2_weight", ".experts.down_proj"),
+    (".experts.w13_weight", ".experts.gate_up_proj"),
+    (".experts.w2_weight", ".experts.down_proj"),
+)
+# A vLLM module that packs several HF modules, concatenated on dim 0 in this order.
+PACKED = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "in_proj_qkvz": ("in_proj_qkv", "in_proj_z"),
+    "in_proj_ba": ("in_proj_b", "in_proj_a"),
+}
+# How tensor parallelism cuts a parameter, by the name of its module.
+_COLUMN = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "in_proj_qkvz", "in_proj_ba",
+           "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"}
+_ROW = {"o_proj", "down_proj", "out_proj"}
+_VOCAB = {"embed_tokens", "lm_head"}
+_KV = {"k_proj", "v_proj"}
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A slab of a vLLM parameter that holds (a slab of) one HF parameter.
+
+    On `dim` of the vLLM parameter, indices `[rows[0], rows[1])` hold the HF indices
+    `[hf_start, hf_start + rows[1] - rows[0])` of `hf_name` on the same dim; every other
+    dim is whole. At tp=1 a piece always covers its whole HF tensor.
+    """
+
+    hf_name: str  # "model.layers.3.self_attn.k_proj.weight"
+    hf_shape: Shape  # full shape of the HF parameter
+    rows: tuple[int, int]  # [start, stop) on `dim` of the vLLM parameter
+    dim: int = 0
+    hf_start: int = 0
+
+    @property
+    def whole(self) -> bool:
+        """True when the piece is the entire HF tensor (a view can stand in for it)."""
+        return self.hf_start == 0 and self.rows[1] - self.rows[0] == self.hf_shape[self.dim]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """For every vLLM parameter, the HF parameters it holds; plus what matched nothing."""
+
+    pieces: dict[str, tuple[Piece, ...]]  # vLLM name -> pieces
+    missing: tuple[str, ...] = ()  # HF parameters that no vLLM parameter holds
+    unused: tuple[str, ...] = ()  # vLLM parameters that hold no HF parameter
+    tp_size: int = 1
+    tp_rank: int = 0
+    ties: dict[str, str] = field(default_factory=dict)  # HF alias -> HF name it is tied to
+
+    def inverse(self) -> dict[str, list[tuple[str, Piece]]]:
+        """HF name -> [(vLLM name, piece)], the slabs that hold it on this rank."""
+        out: dict[str, list[tuple[str, Piece]]] = {}
+        for vname, pieces in self.pieces.items():
+            for piece in pieces:
+                out.setdefault(piece.hf_name, []).append((vname, piece))
+        return out
+
+    @property
+    def num_mapped(self) -> int:
+        return sum(len(p) for p in self.pieces.values())
+
+
+def load_config(config_or_dir: Any):
+    """A transformers config from a config object, a model directory or a config.json."""
+    if not isinstance(config_or_dir, str | os.PathLike):
+        return config_or_dir
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(os.fspath(config_or_dir), trust_remote_code=True)
+    except (OSError, ValueError) as e:
+        raise LayoutError(f"{config_or_dir}: cannot read a transformers config: {e}") from e
+
+
+@contextlib.contextmanager
+def _params_on_meta() -> Iterator[None]:
+    """Create parameters on `meta` while buffers (rotary tables) stay real."""
+    original = torch.nn.Module.register_parameter
+
+    def register(module, name, param):
+        original(module, name, param)
+        if param is not None and param.device.type != "meta":
+            kwargs = dict(requires_grad=param.requires_grad)
+            module._parameters[name] = type(param)(param.to("meta"), **kwargs)
+
+    torch.nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = original
+
+
+def meta_model(config: Any, *, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """The HF causal-LM of `config` with every parameter on `meta` (no memory)."""
+    from transformers import AutoModelForCausalLM
+
+    config = load_config(config)
+    with _params_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=True)
+    return model
+
+
+def hf_params(config: Any) -> tuple[dict[str, Shape], dict[str, str]]:
+    """HF parameter shapes by name, and the tied aliases (alias -> name it shares)."""
+    model = config if isinstance(config, torch.nn.Module) else meta_model(config)
+    shapes: dict[str, Shape] = {}
+    ties: dict[str, str] = {}
+    first: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            ties[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+            shapes[name] = tuple(param.shape)
+    return shapes, ties
+
+
+def hf_name_candidates(vname: str) -> tuple[str, list[str] | None]:
+    """The HF name a vLLM name stands for, and the HF parts if its module is packed."""
+    name = vname
+    for v_prefix, hf_prefix in _PREFIXES:
+        if name.startswith(v_prefix):
+            name = hf_prefix + name[len(v_prefix) :]
+            break
+    for v_leaf, hf_leaf in _RENAMES:
+        if name.endswith(v_leaf):
+            name = name[: -len(v_leaf)] + hf_leaf
+            break
+    module, _, leaf = name.rpartition(".")
+    parent, _, last = module.rpartition(".")
+    if last in PACKED:
+        return name, [f"{parent}.{part}.{leaf}" for part in PACKED[last]]
+    return name, None
+
+
+def _module_of(hf_name: str) -> tuple[str, str]:
+    """("k_proj", "weight") for "model.layers.0.self_attn.k_proj.weight"."""
+    module, _, leaf = hf_name.rpartition(".")
+    return module.rpartition(".")[2], leaf
+
+
+def plan(
+    config: Any,
+    params: Mapping[str, Any],
+    *,
+    tp_size: int = 1,
+    tp_rank: int = 0,
+    strict: bool = True,
+    hf_shapes: tuple[dict[str, Shape], dict[str, str]] | None = None,
+) -> Layout:
+    """Map every (rank-local) vLLM parameter to the HF parameters it holds.
+
+    Args:
+        config: a transformers config, or a model directory.
+        params: vLLM parameter name -> tensor or shape, as the rank holds them.
+        tp_size, tp_rank: the tensor-parallel group the parameters come from.
+        strict: raise on a vLLM parameter with no HF home or an HF parameter with no
+            vLLM source; otherwise list them in `Layout.unused` / `Layout.missing`.
+        hf_shapes: `hf_params(config)`, when the caller already has it.
+
+    Returns:
+        The `Layout`.
+
+    Raises:
+        LayoutError: shapes that disagree (naming both parameters and shapes), or, when
+            `strict`, anything left unmapped.
+    """
+    if not 0 <= tp_rank < tp_size:
+        raise LayoutError(f"tp_rank={tp_rank} is outside tp_size={tp_size}")
+    config = load_config(config)
+    shapes, ties = hf_shapes if hf_shapes is not None else hf_params(config)
+    aliases: dict[str, list[str]] = {}
+    for alias, target in ties.items():
+        aliases.setdefault(target, []).append(alias)
+
+    pieces: dict[str, tuple[Piece, ...]] = {}
+    unused: list[str] = []
+    for vname, value in params.items():
+        live = tuple(value.shape) if hasattr(value, "shape") else tuple(value)
+        name, parts = hf_name_candidates(vname)
+        if name in shapes:
+            parts = [name]
+        elif parts is None or not all(p in shapes for p in parts):
+            unused.append(vname)
+            continue
+        found = _pieces(vname, live, [(p, shapes[p]) for p in parts], config, tp_size, tp_rank)
+        found += [
+            Piece(alias, p.hf_shape, p.rows, p.dim, p.hf_start)
+            for p in found
+            for alias in aliases.get(p.hf_name, ())
+        ]
+        pieces[vname] = tuple(found)
+
+    covered = {p.hf_name for ps in pieces.values() for p in ps}
+    missing = [n for n in [*shapes, *ties] if n not in covered]
+    if strict and (unused or missing):
+        raise LayoutError(_unmapped_message(unused, missing))
+    for vname in unused:
+        logger.warning("vLLM parameter %s holds no HF parameter", vname)
+    return Layout(pieces, tuple(missing), tuple(unused), tp_size, tp_rank, dict(ties))
+
+
+def _unmapped_message(unused: list[str], missing: list[str]) -> str:
+    lines = []
+    if unused:
+        lines.append(
+            f"{len(unused)} vLLM parameter(s) match no HF parameter (unknown name or packing,"
+            f" or a layer the config does not have): {', '.join(unused[:8])}"
+            + (" ..." if len(unused) > 8 else "")
+        )
+    if missing:
+        lines.append(
+            f"{len(missing)} HF parameter(s) are held by no vLLM parameter (a layer vLLM "
+            f"does not have?): {', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else "")
+        )
+    return "; ".join(lines)
+
+
+def _pieces(
+    vname: str,
+    live: Shape,
+    parts: list[tuple[str, Shape]],
+    config: Any,
+    tp: int,
+    rank: int,
+) -> list[Piece]:
+    """The pieces of one vLLM parameter of shape `live` holding `parts` on this rank."""
+    hf_name, hf_shape = parts[0]
+    if len(live) != len(hf_shape):
+        raise LayoutError(
+            f"{vname}: vLLM shape {live} and HF {hf_name} shape {hf_shape} differ in rank"
+        )
+    module, leaf = _module_of(hf_name)
+    if module in _VOCAB:
+        return _vocab_pieces(vname, live, parts[0], tp, rank)
+    if module == "experts" and leaf == "gate_up_proj":  # [E, 2I, H]: gate then up on dim 1
+        halves = [(hf_name, hf_shape, 0, hf_shape[1])]
+        if tp > 1:  # each rank holds its chunk of gate, then its chunk of up
+            half = hf_shape[1] // 2
+            halves = [(hf_name, hf_shape, 0, half), (hf_name, hf_shape, half, half)]
+        return _column_pieces(vname, live, halves, config, tp, rank, dim=1)
+    if module == "experts" and leaf == "down_proj":  # [E, H, I]
+        return _row_pieces(vname, live, parts[0], tp, rank, dim=2)
+    if module in _COLUMN:
+        subparts = [(n, s, 0, s[0]) for n, s in parts]
+        return _column_pieces(vname, live, subparts, config, tp, rank, dim=0)
+    if module in _ROW and leaf == "weight":
+        return _row_pieces(vname, live, parts[0], tp, rank, dim=1)
+    if len(parts) > 1 or live != hf_shape:
+        raise LayoutError(
+            f"{vname}: vLLM shape {live} does not match HF {hf_name} shape {hf_shape}"
+        )
+    return [Piece(hf_name, hf_shape, (0, hf_shape[0] if hf_shape else 1))]
+
+
+def _check_other_dims(vname: str, live: Shape, hf_name: str, hf_shape: Shape, dim: int):
+    for d, (a, b) in enumerate(zip(live, hf_shape, strict=True)):
+        if d != dim and a != b:
+            raise LayoutError(
+                f"{vname}: vLLM shape {live} does not hold HF {hf_name} shape {hf_shape} "
+                f"(dim {d}: {a} != {b})"
+            )
+
+
+def _vocab_pieces(vname, live, part, tp, rank) -> list[Piece]:
+    # vLLM pads the vocabulary (to a multiple of 64) and gives each rank an equal run of
+    # padded rows; the HF tensor is the first `vocab_size` of them.
+    hf_name, hf_shape = part
+    _check_other_dims(vname, live, hf_name, hf_shape, 0)
+    per_rank = live[0]
+    if per_rank * tp < hf_shape[0]:
+        raise LayoutError(
+            f"{vname}: vLLM shape {live} x tp={tp} has fewer rows than HF {hf_name} "
+            f"shape {hf_shape} (vocab_size)"
+        )
+    lo = rank * per_rank
+    hi = min(lo + per_rank, hf_shape[0])
+    return [Piece(hf_name, hf_shape, (0, hi - lo), 0, lo)] if hi > lo else []
+
+
+def _row_pieces(vname, live, part, tp, rank, *, dim) -> list[Piece]:
+    hf_name, hf_shape = part
+    _check_other_dims(vname, live, hf_name, hf_shape, dim)
+    size = _split(vname, hf_name, hf_shape, dim, tp)
+    if live[dim] != size:
+        raise LayoutError(
+            f"{vname}: vLLM shape {live} does not match HF {hf_name} shape {hf_shape} "
+            f"split over tp={tp} on dim {dim} (expected {size})"
+        )
+    return [Piece(hf_name, hf_shape, (0, size), dim, rank * size)]
+
+
+def _column_pieces(vname, live, subparts, config, tp, rank, *, dim) -> list[Piece]:
+    # `subparts`: (hf_name, hf_shape, base, n): rows [base, base + n) of an HF tensor on
+    # `dim`, stacked in this order in the unsharded vLLM parameter. Rank r holds its
+    # 1/tp chunk of each, stacked in the same order.
+    pieces, at = [], 0
+    kv_heads = getattr(config, "num_key_value_heads", None)
+    for hf_name, hf_shape, base, n in subparts:
+        _check_other_dims(vname, live, hf_name, hf_shape, dim)
+        if _module_of(hf_name)[0] in _KV and kv_heads and tp > kv_heads:
+            # Fewer KV heads than ranks: each rank holds one whole head, replicated.
+            if tp % kv_heads:
+                raise LayoutError(
+                    f"{vname}: tp={tp} is not a multiple of num_key_value_heads={kv_heads}"
+                )
+            size = n // kv_heads
+            start = base + rank // (tp // kv_heads) * size
+        else:
+            if n % tp:
+                raise LayoutError(
+                    f"{vname}: HF {hf_name} shape {hf_shape} cannot be split over tp={tp} "
+                    f"on dim {dim}"
+                )
+            size = n // tp
+            start = base + rank * size
+        pieces.append(Piece(hf_name, hf_shape, (at, at + size), dim, start))
+        at += size
+    if live[dim] != at:
+        want = " + ".join(
+            f"{_module_of(p.hf_name)[0]} {p.rows[1] - p.rows[0]}" for p in pieces
+        )
+        raise LayoutError(
+            f"{vname}: expected {at} rows on dim {dim} ({want}), found {live[dim]} "
+            f"(vLLM shape {live}); num_attention_heads="
+            f"{getattr(config, 'num_attention_heads', None)}, "
+            f"num_key_value_heads={kv_heads}, tp={tp}"
+        )
+    return pieces
+
+
+def _split(vname: str, hf_name: str, hf_shape: Shape, dim: int, tp: int) -> int:
+    if hf_shape[dim] % tp:
+        raise LayoutError(
+            f"{vname}: HF {hf_name} shape {hf_shape} cannot be split over tp={tp} on dim {dim}"
+        )
+    return hf_shape[dim] // tp

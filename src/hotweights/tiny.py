@@ -1,0 +1,128 @@
+"""Tiny random models, built locally, for the demo, the tests and the benchmarks.
+
+Nothing is downloaded: the tokenizer is trained on an embedded corpus and the weights are
+random. Sizes respect vLLM's CPU kernels (head_dim 64) and are kept odd enough (q width
+!= hidden size, vocab not a multiple of 64) that a wrong split point cannot go unnoticed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+ARCHS = ("llama", "llama_tied", "qwen2", "qwen3", "qwen3_moe")
+
+_CORPUS = """\
+One copy of the weights, two jobs. The server generates, the trainer learns.
+The quick brown fox jumps over the lazy dog while the model keeps serving requests.
+Weights live in shared memory; the trainer sees them as a normal transformers model.
+In place updates are safe when generation is paused, written, then resumed.
+hotweights maps vLLM parameters to Hugging Face parameters without copying a byte.
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 64 128 256 512 1024. Punctuation, too: (a) [b] {c}!?
+"""
+
+_BASE = dict(
+    hidden_size=128,
+    intermediate_size=320,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+_ARCH_CONFIG: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", dict(tie_word_embeddings=False)),
+    "llama_tied": ("LlamaConfig", dict(tie_word_embeddings=True)),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=False)),
+    "qwen3": ("Qwen3Config", dict(tie_word_embeddings=False)),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(
+            tie_word_embeddings=False,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=96,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+        ),
+    ),
+}
+
+
+def train_tokenizer(out_dir: Path, *, vocab_size: int = 300) -> int:
+    """Train a small byte-level BPE tokenizer on the embedded corpus; return its size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<pad>", "<s>", "</s>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_CORPUS.splitlines() * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+    )
+    fast.save_pretrained(out_dir)
+    return len(fast)
+
+
+def make_config(arch: str, vocab_size: int, **overrides: Any):
+    """The transformers config of a tiny model of `arch` (see ARCHS)."""
+    import transformers
+
+    if arch not in _ARCH_CONFIG:
+        raise ValueError(f"unknown tiny arch {arch!r}; choose one of {', '.join(ARCHS)}")
+    cls_name, extra = _ARCH_CONFIG[arch]
+    kwargs = {**_BASE, **extra, "vocab_size": vocab_size, **overrides}
+    return getattr(transformers, cls_name)(**kwargs)
+
+
+def build(arch: str, out_dir: str | Path, *, dtype: str = "bfloat16", seed: int = 0,
+          **overrides: Any) -> Path:
+    """Write a tiny random model of `arch` with its tokenizer to `out_dir`; return the dir.
+
+    Reuses `out_dir` if it already holds a model built with the same arguments.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out_dir)
+    stamp = json.dumps({"arch": arch, "dtype": dtype, "seed": seed, **overrides},
+                       sort_keys=True)
+    if (out / ".tiny").is_file() and (out / ".tiny").read_text() == stamp:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = train_tokenizer(out)
+    config = make_config(arch, vocab, **overrides)
+    config.torch_dtype = dtype
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # norms too: ones would hide a swap
+            if "norm" in name:
+                p.normal_(1.0, 0.2)
+            else:
+                p.normal_(0.0, 0.05)
+    model.save_pretrained(out)
+    (out / ".tiny").write_text(stamp)
+    logger.info("built tiny %s model in %s", arch, out)
+    return out

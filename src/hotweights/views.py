@@ -1,0 +1,177 @@
+"""An HF model whose parameters are views into vLLM's tensors: zero bytes copied."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hotweights.errors import LayoutError
+from hotweights.layout import Layout, load_config, meta_model, plan
+
+logger = logging.getLogger(__name__)
+
+Trainable = bool | str | Iterable[str] | Callable[[str], bool]
+
+
+@dataclass(frozen=True)
+class ViewReport:
+    """What `build_hf_model` did."""
+
+    mapped: tuple[str, ...]  # HF parameters that are views into vLLM tensors
+    missing: tuple[str, ...]  # HF parameters no vLLM tensor holds (allowed by the caller)
+    unused: tuple[str, ...]  # vLLM tensors that hold no HF parameter
+    trainable: tuple[str, ...]  # HF parameters with requires_grad
+    bytes_copied: int  # bytes of parameter data not shared with vLLM (0 unless missing)
+
+
+def _trainable_filter(trainable: Trainable) -> Callable[[str], bool]:
+    if isinstance(trainable, bool):
+        return lambda name: trainable
+    if isinstance(trainable, str):
+        pattern = re.compile(trainable)
+        return lambda name: pattern.search(name) is not None
+    if callable(trainable):
+        return trainable
+    names = set(trainable)
+    return lambda name: name in names
+
+
+def _set_param(model: torch.nn.Module, name: str, param: torch.nn.Parameter) -> None:
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    module._parameters[leaf] = param
+
+
+def view_of(tensor: torch.Tensor, piece) -> torch.Tensor:
+    """The slab of `tensor` that `piece` names, as a view (never a copy)."""
+    if not piece.whole:
+        raise LayoutError(
+            f"{piece.hf_name}: this rank holds only a shard of it (rows {piece.rows} on dim "
+            f"{piece.dim}); views need tp=1"
+        )
+    out = tensor.narrow(piece.dim, piece.rows[0], piece.rows[1] - piece.rows[0])
+    if tuple(out.shape) != piece.hf_shape:
+        out = out.view(piece.hf_shape)
+    return out
+
+
+def build_hf_model(
+    config: Any,
+    vllm_params: Mapping[str, torch.Tensor],
+    *,
+    trainable: Trainable = True,
+    allow_missing: bool | Iterable[str] = False,
+    allow_unused: bool = True,
+    layout: Layout | None = None,
+) -> tuple[torch.nn.Module, ViewReport]:
+    """Build the HF causal-LM of `config` with parameters that are views into `vllm_params`.
+
+    The model is created on `meta` (no parameter memory), then every parameter is replaced
+    by a view of the vLLM tensor slab that holds it, so the model trains vLLM's weights
+    in place. Buffers (rotary tables) are real and follow the device of the vLLM tensors.
+
+    Args:
+        config: a transformers config or a model directory.
+        vllm_params: vLLM parameter name -> live tensor (tp=1).
+        trainable: which HF parameters get `requires_grad`: a bool, a regex searched in
+            the HF name, a collection of names, or a predicate.
+        allow_missing: HF parameters that may have no vLLM source (True for any); they
+            are materialised as zeros and reported. Otherwise a missing one is an error.
+        allow_unused: tolerate vLLM tensors that hold no HF parameter (reported).
+        layout: a precomputed `plan(config, vllm_params)`.
+
+    Returns:
+        (model, report).
+
+    Raises:
+        LayoutError: a missing HF parameter not allowed, or shapes that disagree.
+    """
+    config = load_config(config)
+    if layout is None:
+        layout = plan(config, vllm_params, strict=False)
+    if layout.unused and not allow_unused:
+        raise LayoutError(f"vLLM parameters hold no HF parameter: {', '.join(layout.unused)}")
+    allowed = _trainable_filter(allow_missing) if not isinstance(allow_missing, bool) \
+        else (lambda name: allow_missing)
+    refused = [n for n in layout.missing if not allowed(n)]
+    if refused:
+        raise LayoutError(
+            f"HF parameter(s) held by no vLLM tensor: {', '.join(refused[:8])}"
+            + (" ..." if len(refused) > 8 else "")
+            + "; pass allow_missing to accept them as zeros"
+        )
+
+    dtypes = [t.dtype for t in vllm_params.values() if t.is_floating_point()]
+    dtype = max(set(dtypes), key=dtypes.count) if dtypes else None
+    device = next(iter(vllm_params.values())).device
+    model = meta_model(config, dtype=dtype)
+    wants_grad = _trainable_filter(trainable)
+
+    made: dict[str, torch.nn.Parameter] = {}
+    for vname, pieces in layout.pieces.items():
+        tensor = vllm_params[vname]
+        for piece in pieces:
+            canonical = layout.ties.get(piece.hf_name, piece.hf_name)
+            if canonical not in made:
+                view = view_of(tensor.detach(), piece)
+                made[canonical] = torch.nn.Parameter(view, requires_grad=False)
+            _set_param(model, piece.hf_name, made[canonical])
+
+    bytes_copied = 0
+    for name in layout.missing:
+        canonical = layout.ties.get(name, name)
+        if canonical not in made:
+            meta = model.get_parameter(name)
+            made[canonical] = torch.nn.Parameter(
+                torch.zeros(meta.shape, dtype=meta.dtype, device=device), requires_grad=False
+            )
+            bytes_copied += made[canonical].numel() * made[canonical].element_size()
+            logger.warning("HF parameter %s has no vLLM source: zeros", name)
+        _set_param(model, name, made[canonical])
+
+    for name, param in model.named_parameters():
+        param.requires_grad_(wants_grad(name))
+    for module in model.modules():
+        for bname, buf in module._buffers.items():
+            if buf is not None and buf.device != device:
+                module._buffers[bname] = buf.to(device)
+
+    report = ViewReport(
+        mapped=tuple(n for n, _ in model.named_parameters(remove_duplicate=False)
+                     if n not in layout.missing),
+        missing=layout.missing,
+        unused=layout.unused,
+        trainable=tuple(n for n, p in model.named_parameters() if p.requires_grad),
+        bytes_copied=bytes_copied,
+    )
+    logger.info("built HF model on views: %d parameters mapped, %d missing, %d unused",
+                len(report.mapped), len(report.missing), len(report.unused))
+    return model, report
+
+
+def verify_shared(model: torch.nn.Module, vllm_params: Mapping[str, torch.Tensor],
+                  layout: Layout) -> int:
+    """Check that every mapped HF parameter shares memory with its vLLM tensor.
+
+    Returns the number of parameters checked. Raises LayoutError naming the first one
+    that does not lie inside its vLLM tensor's memory at the planned offset.
+    """
+    checked = 0
+    for vname, pieces in layout.pieces.items():
+        tensor = vllm_params[vname]
+        for piece in pieces:
+            param = model.get_parameter(piece.hf_name)
+            want = view_of(tensor.detach(), piece)
+            if (param.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr()
+                    or param.data_ptr() != want.data_ptr() or param.stride() != want.stride()):
+                raise LayoutError(
+                    f"{piece.hf_name}: not a view of vLLM {vname} rows {piece.rows} "
+                    f"(data_ptr {param.data_ptr():#x}, expected {want.data_ptr():#x})"
+                )
+            checked += 1
+    return checked

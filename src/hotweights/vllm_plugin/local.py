@@ -1,0 +1,45 @@
+"""Run a vLLM engine in this process and reach its live parameters (tests, benchmarks, CLI)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def start_engine(model_dir: str | Path, **engine_args: Any):
+    """A vLLM `LLM` running in this process, with the hotweights plugin loaded."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from hotweights.vllm_plugin import register
+
+    register()
+    from vllm import LLM
+
+    args = dict(enforce_eager=True, max_model_len=256, max_num_seqs=4, seed=0)
+    args.update(engine_args)
+    return LLM(str(model_dir), **args)
+
+
+def live_params(llm) -> dict[str, torch.Tensor]:
+    """vLLM's live parameters by name (the very tensors the engine computes with)."""
+    out = llm.apply_model(lambda model: dict(model.named_parameters()))
+    return out[0]
+
+
+def stop_engine(llm) -> None:
+    """Shut the engine down and free its distributed state, so another can start."""
+    import gc
+
+    from vllm.distributed.parallel_state import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+    )
+
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    destroy_model_parallel()
+    destroy_distributed_environment()
+    gc.collect()
