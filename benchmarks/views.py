@@ -76,6 +76,13 @@ def peak_rss(interval: float = 0.001):
         peak[0] = max(peak[0], proc.memory_info().rss)
 
 
+def build_model(arch: str, size: str, workdir: Path) -> Path:
+    """The tiny model `arch` serves, built under `workdir` (or reused from there)."""
+    model_arch = "llama" if arch == "transformers_backend" else arch
+    overrides = {} if size == "small" else MEDIUM_MOE if model_arch == "qwen3_moe" else MEDIUM
+    return tiny.build(model_arch, workdir / size / model_arch, **overrides)
+
+
 def run_one(arch: str, size: str, workdir: Path) -> dict:
     """Serve one tiny model, build the HF model on its live weights, and measure."""
     import psutil
@@ -83,9 +90,7 @@ def run_one(arch: str, size: str, workdir: Path) -> dict:
     from hotweights import build_hf_model, plan, verify_shared
     from hotweights.vllm_plugin.local import live_params, start_engine, stop_engine
 
-    model_arch = "llama" if arch == "transformers_backend" else arch
-    overrides = {} if size == "small" else MEDIUM_MOE if model_arch == "qwen3_moe" else MEDIUM
-    model_dir = tiny.build(model_arch, workdir / size / model_arch, **overrides)
+    model_dir = build_model(arch, size, workdir)
     impl = "transformers" if arch == "transformers_backend" else "auto"
     llm = start_engine(model_dir, model_impl=impl)
     try:
@@ -114,6 +119,7 @@ def run_one(arch: str, size: str, workdir: Path) -> dict:
 
 def spawn(arch: str, args: argparse.Namespace) -> dict:
     """Run `arch` in a child process; its result, or {"error": ...} with stderr shown."""
+    build_model(arch, args.size, args.workdir)  # here, so the child's RSS never held a build
     cmd = [sys.executable, __file__, "--one", arch, "--size", args.size,
            "--workdir", str(args.workdir)]
     try:

@@ -122,7 +122,10 @@ def reference_local(m: Model, hf: dict[str, torch.Tensor], r: int) -> dict[str, 
             out[h + "mlp.experts.w2_weight"] = hf[h + "mlp.experts.down_proj"].chunk(tp, 2)[r]
         else:
             out[h + "mlp.gate_up_proj.weight"] = torch.cat(
-                [hf[h + "mlp.gate_proj.weight"].chunk(tp)[r], hf[h + "mlp.up_proj.weight"].chunk(tp)[r]]
+                [
+                    hf[h + "mlp.gate_proj.weight"].chunk(tp)[r],
+                    hf[h + "mlp.up_proj.weight"].chunk(tp)[r],
+                ]
             )
             out[h + "mlp.down_proj.weight"] = hf[h + "mlp.down_proj.weight"].chunk(tp, 1)[r]
         for norm in ("input_layernorm.weight", "post_attention_layernorm.weight"):
@@ -133,23 +136,35 @@ def reference_local(m: Model, hf: dict[str, torch.Tensor], r: int) -> dict[str, 
     return {name: t.contiguous() for name, t in out.items()}
 
 
+# (num_key_value_heads, heads per kv head, tp) that vLLM accepts: tp divides the q heads,
+# and either splits the kv heads or is a multiple of them (each rank: one whole kv head).
+HEADS = [
+    (kv, group, tp)
+    for kv in range(1, 9)
+    for group in range(1, 5)
+    for tp in (1, 2, 3, 4, 6, 8)
+    if kv * group % tp == 0 and (kv % tp == 0 or tp % kv == 0)
+]
+KV_SPLIT = [h for h in HEADS if 1 < h[2] <= h[0]]
+KV_REPLICATED = [h for h in HEADS if h[2] > h[0]]
+
+
 @st.composite
 def models(draw, *, tp: int | None = None) -> Model:
-    kv = draw(st.integers(1, 8))
-    heads = kv * draw(st.integers(1, 4))
-    vocab = draw(st.one_of(st.integers(1, 200), st.sampled_from([64, 128, 192])))
-    padded = math.ceil(vocab / PAD) * PAD
-    if tp is None:
-        candidates = [
-            t
-            for t in (1, 2, 3, 4, 6, 8)
-            if heads % t == 0 and (kv % t == 0 or t % kv == 0) and padded % t == 0
-        ]
-        tp = draw(st.sampled_from(candidates))  # never empty: 1 always fits
+    if tp is None:  # equal odds for split and replicated kv heads
+        choice = st.sampled_from(KV_SPLIT) | st.sampled_from(KV_REPLICATED) | st.sampled_from(HEADS)
+    else:
+        choice = st.sampled_from([h for h in HEADS if h[2] == tp])
+    kv, group, tp = draw(choice)
+    # the padded vocab (a multiple of 64) must split evenly: 192 = lcm(64, 3) = lcm(64, 6)
+    if tp % 3:
+        vocab = draw(st.integers(1, 200) | st.sampled_from([64, 128, 192]))
+    else:
+        vocab = draw(st.integers(129, 192))
     experts = draw(st.one_of(st.just(0), st.integers(1, 4)))
     return Model(
         kv=kv,
-        heads=heads,
+        heads=kv * group,
         hd=draw(st.sampled_from([2, 4, 8])),
         hidden=8 * draw(st.integers(1, 3)),
         inter=tp * draw(st.integers(1, 3)),
@@ -189,9 +204,8 @@ def check_rank(m: Model, hf, ties, r: int, covered: dict[str, torch.Tensor]) -> 
     ref = reference_local(m, hf, r)
     shapes = {name: tuple(t.shape) for name, t in hf.items()}
     local_shapes = {name: tuple(t.shape) for name, t in ref.items()}
-    layout = plan(
-        m.config, local_shapes, tp_size=m.tp, tp_rank=r, strict=True, hf_shapes=(shapes, ties)
-    )
+    kwargs = dict(tp_size=m.tp, tp_rank=r, hf_shapes=(shapes, ties))
+    layout = plan(m.config, local_shapes, strict=True, **kwargs)
     assert layout.missing == () and layout.unused == ()
     assert (layout.tp_size, layout.tp_rank, layout.ties) == (m.tp, r, ties)
     assert set(layout.pieces) == set(ref)
@@ -208,8 +222,11 @@ def check_rank(m: Model, hf, ties, r: int, covered: dict[str, torch.Tensor]) -> 
         # tied aliases mirror the pieces of the tensor they alias, one for one
         alias_of = {target: alias for alias, target in ties.items()}
         assert sorted((p.hf_name, p.rows, p.dim, p.hf_start) for p in ps if p.hf_name in ties) == (
-            sorted((alias_of[p.hf_name], p.rows, p.dim, p.hf_start) for p in own
-                   if p.hf_name in alias_of)
+            sorted(
+                (alias_of[p.hf_name], p.rows, p.dim, p.hf_start)
+                for p in own
+                if p.hf_name in alias_of
+            )
         )
         dims = {p.dim for p in ps}
         assert len(dims) <= 1, (vname, ps)
@@ -274,8 +291,18 @@ def test_tp1_pieces_are_whole(m: Model, seed: int) -> None:
 def test_tp_examples(kv: int, heads: int, tp: int, experts: int) -> None:
     """Fixed corners: kv replicated, kv split, tp == heads, tp=3/6 (padded vocab 192)."""
     m = Model(
-        kv=kv, heads=heads, hd=4, hidden=16, inter=2 * tp, moe_inter=tp, experts=experts,
-        vocab=150, layers=2, bias=True, tied=experts == 0, tp=tp,
+        kv=kv,
+        heads=heads,
+        hd=4,
+        hidden=16,
+        inter=2 * tp,
+        moe_inter=tp,
+        experts=experts,
+        vocab=150,
+        layers=2,
+        bias=True,
+        tied=experts == 0,
+        tp=tp,
     )
     check_model(m, seed=tp)
 
@@ -284,8 +311,18 @@ def test_tp_examples(kv: int, heads: int, tp: int, experts: int) -> None:
 def test_vocab_padding_only_rank(tied: bool) -> None:
     """vocab=10, tp=4: padded 64, 16 rows a rank; ranks 1..3 hold nothing but padding."""
     m = Model(
-        kv=4, heads=4, hd=2, hidden=8, inter=4, moe_inter=4, experts=0, vocab=10, layers=1,
-        bias=False, tied=tied, tp=4,
+        kv=4,
+        heads=4,
+        hd=2,
+        hidden=8,
+        inter=4,
+        moe_inter=4,
+        experts=0,
+        vocab=10,
+        layers=1,
+        bias=False,
+        tied=tied,
+        tp=4,
     )
     check_model(m, seed=0)
 
@@ -295,27 +332,42 @@ def _hf_shapes(m: Model) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
     return {name: tuple(t.shape) for name, t in hf.items()}, ties
 
 
-@pytest.mark.parametrize(
-    "arch", ["LlamaConfig", "Qwen2Config", "Qwen3MoeConfig"]
-)
+@pytest.mark.parametrize("arch", ["LlamaConfig", "Qwen2Config", "Qwen3MoeConfig"])
 def test_synthetic_names_match_transformers(arch: str) -> None:
     """The synthetic HF names and shapes above are what transformers builds (on meta)."""
     import transformers
 
     m = Model(
-        kv=2, heads=4, hd=8, hidden=16, inter=24, moe_inter=12,
-        experts=4 if arch == "Qwen3MoeConfig" else 0, vocab=100, layers=2,
-        bias=arch == "Qwen2Config", tied=arch == "LlamaConfig", tp=1,
+        kv=2,
+        heads=4,
+        hd=8,
+        hidden=16,
+        inter=24,
+        moe_inter=12,
+        experts=4 if arch == "Qwen3MoeConfig" else 0,
+        vocab=100,
+        layers=2,
+        bias=arch == "Qwen2Config",
+        tied=arch == "LlamaConfig",
+        tp=1,
     )
     kwargs = dict(
-        vocab_size=m.vocab, hidden_size=m.hidden, intermediate_size=m.inter,
-        num_hidden_layers=m.layers, num_attention_heads=m.heads,
-        num_key_value_heads=m.kv, head_dim=m.hd, tie_word_embeddings=m.tied,
+        vocab_size=m.vocab,
+        hidden_size=m.hidden,
+        intermediate_size=m.inter,
+        num_hidden_layers=m.layers,
+        num_attention_heads=m.heads,
+        num_key_value_heads=m.kv,
+        head_dim=m.hd,
+        tie_word_embeddings=m.tied,
     )
     if m.experts:
         kwargs.update(
-            num_experts=m.experts, num_experts_per_tok=2, moe_intermediate_size=m.moe_inter,
-            decoder_sparse_step=1, mlp_only_layers=[],
+            num_experts=m.experts,
+            num_experts_per_tok=2,
+            moe_intermediate_size=m.moe_inter,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
         )
     config = getattr(transformers, arch)(**kwargs)
     shapes, ties = hf_params(config)

@@ -208,6 +208,7 @@ def plan(
         aliases.setdefault(target, []).append(alias)
 
     pieces: dict[str, tuple[Piece, ...]] = {}
+    covered: set[str] = set()  # HF names with a vLLM home (some ranks may hold no rows)
     unused: list[str] = []
     for vname, value in params.items():
         live = tuple(value.shape) if hasattr(value, "shape") else tuple(value)
@@ -217,6 +218,7 @@ def plan(
         elif parts is None or not all(p in shapes for p in parts):
             unused.append(vname)
             continue
+        covered.update(parts, *(aliases.get(p, ()) for p in parts))
         found = _pieces(vname, live, [(p, shapes[p]) for p in parts], config, tp_size, tp_rank)
         found += [
             Piece(alias, p.hf_shape, p.rows, p.dim, p.hf_start)
@@ -225,7 +227,6 @@ def plan(
         ]
         pieces[vname] = tuple(found)
 
-    covered = {p.hf_name for ps in pieces.values() for p in ps}
     missing = [n for n in [*shapes, *ties] if n not in covered]
     if strict and (unused or missing):
         raise LayoutError(_unmapped_message(unused, missing))

@@ -43,7 +43,8 @@ _BASE = dict(
 _ARCH_CONFIG: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", dict(tie_word_embeddings=False)),
     "llama_tied": ("LlamaConfig", dict(tie_word_embeddings=True)),
-    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=False)),
+    # vLLM's Qwen2 ignores `head_dim` (hidden_size // heads): keep them consistent.
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=False, hidden_size=256)),
     "qwen3": ("Qwen3Config", dict(tie_word_embeddings=False)),
     "qwen3_moe": (
         "Qwen3MoeConfig",

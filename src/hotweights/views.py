@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from hotweights.errors import LayoutError
-from hotweights.layout import Layout, load_config, meta_model, plan
+from hotweights.layout import Layout, hf_params, load_config, meta_model, plan
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +68,7 @@ def build_hf_model(
     allow_missing: bool | Iterable[str] = False,
     allow_unused: bool = True,
     layout: Layout | None = None,
+    model: torch.nn.Module | None = None,
 ) -> tuple[torch.nn.Module, ViewReport]:
     """Build the HF causal-LM of `config` with parameters that are views into `vllm_params`.
 
@@ -84,6 +85,8 @@ def build_hf_model(
             are materialised as zeros and reported. Otherwise a missing one is an error.
         allow_unused: tolerate vLLM tensors that hold no HF parameter (reported).
         layout: a precomputed `plan(config, vllm_params)`.
+        model: the HF model to fill, if the caller built it (`layout.meta_model`); its
+            parameters are replaced by views.
 
     Returns:
         (model, report).
@@ -92,8 +95,12 @@ def build_hf_model(
         LayoutError: a missing HF parameter not allowed, or shapes that disagree.
     """
     config = load_config(config)
+    dtypes = [t.dtype for t in vllm_params.values() if t.is_floating_point()]
+    dtype = max(set(dtypes), key=dtypes.count) if dtypes else None
+    if model is None:
+        model = meta_model(config, dtype=dtype)
     if layout is None:
-        layout = plan(config, vllm_params, strict=False)
+        layout = plan(config, vllm_params, strict=False, hf_shapes=hf_params(model))
     if layout.unused and not allow_unused:
         raise LayoutError(f"vLLM parameters hold no HF parameter: {', '.join(layout.unused)}")
     allowed = _trainable_filter(allow_missing) if not isinstance(allow_missing, bool) \
@@ -106,10 +113,7 @@ def build_hf_model(
             + "; pass allow_missing to accept them as zeros"
         )
 
-    dtypes = [t.dtype for t in vllm_params.values() if t.is_floating_point()]
-    dtype = max(set(dtypes), key=dtypes.count) if dtypes else None
     device = next(iter(vllm_params.values())).device
-    model = meta_model(config, dtype=dtype)
     wants_grad = _trainable_filter(trainable)
 
     made: dict[str, torch.nn.Parameter] = {}

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,3 +45,17 @@ def stop_engine(llm) -> None:
     destroy_model_parallel()
     destroy_distributed_environment()
     gc.collect()
+
+
+@contextlib.contextmanager
+def hf_context(llm) -> Iterator[None]:
+    """Build HF models inside this when a vLLM engine runs in the same process.
+
+    vLLM's Transformers backend decorates the HF model classes it serves, in place, for
+    its compiler; instances of those classes then need vLLM's current config to be set.
+    With `enforce_eager` they run HF's own forward unchanged.
+    """
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(llm.llm_engine.vllm_config):
+        yield
