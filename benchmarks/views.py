@@ -8,7 +8,7 @@ model. Measured per architecture:
 - bytes_copied: bytes of HF parameters whose storage is no vLLM parameter's storage,
   counted independently of `ViewReport.bytes_copied` (both must agree; expected 0),
   and `verify_shared` must pass;
-- build_s: wall time of `plan` + `build_hf_model`;
+- build_s: wall time of `build_hf_model` (which plans, too);
 - overhead_pct: peak process RSS during the build (sampled every 1 ms) minus RSS before it,
   as a percentage of the weight bytes (sum of numel * element_size of vLLM's parameters).
 
@@ -88,7 +88,8 @@ def run_one(arch: str, size: str, workdir: Path) -> dict:
     import psutil
 
     from hotweights import build_hf_model, plan, verify_shared
-    from hotweights.vllm_plugin.local import live_params, start_engine, stop_engine
+    from hotweights.layout import hf_params
+    from hotweights.vllm_plugin.local import hf_context, live_params, start_engine, stop_engine
 
     model_dir = build_model(arch, size, workdir)
     impl = "transformers" if arch == "transformers_backend" else "auto"
@@ -98,12 +99,13 @@ def run_one(arch: str, size: str, workdir: Path) -> dict:
         weight_bytes = sum(p.numel() * p.element_size() for p in params.values())
         gc.collect()
         rss_before = psutil.Process().memory_info().rss
-        with peak_rss() as peak:
+        with hf_context(llm), peak_rss() as peak:
             start = time.perf_counter()
-            layout = plan(model_dir, params, strict=False)
-            model, report = build_hf_model(model_dir, params, layout=layout)
+            model, report = build_hf_model(model_dir, params)  # plans, too
             build_s = time.perf_counter() - start
-        verify_shared(model, params, layout)
+        layout = plan(model_dir, params, strict=False, hf_shapes=hf_params(model))
+        if verify_shared(model, params, layout) != layout.num_mapped:
+            raise RuntimeError("verify_shared did not check every mapped parameter")
         vllm_storages = {p.untyped_storage().data_ptr() for p in params.values()}
         copied = sum(p.numel() * p.element_size() for p in model.parameters()
                      if p.untyped_storage().data_ptr() not in vllm_storages)

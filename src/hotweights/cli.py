@@ -47,6 +47,13 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def make_console():
+    """A rich console; plain wide lines when the output is not a terminal (logs, tests)."""
+    from rich.console import Console
+
+    return Console(width=None if sys.stdout.isatty() else 200)
+
+
 def _run_layout(args: argparse.Namespace) -> int:
     from hotweights.cli_layout import run
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
+from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
+
+from hotweights.cli import make_console
+from hotweights.errors import LayoutError
 
 
 def _quiet_vllm(verbose: bool) -> None:
@@ -15,11 +17,19 @@ def _quiet_vllm(verbose: bool) -> None:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 
-def run(args: argparse.Namespace) -> int:
-    from hotweights.layout import plan
+def _model_dir(path: str) -> Path:
+    model_dir = Path(path)
+    if not (model_dir / "config.json").is_file():
+        raise LayoutError(f"{model_dir}: not a model directory (no config.json)")
+    return model_dir
 
+
+def run(args: argparse.Namespace) -> int:
+    from hotweights.layout import load_config, plan
+
+    config = load_config(_model_dir(args.model_dir))  # fail fast, before vLLM starts
     _quiet_vllm(args.verbose)
-    console = Console(width=None if sys.stdout.isatty() else 200)
+    console = make_console()
     from hotweights.vllm_plugin.local import live_params, start_engine, stop_engine
 
     with console.status(f"loading {args.model_dir} in vLLM"):
@@ -27,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
                            trust_remote_code=args.trust_remote_code)
         params = {n: (tuple(t.shape), t.dtype) for n, t in live_params(llm).items()}
         stop_engine(llm)
-    layout = plan(args.model_dir, {n: s for n, (s, _) in params.items()}, strict=False)
+    layout = plan(config, {n: s for n, (s, _) in params.items()}, strict=False)
 
     table = Table(title=f"vLLM -> HF parameters of {args.model_dir}")
     for col in ("vLLM parameter", "shape", "dtype", "HF parameter", "rows (dim)", "HF shape"):

@@ -8,8 +8,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from rich.console import Console
 from rich.progress import Progress
+
+from hotweights.cli import make_console
 
 PROMPT = "The server generates,"
 TARGET = " the trainer learns."
@@ -23,7 +24,7 @@ def run(args: argparse.Namespace) -> int:
     from hotweights import build_hf_model, plan, tiny, verify_shared
     from hotweights.vllm_plugin.local import live_params, start_engine, stop_engine
 
-    console = Console()
+    console = make_console()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="hotweights-demo-"))
     t0 = time.perf_counter()
     with console.status(f"building a tiny random {args.arch} model in {workdir}"):

@@ -1,0 +1,89 @@
+"""A config that does not match vLLM's live tensors fails, naming the parameter and shapes."""
+
+import pytest
+import torch
+
+from hotweights import LayoutError, build_hf_model, plan
+from hotweights.layout import load_config
+from hotweights.vllm_plugin.local import hf_context, live_params, start_engine, stop_engine
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model):
+    model_dir = tiny_model("llama")
+    llm = start_engine(model_dir)
+    with hf_context(llm):
+        yield model_dir, live_params(llm)
+    stop_engine(llm)
+
+
+def _config(model_dir, **changes):
+    config = load_config(model_dir)
+    for key, value in changes.items():
+        setattr(config, key, value)
+    return config
+
+
+def test_wrong_hidden_size_names_parameter_and_both_shapes(llama):
+    model_dir, params = llama
+    config = _config(model_dir, hidden_size=192)
+    with pytest.raises(LayoutError, match=r"model\.embed_tokens\.weight: vLLM shape \(320, 128\)"
+                       r" does not hold HF model\.embed_tokens\.weight shape \(\d+, 192\)"):
+        plan(config, params)
+
+
+def test_wrong_kv_heads_names_packed_parameter(llama):
+    model_dir, params = llama
+    config = _config(model_dir, num_key_value_heads=1)
+    with pytest.raises(LayoutError, match=r"model\.layers\.0\.self_attn\.qkv_proj\.weight: "
+                       r"expected 384 rows on dim 0 \(q_proj 256 \+ k_proj 64 \+ v_proj 64\), "
+                       r"found 512 \(vLLM shape \(512, 128\)\).*num_key_value_heads=1"):
+        plan(config, params)
+
+
+def test_config_with_an_extra_layer_names_the_missing_parameters(llama):
+    model_dir, params = llama
+    config = _config(model_dir, num_hidden_layers=3)
+    with pytest.raises(LayoutError, match=r"held by no vLLM parameter.*model\.layers\.2\."):
+        plan(config, params)
+    with pytest.raises(LayoutError, match=r"held by no vLLM tensor: model\.layers\.2\..*"
+                       r"allow_missing"):
+        build_hf_model(config, params)
+    model, report = build_hf_model(config, params, allow_missing=r"layers\.2\.")
+    assert report.missing and all(".layers.2." in n for n in report.missing)
+    assert report.bytes_copied > 0
+
+
+def test_vllm_layer_the_config_lacks_is_unused(llama):
+    model_dir, params = llama
+    config = _config(model_dir, num_hidden_layers=1)
+    with pytest.raises(LayoutError, match=r"match no HF parameter.*model\.layers\.1\."):
+        plan(config, params)
+    layout = plan(config, params, strict=False)
+    assert layout.unused and all(".layers.1." in n for n in layout.unused)
+    with pytest.raises(LayoutError, match=r"hold no HF parameter: model\.layers\.1\."):
+        build_hf_model(config, params, layout=layout, allow_unused=False)
+
+
+def test_unknown_packed_parameter_is_named(llama):
+    model_dir, params = llama
+    bad = dict(params)
+    bad["model.layers.0.self_attn.qkvg_proj.weight"] = torch.empty(640, 128)
+    with pytest.raises(LayoutError, match=r"model\.layers\.0\.self_attn\.qkvg_proj\.weight"):
+        plan(model_dir, bad)
+
+
+def test_tensor_of_wrong_rank_is_named(llama):
+    model_dir, params = llama
+    bad = dict(params)
+    bad["model.norm.weight"] = torch.empty(128, 1)
+    with pytest.raises(LayoutError, match=r"model\.norm\.weight: vLLM shape \(128, 1\) and HF "
+                       r"model\.norm\.weight shape \(128,\) differ in rank"):
+        plan(model_dir, bad)
+
+
+def test_unreadable_config_names_the_directory(tmp_path):
+    with pytest.raises(LayoutError, match=str(tmp_path)):
+        plan(tmp_path, {})

@@ -1,0 +1,42 @@
+"""The `hotweights` command line, run in this process against real vLLM engines."""
+
+import subprocess
+import sys
+
+import pytest
+
+from hotweights.cli import main
+
+
+def test_help_explains_every_command():
+    out = subprocess.run([sys.executable, "-m", "hotweights.cli", "--help"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "layout" in out and "demo" in out
+
+
+@pytest.mark.vllm
+def test_layout_prints_the_map(tiny_model, capsys):
+    assert main(["layout", str(tiny_model("qwen3_moe"))]) == 0
+    out = capsys.readouterr().out
+    assert "model.layers.1.mlp.experts.routed_experts.w13_weight" in out
+    assert "model.layers.1.mlp.experts.gate_up_proj" in out
+    assert "model.layers.0.self_attn.k_proj.weight" in out
+    assert "0:300 (0)" in out  # the HF vocab rows of the padded embedding
+    assert "0 vLLM unmapped, 0 HF missing" in out
+
+
+def test_layout_of_a_missing_directory_is_one_clear_line(tmp_path, capsys):
+    assert main(["layout", str(tmp_path / "nope")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "nope" in err
+
+
+@pytest.mark.vllm
+def test_demo_trains_vllm_weights_in_place(tmp_path, capsys):
+    assert main(["demo", "--workdir", str(tmp_path), "--steps", "30"]) == 0
+    out = capsys.readouterr().out
+    assert "0 of" in out and "weight bytes copied" in out
+    before = out.split("before:")[1].splitlines()[0]
+    after = out.split("after:")[1].splitlines()[0]
+    assert before != after
+    assert "the trainer" in after
