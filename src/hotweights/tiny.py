@@ -14,7 +14,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-ARCHS = ("llama", "llama_tied", "qwen2", "qwen3", "qwen3_moe")
+ARCHS = ("llama", "llama_tied", "qwen2", "qwen3", "qwen3_moe", "qwen3_next")
 
 _CORPUS = """\
 One copy of the weights, two jobs. The server generates, the trainer learns.
@@ -53,6 +53,27 @@ _ARCH_CONFIG: dict[str, tuple[str, dict[str, Any]]] = {
             num_experts=4,
             num_experts_per_tok=2,
             moe_intermediate_size=96,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+        ),
+    ),
+    # Hybrid: a gated-delta-net (linear attention) layer, then a full-attention layer, both
+    # with MoE + shared expert. vLLM's CPU GDN kernels need linear key/value head dim 64.
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        dict(
+            tie_word_embeddings=False,
+            layer_types=["linear_attention", "full_attention"],
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=64,
+            linear_value_head_dim=64,
+            linear_conv_kernel_dim=4,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=96,
+            shared_expert_intermediate_size=160,
             decoder_sparse_step=1,
             mlp_only_layers=[],
             norm_topk_prob=True,

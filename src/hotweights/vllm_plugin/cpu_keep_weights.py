@@ -17,10 +17,29 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 
+def conv_kernel_reads_packed_weights() -> bool:
+    """Whether vLLM's CPU gated-delta-net conv runs its C++ kernel on this CPU.
+
+    That kernel (AVX-512 BF16 and ARM BF16 CPUs) reads the conv1d weight in a packed
+    layout that no view of the checkpoint tensor can express.
+    """
+    from vllm.model_executor.layers.mamba.ops.cpu.gdn_attention import is_arm_bf16
+
+    return torch.cpu._is_avx512_bf16_supported() or is_arm_bf16()
+
+
 def _keep_weight_gemm(layer: torch.nn.Module, remove_weight: bool) -> None:
     # Replaces vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm: linear
     # layers (qkv/o/gate_up/down, MoE router, lm_head) compute on `layer.weight` itself;
     # conv weights (GDN) stay in the [D, 1, width] layout of the checkpoint.
+    weight = layer.weight
+    if weight.ndim == 3 and weight.size(1) == 1 and conv_kernel_reads_packed_weights():
+        raise RuntimeError(
+            f"hotweights: a gated-delta-net conv1d weight {tuple(weight.shape)} would be "
+            "read packed by vLLM's C++ conv kernel on this CPU (AVX-512 BF16 / ARM BF16), "
+            "so it cannot be trained in place; serve this model on a GPU, or on a CPU "
+            "without BF16 vector instructions"
+        )
     layer.cpu_linear = F.linear
 
 
