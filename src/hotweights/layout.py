@@ -26,6 +26,7 @@ Shape = tuple[int, ...]
 _PREFIXES = (
     ("language_model.model.", "model.language_model."),
     ("language_model.lm_head.", "lm_head."),
+    ("visual.", "model.visual."),
 )
 # vLLM leaf -> HF leaf. FusedMoE keeps gate and up in one tensor, like transformers >= 5.
 _RENAMES = (
@@ -125,12 +126,19 @@ def _params_on_meta() -> Iterator[None]:
 
 
 def meta_model(config: Any, *, dtype: torch.dtype | None = None) -> torch.nn.Module:
-    """The HF causal-LM of `config` with every parameter on `meta` (no memory)."""
-    from transformers import AutoModelForCausalLM
+    """The HF model of `config` with every parameter on `meta` (no memory).
+
+    A causal LM; for a multimodal config (text + vision), the image-text-to-text model
+    that a checkpoint of it loads into (`model.language_model.*`, `model.visual.*`).
+    """
+    import transformers
 
     config = load_config(config)
+    auto = transformers.AutoModelForCausalLM
+    if hasattr(config, "vision_config") and hasattr(config, "text_config"):
+        auto = transformers.AutoModelForImageTextToText
     with _params_on_meta():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=True)
+        model = auto.from_config(config, dtype=dtype, trust_remote_code=True)
     return model
 
 
@@ -266,6 +274,12 @@ def _pieces(
             f"{vname}: vLLM shape {live} and HF {hf_name} shape {hf_shape} differ in rank"
         )
     module, leaf = _module_of(hf_name)
+    if tp > 1 and ".linear_attn." in hf_name:
+        # vLLM shards each of q, k, v, z (and the conv channels) by key-head group.
+        raise LayoutError(
+            f"{vname}: tensor parallelism over gated-delta-net (linear attention) layers "
+            f"is not mapped yet (HF {hf_name}); use tp=1"
+        )
     if module in _VOCAB:
         return _vocab_pieces(vname, live, parts[0], tp, rank)
     if module == "experts" and leaf == "gate_up_proj":  # [E, 2I, H]: gate then up on dim 1

