@@ -129,7 +129,10 @@ def run_one(arch: str, size: str, workdir: Path) -> dict:
 
 def spawn(arch: str, args: argparse.Namespace) -> dict:
     """Run `arch` in a child process; its result, or {"error": ...} with stderr shown."""
-    build_model(arch, args.size, args.workdir)  # here, so the child's RSS never held a build
+    try:  # here, so the child's RSS never held a build
+        build_model(arch, args.size, args.workdir)
+    except Exception as e:  # noqa: BLE001 - reported per arch, the others still run
+        return {"error": f"building the model failed: {e}"}
     cmd = [sys.executable, __file__, "--one", arch, "--size", args.size,
            "--workdir", str(args.workdir)]
     try:

@@ -131,6 +131,10 @@ def make_config(arch: str, vocab_size: int, **overrides: Any):
         raise ValueError(f"unknown tiny arch {arch!r}; choose one of {', '.join(_ARCH_CONFIG)}")
     cls_name, extra = _ARCH_CONFIG[arch]
     kwargs = {**_BASE, **extra, "vocab_size": vocab_size, **overrides}
+    if "layer_types" in kwargs:  # repeat the hybrid pattern over the requested depth
+        pattern = kwargs["layer_types"]
+        kwargs["layer_types"] = [pattern[i % len(pattern)]
+                                 for i in range(kwargs["num_hidden_layers"])]
     return getattr(transformers, cls_name)(**kwargs)
 
 
