@@ -179,3 +179,4 @@ def verify_shared(model: torch.nn.Module, vllm_params: Mapping[str, torch.Tensor
                 )
             checked += 1
     return checked
+

@@ -1,0 +1,50 @@
+"""Worker extension (`--worker-extension-cls hotweights.vllm_plugin.worker.HotweightsWorker`).
+
+Its methods are mixed into every vLLM worker; they are reached with
+`collective_rpc("hotweights_...")` and return plain JSON-able values.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+
+from hotweights import shm
+
+logger = logging.getLogger(__name__)
+
+
+class HotweightsWorker:
+    """Moves the worker's weights into shared memory and describes them."""
+
+    def hotweights_share(self, server_id: str | None = None) -> dict:
+        """Move every parameter into one shared-memory file; return its manifest.
+
+        Idempotent: a second call returns the manifest of the first.
+        """
+        existing = getattr(self, "_hotweights_manifest", None)
+        if existing is not None:
+            return existing.to_dict()
+        from vllm.distributed import parallel_state
+
+        model = self.model_runner.model
+        params = dict(model.named_parameters())  # tied parameters appear once
+        manifest, shared = shm.share(
+            {name: p.data for name, p in params.items()},
+            server_id=server_id,
+            model=str(self.model_runner.model_config.model),
+            tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+            tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+        )
+        for name, param in params.items():
+            param.data = shared[name]  # the engine now computes on the shared bytes
+        atexit.register(shm.release, manifest)
+        self._hotweights_manifest = manifest
+        logger.info("hotweights: %d parameters in %s", len(params), manifest.path)
+        return manifest.to_dict()
+
+    def hotweights_release(self) -> None:
+        """Remove the shared file (the engine keeps its mapping)."""
+        manifest = getattr(self, "_hotweights_manifest", None)
+        if manifest is not None:
+            shm.release(manifest)

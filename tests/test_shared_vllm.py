@@ -1,0 +1,68 @@
+"""One copy, two processes: a trainer process trains the weights a vLLM engine serves."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hotweights import shm
+from hotweights.vllm_plugin.cpu_keep_weights import conv_kernel_reads_packed_weights
+from hotweights.vllm_plugin.local import start_engine, stop_engine
+
+pytestmark = pytest.mark.vllm
+
+TRAINER = Path(__file__).with_name("trainer.py")
+PROMPT = [1, 5, 9, 20, 33, 7, 101, 250, 64, 3]
+CASES = [("llama_tied", "auto"), ("qwen3_moe", "auto"), ("qwen3_next", "auto"),
+         ("llama", "transformers")]
+TOL = 0.05  # bf16: vLLM's CPU kernels round differently from HF's eager ops
+
+
+def _logprobs(llm) -> dict[int, float]:
+    from vllm import SamplingParams
+
+    llm.reset_prefix_cache()
+    out = llm.generate({"prompt_token_ids": PROMPT},
+                       SamplingParams(max_tokens=1, temperature=0.0, logprobs=5),
+                       use_tqdm=False)
+    return {t: lp.logprob for t, lp in out[0].outputs[0].logprobs[0].items()}
+
+
+@pytest.fixture(scope="module", params=CASES, ids=["-".join(c) for c in CASES])
+def served(request, tiny_model):
+    arch, impl = request.param
+    if arch == "qwen3_next" and conv_kernel_reads_packed_weights():
+        pytest.skip("this CPU runs vLLM's packed GDN conv kernel: hotweights refuses it")
+    llm = start_engine(tiny_model(arch), model_impl=impl,
+                       worker_extension_cls="hotweights.vllm_plugin.worker.HotweightsWorker")
+    before = _logprobs(llm)
+    manifest = shm.Manifest.from_dict(llm.collective_rpc("hotweights_share")[0])
+    yield llm, manifest, before
+    llm.collective_rpc("hotweights_release")
+    stop_engine(llm)
+
+
+def test_sharing_changes_nothing_the_engine_serves(served):
+    llm, manifest, before = served
+    assert manifest.path.startswith("/dev/shm/hotweights-")
+    assert oct(os.stat(manifest.path).st_mode & 0o777) == "0o600"
+    assert llm.collective_rpc("hotweights_share")[0]["path"] == manifest.path  # idempotent
+    assert _logprobs(llm) == before
+
+
+def test_trainer_process_trains_the_served_weights_in_place(served, tmp_path):
+    llm, manifest, before = served
+    path = tmp_path / "manifest.json"
+    path.write_text(manifest.to_json())
+    out = subprocess.run([sys.executable, str(TRAINER), str(path), "3"], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.splitlines()[-1])
+    assert result["trainable"] > 0 and result["shared"] > 0
+    served_now = _logprobs(llm)  # no reload, no copy: the engine computes on the same bytes
+    assert served_now != before
+    for token, logprob in served_now.items():
+        assert abs(result["logprobs"][token] - logprob) < TOL, token
