@@ -18,6 +18,23 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser(
+        "serve",
+        help="start vLLM's OpenAI server with the hotweights plugins",
+        description="Start vLLM's OpenAI-compatible server on MODEL with the hotweights "
+        "plugins: the weights move to shared memory (CPU) so that a trainer on this "
+        "machine can train them in place through hotweights.Bridge, and /hotweights/* "
+        "routes (bearer token) pause, commit and report updates. Any other flag is "
+        "passed to vLLM unchanged (e.g. --dtype bfloat16 --max-model-len 2048).",
+    )
+    p.add_argument("model", help="model directory (or name) for vLLM")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    p.add_argument("--token", help="access token (default: $HOTWEIGHTS_TOKEN or generated)")
+    p.add_argument("--token-file", help="where to write the token, mode 0600 "
+                   "(default: ~/.cache/hotweights/server-PORT.token)")
+    p.set_defaults(run=_run_serve, passthrough=True)
+
+    p = sub.add_parser(
         "layout",
         help="show how vLLM's parameters map to the HF model's",
         description="Load MODEL_DIR in vLLM (in this process, CPU or GPU build) and print, "
@@ -54,6 +71,12 @@ def make_console():
     return Console(width=None if sys.stdout.isatty() else 200)
 
 
+def _run_serve(args: argparse.Namespace) -> int:
+    from hotweights.serve import run
+
+    return run(args, args.extra)
+
+
 def _run_layout(args: argparse.Namespace) -> int:
     from hotweights.cli_layout import run
 
@@ -67,7 +90,11 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "passthrough", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra = extra
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",

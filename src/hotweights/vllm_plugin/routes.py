@@ -1,0 +1,215 @@
+"""Endpoint plugin: the /hotweights/* routes of the vLLM API server.
+
+Every route needs `Authorization: Bearer <token>` (the token comes from the
+HOTWEIGHTS_TOKEN environment variable that `hotweights serve` sets; it is never logged).
+An update is a transaction: `begin` pauses generation and takes a lease, the trainer
+writes the shared weights in place, `commit` runs the workers' post-update hook, resets
+the prefix cache, bumps the weight version and resumes. A lease that expires (the
+trainer died) resumes the server by itself and marks the weights dirty.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse
+
+logger = logging.getLogger(__name__)
+
+VERSION_HEADER = "x-hotweights-version"
+MODES = ("wait", "abort", "keep")
+
+
+@dataclass
+class UpdateState:
+    """What `status` reports; one per API server."""
+
+    version: int = 0
+    paused: bool = False
+    holder: str | None = None  # who holds the update lease
+    mode: str | None = None
+    lease_expires: float | None = None  # time.time()
+    dirty: bool = False  # weights may hold a half-written update
+    updates: int = 0
+    last_pause_s: float | None = None
+    last_commit_s: float | None = None
+    manifests: list[dict] = field(default_factory=list)
+
+    def public(self) -> dict:
+        out = asdict(self)
+        out.pop("manifests")
+        return out
+
+
+class HotweightsRoutes:
+    """`vllm.endpoint_plugins` entry point (name `hotweights`)."""
+
+    name = "hotweights"
+    required_tasks = ("generate",)
+
+    def __init__(self) -> None:
+        self.state = UpdateState()
+        self.token = os.environ.get("HOTWEIGHTS_TOKEN", "")
+        self.engine = None
+        self.lock = asyncio.Lock()
+        self.watchdog: asyncio.Task | None = None
+
+    def attach_router(self, app: FastAPI) -> None:
+        router = APIRouter(prefix="/hotweights")
+        router.add_api_route("/manifest", self.manifest, methods=["GET"])
+        router.add_api_route("/status", self.status, methods=["GET"])
+        router.add_api_route("/begin", self.begin, methods=["POST"])
+        router.add_api_route("/renew", self.renew, methods=["POST"])
+        router.add_api_route("/commit", self.commit, methods=["POST"])
+        router.add_api_route("/abort", self.abort, methods=["POST"])
+        app.include_router(router)
+
+        @app.middleware("http")
+        async def version_header(request: Request, call_next):
+            version = self.state.version  # the weights this request started on
+            response = await call_next(request)
+            response.headers[VERSION_HEADER] = str(version)
+            return response
+
+    async def init_state(self, engine_client, state, args) -> None:
+        if engine_client is None:
+            return
+        if not self.token:
+            raise RuntimeError("hotweights: HOTWEIGHTS_TOKEN is not set; start the server "
+                               "with `hotweights serve`, which sets it")
+        self.engine = engine_client
+        server_id = os.environ.get("HOTWEIGHTS_SERVER_ID")
+        self.state.manifests = list(
+            await engine_client.collective_rpc("hotweights_share", args=(server_id,))
+        )
+        logger.info("hotweights: weights shared by %d worker(s)", len(self.state.manifests))
+
+    # -- helpers ---------------------------------------------------------------------
+
+    def _refuse(self, request: Request) -> JSONResponse | None:
+        auth = request.headers.get("authorization", "")
+        given = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else ""
+        if not given or not hmac.compare_digest(given.encode(), self.token.encode()):
+            return JSONResponse({"error": "missing or wrong bearer token"}, status_code=401)
+        return None
+
+    async def _body(self, request: Request) -> dict:
+        try:
+            data = await request.json()
+        except ValueError:
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def _not_holder(self, holder: str | None) -> JSONResponse | None:
+        if self.state.holder is None:
+            return JSONResponse({"error": "no update in progress"}, status_code=409)
+        if holder != self.state.holder:
+            return JSONResponse({"error": f"update lease held by {self.state.holder}",
+                                 "holder": self.state.holder}, status_code=409)
+        return None
+
+    def _arm(self, lease_s: float) -> None:
+        self.state.lease_expires = time.time() + lease_s
+        if self.watchdog is not None:
+            self.watchdog.cancel()
+        self.watchdog = asyncio.create_task(self._expire(lease_s, self.state.holder))
+
+    async def _expire(self, delay: float, holder: str | None) -> None:
+        await asyncio.sleep(delay)
+        async with self.lock:
+            if self.state.holder != holder:
+                return
+            logger.warning("hotweights: lease of %s expired; resuming, weights marked dirty",
+                           holder)
+            self.state.dirty = True
+            await self._release()
+
+    async def _release(self) -> None:
+        self.state.holder = self.state.mode = self.state.lease_expires = None
+        if self.state.paused:
+            await self.engine.resume_generation()
+            self.state.paused = False
+
+    # -- routes ----------------------------------------------------------------------
+
+    async def manifest(self, request: Request):
+        if refused := self._refuse(request):
+            return refused
+        return {"manifests": self.state.manifests, "version": self.state.version}
+
+    async def status(self, request: Request):
+        if refused := self._refuse(request):
+            return refused
+        return self.state.public()
+
+    async def begin(self, request: Request):
+        if refused := self._refuse(request):
+            return refused
+        body = await self._body(request)
+        holder, mode = str(body.get("holder") or "trainer"), body.get("mode", "wait")
+        lease_s = float(body.get("lease_s", 60.0))
+        if mode not in MODES:
+            return JSONResponse({"error": f"mode must be one of {MODES}, got {mode!r}"},
+                                status_code=400)
+        async with self.lock:
+            if self.state.holder is not None:
+                return JSONResponse({"error": f"update lease held by {self.state.holder}",
+                                     "holder": self.state.holder}, status_code=409)
+            self.state.holder, self.state.mode = holder, mode
+            started = time.perf_counter()
+            await self.engine.pause_generation(mode=mode, clear_cache=False)
+            self.state.paused = True
+            self.state.last_pause_s = time.perf_counter() - started
+            self._arm(lease_s)
+        return {"version": self.state.version, "lease_expires": self.state.lease_expires}
+
+    async def renew(self, request: Request):
+        if refused := self._refuse(request):
+            return refused
+        body = await self._body(request)
+        async with self.lock:
+            if refused := self._not_holder(body.get("holder")):
+                return refused
+            self._arm(float(body.get("lease_s", 60.0)))
+        return {"lease_expires": self.state.lease_expires}
+
+    async def commit(self, request: Request):
+        if refused := self._refuse(request):
+            return refused
+        body = await self._body(request)
+        async with self.lock:
+            if refused := self._not_holder(body.get("holder")):
+                return refused
+            started = time.perf_counter()
+            await self.engine.collective_rpc("hotweights_after_update")
+            await self.engine.reset_prefix_cache()
+            self.state.version += 1
+            self.state.dirty = False
+            self.state.updates += 1
+            await self.engine.update_weight_version(str(self.state.version))
+            if self.watchdog is not None:
+                self.watchdog.cancel()
+            await self._release()
+            self.state.last_commit_s = time.perf_counter() - started
+        return {"version": self.state.version}
+
+    async def abort(self, request: Request):
+        if refused := self._refuse(request):
+            return refused
+        body = await self._body(request)
+        async with self.lock:
+            if refused := self._not_holder(body.get("holder")):
+                return refused
+            if body.get("dirty", True):  # the trainer may have written part of an update
+                self.state.dirty = True
+                await self.engine.reset_prefix_cache()
+            if self.watchdog is not None:
+                self.watchdog.cancel()
+            await self._release()
+        return {"version": self.state.version, "dirty": self.state.dirty}

@@ -1,0 +1,180 @@
+"""`hotweights serve` + `Bridge`: a real vLLM CPU API server, trained in place over HTTP."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from hotweights.bridge import Bridge
+from hotweights.errors import ServerError
+
+pytestmark = pytest.mark.vllm
+
+TOKEN = "test-token"
+PROMPT = [1, 5, 9, 20, 33, 7, 101, 250, 64, 3]
+TOL = 0.05  # bf16: vLLM's CPU kernels round differently from HF's eager ops
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _http(url, route, *, token=TOKEN, body=None, method=None):
+    req = urllib.request.Request(
+        url + route, method=method or ("GET" if body is None else "POST"),
+        data=None if body is None else json.dumps(body).encode(),
+        headers={"Content-Type": "application/json",
+                 **({"Authorization": f"Bearer {token}"} if token else {})})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return resp.status, dict(resp.headers), json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), json.loads(e.read() or b"{}")
+
+
+class Server:
+    def __init__(self, model_dir: Path, tmp: Path):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model_dir = str(model_dir)
+        self.log = open(tmp / "server.log", "w")  # noqa: SIM115 - closed in stop()
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "hotweights.cli", "serve", self.model_dir, "--port",
+             str(self.port), "--token", TOKEN, "--token-file", str(tmp / "token"),
+             "--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "8"],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = time.time() + 400
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {(tmp / 'server.log').read_text()[-3000:]}")
+            try:
+                if urllib.request.urlopen(self.url + "/health", timeout=2).status == 200:
+                    return
+            except OSError:
+                time.sleep(1)
+        raise RuntimeError("server did not start in 400 s")
+
+    def logprobs(self) -> tuple[dict[int, float], int]:
+        status, headers, out = _http(self.url, "/v1/completions", token=None, body=dict(
+            model=self.model_dir, prompt=PROMPT, max_tokens=1, temperature=0.0, logprobs=5,
+            return_tokens_as_token_ids=True))
+        assert status == 200, out
+        top = out["choices"][0]["logprobs"]["top_logprobs"][0]
+        return ({int(t.removeprefix("token_id:")): lp for t, lp in top.items()},
+                int(headers["x-hotweights-version"]))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(timeout=120)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    srv = Server(tiny_model("llama"), tmp_path_factory.mktemp("server"))
+    yield srv
+    srv.stop()
+
+
+def _view_logprobs(model) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([PROMPT])).logits[0, -1].float(), -1)
+
+
+def test_routes_refuse_a_missing_or_wrong_token(server):
+    for token in (None, "wrong"):
+        for route, body in [("/hotweights/manifest", None), ("/hotweights/status", None),
+                            ("/hotweights/begin", {}), ("/hotweights/commit", {})]:
+            status, _, _ = _http(server.url, route, token=token, body=body)
+            assert status == 401, (route, token)
+    assert _http(server.url, "/hotweights/status")[2]["paused"] is False
+
+
+def test_weights_live_in_private_shared_memory(server):
+    bridge = Bridge.connect(server.url, token=TOKEN)
+    path = bridge.manifests[0].path
+    assert path.startswith("/dev/shm/hotweights-") and os.stat(path).st_mode & 0o777 == 0o600
+
+
+def test_bridge_update_is_served_with_a_new_version(server):
+    bridge = Bridge.connect(server.url, token=TOKEN)
+    model = bridge.model(trainable=r"layers\.0\.")
+    before, version = server.logprobs()
+    assert version == bridge.version
+    ids = torch.tensor([PROMPT])
+    model(ids, labels=ids).loss.backward()
+    with bridge.update(mode="wait"):
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.sub_(0.01 * p.grad.sign())
+    after, served_version = server.logprobs()
+    assert served_version == bridge.version == version + 1
+    assert after != before
+    ours = _view_logprobs(model)
+    for token, logprob in after.items():
+        assert abs(ours[token].item() - logprob) < TOL, token
+    status = bridge.status()
+    assert status["dirty"] is False and status["paused"] is False and status["updates"] >= 1
+
+
+def test_second_trainer_gets_409_naming_the_holder(server):
+    first, second = Bridge.connect(server.url, token=TOKEN), Bridge.connect(server.url, token=TOKEN)
+    second.holder = "other-trainer"
+    with first.update():
+        with pytest.raises(ServerError, match=rf"POST /hotweights/begin: HTTP 409: .*"
+                           rf"held by {first.holder}"):
+            with second.update():
+                pass
+    assert first.status()["holder"] is None
+
+
+def test_exception_in_update_aborts_resumes_and_marks_dirty(server):
+    bridge = Bridge.connect(server.url, token=TOKEN)
+    version = bridge.version
+    with pytest.raises(RuntimeError, match="boom"):
+        with bridge.update():
+            raise RuntimeError("boom")
+    status = bridge.status()
+    assert status["dirty"] is True and status["paused"] is False
+    assert status["version"] == version
+    assert server.logprobs()  # serving again
+
+
+def test_killed_trainer_lease_expires_and_server_resumes(server, tmp_path):
+    code = (
+        "import os, signal; from hotweights.bridge import Bridge\n"
+        f"b = Bridge.connect({server.url!r}, token={TOKEN!r})\n"
+        "b._post('/hotweights/begin', holder='doomed', mode='wait', lease_s=2)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    assert _http(server.url, "/hotweights/status")[2]["holder"] == "doomed"
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        status = _http(server.url, "/hotweights/status")[2]
+        if status["holder"] is None:
+            break
+        time.sleep(0.5)
+    assert status["holder"] is None and status["paused"] is False and status["dirty"] is True
+    assert server.logprobs()
+
+
+def test_stopping_the_server_removes_its_shared_memory(server):
+    path = Bridge.connect(server.url, token=TOKEN).manifests[0].path
+    server.stop()
+    assert not Path(path).exists()
