@@ -131,6 +131,14 @@ def test_bridge_update_is_served_with_a_new_version(server):
     assert status["dirty"] is False and status["paused"] is False and status["updates"] >= 1
 
 
+def test_metrics_expose_version_and_update_latency(server):
+    with urllib.request.urlopen(server.url + "/metrics", timeout=60) as resp:
+        text = resp.read().decode()
+    version = _http(server.url, "/hotweights/status")[2]["version"]
+    assert f"hotweights_weight_version {float(version)}" in text
+    assert "hotweights_update_seconds_count" in text and "hotweights_commit_seconds" in text
+
+
 def test_second_trainer_gets_409_naming_the_holder(server):
     first, second = Bridge.connect(server.url, token=TOKEN), Bridge.connect(server.url, token=TOKEN)
     second.holder = "other-trainer"

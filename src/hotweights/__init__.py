@@ -1,14 +1,18 @@
 """hotweights: train an LLM in place while vLLM serves it — one copy of the weights."""
 
-from hotweights.errors import HotweightsError, LayoutError
+from hotweights.bridge import Bridge
+from hotweights.errors import HotweightsError, LayoutError, ManifestError, ServerError
 from hotweights.layout import Layout, Piece, plan
 from hotweights.views import ViewReport, build_hf_model, verify_shared
 
 __all__ = [
+    "Bridge",
     "HotweightsError",
     "Layout",
     "LayoutError",
+    "ManifestError",
     "Piece",
+    "ServerError",
     "ViewReport",
     "build_hf_model",
     "plan",

@@ -26,6 +26,26 @@ VERSION_HEADER = "x-hotweights-version"
 MODES = ("wait", "abort", "keep")
 
 
+_METRICS: dict = {}
+
+
+def _metrics() -> dict:
+    """Prometheus metrics on vLLM's /metrics (the default registry), made once."""
+    if not _METRICS:
+        from prometheus_client import Gauge, Histogram
+
+        _METRICS.update(
+            version=Gauge("hotweights_weight_version", "Weight version being served"),
+            dirty=Gauge("hotweights_weights_dirty", "1 if the weights may hold a "
+                        "half-written update"),
+            update=Histogram("hotweights_update_seconds", "From begin (pause) to the end "
+                             "of commit (resume)"),
+            commit=Histogram("hotweights_commit_seconds", "Commit: hook, cache reset, "
+                             "version bump, resume"),
+        )
+    return _METRICS
+
+
 @dataclass
 class UpdateState:
     """What `status` reports; one per API server."""
@@ -55,6 +75,8 @@ class HotweightsRoutes:
 
     def __init__(self) -> None:
         self.state = UpdateState()
+        self.metrics = _metrics()
+        self.began: float | None = None
         self.token = os.environ.get("HOTWEIGHTS_TOKEN", "")
         self.engine = None
         self.lock = asyncio.Lock()
@@ -131,6 +153,7 @@ class HotweightsRoutes:
             await self._release()
 
     async def _release(self) -> None:
+        self.metrics["dirty"].set(int(self.state.dirty))
         self.state.holder = self.state.mode = self.state.lease_expires = None
         if self.state.paused:
             await self.engine.resume_generation()
@@ -162,7 +185,7 @@ class HotweightsRoutes:
                 return JSONResponse({"error": f"update lease held by {self.state.holder}",
                                      "holder": self.state.holder}, status_code=409)
             self.state.holder, self.state.mode = holder, mode
-            started = time.perf_counter()
+            started = self.began = time.perf_counter()
             await self.engine.pause_generation(mode=mode, clear_cache=False)
             self.state.paused = True
             self.state.last_pause_s = time.perf_counter() - started
@@ -197,6 +220,9 @@ class HotweightsRoutes:
                 self.watchdog.cancel()
             await self._release()
             self.state.last_commit_s = time.perf_counter() - started
+            self.metrics["commit"].observe(self.state.last_commit_s)
+            self.metrics["update"].observe(time.perf_counter() - self.began)
+            self.metrics["version"].set(self.state.version)
         return {"version": self.state.version}
 
     async def abort(self, request: Request):

@@ -1,0 +1,288 @@
+"""Benchmark: how soon a trainer's update is served, hotweights vs. vLLM's own reload route.
+
+Measured in one run, each server started once, bound to 127.0.0.1, stopped at the end:
+
+- hotweights (`hotweights serve`, tiny and ~1 GB bf16 llama models): the trainer edits the
+  last decoder layer in place (`p.add_(±1e-3)`, no_grad) inside `with bridge.update():`;
+  the clock starts at the end of that step, just before the `with` block commits, and
+  stops when a 1-token /v1/completions answer carries the new `x-hotweights-version`
+  (--updates per model, after 2 unmeasured warm-up updates);
+- vLLM's reload route (~1 GB model only): a separate plain vLLM OpenAI server (no
+  hotweights plugins: VLLM_PLUGINS="", so vLLM CPU packs its weights as usual) with
+  VLLM_SERVER_DEV_MODE=1. The trainer keeps its own HF copy of the model, makes the same
+  edit, and the clock runs from the end of the step through `save_pretrained` (safetensors,
+  HF names), POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path":
+  DIR}}, POST /reset_prefix_cache, until a 1-token completion is answered (--reloads
+  times, after 1 unmeasured warm-up);
+- trainer memory: in a fresh subprocess, RSS (and USS, private pages only) growth of
+  `Bridge.connect(...)` + `bridge.model()` on the ~1 GB model, as a % of its weight bytes.
+
+"idle" is the p50 of 1-token completions with no update (compute alone); "changed" counts
+measured completions whose logprob differs from the previous one (the update was served).
+The table comes first; the last stdout line is one JSON object: {"tiny_p50_ms",
+"tiny_p95_ms", "large_p50_ms", "large_p95_ms", "size_ratio" (large/tiny p50),
+"reload_p50_ms", "speedup_vs_reload" (reload/large p50), "trainer_overhead_pct"}.
+
+Run:  .venv/bin/python benchmarks/update_latency.py [--updates 50] [--reloads 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from hotweights import tiny
+
+PROMPT = [1, 5, 9, 20, 33, 7, 101, 250, 64, 3]
+SERVE_FLAGS = ["--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "8"]
+# ~1.04 GB of bf16 weights (head_dim 128: vLLM's CPU attention needs >= 32).
+LARGE = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=11,
+             num_attention_heads=16, num_key_value_heads=8, head_dim=128)
+
+
+def http(url: str, route: str, body: dict | None = None, token: str | None = None):
+    """POST `body` (GET if None); return (headers, parsed JSON or None)."""
+    req = urllib.request.Request(
+        url + route, data=None if body is None else json.dumps(body).encode(),
+        headers={"Content-Type": "application/json",
+                 **({"Authorization": f"Bearer {token}"} if token else {})})
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        raw = resp.read()
+        return dict(resp.headers), json.loads(raw) if raw else None
+
+
+class Server:
+    """A server subprocess (own session), up once /health answers; stopped on exit."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict, workdir: Path, timeout: float):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url, self.log = f"http://127.0.0.1:{self.port}", workdir / f"{name}.log"
+        cmd = [c.replace("{port}", str(self.port)) for c in cmd]
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", **env)
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
+        self.timeout = timeout
+
+    def __enter__(self) -> Server:
+        deadline = time.time() + self.timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                self.__exit__()
+                raise RuntimeError(f"server exited ({self.log}):\n"
+                                   + self.log.read_text()[-3000:])
+            try:
+                if urllib.request.urlopen(self.url + "/health", timeout=2).status == 200:
+                    return self
+            except OSError:
+                time.sleep(1)
+        self.__exit__()
+        raise RuntimeError(f"server not up after {self.timeout:.0f} s (log: {self.log})")
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                pass
+        for _ in range(30):  # engine/worker children finish their own shutdown
+            try:
+                os.killpg(self.proc.pid, 0)  # its own session: only processes we started
+            except ProcessLookupError:
+                break
+            time.sleep(1)
+        else:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+
+def complete(url: str, model: str) -> tuple[int | None, float]:
+    """One greedy 1-token completion: (x-hotweights-version or None, its logprob)."""
+    headers, out = http(url, "/v1/completions", dict(
+        model=model, prompt=PROMPT, max_tokens=1, temperature=0.0, logprobs=1))
+    version = headers.get("x-hotweights-version")
+    logprob = out["choices"][0]["logprobs"]["token_logprobs"][0]
+    return (None if version is None else int(version)), logprob
+
+
+def idle_ms(url: str, model: str, n: int = 5) -> float:
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        complete(url, model)
+        times.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(times)
+
+
+def edit(model, step: int) -> None:
+    """The "optimizer step": an in-place edit of the last decoder layer."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.model.layers[-1].parameters():
+            p.add_(1e-3 if step % 2 == 0 else -1e-3)
+
+
+def hotweights_run(name: str, model_dir: Path, args, overhead: bool = False) -> dict:
+    from hotweights.bridge import Bridge
+
+    token = secrets.token_urlsafe(16)
+    cmd = [sys.executable, "-m", "hotweights.cli", "serve", str(model_dir), "--port", "{port}",
+           "--token", token, "--token-file", str(args.workdir / f"{name}.token"), *SERVE_FLAGS]
+    with Server(name, cmd, {}, args.workdir, args.start_timeout) as srv:
+        idle = idle_ms(srv.url, str(model_dir))
+        bridge = Bridge.connect(srv.url, token=token)
+        model = bridge.model(trainable=False)
+        times, changed, last = [], 0, complete(srv.url, str(model_dir))[1]
+        for step in range(2 + args.updates):
+            with bridge.update(mode="wait"):
+                edit(model, step)
+                start = time.perf_counter()  # end of the optimizer step; commit follows
+            for _ in range(100):  # the first answer should carry it; bounded anyway
+                version, logprob = complete(srv.url, str(model_dir))
+                if version == bridge.version:
+                    break
+            else:
+                raise RuntimeError(f"version {bridge.version} never served")
+            if step >= 2:
+                times.append(1e3 * (time.perf_counter() - start))
+                changed += logprob != last
+            last = logprob
+        result = dict(times=times, idle=idle, changed=changed)
+        if overhead:
+            out = subprocess.run([sys.executable, __file__, "--overhead", srv.url],
+                                 env=dict(os.environ, HOTWEIGHTS_TOKEN=token),
+                                 capture_output=True, text=True, timeout=600)
+            if out.returncode != 0:
+                raise RuntimeError(f"overhead child failed:\n{out.stderr[-3000:]}")
+            result["overhead"] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def reload_run(model_dir: Path, args) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    ckpt = args.workdir / "reload-ckpt"
+    cmd = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model",
+           str(model_dir), "--host", "127.0.0.1", "--port", "{port}", *SERVE_FLAGS]
+    env = dict(VLLM_PLUGINS="", VLLM_SERVER_DEV_MODE="1")
+    with Server("plain-large", cmd, env, args.workdir, args.start_timeout) as srv:
+        idle = idle_ms(srv.url, str(model_dir))
+        trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+        times, parts, changed = [], [], 0
+        last = complete(srv.url, str(model_dir))[1]
+        for step in range(1 + args.reloads):
+            edit(trainer, step)
+            t0 = time.perf_counter()  # end of the optimizer step
+            trainer.save_pretrained(ckpt)
+            t1 = time.perf_counter()
+            http(srv.url, "/collective_rpc", dict(method="reload_weights",
+                                                  kwargs=dict(weights_path=str(ckpt))))
+            http(srv.url, "/reset_prefix_cache", {})
+            t2 = time.perf_counter()
+            logprob = complete(srv.url, str(model_dir))[1]
+            t3 = time.perf_counter()
+            if step >= 1:
+                times.append(1e3 * (t3 - t0))
+                parts.append((1e3 * (t1 - t0), 1e3 * (t2 - t1), 1e3 * (t3 - t2)))
+                changed += logprob != last
+            last = logprob
+    split = [statistics.median(p[i] for p in parts) for i in range(3)]
+    return dict(times=times, idle=idle, changed=changed, split=split)
+
+
+def overhead_child(url: str) -> None:
+    """Child mode: RSS/USS growth of Bridge.connect + bridge.model, one JSON line."""
+    import gc
+
+    import psutil
+    import transformers  # noqa: F401 - imports are not the bridge's memory
+
+    from hotweights.bridge import Bridge
+
+    proc = psutil.Process()
+    gc.collect()
+    before = proc.memory_full_info()
+    bridge = Bridge.connect(url)
+    model = bridge.model()
+    gc.collect()
+    after = proc.memory_full_info()
+    weight_bytes = sum(t.numel() * t.element_size() for t in bridge.tensors.values())
+    print(json.dumps(dict(rss=after.rss - before.rss, uss=after.uss - before.uss,
+                          weight_bytes=weight_bytes,
+                          params=sum(1 for _ in model.parameters()))))
+
+
+def pct(times: list[float], q: int) -> float:
+    return statistics.quantiles(times, n=100, method="inclusive")[q - 1]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Servers run one at a time; the last stdout line is JSON.")
+    parser.add_argument("--updates", type=int, default=50,
+                        help="measured hotweights updates per model (default: %(default)s)")
+    parser.add_argument("--reloads", type=int, default=5,
+                        help="measured save+reload updates, large model (default: %(default)s)")
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/hotweights-bench-latency"),
+                        help="models (built once, reused), logs, checkpoint "
+                        "(default: %(default)s)")
+    parser.add_argument("--start-timeout", type=float, default=600,
+                        help="seconds allowed for a server to start (default: %(default)s)")
+    parser.add_argument("--overhead", metavar="URL", help=argparse.SUPPRESS)  # child mode
+    args = parser.parse_args()
+    if args.overhead:
+        overhead_child(args.overhead)
+        return 0
+
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    tiny_dir = tiny.build("llama", args.workdir / "tiny")
+    large_dir = tiny.build("llama", args.workdir / "large", **LARGE)
+    mb = {d: sum(f.stat().st_size for f in d.glob("*.safetensors")) / 1e6
+          for d in (tiny_dir, large_dir)}
+    small = hotweights_run("hotweights-tiny", tiny_dir, args)
+    large = hotweights_run("hotweights-large", large_dir, args, overhead=True)
+    reload = reload_run(large_dir, args)
+
+    rows = [(f"hotweights, tiny ({mb[tiny_dir]:.1f} MB)", small),
+            (f"hotweights, large ({mb[large_dir]:.0f} MB)", large),
+            (f"save+reload_weights, large ({mb[large_dir]:.0f} MB)", reload)]
+    print(f"{'update path':<40}{'n':>4}{'p50 ms':>10}{'p95 ms':>10}{'idle ms':>10}"
+          f"{'changed':>9}")
+    for label, r in rows:
+        print(f"{label:<40}{len(r['times']):>4}{pct(r['times'], 50):>10.1f}"
+              f"{pct(r['times'], 95):>10.1f}{r['idle']:>10.1f}{r['changed']:>9}")
+    save, rpc, answer = reload["split"]
+    print(f"save+reload p50 split: save_pretrained {save:.0f} ms, reload_weights + "
+          f"reset_prefix_cache {rpc:.0f} ms, completion {answer:.0f} ms")
+    ov = large["overhead"]
+    print(f"trainer after connect+model ({ov['params']} params on {ov['weight_bytes'] / 1e6:.0f}"
+          f" MB of weights): RSS +{ov['rss'] / 1e6:.1f} MB "
+          f"({100 * ov['rss'] / ov['weight_bytes']:.2f} %), USS +{ov['uss'] / 1e6:.1f} MB")
+    tiny_p50, large_p50, reload_p50 = (pct(r["times"], 50) for _, r in rows)
+    print(json.dumps(dict(
+        tiny_p50_ms=round(tiny_p50, 2), tiny_p95_ms=round(pct(small["times"], 95), 2),
+        large_p50_ms=round(large_p50, 2), large_p95_ms=round(pct(large["times"], 95), 2),
+        size_ratio=round(large_p50 / tiny_p50, 2), reload_p50_ms=round(reload_p50, 2),
+        speedup_vs_reload=round(reload_p50 / large_p50, 2),
+        trainer_overhead_pct=round(100 * ov["rss"] / ov["weight_bytes"], 3))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
