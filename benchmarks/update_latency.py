@@ -1,27 +1,27 @@
-"""Benchmark: how soon a trainer's update is served, hotweights vs. vLLM's own reload route.
+"""Benchmark: how soon a trainer's update is served, hotweights vs. vLLM's reload route.
 
-Measured in one run, each server started once, bound to 127.0.0.1, stopped at the end:
+One run, each server started once (127.0.0.1, free port), one at a time, always stopped:
 
-- hotweights (`hotweights serve`, tiny and ~1 GB bf16 llama models): the trainer edits the
-  last decoder layer in place (`p.add_(±1e-3)`, no_grad) inside `with bridge.update():`;
-  the clock starts at the end of that step, just before the `with` block commits, and
-  stops when a 1-token /v1/completions answer carries the new `x-hotweights-version`
-  (--updates per model, after 2 unmeasured warm-up updates);
-- vLLM's reload route (~1 GB model only): a separate plain vLLM OpenAI server (no
-  hotweights plugins: VLLM_PLUGINS="", so vLLM CPU packs its weights as usual) with
-  VLLM_SERVER_DEV_MODE=1. The trainer keeps its own HF copy of the model, makes the same
-  edit, and the clock runs from the end of the step through `save_pretrained` (safetensors,
-  HF names), POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path":
-  DIR}}, POST /reset_prefix_cache, until a 1-token completion is answered (--reloads
-  times, after 1 unmeasured warm-up);
-- trainer memory: in a fresh subprocess, RSS (and USS, private pages only) growth of
-  `Bridge.connect(...)` + `bridge.model()` on the ~1 GB model, as a % of its weight bytes.
+- hotweights: `hotweights serve` on a tiny and a ~1 GB bf16 llama. The trainer's "step"
+  is an in-place edit of the last decoder layer (`p.add_(+-1e-3)`) inside
+  `with bridge.update():`. Clock: from the end of the step, just before the block commits,
+  until a 1-token /v1/completions answer carries the new `x-hotweights-version`.
+  --updates per model, after 2 unmeasured warm-ups.
+- reload (~1 GB model): a separate plain vLLM server (VLLM_PLUGINS="": no hotweights
+  plugins, vLLM CPU packs its weights as usual; VLLM_SERVER_DEV_MODE=1). The trainer holds
+  its own HF copy and makes the same edit. Clock: end of the step -> `save_pretrained`
+  (safetensors, HF names) -> POST /collective_rpc {"method": "reload_weights", "kwargs":
+  {"weights_path": DIR}} -> POST /reset_prefix_cache -> 1-token completion answered.
+  --reloads times (default 5: each costs seconds), after 1 unmeasured warm-up.
+- trainer memory: in a fresh subprocess, RSS (and USS: private pages) growth over
+  `Bridge.connect(...)` + `bridge.model()` on the ~1 GB model, in % of its weight bytes;
+  importing transformers' llama code and hotweights happens before and is shown apart.
 
-"idle" is the p50 of 1-token completions with no update (compute alone); "changed" counts
-measured completions whose logprob differs from the previous one (the update was served).
-The table comes first; the last stdout line is one JSON object: {"tiny_p50_ms",
-"tiny_p95_ms", "large_p50_ms", "large_p95_ms", "size_ratio" (large/tiny p50),
-"reload_p50_ms", "speedup_vs_reload" (reload/large p50), "trainer_overhead_pct"}.
+idle: p50 of 1-token completions without updates (compute alone); changed: measured
+completions whose logprob differs from the one before (the update was served). The table
+comes first, the last stdout line is one JSON object: tiny_p50_ms, tiny_p95_ms,
+large_p50_ms, large_p95_ms, size_ratio (large/tiny p50), reload_p50_ms,
+speedup_vs_reload (reload/large p50), trainer_overhead_pct (RSS). See docs/update_latency.md.
 
 Run:  .venv/bin/python benchmarks/update_latency.py [--updates 50] [--reloads 5]
 """
@@ -50,12 +50,10 @@ LARGE = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=11,
              num_attention_heads=16, num_key_value_heads=8, head_dim=128)
 
 
-def http(url: str, route: str, body: dict | None = None, token: str | None = None):
-    """POST `body` (GET if None); return (headers, parsed JSON or None)."""
-    req = urllib.request.Request(
-        url + route, data=None if body is None else json.dumps(body).encode(),
-        headers={"Content-Type": "application/json",
-                 **({"Authorization": f"Bearer {token}"} if token else {})})
+def http(url: str, route: str, body: dict) -> tuple[dict, dict | None]:
+    """POST `body` as JSON; return (response headers, parsed JSON or None)."""
+    req = urllib.request.Request(url + route, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=300) as resp:
         raw = resp.read()
         return dict(resp.headers), json.loads(raw) if raw else None
@@ -67,9 +65,9 @@ class Server:
     def __init__(self, name: str, cmd: list[str], env: dict, workdir: Path, timeout: float):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url, self.log = f"http://127.0.0.1:{self.port}", workdir / f"{name}.log"
-        cmd = [c.replace("{port}", str(self.port)) for c in cmd]
+            port = str(s.getsockname()[1])
+        self.url, self.log = f"http://127.0.0.1:{port}", workdir / f"{name}.log"
+        cmd = [c.replace("{port}", port) for c in cmd]
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", **env)
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -92,17 +90,13 @@ class Server:
         raise RuntimeError(f"server not up after {self.timeout:.0f} s (log: {self.log})")
 
     def __exit__(self, *exc) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                pass
-        for _ in range(30):  # engine/worker children finish their own shutdown
+        self.proc.send_signal(signal.SIGTERM)  # a no-op if it has exited
+        for _ in range(120):  # the server, then its engine and worker children
             try:
                 os.killpg(self.proc.pid, 0)  # its own session: only processes we started
             except ProcessLookupError:
                 break
+            self.proc.poll()
             time.sleep(1)
         else:
             os.killpg(self.proc.pid, signal.SIGKILL)
@@ -119,6 +113,7 @@ def complete(url: str, model: str) -> tuple[int | None, float]:
 
 
 def idle_ms(url: str, model: str, n: int = 5) -> float:
+    """p50 of `n` completions without any update."""
     times = []
     for _ in range(n):
         start = time.perf_counter()
@@ -136,7 +131,8 @@ def edit(model, step: int) -> None:
             p.add_(1e-3 if step % 2 == 0 else -1e-3)
 
 
-def hotweights_run(name: str, model_dir: Path, args, overhead: bool = False) -> dict:
+def hotweights_run(name: str, model_dir: Path, args: argparse.Namespace,
+                   overhead: bool = False) -> dict:
     from hotweights.bridge import Bridge
 
     token = secrets.token_urlsafe(16)
@@ -172,7 +168,7 @@ def hotweights_run(name: str, model_dir: Path, args, overhead: bool = False) -> 
     return result
 
 
-def reload_run(model_dir: Path, args) -> dict:
+def reload_run(model_dir: Path, args: argparse.Namespace) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -210,21 +206,23 @@ def overhead_child(url: str) -> None:
     import gc
 
     import psutil
-    import transformers  # noqa: F401 - imports are not the bridge's memory
-
-    from hotweights.bridge import Bridge
 
     proc = psutil.Process()
+    start = proc.memory_full_info()
+    from transformers.models.llama import modeling_llama  # noqa: F401 - a trainer has its
+
+    from hotweights.bridge import Bridge  # model code loaded: imports are measured apart
+
     gc.collect()
     before = proc.memory_full_info()
     bridge = Bridge.connect(url)
     model = bridge.model()
     gc.collect()
     after = proc.memory_full_info()
-    weight_bytes = sum(t.numel() * t.element_size() for t in bridge.tensors.values())
     print(json.dumps(dict(rss=after.rss - before.rss, uss=after.uss - before.uss,
-                          weight_bytes=weight_bytes,
-                          params=sum(1 for _ in model.parameters()))))
+                          imports_rss=before.rss - start.rss, params=len(list(model.parameters())),
+                          weight_bytes=sum(t.numel() * t.element_size()
+                                           for t in bridge.tensors.values()))))
 
 
 def pct(times: list[float], q: int) -> float:
@@ -263,17 +261,19 @@ def main() -> int:
             (f"hotweights, large ({mb[large_dir]:.0f} MB)", large),
             (f"save+reload_weights, large ({mb[large_dir]:.0f} MB)", reload)]
     print(f"{'update path':<40}{'n':>4}{'p50 ms':>10}{'p95 ms':>10}{'idle ms':>10}"
-          f"{'changed':>9}")
+          f"{'p50-idle':>10}{'changed':>9}")
     for label, r in rows:
-        print(f"{label:<40}{len(r['times']):>4}{pct(r['times'], 50):>10.1f}"
-              f"{pct(r['times'], 95):>10.1f}{r['idle']:>10.1f}{r['changed']:>9}")
+        p50 = pct(r["times"], 50)
+        print(f"{label:<40}{len(r['times']):>4}{p50:>10.1f}{pct(r['times'], 95):>10.1f}"
+              f"{r['idle']:>10.1f}{p50 - r['idle']:>10.1f}{r['changed']:>9}")
     save, rpc, answer = reload["split"]
     print(f"save+reload p50 split: save_pretrained {save:.0f} ms, reload_weights + "
           f"reset_prefix_cache {rpc:.0f} ms, completion {answer:.0f} ms")
     ov = large["overhead"]
     print(f"trainer after connect+model ({ov['params']} params on {ov['weight_bytes'] / 1e6:.0f}"
           f" MB of weights): RSS +{ov['rss'] / 1e6:.1f} MB "
-          f"({100 * ov['rss'] / ov['weight_bytes']:.2f} %), USS +{ov['uss'] / 1e6:.1f} MB")
+          f"({100 * ov['rss'] / ov['weight_bytes']:.2f} %), USS +{ov['uss'] / 1e6:.1f} MB "
+          f"(imports before it: RSS +{ov['imports_rss'] / 1e6:.0f} MB)")
     tiny_p50, large_p50, reload_p50 = (pct(r["times"], 50) for _, r in rows)
     print(json.dumps(dict(
         tiny_p50_ms=round(tiny_p50, 2), tiny_p95_ms=round(pct(small["times"], 95), 2),

@@ -32,11 +32,11 @@ def test_layout_of_a_missing_directory_is_one_clear_line(tmp_path, capsys):
 
 
 @pytest.mark.vllm
-def test_demo_trains_vllm_weights_in_place(tmp_path, capsys):
+def test_demo_trains_the_served_weights_in_place(tmp_path, capsys):
     assert main(["demo", "--workdir", str(tmp_path), "--steps", "30"]) == 0
     out = capsys.readouterr().out
-    assert "0 of" in out and "weight bytes copied" in out
-    before = out.split("before:")[1].splitlines()[0]
-    after = out.split("after:")[1].splitlines()[0]
-    assert before != after
-    assert "the trainer" in after
+    assert " 0 of " in out and "weight bytes copied" in out
+    before = out.split("before  (version 0):")[1].splitlines()[0]
+    after = out.split("after   (version 30):")[1].splitlines()[0]
+    assert before != after and "the trainer" in after
+    assert " 0 errors" in out

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hotweights import serve
 from hotweights.bridge import Bridge
 from hotweights.errors import ServerError
 
@@ -48,23 +49,10 @@ class Server:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model_dir = str(model_dir)
-        self.log = open(tmp / "server.log", "w")  # noqa: SIM115 - closed in stop()
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "hotweights.cli", "serve", self.model_dir, "--port",
-             str(self.port), "--token", TOKEN, "--token-file", str(tmp / "token"),
-             "--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "8"],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        deadline = time.time() + 400
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {(tmp / 'server.log').read_text()[-3000:]}")
-            try:
-                if urllib.request.urlopen(self.url + "/health", timeout=2).status == 200:
-                    return
-            except OSError:
-                time.sleep(1)
-        raise RuntimeError("server did not start in 400 s")
+        log = tmp / "server.log"
+        self.proc = serve.spawn(model_dir, port=self.port, token=TOKEN, log=log, vllm_args=(
+            "--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "8"))
+        serve.wait_ready(self.proc, self.url, log=log)
 
     def logprobs(self) -> tuple[dict[int, float], int]:
         status, headers, out = _http(self.url, "/v1/completions", token=None, body=dict(
@@ -76,10 +64,7 @@ class Server:
                 int(headers["x-hotweights-version"]))
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(timeout=120)
-        self.log.close()
+        serve.stop(self.proc)
 
 
 @pytest.fixture(scope="module")

@@ -51,11 +51,12 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "demo",
-        help="zero-copy views over a running vLLM engine, on a tiny local model",
-        description="Build a tiny random model locally (no download), load it in vLLM, "
-        "build the HF model whose parameters are views into vLLM's tensors, teach it a "
-        "phrase with a few in-place optimizer steps, and show vLLM's completions before "
-        "and after: the engine serves the trained weights without any copy.",
+        help="train a tiny local model in place while vLLM serves it",
+        description="Build a tiny random model locally (no download), start `hotweights "
+        "serve` on it, show a completion, then teach it a phrase with a few optimizer steps "
+        "through hotweights.Bridge while a client keeps generating, and show the "
+        "completions and weight versions before and after: the server serves the trained "
+        "weights without any copy or reload.",
     )
     p.add_argument("--arch", default="llama", help="tiny model architecture (default: llama)")
     p.add_argument("--steps", type=int, default=30, help="training steps (default: 30)")

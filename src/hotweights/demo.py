@@ -1,11 +1,15 @@
-"""`hotweights demo`: zero-copy views over a running vLLM engine, on a tiny local model."""
+"""`hotweights demo`: a tiny local model served by vLLM, trained in place while it serves."""
 
 from __future__ import annotations
 
 import argparse
-import os
+import json
+import secrets
+import socket
 import tempfile
+import threading
 import time
+import urllib.request
 from pathlib import Path
 
 from rich.progress import Progress
@@ -16,63 +20,107 @@ PROMPT = "The server generates,"
 TARGET = " the trainer learns."
 
 
-def run(args: argparse.Namespace) -> int:
-    if not args.verbose:
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    import torch
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
-    from hotweights import build_hf_model, plan, tiny, verify_shared
-    from hotweights.vllm_plugin.local import live_params, start_engine, stop_engine
+
+def _complete(url: str, model: str) -> tuple[str, int]:
+    body = dict(model=model, prompt=PROMPT, max_tokens=8, temperature=0.0)
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        text = json.loads(resp.read())["choices"][0]["text"]
+        return text, int(resp.headers["x-hotweights-version"])
+
+
+class _Client(threading.Thread):
+    """Keeps generating while the trainer updates the weights."""
+
+    def __init__(self, url: str, model: str):
+        super().__init__(daemon=True)
+        self.url, self.model = url, model
+        self.done = threading.Event()
+        self.versions: list[int] = []
+        self.errors: list[str] = []
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            try:
+                self.versions.append(_complete(self.url, self.model)[1])
+            except OSError as e:
+                self.errors.append(str(e))
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import AutoTokenizer
+
+    from hotweights import serve, tiny
+    from hotweights.bridge import Bridge
 
     console = make_console()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="hotweights-demo-"))
-    t0 = time.perf_counter()
     with console.status(f"building a tiny random {args.arch} model in {workdir}"):
         model_dir = tiny.build(args.arch, workdir / args.arch)
-    with console.status("starting vLLM on it (in this process)"):
-        llm = start_engine(model_dir)
-    console.print(f"vLLM is serving {model_dir} ({time.perf_counter() - t0:.1f} s)")
 
-    from vllm import SamplingParams
+    port, token, log = _free_port(), secrets.token_urlsafe(16), workdir / "server.log"
+    url, name = f"http://127.0.0.1:{port}", str(model_dir)
+    t0 = time.perf_counter()
+    proc = serve.spawn(model_dir, port=port, token=token, log=log,
+                       vllm_args=("--max-model-len", "256", "--enforce-eager"))
+    try:
+        with console.status(f"starting `hotweights serve` at {url} (log: {log})"):
+            serve.wait_ready(proc, url, log=log)
+        console.print(f"vLLM serves {model_dir} at {url} ({time.perf_counter() - t0:.0f} s)")
+        text, version = _complete(url, name)
+        console.print(f"before  (version {version}): [bold]{PROMPT}[/bold][cyan]{text!r}[/cyan]")
 
-    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+        t = time.perf_counter()
+        bridge = Bridge.connect(url, token=token)
+        model = bridge.model()
+        weight_bytes = sum(e.nbytes for e in bridge.manifests[0].tensors)
+        console.print(f"trainer: HF model on the server's shared memory, "
+                      f"{len(bridge.report.mapped)} parameters, {bridge.report.bytes_copied} "
+                      f"of {weight_bytes:,} weight bytes copied ({time.perf_counter() - t:.2f} s)")
 
-    def complete() -> str:
-        return llm.generate([PROMPT], greedy, use_tqdm=False)[0].outputs[0].text
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        prompt_ids = tok(PROMPT)["input_ids"]
+        ids = torch.tensor([prompt_ids + tok(TARGET)["input_ids"]])
+        labels = ids.clone()
+        labels[:, : len(prompt_ids)] = -100  # learn the continuation only
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
 
-    console.print(f"before: [bold]{PROMPT}[/bold][cyan]{complete()!r}[/cyan]")
-
-    t = time.perf_counter()
-    params = live_params(llm)
-    layout = plan(model_dir, params)
-    model, report = build_hf_model(model_dir, params, layout=layout)
-    shared = verify_shared(model, params, layout)
-    weight_bytes = sum(p.numel() * p.element_size() for p in params.values())
-    console.print(
-        f"HF model on views: {len(report.mapped)} parameters, {shared} share vLLM's memory, "
-        f"{report.bytes_copied} of {weight_bytes:,} weight bytes copied "
-        f"({time.perf_counter() - t:.2f} s)"
-    )
-
-    tok = llm.get_tokenizer()
-    prompt_ids = tok(PROMPT)["input_ids"]
-    ids = torch.tensor([prompt_ids + tok(TARGET)["input_ids"]])
-    labels = ids.clone()
-    labels[:, : len(prompt_ids)] = -100  # learn the continuation only
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
-    t = time.perf_counter()
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("training on vLLM's weights, in place", total=args.steps)
-        for _ in range(args.steps):
-            loss = model(input_ids=ids, labels=labels).loss
-            loss.backward()
-            optimizer.step()  # writes straight into the tensors vLLM computes with
-            optimizer.zero_grad(set_to_none=True)
-            progress.advance(task)
-    llm.reset_prefix_cache()  # cached KV of the prompt was computed with the old weights
-    console.print(f"trained {args.steps} steps, loss {loss.item():.3f} "
-                  f"({time.perf_counter() - t:.1f} s)")
-    console.print(f"after:  [bold]{PROMPT}[/bold][green]{complete()!r}[/green]  "
-                  f"(target {TARGET!r})")
-    stop_engine(llm)
+        client = _Client(url, name)
+        client.start()
+        commit_s = []
+        with Progress(console=console, transient=True) as progress:
+            task = progress.add_task("training the served weights in place", total=args.steps)
+            for _ in range(args.steps):
+                loss = model(input_ids=ids, labels=labels).loss
+                loss.backward()
+                started = time.perf_counter()
+                with bridge.update(mode="wait"):
+                    optimizer.step()  # writes the very bytes vLLM computes with
+                commit_s.append(time.perf_counter() - started)
+                optimizer.zero_grad(set_to_none=True)
+                progress.advance(task)
+        client.done.set()
+        client.join(timeout=120)
+        commit_s.sort()
+        console.print(
+            f"trained {args.steps} steps (loss {loss.item():.3f}); update "
+            f"(pause, write, commit, resume) p50 {1000 * commit_s[len(commit_s) // 2]:.0f} ms; "
+            f"meanwhile a client got {len(client.versions)} completions over versions "
+            f"{min(client.versions, default=0)}..{max(client.versions, default=0)}, "
+            f"{len(client.errors)} errors"
+        )
+        text, version = _complete(url, name)
+        console.print(f"after   (version {version}): [bold]{PROMPT}[/bold]"
+                      f"[green]{text!r}[/green]  (target {TARGET!r})")
+    finally:
+        with console.status("stopping the server"):
+            serve.stop(proc)
     return 0
+

@@ -54,3 +54,47 @@ def run(args: argparse.Namespace, vllm_args: list[str]) -> int:
     for path in Path("/dev/shm").glob(f"hotweights-{server_id}-*"):  # a killed worker's
         path.unlink(missing_ok=True)
     return code
+
+
+def spawn(model: str | os.PathLike, *, port: int, token: str, log: Path,
+          vllm_args: tuple[str, ...] = ()) -> subprocess.Popen:
+    """Start `hotweights serve` in the background (its own session), output to `log`."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM CPU's default wants 92% of RAM
+    with open(log, "w") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "hotweights.cli", "serve", str(model), "--port", str(port),
+             "--token", token, "--token-file", str(log.with_suffix(".token")), *vllm_args],
+            stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def wait_ready(proc: subprocess.Popen, url: str, *, log: Path, timeout: float = 400) -> None:
+    """Wait until the server answers /health; ServerError with the log's tail otherwise."""
+    import time
+    import urllib.request
+
+    from hotweights.errors import ServerError
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-3000:]
+            raise ServerError(f"{url}: server exited with {proc.returncode}; {log}:\n{tail}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            time.sleep(1)
+    raise ServerError(f"{url}: no answer on /health after {timeout:.0f} s (log: {log})")
+
+
+def stop(proc: subprocess.Popen, timeout: float = 120) -> None:
+    """SIGTERM the server (it removes its shared memory) and wait for it."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

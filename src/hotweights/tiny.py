@@ -155,7 +155,7 @@ def build(arch: str, out_dir: str | Path, *, dtype: str = "bfloat16", seed: int 
     out.mkdir(parents=True, exist_ok=True)
     vocab = train_tokenizer(out)
     config = make_config(arch, vocab, **overrides)
-    config.torch_dtype = dtype
+    config.dtype = dtype
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     with torch.no_grad():
