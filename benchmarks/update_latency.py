@@ -1,27 +1,23 @@
 """Benchmark: how soon a trainer's update is served, hotweights vs. vLLM's reload route.
 
-One run, each server started once (127.0.0.1, free port), one at a time, always stopped:
+Servers run one at a time (127.0.0.1, free port), each started once and always stopped.
+The trainer's "step" is an in-place edit of the last decoder layer (`p.add_(+-1e-3)`).
 
-- hotweights: `hotweights serve` on a tiny and a ~1 GB bf16 llama. The trainer's "step"
-  is an in-place edit of the last decoder layer (`p.add_(+-1e-3)`) inside
-  `with bridge.update():`. Clock: from the end of the step, just before the block commits,
+- hotweights (`hotweights serve`, tiny and ~1 GB bf16 llama): the step runs inside
+  `with bridge.update():`; clock from the end of the step, just before the block commits,
   until a 1-token /v1/completions answer carries the new `x-hotweights-version`.
-  --updates per model, after 2 unmeasured warm-ups.
-- reload (~1 GB model): a separate plain vLLM server (VLLM_PLUGINS="": no hotweights
-  plugins, vLLM CPU packs its weights as usual; VLLM_SERVER_DEV_MODE=1). The trainer holds
-  its own HF copy and makes the same edit. Clock: end of the step -> `save_pretrained`
-  (safetensors, HF names) -> POST /collective_rpc {"method": "reload_weights", "kwargs":
-  {"weights_path": DIR}} -> POST /reset_prefix_cache -> 1-token completion answered.
-  --reloads times (default 5: each costs seconds), after 1 unmeasured warm-up.
-- trainer memory: in a fresh subprocess, RSS (and USS: private pages) growth over
-  `Bridge.connect(...)` + `bridge.model()` on the ~1 GB model, in % of its weight bytes;
-  importing transformers' llama code and hotweights happens before and is shown apart.
+- reload (~1 GB, a separate plain vLLM server: VLLM_PLUGINS="" so no hotweights plugin,
+  VLLM_SERVER_DEV_MODE=1): the trainer edits its own HF copy; clock from the end of the
+  step through `save_pretrained` (safetensors, HF names), POST /collective_rpc
+  {"method": "reload_weights", "kwargs": {"weights_path": DIR}}, POST /reset_prefix_cache,
+  until a 1-token completion is answered. Fewer repetitions (--reloads, default 5).
+- trainer memory: in a fresh subprocess, RSS (and USS) growth over `Bridge.connect(...)` +
+  `bridge.model()` on the ~1 GB model, in % of its weight bytes (imports measured apart).
 
-idle: p50 of 1-token completions without updates (compute alone); changed: measured
-completions whose logprob differs from the one before (the update was served). The table
-comes first, the last stdout line is one JSON object: tiny_p50_ms, tiny_p95_ms,
-large_p50_ms, large_p95_ms, size_ratio (large/tiny p50), reload_p50_ms,
-speedup_vs_reload (reload/large p50), trainer_overhead_pct (RSS). See docs/update_latency.md.
+Prints a table (idle: p50 completion with no update; changed: completions whose logprob
+moved, i.e. the update was served), then as the last line one JSON object: tiny_p50_ms,
+tiny_p95_ms, large_p50_ms, large_p95_ms, size_ratio (large/tiny p50), reload_p50_ms,
+speedup_vs_reload (reload/large p50), trainer_overhead_pct. See docs/update_latency.md.
 
 Run:  .venv/bin/python benchmarks/update_latency.py [--updates 50] [--reloads 5]
 """
@@ -113,7 +109,7 @@ def complete(url: str, model: str) -> tuple[int | None, float]:
 
 
 def idle_ms(url: str, model: str, n: int = 5) -> float:
-    """p50 of `n` completions without any update."""
+    """p50 of `n` completions without any update (compute alone)."""
     times = []
     for _ in range(n):
         start = time.perf_counter()
@@ -244,6 +240,8 @@ def main() -> int:
                         help="seconds allowed for a server to start (default: %(default)s)")
     parser.add_argument("--overhead", metavar="URL", help=argparse.SUPPRESS)  # child mode
     args = parser.parse_args()
+    if min(args.updates, args.reloads) < 2:
+        parser.error("--updates and --reloads need at least 2 (percentiles)")
     if args.overhead:
         overhead_child(args.overhead)
         return 0

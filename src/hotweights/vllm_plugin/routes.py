@@ -81,6 +81,11 @@ class HotweightsRoutes:
         self.engine = None
         self.lock = asyncio.Lock()
         self.watchdog: asyncio.Task | None = None
+        self.open = asyncio.Event()  # cleared while an update holds generation
+        self.open.set()
+        self.inflight = 0  # generation requests past the gate whose response is not done
+        self.idle = asyncio.Event()
+        self.idle.set()
 
     def attach_router(self, app: FastAPI) -> None:
         router = APIRouter(prefix="/hotweights")
@@ -94,10 +99,39 @@ class HotweightsRoutes:
 
         @app.middleware("http")
         async def version_header(request: Request, call_next):
-            version = self.state.version  # the weights this request started on
-            response = await call_next(request)
+            if not request.url.path.startswith("/v1/"):
+                response = await call_next(request)
+                response.headers[VERSION_HEADER] = str(self.state.version)
+                return response
+            # A request that arrives during an update waits for the commit, and `wait`
+            # updates wait for every request past this gate to finish (streams included):
+            # the version a response reports is the one it was computed with.
+            await self.open.wait()
+            version = self.state.version
+            self.inflight += 1
+            self.idle.clear()
+            try:
+                response = await call_next(request)
+            except BaseException:
+                self._finished()
+                raise
+            body = response.body_iterator
+
+            async def tracked():
+                try:
+                    async for chunk in body:
+                        yield chunk
+                finally:
+                    self._finished()
+
+            response.body_iterator = tracked()
             response.headers[VERSION_HEADER] = str(version)
             return response
+
+    def _finished(self) -> None:
+        self.inflight -= 1
+        if self.inflight == 0:
+            self.idle.set()
 
     async def init_state(self, engine_client, state, args) -> None:
         if engine_client is None:
@@ -158,6 +192,7 @@ class HotweightsRoutes:
         if self.state.paused:
             await self.engine.resume_generation()
             self.state.paused = False
+        self.open.set()
 
     # -- routes ----------------------------------------------------------------------
 
@@ -185,8 +220,15 @@ class HotweightsRoutes:
                 return JSONResponse({"error": f"update lease held by {self.state.holder}",
                                      "holder": self.state.holder}, status_code=409)
             self.state.holder, self.state.mode = holder, mode
+            self.open.clear()
             started = self.began = time.perf_counter()
-            await self.engine.pause_generation(mode=mode, clear_cache=False)
+            try:
+                if mode == "wait":  # finish what already has a version header
+                    await self.idle.wait()
+                await self.engine.pause_generation(mode=mode, clear_cache=False)
+            except BaseException:
+                await self._release()
+                raise
             self.state.paused = True
             self.state.last_pause_s = time.perf_counter() - started
             self._arm(lease_s)
