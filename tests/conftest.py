@@ -17,3 +17,26 @@ def tiny_model(tmp_path_factory):
         return tiny.build(arch, root / arch)
 
     return get
+
+
+@pytest.fixture(scope="session")
+def custom_model(tiny_model, tmp_path_factory):
+    """A tiny model of a custom type whose modeling code ships in the dir (auto_map)."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    out = tmp_path_factory.mktemp("custom") / "tiny_custom"
+    shutil.copytree(tiny_model("llama"), out)
+    code = Path(__file__).parent / "fixtures" / "tiny_custom" / "modeling_tiny_custom.py"
+    shutil.copy(code, out)
+    config = json.loads((out / "config.json").read_text())
+    entry = "modeling_tiny_custom.TinyCustom"
+    config.update(
+        model_type="tiny_custom",
+        architectures=["TinyCustomForCausalLM"],
+        auto_map={"AutoConfig": entry + "Config", "AutoModel": entry + "Model",
+                  "AutoModelForCausalLM": entry + "ForCausalLM"},
+    )
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out

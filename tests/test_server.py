@@ -47,13 +47,13 @@ def _http(url, route, *, token=TOKEN, body=None, method=None):
 
 
 class Server:
-    def __init__(self, model_dir: Path, tmp: Path):
+    def __init__(self, model_dir: Path, tmp: Path, *extra: str):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model_dir = str(model_dir)
         log = tmp / "server.log"
         self.proc = serve.spawn(model_dir, port=self.port, token=TOKEN, log=log, vllm_args=(
-            "--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "8"))
+            "--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "8", *extra))
         serve.wait_ready(self.proc, self.url, log=log)
 
     def logprobs(self) -> tuple[dict[int, float], int]:
@@ -264,6 +264,31 @@ def test_updates_under_load_are_consistent(server, mode):
                     if other in snapshots:
                         assert claimed < error(response, client.prompt, other), (version, other)
         norm.copy_(snapshots[bridge.version])
+
+
+def test_custom_remote_code_model_through_the_transformers_backend(custom_model, tmp_path):
+    custom = Server(custom_model, tmp_path, "--model-impl", "transformers",
+                    "--trust-remote-code")
+    try:
+        bridge = Bridge.connect(custom.url, token=TOKEN)
+        model = bridge.model(trainable=r"layers\.1\.")
+        assert type(model).__name__ == "TinyCustomForCausalLM"
+        assert bridge.report.missing == () and bridge.report.unused == ()
+        before, _ = custom.logprobs()
+        ids = torch.tensor([PROMPT])
+        model(ids, labels=ids).loss.backward()
+        with bridge.update():
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.sub_(0.01 * p.grad.sign())
+        after, version = custom.logprobs()
+        assert version == 1 and after != before
+        ours = _view_logprobs(model)
+        for token, logprob in after.items():
+            assert abs(ours[token].item() - logprob) < TOL, token
+    finally:
+        custom.stop()
 
 
 def test_stopping_the_server_removes_its_shared_memory(server):

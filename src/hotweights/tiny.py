@@ -42,59 +42,38 @@ _BASE = dict(
     pad_token_id=0,
 )
 
+_GDN = dict(
+    tie_word_embeddings=False,
+    layer_types=["linear_attention", "full_attention"],  # repeated over the depth
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    linear_conv_kernel_dim=4,
+)
+
+_MOE = dict(
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=96,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    norm_topk_prob=True,
+)
+
 _ARCH_CONFIG: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", dict(tie_word_embeddings=False)),
     "llama_tied": ("LlamaConfig", dict(tie_word_embeddings=True)),
     # vLLM's Qwen2 ignores `head_dim` (hidden_size // heads): keep them consistent.
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=False, hidden_size=256)),
     "qwen3": ("Qwen3Config", dict(tie_word_embeddings=False)),
-    "qwen3_moe": (
-        "Qwen3MoeConfig",
-        dict(
-            tie_word_embeddings=False,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=96,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            norm_topk_prob=True,
-        ),
-    ),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(_MOE, tie_word_embeddings=False)),
     # Hybrid: a gated-delta-net (linear attention) layer, then a full-attention layer, both
     # with MoE + shared expert. vLLM's CPU GDN kernels need linear key/value head dim 64.
-    "qwen3_next": (
-        "Qwen3NextConfig",
-        dict(
-            tie_word_embeddings=False,
-            layer_types=["linear_attention", "full_attention"],
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=64,
-            linear_value_head_dim=64,
-            linear_conv_kernel_dim=4,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=96,
-            shared_expert_intermediate_size=160,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            norm_topk_prob=True,
-        ),
-    ),
+    "qwen3_next": ("Qwen3NextConfig", dict(_GDN, **_MOE, shared_expert_intermediate_size=160)),
     # Qwen3.5 text: like Qwen3-Next, but the checkpoint keeps the gated-delta-net input
     # projections apart (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a), and a dense MLP.
-    "qwen3_5": (
-        "Qwen3_5TextConfig",
-        dict(
-            tie_word_embeddings=False,
-            layer_types=["linear_attention", "full_attention"],
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=64,
-            linear_value_head_dim=64,
-            linear_conv_kernel_dim=4,
-        ),
-    ),
+    "qwen3_5": ("Qwen3_5TextConfig", _GDN),
 }
 
 

@@ -187,6 +187,10 @@ class HotweightsRoutes:
             await self._release()
 
     async def _release(self) -> None:
+        """End the update: drop the lease, resume generation, open the gate."""
+        if self.watchdog is not None and self.watchdog is not asyncio.current_task():
+            self.watchdog.cancel()
+        self.watchdog = None
         self.metrics["dirty"].set(int(self.state.dirty))
         self.state.holder = self.state.mode = self.state.lease_expires = None
         if self.state.paused:
@@ -258,8 +262,6 @@ class HotweightsRoutes:
             self.state.dirty = False
             self.state.updates += 1
             await self.engine.update_weight_version(str(self.state.version))
-            if self.watchdog is not None:
-                self.watchdog.cancel()
             await self._release()
             self.state.last_commit_s = time.perf_counter() - started
             self.metrics["commit"].observe(self.state.last_commit_s)
@@ -277,7 +279,5 @@ class HotweightsRoutes:
             if body.get("dirty", True):  # the trainer may have written part of an update
                 self.state.dirty = True
                 await self.engine.reset_prefix_cache()
-            if self.watchdog is not None:
-                self.watchdog.cancel()
             await self._release()
         return {"version": self.state.version, "dirty": self.state.dirty}
