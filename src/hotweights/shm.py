@@ -1,12 +1,15 @@
-"""Tensors in shared memory (CPU): one file under /dev/shm, described by a JSON manifest.
+"""Tensors shared between processes of one machine, described by a JSON manifest.
 
-The server copies its weights once into a new file and computes on tensors mapped over
-it; a trainer on the same machine maps the same file (MAP_SHARED) and sees the very same
-bytes. No pickle crosses the boundary: the manifest is plain JSON.
+CPU: the server copies its weights once into one new file under /dev/shm and computes on
+tensors mapped over it; a trainer maps the same file (MAP_SHARED) and sees the very same
+bytes. CUDA: nothing moves; each tensor's allocation is exported as a CUDA IPC handle
+(with the GPU's UUID, since device indices differ between processes) and the trainer
+opens it. No pickle crosses the boundary: the manifest is plain JSON.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import os
@@ -37,7 +40,8 @@ class TensorEntry:
     name: str
     dtype: str  # "bfloat16"
     shape: tuple[int, ...]
-    offset: int  # bytes from the start of the file
+    offset: int  # bytes from the start of the file (CPU)
+    ipc: dict | None = None  # CUDA IPC handle fields (CUDA); see _export_cuda
 
     @property
     def nbytes(self) -> int:
@@ -60,6 +64,7 @@ class Manifest:
     tp_rank: int = 0
     tp_size: int = 1
     weight_version: int = 0
+    gpu_uuid: str | None = None  # CUDA: the GPU that holds every tensor
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -96,13 +101,19 @@ class Manifest:
                 raise ManifestError(f"{where} ({t['name']}): bad shape {shape!r}")
             if not isinstance(offset, int) or offset < 0 or offset % _ALIGN:
                 raise ManifestError(f"{where} ({t['name']}): bad offset {offset!r}")
-            entry = TensorEntry(t["name"], t["dtype"], tuple(shape), offset)
-            if offset + entry.nbytes > data["nbytes"]:
+            ipc = t.get("ipc")
+            if ipc is not None and not (isinstance(ipc, dict) and isinstance(
+                    ipc.get("handle"), str) and isinstance(ipc.get("stride"), list | tuple)):
+                raise ManifestError(f"{where} ({t['name']}): bad ipc {ipc!r}")
+            entry = TensorEntry(t["name"], t["dtype"], tuple(shape), offset, ipc)
+            if ipc is None and offset + entry.nbytes > data["nbytes"]:
                 raise ManifestError(f"{where} ({t['name']}): bytes [{offset}, "
                                     f"{offset + entry.nbytes}) run past nbytes={data['nbytes']}")
             tensors.append(entry)
-        extra = {k: data[k] for k in ("model", "tp_rank", "tp_size", "weight_version")
-                 if k in data}
+        extra = {k: data[k] for k in ("model", "tp_rank", "tp_size", "weight_version",
+                                      "gpu_uuid") if k in data}
+        if any(e.ipc for e in tensors) and not isinstance(extra.get("gpu_uuid"), str):
+            raise ManifestError(f"{source}: CUDA tensors but no 'gpu_uuid'")
         return cls(FORMAT, data["server_id"], data["path"], data["nbytes"], tuple(tensors),
                    **extra)
 
@@ -139,6 +150,9 @@ def share(
     on these from now on). Nothing is left behind on failure.
     """
     server_id = server_id or uuid.uuid4().hex[:12]
+    devices = {t.device for t in tensors.values()}
+    if len(devices) == 1 and next(iter(devices)).type == "cuda":
+        return _share_cuda(tensors, server_id, next(iter(devices)), **manifest_fields)
     entries, at = [], 0
     for name, t in tensors.items():
         dtype = str(t.dtype).removeprefix("torch.")
@@ -168,6 +182,8 @@ def share(
 
 def attach(manifest: Manifest) -> dict[str, torch.Tensor]:
     """Map a manifest's file; by name, tensors over the server's own bytes (no copy)."""
+    if manifest.gpu_uuid is not None:
+        return _attach_cuda(manifest)
     try:
         size = os.stat(manifest.path).st_size
     except FileNotFoundError:
@@ -180,9 +196,65 @@ def attach(manifest: Manifest) -> dict[str, torch.Tensor]:
     return {entry.name: _tensor(storage, entry) for entry in manifest.tensors}
 
 
+def _b64(data: bytes | None) -> str | None:
+    return None if data is None else base64.b64encode(data).decode()
+
+
+def _unb64(text: str | None) -> bytes | None:
+    return None if text is None else base64.b64decode(text)
+
+
+def _share_cuda(tensors, server_id, device, **manifest_fields):
+    # Export the existing allocations (no copy; addresses do not change, so CUDA graphs
+    # captured on them stay valid). The server must keep the tensors alive.
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    entries = []
+    for name, t in tensors.items():
+        dtype = str(t.dtype).removeprefix("torch.")
+        if dtype not in _DTYPES:
+            raise ManifestError(f"{name}: cannot share a {t.dtype} tensor")
+        (_, _, stride, offset, _, _, _, handle, storage_bytes, storage_offset_bytes, _,
+         ref_handle, ref_offset, event_handle, event_sync) = reduce_tensor(t.detach())[1]
+        ipc = dict(stride=list(stride), storage_offset=offset, handle=_b64(handle),
+                   storage_bytes=storage_bytes, storage_offset_bytes=storage_offset_bytes,
+                   ref_counter_handle=_b64(ref_handle), ref_counter_offset=ref_offset,
+                   event_handle=_b64(event_handle), event_sync=event_sync)
+        entries.append(TensorEntry(name, dtype, tuple(t.shape), 0, ipc))
+    uuid_ = str(torch.cuda.get_device_properties(device).uuid)
+    manifest = Manifest(FORMAT, server_id, f"cuda:{uuid_}", 0, tuple(entries),
+                        gpu_uuid=uuid_, **manifest_fields)
+    return manifest, dict(tensors)
+
+
+def _attach_cuda(manifest: Manifest) -> dict[str, torch.Tensor]:
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    uuids = [str(torch.cuda.get_device_properties(i).uuid)
+             for i in range(torch.cuda.device_count())]
+    if manifest.gpu_uuid not in uuids:
+        raise ManifestError(f"GPU {manifest.gpu_uuid} of server {manifest.server_id} is not "
+                            f"visible here (CUDA_VISIBLE_DEVICES?); visible: {uuids}")
+    device = uuids.index(manifest.gpu_uuid)  # the index differs between processes
+    out = {}
+    for e in manifest.tensors:
+        ipc, dtype = e.ipc, _DTYPES[e.dtype]
+        if not ipc["storage_bytes"]:
+            out[e.name] = torch.empty(e.shape, dtype=dtype, device=f"cuda:{device}")
+            continue
+        out[e.name] = rebuild_cuda_tensor(
+            torch.Tensor, torch.Size(e.shape), tuple(ipc["stride"]), ipc["storage_offset"],
+            torch.UntypedStorage, dtype, device, _unb64(ipc["handle"]),
+            ipc["storage_bytes"], ipc["storage_offset_bytes"], False,
+            _unb64(ipc["ref_counter_handle"]), ipc["ref_counter_offset"],
+            _unb64(ipc["event_handle"]), ipc["event_sync"])
+    return out
+
+
 def release(manifest: Manifest) -> None:
     """Remove the shared file; mappings that exist stay valid until unmapped."""
-    Path(manifest.path).unlink(missing_ok=True)
+    if manifest.gpu_uuid is None:
+        Path(manifest.path).unlink(missing_ok=True)
 
 
 def sweep_stale(directory: str | os.PathLike = "/dev/shm") -> list[str]:

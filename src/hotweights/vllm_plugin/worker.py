@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 
 from hotweights import shm
 
@@ -29,6 +30,8 @@ class HotweightsWorker:
 
         model = self.model_runner.model
         params = dict(model.named_parameters())  # tied parameters appear once
+        if any(p.is_cuda for p in params.values()):
+            _refuse_unshareable_cuda_memory(self.vllm_config)
         manifest, shared = shm.share(
             {name: p.data for name, p in params.items()},
             server_id=server_id,
@@ -55,3 +58,15 @@ class HotweightsWorker:
         manifest = getattr(self, "_hotweights_manifest", None)
         if manifest is not None:
             shm.release(manifest)
+
+
+def _refuse_unshareable_cuda_memory(vllm_config) -> None:
+    # Legacy CUDA IPC (cudaIpcGetMemHandle) cannot export memory that comes from cuMem
+    # allocations: vLLM's sleep mode and PyTorch's expandable segments both use them.
+    if vllm_config.model_config.enable_sleep_mode:
+        raise RuntimeError("hotweights: vLLM's --enable-sleep-mode allocates the weights "
+                           "with cuMem, which CUDA IPC cannot share; start without it")
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        if "expandable_segments:true" in os.environ.get(var, "").replace(" ", "").lower():
+            raise RuntimeError(f"hotweights: {var} enables expandable segments, whose memory "
+                               "CUDA IPC cannot share; unset expandable_segments")
