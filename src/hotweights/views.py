@@ -15,7 +15,8 @@ from hotweights.layout import Layout, hf_params, load_config, meta_model, plan
 
 logger = logging.getLogger(__name__)
 
-Trainable = bool | str | Iterable[str] | Callable[[str], bool]
+# Which HF parameters: all/none, a regex searched in the name, names, or a predicate.
+Selection = bool | str | Iterable[str] | Callable[[str], bool]
 
 
 @dataclass(frozen=True)
@@ -29,15 +30,15 @@ class ViewReport:
     bytes_copied: int  # bytes of parameter data not shared with vLLM (0 unless missing)
 
 
-def _trainable_filter(trainable: Trainable) -> Callable[[str], bool]:
-    if isinstance(trainable, bool):
-        return lambda name: trainable
-    if isinstance(trainable, str):
-        pattern = re.compile(trainable)
+def _selector(selection: Selection) -> Callable[[str], bool]:
+    if isinstance(selection, bool):
+        return lambda name: selection
+    if isinstance(selection, str):
+        pattern = re.compile(selection)
         return lambda name: pattern.search(name) is not None
-    if callable(trainable):
-        return trainable
-    names = set(trainable)
+    if callable(selection):
+        return selection
+    names = set(selection)
     return lambda name: name in names
 
 
@@ -64,8 +65,8 @@ def build_hf_model(
     config: Any,
     vllm_params: Mapping[str, torch.Tensor],
     *,
-    trainable: Trainable = True,
-    allow_missing: bool | Iterable[str] = False,
+    trainable: Selection = True,
+    allow_missing: Selection = False,
     allow_unused: bool = True,
     layout: Layout | None = None,
     model: torch.nn.Module | None = None,
@@ -103,8 +104,7 @@ def build_hf_model(
         layout = plan(config, vllm_params, strict=False, hf_shapes=hf_params(model))
     if layout.unused and not allow_unused:
         raise LayoutError(f"vLLM parameters hold no HF parameter: {', '.join(layout.unused)}")
-    allowed = _trainable_filter(allow_missing) if not isinstance(allow_missing, bool) \
-        else (lambda name: allow_missing)
+    allowed = _selector(allow_missing)  # the same forms: bool, regex, names
     refused = [n for n in layout.missing if not allowed(n)]
     if refused:
         raise LayoutError(
@@ -114,7 +114,7 @@ def build_hf_model(
         )
 
     device = next(iter(vllm_params.values())).device
-    wants_grad = _trainable_filter(trainable)
+    wants_grad = _selector(trainable)
 
     made: dict[str, torch.nn.Parameter] = {}
     for vname, pieces in layout.pieces.items():
