@@ -3,7 +3,6 @@
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,12 +26,6 @@ TOL = 0.05  # bf16: vLLM's CPU kernels round differently from HF's eager ops
 LOAD_TOL = 0.2  # the same over 6 generated tokens in batches of up to 8 requests
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _http(url, route, *, token=TOKEN, body=None, method=None):
     req = urllib.request.Request(
         url + route, method=method or ("GET" if body is None else "POST"),
@@ -48,13 +41,17 @@ def _http(url, route, *, token=TOKEN, body=None, method=None):
 
 class Server:
     def __init__(self, model_dir: Path, tmp: Path, *extra: str):
-        self.port = _free_port()
+        self.port = serve.free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model_dir = str(model_dir)
         log = tmp / "server.log"
         self.proc = serve.spawn(model_dir, port=self.port, token=TOKEN, log=log, vllm_args=(
             "--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "8", *extra))
-        serve.wait_ready(self.proc, self.url, log=log)
+        try:
+            serve.wait_ready(self.proc, self.url, log=log)
+        except BaseException:
+            serve.stop(self.proc)
+            raise
 
     def logprobs(self) -> tuple[dict[int, float], int]:
         status, headers, out = _http(self.url, "/v1/completions", token=None, body=dict(
@@ -87,6 +84,13 @@ def test_routes_refuse_a_missing_or_wrong_token(server):
                             ("/hotweights/begin", {}), ("/hotweights/commit", {})]:
             status, _, _ = _http(server.url, route, token=token, body=body)
             assert status == 401, (route, token)
+    assert _http(server.url, "/hotweights/status")[2]["paused"] is False
+
+
+@pytest.mark.parametrize("lease_s", ["inf", -1, "soon"])
+def test_bad_lease_is_refused_before_pausing(server, lease_s):
+    status, _, out = _http(server.url, "/hotweights/begin", body=dict(lease_s=lease_s))
+    assert status == 400 and "lease_s must be in (0, 86400] seconds" in out["error"]
     assert _http(server.url, "/hotweights/status")[2]["paused"] is False
 
 
@@ -153,13 +157,13 @@ def test_killed_trainer_lease_expires_and_server_resumes(server, tmp_path):
     code = (
         "import os, signal; from hotweights.bridge import Bridge\n"
         f"b = Bridge.connect({server.url!r}, token={TOKEN!r})\n"
-        "b._post('/hotweights/begin', holder='doomed', mode='wait', lease_s=2)\n"
+        "b._post('/hotweights/begin', holder='doomed', mode='wait', lease_s=10)\n"
         "os.kill(os.getpid(), signal.SIGKILL)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], timeout=120)
     assert proc.returncode == -signal.SIGKILL
     assert _http(server.url, "/hotweights/status")[2]["holder"] == "doomed"
-    deadline = time.time() + 30
+    deadline = time.time() + 60
     while time.time() < deadline:
         status = _http(server.url, "/hotweights/status")[2]
         if status["holder"] is None:
@@ -231,7 +235,7 @@ def test_updates_under_load_are_consistent(server, mode):
             client.join(timeout=120)
     responses = [r for c in clients for r in c.responses]
     assert [e for c in clients for e in c.errors] == []
-    assert len({r["version"] for r in responses}) > 5, "clients saw too few versions"
+    assert len({r["version"] for r in responses}) > 1, "no update happened under load"
     if mode == "abort":  # vLLM ends the stream of a request aborted before its first
         for r in responses:  # token without any chunk: count it as aborted
             if r["finish"] is None and not r["tokens"]:

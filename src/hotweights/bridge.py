@@ -9,6 +9,7 @@ import os
 import socket
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,7 +39,7 @@ class Bridge:
         self.url, self._token = url.rstrip("/"), token
         self.manifests = manifests
         self.version = version
-        self.holder = f"{socket.gethostname()}:{os.getpid()}"
+        self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.tensors = shm.attach(manifests[0])
 
     @classmethod
@@ -84,10 +85,14 @@ class Bridge:
         self._post("/hotweights/begin", holder=self.holder, mode=mode, lease_s=lease_s)
         try:
             yield
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
+            device = next(iter(self.tensors.values())).device
+            if device.type == "cuda":  # the server's stream is not ordered after ours
+                torch.cuda.synchronize(device)
         except BaseException:
-            self._post("/hotweights/abort", holder=self.holder, dirty=True)
+            try:
+                self._post("/hotweights/abort", holder=self.holder, dirty=True)
+            except ServerError as e:  # keep the body's exception; the lease will expire
+                logger.error("abort after a failed update failed: %s", e)
             raise
         self.version = self._post("/hotweights/commit", holder=self.holder)["version"]
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import secrets
-import socket
 import tempfile
 import threading
 import time
@@ -18,12 +18,6 @@ from hotweights.cli import make_console
 
 PROMPT = "The server generates,"
 TARGET = " the trainer learns."
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _complete(url: str, model: str) -> tuple[str, int]:
@@ -53,6 +47,15 @@ class _Client(threading.Thread):
                 self.errors.append(str(e))
 
 
+@contextlib.contextmanager
+def _stopping(client: _Client):
+    try:
+        yield
+    finally:
+        client.done.set()
+        client.join(timeout=120)
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoTokenizer
@@ -65,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     with console.status(f"building a tiny random {args.arch} model in {workdir}"):
         model_dir = tiny.build(args.arch, workdir / args.arch)
 
-    port, token, log = _free_port(), secrets.token_urlsafe(16), workdir / "server.log"
+    port, token, log = serve.free_port(), secrets.token_urlsafe(16), workdir / "server.log"
     url, name = f"http://127.0.0.1:{port}", str(model_dir)
     t0 = time.perf_counter()
     proc = serve.spawn(model_dir, port=port, token=token, log=log,
@@ -95,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         client = _Client(url, name)
         client.start()
         commit_s = []
-        with Progress(console=console, transient=True) as progress:
+        with Progress(console=console, transient=True) as progress, _stopping(client):
             task = progress.add_task("training the served weights in place", total=args.steps)
             for _ in range(args.steps):
                 loss = model(input_ids=ids, labels=labels).loss
@@ -106,8 +109,6 @@ def run(args: argparse.Namespace) -> int:
                 commit_s.append(time.perf_counter() - started)
                 optimizer.zero_grad(set_to_none=True)
                 progress.advance(task)
-        client.done.set()
-        client.join(timeout=120)
         commit_s.sort()
         console.print(
             f"trained {args.steps} steps (loss {loss.item():.3f}); update "

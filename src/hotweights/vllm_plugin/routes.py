@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -24,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 VERSION_HEADER = "x-hotweights-version"
 MODES = ("wait", "abort", "keep")
+MAX_LEASE_S = 24 * 3600.0
 
 
 _METRICS: dict = {}
@@ -67,6 +69,41 @@ class UpdateState:
         return out
 
 
+class _VersionGate:
+    """ASGI middleware: every response says which weight version served it.
+
+    A generation request (/v1/...) that arrives during an update waits for the commit,
+    and a `wait` update waits for every request past this gate to finish (streams
+    included): the version a response reports is the one it was computed with.
+    """
+
+    def __init__(self, app, routes: HotweightsRoutes):
+        self.app, self.routes = app, routes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        routes = self.routes
+        gated = scope["path"].startswith("/v1/")
+        if gated:
+            while not routes.open.is_set():  # re-check: a new update may close it again
+                await routes.open.wait()
+            routes._started()
+        version = str(routes.state.version).encode()
+
+        async def send_with_version(message):
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), (VERSION_HEADER.encode(),
+                                                                   version)]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_version)
+        finally:
+            if gated:
+                routes._finished()
+
+
 class HotweightsRoutes:
     """`vllm.endpoint_plugins` entry point (name `hotweights`)."""
 
@@ -86,6 +123,7 @@ class HotweightsRoutes:
         self.inflight = 0  # generation requests past the gate whose response is not done
         self.idle = asyncio.Event()
         self.idle.set()
+        self.expired: tuple[str, float] | None = None  # (holder, time) of the last expiry
 
     def attach_router(self, app: FastAPI) -> None:
         router = APIRouter(prefix="/hotweights")
@@ -97,36 +135,11 @@ class HotweightsRoutes:
         router.add_api_route("/abort", self.abort, methods=["POST"])
         app.include_router(router)
 
-        @app.middleware("http")
-        async def version_header(request: Request, call_next):
-            if not request.url.path.startswith("/v1/"):
-                response = await call_next(request)
-                response.headers[VERSION_HEADER] = str(self.state.version)
-                return response
-            # A request that arrives during an update waits for the commit, and `wait`
-            # updates wait for every request past this gate to finish (streams included):
-            # the version a response reports is the one it was computed with.
-            await self.open.wait()
-            version = self.state.version
-            self.inflight += 1
-            self.idle.clear()
-            try:
-                response = await call_next(request)
-            except BaseException:
-                self._finished()
-                raise
-            body = response.body_iterator
+        app.add_middleware(_VersionGate, routes=self)
 
-            async def tracked():
-                try:
-                    async for chunk in body:
-                        yield chunk
-                finally:
-                    self._finished()
-
-            response.body_iterator = tracked()
-            response.headers[VERSION_HEADER] = str(version)
-            return response
+    def _started(self) -> None:
+        self.inflight += 1
+        self.idle.clear()
 
     def _finished(self) -> None:
         self.inflight -= 1
@@ -164,11 +177,26 @@ class HotweightsRoutes:
 
     def _not_holder(self, holder: str | None) -> JSONResponse | None:
         if self.state.holder is None:
+            if self.expired is not None and self.expired[0] == holder:
+                return JSONResponse({"error": f"the lease of {holder} expired at "
+                                     f"{self.expired[1]:.0f} (unix time); the server resumed "
+                                     "and marked the weights dirty"}, status_code=409)
             return JSONResponse({"error": "no update in progress"}, status_code=409)
         if holder != self.state.holder:
             return JSONResponse({"error": f"update lease held by {self.state.holder}",
                                  "holder": self.state.holder}, status_code=409)
         return None
+
+    @staticmethod
+    def _lease(body: dict) -> float | JSONResponse:
+        try:
+            lease_s = float(body.get("lease_s", 60.0))
+        except (TypeError, ValueError):
+            lease_s = math.nan
+        if not 0 < lease_s <= MAX_LEASE_S:  # also refuses nan and inf
+            return JSONResponse({"error": f"lease_s must be in (0, {MAX_LEASE_S:.0f}] "
+                                 f"seconds, got {body.get('lease_s')!r}"}, status_code=400)
+        return lease_s
 
     def _arm(self, lease_s: float) -> None:
         self.state.lease_expires = time.time() + lease_s
@@ -184,6 +212,7 @@ class HotweightsRoutes:
             logger.warning("hotweights: lease of %s expired; resuming, weights marked dirty",
                            holder)
             self.state.dirty = True
+            self.expired = (holder, time.time())
             await self._release()
 
     async def _release(self) -> None:
@@ -193,10 +222,12 @@ class HotweightsRoutes:
         self.watchdog = None
         self.metrics["dirty"].set(int(self.state.dirty))
         self.state.holder = self.state.mode = self.state.lease_expires = None
-        if self.state.paused:
-            await self.engine.resume_generation()
-            self.state.paused = False
-        self.open.set()
+        try:
+            if self.state.paused:
+                await self.engine.resume_generation()
+                self.state.paused = False
+        finally:
+            self.open.set()
 
     # -- routes ----------------------------------------------------------------------
 
@@ -215,10 +246,12 @@ class HotweightsRoutes:
             return refused
         body = await self._body(request)
         holder, mode = str(body.get("holder") or "trainer"), body.get("mode", "wait")
-        lease_s = float(body.get("lease_s", 60.0))
         if mode not in MODES:
             return JSONResponse({"error": f"mode must be one of {MODES}, got {mode!r}"},
                                 status_code=400)
+        lease_s = self._lease(body)
+        if isinstance(lease_s, JSONResponse):
+            return lease_s
         async with self.lock:
             if self.state.holder is not None:
                 return JSONResponse({"error": f"update lease held by {self.state.holder}",
@@ -228,8 +261,14 @@ class HotweightsRoutes:
             started = self.began = time.perf_counter()
             try:
                 if mode == "wait":  # finish what already has a version header
-                    await self.idle.wait()
-                await self.engine.pause_generation(mode=mode, clear_cache=False)
+                    await asyncio.wait_for(self.idle.wait(), timeout=lease_s)
+                await asyncio.wait_for(
+                    self.engine.pause_generation(mode=mode, clear_cache=False), lease_s)
+            except TimeoutError:
+                await self._release()
+                return JSONResponse({"error": f"in-flight requests did not finish within "
+                                     f"lease_s={lease_s} s; nothing paused, try again or "
+                                     "use mode=abort"}, status_code=503)
             except BaseException:
                 await self._release()
                 raise
@@ -242,10 +281,13 @@ class HotweightsRoutes:
         if refused := self._refuse(request):
             return refused
         body = await self._body(request)
+        lease_s = self._lease(body)
+        if isinstance(lease_s, JSONResponse):
+            return lease_s
         async with self.lock:
             if refused := self._not_holder(body.get("holder")):
                 return refused
-            self._arm(float(body.get("lease_s", 60.0)))
+            self._arm(lease_s)
         return {"lease_expires": self.state.lease_expires}
 
     async def commit(self, request: Request):
@@ -257,9 +299,13 @@ class HotweightsRoutes:
                 return refused
             started = time.perf_counter()
             await self.engine.collective_rpc("hotweights_after_update")
-            await self.engine.reset_prefix_cache()
+            # Frozen (`keep`) requests hold KV computed with the old weights: drop it too,
+            # they recompute it on resume.
+            reset = await self.engine.reset_prefix_cache(reset_running_requests=True)
             self.state.version += 1
-            self.state.dirty = False
+            self.state.dirty = not reset
+            if not reset:
+                logger.warning("hotweights: prefix cache not reset; weights marked dirty")
             self.state.updates += 1
             await self.engine.update_weight_version(str(self.state.version))
             await self._release()
@@ -278,6 +324,6 @@ class HotweightsRoutes:
                 return refused
             if body.get("dirty", True):  # the trainer may have written part of an update
                 self.state.dirty = True
-                await self.engine.reset_prefix_cache()
+                await self.engine.reset_prefix_cache(reset_running_requests=True)
             await self._release()
         return {"version": self.state.version, "dirty": self.state.dirty}
