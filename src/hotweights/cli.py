@@ -29,7 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="model directory (or name) for vLLM")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
-    p.add_argument("--token", help="access token (default: $HOTWEIGHTS_TOKEN or generated)")
+    p.add_argument("--token", help="access token (default: $HOTWEIGHTS_TOKEN, else generated; "
+                   "prefer the variable: a command line is visible to other users)")
     p.add_argument("--token-file", help="where to write the token, mode 0600 "
                    "(default: ~/.cache/hotweights/server-PORT.token)")
     p.set_defaults(run=_run_serve, passthrough=True)

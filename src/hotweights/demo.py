@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     with console.status(f"building a tiny random {args.arch} model in {workdir}"):
         model_dir = tiny.build(args.arch, workdir / args.arch)
 
-    port, token, log = serve.free_port(), secrets.token_urlsafe(16), workdir / "server.log"
+    port, token, log = serve.free_port(), secrets.token_hex(16), workdir / "server.log"
     url, name = f"http://127.0.0.1:{port}", str(model_dir)
     t0 = time.perf_counter()
     proc = serve.spawn(model_dir, port=port, token=token, log=log,

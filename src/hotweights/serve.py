@@ -43,7 +43,7 @@ def command(args: argparse.Namespace, vllm_args: list[str]) -> list[str]:
 
 
 def run(args: argparse.Namespace, vllm_args: list[str]) -> int:
-    token = args.token or os.environ.get("HOTWEIGHTS_TOKEN") or secrets.token_urlsafe(24)
+    token = args.token or os.environ.get("HOTWEIGHTS_TOKEN") or secrets.token_hex(24)
     token_file = Path(args.token_file or Path.home() / ".cache" / "hotweights"
                       / f"server-{args.port}.token")
     _write_token(token_file, token)
@@ -77,13 +77,13 @@ def run(args: argparse.Namespace, vllm_args: list[str]) -> int:
 def spawn(model: str | os.PathLike, *, port: int, token: str, log: Path,
           vllm_args: tuple[str, ...] = ()) -> subprocess.Popen:
     """Start `hotweights serve` in the background (its own session), output to `log`."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HOTWEIGHTS_TOKEN=token)  # not in argv: ps
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM CPU's default wants 92% of RAM
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # set by in-process engines (local.py)
     with open(log, "w") as out:
         return subprocess.Popen(
             [sys.executable, "-m", "hotweights.cli", "serve", str(model), "--port", str(port),
-             "--token", token, "--token-file", str(log.with_suffix(".token")), *vllm_args],
+             "--token-file", str(log.with_suffix(".token")), *vllm_args],
             stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
