@@ -16,7 +16,7 @@ import torch
 
 from hotweights import serve
 from hotweights.bridge import Bridge
-from hotweights.errors import ServerError
+from hotweights.errors import LayoutError, ServerError
 
 pytestmark = pytest.mark.vllm
 
@@ -275,7 +275,9 @@ def test_custom_remote_code_model_through_the_transformers_backend(custom_model,
                     "--trust-remote-code")
     try:
         bridge = Bridge.connect(custom.url, token=TOKEN)
-        model = bridge.model(trainable=r"layers\.1\.")
+        with pytest.raises(LayoutError, match=r"(?s)tiny_custom: cannot read .*trust_remote_code"):
+            bridge.model()  # the model's own code runs only when the trainer says so
+        model = bridge.model(trainable=r"layers\.1\.", trust_remote_code=True)
         assert type(model).__name__ == "TinyCustomForCausalLM"
         assert bridge.report.missing == () and bridge.report.unused == ()
         before, _ = custom.logprobs()

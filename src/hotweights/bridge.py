@@ -63,11 +63,13 @@ class Bridge:
     def model(self, **kwargs: Any) -> torch.nn.Module:
         """The HF model whose parameters are views into the server's weights.
 
-        Keyword arguments go to `build_hf_model` (`trainable=`, `allow_missing=`, ...);
-        its report is kept in `bridge.report`.
+        Keyword arguments go to `build_hf_model` (`trainable=`, `allow_missing=`,
+        `trust_remote_code=` for a model whose code ships with it, ...); its report is
+        kept in `bridge.report`.
         """
         manifest = self.manifests[0]
-        self.layout = plan(manifest.model, self.tensors, strict=False)
+        self.layout = plan(manifest.model, self.tensors, strict=False,
+                           trust_remote_code=kwargs.get("trust_remote_code", False))
         model, self.report = build_hf_model(manifest.model, self.tensors, layout=self.layout,
                                             **kwargs)
         return model

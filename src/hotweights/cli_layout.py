@@ -27,17 +27,19 @@ def _model_dir(path: str) -> Path:
 def run(args: argparse.Namespace) -> int:
     from hotweights.layout import load_config, plan
 
-    config = load_config(_model_dir(args.model_dir))  # fail fast, before vLLM starts
+    trust = args.trust_remote_code
+    config = load_config(_model_dir(args.model_dir), trust_remote_code=trust)  # fail fast
     _quiet_vllm(args.verbose)
     console = make_console()
     from hotweights.vllm_plugin.local import live_params, start_engine, stop_engine
 
     with console.status(f"loading {args.model_dir} in vLLM"):
         llm = start_engine(args.model_dir, model_impl=args.model_impl, dtype=args.dtype,
-                           trust_remote_code=args.trust_remote_code)
+                           trust_remote_code=trust)
         params = {n: (tuple(t.shape), t.dtype) for n, t in live_params(llm).items()}
         stop_engine(llm)
-    layout = plan(config, {n: s for n, (s, _) in params.items()}, strict=False)
+    layout = plan(config, {n: s for n, (s, _) in params.items()}, strict=False,
+                  trust_remote_code=trust)
 
     table = Table(title=f"vLLM -> HF parameters of {args.model_dir}")
     for col in ("vLLM parameter", "shape", "dtype", "HF parameter", "rows (dim)", "HF shape"):

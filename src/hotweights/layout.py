@@ -95,14 +95,18 @@ class Layout:
         return sum(len(p) for p in self.pieces.values())
 
 
-def load_config(config_or_dir: Any):
-    """A transformers config from a config object, a model directory or a config.json."""
+def load_config(config_or_dir: Any, *, trust_remote_code: bool = False):
+    """A transformers config from a config object, a model directory or a config.json.
+
+    `trust_remote_code` lets a model directory's own code (its `auto_map`) run here.
+    """
     if not isinstance(config_or_dir, str | os.PathLike):
         return config_or_dir
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(os.fspath(config_or_dir), trust_remote_code=True)
+        return AutoConfig.from_pretrained(os.fspath(config_or_dir),
+                                          trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise LayoutError(f"{config_or_dir}: cannot read a transformers config: {e}") from e
 
@@ -125,7 +129,8 @@ def _params_on_meta() -> Iterator[None]:
         torch.nn.Module.register_parameter = original
 
 
-def meta_model(config: Any, *, dtype: torch.dtype | None = None) -> torch.nn.Module:
+def meta_model(config: Any, *, dtype: torch.dtype | None = None,
+               trust_remote_code: bool = False) -> torch.nn.Module:
     """The HF model of `config` with every parameter on `meta` (no memory).
 
     A causal LM; for a multimodal config (text + vision), the image-text-to-text model
@@ -133,18 +138,20 @@ def meta_model(config: Any, *, dtype: torch.dtype | None = None) -> torch.nn.Mod
     """
     import transformers
 
-    config = load_config(config)
+    config = load_config(config, trust_remote_code=trust_remote_code)
     auto = transformers.AutoModelForCausalLM
     if hasattr(config, "vision_config") and hasattr(config, "text_config"):
         auto = transformers.AutoModelForImageTextToText
     with _params_on_meta():
-        model = auto.from_config(config, dtype=dtype, trust_remote_code=True)
+        model = auto.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     return model
 
 
-def hf_params(config: Any) -> tuple[dict[str, Shape], dict[str, str]]:
+def hf_params(config: Any, *, trust_remote_code: bool = False
+              ) -> tuple[dict[str, Shape], dict[str, str]]:
     """HF parameter shapes by name, and the tied aliases (alias -> name it shares)."""
-    model = config if isinstance(config, torch.nn.Module) else meta_model(config)
+    model = config if isinstance(config, torch.nn.Module) else meta_model(
+        config, trust_remote_code=trust_remote_code)
     shapes: dict[str, Shape] = {}
     ties: dict[str, str] = {}
     first: dict[int, str] = {}
@@ -189,6 +196,7 @@ def plan(
     tp_rank: int = 0,
     strict: bool = True,
     hf_shapes: tuple[dict[str, Shape], dict[str, str]] | None = None,
+    trust_remote_code: bool = False,
 ) -> Layout:
     """Map every (rank-local) vLLM parameter to the HF parameters it holds.
 
@@ -199,6 +207,7 @@ def plan(
         strict: raise on a vLLM parameter with no HF home or an HF parameter with no
             vLLM source; otherwise list them in `Layout.unused` / `Layout.missing`.
         hf_shapes: `hf_params(config)`, when the caller already has it.
+        trust_remote_code: let the model directory's own code (`auto_map`) run.
 
     Returns:
         The `Layout`.
@@ -209,8 +218,9 @@ def plan(
     """
     if not 0 <= tp_rank < tp_size:
         raise LayoutError(f"tp_rank={tp_rank} is outside tp_size={tp_size}")
-    config = load_config(config)
-    shapes, ties = hf_shapes if hf_shapes is not None else hf_params(config)
+    config = load_config(config, trust_remote_code=trust_remote_code)
+    shapes, ties = hf_shapes if hf_shapes is not None else hf_params(
+        config, trust_remote_code=trust_remote_code)
     aliases: dict[str, list[str]] = {}
     for alias, target in ties.items():
         aliases.setdefault(target, []).append(alias)

@@ -70,6 +70,7 @@ def build_hf_model(
     allow_unused: bool = True,
     layout: Layout | None = None,
     model: torch.nn.Module | None = None,
+    trust_remote_code: bool = False,
 ) -> tuple[torch.nn.Module, ViewReport]:
     """Build the HF causal-LM of `config` with parameters that are views into `vllm_params`.
 
@@ -88,6 +89,7 @@ def build_hf_model(
         layout: a precomputed `plan(config, vllm_params)`.
         model: the HF model to fill, if the caller built it (`layout.meta_model`); its
             parameters are replaced by views.
+        trust_remote_code: let the model directory's own code (`auto_map`) run here.
 
     Returns:
         (model, report).
@@ -95,11 +97,11 @@ def build_hf_model(
     Raises:
         LayoutError: a missing HF parameter not allowed, or shapes that disagree.
     """
-    config = load_config(config)
+    config = load_config(config, trust_remote_code=trust_remote_code)
     dtypes = [t.dtype for t in vllm_params.values() if t.is_floating_point()]
     dtype = max(set(dtypes), key=dtypes.count) if dtypes else None
     if model is None:
-        model = meta_model(config, dtype=dtype)
+        model = meta_model(config, dtype=dtype, trust_remote_code=trust_remote_code)
     if layout is None:
         layout = plan(config, vllm_params, strict=False, hf_shapes=hf_params(model))
     if layout.unused and not allow_unused:
