@@ -199,14 +199,15 @@ class _StreamingClient(threading.Thread):
                         if not line.startswith("data: ") or line == "data: [DONE]":
                             continue
                         choice = json.loads(line[6:])["choices"][0]
-                        for tok, lp in zip(choice["logprobs"]["tokens"],
-                                           choice["logprobs"]["token_logprobs"], strict=True):
+                        chosen = choice["logprobs"] or {"tokens": [], "token_logprobs": []}
+                        for tok, lp in zip(chosen["tokens"], chosen["token_logprobs"],
+                                           strict=True):
                             tokens.append(int(tok.removeprefix("token_id:")))
                             logprobs.append(lp)
                         finish = choice.get("finish_reason") or finish
                 self.responses.append(dict(version=version, tokens=tokens,
                                            logprobs=logprobs, finish=finish))
-            except (OSError, ValueError, KeyError) as e:
+            except Exception as e:  # noqa: BLE001 - every failure is a finding
                 self.errors.append(repr(e))
 
 
@@ -236,17 +237,13 @@ def test_updates_under_load_are_consistent(server, mode):
     responses = [r for c in clients for r in c.responses]
     assert [e for c in clients for e in c.errors] == []
     assert len({r["version"] for r in responses}) > 1, "no update happened under load"
-    if mode == "abort":  # vLLM ends the stream of a request aborted before its first
-        for r in responses:  # token without any chunk: count it as aborted
-            if r["finish"] is None and not r["tokens"]:
-                r["finish"] = "abort"
     finished = {"length", "stop"} | ({"abort"} if mode == "abort" else set())
-    assert {r["finish"] for r in responses} <= finished
-    if mode != "wait":
-        # keep: frozen requests resume on the new weights (no single version). abort: a
-        # request already past the gate but not yet inside the engine when the pause
-        # lands is queued and computed after the commit (see the closing note).
+    assert {r["finish"] for r in responses} <= finished  # aborted streams say so
+    if mode == "abort":
+        assert any(r["finish"] == "abort" for r in responses)
+    if mode == "keep":  # frozen requests resume on the new weights (no single version)
         return
+
     def error(response: dict, prompt: list[int], version: int) -> float:
         norm.copy_(snapshots[version])  # the clients are stopped: the server is idle
         ids = torch.tensor([prompt + response["tokens"]])
@@ -258,7 +255,7 @@ def test_updates_under_load_are_consistent(server, mode):
     with torch.no_grad():
         for client in clients:
             for response in client.responses:
-                if response["finish"] == "abort" or not response["tokens"]:
+                if not response["tokens"]:  # aborted before its first token
                     continue
                 version = response["version"]
                 claimed = error(response, client.prompt, version)

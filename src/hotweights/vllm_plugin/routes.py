@@ -11,6 +11,7 @@ trainer died) resumes the server by itself and marks the weights dirty.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import math
@@ -21,9 +22,10 @@ from dataclasses import asdict, dataclass, field
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from hotweights.vllm_plugin.gate import Gate, GateMiddleware
+
 logger = logging.getLogger(__name__)
 
-VERSION_HEADER = "x-hotweights-version"
 MODES = ("wait", "abort", "keep")
 MAX_LEASE_S = 24 * 3600.0
 
@@ -69,41 +71,6 @@ class UpdateState:
         return out
 
 
-class _VersionGate:
-    """ASGI middleware: every response says which weight version served it.
-
-    A generation request (/v1/...) that arrives during an update waits for the commit,
-    and a `wait` update waits for every request past this gate to finish (streams
-    included): the version a response reports is the one it was computed with.
-    """
-
-    def __init__(self, app, routes: HotweightsRoutes):
-        self.app, self.routes = app, routes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        routes = self.routes
-        gated = scope["path"].startswith("/v1/")
-        if gated:
-            while not routes.open.is_set():  # re-check: a new update may close it again
-                await routes.open.wait()
-            routes._started()
-        version = str(routes.state.version).encode()
-
-        async def send_with_version(message):
-            if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", ()), (VERSION_HEADER.encode(),
-                                                                   version)]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_with_version)
-        finally:
-            if gated:
-                routes._finished()
-
-
 class HotweightsRoutes:
     """`vllm.endpoint_plugins` entry point (name `hotweights`)."""
 
@@ -118,11 +85,7 @@ class HotweightsRoutes:
         self.engine = None
         self.lock = asyncio.Lock()
         self.watchdog: asyncio.Task | None = None
-        self.open = asyncio.Event()  # cleared while an update holds generation
-        self.open.set()
-        self.inflight = 0  # generation requests past the gate whose response is not done
-        self.idle = asyncio.Event()
-        self.idle.set()
+        self.gate = Gate()
         self.expired: tuple[str, float] | None = None  # (holder, time) of the last expiry
 
     def attach_router(self, app: FastAPI) -> None:
@@ -135,16 +98,7 @@ class HotweightsRoutes:
         router.add_api_route("/abort", self.abort, methods=["POST"])
         app.include_router(router)
 
-        app.add_middleware(_VersionGate, routes=self)
-
-    def _started(self) -> None:
-        self.inflight += 1
-        self.idle.clear()
-
-    def _finished(self) -> None:
-        self.inflight -= 1
-        if self.inflight == 0:
-            self.idle.set()
+        app.add_middleware(GateMiddleware, gate=self.gate, version=lambda: self.state.version)
 
     async def init_state(self, engine_client, state, args) -> None:
         if engine_client is None:
@@ -227,7 +181,17 @@ class HotweightsRoutes:
                 await self.engine.resume_generation()
                 self.state.paused = False
         finally:
-            self.open.set()
+            self.gate.open.set()
+
+    async def _abort_past_the_gate(self) -> None:
+        """Abort every request that has a version header, including those that reached
+        the engine after the pause (vLLM would queue them and run them on the new
+        weights), until none is left: each response was computed with its version."""
+        while not self.gate.idle.is_set():
+            if ids := list(self.engine.output_processor.request_states):
+                await self.engine.abort(ids, internal=True)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.gate.idle.wait(), 0.01)
 
     # -- routes ----------------------------------------------------------------------
 
@@ -257,22 +221,26 @@ class HotweightsRoutes:
                 return JSONResponse({"error": f"update lease held by {self.state.holder}",
                                      "holder": self.state.holder}, status_code=409)
             self.state.holder, self.state.mode = holder, mode
-            self.open.clear()
+            self.gate.open.clear()
             started = self.began = time.perf_counter()
             try:
                 if mode == "wait":  # finish what already has a version header
-                    await asyncio.wait_for(self.idle.wait(), timeout=lease_s)
+                    await asyncio.wait_for(self.gate.idle.wait(), timeout=lease_s)
+                elif mode == "abort":  # streams it ends get a finish reason
+                    self.gate.mark_aborted()
                 await asyncio.wait_for(
                     self.engine.pause_generation(mode=mode, clear_cache=False), lease_s)
+                self.state.paused = True
+                if mode == "abort":
+                    await asyncio.wait_for(self._abort_past_the_gate(), lease_s)
             except TimeoutError:
                 await self._release()
                 return JSONResponse({"error": f"in-flight requests did not finish within "
-                                     f"lease_s={lease_s} s; nothing paused, try again or "
-                                     "use mode=abort"}, status_code=503)
+                                     f"lease_s={lease_s} s; generation resumed, try again "
+                                     "or use mode=abort"}, status_code=503)
             except BaseException:
                 await self._release()
                 raise
-            self.state.paused = True
             self.state.last_pause_s = time.perf_counter() - started
             self._arm(lease_s)
         return {"version": self.state.version, "lease_expires": self.state.lease_expires}

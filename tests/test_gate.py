@@ -1,0 +1,76 @@
+"""The ASGI gate in front of vLLM's /v1 routes, driven by a plain streaming ASGI app."""
+
+import asyncio
+import json
+
+import pytest
+
+from hotweights.vllm_plugin.gate import VERSION_HEADER, Gate, GateMiddleware
+
+
+def _sse(*events: dict) -> list[bytes]:
+    return [b"data: " + json.dumps(e).encode() + b"\n\n" for e in events] + [b"data: [DONE]\n\n"]
+
+
+def _run(path: str, request: dict, chunks: list[bytes], abort: bool) -> tuple[dict, list]:
+    """One request through the gate; `abort` marks it aborted mid-stream."""
+    gate = Gate()
+
+    async def app(scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
+        if abort:
+            gate.mark_aborted()
+        for chunk in chunks:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def main():
+        sent = []
+
+        async def receive():
+            return {"type": "http.request", "body": json.dumps(request).encode()}
+
+        async def send(message):
+            sent.append(message)
+
+        await GateMiddleware(app, gate, lambda: 7)({"type": "http", "path": path}, receive,
+                                                     send)
+        assert gate.idle.is_set() and not gate.live
+        return sent
+
+    sent = asyncio.run(main())
+    events = [json.loads(e[6:]) for m in sent[1:] for e in m.get("body", b"").split(b"\n\n")
+              if e.startswith(b"data: {")]
+    return dict(sent[0]["headers"]), events
+
+
+def test_every_response_carries_the_version():
+    headers, _ = _run("/v1/completions", {"model": "m", "prompt": "x"}, _sse(), abort=False)
+    assert headers[VERSION_HEADER.encode()] == b"7"
+
+
+def test_a_stream_aborted_before_its_first_token_says_abort():
+    _, events = _run("/v1/completions", {"model": "m", "prompt": [1, 2, 3]}, _sse(),
+                     abort=True)
+    assert [c["finish_reason"] for e in events for c in e["choices"]] == ["abort"]
+    assert events[0]["model"] == "m" and events[0]["object"] == "text_completion"
+
+
+def test_chat_and_several_choices_get_one_end_each():
+    chunks = _sse({"choices": [{"index": 1, "delta": {"content": "a"},
+                                "finish_reason": "length"}]})
+    _, events = _run("/v1/chat/completions", {"model": "m", "n": 3, "messages": []}, chunks,
+                     abort=True)
+    ends = {c["index"]: c for e in events for c in e["choices"] if c["finish_reason"]}
+    assert {i: c["finish_reason"] for i, c in ends.items()} == {0: "abort", 1: "length",
+                                                                 2: "abort"}
+    assert ends[0]["delta"] == {} and events[-1]["object"] == "chat.completion.chunk"
+
+
+@pytest.mark.parametrize("abort", [False, True])
+def test_a_finished_stream_gets_nothing_added(abort):
+    chunks = _sse({"choices": [{"index": 0, "text": "a", "finish_reason": "stop"}]})
+    _, events = _run("/v1/completions", {"model": "m", "prompt": "x"}, chunks, abort=abort)
+    assert [c["finish_reason"] for e in events for c in e["choices"]] == ["stop"]
