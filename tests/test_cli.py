@@ -31,6 +31,20 @@ def test_layout_of_a_missing_directory_is_one_clear_line(tmp_path, capsys):
     assert err.startswith("error: ") and "nope" in err
 
 
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--api-server-count", "2"], "--api-server-count 2"),
+    (["-asc=3"], "--api-server-count 3"),
+    (["--data-parallel-size", "2"], "--data-parallel-size 2"),
+])
+def test_serve_refuses_flags_that_split_the_weights_or_the_updates(flags, named, tmp_path,
+                                                                   capsys):
+    token = tmp_path / "token"
+    assert main(["serve", str(tmp_path), "--token-file", str(token), *flags]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and named in err
+    assert not token.exists()  # refused before anything was written or started
+
+
 @pytest.mark.vllm
 def test_demo_trains_the_served_weights_in_place(tmp_path, capsys):
     assert main(["demo", "--workdir", str(tmp_path), "--steps", "30"]) == 0

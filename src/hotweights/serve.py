@@ -42,7 +42,26 @@ def command(args: argparse.Namespace, vllm_args: list[str]) -> list[str]:
             str(args.port), "--worker-extension-cls", WORKER, *vllm_args]
 
 
+def refuse_unshareable(vllm_args: list[str]) -> None:
+    """Fail fast on vLLM flags that would split one copy of the weights or the updates."""
+    from hotweights.errors import ServerError
+
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--api-server-count", "-asc", type=int, default=1)
+    parser.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    known, _ = parser.parse_known_args(vllm_args)
+    if known.api_server_count > 1:
+        raise ServerError(f"--api-server-count {known.api_server_count}: each API server "
+                          "process would hold its own update lease and weight version; "
+                          "hotweights needs exactly one")
+    if known.data_parallel_size > 1:
+        raise ServerError(f"--data-parallel-size {known.data_parallel_size}: each "
+                          "data-parallel rank holds its own copy of the weights; run one "
+                          "server per copy (and remote mode for the others) instead")
+
+
 def run(args: argparse.Namespace, vllm_args: list[str]) -> int:
+    refuse_unshareable(vllm_args)
     token = args.token or os.environ.get("HOTWEIGHTS_TOKEN") or secrets.token_hex(24)
     token_file = Path(args.token_file or Path.home() / ".cache" / "hotweights"
                       / f"server-{args.port}.token")

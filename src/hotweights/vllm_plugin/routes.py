@@ -106,6 +106,11 @@ class HotweightsRoutes:
         if not self.token:
             raise RuntimeError("hotweights: HOTWEIGHTS_TOKEN is not set; start the server "
                                "with `hotweights serve`, which sets it")
+        for flag in ("api_server_count", "data_parallel_size"):
+            if (getattr(args, flag, 1) or 1) > 1:
+                raise RuntimeError(f"hotweights: --{flag.replace('_', '-')} > 1 is not "
+                                   "supported: one server must own the one copy of the "
+                                   "weights, its update lease and its version")
         self.engine = engine_client
         server_id = os.environ.get("HOTWEIGHTS_SERVER_ID")
         self.state.manifests = list(
