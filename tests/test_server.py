@@ -122,6 +122,58 @@ def test_bridge_update_is_served_with_a_new_version(server):
     assert status["dirty"] is False and status["paused"] is False and status["updates"] >= 1
 
 
+@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen3_5"])
+def any_server(request, server, tiny_model, tmp_path_factory, servable):
+    """The llama server above, or a server of another architecture (one per module)."""
+    if request.param == "llama":
+        yield server
+        return
+    servable(request.param)
+    srv = Server(tiny_model(request.param), tmp_path_factory.mktemp(request.param))
+    yield srv
+    srv.stop()
+
+
+def _greedy(server, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    status, _, out = _http(server.url, "/v1/completions", token=None, body=dict(
+        model=server.model_dir, prompt=prompt, max_tokens=n, temperature=0.0, logprobs=1,
+        return_tokens_as_token_ids=True))
+    assert status == 200, out
+    lp = out["choices"][0]["logprobs"]
+    return [int(t.removeprefix("token_id:")) for t in lp["tokens"]], lp["token_logprobs"]
+
+
+def test_k_training_steps_are_served_exactly(any_server):
+    bridge = Bridge.connect(any_server.url, token=TOKEN)
+    model = bridge.model(trainable=True)
+    prompts = [PROMPT, PROMPT[3:8]]
+    before = [_greedy(any_server, p, 8) for p in prompts]
+    ids = torch.tensor([PROMPT])
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        model(ids, labels=ids).loss.backward()
+        with bridge.update(mode="wait"):
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.sub_(0.005 * p.grad.sign())
+    after = [_greedy(any_server, p, 8) for p in prompts]
+    assert after != before  # the steps changed what is served
+    with torch.no_grad():
+        for prompt, (tokens, logprobs) in zip(prompts, after, strict=True):
+            logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+            ours = torch.log_softmax(logits.float(), -1)
+            served = torch.tensor(tokens)
+            # bf16: vLLM's CPU kernels round differently from HF's eager ops; over 8 greedy
+            # tokens logprobs agree within LOAD_TOL, and each served token is the view
+            # model's argmax unless the two best are closer than that.
+            assert (ours.gather(1, served[:, None])[:, 0] - torch.tensor(logprobs)).abs().max() \
+                < LOAD_TOL
+            best = ours.max(-1).values
+            assert ((best - ours.gather(1, served[:, None])[:, 0]) < LOAD_TOL).all()
+    assert any_server.logprobs()[1] == bridge.version
+
+
 def test_metrics_expose_version_and_update_latency(server):
     with urllib.request.urlopen(server.url + "/metrics", timeout=60) as resp:
         text = resp.read().decode()

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from hotweights import shm
-from hotweights.vllm_plugin.cpu_keep_weights import conv_kernel_reads_packed_weights
 from hotweights.vllm_plugin.local import start_engine, stop_engine
 
 pytestmark = pytest.mark.vllm
@@ -19,7 +18,7 @@ PROMPT = [1, 5, 9, 20, 33, 7, 101, 250, 64, 3]
 # The custom remote-code model runs through `hotweights serve` (tests/test_server.py): a
 # second Transformers-backend engine in one process would re-decorate Llama's classes.
 CASES = [("llama_tied", "auto"), ("qwen3", "auto"), ("qwen3_moe", "auto"),
-         ("qwen3_next", "auto"), ("llama", "transformers")]
+         ("qwen3_next", "auto"), ("qwen3_5", "auto"), ("llama", "transformers")]
 TOL = 0.05  # bf16: vLLM's CPU kernels round differently from HF's eager ops
 
 
@@ -34,10 +33,9 @@ def _logprobs(llm) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module", params=CASES, ids=["-".join(c) for c in CASES])
-def served(request, tiny_model):
+def served(request, tiny_model, servable):
     arch, impl = request.param
-    if arch == "qwen3_next" and conv_kernel_reads_packed_weights():
-        pytest.skip("this CPU runs vLLM's packed GDN conv kernel: hotweights refuses it")
+    servable(arch)
     llm = start_engine(tiny_model(arch), model_impl=impl,
                        worker_extension_cls="hotweights.vllm_plugin.worker.HotweightsWorker")
     before = _logprobs(llm)

