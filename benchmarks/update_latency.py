@@ -3,7 +3,7 @@
 Servers run one at a time (127.0.0.1, free port), each started once and always stopped.
 The trainer's "step" is an in-place edit of the last decoder layer (`p.add_(+-1e-3)`).
 
-Models: a tiny llama (1 MB), a ~1 GB dense bf16 llama and a ~1 GB bf16 Qwen3-MoE (128
+Models: a tiny llama (1 MB), a ~1 GB dense bf16 llama and a ~1 GB bf16 Qwen3-MoE (256
 experts, 2 per token). On CPU a 1-token answer of the dense model costs about a second of
 compute with or without any update, which hides what the update costs; the MoE model
 holds as many weight bytes but computes as little per token as the tiny one, so its
@@ -12,7 +12,7 @@ numbers show how the update's cost depends on the bytes. The JSON's `large_*` an
 
 - hotweights (`hotweights serve`): the step runs inside `with bridge.update():`; clock
   from the end of the step, just before the block commits, until a 1-token
-  /v1/completions answer carries the new `x-hotweights-version`.
+  /v1/completions answer to a 3-token prompt carries the new `x-hotweights-version`.
 - reload (a separate plain vLLM server: VLLM_PLUGINS="" so no hotweights plugin,
   VLLM_SERVER_DEV_MODE=1): the trainer edits its own HF copy; clock from the end of the
   step through `save_pretrained` (safetensors, HF names), POST /collective_rpc
@@ -48,13 +48,15 @@ from pathlib import Path
 
 from hotweights import tiny
 
-PROMPT = [1, 5, 9, 20, 33, 7, 101, 250, 64, 3]
+# The probe: the smallest request that shows the weights (its prefill is recomputed after
+# every update: the commit resets the prefix cache).
+PROMPT = [1, 5, 9]
 SERVE_FLAGS = ["--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "8"]
 # ~1.04 GB of bf16 weights each (head_dim >= 32: vLLM's CPU attention needs it).
 DENSE = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=11,
              num_attention_heads=16, num_key_value_heads=8, head_dim=128)
-MOE = dict(hidden_size=1024, num_hidden_layers=2, num_attention_heads=16,
-           num_key_value_heads=4, head_dim=64, num_experts=128, num_experts_per_tok=2,
+MOE = dict(hidden_size=512, num_hidden_layers=2, num_attention_heads=8,
+           num_key_value_heads=2, head_dim=64, num_experts=256, num_experts_per_tok=2,
            moe_intermediate_size=640)
 
 

@@ -174,6 +174,25 @@ def test_k_training_steps_are_served_exactly(any_server):
     assert any_server.logprobs()[1] == bridge.version
 
 
+def test_status_command_and_token_file(server, capsys, monkeypatch, tmp_path):
+    from hotweights.cli import main
+
+    monkeypatch.delenv("HOTWEIGHTS_TOKEN", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no token file for this port yet
+    assert main(["status", server.url]) == 1
+    assert "no token" in capsys.readouterr().err
+    token_file = serve.token_path(server.port)
+    token_file.parent.mkdir(parents=True)
+    token_file.write_text(TOKEN + "\n")  # what `hotweights serve --port` writes
+    assert main(["status", server.url]) == 0
+    out = capsys.readouterr().out
+    assert "weight version" in out and "serving" in out
+    assert main(["status", server.url, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["paused"] is False
+    assert main(["status", server.url, "--token", "wrong"]) == 1
+    assert "HTTP 401" in capsys.readouterr().err
+
+
 def test_metrics_expose_version_and_update_latency(server):
     with urllib.request.urlopen(server.url + "/metrics", timeout=60) as resp:
         text = resp.read().decode()

@@ -8,6 +8,7 @@ import logging
 import os
 import socket
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -26,7 +27,7 @@ class Bridge:
     """A connection to one hotweights server on this machine.
 
     Example:
-        bridge = Bridge.connect("http://127.0.0.1:8000", token=token)
+        bridge = Bridge.connect("http://127.0.0.1:8000")  # token: see connect
         model = bridge.model(trainable=r"layers\\.")
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
@@ -47,11 +48,10 @@ class Bridge:
 
         Args:
             url: the server, e.g. "http://127.0.0.1:8000".
-            token: its access token (default: the HOTWEIGHTS_TOKEN environment variable).
+            token: its access token (default: the HOTWEIGHTS_TOKEN environment variable,
+                else the token file `hotweights serve` wrote for that port).
         """
-        token = token or os.environ.get("HOTWEIGHTS_TOKEN", "")
-        if not token:
-            raise ServerError(f"{url}: no token given (pass token= or set HOTWEIGHTS_TOKEN)")
+        token = find_token(url, token)
         data = _request(url.rstrip("/"), "GET", "/hotweights/manifest", token)
         manifests = [shm.Manifest.from_dict(m, source=f"{url}/hotweights/manifest")
                      for m in data["manifests"]]
@@ -102,6 +102,25 @@ class Bridge:
 
     def _post(self, route: str, **body: Any) -> dict:
         return _request(self.url, "POST", route, self._token, body)
+
+
+def server_status(url: str, token: str | None = None) -> dict:
+    """GET /hotweights/status of the server at `url` (token as for `Bridge.connect`)."""
+    url = url.rstrip("/")
+    return _request(url, "GET", "/hotweights/status", find_token(url, token))
+
+
+def find_token(url: str, token: str | None = None) -> str:
+    """`token`, else $HOTWEIGHTS_TOKEN, else the file `hotweights serve` wrote for the port."""
+    from hotweights.serve import token_path
+
+    if token or (token := os.environ.get("HOTWEIGHTS_TOKEN")):
+        return token
+    path = token_path(urllib.parse.urlsplit(url).port or 80)
+    if path.is_file():
+        return path.read_text().strip()
+    raise ServerError(f"{url}: no token: pass token=, set HOTWEIGHTS_TOKEN, or run the "
+                      f"server on this machine as this user (it writes {path})")
 
 
 def _request(url: str, method: str, route: str, token: str, body: dict | None = None) -> dict:

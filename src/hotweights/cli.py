@@ -36,6 +36,20 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_run_serve, passthrough=True)
 
     p = sub.add_parser(
+        "status",
+        help="show a server's weight version and update state",
+        description="Ask a running `hotweights serve` for its weight version, whether it "
+        "is paused, who holds the update lease and until when, whether the weights are "
+        "dirty (an update was interrupted), and the last update's timings.",
+    )
+    p.add_argument("url", nargs="?", default="http://127.0.0.1:8000",
+                   help="the server (default: http://127.0.0.1:8000)")
+    p.add_argument("--token", help="access token (default: $HOTWEIGHTS_TOKEN, else the "
+                   "token file the server wrote for its port)")
+    p.add_argument("--json", action="store_true", help="print the raw JSON")
+    p.set_defaults(run=_run_status)
+
+    p = sub.add_parser(
         "layout",
         help="show how vLLM's parameters map to the HF model's",
         description="Load MODEL_DIR in vLLM (in this process, CPU or GPU build) and print, "
@@ -77,6 +91,36 @@ def _run_serve(args: argparse.Namespace) -> int:
     from hotweights.serve import run
 
     return run(args, args.extra)
+
+
+def _run_status(args: argparse.Namespace) -> int:
+    import json
+    import time
+
+    from hotweights.bridge import server_status
+
+    url = args.url.rstrip("/")
+    status = server_status(url, args.token)
+    if args.json:
+        print(json.dumps(status))
+        return 0
+    lease = status.get("lease_expires")
+    rows = [
+        ("weight version", status["version"]),
+        ("state", "paused for an update" if status["paused"] else "serving"),
+        ("lease", "none" if status["holder"] is None else
+         f"{status['holder']} ({status['mode']}), expires in {lease - time.time():.0f} s"),
+        ("weights", "DIRTY: an update was interrupted" if status["dirty"] else "clean"),
+        ("updates", status["updates"]),
+    ]
+    for key in ("last_pause_s", "last_commit_s"):
+        if status.get(key) is not None:
+            rows.append((key.removesuffix("_s").replace("_", " "),
+                         f"{1e3 * status[key]:.1f} ms"))
+    print(url)
+    for key, value in rows:
+        print(f"  {key:<15}{value}")
+    return 0
 
 
 def _run_layout(args: argparse.Namespace) -> int:

@@ -25,6 +25,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def token_path(port: int) -> Path:
+    """Where `hotweights serve --port PORT` writes its token unless told otherwise."""
+    return Path.home() / ".cache" / "hotweights" / f"server-{port}.token"
+
+
 def _write_token(path: Path, token: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -63,8 +68,7 @@ def refuse_unshareable(vllm_args: list[str]) -> None:
 def run(args: argparse.Namespace, vllm_args: list[str]) -> int:
     refuse_unshareable(vllm_args)
     token = args.token or os.environ.get("HOTWEIGHTS_TOKEN") or secrets.token_hex(24)
-    token_file = Path(args.token_file or Path.home() / ".cache" / "hotweights"
-                      / f"server-{args.port}.token")
+    token_file = Path(args.token_file or token_path(args.port))
     _write_token(token_file, token)
     for path in shm.sweep_stale():
         print(f"removed stale shared weights {path}")

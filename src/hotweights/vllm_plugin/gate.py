@@ -1,8 +1,9 @@
-"""ASGI middleware in front of vLLM's OpenAI routes (/v1/...).
+"""ASGI middleware in front of vLLM's API server.
 
 Every response says which weight version served it (header `x-hotweights-version`). A
-generation request that arrives during an update waits for the commit, and the routes see
-every request past the gate, so a `wait` update can drain them and an `abort` update can
+request that may reach the engine (/v1/..., and any POST outside /hotweights/) that
+arrives during an update waits for the commit, and the routes see every request past the
+gate, so a `wait` update can drain them and an `abort` update can
 abort them all. vLLM ends the stream of a request aborted before its first token without
 any finish reason; the gate adds `"finish_reason": "abort"` for such choices so clients
 can tell an aborted request from an empty answer.
@@ -51,7 +52,9 @@ class GateMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        if not scope["path"].startswith("/v1/"):
+        path = scope["path"]
+        if not (path.startswith("/v1/") or scope.get("method") == "POST"
+                and not path.startswith("/hotweights/")):  # what may reach the engine
             exchange = _Exchange(scope["path"], self.version())
             return await self.app(scope, receive, exchange.send(send))
         gate = self.gate

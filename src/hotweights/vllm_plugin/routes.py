@@ -112,6 +112,7 @@ class HotweightsRoutes:
                                    "supported: one server must own the one copy of the "
                                    "weights, its update lease and its version")
         self.engine = engine_client
+        await engine_client.update_weight_version(str(self.state.version))  # not "default"
         server_id = os.environ.get("HOTWEIGHTS_SERVER_ID")
         self.state.manifests = list(
             await engine_client.collective_rpc("hotweights_share", args=(server_id,))
@@ -188,12 +189,22 @@ class HotweightsRoutes:
         finally:
             self.gate.open.set()
 
+    async def _reset_caches(self) -> bool:
+        """Drop cached KV, frozen (`keep`) requests' too: they recompute it on resume."""
+        try:
+            return bool(await self.engine.reset_prefix_cache(reset_running_requests=True))
+        except Exception:  # vLLM raises when the scheduler cannot reset
+            logger.exception("hotweights: prefix cache not reset; weights marked dirty")
+            return False
+
     async def _abort_past_the_gate(self) -> None:
         """Abort every request that has a version header, including those that reached
         the engine after the pause (vLLM would queue them and run them on the new
         weights), until none is left: each response was computed with its version."""
         while not self.gate.idle.is_set():
-            if ids := list(self.engine.output_processor.request_states):
+            states = getattr(getattr(self.engine, "output_processor", None),
+                             "request_states", {})
+            if ids := list(states):
                 await self.engine.abort(ids, internal=True)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.gate.idle.wait(), 0.01)
@@ -233,9 +244,9 @@ class HotweightsRoutes:
                     await asyncio.wait_for(self.gate.idle.wait(), timeout=lease_s)
                 elif mode == "abort":  # streams it ends get a finish reason
                     self.gate.mark_aborted()
+                self.state.paused = True  # _release resumes, even if the pause times out
                 await asyncio.wait_for(
                     self.engine.pause_generation(mode=mode, clear_cache=False), lease_s)
-                self.state.paused = True
                 if mode == "abort":
                     await asyncio.wait_for(self._abort_past_the_gate(), lease_s)
             except TimeoutError:
@@ -271,14 +282,15 @@ class HotweightsRoutes:
             if refused := self._not_holder(body.get("holder")):
                 return refused
             started = time.perf_counter()
-            await self.engine.collective_rpc("hotweights_after_update")
-            # Frozen (`keep`) requests hold KV computed with the old weights: drop it too,
-            # they recompute it on resume.
-            reset = await self.engine.reset_prefix_cache(reset_running_requests=True)
-            self.state.version += 1
-            self.state.dirty = not reset
-            if not reset:
-                logger.warning("hotweights: prefix cache not reset; weights marked dirty")
+            try:
+                await self.engine.collective_rpc("hotweights_after_update")
+                hooked = True
+            except Exception:
+                logger.exception("hotweights: post-update hook failed; weights marked dirty")
+                hooked = False
+            reset = await self._reset_caches()
+            self.state.version += 1  # the trainer wrote them: a new version either way
+            self.state.dirty = not (hooked and reset)
             self.state.updates += 1
             await self.engine.update_weight_version(str(self.state.version))
             await self._release()
@@ -286,6 +298,12 @@ class HotweightsRoutes:
             self.metrics["commit"].observe(self.state.last_commit_s)
             self.metrics["update"].observe(time.perf_counter() - self.began)
             self.metrics["version"].set(self.state.version)
+        if self.state.dirty:
+            return JSONResponse({"error": "commit incomplete (see the server log): the "
+                                 "weights are served as version "
+                                 f"{self.state.version} and marked dirty",
+                                 "version": self.state.version, "dirty": True},
+                                status_code=500)
         return {"version": self.state.version}
 
     async def abort(self, request: Request):
@@ -297,6 +315,6 @@ class HotweightsRoutes:
                 return refused
             if body.get("dirty", True):  # the trainer may have written part of an update
                 self.state.dirty = True
-                await self.engine.reset_prefix_cache(reset_running_requests=True)
+                await self._reset_caches()
             await self._release()
         return {"version": self.state.version, "dirty": self.state.dirty}
