@@ -74,3 +74,36 @@ def test_a_finished_stream_gets_nothing_added(abort):
     chunks = _sse({"choices": [{"index": 0, "text": "a", "finish_reason": "stop"}]})
     _, events = _run("/v1/completions", {"model": "m", "prompt": "x"}, chunks, abort=abort)
     assert [c["finish_reason"] for e in events for c in e["choices"]] == ["stop"]
+
+
+@pytest.mark.parametrize(("method", "path", "gated"), [
+    ("POST", "/v1/completions", True), ("GET", "/v1/models", True),
+    ("POST", "/inference/v1/generate", True), ("POST", "/pooling", True),
+    ("POST", "/hotweights/commit", False), ("GET", "/health", False),
+    ("GET", "/metrics", False),
+])
+def test_what_may_reach_the_engine_waits_for_the_commit(method, path, gated):
+    gate = Gate()
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def main() -> bool:
+        gate.open.clear()  # an update is in progress
+
+        async def receive():
+            return {"type": "http.request", "body": b""}
+
+        async def send(message):
+            pass
+
+        call = GateMiddleware(app, gate, lambda: 0)({"type": "http", "method": method,
+                                                     "path": path}, receive, send)
+        try:
+            await asyncio.wait_for(call, 0.2)
+            return False
+        except TimeoutError:
+            return True
+
+    assert asyncio.run(main()) is gated

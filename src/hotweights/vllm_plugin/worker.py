@@ -59,6 +59,10 @@ class HotweightsWorker:
         if manifest is not None:
             shm.release(manifest)
 
+    def destroy_worker_extension(self) -> None:
+        """vLLM >= 0.33 calls this at worker shutdown (0.32: the atexit hook does it)."""
+        self.hotweights_release()
+
 
 def _refuse_unshareable_cuda_memory(vllm_config) -> None:
     # Legacy CUDA IPC (cudaIpcGetMemHandle) cannot export memory that comes from cuMem
