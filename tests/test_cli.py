@@ -45,6 +45,13 @@ def test_serve_refuses_flags_that_split_the_weights_or_the_updates(flags, named,
     assert not token.exists()  # refused before anything was written or started
 
 
+def test_serve_passes_other_data_parallel_flags_to_vllm():
+    from hotweights.serve import refuse_unshareable
+
+    refuse_unshareable(["-dpl", "4", "-dpb=ray", "--data-parallel-size-local", "2", "-dp",
+                        "1", "--api-server-count=1"])  # none of them splits anything
+
+
 @pytest.mark.vllm
 def test_demo_trains_the_served_weights_in_place(tmp_path, capsys):
     assert main(["demo", "--workdir", str(tmp_path), "--steps", "30"]) == 0

@@ -47,22 +47,30 @@ def command(args: argparse.Namespace, vllm_args: list[str]) -> list[str]:
             str(args.port), "--worker-extension-cls", WORKER, *vllm_args]
 
 
+def _flag(vllm_args: list[str], *names: str) -> str | None:
+    """The value given to a vLLM flag (`--x v`, `--x=v`; exact names only), or None."""
+    value = None
+    for i, arg in enumerate(vllm_args):
+        name, eq, given = arg.partition("=")
+        if name in names:
+            value = given if eq else (vllm_args[i + 1] if i + 1 < len(vllm_args) else None)
+    return value
+
+
 def refuse_unshareable(vllm_args: list[str]) -> None:
     """Fail fast on vLLM flags that would split one copy of the weights or the updates."""
     from hotweights.errors import ServerError
 
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--api-server-count", "-asc", type=int, default=1)
-    parser.add_argument("--data-parallel-size", "-dp", type=int, default=1)
-    known, _ = parser.parse_known_args(vllm_args)
-    if known.api_server_count > 1:
-        raise ServerError(f"--api-server-count {known.api_server_count}: each API server "
-                          "process would hold its own update lease and weight version; "
-                          "hotweights needs exactly one")
-    if known.data_parallel_size > 1:
-        raise ServerError(f"--data-parallel-size {known.data_parallel_size}: each "
-                          "data-parallel rank holds its own copy of the weights; run one "
-                          "server per copy (and remote mode for the others) instead")
+    reasons = {
+        ("--api-server-count", "-asc"): "each API server process would hold its own update "
+        "lease and weight version; hotweights needs exactly one",
+        ("--data-parallel-size", "-dp"): "each data-parallel rank holds its own copy of the "
+        "weights; run one server per copy instead",
+    }
+    for names, why in reasons.items():
+        value = _flag(vllm_args, *names)
+        if value is not None and value.isdigit() and int(value) > 1:
+            raise ServerError(f"{names[0]} {value}: {why}")
 
 
 def run(args: argparse.Namespace, vllm_args: list[str]) -> int:
