@@ -33,20 +33,20 @@ Run:  .venv/bin/python benchmarks/update_latency.py [--updates 50] [--reloads 5]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
 import secrets
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
-from hotweights import tiny
+from hotweights import serve, tiny
 
 # The probe: the smallest request that shows the weights (its prefill is recomputed after
 # every update: the commit resets the prefix cache).
@@ -69,48 +69,32 @@ def http(url: str, route: str, body: dict) -> tuple[dict, dict | None]:
         return dict(resp.headers), json.loads(raw) if raw else None
 
 
-class Server:
-    """A server subprocess (own session), up once /health answers; stopped on exit."""
+@contextlib.contextmanager
+def running(name: str, model_dir: Path, args: argparse.Namespace,
+            token: str | None = None) -> Iterator[str]:
+    """A server on a free port, up once /health answers, always stopped; yields its URL.
 
-    def __init__(self, name: str, cmd: list[str], env: dict, workdir: Path, timeout: float):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = str(s.getsockname()[1])
-        self.url, self.log = f"http://127.0.0.1:{port}", workdir / f"{name}.log"
-        cmd = [c.replace("{port}", port) for c in cmd]
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", **env)
-        with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)
-        self.timeout = timeout
-
-    def __enter__(self) -> Server:
-        deadline = time.time() + self.timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                self.__exit__()
-                raise RuntimeError(f"server exited ({self.log}):\n"
-                                   + self.log.read_text()[-3000:])
-            try:
-                if urllib.request.urlopen(self.url + "/health", timeout=2).status == 200:
-                    return self
-            except OSError:
-                time.sleep(1)
-        self.__exit__()
-        raise RuntimeError(f"server not up after {self.timeout:.0f} s (log: {self.log})")
-
-    def __exit__(self, *exc) -> None:
-        self.proc.send_signal(signal.SIGTERM)  # a no-op if it has exited
-        for _ in range(120):  # the server, then its engine and worker children
-            try:
-                os.killpg(self.proc.pid, 0)  # its own session: only processes we started
-            except ProcessLookupError:
-                break
-            self.proc.poll()
-            time.sleep(1)
-        else:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=30)
+    With a token: `hotweights serve`. Without: a plain vLLM server (no hotweights plugin,
+    vLLM's dev routes on, for /collective_rpc).
+    """
+    port = serve.free_port()
+    url, log = f"http://127.0.0.1:{port}", args.workdir / f"{name}.log"
+    if token:
+        proc = serve.spawn(model_dir, port=port, token=token, log=log,
+                           vllm_args=tuple(SERVE_FLAGS))
+    else:
+        env = dict(os.environ, VLLM_PLUGINS="", VLLM_SERVER_DEV_MODE="1",
+                   VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+        with open(log, "w") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", serve.ENTRY, "--model", str(model_dir), "--host",
+                 "127.0.0.1", "--port", str(port), *SERVE_FLAGS],
+                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        serve.wait_ready(proc, url, log=log, timeout=args.start_timeout)
+        yield url
+    finally:
+        serve.stop(proc)
 
 
 def complete(url: str, model: str) -> tuple[int | None, float]:
@@ -146,19 +130,17 @@ def hotweights_run(name: str, model_dir: Path, args: argparse.Namespace,
     from hotweights.bridge import Bridge
 
     token = secrets.token_urlsafe(16)
-    cmd = [sys.executable, "-m", "hotweights.cli", "serve", str(model_dir), "--port", "{port}",
-           "--token", token, "--token-file", str(args.workdir / f"{name}.token"), *SERVE_FLAGS]
-    with Server(name, cmd, {}, args.workdir, args.start_timeout) as srv:
-        idle = idle_ms(srv.url, str(model_dir))
-        bridge = Bridge.connect(srv.url, token=token)
+    with running(name, model_dir, args, token) as url:
+        idle = idle_ms(url, str(model_dir))
+        bridge = Bridge.connect(url, token=token)
         model = bridge.model(trainable=False)
-        times, changed, last = [], 0, complete(srv.url, str(model_dir))[1]
+        times, changed, last = [], 0, complete(url, str(model_dir))[1]
         for step in range(2 + args.updates):
             with bridge.update(mode="wait"):
                 edit(model, step)
                 start = time.perf_counter()  # end of the optimizer step; commit follows
             for _ in range(100):  # the first answer should carry it; bounded anyway
-                version, logprob = complete(srv.url, str(model_dir))
+                version, logprob = complete(url, str(model_dir))
                 if version == bridge.version:
                     break
             else:
@@ -169,7 +151,7 @@ def hotweights_run(name: str, model_dir: Path, args: argparse.Namespace,
             last = logprob
         result = dict(times=times, idle=idle, changed=changed)
         if overhead:
-            out = subprocess.run([sys.executable, __file__, "--overhead", srv.url],
+            out = subprocess.run([sys.executable, __file__, "--overhead", url],
                                  env=dict(os.environ, HOTWEIGHTS_TOKEN=token),
                                  capture_output=True, text=True, timeout=600)
             if out.returncode != 0:
@@ -183,24 +165,21 @@ def reload_run(name: str, model_dir: Path, args: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM
 
     ckpt = args.workdir / f"{name}-ckpt"
-    cmd = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model",
-           str(model_dir), "--host", "127.0.0.1", "--port", "{port}", *SERVE_FLAGS]
-    env = dict(VLLM_PLUGINS="", VLLM_SERVER_DEV_MODE="1")
-    with Server(name, cmd, env, args.workdir, args.start_timeout) as srv:
-        idle = idle_ms(srv.url, str(model_dir))
+    with running(name, model_dir, args) as url:
+        idle = idle_ms(url, str(model_dir))
         trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
         times, parts, changed = [], [], 0
-        last = complete(srv.url, str(model_dir))[1]
+        last = complete(url, str(model_dir))[1]
         for step in range(1 + args.reloads):
             edit(trainer, step)
             t0 = time.perf_counter()  # end of the optimizer step
             trainer.save_pretrained(ckpt)
             t1 = time.perf_counter()
-            http(srv.url, "/collective_rpc", dict(method="reload_weights",
+            http(url, "/collective_rpc", dict(method="reload_weights",
                                                   kwargs=dict(weights_path=str(ckpt))))
-            http(srv.url, "/reset_prefix_cache", {})
+            http(url, "/reset_prefix_cache", {})
             t2 = time.perf_counter()
-            logprob = complete(srv.url, str(model_dir))[1]
+            logprob = complete(url, str(model_dir))[1]
             t3 = time.perf_counter()
             if step >= 1:
                 times.append(1e3 * (t3 - t0))

@@ -140,11 +140,24 @@ def wait_ready(proc: subprocess.Popen, url: str, *, log: Path, timeout: float = 
 
 
 def stop(proc: subprocess.Popen, timeout: float = 120) -> None:
-    """SIGTERM the server (it removes its shared memory) and wait for it."""
+    """SIGTERM the server (it removes its shared memory); wait until its whole session
+    (vLLM's engine and workers too) is gone, so that its memory is free again."""
+    import time
+
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the wrapper and vLLM's processes
-            proc.wait()
+    deadline = time.monotonic() + timeout
+    while _session_alive(proc) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if _session_alive(proc):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _session_alive(proc: subprocess.Popen) -> bool:
+    proc.poll()  # reap the leader: a zombie still counts as a member
+    try:
+        os.killpg(proc.pid, 0)  # started with its own session: only processes we started
+    except ProcessLookupError:
+        return False
+    return True
