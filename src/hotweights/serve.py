@@ -107,7 +107,10 @@ def run(args: argparse.Namespace, vllm_args: list[str]) -> int:
 
 def spawn(model: str | os.PathLike, *, port: int, token: str, log: Path,
           vllm_args: tuple[str, ...] = ()) -> subprocess.Popen:
-    """Start `hotweights serve` in the background (its own session), output to `log`."""
+    """Start `hotweights serve` in the background (its own session), output to `log`.
+
+    The server stops (SIGTERM: it cleans up) when the calling process dies, even killed.
+    """
     env = dict(os.environ, HF_HUB_OFFLINE="1", HOTWEIGHTS_TOKEN=token)  # not in argv: ps
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM CPU's default wants 92% of RAM
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # set by in-process engines (local.py)
@@ -115,7 +118,15 @@ def spawn(model: str | os.PathLike, *, port: int, token: str, log: Path,
         return subprocess.Popen(
             [sys.executable, "-m", "hotweights.cli", "serve", str(model), "--port", str(port),
              "--token-file", str(log.with_suffix(".token")), *vllm_args],
-            stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            preexec_fn=_term_with_parent if sys.platform == "linux" else None)
+
+
+def _term_with_parent() -> None:
+    """In the child: SIGTERM it (a clean stop) when the process that spawned it dies."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def wait_ready(proc: subprocess.Popen, url: str, *, log: Path, timeout: float = 400) -> None:
