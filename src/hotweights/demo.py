@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import multiprocessing
 import secrets
 import tempfile
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -29,22 +29,38 @@ def _complete(url: str, model: str) -> tuple[str, int]:
         return text, int(resp.headers["x-hotweights-version"])
 
 
-class _Client(threading.Thread):
-    """Keeps generating while the trainer updates the weights."""
+def _generate(url: str, model: str, ready, done, results) -> None:
+    versions, errors = [], []
+    while not done.is_set():
+        try:
+            versions.append(_complete(url, model)[1])
+        except OSError as e:
+            errors.append(str(e))
+        ready.set()
+    results.put((versions, errors))
+
+
+class _Client:
+    """Keeps generating while the trainer updates the weights, in a process of its own
+    (as a real client would be: a thread here would fight the trainer for the GIL)."""
 
     def __init__(self, url: str, model: str):
-        super().__init__(daemon=True)
-        self.url, self.model = url, model
-        self.done = threading.Event()
+        ctx = multiprocessing.get_context("spawn")
+        self.ready, self.done, self.results = ctx.Event(), ctx.Event(), ctx.Queue()
+        self.proc = ctx.Process(target=_generate, daemon=True,
+                                args=(url, model, self.ready, self.done, self.results))
         self.versions: list[int] = []
         self.errors: list[str] = []
 
-    def run(self) -> None:
-        while not self.done.is_set():
-            try:
-                self.versions.append(_complete(self.url, self.model)[1])
-            except OSError as e:
-                self.errors.append(str(e))
+    def start(self) -> None:
+        self.proc.start()
+        self.ready.wait(timeout=120)  # its first answer: it generates from now on
+
+    def stop(self) -> None:
+        self.done.set()
+        if self.proc.is_alive() or not self.results.empty():
+            self.versions, self.errors = self.results.get(timeout=120)
+        self.proc.join(timeout=30)
 
 
 @contextlib.contextmanager
@@ -52,8 +68,11 @@ def _stopping(client: _Client):
     try:
         yield
     finally:
-        client.done.set()
-        client.join(timeout=120)
+        client.stop()
+
+
+def _p50_ms(values: list[float]) -> float:
+    return 1000 * sorted(values)[len(values) // 2]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,6 +83,10 @@ def run(args: argparse.Namespace) -> int:
     from hotweights.bridge import Bridge
 
     console = make_console()
+    # vLLM's CPU worker binds its OpenMP threads to cores and keeps them spinning between
+    # steps: trainer threads beyond the free cores would stall on them (10-100x here).
+    # The tiny model needs one. A real trainer: give it cores vLLM does not bind.
+    torch.set_num_threads(1)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="hotweights-demo-"))
     with console.status(f"building a tiny random {args.arch} model in {workdir}"):
         model_dir = tiny.build(args.arch, workdir / args.arch)
@@ -97,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
 
         client = _Client(url, name)
         client.start()
-        commit_s = []
+        update_s, pause_s, commit_s = [], [], []
         with Progress(console=console, transient=True) as progress, _stopping(client):
             task = progress.add_task("training the served weights in place", total=args.steps)
             for _ in range(args.steps):
@@ -106,13 +129,16 @@ def run(args: argparse.Namespace) -> int:
                 started = time.perf_counter()
                 with bridge.update(mode="wait"):
                     optimizer.step()  # writes the very bytes vLLM computes with
-                commit_s.append(time.perf_counter() - started)
+                update_s.append(time.perf_counter() - started)
+                status = bridge.status()
+                pause_s.append(status["last_pause_s"])
+                commit_s.append(status["last_commit_s"])
                 optimizer.zero_grad(set_to_none=True)
                 progress.advance(task)
-        commit_s.sort()
         console.print(
-            f"trained {args.steps} steps (loss {loss.item():.3f}); update "
-            f"(pause, write, commit, resume) p50 {1000 * commit_s[len(commit_s) // 2]:.0f} ms; "
+            f"trained {args.steps} steps (loss {loss.item():.3f}); update p50 "
+            f"{_p50_ms(update_s):.0f} ms = pause {_p50_ms(pause_s):.0f} ms (in-flight "
+            f"requests finish first) + optimizer step + commit {_p50_ms(commit_s):.0f} ms; "
             f"meanwhile a client got {len(client.versions)} completions over versions "
             f"{min(client.versions, default=0)}..{max(client.versions, default=0)}, "
             f"{len(client.errors)} errors"
