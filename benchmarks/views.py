@@ -56,12 +56,9 @@ RESULT_KEYS = ("mapped", "bytes_copied", "overhead_pct", "build_s")
 
 def skip_reason(arch: str) -> str | None:
     """Why `arch` cannot be benchmarked in this build, or None."""
-    if arch == "qwen3_5":
-        try:
-            import vllm.model_executor.models.qwen3_5  # noqa: F401
-        except (ImportError, RuntimeError, OSError) as e:
-            return f"vLLM's Qwen3.5 module cannot be imported here ({e}); see docs/qwen3_5.md"
-    return None
+    from hotweights.vllm_plugin.local import unservable
+
+    return None if arch == "transformers_backend" else unservable(arch)
 
 
 @contextlib.contextmanager

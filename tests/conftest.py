@@ -24,15 +24,10 @@ def servable():
     """servable(arch): skip the test unless this vLLM CPU build can serve `arch` here."""
 
     def check(arch: str) -> None:
-        from hotweights.vllm_plugin.cpu_keep_weights import conv_kernel_reads_packed_weights
+        from hotweights.vllm_plugin.local import unservable
 
-        if arch in tiny.GDN_ARCHS and conv_kernel_reads_packed_weights():
-            pytest.skip("this CPU runs vLLM's packed GDN conv kernel: hotweights refuses it")
-        if arch == "qwen3_5":
-            try:
-                import vllm.model_executor.models.qwen3_5  # noqa: F401
-            except (ImportError, RuntimeError, OSError) as e:  # torchvision: docs/qwen3_5.md
-                pytest.skip(f"vLLM's Qwen3.5 module cannot be imported here: {e}")
+        if reason := unservable(arch):
+            pytest.skip(reason)
 
     return check
 

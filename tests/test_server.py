@@ -78,6 +78,14 @@ def _view_logprobs(model) -> torch.Tensor:
         return torch.log_softmax(model(torch.tensor([PROMPT])).logits[0, -1].float(), -1)
 
 
+def _sign_step(model, lr: float) -> None:
+    """A sign-SGD step on the views: in place, in the server's memory."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p.sub_(lr * p.grad.sign())
+
+
 def test_routes_refuse_a_missing_or_wrong_token(server):
     for token in (None, "wrong"):
         for route, body in [("/hotweights/manifest", None), ("/hotweights/status", None),
@@ -108,10 +116,7 @@ def test_bridge_update_is_served_with_a_new_version(server):
     ids = torch.tensor([PROMPT])
     model(ids, labels=ids).loss.backward()
     with bridge.update(mode="wait"):
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.grad is not None:
-                    p.sub_(0.01 * p.grad.sign())
+        _sign_step(model, 0.01)
     after, served_version = server.logprobs()
     assert served_version == bridge.version == version + 1
     assert after != before
@@ -153,10 +158,7 @@ def test_k_training_steps_are_served_exactly(any_server):
         model.zero_grad(set_to_none=True)
         model(ids, labels=ids).loss.backward()
         with bridge.update(mode="wait"):
-            with torch.no_grad():
-                for p in model.parameters():
-                    if p.grad is not None:
-                        p.sub_(0.005 * p.grad.sign())
+            _sign_step(model, 0.005)
     after = [_greedy(any_server, p, 8) for p in prompts]
     assert after != before  # the steps changed what is served
     with torch.no_grad():
@@ -352,10 +354,7 @@ def test_custom_remote_code_model_through_the_transformers_backend(custom_model,
         ids = torch.tensor([PROMPT])
         model(ids, labels=ids).loss.backward()
         with bridge.update():
-            with torch.no_grad():
-                for p in model.parameters():
-                    if p.grad is not None:
-                        p.sub_(0.01 * p.grad.sign())
+            _sign_step(model, 0.01)
         after, version = custom.logprobs()
         assert version == 1 and after != before
         ours = _view_logprobs(model)

@@ -98,7 +98,7 @@ class Bridge:
         self._post("/hotweights/renew", holder=self.holder, lease_s=lease_s)
 
     def status(self) -> dict:
-        return _request(self.url, "GET", "/hotweights/status", self._token)
+        return server_status(self.url, self._token)
 
     def _post(self, route: str, **body: Any) -> dict:
         return _request(self.url, "POST", route, self._token, body)
