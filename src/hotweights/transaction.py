@@ -1,0 +1,415 @@
+"""The update transaction of one server: named states, the allowed transitions, versions.
+
+    idle/expired --begin--> draining --paused--> paused --commit--> committing --> idle
+                               |                   |--abort------------------------> idle
+                               |                   '--lease expires----------------> expired
+                               '--abort, drain timeout, failure------------------> idle
+
+A version is `N@SERVER` (e.g. `7@3f9a1c2b`): N counts the weight states one server has
+served, SERVER is random per server start, so two weight states never share a version,
+across restarts too. Any resume that may follow a write gets a new N: a commit, an abort
+that says the trainer may have written, a lease that expired. `dirty` says that no commit
+vouched for the weights being served (an abort, an expiry, a failed post-update hook or
+cache reset); the next clean commit clears it. `dirty_versions` keeps which versions were
+served dirty.
+
+Pure: no HTTP, no vLLM. The server plugs vLLM in through `Engine`; tests use a stub.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import time
+from dataclasses import dataclass, fields
+from typing import Any, Protocol
+
+from hotweights.errors import HotweightsError
+
+logger = logging.getLogger(__name__)
+
+MODES = ("wait", "abort", "keep")
+MAX_LEASE_S = 24 * 3600.0
+DEFAULT_LEASE_S = 60.0
+_KEPT_DIRTY = 100  # dirty versions remembered
+
+
+class State(enum.Enum):
+    IDLE = "idle"  # serving; no update
+    DRAINING = "draining"  # begin: new requests held, in-flight ones finishing or aborted
+    PAUSED = "paused"  # leased: the holder writes the weights
+    COMMITTING = "committing"  # hook, cache reset, version bump, resume
+    EXPIRED = "expired"  # serving again after a lease expired; weights dirty
+
+
+class Refused(HotweightsError):
+    """A request the transaction refuses; `status` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str, **detail: Any):
+        super().__init__(message)
+        self.status, self.detail = status, detail
+
+    def to_dict(self) -> dict:
+        return {"error": str(self), **self.detail}
+
+
+class Engine(Protocol):
+    """What the transaction needs from the server (vLLM in production, a stub in tests)."""
+
+    def hold(self) -> None:
+        """Hold new generation requests at the door."""
+
+    def release(self) -> None:
+        """Let held and new requests through."""
+
+    async def pause(self, mode: str) -> None:
+        """Pause generation (mode wait/abort/keep); return once the weights are idle."""
+
+    async def resume(self) -> None: ...
+
+    async def after_update(self) -> None:
+        """The workers' post-update hook; raises on failure."""
+
+    async def reset_caches(self) -> None:
+        """Drop every cache that holds weights-derived state; raises on failure."""
+
+    async def set_version(self, label: str) -> None: ...
+
+
+def version_label(n: int, server_id: str) -> str:
+    return f"{n}@{server_id}"
+
+
+def parse_version(label: str) -> tuple[int, str]:
+    """`"7@3f9a1c2b"` -> (7, "3f9a1c2b"); a HotweightsError names a malformed label."""
+    n, at, server = label.partition("@")
+    if not (at and n.isdigit() and server):
+        raise HotweightsError(f"weight version {label!r}: expected N@SERVER, e.g. 7@3f9a1c2b")
+    return int(n), server
+
+
+# -- requests: frozen, validated; a bad field is a 400 that names it -------------------------
+
+
+def _field(data: dict, name: str, kind: type, default: Any = ...) -> Any:
+    if name not in data:
+        if default is ...:
+            raise Refused(400, f"field {name!r} is required")
+        return default
+    value = data[name]
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or kind is not bool and isinstance(value, bool):
+        raise Refused(400, f"field {name!r} must be a {kind.__name__}, got {value!r}")
+    return value
+
+
+def _parse(cls, data: object):
+    if not isinstance(data, dict):
+        raise Refused(400, f"expected a JSON object, got {type(data).__name__}")
+    known = {f.name for f in fields(cls)}
+    if unknown := sorted(set(data) - known):
+        raise Refused(400, f"unknown field(s) {unknown}; known: {sorted(known)}")
+    return cls(**{f.name: _field(data, f.name, *cls._kinds[f.name]) for f in fields(cls)})
+
+
+def _check_holder(holder: str) -> None:
+    if not holder or len(holder) > 200:
+        raise Refused(400, f"field 'holder' must be 1 to 200 characters, got {holder!r}")
+
+
+def _check_lease(lease_s: float) -> None:
+    if not 0 < lease_s <= MAX_LEASE_S:  # also refuses nan and inf
+        raise Refused(400, f"field 'lease_s' must be in (0, {MAX_LEASE_S:.0f}] seconds, "
+                      f"got {lease_s!r}")
+
+
+@dataclass(frozen=True)
+class Begin:
+    holder: str
+    server_id: str
+    mode: str = "wait"
+    lease_s: float = DEFAULT_LEASE_S
+    _kinds = dict(holder=(str,), server_id=(str,), mode=(str, "wait"),
+                  lease_s=(float, DEFAULT_LEASE_S))
+
+    def __post_init__(self) -> None:
+        _check_holder(self.holder)
+        _check_lease(self.lease_s)
+        if self.mode not in MODES:
+            raise Refused(400, f"field 'mode' must be one of {MODES}, got {self.mode!r}")
+
+    from_json = classmethod(_parse)
+
+
+@dataclass(frozen=True)
+class Renew:
+    holder: str
+    server_id: str
+    lease_s: float = DEFAULT_LEASE_S
+    _kinds = dict(holder=(str,), server_id=(str,), lease_s=(float, DEFAULT_LEASE_S))
+
+    def __post_init__(self) -> None:
+        _check_holder(self.holder)
+        _check_lease(self.lease_s)
+
+    from_json = classmethod(_parse)
+
+
+@dataclass(frozen=True)
+class Commit:
+    holder: str
+    server_id: str
+    _kinds = dict(holder=(str,), server_id=(str,))
+
+    def __post_init__(self) -> None:
+        _check_holder(self.holder)
+
+    from_json = classmethod(_parse)
+
+
+@dataclass(frozen=True)
+class Abort:
+    holder: str
+    server_id: str
+    dirty: bool = True  # the trainer may have written part of an update
+    _kinds = dict(holder=(str,), server_id=(str,), dirty=(bool, True))
+
+    def __post_init__(self) -> None:
+        _check_holder(self.holder)
+
+    from_json = classmethod(_parse)
+
+
+# -- the transaction --------------------------------------------------------------------------
+
+
+class Transaction:
+    """One server's update state machine. Every method runs on the server's event loop.
+
+    Args:
+        engine: the server's generation control (see `Engine`).
+        server_id: this server start's id; every update request must name it.
+        clock: wall-clock time for lease deadlines (tests may pass their own).
+    """
+
+    def __init__(self, engine: Engine, server_id: str, *, clock=time.time):
+        self.engine, self.server_id, self.clock = engine, server_id, clock
+        self.state = State.IDLE
+        self.n = 0
+        self.holder: str | None = None
+        self.mode: str | None = None
+        self.lease_expires: float | None = None
+        self.dirty = False
+        self.dirty_reason: str | None = None
+        self.dirty_versions: list[int] = []
+        self.expired: dict | None = None  # holder, at, version of the last expired lease
+        self.updates = 0
+        self.last_pause_s: float | None = None
+        self.last_commit_s: float | None = None
+        self.last_update_s: float | None = None  # begin to the end of commit
+        self._began = 0.0
+        self._pausing: asyncio.Task | None = None
+        self._watchdog: asyncio.Task | None = None
+        self._lock = asyncio.Lock()  # transitions; never held while draining
+
+    @property
+    def version(self) -> str:
+        return version_label(self.n, self.server_id)
+
+    def status(self) -> dict:
+        return dict(
+            server_id=self.server_id, version=self.version, n=self.n, state=self.state.value,
+            paused=self.state in (State.DRAINING, State.PAUSED, State.COMMITTING),
+            holder=self.holder, mode=self.mode, lease_expires=self.lease_expires,
+            dirty=self.dirty, dirty_reason=self.dirty_reason,
+            dirty_versions=[version_label(n, self.server_id) for n in self.dirty_versions],
+            expired=self.expired, updates=self.updates, last_pause_s=self.last_pause_s,
+            last_commit_s=self.last_commit_s, last_update_s=self.last_update_s,
+        )
+
+    # -- requests ------------------------------------------------------------------------
+
+    async def begin(self, req: Begin) -> dict:
+        """Hold new requests, drain or abort in-flight ones, pause, and lease the weights.
+
+        The whole drain is bounded by `lease_s`; a drain that times out, fails or is
+        cancelled resumes generation. The holder's retry of a begin joins the first one.
+        """
+        async with self._lock:
+            self._check_server(req.server_id)
+            # (a commit holds the lock to its end: never COMMITTING here)
+            if self.state in (State.DRAINING, State.PAUSED):
+                if req.holder != self.holder:
+                    raise self._held()
+                if req.mode != self.mode:
+                    raise Refused(409, f"{req.holder} already began an update in mode "
+                                  f"{self.mode!r}, not {req.mode!r}", holder=self.holder)
+                if self.state is State.PAUSED:  # a retry: the lease runs from now
+                    self._arm(req.lease_s)
+                    return self._granted()
+                pausing = self._pausing
+            else:
+                self.state, self.holder, self.mode = State.DRAINING, req.holder, req.mode
+                self.lease_expires = self.clock() + req.lease_s  # the drain's deadline
+                self._began = time.perf_counter()
+                self.engine.hold()
+                pausing = self._pausing = asyncio.ensure_future(self._pause(req))
+        await asyncio.shield(pausing)  # a cancelled caller leaves the drain to its owner
+        return self._granted()
+
+    async def _pause(self, req: Begin) -> None:
+        try:
+            await asyncio.wait_for(self.engine.pause(req.mode), req.lease_s)
+        except BaseException as e:
+            async with self._lock:
+                if self.holder == req.holder and self.state is State.DRAINING:
+                    await self._resume("drain failed")
+            if isinstance(e, TimeoutError):
+                raise Refused(503, f"in-flight requests did not finish within lease_s="
+                              f"{req.lease_s} s; generation resumed, try again with a longer "
+                              "lease or mode=abort") from None
+            if isinstance(e, asyncio.CancelledError):
+                raise Refused(409, f"{req.holder} aborted its begin") from None
+            raise
+        async with self._lock:
+            self.state = State.PAUSED
+            self.last_pause_s = time.perf_counter() - self._began
+            self._arm(req.lease_s)
+
+    async def renew(self, req: Renew) -> dict:
+        async with self._lock:
+            self._check_holder(req.server_id, req.holder)
+            if self.state is not State.PAUSED:
+                raise Refused(409, f"{req.holder}'s update is {self.state.value}, not paused; "
+                              "renew after begin returned")
+            self._arm(req.lease_s)
+            return self._granted()
+
+    async def commit(self, req: Commit) -> dict:
+        """Post-update hook, cache reset, a new version, resume; `dirty` if a step failed."""
+        async with self._lock:
+            self._check_holder(req.server_id, req.holder)
+            if self.state is not State.PAUSED:
+                raise Refused(409, f"{req.holder}'s update is {self.state.value}; commit "
+                              "after begin returned")
+            self.state = State.COMMITTING
+            self._disarm()
+            started = time.perf_counter()
+            failed = []
+            try:
+                for step in (self.engine.after_update, self.engine.reset_caches):
+                    try:
+                        await step()
+                    except Exception:
+                        logger.exception("hotweights: %s failed; weights marked dirty",
+                                         step.__name__)
+                        failed.append(step.__name__)
+            finally:  # whatever happened, the trainer wrote: a new version, and resume
+                self.updates += 1
+                await self._new_version(f"commit by {req.holder}: {', '.join(failed)} "
+                                        "failed" if failed else None)
+                await self._resume("committed")
+            self.last_commit_s = time.perf_counter() - started
+            self.last_update_s = time.perf_counter() - self._began
+            return {"version": self.version, "n": self.n, "dirty": self.dirty,
+                    "dirty_reason": self.dirty_reason}
+
+    async def abort(self, req: Abort) -> dict:
+        """Resume. With `dirty` (the default: the trainer may have written) the weights get
+        a new version marked dirty; without, the version stays."""
+        async with self._lock:
+            self._check_holder(req.server_id, req.holder)
+            if self.state is State.DRAINING:
+                self._pausing.cancel()
+            else:
+                self._disarm()
+            if req.dirty:
+                await self._reset_quietly()
+                await self._new_version(f"update aborted by {req.holder}")
+            await self._resume("aborted")
+            return {"version": self.version, "n": self.n, "dirty": self.dirty}
+
+    async def expire(self, holder: str) -> None:
+        """The lease of `holder` ran out: resume on weights it may have half-written."""
+        async with self._lock:
+            if self.holder != holder or self.state is not State.PAUSED:
+                return
+            logger.warning("hotweights: lease of %s expired; resuming, weights marked dirty",
+                           holder)
+            await self._reset_quietly()
+            await self._new_version(f"lease of {holder} expired")
+            await self._resume("expired")
+            self.state = State.EXPIRED
+            self.expired = dict(holder=holder, at=self.clock(), version=self.version)
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _granted(self) -> dict:
+        return {"version": self.version, "n": self.n, "lease_expires": self.lease_expires,
+                "server_id": self.server_id}
+
+    def _check_server(self, server_id: str) -> None:
+        if server_id != self.server_id:
+            raise Refused(409, f"this is server {self.server_id}, not {server_id}: the server "
+                          "restarted and the weights you mapped are gone; reconnect "
+                          "(Bridge.connect) and rebuild the model", server_id=self.server_id)
+
+    def _held(self) -> Refused:
+        return Refused(409, f"update lease held by {self.holder} ({self.state.value})",
+                       holder=self.holder)
+
+    def _check_holder(self, server_id: str, holder: str) -> None:
+        self._check_server(server_id)
+        if self.holder is not None and holder != self.holder:
+            raise self._held()
+        if self.holder is None:
+            if self.expired and self.expired["holder"] == holder:
+                raise Refused(409, f"the lease of {holder} expired at "
+                              f"{self.expired['at']:.0f} (unix time); the server resumed and "
+                              f"serves version {self.expired['version']}, marked dirty",
+                              expired=self.expired)
+            raise Refused(409, f"no update in progress for {holder}")
+
+    def _arm(self, lease_s: float) -> None:
+        self._disarm()
+        self.lease_expires = self.clock() + lease_s
+        self._watchdog = asyncio.ensure_future(self._expire_after(lease_s, self.holder))
+
+    def _disarm(self) -> None:
+        if self._watchdog is not None and self._watchdog is not asyncio.current_task():
+            self._watchdog.cancel()
+        self._watchdog = None
+
+    async def _expire_after(self, delay: float, holder: str | None) -> None:
+        await asyncio.sleep(delay)
+        await self.expire(holder)
+
+    async def _reset_quietly(self) -> None:
+        with contextlib.suppress(Exception):  # dirty anyway; the log says why
+            await self.engine.reset_caches()
+
+    async def _new_version(self, dirty_reason: str | None) -> None:
+        self.n += 1
+        self.dirty, self.dirty_reason = dirty_reason is not None, dirty_reason
+        if self.dirty:
+            self.dirty_versions = [*self.dirty_versions, self.n][-_KEPT_DIRTY:]
+        try:  # vLLM's own label; ours (status, headers) is already right
+            await self.engine.set_version(self.version)
+        except Exception:
+            logger.exception("hotweights: could not label the engine's weights %s",
+                             self.version)
+
+    async def _resume(self, why: str) -> None:
+        """End the update: idle, resume generation, let requests in (even if resume fails)."""
+        self._disarm()
+        self.state, self.holder, self.mode, self.lease_expires = State.IDLE, None, None, None
+        self._pausing = None
+        try:  # also after a drain that failed half way: resuming an idle engine is a no-op
+            await self.engine.resume()
+        finally:
+            self.engine.release()
+            logger.info("hotweights: %s; serving version %s", why, self.version)
+

@@ -1,0 +1,364 @@
+"""The update state machine with a stub engine: every route in every state, in milliseconds."""
+
+import asyncio
+
+import pytest
+
+from hotweights.transaction import (
+    Abort,
+    Begin,
+    Commit,
+    Refused,
+    Renew,
+    State,
+    Transaction,
+    parse_version,
+)
+
+SID = "s1"
+
+
+class StubEngine:
+    """Records what the transaction asks of the server; steps can block or fail."""
+
+    def __init__(self):
+        self.held = self.paused = False
+        self.label = None
+        self.resumes = 0
+        self.block: dict[str, asyncio.Event] = {}  # step -> released when set
+        self.fail: set[str] = set()
+
+    async def _step(self, name):
+        if name in self.block:
+            await self.block[name].wait()
+        if name in self.fail:
+            raise RuntimeError(f"{name} failed")
+
+    def hold(self):
+        self.held = True
+
+    def release(self):
+        self.held = False
+
+    async def pause(self, mode):
+        await self._step("pause")
+        self.paused = True
+
+    async def resume(self):
+        self.resumes += 1
+        self.paused = False
+
+    async def after_update(self):
+        await self._step("after_update")
+
+    async def reset_caches(self):
+        await self._step("reset_caches")
+
+    async def set_version(self, label):
+        self.label = label
+
+
+def run(test):
+    """Run `test(tx, engine)` on a fresh transaction inside one event loop."""
+    engine = StubEngine()
+
+    async def main():
+        return await test(Transaction(engine, SID), engine)
+
+    return asyncio.run(main())
+
+
+def begin(holder="h1", **kw):
+    return Begin(holder=holder, server_id=SID, **kw)
+
+
+async def settle():
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def into(state: State, tx: Transaction, engine: StubEngine, lease_s=60.0):
+    """Bring `tx` into `state` with holder h1; returns the task still running, if any."""
+    if state is State.IDLE:
+        return None
+    if state is State.DRAINING:
+        engine.block["pause"] = asyncio.Event()
+        task = asyncio.ensure_future(tx.begin(begin(lease_s=lease_s)))
+        await settle()
+        return task
+    await tx.begin(begin(lease_s=0.01 if state is State.EXPIRED else lease_s))
+    if state is State.EXPIRED:
+        await asyncio.sleep(0.05)
+    if state is State.COMMITTING:
+        engine.block["after_update"] = asyncio.Event()
+        task = asyncio.ensure_future(tx.commit(Commit("h1", SID)))
+        await settle()
+        return task
+    return None
+
+
+@pytest.mark.parametrize("state", list(State))
+def test_into_reaches_each_state(state):
+    async def test(tx, engine):
+        task = await into(state, tx, engine)
+        assert tx.state is state
+        if task:
+            task.cancel()
+
+    run(test)
+
+
+# state -> route -> expected: a state after success, or the HTTP status of the refusal
+TABLE = {
+    State.IDLE: dict(begin_same=State.PAUSED, begin_other=State.PAUSED, renew=409,
+                     commit=409, abort=409),
+    State.DRAINING: dict(begin_same=State.PAUSED, begin_other=409, renew=409, commit=409,
+                         abort=State.IDLE),
+    State.PAUSED: dict(begin_same=State.PAUSED, begin_other=409, renew=State.PAUSED,
+                       commit=State.IDLE, abort=State.IDLE),
+    # a commit holds the transaction: what arrives meanwhile runs after it, on idle
+    State.COMMITTING: dict(begin_same=State.PAUSED, begin_other=State.PAUSED, renew=409,
+                           commit=409, abort=409),
+    State.EXPIRED: dict(begin_same=State.PAUSED, begin_other=State.PAUSED, renew=409,
+                        commit=409, abort=409),
+}
+
+
+@pytest.mark.parametrize("route", ["begin_same", "begin_other", "renew", "commit", "abort"])
+@pytest.mark.parametrize("state", list(State))
+def test_every_route_in_every_state(state, route):
+    expected = TABLE[state][route]
+
+    async def test(tx, engine):
+        pending = await into(state, tx, engine)
+        call = {
+            "begin_same": lambda: tx.begin(begin("h1")),
+            "begin_other": lambda: tx.begin(begin("h2")),
+            "renew": lambda: tx.renew(Renew("h1", SID, lease_s=30)),
+            "commit": lambda: tx.commit(Commit("h1", SID)),
+            "abort": lambda: tx.abort(Abort("h1", SID)),
+        }[route]
+        task = asyncio.ensure_future(call())
+        await settle()
+        for event in engine.block.values():  # let a blocked drain or commit finish
+            event.set()
+        try:
+            out = await task
+        except Refused as e:
+            assert e.status == expected, (state, route, str(e))
+        else:
+            assert tx.state is expected, (state, route, out)
+            assert "version" in out
+        if pending is not None:
+            try:
+                await pending
+            except Refused as e:  # a drain aborted under its begin
+                assert (state, route) == (State.DRAINING, "abort") and e.status == 409
+        if tx.state is State.IDLE:
+            assert not engine.held and not engine.paused
+        elif tx.state is State.PAUSED:
+            assert engine.held and engine.paused
+
+    run(test)
+
+
+def test_commit_serves_a_new_clean_version():
+    async def test(tx, engine):
+        granted = await tx.begin(begin())
+        assert granted["version"] == f"0@{SID}" and engine.held and engine.paused
+        status = tx.status()
+        assert status["state"] == "paused" and status["paused"] and status["holder"] == "h1"
+        out = await tx.commit(Commit("h1", SID))
+        assert out == {"version": f"1@{SID}", "n": 1, "dirty": False, "dirty_reason": None}
+        assert engine.label == f"1@{SID}" and not engine.held and not engine.paused
+        assert tx.status()["updates"] == 1 and tx.status()["last_update_s"] is not None
+
+    run(test)
+
+
+def test_status_while_draining_has_a_deadline_and_says_paused():
+    async def test(tx, engine):
+        task = await into(State.DRAINING, tx, engine, lease_s=30)
+        status = tx.status()
+        assert status["state"] == "draining" and status["paused"] is True  # requests held
+        assert status["holder"] == "h1" and status["lease_expires"] > 0
+        engine.block["pause"].set()
+        await task
+
+    run(test)
+
+
+@pytest.mark.parametrize("dirty", [True, False])
+def test_abort_with_and_without_dirty(dirty):
+    async def test(tx, engine):
+        await tx.begin(begin())
+        out = await tx.abort(Abort("h1", SID, dirty=dirty))
+        status = tx.status()
+        assert status["state"] == "idle" and not engine.paused and not engine.held
+        if dirty:  # may have written: a new version, served dirty
+            assert out["version"] == f"1@{SID}" and status["dirty"]
+            assert status["dirty_versions"] == [f"1@{SID}"]
+            assert "aborted by h1" in status["dirty_reason"]
+        else:
+            assert out["version"] == f"0@{SID}" and not status["dirty"]
+
+    run(test)
+
+
+@pytest.mark.parametrize("step", ["after_update", "reset_caches"])
+def test_a_failed_commit_step_serves_a_new_dirty_version_and_a_clean_commit_clears_it(step):
+    async def test(tx, engine):
+        await tx.begin(begin())
+        engine.fail.add(step)
+        out = await tx.commit(Commit("h1", SID))
+        assert out["dirty"] and step in out["dirty_reason"] and out["version"] == f"1@{SID}"
+        assert tx.state is State.IDLE and not engine.paused and not engine.held
+        engine.fail.clear()
+        await tx.begin(begin())
+        out = await tx.commit(Commit("h1", SID))
+        assert not out["dirty"] and tx.status()["dirty_versions"] == [f"1@{SID}"]
+
+    run(test)
+
+
+def test_lease_expiry_in_each_state():
+    async def test(tx, engine):
+        # idle: nothing to expire; paused: resume on a new dirty version
+        await tx.begin(begin(lease_s=0.02))
+        await asyncio.sleep(0.06)
+        status = tx.status()
+        assert status["state"] == "expired" and status["dirty"] and status["n"] == 1
+        assert status["expired"]["holder"] == "h1" and not engine.paused and not engine.held
+        # a drain longer than the lease: 503, serving again, nothing written, same version
+        engine.block["pause"] = asyncio.Event()
+        with pytest.raises(Refused, match="did not finish within lease_s=0.02") as e:
+            await tx.begin(begin(lease_s=0.02))
+        assert e.value.status == 503 and tx.state is State.IDLE and tx.n == 1
+        assert not engine.held
+        del engine.block["pause"]
+        # committing: a commit that outlasts the lease is not cut short
+        await tx.begin(begin(lease_s=0.02))
+        engine.block["after_update"] = asyncio.Event()
+        commit = asyncio.ensure_future(tx.commit(Commit("h1", SID)))
+        await asyncio.sleep(0.05)
+        assert tx.state is State.COMMITTING
+        engine.block["after_update"].set()
+        assert (await commit)["dirty"] is False and tx.state is State.IDLE
+
+    run(test)
+
+
+def test_commit_after_expiry_names_the_expiry():
+    async def test(tx, engine):
+        await tx.begin(begin(lease_s=0.01))
+        await asyncio.sleep(0.05)
+        with pytest.raises(Refused, match=r"lease of h1 expired .* serves version 1@s1"):
+            await tx.commit(Commit("h1", SID))
+        assert tx.n == 1  # the expiry's version; the late commit changed nothing
+
+    run(test)
+
+
+def test_renew_keeps_a_long_update_alive():
+    async def test(tx, engine):
+        await tx.begin(begin(lease_s=0.05))
+        for _ in range(4):
+            await asyncio.sleep(0.03)
+            await tx.renew(Renew("h1", SID, lease_s=0.05))
+        assert tx.state is State.PAUSED
+        assert not (await tx.commit(Commit("h1", SID)))["dirty"]
+
+    run(test)
+
+
+def test_the_same_holder_retrying_begin():
+    async def test(tx, engine):
+        engine.block["pause"] = asyncio.Event()
+        first = asyncio.ensure_future(tx.begin(begin()))
+        await settle()
+        second = asyncio.ensure_future(tx.begin(begin()))  # a client that timed out, retried
+        await settle()
+        engine.block["pause"].set()
+        a, b = await first, await second
+        assert a["version"] == b["version"] and tx.state is State.PAUSED
+        assert (await tx.begin(begin()))["lease_expires"] >= a["lease_expires"]  # re-armed
+        with pytest.raises(Refused, match="already began an update in mode 'wait'"):
+            await tx.begin(begin(mode="abort"))
+
+    run(test)
+
+
+def test_a_cancelled_begin_caller_leaves_the_drain_to_its_holder():
+    async def test(tx, engine):
+        engine.block["pause"] = asyncio.Event()
+        task = asyncio.ensure_future(tx.begin(begin()))
+        await settle()
+        task.cancel()
+        await settle()
+        assert tx.state is State.DRAINING  # the holder can still retry or abort
+        await tx.abort(Abort("h1", SID, dirty=False))
+        assert tx.state is State.IDLE and not engine.held and tx.n == 0
+
+    run(test)
+
+
+def test_a_failing_drain_resumes():
+    async def test(tx, engine):
+        engine.fail.add("pause")
+        with pytest.raises(RuntimeError, match="pause failed"):
+            await tx.begin(begin())
+        assert tx.state is State.IDLE and not engine.held and engine.resumes == 1
+
+    run(test)
+
+
+@pytest.mark.parametrize("route", ["begin", "renew", "commit", "abort"])
+def test_a_restarted_server_refuses_the_old_server_id(route):
+    async def test(tx, engine):
+        await tx.begin(begin())
+        call = {"begin": tx.begin(Begin("h1", "old")), "renew": tx.renew(Renew("h1", "old")),
+                "commit": tx.commit(Commit("h1", "old")), "abort": tx.abort(Abort("h1", "old"))}
+        for name, coro in call.items():
+            if name != route:
+                coro.close()
+        with pytest.raises(Refused, match="server restarted .* reconnect") as e:
+            await call[route]
+        assert e.value.status == 409 and e.value.detail == {"server_id": SID}
+        assert tx.state is State.PAUSED  # nothing changed
+
+    run(test)
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({"server_id": SID}, "field 'holder' is required"),
+    ({"holder": "h", "server_id": SID, "lease_s": "soon"}, "field 'lease_s' must be a float"),
+    ({"holder": "h", "server_id": SID, "lease_s": float("inf")}, "'lease_s' must be in"),
+    ({"holder": "h", "server_id": SID, "lease_s": -1}, "'lease_s' must be in"),
+    ({"holder": "h", "server_id": SID, "mode": "later"}, "field 'mode' must be one of"),
+    ({"holder": "h", "server_id": SID, "lease": 5}, r"unknown field\(s\) \['lease'\]"),
+    ({"holder": "", "server_id": SID}, "'holder' must be 1 to 200 characters"),
+    ({"holder": "h"}, "field 'server_id' is required"),
+    ({"holder": "h", "server_id": SID, "lease_s": True}, "field 'lease_s' must be a float"),
+    ([1, 2], "expected a JSON object, got list"),
+])
+def test_bad_requests_are_400_naming_the_field(body, message):
+    with pytest.raises(Refused, match=message) as e:
+        Begin.from_json(body)
+    assert e.value.status == 400
+
+
+def test_request_types_are_frozen_and_typed():
+    req = Begin.from_json({"holder": "h", "server_id": SID, "lease_s": 5})
+    assert req == Begin("h", SID, "wait", 5.0)
+    with pytest.raises(AttributeError):
+        req.holder = "x"
+    assert Abort.from_json({"holder": "h", "server_id": SID}).dirty is True
+    with pytest.raises(Refused, match="field 'dirty' must be a bool"):
+        Abort.from_json({"holder": "h", "server_id": SID, "dirty": "yes"})
+
+
+def test_version_labels():
+    assert parse_version("7@3f9a1c2b") == (7, "3f9a1c2b")
+    for bad in ("7", "x@s", "7@"):
+        with pytest.raises(Exception, match="expected N@SERVER"):
+            parse_version(bad)
