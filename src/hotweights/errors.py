@@ -19,3 +19,7 @@ class CheckpointError(HotweightsError):
 
 class ServerError(HotweightsError):
     """The vLLM server refused or failed (names the route and the HTTP status)."""
+
+
+class ConfigError(HotweightsError):
+    """A server option or environment hotweights cannot work with (names the flag)."""
