@@ -97,13 +97,13 @@ def running(name: str, model_dir: Path, args: argparse.Namespace,
         serve.stop(proc)
 
 
-def complete(url: str, model: str) -> tuple[int | None, float]:
+def complete(url: str, model: str) -> tuple[str | None, float]:
     """One greedy 1-token completion: (x-hotweights-version or None, its logprob)."""
     headers, out = http(url, "/v1/completions", dict(
         model=model, prompt=PROMPT, max_tokens=1, temperature=0.0, logprobs=1))
     version = headers.get("x-hotweights-version")
     logprob = out["choices"][0]["logprobs"]["token_logprobs"][0]
-    return (None if version is None else int(version)), logprob
+    return version, logprob
 
 
 def idle_ms(url: str, model: str, n: int = 5) -> float:

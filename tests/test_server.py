@@ -17,6 +17,7 @@ import torch
 from hotweights import serve
 from hotweights.bridge import Bridge
 from hotweights.errors import LayoutError, ServerError
+from hotweights.transaction import parse_version
 
 pytestmark = pytest.mark.vllm
 
@@ -40,8 +41,8 @@ def _http(url, route, *, token=TOKEN, body=None, method=None):
 
 
 class Server:
-    def __init__(self, model_dir: Path, tmp: Path, *extra: str):
-        self.port = serve.free_port()
+    def __init__(self, model_dir: Path, tmp: Path, *extra: str, port: int | None = None):
+        self.port = port or serve.free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model_dir = str(model_dir)
         log = tmp / "server.log"
@@ -53,14 +54,14 @@ class Server:
             serve.stop(self.proc)
             raise
 
-    def logprobs(self) -> tuple[dict[int, float], int]:
+    def logprobs(self) -> tuple[dict[int, float], str]:
         status, headers, out = _http(self.url, "/v1/completions", token=None, body=dict(
             model=self.model_dir, prompt=PROMPT, max_tokens=1, temperature=0.0, logprobs=5,
             return_tokens_as_token_ids=True))
         assert status == 200, out
         top = out["choices"][0]["logprobs"]["top_logprobs"][0]
         return ({int(t.removeprefix("token_id:")): lp for t, lp in top.items()},
-                int(headers["x-hotweights-version"]))
+                headers["x-hotweights-version"])
 
     def stop(self) -> None:
         serve.stop(self.proc)
@@ -97,8 +98,10 @@ def test_routes_refuse_a_missing_or_wrong_token(server):
 
 @pytest.mark.parametrize("lease_s", ["inf", -1, "soon"])
 def test_bad_lease_is_refused_before_pausing(server, lease_s):
-    status, _, out = _http(server.url, "/hotweights/begin", body=dict(lease_s=lease_s))
-    assert status == 400 and "lease_s must be in (0, 86400] seconds" in out["error"]
+    server_id = _http(server.url, "/hotweights/status")[2]["server_id"]
+    status, _, out = _http(server.url, "/hotweights/begin",
+                           body=dict(holder="t", server_id=server_id, lease_s=lease_s))
+    assert status == 400 and "field 'lease_s' must be" in out["error"]
     assert _http(server.url, "/hotweights/status")[2]["paused"] is False
 
 
@@ -118,12 +121,14 @@ def test_bridge_update_is_served_with_a_new_version(server):
     with bridge.update(mode="wait"):
         _sign_step(model, 0.01)
     after, served_version = server.logprobs()
-    assert served_version == bridge.version == version + 1
+    assert served_version == bridge.version
+    assert parse_version(served_version) == (parse_version(version)[0] + 1, bridge.server_id)
     assert after != before
     ours = _view_logprobs(model)
     for token, logprob in after.items():
         assert abs(ours[token].item() - logprob) < TOL, token
     status = bridge.status()
+    assert status["version"] == bridge.version and status["state"] == "idle"
     assert status["dirty"] is False and status["paused"] is False and status["updates"] >= 1
 
 
@@ -199,7 +204,7 @@ def test_metrics_expose_version_and_update_latency(server):
     with urllib.request.urlopen(server.url + "/metrics", timeout=60) as resp:
         text = resp.read().decode()
     version = _http(server.url, "/hotweights/status")[2]["version"]
-    assert f"hotweights_weight_version {float(version)}" in text
+    assert f"hotweights_weight_version {float(parse_version(version)[0])}" in text
     assert "hotweights_update_seconds_count" in text and "hotweights_commit_seconds" in text
 
 
@@ -214,23 +219,36 @@ def test_second_trainer_gets_409_naming_the_holder(server):
     assert first.status()["holder"] is None
 
 
-def test_exception_in_update_aborts_resumes_and_marks_dirty(server):
+def test_exception_in_update_aborts_resumes_and_serves_a_new_dirty_version(server):
     bridge = Bridge.connect(server.url, token=TOKEN)
-    version = bridge.version
+    n, _ = parse_version(bridge.version)
     with pytest.raises(RuntimeError, match="boom"):
         with bridge.update():
             raise RuntimeError("boom")
     status = bridge.status()
     assert status["dirty"] is True and status["paused"] is False
-    assert status["version"] == version
-    assert server.logprobs()  # serving again
+    dirty = f"{n + 1}@{bridge.server_id}"  # the body may have written half an update
+    assert status["version"] == dirty and dirty in status["dirty_versions"]
+    assert server.logprobs()[1] == dirty  # serving again, under the dirty version
+    with bridge.update():  # a clean commit vouches for the weights again
+        pass
+    assert bridge.status()["dirty"] is False
+
+
+def test_a_step_longer_than_the_lease_is_kept_alive_by_renewal(server):
+    bridge = Bridge.connect(server.url, token=TOKEN)
+    with bridge.update(lease_s=1.5):
+        time.sleep(4)  # the lease is renewed every 0.5 s in the background
+    status = bridge.status()
+    assert status["dirty"] is False and status["version"] == bridge.version
 
 
 def test_killed_trainer_lease_expires_and_server_resumes(server, tmp_path):
     code = (
         "import os, signal; from hotweights.bridge import Bridge\n"
         f"b = Bridge.connect({server.url!r}, token={TOKEN!r})\n"
-        "b._post('/hotweights/begin', holder='doomed', mode='wait', lease_s=10)\n"
+        "b.holder = 'doomed'\n"
+        "b._post('/hotweights/begin', mode='wait', lease_s=10)\n"
         "os.kill(os.getpid(), signal.SIGKILL)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], timeout=120)
@@ -243,7 +261,8 @@ def test_killed_trainer_lease_expires_and_server_resumes(server, tmp_path):
             break
         time.sleep(0.5)
     assert status["holder"] is None and status["paused"] is False and status["dirty"] is True
-    assert server.logprobs()
+    assert status["state"] == "expired" and status["expired"]["holder"] == "doomed"
+    assert server.logprobs()[1] == status["version"] == status["expired"]["version"]
 
 
 class _StreamingClient(threading.Thread):
@@ -265,7 +284,7 @@ class _StreamingClient(threading.Thread):
                                          headers={"Content-Type": "application/json"})
             try:
                 with urllib.request.urlopen(req, timeout=120) as resp:
-                    version = int(resp.headers["x-hotweights-version"])
+                    version = parse_version(resp.headers["x-hotweights-version"])[0]
                     tokens, logprobs, finish = [], [], None
                     for line in resp:
                         line = line.decode().strip()
@@ -290,7 +309,7 @@ def test_updates_under_load_are_consistent(server, mode):
     model = bridge.model(trainable=False)
     norm = model.get_parameter("model.norm.weight")
     base = norm.detach().clone()
-    snapshots = {bridge.version: base}
+    snapshots = {parse_version(bridge.version)[0]: base}
     clients = [_StreamingClient(server.url, server.model_dir, PROMPT[: 3 + i])
                for i in range(8)]
     for client in clients:
@@ -300,8 +319,9 @@ def test_updates_under_load_are_consistent(server, mode):
             time.sleep(0.05)
             with bridge.update(mode=mode):
                 with torch.no_grad():  # scale the logits: neighbouring versions differ 4x
-                    norm.copy_(base * (2.0 if bridge.version % 2 == 0 else 0.5))
-            snapshots[bridge.version] = norm.detach().clone()
+                    norm.copy_(base * (2.0 if parse_version(bridge.version)[0] % 2 == 0
+                                       else 0.5))
+            snapshots[parse_version(bridge.version)[0]] = norm.detach().clone()
     finally:
         for client in clients:
             client.stop.set()
@@ -337,7 +357,7 @@ def test_updates_under_load_are_consistent(server, mode):
                 for other in (version - 1, version + 1):  # and no neighbour fits better
                     if other in snapshots:
                         assert claimed < error(response, client.prompt, other), (version, other)
-        norm.copy_(snapshots[bridge.version])
+        norm.copy_(snapshots[parse_version(bridge.version)[0]])
 
 
 def test_custom_remote_code_model_through_the_transformers_backend(custom_model, tmp_path):
@@ -356,7 +376,7 @@ def test_custom_remote_code_model_through_the_transformers_backend(custom_model,
         with bridge.update():
             _sign_step(model, 0.01)
         after, version = custom.logprobs()
-        assert version == 1 and after != before
+        assert version == f"1@{bridge.server_id}" and after != before
         ours = _view_logprobs(model)
         for token, logprob in after.items():
             assert abs(ours[token].item() - logprob) < TOL, token
@@ -364,7 +384,20 @@ def test_custom_remote_code_model_through_the_transformers_backend(custom_model,
         custom.stop()
 
 
-def test_stopping_the_server_removes_its_shared_memory(server):
-    path = Bridge.connect(server.url, token=TOKEN).manifests[0].path
+def test_a_trainer_of_a_restarted_server_is_told_to_reconnect(server, tmp_path):
+    bridge = Bridge.connect(server.url, token=TOKEN)
+    path = bridge.manifests[0].path
     server.stop()
-    assert not Path(path).exists()
+    assert not Path(path).exists()  # stopping removes the shared weights
+    again = Server(Path(server.model_dir), tmp_path, port=server.port)  # same port, token
+    try:
+        with pytest.raises(ServerError, match=r"HTTP 409: .*restarted.*reconnect"):
+            with bridge.update():  # its writes would go to the dead file: refused
+                pytest.fail("the body must not run")
+        fresh = Bridge.connect(again.url, token=TOKEN)
+        assert fresh.server_id != bridge.server_id and fresh.version == f"0@{fresh.server_id}"
+        assert fresh.version != bridge.version  # versions never repeat across restarts
+        assert again.logprobs()[1] == fresh.version
+        assert fresh.status()["state"] == "idle"
+    finally:
+        again.stop()

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -35,10 +36,11 @@ class Bridge:
             optimizer.step()   # writes vLLM's weights; served from the commit on
     """
 
-    def __init__(self, url: str, token: str, manifests: list[shm.Manifest], version: int):
+    def __init__(self, url: str, token: str, manifests: list[shm.Manifest], version: str):
         self.url, self._token = url.rstrip("/"), token
         self.manifests = manifests
-        self.version = version
+        self.server_id = manifests[0].server_id  # every update names the server we mapped
+        self.version = version  # "N@SERVER", as in every response's x-hotweights-version
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.tensors = shm.attach(manifests[0])
 
@@ -57,7 +59,10 @@ class Bridge:
                      for m in data["manifests"]]
         if len(manifests) != 1:
             raise ServerError(f"{url}: {len(manifests)} workers; the bridge maps tp=1 servers")
-        return cls(url, token, manifests, int(data["version"]))
+        if manifests[0].server_id != data.get("server_id"):
+            raise ServerError(f"{url}: manifest of server {manifests[0].server_id}, but the "
+                              f"server says it is {data.get('server_id')!r}")
+        return cls(url, token, manifests, str(data["version"]))
 
     def model(self, **kwargs: Any) -> torch.nn.Module:
         """The HF model whose parameters are views into the server's weights.
@@ -73,35 +78,79 @@ class Bridge:
     def update(self, mode: str = "wait", *, lease_s: float = 60.0) -> Iterator[None]:
         """Pause the server, let the body write the weights, then commit (or abort).
 
+        While the body runs, the lease is renewed in the background every `lease_s / 3`
+        seconds, so a step may take as long as it needs while a dead trainer still frees
+        the server within `lease_s`.
+
         Args:
             mode: how the server treats in-flight requests while paused: "wait" (finish
                 them first), "abort" (stop them) or "keep" (freeze them; resumed after).
-            lease_s: the server resumes by itself, marking the weights dirty, if the
-                update is not committed within this many seconds.
+            lease_s: the server resumes by itself, marking the weights dirty, if it hears
+                nothing from this trainer for this many seconds. It also bounds the drain.
+
+        Raises:
+            ServerError: the server refused (another trainer holds the lease, it restarted
+                since `connect`, ...) or failed; an exception of the body is re-raised
+                after the update was aborted.
         """
-        self._post("/hotweights/begin", holder=self.holder, mode=mode, lease_s=lease_s)
-        try:
-            yield
-            device = next(iter(self.tensors.values())).device
-            if device.type == "cuda":  # the server's stream is not ordered after ours
-                torch.cuda.synchronize(device)
+        try:  # the server bounds the drain by lease_s; a client that gives up aborts
+            self._post("/hotweights/begin", timeout=lease_s + 30, mode=mode, lease_s=lease_s)
         except BaseException:
-            try:
-                self._post("/hotweights/abort", holder=self.holder, dirty=True)
-            except ServerError as e:  # keep the body's exception; the lease will expire
-                logger.error("abort after a failed update failed: %s", e)
+            self._abort(dirty=False, quiet=True)  # nothing written; no stale begin may linger
             raise
-        self.version = self._post("/hotweights/commit", holder=self.holder)["version"]
+        renewer = _Renewer(self, lease_s)
+        try:
+            with renewer:
+                yield
+                device = next(iter(self.tensors.values())).device
+                if device.type == "cuda":  # the server's stream is not ordered after ours
+                    torch.cuda.synchronize(device)
+        except BaseException:
+            self._abort(dirty=True)
+            raise
+        self.version = self._post("/hotweights/commit")["version"]
 
     def renew(self, lease_s: float = 60.0) -> None:
-        """Extend the lease of a long update."""
-        self._post("/hotweights/renew", holder=self.holder, lease_s=lease_s)
+        """Extend the lease of the current update (`update()` does it by itself)."""
+        self._post("/hotweights/renew", lease_s=lease_s)
+
+    def _abort(self, *, dirty: bool, quiet: bool = False) -> None:
+        try:
+            self._post("/hotweights/abort", dirty=dirty)
+        except ServerError as e:  # keep the caller's exception; the lease will expire
+            (logger.debug if quiet else logger.warning)("hotweights: abort failed: %s", e)
 
     def status(self) -> dict:
         return server_status(self.url, self._token)
 
-    def _post(self, route: str, **body: Any) -> dict:
-        return _request(self.url, "POST", route, self._token, body)
+    def _post(self, route: str, *, timeout: float = 120, **body: Any) -> dict:
+        body = dict(holder=self.holder, server_id=self.server_id, **body)
+        return _request(self.url, "POST", route, self._token, body, timeout=timeout)
+
+
+class _Renewer(threading.Thread):
+    """Renews a bridge's lease every lease_s / 3 until stopped."""
+
+    def __init__(self, bridge: Bridge, lease_s: float):
+        super().__init__(daemon=True, name="hotweights-renew")
+        self.bridge, self.lease_s = bridge, lease_s
+        self.done = threading.Event()
+
+    def __enter__(self) -> _Renewer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.join()
+
+    def run(self) -> None:
+        while not self.done.wait(self.lease_s / 3):
+            try:
+                self.bridge.renew(self.lease_s)
+            except ServerError as e:  # commit will say what happened
+                logger.warning("hotweights: lease renewal failed: %s", e)
+                return
 
 
 def server_status(url: str, token: str | None = None) -> dict:
@@ -123,17 +172,21 @@ def find_token(url: str, token: str | None = None) -> str:
                       f"server on this machine as this user (it writes {path})")
 
 
-def _request(url: str, method: str, route: str, token: str, body: dict | None = None) -> dict:
+def _request(url: str, method: str, route: str, token: str, body: dict | None = None, *,
+             timeout: float = 120) -> dict:
     req = urllib.request.Request(
         url + route, method=method,
         data=None if body is None else json.dumps(body).encode(),
         headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
     )
     try:
-        with urllib.request.urlopen(req, timeout=600) as resp:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
             return json.loads(resp.read())
     except urllib.error.HTTPError as e:
         detail = e.read().decode(errors="replace")[:500]
         raise ServerError(f"{method} {route}: HTTP {e.code}: {detail}") from None
     except urllib.error.URLError as e:
         raise ServerError(f"{method} {route}: cannot reach {url}: {e.reason}") from None
+    except TimeoutError:
+        raise ServerError(f"{method} {route}: no answer from {url} within {timeout:.0f} s") \
+            from None

@@ -94,33 +94,9 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 
 def _run_status(args: argparse.Namespace) -> int:
-    import json
-    import time
+    from hotweights.cli_status import run
 
-    from hotweights.bridge import server_status
-
-    url = args.url.rstrip("/")
-    status = server_status(url, args.token)
-    if args.json:
-        print(json.dumps(status))
-        return 0
-    lease = status.get("lease_expires")
-    rows = [
-        ("weight version", status["version"]),
-        ("state", "paused for an update" if status["paused"] else "serving"),
-        ("lease", "none" if status["holder"] is None else
-         f"{status['holder']} ({status['mode']}), expires in {lease - time.time():.0f} s"),
-        ("weights", "DIRTY: an update was interrupted" if status["dirty"] else "clean"),
-        ("updates", status["updates"]),
-    ]
-    for key in ("last_pause_s", "last_commit_s"):
-        if status.get(key) is not None:
-            rows.append((key.removesuffix("_s").replace("_", " "),
-                         f"{1e3 * status[key]:.1f} ms"))
-    print(url)
-    for key, value in rows:
-        print(f"  {key:<15}{value}")
-    return 0
+    return run(args)
 
 
 def _run_layout(args: argparse.Namespace) -> int:

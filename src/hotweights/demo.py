@@ -15,6 +15,7 @@ from pathlib import Path
 from rich.progress import Progress
 
 from hotweights.cli import make_console
+from hotweights.transaction import parse_version
 
 PROMPT = "The server generates,"
 TARGET = " the trainer learns."
@@ -26,7 +27,7 @@ def _complete(url: str, model: str) -> tuple[str, int]:
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as resp:
         text = json.loads(resp.read())["choices"][0]["text"]
-        return text, int(resp.headers["x-hotweights-version"])
+        return text, parse_version(resp.headers["x-hotweights-version"])[0]
 
 
 def _generate(url: str, model: str, ready, done, results) -> None:

@@ -1,0 +1,54 @@
+"""`hotweights status [URL]`: a server's weight version and update state, for humans."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from hotweights.bridge import server_status
+
+_STATES = {
+    "idle": "serving",
+    "draining": "holding new requests while in-flight ones finish (update starting)",
+    "paused": "paused for an update",
+    "committing": "committing an update",
+    "expired": "serving; the last update's lease expired",
+}
+
+
+def rows(status: dict, now: float) -> list[tuple[str, str]]:
+    """What `status` prints, line by line (a status of any state, any server version)."""
+    lease = status.get("lease_expires")
+    holder = status.get("holder")
+    out = [
+        ("weight version", str(status["version"])),
+        ("state", _STATES.get(status.get("state"), str(status.get("state")))),
+        ("lease", "none" if holder is None else
+         f"{holder} ({status.get('mode')})" + (
+             "" if lease is None else f", expires in {lease - now:.0f} s")),
+    ]
+    if status.get("dirty"):
+        out.append(("weights", f"DIRTY: {status.get('dirty_reason') or 'update interrupted'}; "
+                    "the next clean commit clears it"))
+    else:
+        out.append(("weights", "clean"))
+    if status.get("dirty_versions"):
+        out.append(("dirty versions", ", ".join(status["dirty_versions"])))
+    out.append(("updates", str(status.get("updates", 0))))
+    for key in ("last_pause_s", "last_commit_s", "last_update_s"):
+        if status.get(key) is not None:
+            out.append((key.removesuffix("_s").replace("_", " "), f"{1e3 * status[key]:.1f} ms"))
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    url = args.url.rstrip("/")
+    status = server_status(url, args.token)
+    if args.json:
+        print(json.dumps(status))
+        return 0
+    print(url)
+    for key, value in rows(status, time.time()):
+        print(f"  {key:<15}{value}")
+    return 0

@@ -1,0 +1,67 @@
+"""Bridge.update's client side: what it sends when begin fails, and the lease renewal."""
+
+import time
+
+import pytest
+import torch
+
+from hotweights import bridge as bridge_module
+from hotweights.bridge import Bridge
+from hotweights.errors import ServerError
+
+
+class Recorder:
+    """Stands in for the HTTP call: records (route, body, timeout); fails where told."""
+
+    def __init__(self, fail: dict):
+        self.calls: list[tuple[str, dict, float]] = []
+        self.fail = fail
+
+    def __call__(self, url, method, route, token, body=None, *, timeout=120):
+        self.calls.append((route, body, timeout))
+        if route in self.fail:
+            raise self.fail[route]
+        return {"version": "1@s"}
+
+
+def _bridge() -> Bridge:
+    b = Bridge.__new__(Bridge)  # no server: only the transaction's client side
+    b.url, b._token, b.server_id, b.holder, b.version = "http://x", "t", "s", "h", "0@s"
+    b.tensors = {}
+    return b
+
+
+@pytest.mark.parametrize("error", [ServerError("POST /hotweights/begin: no answer"),
+                                   KeyboardInterrupt()])
+def test_a_failed_or_interrupted_begin_is_aborted_clean(monkeypatch, error):
+    rec = Recorder({"/hotweights/begin": error})
+    monkeypatch.setattr(bridge_module, "_request", rec)
+    with pytest.raises(type(error)):
+        with _bridge().update(lease_s=10):
+            pytest.fail("the body must not run")
+    (begin, body, timeout), (abort, abort_body, _) = rec.calls
+    assert begin == "/hotweights/begin" and timeout == 40  # bounded by the lease, not 600 s
+    assert body == dict(holder="h", server_id="s", mode="wait", lease_s=10)
+    assert abort == "/hotweights/abort" and abort_body["dirty"] is False
+
+
+def test_the_body_runs_under_background_renewals_and_commits(monkeypatch):
+    rec = Recorder({})
+    monkeypatch.setattr(bridge_module, "_request", rec)
+    b = _bridge()
+    b.tensors = {"w": torch.zeros(1)}
+    with b.update(lease_s=0.3):
+        time.sleep(0.45)
+    routes = [c[0] for c in rec.calls]
+    assert routes[0] == "/hotweights/begin" and routes[-1] == "/hotweights/commit"
+    assert routes.count("/hotweights/renew") >= 2 and b.version == "1@s"
+    assert all(c[1]["server_id"] == "s" for c in rec.calls)
+
+
+def test_an_exception_in_the_body_aborts_dirty_and_is_reraised(monkeypatch):
+    rec = Recorder({"/hotweights/abort": ServerError("gone")})  # abort failing is logged
+    monkeypatch.setattr(bridge_module, "_request", rec)
+    with pytest.raises(ValueError, match="step failed"):
+        with _bridge().update():
+            raise ValueError("step failed")
+    assert rec.calls[-1][0] == "/hotweights/abort" and rec.calls[-1][1]["dirty"] is True

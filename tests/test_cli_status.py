@@ -1,0 +1,32 @@
+"""`hotweights status` printing, for a status in every state (no server needed)."""
+
+import pytest
+
+from hotweights.cli_status import rows
+
+BASE = dict(version="3@ab12cd34", holder=None, mode=None, lease_expires=None, dirty=False,
+            dirty_reason=None, dirty_versions=[], updates=3, last_pause_s=0.02,
+            last_commit_s=0.003, last_update_s=0.05)
+
+
+@pytest.mark.parametrize("state", ["idle", "draining", "paused", "committing", "expired"])
+def test_every_state_prints(state):
+    status = dict(BASE, state=state)
+    if state in ("draining", "paused", "committing"):
+        status.update(holder="host:1:abc", mode="wait")
+    if state == "paused":
+        status["lease_expires"] = 1030.0
+    printed = dict(rows(status, now=1000.0))
+    assert printed["weight version"] == "3@ab12cd34"
+    if state == "draining":  # holder set, no lease deadline yet: no TypeError
+        assert printed["lease"] == "host:1:abc (wait)" and "in-flight" in printed["state"]
+    if state == "paused":
+        assert printed["lease"] == "host:1:abc (wait), expires in 30 s"
+
+
+def test_dirty_weights_say_why_and_what_clears_it():
+    status = dict(BASE, state="expired", dirty=True, dirty_reason="lease of t expired",
+                  dirty_versions=["2@ab12cd34", "3@ab12cd34"])
+    printed = dict(rows(status, now=0.0))
+    assert printed["weights"] == ("DIRTY: lease of t expired; the next clean commit clears it")
+    assert printed["dirty versions"] == "2@ab12cd34, 3@ab12cd34"

@@ -1,0 +1,204 @@
+"""The /hotweights/* routes over HTTP, on a FastAPI app with a stub vLLM engine client."""
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from hotweights.errors import ConfigError
+from hotweights.vllm_plugin.routes import HotweightsRoutes
+
+SID = "3f9a1c2b"
+TOKEN = "t0k"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+class StubClient:
+    """The part of vLLM's AsyncLLM the routes use."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+        self.label = None
+        self.prefix_reset = True
+
+    async def pause_generation(self, mode, clear_cache):
+        self.calls.append(f"pause:{mode}")
+
+    async def resume_generation(self):
+        self.calls.append("resume")
+
+    async def reset_prefix_cache(self, reset_running_requests):
+        self.calls.append("reset_prefix")
+        return self.prefix_reset
+
+    async def reset_encoder_cache(self):
+        self.calls.append("reset_encoder")
+
+    async def update_weight_version(self, label):
+        self.label = label
+
+    async def collective_rpc(self, method, args=()):
+        self.calls.append(method)
+        return [{"server_id": args[0]}] if method == "hotweights_share" else [None]
+
+
+def serve(test, *, server_id=SID, args=None):
+    """Run `test(client, stub)` against an app with the routes, inside one event loop."""
+
+    async def main():
+        routes = HotweightsRoutes()
+        app = FastAPI()
+        routes.attach_router(app)
+        stub = StubClient()
+        await routes.init_state(stub, None, args or type("Args", (), {})())
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            return await test(client, stub)
+
+    return asyncio.run(main())
+
+
+@pytest.fixture(autouse=True)
+def env(monkeypatch):
+    monkeypatch.setenv("HOTWEIGHTS_SERVER_ID", SID)
+    monkeypatch.setenv("HOTWEIGHTS_TOKEN", TOKEN)
+
+
+def body(**kw):
+    return {"holder": "h1", "server_id": SID, **kw}
+
+
+def test_an_update_over_http():
+    async def test(client, stub):
+        r = await client.get("/hotweights/manifest", headers=AUTH)
+        assert r.json() == {"manifests": [{"server_id": SID}], "version": f"0@{SID}",
+                            "server_id": SID}
+        assert stub.label == f"0@{SID}"
+        r = await client.post("/hotweights/begin", json=body(lease_s=30), headers=AUTH)
+        assert r.status_code == 200 and r.json()["version"] == f"0@{SID}"
+        status = (await client.get("/hotweights/status", headers=AUTH)).json()
+        assert status["state"] == "paused" and status["paused"] and status["holder"] == "h1"
+        r = await client.post("/hotweights/commit", json=body(), headers=AUTH)
+        assert r.status_code == 200 and r.json()["version"] == f"1@{SID}"
+        assert stub.label == f"1@{SID}"
+        r = await client.post("/v1/completions", json={})  # the gate stamps every response
+        assert r.headers["x-hotweights-version"] == f"1@{SID}"
+
+    serve(test)
+
+
+def test_commit_resets_prefix_and_encoder_caches():
+    async def test(client, stub):
+        await client.post("/hotweights/begin", json=body(), headers=AUTH)
+        await client.post("/hotweights/commit", json=body(), headers=AUTH)
+        i = stub.calls.index("hotweights_after_update")
+        assert stub.calls[i:] == ["hotweights_after_update", "reset_prefix", "reset_encoder",
+                                  "resume"]
+
+    serve(test)
+
+
+def test_a_cache_that_does_not_reset_makes_the_commit_a_500_with_a_dirty_version():
+    async def test(client, stub):
+        stub.prefix_reset = False
+        await client.post("/hotweights/begin", json=body(), headers=AUTH)
+        r = await client.post("/hotweights/commit", json=body(), headers=AUTH)
+        assert r.status_code == 500 and r.json()["dirty"] is True
+        assert "reset_caches failed" in r.json()["error"] and r.json()["version"] == f"1@{SID}"
+        status = (await client.get("/hotweights/status", headers=AUTH)).json()
+        assert status["state"] == "idle" and status["dirty_versions"] == [f"1@{SID}"]
+
+    serve(test)
+
+
+@pytest.mark.parametrize("header", ["Bearer t0k", "bearer t0k", "BEARER  t0k"])
+def test_the_bearer_scheme_is_case_insensitive(header):
+    async def test(client, stub):
+        r = await client.get("/hotweights/status", headers={"Authorization": header})
+        assert r.status_code == 200
+
+    serve(test)
+
+
+@pytest.mark.parametrize("header", [None, "Bearer wrong", "Basic t0k", "t0k", "Bearer"])
+def test_wrong_or_missing_tokens_are_401_on_every_route(header):
+    async def test(client, stub):
+        headers = {"Authorization": header} if header else {}
+        for route in ("manifest", "status"):
+            assert (await client.get(f"/hotweights/{route}", headers=headers)).status_code == 401
+        for route in ("begin", "renew", "commit", "abort"):
+            r = await client.post(f"/hotweights/{route}", json=body(), headers=headers)
+            assert r.status_code == 401, route
+        assert "pause:wait" not in stub.calls
+
+    serve(test)
+
+
+@pytest.mark.parametrize(("route", "payload", "message"), [
+    ("begin", "not json", "not JSON"),
+    ("begin", {"server_id": SID}, "field 'holder' is required"),
+    ("begin", body(lease_s="soon"), "field 'lease_s' must be a float"),
+    ("begin", body(mode="later"), "field 'mode' must be one of"),
+    ("renew", body(lease_s=0), "'lease_s' must be in"),
+    ("commit", {"holder": "h1"}, "field 'server_id' is required"),
+    ("abort", body(dirty="yes"), "field 'dirty' must be a bool"),
+    ("begin", body(lease=3), "unknown field"),
+])
+def test_bad_bodies_are_400_naming_the_field(route, payload, message):
+    async def test(client, stub):
+        kw = {"content": payload} if isinstance(payload, str) else {"json": payload}
+        r = await client.post(f"/hotweights/{route}", headers=AUTH, **kw)
+        assert r.status_code == 400 and message in r.json()["error"]
+        assert "pause:wait" not in stub.calls
+
+    serve(test)
+
+
+def test_a_trainer_of_a_previous_server_start_gets_409_restarted():
+    async def test(client, stub):
+        r = await client.post("/hotweights/begin", json=body(server_id="old"), headers=AUTH)
+        assert r.status_code == 409 and "restarted" in r.json()["error"]
+        assert r.json()["server_id"] == SID
+
+    serve(test)
+
+
+def test_a_second_trainer_gets_409_naming_the_holder():
+    async def test(client, stub):
+        await client.post("/hotweights/begin", json=body(), headers=AUTH)
+        r = await client.post("/hotweights/begin", json=body(holder="h2"), headers=AUTH)
+        assert r.status_code == 409 and r.json()["holder"] == "h1"
+
+    serve(test)
+
+
+def test_without_a_server_id_the_plugin_adds_nothing(monkeypatch):
+    monkeypatch.delenv("HOTWEIGHTS_SERVER_ID")
+
+    async def main():
+        routes, app = HotweightsRoutes(), FastAPI()
+        routes.attach_router(app)
+        await routes.init_state(StubClient(), None, None)  # no token needed, no error
+        assert not [r for r in app.routes if getattr(r, "path", "").startswith("/hotweights")]
+        assert app.user_middleware == [] and routes.tx is None
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("flag", ["api_server_count", "data_parallel_size"])
+def test_split_servers_are_refused(flag):
+    args = type("Args", (), {flag: 2})()
+    with pytest.raises(ConfigError, match=f"--{flag.replace('_', '-')} > 1"):
+        serve(lambda client, stub: asyncio.sleep(0), args=args)
+
+
+def test_status_json_is_plain():
+    async def test(client, stub):
+        status = (await client.get("/hotweights/status", headers=AUTH)).json()
+        json.dumps(status)
+        assert status["server_id"] == SID and status["version"] == f"0@{SID}"
+        assert status["lease_expires"] is None and status["dirty"] is False
+
+    serve(test)
