@@ -1,10 +1,14 @@
 """Shared-memory tensors: one file, two processes, the same bytes."""
 
+import base64
+import dataclasses
+import gc
 import json
 import os
 import stat
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -28,7 +32,7 @@ def test_share_copies_once_and_maps_the_file(shared):
     for name, t in tensors.items():
         assert torch.equal(mapped[name], t) and mapped[name].dtype == t.dtype
     assert all(e.offset % 64 == 0 for e in manifest.tensors)
-    again = shm.attach(manifest)
+    again = shm.attach(manifest, directory=os.path.dirname(manifest.path))
     mapped["a"][0, 0] = 42  # a write through one mapping is seen through the other
     assert again["a"][0, 0].item() == 42
 
@@ -37,11 +41,12 @@ def test_another_process_writes_the_same_bytes(shared):
     _, manifest, mapped = shared
     code = (
         "import sys, torch; from hotweights import shm\n"
-        "t = shm.attach(shm.Manifest.from_json(sys.stdin.read(), source='stdin'))\n"
+        "m = shm.Manifest.from_json(sys.stdin.read(), source='stdin')\n"
+        "t = shm.attach(m, directory=sys.argv[1])\n"
         "t['b'].mul_(3)\n"
     )
-    subprocess.run([sys.executable, "-c", code], input=manifest.to_json(), text=True,
-                   check=True)
+    subprocess.run([sys.executable, "-c", code, os.path.dirname(manifest.path)],
+                   input=manifest.to_json(), text=True, check=True)
     assert torch.equal(mapped["b"], torch.full((5,), 3.0))
 
 
@@ -75,10 +80,144 @@ def test_attach_after_release_says_the_weights_are_gone(shared):
     _, manifest, _ = shared
     shm.release(manifest)
     with pytest.raises(ManifestError, match=r"shared weights of server .* are gone"):
-        shm.attach(manifest)
+        shm.attach(manifest, directory=os.path.dirname(manifest.path))
 
 
 def test_unsharable_tensor_leaves_no_file(tmp_path):
     with pytest.raises(ManifestError, match=r"x: cannot share a torch.complex64 tensor"):
         shm.share({"x": torch.zeros(2, dtype=torch.complex64)}, directory=tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_trainer_writes_reach_the_server_and_the_mapping_outlives_its_tensors(shared):
+    _, manifest, server = shared
+    trainer = shm.attach(manifest, directory=os.path.dirname(manifest.path))["b"]
+    shm.release(manifest)  # the file is gone; both mappings stay
+    gc.collect()  # nothing but the tensor keeps the trainer's mapping alive
+    trainer.add_(7)
+    assert torch.equal(server["b"], torch.full((5,), 8.0))
+    assert trainer.untyped_storage().data_ptr() != server["b"].untyped_storage().data_ptr()
+
+
+def _moved(manifest, path):
+    return dataclasses.replace(manifest, path=str(path))
+
+
+@pytest.mark.parametrize(("make", "match"), [
+    (lambda m, d: _moved(m, d / "elsewhere" / os.path.basename(m.path)),
+     r"elsewhere/hotweights-\w+-\d+: not a shared-weights file of server \w+; expected "),
+    (lambda m, d: _moved(m, d / ".." / d.name / os.path.basename(m.path)),
+     r"not a shared-weights file of server"),
+    (lambda m, d: dataclasses.replace(m, server_id="other"),
+     r"hotweights-\w+-\d+: not a shared-weights file of server other"),
+    (lambda m, d: _moved(m, d / f"hotweights-{m.server_id}-x1"), r"not a shared-weights file"),
+    (lambda m, d: (os.symlink(m.path, d / f"hotweights-{m.server_id}-1"),
+                   _moved(m, d / f"hotweights-{m.server_id}-1"))[1],
+     r"hotweights-\w+-1: is a symbolic link"),
+    (lambda m, d: (os.mkfifo(d / f"hotweights-{m.server_id}-2"),
+                   _moved(m, d / f"hotweights-{m.server_id}-2"))[1],
+     r"hotweights-\w+-2: is not a regular file"),
+    (lambda m, d: (os.chmod(m.path, 0o620), m)[1], r"has mode 620: other users may write it"),
+    (lambda m, d: (os.chmod(m.path, 0o602), m)[1], r"has mode 602: other users may write it"),
+    (lambda m, d: dataclasses.replace(m, nbytes=m.nbytes + 64),
+     r"has \d+ bytes, the manifest says \d+; it belongs to another server"),
+])
+def test_attach_maps_only_the_servers_own_file(shared, tmp_path, make, match):
+    _, manifest, _ = shared
+    with pytest.raises(ManifestError, match=match):
+        shm.attach(make(manifest, tmp_path), directory=tmp_path)
+
+
+def test_attach_refuses_another_users_file(shared, monkeypatch):
+    _, manifest, _ = shared
+    uid = os.getuid()
+    monkeypatch.setattr(os, "getuid", lambda: uid + 1)
+    with pytest.raises(ManifestError, match=rf"is owned by uid {uid}, not by this user "
+                                            rf"\(uid {uid + 1}\)"):
+        shm.attach(manifest, directory=os.path.dirname(manifest.path))
+
+
+def test_attach_refuses_the_default_directory_for_a_file_elsewhere(shared):
+    _, manifest, _ = shared
+    with pytest.raises(ManifestError, match=r"expected /dev/shm/hotweights-"):
+        shm.attach(manifest)
+
+
+HOLDER = textwrap.dedent("""
+    import sys, torch
+    from hotweights import shm
+    manifest, _ = shm.share({"w": torch.ones(4)}, directory=sys.argv[1], server_id="live")
+    print(manifest.path, flush=True)
+    sys.stdin.read()  # hold the file until the test closes stdin
+""")
+
+
+def test_sweep_spares_a_locked_file_whatever_its_name_and_removes_unlocked_ones(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        live = holder.stdout.readline().strip()
+        # as seen from another PID namespace: the name says a PID that does not exist
+        dead_looking = tmp_path / "hotweights-live-999999999"
+        os.rename(live, dead_looking)
+        stale = tmp_path / "hotweights-stale-999999999"
+        stale.write_bytes(b"x")
+        unlocked_live_pid = tmp_path / f"hotweights-old-{os.getpid()}"
+        unlocked_live_pid.write_bytes(b"x")
+        (tmp_path / "hotweights-link-1").symlink_to(stale)
+
+        removed = shm.sweep_stale(tmp_path)
+
+        assert sorted(removed) == sorted([str(stale), str(unlocked_live_pid)])
+        assert dead_looking.exists()
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    assert shm.sweep_stale(tmp_path) == [str(dead_looking)]  # its holder is gone
+
+
+def test_share_holds_its_file_until_release(tmp_path):
+    manifest, _ = shm.share({"w": torch.ones(4)}, directory=tmp_path)
+    assert shm.sweep_stale(tmp_path) == []
+    shm.release(manifest)
+    assert not os.path.exists(manifest.path) and shm.sweep_stale(tmp_path) == []
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+IPC = dict(stride=[3, 1], storage_offset=0, handle=_b64(b"h" * 64), storage_bytes=512,
+           storage_offset_bytes=0, ref_counter_handle=_b64(b"r" * 8), ref_counter_offset=0,
+           event_handle=None, event_sync=True)
+
+
+def _cuda_manifest(ipc: dict) -> dict:
+    return dict(format=shm.FORMAT, server_id="s", path="cuda:GPU-x", nbytes=0,
+                gpu_uuid="GPU-x", tensors=[dict(name="w", dtype="float32", shape=[2, 3],
+                                                offset=0, ipc=ipc)])
+
+
+def test_cuda_ipc_fields_are_typed_and_round_trip_unchanged():
+    manifest = shm.Manifest.from_dict(_cuda_manifest(dict(IPC)))
+    ipc = manifest.tensors[0].ipc
+    assert isinstance(ipc, shm.CudaIpc) and ipc.stride == (3, 1) and ipc.storage_bytes == 512
+    assert json.loads(manifest.to_json())["tensors"][0]["ipc"] == IPC
+    assert shm.Manifest.from_json(manifest.to_json()) == manifest
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    (lambda i: i.pop("storage_bytes"), r"field 'ipc.storage_bytes' is missing"),
+    (lambda i: i.update(storage_offset=-1), r"field 'ipc.storage_offset' must be an int >= 0"),
+    (lambda i: i.update(event_sync="yes"), r"field 'ipc.event_sync' must be a bool"),
+    (lambda i: i.update(stride="3,1"), r"field 'ipc.stride' must be a list of ints"),
+    (lambda i: i.update(stride=[1]), r"field 'ipc.stride' \[1\] does not match shape \[2, 3\]"),
+    (lambda i: i.update(handle="not base64!"), r"field 'ipc.handle' must be base64 text"),
+    (lambda i: i.update(handle=None), r"field 'ipc.handle' is null for 512 storage bytes"),
+    (lambda i: i.clear() or i.update(x=1), r"field 'ipc.stride' is missing"),
+])
+def test_bad_cuda_ipc_names_the_tensor_and_field(change, match):
+    ipc = dict(IPC)
+    change(ipc)
+    with pytest.raises(ManifestError, match=r"src: tensors\[0\] \(w\): " + match):
+        shm.Manifest.from_dict(_cuda_manifest(ipc), source="src")

@@ -5,14 +5,26 @@ tensors mapped over it; a trainer maps the same file (MAP_SHARED) and sees the v
 bytes. CUDA: nothing moves; each tensor's allocation is exported as a CUDA IPC handle
 (with the GPU's UUID, since device indices differ between processes) and the trainer
 opens it. No pickle crosses the boundary: the manifest is plain JSON.
+
+Trust: the trainer maps only a file hotweights names (`hotweights-<server_id>-<pid>` in
+the shared-memory directory), a regular file of this user that no one else may write,
+opened without following links and mapped by descriptor. A live server holds an
+exclusive flock on its file, which is how `sweep_stale` tells a live file from a stale
+one (a PID says nothing across PID namespaces that share /dev/shm, e.g. `--ipc=host`).
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
+import errno
+import fcntl
 import json
 import logging
+import mmap
 import os
+import re
+import stat
 import uuid
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -34,6 +46,68 @@ _DTYPES = {
 
 
 @dataclass(frozen=True)
+class CudaIpc:
+    """How another process opens one CUDA tensor: torch's `reduce_tensor` fields.
+
+    Handles are base64 text (None where torch gives none, e.g. an empty storage).
+    """
+
+    stride: tuple[int, ...]
+    storage_offset: int  # elements, from the start of the storage
+    handle: str | None  # cudaIpcMemHandle of the allocation
+    storage_bytes: int
+    storage_offset_bytes: int  # of the storage inside the allocation
+    ref_counter_handle: str | None
+    ref_counter_offset: int
+    event_handle: str | None
+    event_sync: bool
+
+    @classmethod
+    def from_dict(cls, data: object, *, where: str) -> CudaIpc:
+        """Validate and build; ManifestError names `where` (the tensor) and the field."""
+        if not isinstance(data, dict):
+            raise ManifestError(f"{where}: field 'ipc' must be an object, found {data!r}")
+        values = {}
+        for name, kind in _IPC_FIELDS.items():
+            if name not in data:
+                raise ManifestError(f"{where}: field 'ipc.{name}' is missing")
+            value = data[name]
+            if kind is int:
+                ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+            elif kind is bool:
+                ok = isinstance(value, bool)
+            elif kind is tuple:
+                ok = isinstance(value, list | tuple) and all(
+                    isinstance(n, int) and not isinstance(n, bool) for n in value)
+                value = tuple(value) if ok else value
+            else:  # base64 text or None
+                ok = value is None or (isinstance(value, str) and _is_b64(value))
+            if not ok:
+                want = {int: "an int >= 0", bool: "a bool", tuple: "a list of ints"}.get(
+                    kind, "base64 text or null")
+                raise ManifestError(f"{where}: field 'ipc.{name}' must be {want}, "
+                                    f"found {value!r}")
+            values[name] = value
+        if values["storage_bytes"] and values["handle"] is None:
+            raise ManifestError(f"{where}: field 'ipc.handle' is null for "
+                                f"{values['storage_bytes']} storage bytes")
+        return cls(**values)
+
+
+_IPC_FIELDS = dict(stride=tuple, storage_offset=int, handle=str, storage_bytes=int,
+                   storage_offset_bytes=int, ref_counter_handle=str, ref_counter_offset=int,
+                   event_handle=str, event_sync=bool)
+
+
+def _is_b64(text: str) -> bool:
+    try:
+        base64.b64decode(text, validate=True)
+    except binascii.Error:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
 class TensorEntry:
     """One tensor of a manifest: where it lies in the shared file."""
 
@@ -41,7 +115,7 @@ class TensorEntry:
     dtype: str  # "bfloat16"
     shape: tuple[int, ...]
     offset: int  # bytes from the start of the file (CPU)
-    ipc: dict | None = None  # CUDA IPC handle fields (CUDA); see _export_cuda
+    ipc: CudaIpc | None = None  # CUDA: how to open the tensor; see _share_cuda
 
     @property
     def nbytes(self) -> int:
@@ -102,9 +176,11 @@ class Manifest:
             if not isinstance(offset, int) or offset < 0 or offset % _ALIGN:
                 raise ManifestError(f"{where} ({t['name']}): bad offset {offset!r}")
             ipc = t.get("ipc")
-            if ipc is not None and not (isinstance(ipc, dict) and isinstance(
-                    ipc.get("handle"), str) and isinstance(ipc.get("stride"), list | tuple)):
-                raise ManifestError(f"{where} ({t['name']}): bad ipc {ipc!r}")
+            if ipc is not None:
+                ipc = CudaIpc.from_dict(ipc, where=f"{where} ({t['name']})")
+                if len(ipc.stride) != len(shape):
+                    raise ManifestError(f"{where} ({t['name']}): field 'ipc.stride' "
+                                        f"{list(ipc.stride)} does not match shape {shape}")
             entry = TensorEntry(t["name"], t["dtype"], tuple(shape), offset, ipc)
             if ipc is None and offset + entry.nbytes > data["nbytes"]:
                 raise ManifestError(f"{where} ({t['name']}): bytes [{offset}, "
@@ -126,8 +202,39 @@ class Manifest:
         return cls.from_dict(data, source=source)
 
 
-def _map(path: str, nbytes: int) -> torch.UntypedStorage:
-    return torch.UntypedStorage.from_file(path, shared=True, nbytes=nbytes)
+_HELD: dict[str, int] = {}  # path -> locked descriptor of each file this process shares
+
+
+def _map(fd: int, nbytes: int) -> torch.UntypedStorage:
+    # By descriptor: the file that was checked is the file that is mapped. The storage
+    # holds a reference to the mmap object, so the mapping lives as long as any tensor.
+    mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    return torch.frombuffer(mapping, dtype=torch.uint8).untyped_storage()
+
+
+def _names_file(fd: int, path: Path) -> bool:
+    """Whether `path` still names the file open as `fd` (no one removed or replaced it)."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
+
+
+def _create_locked(path: Path) -> int:
+    # The server holds an exclusive flock on its file for its lifetime: that is what tells
+    # `sweep_stale` the file is live. A sweeper can lock and remove the file between our
+    # create and our lock; then it is created again.
+    for _ in range(3):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if _names_file(fd, path):
+            return fd
+        os.close(fd)
+    raise ManifestError(f"{path}: removed as soon as created, three times; another process "
+                        f"is removing files in {path.parent}")
 
 
 def _tensor(storage: torch.UntypedStorage, entry: TensorEntry) -> torch.Tensor:
@@ -161,7 +268,7 @@ def share(
         entries.append(TensorEntry(name, dtype, tuple(t.shape), at))
         at += -(-entries[-1].nbytes // _ALIGN) * _ALIGN
     path = Path(directory) / f"hotweights-{server_id}-{os.getpid()}"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    fd = _create_locked(path)
     try:
         try:  # reserve the pages now: a full tmpfs would otherwise SIGBUS the copy
             os.posix_fallocate(fd, 0, max(at, 1))
@@ -169,36 +276,76 @@ def share(
             raise ManifestError(f"{directory}: cannot reserve {at:,} bytes for the shared "
                                 f"weights ({e.strerror}); make it larger (docker: "
                                 "--shm-size)") from None
-        storage = _map(str(path), max(at, 1))
+        storage = _map(fd, max(at, 1))
         shared = {}
         for entry in entries:
             shared[entry.name] = _tensor(storage, entry)
             shared[entry.name].copy_(tensors[entry.name])
     except BaseException:
         path.unlink(missing_ok=True)
-        raise
-    finally:
         os.close(fd)
+        raise
+    _HELD[str(path)] = fd  # the lock lives until `release`, or until this process dies
     manifest = Manifest(FORMAT, server_id, str(path), max(at, 1), tuple(entries),
                         **manifest_fields)
     logger.info("shared %d tensors (%d bytes) in %s", len(entries), at, path)
     return manifest, shared
 
 
-def attach(manifest: Manifest) -> dict[str, torch.Tensor]:
-    """Map a manifest's file; by name, tensors over the server's own bytes (no copy)."""
+def attach(manifest: Manifest, *,
+           directory: str | os.PathLike = "/dev/shm") -> dict[str, torch.Tensor]:
+    """Map a manifest's file; by name, tensors over the server's own bytes (no copy).
+
+    Args:
+        manifest: the server's manifest.
+        directory: where the server's shared-memory files lie; a `path` elsewhere is
+            refused.
+
+    Raises:
+        ManifestError: the file is gone, or is not one hotweights would have made for
+            this server: another name or directory, a link, not a regular file, another
+            user's, writable by others, or of another size.
+    """
     if manifest.gpu_uuid is not None:
         return _attach_cuda(manifest)
+    fd = _open_checked(manifest, Path(directory))
     try:
-        size = os.stat(manifest.path).st_size
-    except FileNotFoundError:
-        raise ManifestError(f"{manifest.path}: shared weights of server {manifest.server_id} "
-                            "are gone (server stopped, or another machine?)") from None
-    if size != manifest.nbytes:
-        raise ManifestError(f"{manifest.path}: {size} bytes, the manifest says "
-                            f"{manifest.nbytes}; it belongs to another server")
-    storage = _map(manifest.path, manifest.nbytes)
+        storage = _map(fd, manifest.nbytes)
+    finally:
+        os.close(fd)  # the mapping keeps the file
     return {entry.name: _tensor(storage, entry) for entry in manifest.tensors}
+
+
+def _open_checked(manifest: Manifest, directory: Path) -> int:
+    path, prefix = Path(manifest.path), f"hotweights-{manifest.server_id}-"
+    if (path.parent != directory or not path.name.startswith(prefix)
+            or not re.fullmatch(r"[0-9]+", path.name[len(prefix):])):
+        raise ManifestError(f"{manifest.path}: not a shared-weights file of server "
+                            f"{manifest.server_id}; expected {directory / prefix}<pid>")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise ManifestError(f"{path}: shared weights of server {manifest.server_id} are "
+                            "gone (server stopped, or another machine?)") from None
+    except OSError as e:
+        why = "a symbolic link" if e.errno == errno.ELOOP else f"unreadable ({e.strerror})"
+        raise ManifestError(f"{path}: is {why}; hotweights maps only the server's own "
+                            "file") from None
+    st = os.fstat(fd)
+    problem = None
+    if not stat.S_ISREG(st.st_mode):
+        problem = "is not a regular file"
+    elif st.st_uid != os.getuid():
+        problem = f"is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
+    elif st.st_mode & 0o022:
+        problem = f"has mode {stat.S_IMODE(st.st_mode):o}: other users may write it"
+    elif st.st_size != manifest.nbytes or manifest.nbytes < 1:
+        problem = (f"has {st.st_size} bytes, the manifest says {manifest.nbytes}; it "
+                   "belongs to another server")
+    if problem:
+        os.close(fd)
+        raise ManifestError(f"{path}: {problem}")
+    return fd
 
 
 def _b64(data: bytes | None) -> str | None:
@@ -221,10 +368,9 @@ def _share_cuda(tensors, server_id, device, **manifest_fields):
             raise ManifestError(f"{name}: cannot share a {t.dtype} tensor")
         (_, _, stride, offset, _, _, _, handle, storage_bytes, storage_offset_bytes, _,
          ref_handle, ref_offset, event_handle, event_sync) = reduce_tensor(t.detach())[1]
-        ipc = dict(stride=list(stride), storage_offset=offset, handle=_b64(handle),
-                   storage_bytes=storage_bytes, storage_offset_bytes=storage_offset_bytes,
-                   ref_counter_handle=_b64(ref_handle), ref_counter_offset=ref_offset,
-                   event_handle=_b64(event_handle), event_sync=event_sync)
+        ipc = CudaIpc(tuple(stride), offset, _b64(handle), storage_bytes,
+                      storage_offset_bytes, _b64(ref_handle), ref_offset, _b64(event_handle),
+                      bool(event_sync))
         entries.append(TensorEntry(name, dtype, tuple(t.shape), 0, ipc))
     uuid_ = str(torch.cuda.get_device_properties(device).uuid)
     manifest = Manifest(FORMAT, server_id, f"cuda:{uuid_}", 0, tuple(entries),
@@ -244,22 +390,26 @@ def _attach_cuda(manifest: Manifest) -> dict[str, torch.Tensor]:
     out = {}
     for e in manifest.tensors:
         ipc, dtype = e.ipc, _DTYPES[e.dtype]
-        if not ipc["storage_bytes"]:
+        if ipc is None:
+            raise ManifestError(f"{e.name}: a CUDA manifest ({manifest.path}) with no 'ipc'")
+        if not ipc.storage_bytes:
             out[e.name] = torch.empty(e.shape, dtype=dtype, device=f"cuda:{device}")
             continue
         out[e.name] = rebuild_cuda_tensor(
-            torch.Tensor, torch.Size(e.shape), tuple(ipc["stride"]), ipc["storage_offset"],
-            torch.UntypedStorage, dtype, device, _unb64(ipc["handle"]),
-            ipc["storage_bytes"], ipc["storage_offset_bytes"], False,
-            _unb64(ipc["ref_counter_handle"]), ipc["ref_counter_offset"],
-            _unb64(ipc["event_handle"]), ipc["event_sync"])
+            torch.Tensor, torch.Size(e.shape), ipc.stride, ipc.storage_offset,
+            torch.UntypedStorage, dtype, device, _unb64(ipc.handle), ipc.storage_bytes,
+            ipc.storage_offset_bytes, False, _unb64(ipc.ref_counter_handle),
+            ipc.ref_counter_offset, _unb64(ipc.event_handle), ipc.event_sync)
     return out
 
 
 def release(manifest: Manifest) -> None:
-    """Remove the shared file; mappings that exist stay valid until unmapped."""
+    """Remove the shared file and drop its lock; mappings stay valid until unmapped."""
     if manifest.gpu_uuid is None:
         Path(manifest.path).unlink(missing_ok=True)
+        fd = _HELD.pop(manifest.path, None)
+        if fd is not None:
+            os.close(fd)
 
 
 def remove_server_files(server_id: str, directory: str | os.PathLike = "/dev/shm") -> None:
@@ -269,16 +419,33 @@ def remove_server_files(server_id: str, directory: str | os.PathLike = "/dev/shm
 
 
 def sweep_stale(directory: str | os.PathLike = "/dev/shm") -> list[str]:
-    """Remove shared-weight files whose server process is gone (killed before cleanup)."""
+    """Remove shared-weight files that no live server holds (killed before cleanup).
+
+    A live server holds an exclusive flock on its file; a file that can be locked is
+    stale, and is removed while locked. The PID in the name is not consulted: containers
+    with their own PID namespaces may share /dev/shm (`--ipc=host`).
+    """
     removed = []
     for path in Path(directory).glob("hotweights-*-*"):
-        pid = path.name.rsplit("-", 1)[1]
-        if not pid.isdigit() or Path(f"/proc/{pid}").exists():
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:  # gone, a link, or another user's
             continue
         try:
-            path.unlink(missing_ok=True)
-        except PermissionError:  # another user's server
-            continue
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # a live server holds it
+                continue
+            if not _names_file(fd, path):
+                continue
+            try:
+                path.unlink()
+            except OSError:  # another user's (sticky /dev/shm), or gone
+                continue
+        finally:
+            os.close(fd)
         removed.append(str(path))
         logger.info("removed stale shared weights %s", path)
     return removed

@@ -67,6 +67,7 @@ def test_trainer_trains_a_cuda_server_tensors_in_place(tmp_path):
         server.stdin.flush()
         manifest = shm.Manifest.from_json(server.stdout.readline(), source="server")
         assert manifest.gpu_uuid == str(torch.cuda.get_device_properties(0).uuid)
+        assert all(isinstance(e.ipc, shm.CudaIpc) for e in manifest.tensors)
         tensors = shm.attach(manifest)
         layout = plan(model_dir, tensors)
         model, report = build_hf_model(model_dir, tensors, layout=layout,
@@ -98,7 +99,9 @@ def test_trainer_trains_a_cuda_server_tensors_in_place(tmp_path):
 def test_unknown_gpu_is_named():
     manifest = shm.Manifest.from_dict(dict(
         format=shm.FORMAT, server_id="s", path="cuda:x", nbytes=0, gpu_uuid="GPU-nope",
-        tensors=[dict(name="w", dtype="float32", shape=[1], offset=0,
-                      ipc=dict(handle="", stride=[1]))]))
+        tensors=[dict(name="w", dtype="float32", shape=[1], offset=0, ipc=dict(
+            stride=[1], storage_offset=0, handle="", storage_bytes=4, storage_offset_bytes=0,
+            ref_counter_handle="", ref_counter_offset=0, event_handle=None,
+            event_sync=False))]))
     with pytest.raises(shm.ManifestError, match=r"GPU GPU-nope of server s is not visible"):
         shm.attach(manifest)
