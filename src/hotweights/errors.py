@@ -23,3 +23,7 @@ class ServerError(HotweightsError):
 
 class ConfigError(HotweightsError):
     """A server option or environment hotweights cannot work with (names the flag)."""
+
+
+class UnsupportedModelError(HotweightsError):
+    """A model hotweights cannot train in place (names the layer or the setting at fault)."""

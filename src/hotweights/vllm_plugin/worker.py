@@ -11,6 +11,7 @@ import logging
 import os
 
 from hotweights import shm
+from hotweights.errors import ConfigError, UnsupportedModelError
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,7 @@ class HotweightsWorker:
         params = dict(model.named_parameters())  # tied parameters appear once
         if any(p.is_cuda for p in params.values()):
             _refuse_unshareable_cuda_memory(self.vllm_config)
+            _refuse_repacked_weights(self.vllm_config, model)
         manifest, shared = shm.share(
             {name: p.data for name, p in params.items()},
             server_id=server_id,
@@ -68,9 +70,30 @@ def _refuse_unshareable_cuda_memory(vllm_config) -> None:
     # Legacy CUDA IPC (cudaIpcGetMemHandle) cannot export memory that comes from cuMem
     # allocations: vLLM's sleep mode and PyTorch's expandable segments both use them.
     if vllm_config.model_config.enable_sleep_mode:
-        raise RuntimeError("hotweights: vLLM's --enable-sleep-mode allocates the weights "
-                           "with cuMem, which CUDA IPC cannot share; start without it")
+        raise ConfigError("hotweights: vLLM's --enable-sleep-mode allocates the weights "
+                          "with cuMem, which CUDA IPC cannot share; start without it")
     for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         if "expandable_segments:true" in os.environ.get(var, "").replace(" ", "").lower():
-            raise RuntimeError(f"hotweights: {var} enables expandable segments, whose memory "
-                               "CUDA IPC cannot share; unset expandable_segments")
+            raise ConfigError(f"hotweights: {var} enables expandable segments, whose memory "
+                              "CUDA IPC cannot share; unset expandable_segments")
+
+
+def _refuse_repacked_weights(vllm_config, model) -> None:
+    # A backend that repacks weights at load (quantized kernels, packed GEMM layouts)
+    # computes on its own copy, which an in-place update would leave stale. On GPU vLLM's
+    # UnquantizedLinearMethod computes on the checkpoint layout itself; anything else is
+    # refused. (On CPU the hotweights plugin keeps the checkpoint layout: cpu_keep_weights.)
+    model_config = vllm_config.model_config
+    if model_config.quantization is not None:
+        raise UnsupportedModelError(
+            f"hotweights: {model_config.model} is quantized ({model_config.quantization}); "
+            "its kernels compute on a packed copy of the weights that an in-place update "
+            "would leave stale; serve an unquantized checkpoint")
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        kinds = [c.__name__ for c in type(method).__mro__]
+        if "LinearMethodBase" in kinds and kinds[0] != "UnquantizedLinearMethod":
+            raise UnsupportedModelError(
+                f"hotweights: {name} computes with {kinds[0]}, which may repack its weights "
+                "at load, so an in-place update would not reach it; hotweights trains only "
+                "layers on vLLM's UnquantizedLinearMethod")

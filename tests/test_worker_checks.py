@@ -1,0 +1,75 @@
+"""The worker's load-time refusals, on fake vLLM config and modules (no GPU, no engine)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hotweights.errors import ConfigError, HotweightsError, UnsupportedModelError
+from hotweights.vllm_plugin.worker import _refuse_repacked_weights, _refuse_unshareable_cuda_memory
+
+
+# Stand-ins named like vLLM's classes (vllm/model_executor/layers/linear.py): the check
+# judges a layer's method by its class and base-class names.
+class LinearMethodBase:
+    pass
+
+
+class UnquantizedLinearMethod(LinearMethodBase):
+    pass
+
+
+class Fp8LinearMethod(LinearMethodBase):
+    pass
+
+
+class PackedUnquantizedLinearMethod(UnquantizedLinearMethod):
+    pass
+
+
+class UnquantizedEmbeddingMethod:  # not a linear method
+    pass
+
+
+def _config(*, quantization=None, sleep=False):
+    return SimpleNamespace(model_config=SimpleNamespace(
+        model="/models/tiny", quantization=quantization, enable_sleep_mode=sleep))
+
+
+def _model(qkv_method=UnquantizedLinearMethod) -> torch.nn.Module:
+    model = torch.nn.Module()
+    model.embed_tokens = torch.nn.Module()
+    model.embed_tokens.quant_method = UnquantizedEmbeddingMethod()
+    model.layers = torch.nn.ModuleList(torch.nn.Module() for _ in range(2))
+    for i, layer in enumerate(model.layers):
+        layer.qkv_proj = torch.nn.Module()
+        layer.qkv_proj.quant_method = (qkv_method if i == 1 else UnquantizedLinearMethod)()
+        layer.input_layernorm = torch.nn.Module()  # no quant_method at all
+    return model
+
+
+def test_unquantized_model_is_accepted():
+    _refuse_repacked_weights(_config(), _model())
+
+
+def test_quantized_model_is_refused():
+    with pytest.raises(UnsupportedModelError, match=r"/models/tiny is quantized \(fp8\)"):
+        _refuse_repacked_weights(_config(quantization="fp8"), _model())
+
+
+@pytest.mark.parametrize("method", [Fp8LinearMethod, PackedUnquantizedLinearMethod])
+def test_layer_with_another_linear_method_is_named(method):
+    with pytest.raises(UnsupportedModelError,
+                       match=rf"layers\.1\.qkv_proj computes with {method.__name__}"):
+        _refuse_repacked_weights(_config(), _model(method))
+
+
+def test_unshareable_cuda_memory_is_a_config_error(monkeypatch):
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    _refuse_unshareable_cuda_memory(_config())
+    with pytest.raises(ConfigError, match=r"--enable-sleep-mode"):
+        _refuse_unshareable_cuda_memory(_config(sleep=True))
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    with pytest.raises(HotweightsError, match=r"PYTORCH_CUDA_ALLOC_CONF enables expandable"):
+        _refuse_unshareable_cuda_memory(_config())
