@@ -26,7 +26,7 @@ class ViewReport:
     mapped: tuple[str, ...]  # HF parameters that are views into vLLM tensors
     missing: tuple[str, ...]  # HF parameters no vLLM tensor holds (allowed by the caller)
     unused: tuple[str, ...]  # vLLM tensors that hold no HF parameter
-    trainable: tuple[str, ...]  # HF parameters with requires_grad
+    trainable: tuple[str, ...]  # HF parameters with requires_grad (every name of a tied one)
     bytes_copied: int  # bytes of parameter data not shared with vLLM (0 unless missing)
 
 
@@ -82,7 +82,9 @@ def build_hf_model(
         config: a transformers config or a model directory.
         vllm_params: vLLM parameter name -> live tensor (tp=1).
         trainable: which HF parameters get `requires_grad`: a bool, a regex searched in
-            the HF name, a collection of names, or a predicate.
+            the HF name, a collection of names, or a predicate. A tied parameter is
+            trainable if the selection names any of its names (`lm_head.weight` trains
+            the tied `model.embed_tokens.weight`).
         allow_missing: HF parameters that may have no vLLM source (True for any); they
             are materialised as zeros and reported. Otherwise a missing one is an error.
         allow_unused: tolerate vLLM tensors that hold no HF parameter (reported).
@@ -140,8 +142,13 @@ def build_hf_model(
             logger.warning("HF parameter %s has no vLLM source: zeros", name)
         _set_param(model, name, made[canonical])
 
-    for name, param in model.named_parameters():
-        param.requires_grad_(wants_grad(name))
+    # A tied parameter has several names (lm_head.weight is model.embed_tokens.weight) and
+    # named_parameters() yields only the first: the selection may name any of them.
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    for param in model.parameters():
+        param.requires_grad_(any(wants_grad(n) for n in names[id(param)]))
     for module in model.modules():
         for bname, buf in module._buffers.items():
             if buf is not None and buf.device != device:
@@ -152,7 +159,8 @@ def build_hf_model(
                      if n not in layout.missing),
         missing=layout.missing,
         unused=layout.unused,
-        trainable=tuple(n for n, p in model.named_parameters() if p.requires_grad),
+        trainable=tuple(n for n, p in model.named_parameters(remove_duplicate=False)
+                        if p.requires_grad),
         bytes_copied=bytes_copied,
     )
     logger.info("built HF model on views: %d parameters mapped, %d missing, %d unused",
