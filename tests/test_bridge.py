@@ -65,3 +65,19 @@ def test_an_exception_in_the_body_aborts_dirty_and_is_reraised(monkeypatch):
         with _bridge().update():
             raise ValueError("step failed")
     assert rec.calls[-1][0] == "/hotweights/abort" and rec.calls[-1][1]["dirty"] is True
+
+
+def test_the_model_dir_comes_from_this_machine_not_the_servers_word(tmp_path):
+    from hotweights import shm
+
+    b = _bridge()
+    b.manifests = [shm.Manifest(shm.FORMAT, "s", "/dev/shm/x", 1, (), model="org/model")]
+    with pytest.raises(ServerError, match=r"'org/model', which is not a directory .*"
+                       r"bridge.model\(config=\.\.\.\)"):
+        b.model()  # a hub id: never fetched (or its code run) because the server said so
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    b.manifests = [shm.Manifest(shm.FORMAT, "s", "/dev/shm/x", 1, (), model=str(shared))]
+    with pytest.raises(ServerError, match="another user owns or can write"):
+        b.model(trust_remote_code=True)

@@ -64,14 +64,22 @@ class Bridge:
                               f"server says it is {data.get('server_id')!r}")
         return cls(url, token, manifests, str(data["version"]))
 
-    def model(self, **kwargs: Any) -> torch.nn.Module:
+    def model(self, config: Any = None, **kwargs: Any) -> torch.nn.Module:
         """The HF model whose parameters are views into the server's weights.
 
-        Keyword arguments go to `build_hf_model` (`trainable=`, `allow_missing=`,
-        `trust_remote_code=` for a model whose code ships with it, ...); its report is
-        kept in `bridge.report`.
+        Args:
+            config: a transformers config or a model directory of this machine (default:
+                the directory the server loaded, which must be a local directory: the
+                server's word alone never makes this process read a hub or run code
+                from a directory others can write).
+            kwargs: go to `build_hf_model` (`trainable=`, `allow_missing=`,
+                `trust_remote_code=` for a model whose code ships with it, ...); its
+                report is kept in `bridge.report`.
         """
-        model, self.report = build_hf_model(self.manifests[0].model, self.tensors, **kwargs)
+        if config is None:
+            config = _local_model_dir(self.manifests[0].model,
+                                      kwargs.get("trust_remote_code", False))
+        model, self.report = build_hf_model(config, self.tensors, **kwargs)
         return model
 
     @contextlib.contextmanager
@@ -151,6 +159,21 @@ class _Renewer(threading.Thread):
             except ServerError as e:  # commit will say what happened
                 logger.warning("hotweights: lease renewal failed: %s", e)
                 return
+
+
+def _local_model_dir(path: str, trust_remote_code: bool) -> str:
+    """The server's model directory, if this process may read it on the server's word."""
+    if not path or not os.path.isdir(path):
+        raise ServerError(f"the server loaded {path!r}, which is not a directory on this "
+                          "machine; pass the model's config or directory: "
+                          "bridge.model(config=...)")
+    if trust_remote_code:  # its code runs here: only from a directory others cannot write
+        st = os.stat(path)
+        if st.st_uid not in (os.getuid(), 0) or st.st_mode & 0o022:
+            raise ServerError(f"{path}: trust_remote_code would run code from a directory "
+                              "that another user owns or can write; pass "
+                              "bridge.model(config=DIR) for a directory you trust")
+    return path
 
 
 def server_status(url: str, token: str | None = None) -> dict:
