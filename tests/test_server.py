@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hotweights import serve
+from hotweights import launch, tokens
 from hotweights.bridge import Bridge
 from hotweights.errors import LayoutError, ServerError
 from hotweights.transaction import parse_version
@@ -42,16 +42,16 @@ def _http(url, route, *, token=TOKEN, body=None, method=None):
 
 class Server:
     def __init__(self, model_dir: Path, tmp: Path, *extra: str, port: int | None = None):
-        self.port = port or serve.free_port()
+        self.port = port or launch.free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model_dir = str(model_dir)
         log = tmp / "server.log"
-        self.proc = serve.spawn(model_dir, port=self.port, token=TOKEN, log=log, vllm_args=(
+        self.proc = launch.spawn(model_dir, port=self.port, token=TOKEN, log=log, vllm_args=(
             "--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "8", *extra))
         try:
-            serve.wait_ready(self.proc, self.url, log=log)
+            launch.wait_ready(self.proc, self.url, log=log)
         except BaseException:
-            serve.stop(self.proc)
+            launch.stop(self.proc)
             raise
 
     def logprobs(self) -> tuple[dict[int, float], str]:
@@ -64,7 +64,7 @@ class Server:
                 headers["x-hotweights-version"])
 
     def stop(self) -> None:
-        serve.stop(self.proc)
+        launch.stop(self.proc)
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +188,7 @@ def test_status_command_and_token_file(server, capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("HOME", str(tmp_path))  # no token file for this port yet
     assert main(["status", server.url]) == 1
     assert "no token" in capsys.readouterr().err
-    token_file = serve.token_path(server.port)
+    token_file = tokens.token_path(server.port)
     token_file.parent.mkdir(parents=True)
     token_file.write_text(TOKEN + "\n")  # what `hotweights serve --port` writes
     assert main(["status", server.url]) == 0
@@ -382,6 +382,26 @@ def test_custom_remote_code_model_through_the_transformers_backend(custom_model,
             assert abs(ours[token].item() - logprob) < TOL, token
     finally:
         custom.stop()
+
+
+def test_the_trainer_maps_only_the_servers_own_file(server, tmp_path):
+    import dataclasses
+
+    from hotweights import shm
+    from hotweights.errors import ManifestError
+
+    manifest = Bridge.connect(server.url, token=TOKEN).manifests[0]
+    link = Path(manifest.path).with_name(f"hotweights-{manifest.server_id}-999999999")
+    link.symlink_to(manifest.path)
+    try:
+        for path, why in [(str(link), "link"), ("/etc/passwd", "not a shared-weights file"),
+                          (str(tmp_path / Path(manifest.path).name), "not a shared-weights")]:
+            with pytest.raises(ManifestError, match=why):
+                shm.attach(dataclasses.replace(manifest, path=path))
+    finally:
+        link.unlink()
+    assert manifest.path not in shm.sweep_stale()  # the server holds its lock
+    assert Path(manifest.path).exists()
 
 
 def test_a_trainer_of_a_restarted_server_is_told_to_reconnect(server, tmp_path):
