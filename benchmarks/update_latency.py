@@ -46,7 +46,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from hotweights import serve, tiny
+from hotweights import launch, serve, tiny
 
 # The probe: the smallest request that shows the weights (its prefill is recomputed after
 # every update: the commit resets the prefix cache).
@@ -77,10 +77,10 @@ def running(name: str, model_dir: Path, args: argparse.Namespace,
     With a token: `hotweights serve`. Without: a plain vLLM server (no hotweights plugin,
     vLLM's dev routes on, for /collective_rpc).
     """
-    port = serve.free_port()
+    port = launch.free_port()
     url, log = f"http://127.0.0.1:{port}", args.workdir / f"{name}.log"
     if token:
-        proc = serve.spawn(model_dir, port=port, token=token, log=log,
+        proc = launch.spawn(model_dir, port=port, token=token, log=log,
                            vllm_args=tuple(SERVE_FLAGS))
     else:
         env = dict(os.environ, VLLM_PLUGINS="", VLLM_SERVER_DEV_MODE="1",
@@ -91,10 +91,10 @@ def running(name: str, model_dir: Path, args: argparse.Namespace,
                  "127.0.0.1", "--port", str(port), *SERVE_FLAGS],
                 stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
-        serve.wait_ready(proc, url, log=log, timeout=args.start_timeout)
+        launch.wait_ready(proc, url, log=log, timeout=args.start_timeout)
         yield url
     finally:
-        serve.stop(proc)
+        launch.stop(proc)
 
 
 def complete(url: str, model: str) -> tuple[str | None, float]:

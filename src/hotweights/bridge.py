@@ -19,6 +19,7 @@ import torch
 
 from hotweights import shm
 from hotweights.errors import ServerError
+from hotweights.tokens import find_token
 from hotweights.views import build_hf_model
 
 logger = logging.getLogger(__name__)
@@ -180,19 +181,6 @@ def server_status(url: str, token: str | None = None) -> dict:
     """GET /hotweights/status of the server at `url` (token as for `Bridge.connect`)."""
     url = url.rstrip("/")
     return _request(url, "GET", "/hotweights/status", find_token(url, token))
-
-
-def find_token(url: str, token: str | None = None) -> str:
-    """`token`, else $HOTWEIGHTS_TOKEN, else the file `hotweights serve` wrote for the port."""
-    from hotweights.serve import token_path
-
-    if token or (token := os.environ.get("HOTWEIGHTS_TOKEN")):
-        return token
-    path = token_path(urllib.parse.urlsplit(url).port or 80)
-    if path.is_file():
-        return path.read_text().strip()
-    raise ServerError(f"{url}: no token: pass token=, set HOTWEIGHTS_TOKEN, or run the "
-                      f"server on this machine as this user (it writes {path})")
 
 
 def _request(url: str, method: str, route: str, token: str, body: dict | None = None, *,

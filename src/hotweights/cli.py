@@ -25,6 +25,12 @@ def _parser() -> argparse.ArgumentParser:
         "machine can train them in place through hotweights.Bridge, and /hotweights/* "
         "routes (bearer token) pause, commit and report updates. Any other flag is "
         "passed to vLLM unchanged (e.g. --dtype bfloat16 --max-model-len 2048).",
+        epilog="Memory: vLLM's CPU backend reserves 92 % of the memory node unless told, "
+        "which fails beside a trainer. Unless VLLM_CPU_KVCACHE_SPACE, "
+        "--gpu-memory-utilization or --kv-cache-memory-bytes is given, hotweights serve "
+        "sets VLLM_CPU_KVCACHE_SPACE=4 (GiB of KV cache; CPU only): set it higher for "
+        "longer contexts or more concurrent requests. The token file is written once the "
+        "server answers, and removed when it stops.",
     )
     p.add_argument("model", help="model directory (or name) for vLLM")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
@@ -78,13 +84,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", default=None, help="where to build the model (default: temp)")
     p.set_defaults(run=_run_demo)
     return parser
-
-
-def make_console():
-    """A rich console; plain wide lines when the output is not a terminal (logs, tests)."""
-    from rich.console import Console
-
-    return Console(width=None if sys.stdout.isatty() else 200)
 
 
 def _run_serve(args: argparse.Namespace) -> int:

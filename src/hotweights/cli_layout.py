@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from hotweights.cli import make_console
+from hotweights.console import make_console
 from hotweights.errors import LayoutError
 
 

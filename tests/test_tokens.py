@@ -1,0 +1,58 @@
+"""Token files of `hotweights serve`: sent to loopback URLs only, removed only if ours."""
+
+import pytest
+
+from hotweights.errors import ServerError
+from hotweights.tokens import find_token, remove_token, token_path, write_token
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("HOTWEIGHTS_TOKEN", raising=False)
+    return tmp_path
+
+
+@pytest.mark.parametrize(("url", "port"), [
+    ("http://127.0.0.1:8000", 8000),
+    ("http://127.3.4.5:8001/", 8001),
+    ("http://localhost:8002", 8002),
+    ("http://[::1]:8003", 8003),
+    ("http://LOCALHOST", 80),
+    ("https://localhost", 443),
+])
+def test_loopback_urls_read_the_token_file_of_their_port(home, url, port):
+    write_token(token_path(port), f"t{port}")
+    assert find_token(url) == f"t{port}"
+
+
+@pytest.mark.parametrize("url", [
+    "http://10.0.0.7:8000", "http://example.com:8000", "https://192.168.1.2:8000",
+    "http://[2001:db8::1]:8000", "http://localhost.example.com:8000",
+])
+def test_other_hosts_never_get_the_local_token(home, url):
+    write_token(token_path(8000), "local-secret")
+    with pytest.raises(ServerError, match="pass token= or set HOTWEIGHTS_TOKEN") as e:
+        find_token(url)
+    assert "local-secret" not in str(e.value)
+
+
+def test_a_given_token_or_the_variable_go_anywhere(home, monkeypatch):
+    assert find_token("http://10.0.0.7:8000", "given") == "given"
+    monkeypatch.setenv("HOTWEIGHTS_TOKEN", "env")
+    assert find_token("http://10.0.0.7:8000") == "env"
+
+
+def test_no_token_file_names_the_file(home):
+    with pytest.raises(ServerError, match=r"server-8000\.token"):
+        find_token("http://127.0.0.1:8000")
+
+
+def test_token_file_is_private_and_removed_only_if_still_ours(tmp_path):
+    path = tmp_path / "sub" / "server.token"
+    write_token(path, "ours")
+    assert path.stat().st_mode & 0o777 == 0o600
+    write_token(path, "theirs")  # another server took the port since
+    assert not remove_token(path, "ours") and path.read_text() == "theirs\n"
+    assert remove_token(path, "theirs") and not path.exists()
+    assert not remove_token(path, "theirs")  # gone already: nothing to do
