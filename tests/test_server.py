@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from hotweights import launch, tokens
+from hotweights import launch
 from hotweights.bridge import Bridge
 from hotweights.errors import LayoutError, ServerError
+from hotweights.tokens import token_path
 from hotweights.transaction import parse_version
 
 pytestmark = pytest.mark.vllm
@@ -188,7 +189,7 @@ def test_status_command_and_token_file(server, capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("HOME", str(tmp_path))  # no token file for this port yet
     assert main(["status", server.url]) == 1
     assert "no token" in capsys.readouterr().err
-    token_file = tokens.token_path(server.port)
+    token_file = token_path(server.port)
     token_file.parent.mkdir(parents=True)
     token_file.write_text(TOKEN + "\n")  # what `hotweights serve --port` writes
     assert main(["status", server.url]) == 0
