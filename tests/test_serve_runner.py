@@ -107,7 +107,8 @@ def test_a_second_server_on_a_busy_port_leaves_the_first_ones_token(tmp_path):
         second = _runner(tmp_path, port, "serve", token_file, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT)
         out = second.communicate(timeout=60)[0]
-        assert second.returncode != 0 and "hotweights: serving" not in out
+        assert second.returncode == 1 and "hotweights: serving" not in out
+        assert f"error: --port {port}: cannot listen on 127.0.0.1:{port}" in out
         assert token_file.read_text() == "theirs\n"
     finally:
         first.terminate()

@@ -110,6 +110,7 @@ def refuse_unshareable(vllm_args: list[str]) -> None:
 
 def run(args: argparse.Namespace, vllm_args: list[str]) -> int:
     refuse_unshareable(vllm_args)
+    _refuse_busy_port(args.host, args.port)
     token = args.token or os.environ.get("HOTWEIGHTS_TOKEN") or secrets.token_hex(24)
     token_file = Path(args.token_file or token_path(args.port))
     for path in shm.sweep_stale():
@@ -158,6 +159,21 @@ def run(args: argparse.Namespace, vllm_args: list[str]) -> int:
                 raise ConfigError(f"{args.model}: {why} (KV cache default of hotweights "
                                   f"serve: VLLM_CPU_KVCACHE_SPACE={KV_CACHE_GIB})")
     return code
+
+
+def _refuse_busy_port(host: str, port: int) -> None:
+    """Fail fast when something listens on the port already (vLLM would fail later, after
+    loading the model)."""
+    import socket
+
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+            s.bind(addr)
+    except OSError as e:
+        raise ConfigError(f"--port {port}: cannot listen on {host}:{port} ({e.strerror or e}); "
+                          "is another server running there? Pick another --port") from None
 
 
 def _probe_url(host: str, port: int) -> str:

@@ -1,12 +1,15 @@
 """Everything that imports vLLM lives here, and is imported lazily.
 
 `register` is the `vllm.general_plugins` entry point: vLLM runs it in every process
-(API server, engine core, workers) before the model loads.
+(API server, engine core, workers) before the model loads, in every vLLM on a machine
+where hotweights is installed. It acts only where HOTWEIGHTS_ACTIVE=1, which `hotweights
+serve` and `local.start_engine` set: a plain `vllm serve` keeps vLLM's own CPU kernels.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 logger = logging.getLogger(__name__)
 
@@ -17,6 +20,10 @@ def register() -> None:
     """vLLM general plugin: on CPU, keep the live weights in a layout we can view."""
     global _done
     if _done:
+        return
+    if os.environ.get("HOTWEIGHTS_ACTIVE") != "1":
+        logger.debug("hotweights: plugin inert, this vLLM was not started by `hotweights "
+                     "serve` (HOTWEIGHTS_ACTIVE is not 1)")
         return
     _done = True
     from vllm.platforms import current_platform

@@ -1,0 +1,49 @@
+"""vLLM loads every installed general plugin: ours must act only where hotweights started
+the engine (HOTWEIGHTS_ACTIVE=1), and leave a plain vLLM to its own CPU kernels."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+# A plain in-process vLLM engine (no hotweights call), printing how the first attention
+# layer's qkv_proj computes after load: on its `weight` itself (F.linear) or on a copy
+# packed into vLLM's CPU GEMM kernel, and what it left in `weight`.
+ENGINE = """
+import json, sys
+import torch
+from vllm import LLM
+llm = LLM(sys.argv[1], enforce_eager=True, max_model_len=256, max_num_seqs=4, seed=0)
+qkv = llm.apply_model(lambda m: m.model.layers[0].self_attn.qkv_proj)[0]
+print("QKV", json.dumps(dict(shape=list(qkv.weight.shape), name=qkv.cpu_linear.__qualname__,
+                             plain=qkv.cpu_linear is torch.nn.functional.linear)))
+"""
+
+
+def _qkv(model_dir, **env) -> dict:
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("VLLM_PLUGINS", "HOTWEIGHTS_ACTIVE", "HOTWEIGHTS_SERVER_ID")}
+    out = subprocess.run(
+        [sys.executable, "-c", ENGINE, str(model_dir)], capture_output=True, text=True,
+        timeout=400, env=dict(base, VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                              VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", **env))
+    lines = [line for line in out.stdout.splitlines() if line.startswith("QKV ")]
+    assert out.returncode == 0 and lines, out.stderr[-3000:]
+    return json.loads(lines[-1].removeprefix("QKV "))
+
+
+def test_plain_vllm_keeps_its_own_kernels_and_hotweights_keeps_the_weights(tiny_model):
+    model_dir = tiny_model("llama")
+    cfg = json.loads((model_dir / "config.json").read_text())
+    rows = (cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"]) * cfg["head_dim"]
+    plain_vllm = _qkv(model_dir)
+    # vLLM's own CPU dispatch: oneDNN/SGL on a packed copy (`weight` then emptied to [0]),
+    # or, where neither is available, its own torch fallback: a lambda, not F.linear
+    assert plain_vllm["name"].startswith("dispatch_cpu_unquantized_gemm.<locals>")
+    assert not plain_vllm["plain"]
+    assert _qkv(model_dir, HOTWEIGHTS_ACTIVE="1") == dict(
+        shape=[rows, cfg["hidden_size"]], name="linear", plain=True)
