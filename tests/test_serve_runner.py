@@ -49,6 +49,7 @@ def test_vllm_plugins_keeps_vllms_own_installed_plugins():
 @pytest.mark.parametrize(("environ", "flags", "kv"), [
     ({}, [], str(serve.KV_CACHE_GIB)),
     ({"VLLM_CPU_KVCACHE_SPACE": "12"}, [], "12"),
+    ({"VLLM_CPU_KVCACHE_SPACE": ""}, [], str(serve.KV_CACHE_GIB)),  # vLLM: "" is unset
     ({}, ["--gpu-memory-utilization", "0.5"], None),
     ({}, ["--gpu_memory_utilization=0.5"], None),
     ({}, ["--kv-cache-memory-bytes=2G"], None),

@@ -37,7 +37,8 @@ _MEMORY_FAILURES = {
     "memory --gpu-memory-utilization asks for; lower it (e.g. --gpu-memory-utilization "
     "0.3), or size the KV cache instead: VLLM_CPU_KVCACHE_SPACE=GiB",
     "less than requested memory for kv": "vLLM could not allocate the KV cache it was "
-    "asked for; lower VLLM_CPU_KVCACHE_SPACE (GiB) or --kv-cache-memory-bytes",
+    f"asked for; lower VLLM_CPU_KVCACHE_SPACE (GiB; hotweights serve sets {KV_CACHE_GIB} "
+    "unless told) or --kv-cache-memory-bytes",
 }
 
 
@@ -60,7 +61,7 @@ def server_env(environ: dict[str, str] | os._Environ, vllm_args: list[str], *, t
     """The environment of the vLLM server `hotweights serve` starts."""
     env = dict(environ, HOTWEIGHTS_TOKEN=token, HOTWEIGHTS_SERVER_ID=server_id,
                VLLM_PLUGINS=vllm_plugins(environ.get("VLLM_PLUGINS")), **{ACTIVE: "1"})
-    if "VLLM_CPU_KVCACHE_SPACE" not in environ and \
+    if not environ.get("VLLM_CPU_KVCACHE_SPACE") and \
             all(_flag(vllm_args, f, "--" + f[2:].replace("-", "_")) is None for f in MEMORY_FLAGS):
         env["VLLM_CPU_KVCACHE_SPACE"] = str(KV_CACHE_GIB)  # read by vLLM's CPU platform only
     return env
@@ -156,8 +157,7 @@ def run(args: argparse.Namespace, vllm_args: list[str]) -> int:
         tail = "".join(line for tee in tees for line in tee.tail)
         for pattern, why in _MEMORY_FAILURES.items():
             if pattern in tail:
-                raise ConfigError(f"{args.model}: {why} (KV cache default of hotweights "
-                                  f"serve: VLLM_CPU_KVCACHE_SPACE={KV_CACHE_GIB})")
+                raise ConfigError(f"{args.model}: {why}")
     return code
 
 
