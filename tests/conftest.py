@@ -1,3 +1,4 @@
+import importlib.util
 import os
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -6,6 +7,100 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may come from a hub
 import pytest
 
 from hotweights import tiny
+
+# Found, not imported: the trainer side and the table tests run without vLLM.
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+WORKER = "hotweights.vllm_plugin.worker.HotweightsWorker"
+
+
+class Engines:
+    """At most one in-process vLLM engine, kept while consecutive tests ask for it.
+
+    In-process engines cannot coexist (`local.start_engine`), and each start costs tens of
+    seconds, so tests share the engine of one (arch, dtype, impl): `get` returns the running
+    one for the same key and otherwise stops it and starts the next. A test that changes the
+    weights restores them; one that shares them (`hotweights_share`, not undone by
+    `hotweights_release`) asks for `unshared=True` and gets a fresh engine if needed.
+    Every engine has the hotweights worker extension, so any test can use any engine.
+
+    Tests parametrize `engine_key` with (arch, dtype, impl): the suite runs the tests of
+    one key back to back, across modules, after every other test
+    (`pytest_collection_modifyitems` below), and the engine is stopped before any test
+    that does not use it (it may start its own).
+    """
+
+    def __init__(self, tiny_model):
+        self._tiny_model = tiny_model
+        self.key: tuple[str, str, str] | None = None
+        self.llm = None
+        self.shared = False
+
+    def get(self, arch: str, dtype: str, impl: str = "auto", *, unshared: bool = False):
+        key = (arch, dtype, impl)
+        if key != self.key or (unshared and self.shared):
+            self.close()
+            from hotweights.vllm_plugin.local import start_engine
+
+            self.llm = start_engine(self._tiny_model(arch), dtype=dtype, model_impl=impl,
+                                    worker_extension_cls=WORKER)
+            self.key = key
+        return self.llm
+
+    def share(self) -> dict:
+        """Move the running engine's weights into shared memory; its manifest as a dict."""
+        self.shared = True
+        return self.llm.collective_rpc("hotweights_share")[0]
+
+    def close(self) -> None:
+        if self.llm is not None:
+            from hotweights.vllm_plugin.local import stop_engine
+
+            llm, self.llm, self.key, self.shared = self.llm, None, None, False
+            stop_engine(llm)
+
+
+_engines: Engines | None = None
+
+
+@pytest.fixture(scope="session")
+def vllm_engines(tiny_model):
+    """The suite's one in-process vLLM engine at a time: `vllm_engines.get(arch, dtype, impl)`."""
+    global _engines
+    _engines = Engines(tiny_model)
+    yield _engines
+    _engines.close()
+    _engines = None
+
+
+def _engine_key(item):
+    callspec = getattr(item, "callspec", None)
+    return callspec.params.get("engine_key") if callspec is not None else None
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own grouping by fixture parameters
+def pytest_collection_modifyitems(config, items):
+    if not HAVE_VLLM:
+        skip = pytest.mark.skip(reason="vLLM is not installed (pip install 'hotweights[cpu]')")
+        for item in items:
+            if item.get_closest_marker("vllm"):
+                item.add_marker(skip)
+    # The tests of one engine key run back to back, after every other test, and the keys of
+    # vLLM's Transformers backend last: it decorates the HF classes it serves in place, for
+    # good, and an HF model of such a class then builds only inside `local.hf_context`.
+    keyed = [item for item in items if _engine_key(item) is not None]
+    rank: dict = {}
+    for item in keyed:
+        key = _engine_key(item)
+        rank.setdefault(key, (key[-1] != "auto", len(rank)))
+    keyed.sort(key=lambda item: rank[_engine_key(item)])  # stable: module order within a key
+    items[:] = [item for item in items if _engine_key(item) is None] + keyed
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    # A test that does not use the shared engine may start its own: free ours first.
+    if _engines is not None and "vllm_engines" not in item.fixturenames:
+        _engines.close()
 
 
 @pytest.fixture(scope="session")
@@ -22,12 +117,15 @@ def tiny_model(tmp_path_factory):
 @pytest.fixture(scope="session")
 def servable():
     """servable(arch): skip the test unless this vLLM CPU build can serve `arch` here."""
+    reasons: dict[str, str | None] = {}
 
     def check(arch: str) -> None:
         from hotweights.vllm_plugin.local import unservable
 
-        if reason := unservable(arch):
-            pytest.skip(reason)
+        if arch not in reasons:  # a failed import is retried, slowly, on every call
+            reasons[arch] = unservable(arch)
+        if reasons[arch]:
+            pytest.skip(reasons[arch])
 
     return check
 

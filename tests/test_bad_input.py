@@ -1,22 +1,31 @@
-"""A config that does not match vLLM's live tensors fails, naming the parameter and shapes."""
+"""A config that does not match vLLM's live tensors fails, naming the parameter and shapes.
+
+vLLM's live tensors are the tiny Llama's, as recorded from a real engine by
+tests/fixtures/record_live.py (tests/fixtures/llama_live.json): the errors need their
+names, shapes and dtypes only, so no engine starts here. The one `vllm` test below checks
+the recording against a live engine (the one the suite shares, tests/conftest.py).
+"""
+
+import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from hotweights import LayoutError, build_hf_model, plan
 from hotweights.layout import load_config
-from hotweights.vllm_plugin.local import hf_context, live_params, start_engine, stop_engine
 
-pytestmark = pytest.mark.vllm
+LIVE = json.loads((Path(__file__).parent / "fixtures" / "llama_live.json").read_text())
 
 
 @pytest.fixture(scope="module")
-def llama(tiny_model):
-    model_dir = tiny_model("llama")
-    llm = start_engine(model_dir)
-    with hf_context(llm):
-        yield model_dir, live_params(llm)
-    stop_engine(llm)
+def llama(tmp_path_factory):
+    """The tiny Llama's model dir (its config) and vLLM's live tensors, as recorded."""
+    model_dir = tmp_path_factory.mktemp("llama")
+    (model_dir / "config.json").write_text(json.dumps(LIVE["config"]))
+    params = {name: torch.zeros(shape, dtype=getattr(torch, dtype))
+              for name, (shape, dtype) in LIVE["params"].items()}
+    return model_dir, params
 
 
 def _config(model_dir, **changes):
@@ -87,3 +96,19 @@ def test_tensor_of_wrong_rank_is_named(llama):
 def test_unreadable_config_names_the_directory(tmp_path):
     with pytest.raises(LayoutError, match=str(tmp_path)):
         plan(tmp_path, {})
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("engine_key", [("llama", "bfloat16", "auto")], ids="-".join)
+def test_recorded_table_is_what_vllm_serves(engine_key, vllm_engines, tiny_model):
+    from hotweights.vllm_plugin.local import live_params
+
+    live = {name: [list(t.shape), str(t.dtype).removeprefix("torch.")]
+            for name, t in live_params(vllm_engines.get(*engine_key)).items()}
+    assert live == LIVE["params"], "re-record: .venv/bin/python tests/fixtures/record_live.py"
+
+    def config(values: dict) -> dict:
+        return {k: v for k, v in values.items() if k != "transformers_version"}
+
+    built = json.loads((tiny_model("llama") / "config.json").read_text())
+    assert config(built) == config(LIVE["config"]), "hotweights.tiny changed: re-record"

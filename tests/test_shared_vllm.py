@@ -7,19 +7,23 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from hotweights import shm
-from hotweights.vllm_plugin.local import start_engine, stop_engine
-
-pytestmark = pytest.mark.vllm
+from hotweights.vllm_plugin.local import live_params
 
 TRAINER = Path(__file__).with_name("trainer.py")
 PROMPT = [1, 5, 9, 20, 33, 7, 101, 250, 64, 3]
-# The custom remote-code model runs through `hotweights serve` (tests/test_server.py): a
-# second Transformers-backend engine in one process would re-decorate Llama's classes.
-CASES = [("llama_tied", "auto"), ("qwen3", "auto"), ("qwen3_moe", "auto"),
-         ("qwen3_next", "auto"), ("qwen3_5", "auto"), ("llama", "transformers")]
+# (arch, dtype, impl): the engines are the suite's `vllm_engines`, shared with the tests of
+# the same key in test_views_vllm (tests/conftest.py). The custom remote-code model runs
+# through `hotweights serve` (tests/test_server.py): a second Transformers-backend engine in
+# one process would re-decorate Llama's classes.
+CASES = [("llama_tied", "bfloat16", "auto"), ("qwen3", "bfloat16", "auto"),
+         ("qwen3_moe", "bfloat16", "auto"), ("qwen3_next", "bfloat16", "auto"),
+         ("qwen3_5", "bfloat16", "auto"), ("llama", "bfloat16", "transformers")]
 TOL = 0.05  # bf16: vLLM's CPU kernels round differently from HF's eager ops
+pytestmark = [pytest.mark.vllm, pytest.mark.parametrize(
+    "engine_key", CASES, ids=["-".join(c) for c in CASES], scope="module")]
 
 
 def _logprobs(llm) -> dict[int, float]:
@@ -32,17 +36,21 @@ def _logprobs(llm) -> dict[int, float]:
     return {t: lp.logprob for t, lp in out[0].outputs[0].logprobs[0].items()}
 
 
-@pytest.fixture(scope="module", params=CASES, ids=["-".join(c) for c in CASES])
-def served(request, tiny_model, servable):
-    arch, impl = request.param
+@pytest.fixture(scope="module")
+def served(engine_key, vllm_engines, servable):
+    arch, dtype, impl = engine_key
     servable(arch)
-    llm = start_engine(tiny_model(arch), model_impl=impl,
-                       worker_extension_cls="hotweights.vllm_plugin.worker.HotweightsWorker")
+    llm = vllm_engines.get(arch, dtype, impl, unshared=True)  # a second share is a no-op
     before = _logprobs(llm)
-    manifest = shm.Manifest.from_dict(llm.collective_rpc("hotweights_share")[0])
+    manifest = shm.Manifest.from_dict(vllm_engines.share())
+    checkpoint = {name: t.clone() for name, t in live_params(llm).items()}
     yield llm, manifest, before
+    # The trainer wrote in place: the engine's next tests get the checkpoint back.
+    with torch.no_grad():
+        for name, tensor in live_params(llm).items():
+            tensor.copy_(checkpoint[name])
+    assert _logprobs(llm) == before
     llm.collective_rpc("hotweights_release")
-    stop_engine(llm)
 
 
 def test_sharing_changes_nothing_the_engine_serves(served):

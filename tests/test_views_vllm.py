@@ -9,13 +9,15 @@ from transformers import AutoModelForCausalLM
 
 from hotweights import build_hf_model, plan, tiny, verify_shared
 from hotweights.views import view_of
-from hotweights.vllm_plugin.local import hf_context, live_params, start_engine, stop_engine
+from hotweights.vllm_plugin.local import hf_context, live_params
 
-pytestmark = pytest.mark.vllm
-
+# (arch, dtype, impl): the engine of each comes from the suite's `vllm_engines`, shared with
+# the other modules' tests of the same key (tests/conftest.py).
 CASES = [(arch, dtype, "auto") for arch in tiny.ARCHS for dtype in ("bfloat16", "float32")
          if not (arch in tiny.GDN_ARCHS and dtype == "float32")]
 CASES.append(("llama", "bfloat16", "transformers"))
+pytestmark = [pytest.mark.vllm, pytest.mark.parametrize(
+    "engine_key", CASES, ids=["-".join(c) for c in CASES], scope="module")]
 PROMPT = [1, 5, 9, 20, 33, 7, 101, 250, 64, 3]
 # vLLM's CPU attention and norm kernels round differently from HF's eager torch ops.
 LOGPROB_TOL = {"bfloat16": 0.05, "float32": 1e-3}
@@ -50,14 +52,12 @@ class Engine:
         return {t: lp.logprob for t, lp in out[0].outputs[0].logprobs[0].items()}
 
 
-@pytest.fixture(scope="module", params=CASES, ids=["-".join(c) for c in CASES])
-def engine(request, tiny_model, servable):
-    arch, dtype, impl = request.param
+@pytest.fixture
+def engine(engine_key, vllm_engines, tiny_model, servable):
+    arch, dtype, impl = engine_key
     servable(arch)
-    model_dir = tiny_model(arch)
-    llm = start_engine(model_dir, dtype=dtype, model_impl=impl)
-    yield Engine(llm, live_params(llm), model_dir, dtype)
-    stop_engine(llm)
+    llm = vllm_engines.get(arch, dtype, impl)
+    return Engine(llm, live_params(llm), tiny_model(arch), dtype)
 
 
 def _last_logprobs(model) -> torch.Tensor:
