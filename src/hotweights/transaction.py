@@ -23,7 +23,7 @@ import contextlib
 import enum
 import logging
 import time
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import Any, Protocol
 
 from hotweights.errors import HotweightsError
@@ -93,94 +93,70 @@ def parse_version(label: str) -> tuple[int, str]:
 # -- requests: frozen, validated; a bad field is a 400 that names it -------------------------
 
 
-def _field(data: dict, name: str, kind: type, default: Any = ...) -> Any:
-    if name not in data:
-        if default is ...:
-            raise Refused(400, f"field {name!r} is required")
-        return default
-    value = data[name]
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if not isinstance(value, kind) or kind is not bool and isinstance(value, bool):
-        raise Refused(400, f"field {name!r} must be a {kind.__name__}, got {value!r}")
-    return value
-
-
-def _parse(cls, data: object):
-    if not isinstance(data, dict):
-        raise Refused(400, f"expected a JSON object, got {type(data).__name__}")
-    known = {f.name for f in fields(cls)}
-    if unknown := sorted(set(data) - known):
-        raise Refused(400, f"unknown field(s) {unknown}; known: {sorted(known)}")
-    return cls(**{f.name: _field(data, f.name, *cls._kinds[f.name]) for f in fields(cls)})
-
-
-def _check_holder(holder: str) -> None:
-    if not holder or len(holder) > 200:
-        raise Refused(400, f"field 'holder' must be 1 to 200 characters, got {holder!r}")
-
-
-def _check_lease(lease_s: float) -> None:
-    if not 0 < lease_s <= MAX_LEASE_S:  # also refuses nan and inf
-        raise Refused(400, f"field 'lease_s' must be in (0, {MAX_LEASE_S:.0f}] seconds, "
-                      f"got {lease_s!r}")
+_KINDS = {"str": str, "float": float, "bool": bool}
 
 
 @dataclass(frozen=True)
-class Begin:
+class _Request:
+    """Who asks (`holder`) and which server start it mapped (`server_id`)."""
+
     holder: str
     server_id: str
-    mode: str = "wait"
-    lease_s: float = DEFAULT_LEASE_S
-    _kinds = dict(holder=(str,), server_id=(str,), mode=(str, "wait"),
-                  lease_s=(float, DEFAULT_LEASE_S))
 
     def __post_init__(self) -> None:
-        _check_holder(self.holder)
-        _check_lease(self.lease_s)
-        if self.mode not in MODES:
+        if not self.holder or len(self.holder) > 200:
+            raise Refused(400, f"field 'holder' must be 1 to 200 characters, "
+                          f"got {self.holder!r}")
+        lease_s = getattr(self, "lease_s", DEFAULT_LEASE_S)
+        if not 0 < lease_s <= MAX_LEASE_S:  # also refuses nan and inf
+            raise Refused(400, f"field 'lease_s' must be in (0, {MAX_LEASE_S:.0f}] seconds, "
+                          f"got {lease_s!r}")
+        if getattr(self, "mode", "wait") not in MODES:
             raise Refused(400, f"field 'mode' must be one of {MODES}, got {self.mode!r}")
 
-    from_json = classmethod(_parse)
+    @classmethod
+    def from_json(cls, data: object):
+        """Build from a JSON body; Refused(400) names a missing, unknown or mistyped field."""
+        if not isinstance(data, dict):
+            raise Refused(400, f"expected a JSON object, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        if unknown := sorted(set(data) - known):
+            raise Refused(400, f"unknown field(s) {unknown}; known: {sorted(known)}")
+        values = {}
+        for f in fields(cls):
+            if f.name not in data:
+                if f.default is MISSING:
+                    raise Refused(400, f"field {f.name!r} is required")
+                continue
+            value, kind = data[f.name], _KINDS[f.type]
+            if kind is float and type(value) is int:
+                value = float(value)
+            if type(value) is not kind:  # bool is not taken for a number, nor 1 for a bool
+                raise Refused(400, f"field {f.name!r} must be a {kind.__name__}, "
+                              f"got {value!r}")
+            values[f.name] = value
+        return cls(**values)
 
 
 @dataclass(frozen=True)
-class Renew:
-    holder: str
-    server_id: str
+class Begin(_Request):
+    mode: str = "wait"
     lease_s: float = DEFAULT_LEASE_S
-    _kinds = dict(holder=(str,), server_id=(str,), lease_s=(float, DEFAULT_LEASE_S))
-
-    def __post_init__(self) -> None:
-        _check_holder(self.holder)
-        _check_lease(self.lease_s)
-
-    from_json = classmethod(_parse)
 
 
 @dataclass(frozen=True)
-class Commit:
-    holder: str
-    server_id: str
-    _kinds = dict(holder=(str,), server_id=(str,))
-
-    def __post_init__(self) -> None:
-        _check_holder(self.holder)
-
-    from_json = classmethod(_parse)
+class Renew(_Request):
+    lease_s: float = DEFAULT_LEASE_S
 
 
 @dataclass(frozen=True)
-class Abort:
-    holder: str
-    server_id: str
+class Commit(_Request):
+    pass
+
+
+@dataclass(frozen=True)
+class Abort(_Request):
     dirty: bool = True  # the trainer may have written part of an update
-    _kinds = dict(holder=(str,), server_id=(str,), dirty=(bool, True))
-
-    def __post_init__(self) -> None:
-        _check_holder(self.holder)
-
-    from_json = classmethod(_parse)
 
 
 # -- the transaction --------------------------------------------------------------------------
