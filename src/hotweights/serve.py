@@ -116,7 +116,7 @@ def run(args: argparse.Namespace, vllm_args: list[str]) -> int:
     token_file = Path(args.token_file or token_path(args.port))
     for path in shm.sweep_stale():
         print(f"removed stale shared weights {path}")
-    server_id = secrets.token_hex(6)
+    server_id = secrets.token_hex(4)  # 8 hex digits: versions read 7@3f9a1c2b
     env = server_env(os.environ, vllm_args, token=token, server_id=server_id)
     child: list[subprocess.Popen] = []
     received: list[int] = []
