@@ -53,6 +53,7 @@ def test_serve_passes_other_data_parallel_flags_to_vllm():
 
 
 @pytest.mark.vllm
+@pytest.mark.timeout(480)  # builds a model, starts a server, trains 30 steps: ~100 s here
 def test_demo_trains_the_served_weights_in_place(tmp_path, capsys):
     assert main(["demo", "--workdir", str(tmp_path), "--steps", "30"]) == 0
     out = capsys.readouterr().out
