@@ -3,12 +3,13 @@
 import asyncio
 import json
 
-import httpx
 import pytest
-from fastapi import FastAPI
 
-from hotweights.errors import ConfigError
-from hotweights.vllm_plugin.routes import HotweightsRoutes
+httpx = pytest.importorskip("httpx")  # both come with vLLM, whose API server the routes join
+FastAPI = pytest.importorskip("fastapi").FastAPI
+
+from hotweights.errors import ConfigError  # noqa: E402
+from hotweights.vllm_plugin.routes import HotweightsRoutes  # noqa: E402
 
 SID = "3f9a1c2b"
 TOKEN = "t0k"

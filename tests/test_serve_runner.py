@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hotweights import serve
+from hotweights import serve, shm
 from hotweights.launch import free_port
 
 FAKE = Path(__file__).parent / "fixtures" / "fake_vllm_server.py"
@@ -180,7 +180,7 @@ def test_killed_runner_takes_its_vllm_server_down(tiny_model, tmp_path):
              "--enforce-eager"], stdout=out, stderr=subprocess.STDOUT, env=env)
     vllm = None
     try:
-        deadline = time.monotonic() + 400
+        deadline = time.monotonic() + 200
         while not token_file.exists():  # written once the server answers
             assert runner.poll() is None, log.read_text()[-3000:]
             assert time.monotonic() < deadline, log.read_text()[-3000:]
@@ -197,11 +197,13 @@ def test_killed_runner_takes_its_vllm_server_down(tiny_model, tmp_path):
         runner.wait()
         deadline = time.monotonic() + 120
         shared = Path("/dev/shm").glob
-        while time.monotonic() < deadline and (
-                any(map(_alive, family)) or list(shared(f"hotweights-{server_id}-*"))):
+        while time.monotonic() < deadline and any(map(_alive, family)):
             time.sleep(0.5)
         assert not [pid for pid in family if _alive(pid)], "vLLM outlived hotweights serve"
-        assert not list(shared(f"hotweights-{server_id}-*"))
+        # Its shared weights are gone, or at least no live process holds them: a process
+        # killed before its exit handlers leaves the file to the next start's sweep.
+        left = {str(p) for p in shared(f"hotweights-{server_id}-*")}
+        assert left <= set(shm.sweep_stale())
     finally:
         if runner.poll() is None:
             runner.kill()

@@ -40,7 +40,7 @@ def spawn(model: str | os.PathLike, *, port: int, token: str, log: Path,
             preexec_fn=term_with_parent if sys.platform == "linux" else None)
 
 
-def wait_ready(proc: subprocess.Popen, url: str, *, log: Path, timeout: float = 400) -> None:
+def wait_ready(proc: subprocess.Popen, url: str, *, log: Path, timeout: float = 200) -> None:
     """Wait until the server answers /health; ServerError with the log's tail otherwise."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
