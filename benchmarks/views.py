@@ -56,7 +56,7 @@ RESULT_KEYS = ("mapped", "bytes_copied", "overhead_pct", "build_s")
 
 def skip_reason(arch: str) -> str | None:
     """Why `arch` cannot be benchmarked in this build, or None."""
-    from hotweights.vllm_plugin.local import unservable
+    from hotweights.vllm_plugin.support import unservable
 
     return None if arch == "transformers_backend" else unservable(arch)
 

@@ -120,7 +120,7 @@ def servable():
     reasons: dict[str, str | None] = {}
 
     def check(arch: str) -> None:
-        from hotweights.vllm_plugin.local import unservable
+        from hotweights.vllm_plugin.support import unservable
 
         if arch not in reasons:  # a failed import is retried, slowly, on every call
             reasons[arch] = unservable(arch)

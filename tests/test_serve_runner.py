@@ -141,6 +141,19 @@ def test_demo_with_an_unknown_arch_is_one_line(capsys):
     assert err.count("\n") == 1 and "bogus" in err and "llama, llama_tied" in err
 
 
+@pytest.mark.vllm
+def test_demo_of_an_arch_this_machine_cannot_serve_is_one_line(capsys, tmp_path):
+    from hotweights.cli import main
+    from hotweights.vllm_plugin.support import unservable
+
+    if not (reason := unservable("qwen3_5")):
+        pytest.skip("this machine's vLLM serves Qwen3.5")
+    assert main(["demo", "--arch", "qwen3_5", "--workdir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err  # (transformers may warn about torchvision first)
+    assert ("\n" + err).endswith(f"\nerror: --arch qwen3_5: {reason}\n")
+    assert not any(tmp_path.iterdir())  # refused before building anything
+
+
 def _children(pid: int) -> list[int]:
     path = Path(f"/proc/{pid}/task/{pid}/children")
     return [int(p) for p in path.read_text().split()] if path.exists() else []

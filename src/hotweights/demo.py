@@ -87,6 +87,10 @@ def run(args: argparse.Namespace) -> int:
     if args.arch not in tiny.ARCHS:
         raise ConfigError(f"--arch {args.arch}: not a tiny model hotweights can build; "
                           f"known: {', '.join(tiny.ARCHS)}")
+    from hotweights.vllm_plugin.support import unservable
+
+    if reason := unservable(args.arch):
+        raise ConfigError(f"--arch {args.arch}: {reason}")
     console = make_console()
     # vLLM's CPU worker binds its OpenMP threads to cores and keeps them spinning between
     # steps: trainer threads beyond the free cores would stall on them (10-100x here).

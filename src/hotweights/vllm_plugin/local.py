@@ -1,4 +1,5 @@
-"""Run a vLLM engine in this process and reach its live parameters (tests, benchmarks, CLI)."""
+"""Run a vLLM engine in this process and reach its live parameters (`hotweights layout`,
+views without a server, tests, benchmarks)."""
 
 from __future__ import annotations
 
@@ -24,21 +25,6 @@ def start_engine(model_dir: str | Path, **engine_args: Any):
     args = dict(enforce_eager=True, max_model_len=256, max_num_seqs=4, seed=0)
     args.update(engine_args)
     return LLM(str(model_dir), **args)
-
-
-def unservable(arch: str) -> str | None:
-    """Why this vLLM CPU build cannot serve the tiny model `arch` here, or None."""
-    from hotweights.tiny import GDN_ARCHS
-    from hotweights.vllm_plugin.cpu_keep_weights import conv_kernel_reads_packed_weights
-
-    if arch in GDN_ARCHS and conv_kernel_reads_packed_weights():
-        return "this CPU runs vLLM's packed GDN conv kernel: hotweights refuses it"
-    if arch == "qwen3_5":
-        try:
-            import vllm.model_executor.models.qwen3_5  # noqa: F401
-        except (ImportError, RuntimeError, OSError) as e:  # torchvision: docs/qwen3_5.md
-            return f"vLLM's Qwen3.5 module cannot be imported here ({e}); see docs/qwen3_5.md"
-    return None
 
 
 def live_params(llm) -> dict[str, torch.Tensor]:
