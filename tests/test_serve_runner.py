@@ -213,6 +213,7 @@ def test_killed_runner_takes_its_vllm_server_down(tiny_model, tmp_path):
         while time.monotonic() < deadline and any(map(_alive, family)):
             time.sleep(0.5)
         assert not [pid for pid in family if _alive(pid)], "vLLM outlived hotweights serve"
+        assert not token_file.exists()  # the server removed it: no token left for the port
         # Its shared weights are gone, or at least no live process holds them: a process
         # killed before its exit handlers leaves the file to the next start's sweep.
         left = {str(p) for p in shared(f"hotweights-{server_id}-*")}

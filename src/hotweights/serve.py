@@ -57,13 +57,15 @@ def vllm_plugins(allowed: str | None) -> str:
 
 
 def server_env(environ: dict[str, str] | os._Environ, vllm_args: list[str], *, token: str,
-               server_id: str) -> dict[str, str]:
+               server_id: str, token_file: Path | None = None) -> dict[str, str]:
     """The environment of the vLLM server `hotweights serve` starts."""
     env = dict(environ, HOTWEIGHTS_TOKEN=token, HOTWEIGHTS_SERVER_ID=server_id,
                VLLM_PLUGINS=vllm_plugins(environ.get("VLLM_PLUGINS")), **{ACTIVE: "1"})
     if not environ.get("VLLM_CPU_KVCACHE_SPACE") and \
             all(_flag(vllm_args, f, "--" + f[2:].replace("-", "_")) is None for f in MEMORY_FLAGS):
         env["VLLM_CPU_KVCACHE_SPACE"] = str(KV_CACHE_GIB)  # read by vLLM's CPU platform only
+    if token_file is not None:  # the server removes it at exit too: this runner may be killed
+        env["HOTWEIGHTS_TOKEN_FILE"] = str(token_file)
     return env
 
 
@@ -117,7 +119,8 @@ def run(args: argparse.Namespace, vllm_args: list[str]) -> int:
     for path in shm.sweep_stale():
         print(f"removed stale shared weights {path}")
     server_id = secrets.token_hex(4)  # 8 hex digits: versions read 7@3f9a1c2b
-    env = server_env(os.environ, vllm_args, token=token, server_id=server_id)
+    env = server_env(os.environ, vllm_args, token=token, server_id=server_id,
+                     token_file=token_file)
     child: list[subprocess.Popen] = []
     received: list[int] = []
 

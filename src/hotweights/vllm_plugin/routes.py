@@ -15,15 +15,18 @@ did not start: it acts only when HOTWEIGHTS_SERVER_ID is set.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import hmac
 import logging
 import os
+from pathlib import Path
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from hotweights.errors import ConfigError, ServerError
+from hotweights.tokens import remove_token
 from hotweights.transaction import Abort, Begin, Commit, Refused, Renew, Transaction
 from hotweights.vllm_plugin.gate import Gate, GateMiddleware
 
@@ -142,6 +145,8 @@ class HotweightsRoutes:
             raise ConfigError("hotweights: HOTWEIGHTS_TOKEN is not set; start the server with "
                               "`hotweights serve`, which sets it")
         _refuse_split_servers(args)
+        if token_file := os.environ.get("HOTWEIGHTS_TOKEN_FILE"):  # written by the runner
+            atexit.register(remove_token, Path(token_file), self.token)
         self.tx = Transaction(VllmEngine(engine_client, self.gate), self.server_id)
         await engine_client.update_weight_version(self.tx.version)  # not "default"
         self.metrics["version"].set_function(lambda: self.tx.n)
