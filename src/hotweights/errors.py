@@ -27,3 +27,7 @@ class ConfigError(HotweightsError):
 
 class UnsupportedModelError(HotweightsError):
     """A model hotweights cannot train in place (names the layer or the setting at fault)."""
+
+
+class FingerprintError(HotweightsError):
+    """Block fingerprints are malformed or cannot be compared (names the field or tensor)."""

@@ -1,0 +1,285 @@
+"""blocks: per-block fingerprints, their diff, and the file-bytes fallback (no vLLM)."""
+
+import base64
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from hotweights import blocks
+from hotweights.blocks import TORCH, XXH3, Fingerprints, changed, compare_bytes, fingerprint
+from hotweights.errors import FingerprintError
+
+BS = 64  # small blocks keep every case tiny
+KINDS = pytest.mark.parametrize("kind", [XXH3, TORCH])
+DTYPES = [torch.bfloat16, torch.float32, torch.int32, torch.int8, torch.float16]
+
+
+def _u8(t: torch.Tensor) -> torch.Tensor:
+    return t.view(-1).view(torch.uint8)
+
+
+def _flip(t: torch.Tensor, *byte_offsets: int) -> torch.Tensor:
+    out = t.clone()
+    for o in byte_offsets:
+        _u8(out)[o] ^= 0x10
+    return out
+
+
+def _ranges(old: dict, new: dict, kind: str, bs: int = BS) -> dict:
+    c = changed(fingerprint(old, block_size=bs, kind=kind),
+                fingerprint(new, block_size=bs, kind=kind))
+    return {n: c.tensors[n].ranges.tolist() for n in c.tensors}
+
+
+@KINDS
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_unchanged_has_no_ranges(kind, dtype):
+    t = (torch.randn(33, 7) * 100).to(dtype)  # 33*7 elements: a partial last block
+    c = changed(fingerprint({"w": t}, block_size=BS, kind=kind),
+                fingerprint({"w": t.clone()}, block_size=BS, kind=kind))
+    tc = c.tensors["w"]
+    assert tc.ranges.shape == (0, 2) and tc.blocks_changed == 0 and tc.density == 0.0
+    assert c.bytes_changed == 0 and c.density == 0.0
+    assert (c.added, c.removed, c.resized) == ((), (), ())
+
+
+@KINDS
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_changed_byte_is_exactly_its_block(kind, dtype):
+    t = (torch.randn(40, 10) * 100).to(dtype)
+    nbytes = t.numel() * t.element_size()
+    for off in (0, BS - 1, BS, 3 * BS + 5, nbytes - 1):
+        start = off // BS * BS
+        assert _ranges({"w": t}, {"w": _flip(t, off)}, kind) == {
+            "w": [[start, min(start + BS, nbytes)]]}, off
+
+
+@KINDS
+def test_last_partial_block_and_ends(kind):
+    t = torch.arange(100, dtype=torch.int8)  # 100 bytes: one full block + 36 bytes
+    assert _ranges({"w": t}, {"w": _flip(t, 99)}, kind) == {"w": [[64, 100]]}
+    assert _ranges({"w": t}, {"w": _flip(t, 64)}, kind) == {"w": [[64, 100]]}
+    assert _ranges({"w": t}, {"w": _flip(t, 0, 99)}, kind) == {"w": [[0, 100]]}  # merged
+
+
+@KINDS
+def test_adjacent_blocks_merge_and_density(kind):
+    t = torch.randn(256)  # 1024 bytes = 16 blocks
+    new = _flip(t, 70, 130, 200, 900)  # blocks 1, 2, 3 and 14
+    c = changed(fingerprint({"w": t}, block_size=BS, kind=kind),
+                fingerprint({"w": new}, block_size=BS, kind=kind))
+    tc = c.tensors["w"]
+    assert tc.ranges.tolist() == [[64, 256], [896, 960]]
+    assert tc.blocks_changed == 4 and tc.density == 4 / 16 and tc.bytes_changed == 256
+    assert c.density == 4 / 16
+
+
+@KINDS
+def test_zero_element_tensor(kind):
+    t = torch.zeros(0, 5, dtype=torch.bfloat16)
+    fp = fingerprint({"e": t}, block_size=BS, kind=kind)
+    assert fp.tensors["e"][0] == 0 and fp.tensors["e"][1].shape == (0,)
+    tc = changed(fp, Fingerprints.from_dict(fp.to_dict())).tensors["e"]
+    assert tc.blocks == 0 and tc.ranges.shape == (0, 2) and tc.density == 0.0
+
+
+@KINDS
+def test_added_removed_resized_by_name(kind):
+    a, b = torch.randn(10), torch.randn(20)
+    c = changed(fingerprint({"keep": a, "gone": a, "grow": a}, block_size=BS, kind=kind),
+                fingerprint({"keep": a, "grow": b, "new": b}, block_size=BS, kind=kind))
+    assert (c.added, c.removed, c.resized) == (("new",), ("gone",), ("grow",))
+    assert list(c.tensors) == ["keep"]
+
+
+def test_xxh3_and_torch_paths_find_the_same_blocks():
+    g = torch.Generator().manual_seed(0)
+    old = {"a": torch.randn(3000, generator=g).to(torch.bfloat16),
+           "b": torch.randint(-1000, 1000, (777,), generator=g, dtype=torch.int32),
+           "c": torch.randn(50, 50, generator=g)}
+    new = {n: t.clone() for n, t in old.items()}
+    for t in new.values():
+        u8 = _u8(t)
+        idx = torch.randint(0, u8.numel(), (5,), generator=g)
+        u8[idx] += 1
+    assert _ranges(old, new, XXH3) == _ranges(old, new, TORCH)
+    assert _ranges(old, new, XXH3, bs=4096) == _ranges(old, new, TORCH, bs=4096)
+
+
+def test_torch_hash_sees_changes_a_linear_sum_would_cancel():
+    # Negating the 4th bf16 of two words flips bit 63 of both: 2**63 + 2**63 == 0 mod 2**64.
+    t = torch.ones(32, dtype=torch.bfloat16)
+    new = t.clone()
+    new[3], new[7] = -1, -1
+    assert _ranges({"w": t}, {"w": new}, TORCH) == {"w": [[0, 64]]}
+
+
+def test_torch_path_on_a_misaligned_view():
+    base = torch.randn(1001, dtype=torch.bfloat16)
+    view = base[1:]  # storage offset of 2 bytes: cannot be read as int64 in place
+    a = fingerprint({"v": view}, block_size=BS, kind=TORCH)
+    b = fingerprint({"v": view.clone()}, block_size=BS, kind=TORCH)
+    assert np.array_equal(a.tensors["v"][1], b.tensors["v"][1])
+
+
+def test_default_kind_and_block_size():
+    fp = fingerprint({"w": torch.randn(4)})
+    assert fp.kind == XXH3 and fp.block_size == blocks.DEFAULT_BLOCK_SIZE
+    assert fp.tensors["w"][1].shape == (1,)
+
+
+def test_requires_grad_parameter():
+    p = torch.nn.Parameter(torch.randn(100))
+    assert fingerprint({"p": p}, block_size=BS).tensors["p"][0] == 400
+
+
+@KINDS
+def test_non_contiguous_is_refused_by_name(kind):
+    with pytest.raises(FingerprintError, match=r"non contiguous tensor: `w\.T`"):
+        fingerprint({"w.T": torch.randn(8, 4).t()}, block_size=BS, kind=kind)
+
+
+@pytest.mark.parametrize("bs", [0, -8, 12, 8.0, True])
+def test_bad_block_size(bs):
+    with pytest.raises(FingerprintError, match="'block_size' must be a positive multiple of 8"):
+        fingerprint({"w": torch.randn(4)}, block_size=bs)
+
+
+def test_bad_kind():
+    with pytest.raises(FingerprintError, match="field 'kind' must be one of"):
+        fingerprint({"w": torch.randn(4)}, kind="md5")
+
+
+def test_mixing_kinds_or_block_sizes_is_an_error():
+    t = {"w": torch.randn(100)}
+    with pytest.raises(FingerprintError, match=r"field 'kind' differs \(old 'xxh3_64', new"):
+        changed(fingerprint(t, block_size=BS, kind=XXH3), fingerprint(t, block_size=BS,
+                                                                      kind=TORCH))
+    with pytest.raises(FingerprintError, match=r"field 'block_size' differs \(old 64, new 128"):
+        changed(fingerprint(t, block_size=64), fingerprint(t, block_size=128))
+
+
+@KINDS
+def test_json_round_trip(kind):
+    t = {"a": torch.randn(1000).to(torch.bfloat16), "b": torch.arange(7, dtype=torch.int64),
+         "e": torch.zeros(0)}
+    fp = fingerprint(t, block_size=BS, kind=kind)
+    d = json.loads(json.dumps(fp.to_dict()))
+    assert d["format"] == blocks.FORMAT and isinstance(d["tensors"]["a"]["hashes"], str)
+    back = Fingerprints.from_dict(d, source="x.sidecar")
+    assert (back.kind, back.block_size) == (kind, BS) and list(back.tensors) == list(t)
+    for n in t:
+        assert back.tensors[n][0] == fp.tensors[n][0]
+        assert np.array_equal(back.tensors[n][1], fp.tensors[n][1])
+    assert changed(fp, back).bytes_changed == 0
+
+
+def _good() -> dict:
+    return fingerprint({"w": torch.randn(40)}, block_size=BS).to_dict()  # 160 B: 3 blocks
+
+
+def _set(path: str, value):
+    d = _good()
+    *parents, last = path.split(".")
+    node = d
+    for p in parents:
+        node = node[p]
+    if value is KeyError:
+        del node[last]
+    else:
+        node[last] = value
+    return d
+
+
+@pytest.mark.parametrize("d, match", [
+    ([], "expected a JSON object, found list"),
+    (_set("format", KeyError), "field 'format' must be 1, found None"),
+    (_set("kind", KeyError), "field 'kind' must be one of .*, found None"),
+    (_set("block_size", KeyError), "'block_size' must be a positive multiple of 8, found None"),
+    (_set("tensors", KeyError), "field 'tensors' must be an object, found None"),
+    (_set("format", 2), "field 'format' must be 1, found 2"),
+    (_set("kind", "sha1"), "field 'kind' must be one of"),
+    (_set("block_size", 100), "field 'block_size' must be a positive multiple of 8, found 100"),
+    (_set("tensors", []), r"field 'tensors' must be an object, found \[\]"),
+    (_set("tensors.w", 5), "field 'tensors.w' must be an object"),
+    (_set("tensors.w.hashes", KeyError), "field 'tensors.w' must be an object"),
+    (_set("tensors.w.hashes", "not base64!"), r"field 'tensors.w.hashes' is not base64"),
+    (_set("tensors.w.hashes", "AAAA"), r"'tensors.w.hashes' holds 3 bytes, not a multiple of 8"),
+    (_set("tensors.w.hashes", base64.b64encode(bytes(16)).decode()),
+     r"'tensors.w.hashes' must be 3 uint64 values \(160 bytes in 64-byte blocks\)"),
+    (_set("tensors.w.nbytes", KeyError), r"'tensors.w.nbytes' must be an int >= 0, found None"),
+    (_set("tensors.w.nbytes", -1), r"'tensors.w.nbytes' must be an int >= 0, found -1"),
+    (_set("tensors.w.nbytes", 1000), r"'tensors.w.hashes' must be 16 uint64 values"),
+])
+def test_from_dict_validation(d, match):
+    with pytest.raises(FingerprintError, match=r"^x\.sidecar: .*" + match):
+        Fingerprints.from_dict(d, source="x.sidecar")
+
+
+def test_constructor_validates_arrays():
+    with pytest.raises(FingerprintError, match=r"'tensors.w.hashes' must be 2 uint64 values"):
+        Fingerprints(XXH3, BS, {"w": (100, np.zeros(2, dtype=np.int64))})
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_compare_bytes_agrees_with_fingerprints(dtype):
+    g = torch.Generator().manual_seed(1)
+    disk_t = (torch.randn(1234, generator=g) * 100).to(dtype)
+    disk = _u8(disk_t).numpy().tobytes()  # what a file read gives: plain bytes
+    nbytes = len(disk)
+    for offs in [(), (0,), (nbytes - 1,), (5, 64, 65, 300, nbytes - 2)]:
+        live = _flip(disk_t, *offs)
+        want = _ranges({"w": disk_t}, {"w": live}, XXH3)["w"]
+        odd = memoryview(b"x" + disk)[1:]  # a buffer that is not 8-byte aligned
+        for buf in (disk, memoryview(disk), np.frombuffer(disk, np.uint8), odd):
+            got = compare_bytes("w", live, buf, block_size=BS)
+            assert got.ranges.tolist() == want, offs
+        assert got.blocks == -(-nbytes // BS)
+
+
+def test_compare_bytes_chunks(monkeypatch):
+    monkeypatch.setattr(blocks, "_CHUNK", 3 * BS)  # several chunks, the last one partial
+    t = torch.arange(1000, dtype=torch.int8)
+    live = _flip(t, 0, 190, 191, 192, 999)
+    want = _ranges({"w": t}, {"w": live}, TORCH)["w"]
+    assert compare_bytes("w", live, _u8(t).numpy(), block_size=BS).ranges.tolist() == want
+    assert want == [[0, 64], [128, 256], [960, 1000]]
+
+
+def test_compare_bytes_errors():
+    with pytest.raises(FingerprintError, match="w: live tensor has 16 bytes, the file 12"):
+        compare_bytes("w", torch.zeros(4), b"\0" * 12, block_size=BS)
+    with pytest.raises(FingerprintError, match="non contiguous tensor: `w`"):
+        compare_bytes("w", torch.zeros(4, 4).t(), b"\0" * 64, block_size=BS)
+
+
+def test_compare_bytes_zero_elements():
+    tc = compare_bytes("e", torch.zeros(0), b"", block_size=BS)
+    assert tc.blocks == 0 and tc.ranges.shape == (0, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_fingerprints_match_the_cpu_torch_path():
+    # The torch hash is device-independent (wrap-around sums): CUDA and CPU must agree.
+    g = torch.Generator().manual_seed(2)
+    cpu = {"a": torch.randn(100_003, generator=g).to(torch.bfloat16),
+           "b": torch.randint(0, 9, (4097,), generator=g, dtype=torch.int32),
+           "e": torch.zeros(0), "v": torch.randn(1001, generator=g).to(torch.bfloat16)[1:]}
+    cuda = {n: t.cuda() for n, t in cpu.items()}
+    for bs in (BS, blocks.DEFAULT_BLOCK_SIZE):
+        on_gpu, on_cpu = fingerprint(cuda, block_size=bs), fingerprint(cpu, block_size=bs,
+                                                                       kind=TORCH)
+        assert on_gpu.kind == TORCH
+        for n in cpu:
+            assert np.array_equal(on_gpu.tensors[n][1], on_cpu.tensors[n][1]), (n, bs)
+    new = {n: t.clone() for n, t in cuda.items()}
+    _u8(new["a"])[70_000] ^= 1
+    c = changed(fingerprint(cuda, block_size=BS), fingerprint(new, block_size=BS))
+    assert c.tensors["a"].ranges.tolist() == [[69_952, 70_016]] and c.bytes_changed == BS
+    assert compare_bytes("a", new["a"], _u8(cpu["a"]).numpy(), block_size=BS
+                         ).ranges.tolist() == [[69_952, 70_016]]
+    with pytest.raises(FingerprintError, match="a: xxh3_64 needs a CPU tensor"):
+        fingerprint(cuda, kind=XXH3)
