@@ -5,7 +5,7 @@ Qwen2-VL image processor), which has no CPU wheel for torch 2.13 here, so CI sta
 Qwen3.5 engine (the live tests in test_views_vllm/test_shared_vllm/test_server skip; they
 run where the module imports, see docs/qwen3_5.md). What CI runs instead:
 - the live parameter table of the tiny Qwen3.5, recorded from a real engine by
-  tests/fixtures/record_qwen3_5.py (provenance inside), must be what `plan` maps exactly;
+  tests/fixtures/record_live.py qwen3_5 (provenance inside), must be what `plan` maps exactly;
 - the rules vLLM's loader applies to Qwen3.5 checkpoint names (the `WeightsMapper` tables
   of Qwen3_5Model, Qwen3NextModel and Qwen3VLForConditionalGeneration), read with `ast`
   from the installed vLLM source and applied to the installed transformers' Qwen3.5
