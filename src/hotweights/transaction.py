@@ -257,20 +257,14 @@ class Transaction:
 
     async def renew(self, req: Renew) -> dict:
         async with self._lock:
-            self._check_holder(req.server_id, req.holder)
-            if self.state is not State.PAUSED:
-                raise Refused(409, f"{req.holder}'s update is {self.state.value}, not paused; "
-                              "renew after begin returned")
+            self._check_paused(req, "renew")
             self._arm(req.lease_s)
             return self._granted()
 
     async def commit(self, req: Commit) -> dict:
         """Post-update hook, cache reset, a new version, resume; `dirty` if a step failed."""
         async with self._lock:
-            self._check_holder(req.server_id, req.holder)
-            if self.state is not State.PAUSED:
-                raise Refused(409, f"{req.holder}'s update is {self.state.value}; commit "
-                              "after begin returned")
+            self._check_paused(req, "commit")
             self.state = State.COMMITTING
             self._disarm()
             started = time.perf_counter()
@@ -348,6 +342,12 @@ class Transaction:
                               f"serves version {self.expired['version']}, marked dirty",
                               expired=self.expired)
             raise Refused(409, f"no update in progress for {holder}")
+
+    def _check_paused(self, req: _Request, what: str) -> None:
+        self._check_holder(req.server_id, req.holder)
+        if self.state is not State.PAUSED:
+            raise Refused(409, f"{req.holder}'s update is {self.state.value}, not paused; "
+                          f"{what} after begin returned")
 
     def _arm(self, lease_s: float) -> None:
         self._disarm()
