@@ -1,0 +1,1 @@
+"""Checkpoint sync: write only what changed to safetensors shards, never a torn file."""

@@ -1,0 +1,218 @@
+"""Safetensors headers read and checked without touching the data: shards, index, directory.
+
+Only the 8-byte length and the JSON header of each shard are read; every check the
+safetensors loader makes on a header is made here first, so that a sync never patches a
+file that a reader would refuse, and every error names the file and the tensor or field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from hotweights.errors import CheckpointError
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+MAX_HEADER = 100_000_000  # the safetensors loader refuses headers past 100 MB too
+
+# Bits per element of each safetensors dtype (the sub-byte ones pack whole bytes only).
+DTYPE_BITS = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8,
+    "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
+    "I32": 32, "U32": 32, "F32": 32, "I64": 64, "U64": 64, "F64": 64, "C64": 64,
+}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str               # as in the header: "BF16", "F32", ...
+    shape: tuple[int, ...]
+    begin: int               # absolute byte offsets in the file: 8 + header_len + data offset
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass(frozen=True)
+class Shard:
+    path: str
+    size: int
+    mtime_ns: int
+    inode: int
+    header_len: int
+    tensors: dict[str, TensorInfo]   # in file order; treat as read-only
+    metadata: dict[str, str]
+
+    @property
+    def data_start(self) -> int:
+        return 8 + self.header_len
+
+
+def _no_dup_keys(pairs: list) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"duplicate key {dup!r}")
+    return out
+
+
+def read_shard(path: str | os.PathLike) -> Shard:
+    """Read and validate the header of one safetensors file (never its data).
+
+    Raises:
+        CheckpointError: naming the file and the tensor or field at fault.
+    """
+    path = str(path)
+    try:
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path}: truncated: {len(head)} bytes, "
+                                      "shorter than the 8-byte header length")
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER:
+                raise CheckpointError(f"{path}: header length {n} bytes is absurd "
+                                      f"(over {MAX_HEADER}); not a safetensors file?")
+            if 8 + n > st.st_size:
+                raise CheckpointError(f"{path}: header length {n} runs past the end of "
+                                      f"the file ({st.st_size} bytes): truncated or corrupt")
+            raw = f.read(n)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read: {e}") from e
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_dup_keys)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{path}: header is not valid JSON: {e}") from e
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: header is a JSON {type(header).__name__}, "
+                              "expected an object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise CheckpointError(f"{path}: __metadata__ must map strings to strings")
+    data_len = st.st_size - 8 - n
+    tensors = [_tensor(path, name, entry, 8 + n, data_len) for name, entry in header.items()]
+    # Like the loader: tensors tile the data section exactly, no overlap, hole or tail.
+    pos, prev = 8 + n, None
+    for t in sorted(tensors, key=lambda t: (t.begin, t.end)):
+        if t.begin < pos:
+            raise CheckpointError(f"{path}: tensor {t.name} [{t.begin}, {t.end}) overlaps "
+                                  f"tensor {prev.name} [{prev.begin}, {prev.end})")
+        if t.begin > pos:
+            raise CheckpointError(f"{path}: {t.begin - pos} unclaimed bytes before tensor "
+                                  f"{t.name} at file offset {pos}")
+        pos, prev = t.end, t
+    if pos != st.st_size:
+        raise CheckpointError(f"{path}: {st.st_size - pos} trailing bytes after the last "
+                              f"tensor (data section {data_len} bytes, tensors end at "
+                              f"{pos - 8 - n})")
+    return Shard(path, st.st_size, st.st_mtime_ns, st.st_ino, n,
+                 {t.name: t for t in tensors}, dict(metadata))
+
+
+def _tensor(path: str, name: str, entry: object, base: int, data_len: int) -> TensorInfo:
+    where = f"{path}: tensor {name}"
+    if not isinstance(entry, dict):
+        raise CheckpointError(f"{where}: entry is a JSON {type(entry).__name__}, expected an "
+                              "object with dtype, shape, data_offsets")
+    for field in ("dtype", "shape", "data_offsets"):
+        if field not in entry:
+            raise CheckpointError(f"{where}: missing field {field!r}")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(dtype, str):
+        raise CheckpointError(f"{where}: dtype {dtype!r} is not a string")
+    if dtype not in DTYPE_BITS:
+        raise CheckpointError(f"{where}: unknown dtype {dtype!r}; known: "
+                              f"{', '.join(DTYPE_BITS)}")
+    if not isinstance(shape, list) or not all(
+            type(d) is int and d >= 0 for d in shape):
+        raise CheckpointError(f"{where}: shape {shape!r} is not a list of integers >= 0")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(
+            type(o) is int and o >= 0 for o in offsets):
+        raise CheckpointError(f"{where}: data_offsets {offsets!r} is not [begin, end] "
+                              "integers >= 0")
+    begin, end = offsets
+    if begin > end:
+        raise CheckpointError(f"{where}: data_offsets [{begin}, {end}]: begin > end")
+    if end > data_len:
+        raise CheckpointError(f"{where}: data_offsets [{begin}, {end}] past the end of the "
+                              f"data section ({data_len} bytes): truncated shard or bad "
+                              "offsets")
+    bits = math.prod(shape) * DTYPE_BITS[dtype]
+    if bits % 8 or bits // 8 != end - begin:
+        raise CheckpointError(f"{where}: data_offsets [{begin}, {end}] hold {end - begin} "
+                              f"bytes, but {dtype} x {list(shape)} needs {bits / 8:g}")
+    return TensorInfo(name, dtype, tuple(shape), base + begin, base + end)
+
+
+def read_index(model_dir: str | os.PathLike) -> dict[str, str] | None:
+    """Map each tensor name to its shard file name (relative to `model_dir`).
+
+    From `model.safetensors.index.json` (its `weight_map`), else the single
+    `model.safetensors`. Returns None when the directory holds no safetensors at all: the
+    caller's cue for a first full save.
+
+    Raises:
+        CheckpointError: bad index (not JSON, no weight_map, a shard file that does not
+            exist), or safetensors files with neither an index nor `model.safetensors`.
+    """
+    d = Path(model_dir)
+    index = d / INDEX_NAME
+    if index.is_file():
+        try:
+            doc = json.loads(index.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise CheckpointError(f"{index}: not valid JSON: {e}") from e
+        wm = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(wm, dict):
+            raise CheckpointError(f"{index}: no 'weight_map' object")
+        for name, fn in wm.items():
+            if not isinstance(fn, str) or Path(fn).name != fn or fn in ("", ".", ".."):
+                raise CheckpointError(f"{index}: weight_map[{name!r}] = {fn!r} is not a "
+                                      "file name in the model directory")
+            if not (d / fn).is_file():
+                raise CheckpointError(f"{index}: tensor {name} is in shard {fn}, which does "
+                                      f"not exist in {d}")
+        return dict(wm)
+    single = d / SINGLE_NAME
+    if single.is_file():
+        return {name: SINGLE_NAME for name in read_shard(single).tensors}
+    strays = sorted(p.name for p in d.glob("*.safetensors")) if d.is_dir() else []
+    if strays:
+        raise CheckpointError(f"{d}: safetensors files {strays[:5]} but neither {INDEX_NAME} "
+                              f"nor {SINGLE_NAME}: which ones form the model is unknown")
+    return None
+
+
+def read_dir(model_dir: str | os.PathLike) -> dict[str, tuple[Shard, TensorInfo]] | None:
+    """Every tensor of the checkpoint in `model_dir`: name -> (its Shard, its TensorInfo).
+
+    Reads each shard's header once. Returns None when there are no safetensors (see
+    `read_index`). Tensors a shard holds but the index does not name are left out, as
+    transformers' loader leaves them.
+
+    Raises:
+        CheckpointError: as `read_shard` and `read_index`, and for a tensor the index
+            places in a shard whose header does not hold it (named with the shard).
+    """
+    wm = read_index(model_dir)
+    if wm is None:
+        return None
+    shards = {fn: read_shard(Path(model_dir) / fn) for fn in dict.fromkeys(wm.values())}
+    missing = [(n, fn) for n, fn in wm.items() if n not in shards[fn].tensors]
+    if missing:
+        shown = ", ".join(f"{n} (in {fn})" for n, fn in missing[:5])
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise CheckpointError(f"{Path(model_dir) / INDEX_NAME}: {len(missing)} tensors "
+                              f"listed but absent from their shard's header: {shown}{more}")
+    return {n: (shards[fn], shards[fn].tensors[n]) for n, fn in wm.items()}

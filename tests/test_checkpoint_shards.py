@@ -1,0 +1,233 @@
+"""checkpoint.shards: safetensors headers read and validated, data never read (no vLLM)."""
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from hotweights.checkpoint.shards import read_dir, read_index, read_shard
+from hotweights.errors import CheckpointError
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "a.weight": torch.randn(3, 5, generator=g).to(torch.bfloat16),
+        "b.bias": torch.randn(7, generator=g),
+        "c.weight": torch.randn(4, 2, 3, generator=g).to(torch.bfloat16),
+        "d.scalar": torch.tensor(1.5),
+        "e.empty": torch.zeros(0, 4),
+    }
+
+
+def _bytes_of(path: Path, info) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(info.begin)
+        return f.read(info.nbytes)
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _snapshot(d: Path) -> dict:
+    return {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(d.rglob("*"))}
+
+
+@pytest.fixture
+def shard(tmp_path: Path) -> Path:
+    p = tmp_path / "model.safetensors"
+    save_file(_tensors(), p, metadata={"format": "pt"})
+    return p
+
+
+def test_offsets_give_bit_identical_bytes(shard: Path):
+    s = read_shard(shard)
+    assert s.size == shard.stat().st_size and s.inode == shard.stat().st_ino
+    assert s.metadata == {"format": "pt"}
+    live = _tensors()
+    assert set(s.tensors) == set(live)
+    with safe_open(str(shard), "pt") as f:
+        for name, info in s.tensors.items():
+            t = f.get_tensor(name)
+            assert info.dtype == {torch.bfloat16: "BF16", torch.float32: "F32"}[t.dtype]
+            assert info.shape == tuple(t.shape) == tuple(live[name].shape)
+            assert s.data_start <= info.begin <= info.end <= s.size
+            assert _bytes_of(shard, info) == _raw(t) == _raw(live[name])
+
+
+def test_sharded_save_pretrained(tmp_path: Path):
+    from transformers import AutoModelForCausalLM
+
+    from hotweights.tiny import make_config
+
+    config = make_config("llama", 300)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path, max_shard_size="200KB")
+    files = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    assert len(files) > 2 and (tmp_path / "model.safetensors.index.json").is_file()
+    before = _snapshot(tmp_path)
+    index = read_index(tmp_path)
+    entries = read_dir(tmp_path)
+    assert _snapshot(tmp_path) == before
+    assert set(index.values()) == set(files) and set(entries) == set(index)
+    assert len({id(s) for s, _ in entries.values()}) == len(files)  # one header read each
+    state = model.state_dict()
+    for name, (s, info) in entries.items():
+        assert Path(s.path).name == index[name] and info.dtype == "BF16"
+        with safe_open(s.path, "pt") as f:
+            assert _bytes_of(Path(s.path), info) == _raw(f.get_tensor(name))
+        if name in state:
+            assert _bytes_of(Path(s.path), info) == _raw(state[name])
+
+
+def _rewrite(path: Path, edit) -> None:
+    """Edit the JSON header of a valid shard in place, keeping its data bytes."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    edit(header)
+    h = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(h)) + h + raw[8 + n:])
+
+
+def _set(name, field, value):
+    return lambda p: _rewrite(p, lambda h: h[name].__setitem__(field, value))
+
+
+def _del(name, field):
+    return lambda p: _rewrite(p, lambda h: h[name].pop(field))
+
+
+def _bytes(fn):
+    return lambda p: p.write_bytes(fn(p.read_bytes()))
+
+
+def _header_len(raw: bytes) -> int:
+    return struct.unpack("<Q", raw[:8])[0]
+
+
+CORRUPT = {
+    "short": (_bytes(lambda r: r[:5]), r"truncated: 5 bytes, shorter than the 8-byte"),
+    "len_past_end": (_bytes(lambda r: struct.pack("<Q", len(r)) + r[8:]),
+                     r"header length \d+ runs past the end of the file"),
+    "len_absurd": (_bytes(lambda r: struct.pack("<Q", 2**40) + r[8:]), r"is absurd"),
+    "not_json": (_bytes(lambda r: r[:8] + b"#" * _header_len(r) + r[8 + _header_len(r):]),
+                 r"header is not valid JSON"),
+    "not_object": (_bytes(lambda r: r[:8] + b"[1]".ljust(_header_len(r))
+                          + r[8 + _header_len(r):]), r"header is a JSON list, expected"),
+    "no_dtype": (_del("b.bias", "dtype"), r"tensor b.bias: missing field 'dtype'"),
+    "no_shape": (_del("b.bias", "shape"), r"tensor b.bias: missing field 'shape'"),
+    "no_offsets": (_del("b.bias", "data_offsets"),
+                   r"tensor b.bias: missing field 'data_offsets'"),
+    "entry_type": (lambda p: _rewrite(p, lambda h: h.__setitem__("b.bias", 3)),
+                   r"tensor b.bias: entry is a JSON int"),
+    "dtype_type": (_set("b.bias", "dtype", 4), r"tensor b.bias: dtype 4 is not a string"),
+    "unknown_dtype": (_set("b.bias", "dtype", "Q7"), r"tensor b.bias: unknown dtype 'Q7'"),
+    "shape_type": (_set("b.bias", "shape", [7.0]), r"tensor b.bias: shape \[7.0\] is not"),
+    "offsets_type": (_set("b.bias", "data_offsets", [1]),
+                     r"tensor b.bias: data_offsets \[1\] is not \[begin, end\]"),
+    "out_of_range": (_set("b.bias", "data_offsets", [10**6, 10**6 + 28]),
+                     r"tensor b.bias: data_offsets \[1000000, 1000028\] past the end"),
+    "begin_gt_end": (_set("b.bias", "data_offsets", [28, 0]), r"tensor b.bias: .*begin > end"),
+    "size_mismatch": (_set("b.bias", "shape", [6]),
+                      r"tensor b.bias: data_offsets .* hold 28 bytes, but F32 x \[6\] needs 24"),
+    "overlap": (lambda p: _rewrite(p, lambda h: h["c.weight"].__setitem__(
+        "data_offsets", [h["a.weight"]["data_offsets"][0],
+                         h["a.weight"]["data_offsets"][0] + 48])), r"overlaps tensor"),
+    "truncated_data": (_bytes(lambda r: r[:-6]), r"past the end of the data section"),
+    "trailing": (_bytes(lambda r: r + b"\0" * 4), r"4 trailing bytes after the last tensor"),
+    "metadata_type": (lambda p: _rewrite(p, lambda h: h.__setitem__("__metadata__", {"a": 1})),
+                      r"__metadata__ must map strings to strings"),
+    "duplicate": (_bytes(lambda r: r[:8] + r[8:8 + _header_len(r)].replace(
+        b'"b.bias"', b'"a.weight"') + r[8 + _header_len(r):]), r"duplicate key 'a.weight'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CORRUPT))
+def test_corrupt_shard_named_error(shard: Path, case: str):
+    corrupt, message = CORRUPT[case]
+    corrupt(shard)
+    before = _snapshot(shard.parent)
+    with pytest.raises(CheckpointError, match=message) as e:
+        read_shard(shard)
+    assert str(shard) in str(e.value)
+    with pytest.raises(CheckpointError, match=message):
+        read_dir(shard.parent)
+    assert _snapshot(shard.parent) == before
+
+
+def test_gap_between_tensors(tmp_path: Path):
+    p = tmp_path / "x.safetensors"
+    h = json.dumps({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                    "b": {"dtype": "F32", "shape": [2], "data_offsets": [16, 24]}}).encode()
+    p.write_bytes(struct.pack("<Q", len(h)) + h + bytes(24))
+    with pytest.raises(CheckpointError, match=r"8 unclaimed bytes before tensor b"):
+        read_shard(p)
+
+
+@pytest.fixture
+def sharded(tmp_path: Path) -> Path:
+    t = _tensors()
+    save_file({k: t[k] for k in ("a.weight", "b.bias")}, tmp_path / "m-1.safetensors")
+    save_file({k: t[k] for k in ("c.weight", "d.scalar")}, tmp_path / "m-2.safetensors")
+    wm = {"a.weight": "m-1.safetensors", "b.bias": "m-1.safetensors",
+          "c.weight": "m-2.safetensors", "d.scalar": "m-2.safetensors"}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wm}))
+    return tmp_path
+
+
+def _edit_index(d: Path, edit) -> None:
+    p = d / "model.safetensors.index.json"
+    doc = json.loads(p.read_text())
+    edit(doc)
+    p.write_text(json.dumps(doc))
+
+
+INDEX_CASES = {
+    "not_json": (lambda d: (d / "model.safetensors.index.json").write_text("{oops"),
+                 r"model.safetensors.index.json: not valid JSON"),
+    "no_weight_map": (lambda d: _edit_index(d, lambda doc: doc.pop("weight_map")),
+                      r"no 'weight_map' object"),
+    "missing_shard": (lambda d: (d / "m-2.safetensors").unlink(),
+                      r"tensor c.weight is in shard m-2.safetensors, which does not exist"),
+    "escaping_name": (lambda d: _edit_index(d, lambda doc: doc["weight_map"].__setitem__(
+        "b.bias", "../m-1.safetensors")), r"weight_map\['b.bias'\] = '../m-1.safetensors'"),
+    "absent_tensor": (lambda d: _edit_index(d, lambda doc: doc["weight_map"].__setitem__(
+        "z.weight", "m-1.safetensors")),
+        r"1 tensors listed but absent from their shard's header: z.weight \(in m-1"),
+}
+
+
+def test_sharded_dir(sharded: Path):
+    entries = read_dir(sharded)
+    assert sorted(entries) == ["a.weight", "b.bias", "c.weight", "d.scalar"]
+    assert entries["a.weight"][0] is entries["b.bias"][0]
+    assert Path(entries["c.weight"][0].path).name == "m-2.safetensors"
+
+
+@pytest.mark.parametrize("case", sorted(INDEX_CASES))
+def test_bad_index_named_error(sharded: Path, case: str):
+    corrupt, message = INDEX_CASES[case]
+    corrupt(sharded)
+    before = _snapshot(sharded)
+    with pytest.raises(CheckpointError, match=message):
+        read_dir(sharded)
+    assert _snapshot(sharded) == before
+
+
+def test_single_file_and_empty_dir(tmp_path: Path, shard: Path):
+    assert read_index(tmp_path) == dict.fromkeys(_tensors(), "model.safetensors")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert read_index(empty) is None and read_dir(empty) is None  # a first full save
+    assert read_index(tmp_path / "absent") is None
+    os.rename(shard, tmp_path / "other.safetensors")
+    with pytest.raises(CheckpointError, match=r"\['other.safetensors'\] but neither"):
+        read_index(tmp_path)
