@@ -1,0 +1,319 @@
+"""Redo journal for in-place shard patches: a crash leaves every file all old or all new.
+
+One journal per directory, `DIR/.hotweights-journal`, covering every file a sync patches:
+
+    header  : magic b"HWJRNL\\r\\n", format u32, meta length u32, meta (JSON)
+    record  : b"R", name length u16, offset u64, length u64, name (UTF-8), payload
+    commit  : b"C", record count u64, xxh3_64 of every byte before the commit record
+
+It is written to `DIR/.hotweights-journal.tmp`, fsync'd, renamed, and the directory
+fsync'd: the rename is the commit point. `apply` replays it (pwrite, fsync each file,
+fsync the directory) and removes it; replaying twice is harmless. `recover` finishes a
+committed journal or discards an incomplete or corrupt one.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import shutil
+import signal
+import stat
+import struct
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import xxhash
+
+from hotweights.errors import CheckpointError
+
+__all__ = ["JOURNAL_NAME", "apply", "pending", "recover", "write_journal"]
+
+logger = logging.getLogger(__name__)
+
+JOURNAL_NAME = ".hotweights-journal"
+_TMP_NAME = JOURNAL_NAME + ".tmp"
+_MAGIC = b"HWJRNL\r\n"
+_FORMAT = 1
+_HEAD = struct.Struct("<8sII")
+_REC = struct.Struct("<cHQQ")
+_COMMIT = struct.Struct("<cQQ")
+_CHUNK = 8 << 20
+
+# Test-only crash hook: tests/test_checkpoint_journal.py sets it to "<step>:<n>" to SIGKILL
+# the process at a named step, so every crash point is reached deterministically.
+_CRASH_AT = os.environ.get("HOTWEIGHTS_JOURNAL_CRASH_AT")
+
+
+def _crash_point(step: str, n: int = 0) -> None:
+    if _CRASH_AT == f"{step}:{n}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _Corrupt(Exception):  # the journal is incomplete or damaged; the message says how
+    pass
+
+
+def _check_name(name: str) -> bytes:
+    bad = (not name or name in (".", "..") or "/" in name or "\\" in name
+           or "\0" in name or os.path.isabs(name) or name.startswith(JOURNAL_NAME))
+    if bad:
+        raise CheckpointError(f"{name!r}: a patch target must be a plain file name in the "
+                              "directory (no path separators, '..' or journal names)")
+    return name.encode()
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _target_size(directory: str, name: str, sizes: dict[str, int]) -> int:
+    if name not in sizes:
+        path = os.path.join(directory, name)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: patch target does not exist") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{path}: patch target is not a regular file")
+        sizes[name] = st.st_size
+    return sizes[name]
+
+
+def _validate(directory: str, name: str, offset: int, data: Any,
+              sizes: dict[str, int]) -> tuple[bytes, memoryview]:
+    raw = _check_name(name)
+    view = memoryview(data).cast("B")
+    size = _target_size(directory, name, sizes)
+    if offset < 0 or offset + view.nbytes > size:
+        raise CheckpointError(
+            f"{os.path.join(directory, name)}: patch at offset {offset} of {view.nbytes} "
+            f"bytes falls outside the file ({size} bytes); patches never grow a file")
+    return raw, view
+
+
+def _write_all(fd: int, data: bytes | memoryview, hasher: Any) -> None:
+    hasher.update(data)
+    view = memoryview(data)
+    while view.nbytes:
+        view = view[os.write(fd, view):]
+
+
+def write_journal(directory: str | os.PathLike, patches: Iterable[tuple[str, int, Any]],
+                  *, meta: dict | None = None) -> str:
+    """Write and commit a redo journal of `patches`; the files are not touched yet.
+
+    Args:
+        directory: the directory holding every patched file.
+        patches: (file name relative to `directory`, byte offset, bytes-like) triples,
+            streamed once. A sequence is validated and sized before anything is written;
+            an iterator is validated as it streams, and a bad patch discards the journal.
+        meta: JSON-able data kept in the header (e.g. the weight version), see `pending`.
+
+    Returns:
+        The journal's path; `apply(directory)` writes it into the files.
+
+    Raises:
+        CheckpointError: a bad name, a missing target, a patch outside its file, too
+            little free space, an unwritable directory, or a committed journal pending.
+    """
+    directory = os.fspath(directory)
+    journal, tmp = os.path.join(directory, JOURNAL_NAME), os.path.join(directory, _TMP_NAME)
+    if os.path.exists(journal):
+        raise CheckpointError(f"{journal}: a committed journal is pending; "
+                              "run hotweights.checkpoint.journal.recover first")
+    head = json.dumps(meta or {}).encode()
+    sizes: dict[str, int] = {}
+    if isinstance(patches, Sequence):
+        need = _HEAD.size + len(head) + _COMMIT.size
+        for name, offset, data in patches:
+            raw, view = _validate(directory, name, offset, data, sizes)
+            need += _REC.size + len(raw) + view.nbytes
+        free = shutil.disk_usage(directory).free
+        if need > free:
+            raise CheckpointError(f"{directory}: the journal needs {need} bytes, "
+                                  f"only {free} are free")
+    written = 0
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    except OSError as e:
+        raise CheckpointError(f"{directory}: cannot write the journal: {e.strerror}") from e
+    try:
+        hasher = xxhash.xxh3_64()
+        _write_all(fd, _HEAD.pack(_MAGIC, _FORMAT, len(head)) + head, hasher)
+        count = 0
+        for name, offset, data in patches:
+            raw, view = _validate(directory, name, offset, data, sizes)
+            written += _REC.size + len(raw) + view.nbytes
+            _write_all(fd, _REC.pack(b"R", len(raw), offset, view.nbytes) + raw, hasher)
+            _crash_point("record", count)
+            _write_all(fd, view, hasher)
+            count += 1
+        _write_all(fd, _COMMIT.pack(b"C", count, hasher.intdigest()), xxhash.xxh3_64())
+        os.fsync(fd)
+    except BaseException as e:  # a bad patch, a full disk, ^C: nothing stays behind
+        os.close(fd)
+        os.unlink(tmp)
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            raise CheckpointError(f"{directory}: out of space writing the journal after "
+                                  f"{written} bytes of patches") from e
+        if isinstance(e, OSError):
+            raise CheckpointError(f"{tmp}: cannot write the journal: {e.strerror}") from e
+        raise
+    os.close(fd)
+    _crash_point("before-rename")
+    os.replace(tmp, journal)
+    _crash_point("after-rename")
+    _fsync_dir(directory)
+    logger.info("%s: journal committed, %d patches", journal, count)
+    return journal
+
+
+def _read_exact(f: Any, n: int) -> bytes:
+    data = f.read(n)
+    if len(data) != n:
+        raise _Corrupt(f"torn at byte {f.tell()} (wanted {n} more bytes)")
+    return data
+
+
+def _scan(path: str) -> tuple[dict, list[tuple[str, int, int, int]]]:
+    """Verify the whole journal; return its meta and (name, offset, length, payload pos)."""
+    records = []
+    with open(path, "rb") as f:
+        total = os.fstat(f.fileno()).st_size
+        hasher = xxhash.xxh3_64()
+        magic, fmt, meta_len = _HEAD.unpack(_read_exact(f, _HEAD.size))
+        if magic != _MAGIC or fmt != _FORMAT or meta_len > total:
+            raise _Corrupt(f"not a hotweights journal of format {_FORMAT} "
+                           f"(magic {magic!r}, format {fmt})")
+        head = _read_exact(f, meta_len)
+        hasher.update(_HEAD.pack(magic, fmt, meta_len) + head)
+        while True:
+            if f.tell() + _COMMIT.size == total:
+                tag, count, digest = _COMMIT.unpack(_read_exact(f, _COMMIT.size))
+                if tag != b"C" or count != len(records) or digest != hasher.intdigest():
+                    raise _Corrupt("bad commit record (count or checksum mismatch)")
+                break
+            rec = _read_exact(f, _REC.size)
+            tag, name_len, offset, length = _REC.unpack(rec)
+            if tag != b"R":
+                raise _Corrupt(f"bad record tag {tag!r} at byte {f.tell() - _REC.size}")
+            raw = _read_exact(f, name_len)
+            hasher.update(rec + raw)
+            records.append((raw.decode(errors="replace"), offset, length, f.tell()))
+            while length:
+                chunk = _read_exact(f, min(length, _CHUNK))
+                hasher.update(chunk)
+                length -= len(chunk)
+    try:
+        meta = json.loads(head)
+    except ValueError as e:
+        raise _Corrupt(f"unreadable meta: {e}") from None
+    return meta, records
+
+
+def pending(directory: str | os.PathLike) -> dict | None:
+    """The meta of a committed, intact journal in `directory`, or None if there is none."""
+    path = os.path.join(os.fspath(directory), JOURNAL_NAME)
+    try:
+        return _scan(path)[0]
+    except (FileNotFoundError, _Corrupt):
+        return None
+
+
+def _replay(directory: str, path: str, records: list[tuple[str, int, int, int]]) -> None:
+    sizes: dict[str, int] = {}
+    for name, offset, length, _ in records:  # a committed journal may still be stale
+        _check_name(name)
+        if offset + length > _target_size(directory, name, sizes):
+            raise CheckpointError(f"{os.path.join(directory, name)}: journal {path} patches "
+                                  f"offset {offset} beyond the file's end; the file changed "
+                                  "after the journal was committed")
+    fds: dict[str, int] = {}
+    try:
+        with open(path, "rb") as f:
+            for k, (name, offset, length, pos) in enumerate(records):
+                if name not in fds:
+                    fds[name] = os.open(os.path.join(directory, name), os.O_WRONLY)
+                f.seek(pos)
+                done = 0
+                while done < length:
+                    chunk = f.read(min(length - done, _CHUNK))
+                    view = memoryview(chunk)
+                    while view.nbytes:
+                        n = os.pwrite(fds[name], view, offset + done)
+                        view, done = view[n:], done + n
+                _crash_point("apply", k)
+        for fd in fds.values():
+            os.fsync(fd)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    _fsync_dir(directory)
+    _crash_point("before-unlink")
+    os.unlink(path)
+    _fsync_dir(directory)
+
+
+def apply(directory: str | os.PathLike) -> bool:
+    """Replay the committed journal of `directory` into its files, then remove it.
+
+    Returns:
+        True if a journal was replayed, False if there was none.
+
+    Raises:
+        CheckpointError: the journal is corrupt (`recover` discards it) or stale.
+    """
+    directory = os.fspath(directory)
+    path = os.path.join(directory, JOURNAL_NAME)
+    if not os.path.exists(path):
+        return False
+    try:
+        _, records = _scan(path)
+    except _Corrupt as e:
+        raise CheckpointError(f"{path}: corrupt journal: {e}; recover() discards it") from None
+    _replay(directory, path, records)
+    logger.info("%s: journal applied, %d patches", path, len(records))
+    return True
+
+
+def recover(directory: str | os.PathLike) -> str:
+    """Finish or discard an interrupted journal in `directory`.
+
+    Returns:
+        "replayed" (a committed journal was applied), "discarded" (an uncommitted or
+        corrupt one was removed, the files untouched) or "none".
+
+    Raises:
+        CheckpointError: a committed journal no longer fits its files (they changed since);
+            it is kept for a person to look at.
+    """
+    directory = os.fspath(directory)
+    outcome = "none"
+    tmp = os.path.join(directory, _TMP_NAME)
+    if os.path.exists(tmp):
+        os.unlink(tmp)
+        logger.warning("%s: discarded an uncommitted journal", tmp)
+        outcome = "discarded"
+    path = os.path.join(directory, JOURNAL_NAME)
+    if os.path.exists(path):
+        try:
+            _, records = _scan(path)
+        except _Corrupt as e:
+            os.unlink(path)
+            logger.warning("%s: discarded a corrupt journal: %s", path, e)
+            outcome = "discarded"
+        else:
+            _replay(directory, path, records)
+            logger.warning("%s: replayed an interrupted journal, %d patches",
+                           path, len(records))
+            outcome = "replayed"
+    if outcome != "none":
+        _fsync_dir(directory)
+    return outcome

@@ -1,0 +1,269 @@
+"""checkpoint.journal: SIGKILL at every step leaves every file all old or all new, together."""
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hotweights.checkpoint import journal
+from hotweights.errors import CheckpointError
+
+SRC = str(Path(journal.__file__).resolve().parents[1])
+NAMES = ("model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors",
+         "model-00003-of-00003.safetensors")
+SIZE, BLOCK, CHANGED = 64 << 10, 4096, 4  # per file: 16 blocks, 4 of them change
+
+# The child skips hotweights/__init__ (torch) so each crash run starts in tens of ms.
+CHILD = f"""
+import json, sys, types
+pkg = types.ModuleType("hotweights"); pkg.__path__ = [{SRC!r}]; sys.modules["hotweights"] = pkg
+from hotweights.checkpoint import journal
+d, new, spec = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+if len(sys.argv) > 4:
+    print("ready", flush=True); sys.stdin.readline()
+def patches():
+    for name, off, n in spec:
+        with open(f"{{new}}/{{name}}", "rb") as f:
+            f.seek(off); yield name, off, f.read(n)
+journal.write_journal(d, patches(), meta={{"version": 2}})
+journal.apply(d)
+"""
+
+
+@pytest.fixture
+def shards(tmp_path):
+    """DIR with three old shards, NEW with the new versions, and the changed ranges."""
+    rng = random.Random(12)
+    d, new = tmp_path / "dir", tmp_path / "new"
+    d.mkdir()
+    new.mkdir()
+    old, spec = {}, []
+    for name in NAMES:
+        data = bytearray(rng.randbytes(SIZE))
+        old[name] = bytes(data)
+        for b in sorted(rng.sample(range(SIZE // BLOCK), CHANGED)):
+            block = slice(b * BLOCK, (b + 1) * BLOCK)
+            data[block] = bytes(x ^ 0xFF for x in data[block])
+            spec.append((name, b * BLOCK, BLOCK))
+        (d / name).write_bytes(old[name])
+        (new / name).write_bytes(data)
+    return d, new, old, {n: (new / n).read_bytes() for n in NAMES}, spec
+
+
+def _state(d, old, new) -> str:
+    """'old' or 'new' when every file is that version; fails on a torn file or a mix."""
+    states = set()
+    for name in NAMES:
+        data = (d / name).read_bytes()
+        assert data in (old[name], new[name]), f"{name} is torn"
+        states.add("old" if data == old[name] else "new")
+    assert len(states) == 1, f"files mix versions: {states}"
+    return states.pop()
+
+
+def _run(d, new, spec, crash: str | None = None) -> int:
+    env = dict(os.environ, HOTWEIGHTS_JOURNAL_CRASH_AT=crash or "")
+    return subprocess.run([sys.executable, "-c", CHILD, str(d), str(new), json.dumps(spec)],
+                          env=env, timeout=60).returncode
+
+
+def _check_after_crash(d, old, new, spec) -> None:
+    journal.recover(d)
+    _state(d, old, new)
+    assert not (d / journal.JOURNAL_NAME).exists()
+    assert sorted(os.listdir(d)) == sorted(NAMES)
+    # A following write + apply completes: write the old bytes back over every range.
+    journal.write_journal(d, [(n, o, old[n][o:o + k]) for n, o, k in spec])
+    assert journal.apply(d)
+    assert _state(d, old, new) == "old"
+
+
+N_REC = len(NAMES) * CHANGED
+CRASHES = ([(f"record:{n}", "discarded", "old") for n in (0, 1, CHANGED, N_REC - 1)]
+           + [("before-rename:0", "discarded", "old"), ("after-rename:0", "replayed", "new")]
+           + [(f"apply:{k}", "replayed", "new") for k in (0, CHANGED - 1, CHANGED, N_REC - 1)]
+           + [("before-unlink:0", "replayed", "new")])
+
+
+@pytest.mark.parametrize(("crash", "outcome", "state"), CRASHES)
+def test_sigkill_at_each_step(shards, crash, outcome, state):
+    d, new_dir, old, new, spec = shards
+    assert _run(d, new_dir, spec, crash) == -signal.SIGKILL
+    if state == "new":
+        assert journal.pending(d) == {"version": 2}
+    got = journal.recover(d)
+    assert got == outcome
+    assert _state(d, old, new) == state
+    assert journal.recover(d) == "none"
+    _check_after_crash(d, old, new, spec)
+
+
+def test_uncrashed_run_writes_new(shards):
+    d, new_dir, old, new, spec = shards
+    assert _run(d, new_dir, spec) == 0
+    assert _state(d, old, new) == "new"
+    assert journal.recover(d) == "none"
+
+
+def test_sigkill_at_random_times(shards):
+    d, new_dir, old, new, spec = shards
+    rng = random.Random(7)
+    cmd = [sys.executable, "-c", CHILD, str(d), str(new_dir), json.dumps(spec), "wait"]
+    seen = set()
+    for _ in range(8):
+        p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert p.stdout.readline() == "ready\n"
+        p.stdin.write("go\n")
+        p.stdin.flush()
+        time.sleep(rng.uniform(0, 0.03))
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=60)
+        journal.recover(d)
+        seen.add(_state(d, old, new))
+        _check_after_crash(d, old, new, spec)
+    assert seen  # which states the kills hit depends on the disk's speed
+
+
+def _committed(d, old, spec, new):
+    journal.write_journal(d, [(n, o, new[n][o:o + k]) for n, o, k in spec], meta={"v": 3})
+    return d / journal.JOURNAL_NAME
+
+
+def _corrupt_truncate(p):
+    p.write_bytes(p.read_bytes()[:-5])
+
+
+def _corrupt_flip(p):
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 1
+    p.write_bytes(data)
+
+
+def _corrupt_magic(p):
+    p.write_bytes(b"XXJRNL\r\n" + p.read_bytes()[8:])
+
+
+def _corrupt_format(p):
+    data = bytearray(p.read_bytes())
+    data[8] = 99
+    p.write_bytes(data)
+
+
+def _corrupt_empty(p):
+    p.write_bytes(b"")
+
+
+@pytest.mark.parametrize("corrupt", [_corrupt_truncate, _corrupt_flip, _corrupt_magic,
+                                     _corrupt_format, _corrupt_empty])
+def test_corrupt_journal_is_discarded(shards, corrupt):
+    d, _, old, new, spec = shards
+    corrupt(_committed(d, old, spec, new))
+    assert journal.pending(d) is None
+    with pytest.raises(CheckpointError, match="corrupt journal"):
+        journal.apply(d)
+    assert journal.recover(d) == "discarded"
+    assert _state(d, old, new) == "old"
+    assert os.listdir(d) and not (d / journal.JOURNAL_NAME).exists()
+
+
+def test_leftover_temporary_is_discarded(shards):
+    d, _, old, new, spec = shards
+    (d / (journal.JOURNAL_NAME + ".tmp")).write_bytes(b"HWJRNL\r\npartial")
+    assert journal.recover(d) == "discarded"
+    assert sorted(os.listdir(d)) == sorted(NAMES)
+
+
+def test_replay_twice_is_harmless_and_meta_kept(shards, tmp_path):
+    d, _, old, new, spec = shards
+    path = _committed(d, old, spec, new)
+    assert journal.pending(d) == {"v": 3}
+    shutil.copy(path, tmp_path / "copy")
+    assert journal.apply(d)
+    shutil.copy(tmp_path / "copy", path)
+    assert journal.apply(d)
+    assert _state(d, old, new) == "new"
+    assert not journal.apply(d)
+
+
+def test_pending_journal_refuses_a_new_one(shards):
+    d, _, old, new, spec = shards
+    _committed(d, old, spec, new)
+    with pytest.raises(CheckpointError, match="committed journal is pending"):
+        _committed(d, old, spec, new)
+
+
+def test_stale_journal_is_refused(shards):
+    d, _, old, new, spec = shards
+    _committed(d, old, spec, new)
+    os.truncate(d / NAMES[2], 100)
+    with pytest.raises(CheckpointError, match=f"{NAMES[2]}: journal .* patches offset"):
+        journal.apply(d)
+
+
+@pytest.mark.parametrize(("patch", "match"), [
+    (("missing.safetensors", 0, b"x"), r"missing.safetensors: patch target does not exist"),
+    ((NAMES[0], SIZE - 1, b"xy"), rf"{NAMES[0]}: patch at offset {SIZE - 1} of 2 bytes"),
+    ((NAMES[0], -1, b"x"), rf"{NAMES[0]}: patch at offset -1"),
+    (("../x", 0, b"x"), r"'\.\./x': a patch target must be a plain file name"),
+    (("/etc/passwd", 0, b"x"), r"'/etc/passwd': a patch target"),
+    (("sub/x", 0, b"x"), r"'sub/x': a patch target"),
+    (("..", 0, b"x"), r"'\.\.': a patch target"),
+    ((journal.JOURNAL_NAME, 0, b"x"), r"a patch target must be a plain file name"),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_bad_patch_writes_nothing(shards, patch, match, stream):
+    d, _, old, new, spec = shards
+    good = [(n, o, new[n][o:o + k]) for n, o, k in spec[:3]]
+    patches = good + [patch] + good
+    with pytest.raises(CheckpointError, match=match):
+        journal.write_journal(d, iter(patches) if stream else patches)
+    assert sorted(os.listdir(d)) == sorted(NAMES)
+    assert _state(d, old, new) == "old"
+
+
+def test_free_space_checked_before_writing(shards, monkeypatch):
+    d, _, old, new, spec = shards
+    monkeypatch.setattr(journal.shutil, "disk_usage",
+                        lambda p: shutil._ntuple_diskusage(1 << 30, 1 << 30, 1000))
+    with pytest.raises(CheckpointError, match=rf"{d}: the journal needs \d+ bytes, only 1000"):
+        journal.write_journal(d, [(n, o, new[n][o:o + k]) for n, o, k in spec])
+    assert sorted(os.listdir(d)) == sorted(NAMES)
+
+
+def _mount(args: list[str], target) -> bool:
+    return subprocess.run(["mount", *args, str(target)], capture_output=True).returncode == 0
+
+
+def test_disk_full_while_streaming(tmp_path):
+    d = tmp_path / "small"
+    d.mkdir()
+    if not _mount(["-t", "tmpfs", "-o", "size=256k", "tmpfs"], d):
+        pytest.skip("cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN)")
+    try:
+        (d / "a").write_bytes(bytes(64 << 10))
+        patches = ((("a", 0, bytes(64 << 10))) for _ in range(8))  # 512 KiB > 192 free
+        with pytest.raises(CheckpointError, match=rf"{d}: out of space writing the journal"):
+            journal.write_journal(d, patches)
+        assert os.listdir(d) == ["a"]
+    finally:
+        subprocess.run(["umount", str(d)], check=True)
+
+
+def test_read_only_directory_named(shards):
+    d, _, old, new, spec = shards
+    if not (_mount(["--bind", str(d)], d) and _mount(["-o", "remount,ro,bind"], d)):
+        subprocess.run(["umount", str(d)], capture_output=True)
+        pytest.skip("cannot make a read-only bind mount here (needs root / CAP_SYS_ADMIN)")
+    try:
+        with pytest.raises(CheckpointError, match=rf"{d}: cannot write the journal: Read-only"):
+            journal.write_journal(d, [(n, o, new[n][o:o + k]) for n, o, k in spec])
+    finally:
+        subprocess.run(["umount", str(d)], check=True)
+    assert _state(d, old, new) == "old"
