@@ -1,0 +1,129 @@
+"""checkpoint.sync (journal mode) on checkpoints written by transformers' save_pretrained."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from hotweights.checkpoint.sync import sync
+from hotweights.errors import CheckpointError
+from hotweights.tiny import make_config
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A sharded bf16 tiny Llama as save_pretrained writes it, and its tensors (live)."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(make_config("llama", 300), dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path, max_shard_size="200KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 2
+    live = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    return tmp_path, live
+
+
+def _disk(d: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for shard in sorted(d.glob("*.safetensors")):
+        out.update(load_file(shard))
+    return out
+
+
+def _stats(d: Path) -> dict[str, tuple[int, int]]:
+    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in d.glob("*.safetensors")}
+
+
+def _shard_of(d: Path, name: str) -> str:
+    return json.loads((d / "model.safetensors.index.json").read_text())["weight_map"][name]
+
+
+def test_only_the_changed_blocks_of_the_changed_shard_are_written(saved):
+    d, live = saved
+    first = sync(d, live, version="0@s")
+    assert first.bytes_written == 0 and first.bytes_compared > 0  # no sidecar yet
+    before = _stats(d)
+    name = "model.layers.1.mlp.down_proj.weight"
+    live[name][3] += 1.0  # one row
+    result = sync(d, live, version="1@s")
+    assert result.tensors_changed == 1 and result.shards_changed == (_shard_of(d, name),)
+    assert result.bytes_compared == 0  # the sidecars said what was on disk
+    row = live[name][3].numel() * 2
+    assert row <= result.bytes_written <= 64 << 10
+    on_disk = _disk(d)
+    for n, t in on_disk.items():
+        assert torch.equal(t.view(torch.int16), live[n].view(torch.int16)), n
+    after = _stats(d)
+    for shard, stat in before.items():  # untouched shards keep inode and mtime
+        assert (after[shard] == stat) == (shard != _shard_of(d, name)), shard
+    reloaded = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16)
+    assert torch.equal(reloaded.get_parameter(name), live[name])
+    sidecar = json.loads((d / ".hotweights" / f"{_shard_of(d, name)}.blocks.json").read_text())
+    assert sidecar["version"] == "1@s"
+
+
+def test_nothing_changed_writes_nothing(saved):
+    d, live = saved
+    sync(d, live)
+    before = _stats(d)
+    result = sync(d, live)
+    assert result.bytes_written == 0 and result.shards_changed == () and _stats(d) == before
+
+
+def test_a_shard_changed_behind_the_sidecar_is_compared_with_the_file(saved):
+    d, live = saved
+    sync(d, live)
+    name = "model.embed_tokens.weight"
+    shard = d / _shard_of(d, name)
+    other = load_file(shard)
+    other[name] = other[name] * 2  # another program rewrites the shard
+    from safetensors.torch import save_file
+
+    save_file(other, shard, metadata={"format": "pt"})
+    result = sync(d, live)
+    assert result.bytes_compared > 0 and result.bytes_written > 0
+    assert torch.equal(_disk(d)[name], live[name])
+
+
+def test_a_corrupt_sidecar_is_never_trusted(saved):
+    d, live = saved
+    sync(d, live)
+    for sidecar in (d / ".hotweights").glob("*.json"):
+        sidecar.write_text("{not json")
+    name = "model.norm.weight"
+    live[name] += 1
+    result = sync(d, live)
+    assert result.bytes_compared > 0 and torch.equal(_disk(d)[name], live[name])
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda t: t.float(), r"model.norm.weight in model-0000\d-of-0000\d.safetensors: the "
+                          r"file holds BF16, the live tensor is float32; nothing was written"),
+    (lambda t: t[:-1], r"model.norm.weight in .*: the file holds shape \[(\d+)\], the live "
+                       r"tensor \[(?!\1\])\d+\]"),
+])
+def test_a_mismatch_is_named_and_nothing_is_written(saved, change, message):
+    d, live = saved
+    live["model.layers.0.mlp.up_proj.weight"] += 1  # a real change that must not land
+    live["model.norm.weight"] = change(live["model.norm.weight"])
+    before = {p: p.read_bytes() for p in d.iterdir() if p.is_file()}
+    with pytest.raises(CheckpointError, match=message):
+        sync(d, live)
+    assert {p: p.read_bytes() for p in d.iterdir() if p.is_file()} == before
+    assert not (d / ".hotweights").exists()
+
+
+def test_names_missing_on_either_side_are_reported(saved):
+    d, live = saved
+    live["extra.weight"] = torch.zeros(2, dtype=torch.bfloat16)
+    del live["model.norm.weight"]
+    result = sync(d, live)
+    assert result.missing_on_disk == ("extra.weight",)
+    assert result.missing_live == ("model.norm.weight",)
+    assert json.loads(result.to_json())["tensors_synced"] == len(live) - 1
+
+
+def test_no_safetensors_is_a_clear_error(tmp_path):
+    with pytest.raises(CheckpointError, match="no safetensors to sync into"):
+        sync(tmp_path, {})
