@@ -273,9 +273,7 @@ def test_renew_keeps_a_long_update_alive():
 
 def test_the_same_holder_retrying_begin():
     async def test(tx, engine):
-        engine.block["pause"] = asyncio.Event()
-        first = asyncio.ensure_future(tx.begin(begin()))
-        await settle()
+        first = await into(State.DRAINING, tx, engine)
         second = asyncio.ensure_future(tx.begin(begin()))  # a client that timed out, retried
         await settle()
         engine.block["pause"].set()
@@ -290,9 +288,7 @@ def test_the_same_holder_retrying_begin():
 
 def test_a_cancelled_begin_caller_leaves_the_drain_to_its_holder():
     async def test(tx, engine):
-        engine.block["pause"] = asyncio.Event()
-        task = asyncio.ensure_future(tx.begin(begin()))
-        await settle()
+        task = await into(State.DRAINING, tx, engine)
         task.cancel()
         await settle()
         assert tx.state is State.DRAINING  # the holder can still retry or abort

@@ -291,7 +291,7 @@ class Transaction:
         """Resume. With `dirty` (the default: the trainer may have written) the weights get
         a new version marked dirty; without, the version stays."""
         async with self._lock:
-            self._check_holder(req.server_id, req.holder)
+            self._check_holder(req)
             if self.state is State.DRAINING:
                 self._pausing.cancel()
             else:
@@ -331,20 +331,21 @@ class Transaction:
         return Refused(409, f"update lease held by {self.holder} ({self.state.value})",
                        holder=self.holder)
 
-    def _check_holder(self, server_id: str, holder: str) -> None:
-        self._check_server(server_id)
-        if self.holder is not None and holder != self.holder:
-            raise self._held()
-        if self.holder is None:
-            if self.expired and self.expired["holder"] == holder:
-                raise Refused(409, f"the lease of {holder} expired at "
-                              f"{self.expired['at']:.0f} (unix time); the server resumed and "
-                              f"serves version {self.expired['version']}, marked dirty",
-                              expired=self.expired)
-            raise Refused(409, f"no update in progress for {holder}")
+    def _check_holder(self, req: _Request) -> None:
+        self._check_server(req.server_id)
+        if self.holder is not None:
+            if req.holder != self.holder:
+                raise self._held()
+        elif self.expired and self.expired["holder"] == req.holder:
+            raise Refused(409, f"the lease of {req.holder} expired at "
+                          f"{self.expired['at']:.0f} (unix time); the server resumed and "
+                          f"serves version {self.expired['version']}, marked dirty",
+                          expired=self.expired)
+        else:
+            raise Refused(409, f"no update in progress for {req.holder}")
 
     def _check_paused(self, req: _Request, what: str) -> None:
-        self._check_holder(req.server_id, req.holder)
+        self._check_holder(req)
         if self.state is not State.PAUSED:
             raise Refused(409, f"{req.holder}'s update is {self.state.value}, not paused; "
                           f"{what} after begin returned")
