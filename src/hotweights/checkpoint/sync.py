@@ -85,14 +85,16 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor], *,
     for name, t in matched.items():
         _check(name, t, *disk[name])
     by_shard: dict[str, dict[str, torch.Tensor]] = {}  # shard path -> its live tensors
+    shards: dict[str, Shard] = {}  # its header, as read_dir read it
     for name, t in matched.items():
-        by_shard.setdefault(disk[name][0].path, {})[name] = t.detach().contiguous()
+        shard = shards.setdefault(disk[name][0].path, disk[name][0])
+        by_shard.setdefault(shard.path, {})[name] = t.detach().contiguous()
     hashed = compared = 0
     plans: list[tuple[Shard, list[tuple[str, int, int]], blocks.Fingerprints]] = []
     for path, tensors in by_shard.items():
-        shard = read_shard(path)
+        shard, nbytes = shards[path], sum(t.numel() * t.element_size() for t in tensors.values())
         fresh = blocks.fingerprint(tensors, block_size=block_size)
-        hashed += sum(t.numel() * t.element_size() for t in tensors.values())
+        hashed += nbytes
         old = _load_sidecar(shard, block_size)
         if old is not None and set(old.tensors) >= set(tensors):
             diff = blocks.changed(_subset(old, tensors), fresh)
@@ -100,7 +102,7 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor], *,
                       for lo, hi in c.ranges]
         else:
             ranges = _compare_file(shard, tensors, block_size)
-            compared += sum(t.numel() * t.element_size() for t in tensors.values())
+            compared += nbytes
         plans.append((shard, ranges, fresh))
     changed = [(shard, ranges) for shard, ranges, _ in plans if ranges]
     written = sum(hi - lo for _, ranges in changed for _, lo, hi in ranges)
