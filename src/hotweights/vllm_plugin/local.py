@@ -16,8 +16,9 @@ def start_engine(model_dir: str | Path, **engine_args: Any):
     """A vLLM `LLM` running in this process, with the hotweights plugin loaded."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ["HOTWEIGHTS_ACTIVE"] = "1"  # our general plugin acts (vllm_plugin.register)
-    from hotweights.vllm_plugin import register
+    from hotweights.vllm_plugin import ACTIVE, register
+
+    os.environ[ACTIVE] = "1"  # our general plugin acts (register)
 
     register()
     from vllm import LLM
