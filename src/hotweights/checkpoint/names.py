@@ -1,0 +1,147 @@
+"""Live tensor names (a transformers model in memory) onto the names a checkpoint stores.
+
+transformers 5 converts some tensors on load (MoE experts stacked into
+`mlp.experts.gate_up_proj` [E, 2I, H], modules renamed) and undoes it on save. We undo it
+with the very function `save_pretrained` calls,
+`transformers.core_model_loading.revert_weight_conversion`, fed the conversions transformers
+registers (`transformers.conversion_mapping`): the ones `from_pretrained` recorded on the
+model (`model._weight_conversions`), else `get_checkpoint_conversion_mapping(model_type)`,
+else `get_model_conversion_mapping(model, add_legacy=False)` less `PrefixChange`, as
+`revert_weight_conversion` itself picks them. So a tensor produced here equals what
+`save_pretrained` writes. Names on disk rule: a live name found on disk maps to itself
+and no conversion runs (most dense models never reach transformers at all).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from hotweights.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NameMap:
+    tensors: dict[str, torch.Tensor]  # disk name -> its bytes (a view of live where possible)
+    tied: dict[str, str]              # live alias not on disk -> live name on disk, same storage
+    only_live: tuple[str, ...]        # live names with no place on disk, sorted
+    only_disk: tuple[str, ...]        # disk names no live tensor fills, sorted
+
+
+def to_disk(
+    live: Mapping[str, torch.Tensor],
+    disk_names: Collection[str],
+    *,
+    model_type: str | None = None,
+    model: torch.nn.Module | None = None,
+) -> NameMap:
+    """Map live tensors onto the checkpoint's names, converting as `save_pretrained` does.
+
+    Args:
+        live: live name -> tensor, e.g. `model.state_dict()` of a transformers model.
+        disk_names: every tensor name in the checkpoint's shards.
+        model_type: picks transformers' conversions (`"qwen3_moe"`, ...) when given.
+        model: the live model; without `model_type` its conversions are used, as on save.
+            Some conversions read it (config fields, parameter shapes).
+
+    Returns:
+        A `NameMap`. Tensors keep the live dtype; some are copies (transformers' `Chunk`
+        makes one per piece) and some non-contiguous views.
+
+    Raises:
+        CheckpointError: a conversion fails, gives a name the checkpoint lacks for a live
+            tensor that has others on disk, or fills a disk name twice.
+    """
+    disk = disk_names if isinstance(disk_names, (set, frozenset)) else set(disk_names)
+    tensors = {n: t for n, t in live.items() if n in disk}
+    rest = {n: t for n, t in live.items() if n not in disk}
+    tied: dict[str, str] = {}
+    if rest:
+        owners = {k: n for n, t in tensors.items() if (k := _storage_key(t)) is not None}
+        for n, t in list(rest.items()):
+            if (owner := owners.get(_storage_key(t))) is not None:
+                tied[n] = owner
+                del rest[n]
+    only_live: list[str] = []
+    if rest:
+        saved = _Saved(model_type, model)
+        placed = {}
+        for n, t in rest.items():
+            try:  # names only: on meta tensors the conversion moves no byte
+                names = _revert(saved, {n: t.to("meta")}).keys()
+            except CheckpointError:
+                names = None  # needs its group (many live tensors to one): placed below
+            if names is not None and disk.isdisjoint(names):
+                only_live.append(n)
+            else:
+                placed[n] = t
+        for name, t in _revert(saved, placed).items():
+            if name not in disk:
+                raise CheckpointError(
+                    f"{name}: converted from live {sorted(placed)} by transformers, but the "
+                    f"checkpoint has no such tensor; is it the same model?")
+            if name in tensors:
+                raise CheckpointError(f"{name}: filled twice, as itself and by a conversion")
+            tensors[name] = t
+    if only_live:
+        logger.debug("live tensors with no place on disk: %s", only_live)
+    return NameMap(tensors, tied, tuple(sorted(only_live)),
+                   tuple(sorted(n for n in disk if n not in tensors)))
+
+
+def _storage_key(t: torch.Tensor) -> tuple | None:
+    ptr = t.untyped_storage().data_ptr()
+    if ptr == 0:  # meta or empty: no storage to share
+        return None
+    return ptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype
+
+
+class _Saved:
+    """What `revert_weight_conversion` reads from a model, with the conversions picked once."""
+
+    def __init__(self, model_type: str | None, model: torch.nn.Module | None) -> None:
+        from transformers.conversion_mapping import (
+            get_checkpoint_conversion_mapping,
+            get_model_conversion_mapping,
+        )
+        from transformers.core_model_loading import PrefixChange
+
+        convs = getattr(model, "_weight_conversions", None)
+        if convs is None:
+            if model_type is not None:
+                convs = get_checkpoint_conversion_mapping(model_type) or []
+            elif model is not None:
+                convs = get_model_conversion_mapping(model, add_legacy=False)
+            else:
+                convs = []
+            convs = [c for c in convs if not isinstance(c, PrefixChange)]
+        self._weight_conversions = convs
+        self.config = getattr(model, "config", None)
+        self._model = model
+        self.what = model_type or (model and type(model).__name__)
+
+    def get_parameter(self, name: str) -> torch.nn.Parameter:
+        # Transpose(check_dims=True) compares with the live parameter's shape.
+        if self._model is None:
+            raise CheckpointError(f"{name}: transformers' conversion needs the model (model=)")
+        return self._model.get_parameter(name)
+
+
+def _revert(saved: _Saved, live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    if not saved._weight_conversions or not live:
+        return dict(live)  # nothing registered: names pass through unchanged
+    from transformers.core_model_loading import revert_weight_conversion
+
+    try:
+        return revert_weight_conversion(saved, live)
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(
+            f"{sorted(live)[0]}: transformers' reverse conversion for {saved.what} failed "
+            f"({type(e).__name__}: {e}); pass model= if it reads the config or shapes") from e

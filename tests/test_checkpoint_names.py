@@ -1,0 +1,109 @@
+"""checkpoint.names on checkpoints written by transformers' save_pretrained."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MixtralConfig,
+    PretrainedConfig,
+    Qwen3MoeConfig,
+)
+
+from hotweights.checkpoint.names import to_disk
+from hotweights.errors import CheckpointError
+
+_TINY = dict(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+
+
+def _save(config: PretrainedConfig, d: Path) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """A bf16 model from config, saved in >= 2 shards; the model and every tensor on disk."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(d, max_shard_size="60KB")
+    shards = sorted(d.glob("*.safetensors"))
+    assert len(shards) >= 2
+    disk = {}
+    for shard in shards:
+        disk.update(load_file(shard))
+    return model, disk
+
+
+def _assert_bit_equal(got: dict[str, torch.Tensor], disk: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(disk)
+    for name, t in got.items():
+        want = disk[name]
+        assert t.dtype == want.dtype and t.shape == want.shape, name
+        assert torch.equal(t.contiguous().view(torch.uint8), want.view(torch.uint8)), name
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_dense_llama_maps_every_disk_name_to_itself(tmp_path: Path, tie: bool) -> None:
+    model, disk = _save(LlamaConfig(**_TINY, tie_word_embeddings=tie), tmp_path)
+    live = model.state_dict()
+    m = to_disk(live, disk.keys())
+    _assert_bit_equal(m.tensors, disk)
+    assert all(m.tensors[n] is live[n] for n in m.tensors)  # no copy, no conversion
+    assert m.tied == ({"lm_head.weight": "model.embed_tokens.weight"} if tie else {})
+    assert m.only_live == () and m.only_disk == ()
+
+
+@pytest.mark.parametrize("config", [
+    Qwen3MoeConfig(**_TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    MixtralConfig(**_TINY, num_local_experts=4, num_experts_per_tok=2),  # + block_sparse_moe
+], ids=["qwen3_moe", "mixtral"])
+def test_moe_fused_experts_split_as_save_pretrained_does(
+        tmp_path: Path, config: PretrainedConfig) -> None:
+    model, disk = _save(config, tmp_path)
+    live = model.state_dict()
+    assert "model.layers.0.mlp.experts.gate_up_proj" in live  # fused in memory
+    assert not any(".experts.gate_up_proj" in n for n in disk)  # one tensor per expert on disk
+    for kw in ({"model": model}, {"model_type": config.model_type}):
+        m = to_disk(live, set(disk), **kw)
+        _assert_bit_equal(m.tensors, disk)
+        assert m.only_live == () and m.only_disk == ()
+    # loaded by from_pretrained: the conversions it recorded on the model are used
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert loaded._weight_conversions
+    got = to_disk(loaded.state_dict(), disk.keys(), model=loaded)
+    _assert_bit_equal(got.tensors, disk)
+    # down_proj splits into views of the live tensor: a sync reads no copy
+    ends = ("layers.0.mlp.experts.0.down_proj.weight",
+            "layers.0.block_sparse_moe.experts.0.w2.weight")
+    down = next(n for n in disk if n.endswith(ends))
+    fused = live["model.layers.0.mlp.experts.down_proj"]
+    assert m.tensors[down].untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+
+
+def test_moe_without_mapping_reports_fused_tensors_only_live(tmp_path: Path) -> None:
+    config = Qwen3MoeConfig(**_TINY, num_experts=4, num_experts_per_tok=2,
+                            moe_intermediate_size=32)
+    model, disk = _save(config, tmp_path)
+    m = to_disk(model.state_dict(), disk.keys())  # no model, no model_type: names only
+    assert "model.layers.1.mlp.experts.down_proj" in m.only_live
+    assert "model.layers.1.mlp.experts.3.up_proj.weight" in m.only_disk
+
+
+def test_unknown_live_and_missing_disk_names_are_reported(tmp_path: Path) -> None:
+    config = Qwen3MoeConfig(**_TINY, num_experts=4, num_experts_per_tok=2,
+                            moe_intermediate_size=32)
+    model, disk = _save(config, tmp_path)
+    live = dict(model.state_dict())
+    live["model.extra.weight"] = torch.zeros(3)
+    del live["model.norm.weight"]
+    m = to_disk(live, disk.keys(), model=model)
+    assert m.only_live == ("model.extra.weight",)
+    assert m.only_disk == ("model.norm.weight",)
+
+
+def test_expert_missing_on_disk_is_an_error(tmp_path: Path) -> None:
+    config = Qwen3MoeConfig(**_TINY, num_experts=4, num_experts_per_tok=2,
+                            moe_intermediate_size=32)
+    model, disk = _save(config, tmp_path)
+    names = set(disk) - {"model.layers.0.mlp.experts.3.gate_proj.weight"}
+    with pytest.raises(CheckpointError, match=r"experts.3.gate_proj.weight: converted from live"):
+        to_disk(model.state_dict(), names, model=model)
