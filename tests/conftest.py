@@ -151,3 +151,38 @@ def custom_model(tiny_model, tmp_path_factory):
     )
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
+
+
+@pytest.fixture(scope="session")
+def xfs_dir(tmp_path_factory):
+    """A loop-mounted 512 MiB XFS with reflinks (root and xfsprogs needed, else a skip).
+
+    Shared by the session: a test makes its own subdirectory, e.g.
+    `d = xfs_dir / request.node.name; d.mkdir()`.
+    """
+    import shutil
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("xfs_dir: loop-mounting an XFS needs root")
+    mkfs = shutil.which("mkfs.xfs") or shutil.which("mkfs.xfs", path="/usr/sbin:/sbin")
+    if mkfs is None:
+        pytest.skip("xfs_dir: mkfs.xfs not found (apt-get install xfsprogs; `make` tries)")
+    root = tmp_path_factory.mktemp("xfs")
+    image, mount = root / "xfs.img", root / "mnt"
+    mount.mkdir()
+    with open(image, "wb") as f:
+        f.truncate(512 << 20)  # sparse: costs only what XFS writes
+    for cmd in ([mkfs, "-q", "-m", "reflink=1", str(image)],
+                ["mount", "-o", "loop", str(image), str(mount)]):
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            image.unlink()
+            pytest.skip(f"xfs_dir: `{' '.join(cmd)}` failed ({done.returncode}): "
+                        f"{' '.join((done.stderr or done.stdout).split())}")
+    try:
+        yield mount
+    finally:
+        if subprocess.run(["umount", str(mount)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+        image.unlink()

@@ -1,0 +1,222 @@
+import errno
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from hotweights.checkpoint import clone
+from hotweights.errors import CheckpointError
+
+REFLINK_FS = {"xfs", "btrfs", "bcachefs", "ocfs2", "nfs", "nfs4"}
+
+
+@pytest.fixture(autouse=True)
+def fresh_probes(monkeypatch):
+    monkeypatch.setattr(clone, "_probed", {})
+
+
+@pytest.fixture
+def xfs(xfs_dir, request):
+    d = xfs_dir / re.sub(r"\W", "_", request.node.name)
+    d.mkdir()
+    yield d
+    shutil.rmtree(d)
+
+
+@pytest.fixture(params=["tmp_path", "dev_shm"])
+def plain_dir(request, tmp_path):
+    """A directory on a filesystem without reflinks (ext4 here, tmpfs)."""
+    if request.param == "tmp_path":
+        kind = clone.fs_type(tmp_path)[0]
+        if kind in REFLINK_FS:
+            pytest.skip(f"tmp_path is on {kind}, which may support reflinks")
+        yield tmp_path
+    else:
+        if not os.path.isdir("/dev/shm"):
+            pytest.skip("no /dev/shm")
+        d = Path(os.path.realpath("/dev/shm")) / f"hotweights-test-{os.getpid()}"
+        d.mkdir()
+        yield d
+        shutil.rmtree(d)
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A directory this process cannot write: a read-only tmpfs as root, else mode 0o555."""
+    d = tmp_path / "read only"  # a space: /proc/self/mounts writes it as \040
+    d.mkdir()
+    if os.geteuid() != 0:
+        d.chmod(0o555)
+        yield d
+        d.chmod(0o755)
+        return
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(d)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs: {' '.join(done.stderr.split())}")
+    yield d
+    subprocess.run(["umount", str(d)], check=True)
+
+
+def _write(path, size: int) -> bytes:
+    data = os.urandom(size)
+    path.write_bytes(data)
+    return data
+
+
+def test_reflink_clones_and_the_copies_diverge(xfs):
+    data = _write(xfs / "a.safetensors", (8 << 20) + 123)
+    clone.reflink(xfs / "a.safetensors", xfs / "b.safetensors")
+    assert (xfs / "b.safetensors").read_bytes() == data
+    assert (xfs / "a.safetensors").stat().st_ino != (xfs / "b.safetensors").stat().st_ino
+    assert (xfs / "b.safetensors").stat().st_mode & 0o777 == 0o644 & ~_umask()
+    with open(xfs / "b.safetensors", "r+b") as f:
+        f.seek(4096)
+        f.write(b"\xff" * 4096)
+    assert (xfs / "a.safetensors").read_bytes() == data
+    changed = (xfs / "b.safetensors").read_bytes()
+    assert changed[4096:8192] == b"\xff" * 4096
+    assert changed[:4096] + changed[8192:] == data[:4096] + data[8192:]
+
+
+def test_reflink_shares_blocks(xfs):
+    with open(xfs / "a", "wb") as f:
+        f.write(os.urandom(32 << 20))
+        os.fsync(f.fileno())  # allocated, not delayed
+    free = os.statvfs(xfs).f_bfree
+    clone.reflink(xfs / "a", xfs / "b")
+    assert (free - os.statvfs(xfs).f_bfree) * os.statvfs(xfs).f_frsize < (4 << 20)
+
+
+def test_reflink_refuses_an_existing_dst(xfs):
+    _write(xfs / "a", 100)
+    (xfs / "b").write_bytes(b"mine")
+    with pytest.raises(CheckpointError, match=r"b: cannot clone .*: File exists"):
+        clone.reflink(xfs / "a", xfs / "b")
+    assert (xfs / "b").read_bytes() == b"mine"
+
+
+def test_reflink_across_filesystems(xfs, tmp_path):
+    _write(xfs / "a", 100)
+    with pytest.raises(CheckpointError, match="different filesystems"):
+        clone.reflink(xfs / "a", tmp_path / "b")
+    assert not (tmp_path / "b").exists()
+
+
+def test_supports_reflink_on_xfs(xfs):
+    ok, reason = clone.supports_reflink(xfs)
+    assert ok, reason
+    kind, mount = clone.fs_type(xfs)
+    assert reason == f"xfs at {mount} supports reflinks"
+    assert os.listdir(xfs) == []
+    assert clone.supports_reflink(xfs) == (ok, reason)  # cached
+
+
+def test_no_reflinks(plain_dir):
+    kind, mount = clone.fs_type(plain_dir)
+    ok, reason = clone.supports_reflink(plain_dir)
+    assert not ok
+    assert reason.startswith(f"{kind} at {mount} does not support reflinks (FICLONE: ")
+    _write(plain_dir / "a", 100)
+    where = re.escape(str(plain_dir))
+    with pytest.raises(CheckpointError,
+                       match=f"cannot clone .*: the filesystem of {where} does not support"):
+        clone.reflink(plain_dir / "a", plain_dir / "b")
+    assert os.listdir(plain_dir) == ["a"]  # no dst, no probe files
+
+
+def test_read_only_dir(read_only_dir):
+    ok, reason = clone.supports_reflink(read_only_dir)
+    assert not ok
+    assert re.fullmatch(f"{re.escape(str(read_only_dir))} is read-only \\(.*\\)", reason)
+    if os.geteuid() == 0:
+        assert clone.fs_type(read_only_dir) == ("tmpfs", str(read_only_dir))
+
+
+def test_missing_dir(tmp_path):
+    assert clone.supports_reflink(tmp_path / "nope") == (
+        False, f"{tmp_path / 'nope'}: No such file or directory")
+
+
+@pytest.mark.parametrize("size", [0, 1, (8 << 20) + 4097])
+def test_copy_file(tmp_path, size):
+    data = _write(tmp_path / "a", size)
+    clone.copy_file(tmp_path / "a", tmp_path / "b")
+    assert (tmp_path / "b").read_bytes() == data
+
+
+def test_copy_file_across_filesystems(xfs, tmp_path):
+    data = _write(xfs / "a", (8 << 20) + 4097)
+    clone.copy_file(xfs / "a", tmp_path / "b")
+    assert (tmp_path / "b").read_bytes() == data
+
+
+@pytest.mark.parametrize("after", ["EXDEV", "ENOSYS", "zero"])
+def test_copy_file_falls_back_midway(tmp_path, monkeypatch, after):
+    real = os.copy_file_range
+    calls = []
+
+    def flaky(src, dst, count, *args):
+        calls.append(count)
+        if len(calls) == 1:
+            return real(src, dst, min(count, 3 << 20))
+        if after == "zero":
+            return 0
+        raise OSError(getattr(errno, after), os.strerror(getattr(errno, after)))
+
+    monkeypatch.setattr(os, "copy_file_range", flaky)
+    data = _write(tmp_path / "a", (20 << 20) + 5)
+    clone.copy_file(tmp_path / "a", tmp_path / "b")
+    assert (tmp_path / "b").read_bytes() == data
+    assert len(calls) == 2
+
+
+def test_copy_file_errors_leave_nothing(tmp_path, monkeypatch):
+    (tmp_path / "b").write_bytes(b"mine")
+    _write(tmp_path / "a", 10)
+    with pytest.raises(CheckpointError, match=r"b: cannot copy .*a: File exists"):
+        clone.copy_file(tmp_path / "a", tmp_path / "b")
+    assert (tmp_path / "b").read_bytes() == b"mine"
+    with pytest.raises(CheckpointError, match=r"nope: cannot copy to .*c: No such file"):
+        clone.copy_file(tmp_path / "nope", tmp_path / "c")
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "copy_file_range", full)
+    with pytest.raises(CheckpointError, match=r"c: cannot copy .*a: No space left on device"):
+        clone.copy_file(tmp_path / "a", tmp_path / "c")
+    assert sorted(os.listdir(tmp_path)) == ["a", "b"]
+
+
+def test_fs_type(tmp_path):
+    findmnt = shutil.which("findmnt")
+    if findmnt:
+        out = subprocess.run([findmnt, "-n", "-o", "FSTYPE,TARGET", "--target", str(tmp_path)],
+                             capture_output=True, text=True, check=True).stdout.split(None, 1)
+        assert clone.fs_type(tmp_path) == (out[0], out[1].strip())
+    if os.path.isdir("/dev/shm"):
+        assert clone.fs_type("/dev/shm") == ("tmpfs", "/dev/shm")
+    assert clone.fs_type("/") == clone.fs_type("/proc/..")
+    assert clone.fs_type("/proc/self") == ("proc", "/proc")
+
+
+def test_fs_type_on_xfs(xfs_dir):
+    assert clone.fs_type(xfs_dir / "not" / "there") == ("xfs", str(xfs_dir))
+
+
+def test_fs_type_unreadable(monkeypatch):
+    def no_proc(*args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(clone, "open", no_proc, raising=False)
+    assert clone.fs_type("/") == ("unknown", "")
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
