@@ -1,4 +1,4 @@
-"""checkpoint.sync (journal mode) on checkpoints written by transformers' save_pretrained."""
+"""checkpoint.sync on checkpoints written by transformers' save_pretrained."""
 
 import json
 from pathlib import Path
@@ -124,6 +124,6 @@ def test_names_missing_on_either_side_are_reported(saved):
     assert json.loads(result.to_json())["tensors_synced"] == len(live) - 1
 
 
-def test_no_safetensors_is_a_clear_error(tmp_path):
-    with pytest.raises(CheckpointError, match="no safetensors to sync into"):
+def test_nothing_to_save_is_a_clear_error(tmp_path):
+    with pytest.raises(CheckpointError, match="no safetensors there and no live tensors"):
         sync(tmp_path, {})

@@ -1,20 +1,24 @@
-"""Redo journal for in-place shard patches: a crash leaves every file all old or all new.
+"""One commit record per directory: a crash leaves every file all old or all new, together.
 
-One journal per directory, `DIR/.hotweights-journal`, covering every file a sync patches:
+One journal per directory, `DIR/.hotweights-journal`, covering every file a sync changes,
+patched in place or replaced whole by a complete file staged in `DIR/.hotweights-stage/`:
 
     header  : magic b"HWJRNL\\r\\n", format u32, meta length u32, meta (JSON)
-    record  : b"R", name length u16, offset u64, length u64, name (UTF-8), payload
+    patch   : b"R", name length u16, offset u64, length u64, name (UTF-8), payload
+    move    : b"M", name length u16, 0 u64, 0 u64, name (UTF-8): the staged name replaces it
     commit  : b"C", record count u64, xxh3_64 of every byte before the commit record
 
 It is written to `DIR/.hotweights-journal.tmp`, fsync'd, renamed, and the directory
-fsync'd: the rename is the commit point. `apply` replays it (pwrite, fsync each file,
-fsync the directory) and removes it; replaying twice is harmless. `recover` finishes a
-committed journal or discards an incomplete or corrupt one.
+fsync'd: the rename is the commit point (staged files are written and fsync'd before).
+`apply` replays it (renames, pwrite, fsync each file, fsync the directory) and removes it;
+replaying twice is harmless. `recover` finishes a committed journal, or discards an
+incomplete one with whatever was staged for it. Writers hold `locked(DIR)`.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -22,19 +26,22 @@ import shutil
 import signal
 import stat
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import xxhash
 
 from hotweights.errors import CheckpointError
 
-__all__ = ["JOURNAL_NAME", "apply", "pending", "recover", "write_journal"]
+__all__ = ["JOURNAL_NAME", "STAGE_DIR", "apply", "locked", "pending", "recover",
+           "write_journal"]
 
 logger = logging.getLogger(__name__)
 
 JOURNAL_NAME = ".hotweights-journal"
 _TMP_NAME = JOURNAL_NAME + ".tmp"
+STAGE_DIR = ".hotweights-stage"  # complete files waiting for their move record
 _MAGIC = b"HWJRNL\r\n"
 _FORMAT = 1
 _HEAD = struct.Struct("<8sII")
@@ -58,7 +65,8 @@ class _Corrupt(Exception):  # the journal is incomplete or damaged; the message 
 
 def _check_name(name: str) -> bytes:
     bad = (not name or name in (".", "..") or "/" in name or "\\" in name
-           or "\0" in name or os.path.isabs(name) or name.startswith(JOURNAL_NAME))
+           or "\0" in name or os.path.isabs(name) or name.startswith(JOURNAL_NAME)
+           or name == STAGE_DIR)
     if bad:
         raise CheckpointError(f"{name!r}: a patch target must be a plain file name in the "
                               "directory (no path separators, '..' or journal names)")
@@ -91,6 +99,8 @@ def _validate(directory: str, name: str, offset: int, data: Any,
     raw = _check_name(name)
     view = memoryview(data).cast("B")
     size = _target_size(directory, name, sizes)
+    if size < 0:
+        raise CheckpointError(f"{os.path.join(directory, name)}: both moved and patched")
     if offset < 0 or offset + view.nbytes > size:
         raise CheckpointError(
             f"{os.path.join(directory, name)}: patch at offset {offset} of {view.nbytes} "
@@ -105,15 +115,29 @@ def _write_all(fd: int, data: bytes | memoryview, hasher: Any) -> None:
         view = view[os.write(fd, view):]
 
 
+def _check_staged(directory: str, name: str) -> bytes:
+    raw = _check_name(name)
+    path = os.path.join(directory, STAGE_DIR, name)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no staged file to move into place") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(f"{path}: the staged file is not a regular file")
+    return raw
+
+
 def write_journal(directory: str | os.PathLike, patches: Iterable[tuple[str, int, Any]],
-                  *, meta: dict | None = None) -> str:
-    """Write and commit a redo journal of `patches`; the files are not touched yet.
+                  *, moves: Sequence[str] = (), meta: dict | None = None) -> str:
+    """Write and commit a redo journal of `patches` and `moves`; no file is touched yet.
 
     Args:
-        directory: the directory holding every patched file.
+        directory: the directory holding every changed file.
         patches: (file name relative to `directory`, byte offset, bytes-like) triples,
             streamed once. A sequence is validated and sized before anything is written;
             an iterator is validated as it streams, and a bad patch discards the journal.
+        moves: names whose new content is staged whole, written and fsync'd, in
+            `directory/.hotweights-stage/`; applying renames each over its name.
         meta: JSON-able data kept in the header (e.g. the weight version), see `pending`.
 
     Returns:
@@ -129,7 +153,8 @@ def write_journal(directory: str | os.PathLike, patches: Iterable[tuple[str, int
         raise CheckpointError(f"{journal}: a committed journal is pending; "
                               "run hotweights.checkpoint.journal.recover first")
     head = json.dumps(meta or {}).encode()
-    sizes: dict[str, int] = {}
+    moved = [_check_staged(directory, name) for name in moves]
+    sizes: dict[str, int] = {name: -1 for name in moves}  # never patched as well
     if isinstance(patches, Sequence):
         need = _HEAD.size + len(head) + _COMMIT.size
         for name, offset, data in patches:
@@ -148,6 +173,9 @@ def write_journal(directory: str | os.PathLike, patches: Iterable[tuple[str, int
         hasher = xxhash.xxh3_64()
         _write_all(fd, _HEAD.pack(_MAGIC, _FORMAT, len(head)) + head, hasher)
         count = 0
+        for raw in moved:
+            _write_all(fd, _REC.pack(b"M", len(raw), 0, 0) + raw, hasher)
+            count += 1
         for name, offset, data in patches:
             raw, view = _validate(directory, name, offset, data, sizes)
             written += _REC.size + len(raw) + view.nbytes
@@ -182,8 +210,8 @@ def _read_exact(f: Any, n: int) -> bytes:
     return data
 
 
-def _scan(path: str) -> tuple[dict, list[tuple[str, int, int, int]]]:
-    """Verify the whole journal; return its meta and (name, offset, length, payload pos)."""
+def _scan(path: str) -> tuple[dict, list[tuple[bytes, str, int, int, int]]]:
+    """Verify the whole journal; its meta and (tag, name, offset, length, payload pos)."""
     records = []
     with open(path, "rb") as f:
         total = os.fstat(f.fileno()).st_size
@@ -202,11 +230,11 @@ def _scan(path: str) -> tuple[dict, list[tuple[str, int, int, int]]]:
                 break
             rec = _read_exact(f, _REC.size)
             tag, name_len, offset, length = _REC.unpack(rec)
-            if tag != b"R":
-                raise _Corrupt(f"bad record tag {tag!r} at byte {f.tell() - _REC.size}")
+            if tag not in (b"R", b"M") or (tag == b"M" and (offset or length)):
+                raise _Corrupt(f"bad record {tag!r} at byte {f.tell() - _REC.size}")
             raw = _read_exact(f, name_len)
             hasher.update(rec + raw)
-            records.append((raw.decode(errors="replace"), offset, length, f.tell()))
+            records.append((tag, raw.decode(errors="replace"), offset, length, f.tell()))
             while length:
                 chunk = _read_exact(f, min(length, _CHUNK))
                 hasher.update(chunk)
@@ -227,18 +255,35 @@ def pending(directory: str | os.PathLike) -> dict | None:
         return None
 
 
-def _replay(directory: str, path: str, records: list[tuple[str, int, int, int]]) -> None:
+def _move(directory: str, name: str) -> None:
+    staged, target = os.path.join(directory, STAGE_DIR, name), os.path.join(directory, name)
+    try:
+        os.replace(staged, target)
+    except FileNotFoundError:  # moved by an earlier, interrupted replay
+        if not os.path.exists(target):
+            raise CheckpointError(f"{target}: the journal moves {staged} into place, and "
+                                  "neither exists") from None
+
+
+def _replay(directory: str, path: str, records: list) -> None:
     sizes: dict[str, int] = {}
-    for name, offset, length, _ in records:  # a committed journal may still be stale
+    moves = [name for tag, name, *_ in records if tag == b"M"]
+    patches = [r[1:] for r in records if r[0] == b"R"]
+    for name in moves:
+        _check_name(name)
+    for name, offset, length, _ in patches:  # a committed journal may still be stale
         _check_name(name)
         if offset + length > _target_size(directory, name, sizes):
             raise CheckpointError(f"{os.path.join(directory, name)}: journal {path} patches "
                                   f"offset {offset} beyond the file's end; the file changed "
                                   "after the journal was committed")
+    for k, name in enumerate(moves):
+        _move(directory, name)
+        _crash_point("move", k)
     fds: dict[str, int] = {}
     try:
         with open(path, "rb") as f:
-            for k, (name, offset, length, pos) in enumerate(records):
+            for k, (name, offset, length, pos) in enumerate(patches):
                 if name not in fds:
                     fds[name] = os.open(os.path.join(directory, name), os.O_WRONLY)
                 f.seek(pos)
@@ -279,12 +324,35 @@ def apply(directory: str | os.PathLike) -> bool:
     except _Corrupt as e:
         raise CheckpointError(f"{path}: corrupt journal: {e}; recover() discards it") from None
     _replay(directory, path, records)
-    logger.info("%s: journal applied, %d patches", path, len(records))
+    logger.info("%s: journal applied, %d records", path, len(records))
     return True
 
 
-def recover(directory: str | os.PathLike) -> str:
+@contextmanager
+def locked(directory: str | os.PathLike) -> Iterator[None]:
+    """Hold the directory's writer lock (an flock on the directory itself); a second
+    writer, in this process or another, waits for the first."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as e:
+        raise CheckpointError(f"{directory}: cannot open the directory: {e.strerror}") from e
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("%s: another writer holds the directory; waiting", directory)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def recover(directory: str | os.PathLike, *, lock: bool = True) -> str:
     """Finish or discard an interrupted journal in `directory`.
+
+    Args:
+        directory: the checkpoint directory.
+        lock: take the writer lock (False: the caller holds it).
 
     Returns:
         "replayed" (a committed journal was applied), "discarded" (an uncommitted or
@@ -294,6 +362,9 @@ def recover(directory: str | os.PathLike) -> str:
         CheckpointError: a committed journal no longer fits its files (they changed since);
             it is kept for a person to look at.
     """
+    if lock:
+        with locked(directory):
+            return recover(directory, lock=False)
     directory = os.fspath(directory)
     outcome = "none"
     tmp = os.path.join(directory, _TMP_NAME)
@@ -311,9 +382,14 @@ def recover(directory: str | os.PathLike) -> str:
             outcome = "discarded"
         else:
             _replay(directory, path, records)
-            logger.warning("%s: replayed an interrupted journal, %d patches",
+            logger.warning("%s: replayed an interrupted journal, %d records",
                            path, len(records))
             outcome = "replayed"
+    stage = os.path.join(directory, STAGE_DIR)
+    if os.path.lexists(stage):  # staged for a journal that never committed
+        shutil.rmtree(stage) if os.path.isdir(stage) else os.unlink(stage)
+        logger.warning("%s: discarded files staged by an interrupted sync", stage)
+        outcome = "discarded" if outcome == "none" else outcome
     if outcome != "none":
         _fsync_dir(directory)
     return outcome

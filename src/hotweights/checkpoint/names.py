@@ -62,9 +62,9 @@ def to_disk(
     rest = {n: t for n, t in live.items() if n not in disk}
     tied: dict[str, str] = {}
     if rest:
-        owners = {k: n for n, t in tensors.items() if (k := _storage_key(t)) is not None}
+        owners = {k: n for n, t in tensors.items() if (k := storage_key(t)) is not None}
         for n, t in list(rest.items()):
-            if (owner := owners.get(_storage_key(t))) is not None:
+            if (owner := owners.get(storage_key(t))) is not None:
                 tied[n] = owner
                 del rest[n]
     only_live: list[str] = []
@@ -94,7 +94,8 @@ def to_disk(
                    tuple(sorted(n for n in disk if n not in tensors)))
 
 
-def _storage_key(t: torch.Tensor) -> tuple | None:
+def storage_key(t: torch.Tensor) -> tuple | None:
+    """What two names of one tied tensor share; None for a tensor with no storage."""
     ptr = t.untyped_storage().data_ptr()
     if ptr == 0:  # meta or empty: no storage to share
         return None

@@ -1,11 +1,21 @@
-"""`sync`: write the live weights into a safetensors directory, only the blocks that changed.
+"""`sync`: write the live weights into a safetensors directory, only what changed.
 
-Journal mode (this slice): every tensor is checked against the shard headers first (name,
-dtype, shape: nothing is written if one disagrees); the changed blocks are found from the
-shard's sidecar fingerprints (`.hotweights/SHARD.blocks.json`), or, when the sidecar is
-missing, corrupt or stale (the shard changed behind its back), by comparing with the file;
-they go through one redo journal for the whole directory (`checkpoint.journal`), are
-applied in place, and fresh sidecars record the new state and the weight version.
+Every live tensor is checked against the shard headers first (dtype, shape: nothing is
+written if one disagrees). The changed blocks are found from each shard's sidecar
+fingerprints (`checkpoint.sidecar`) or, where a sidecar cannot be trusted, by comparing
+with the file. Each changed shard is then written one of three ways, all committed by one
+journal for the whole directory (`checkpoint.journal`):
+
+- `reflink`: the shard is cloned (no data copied), the changed blocks are written into the
+  clone, and the clone replaces the shard at commit: a reader sees one whole shard;
+- `journal`: the changed blocks go through the redo journal and are applied in place
+  (filesystems without reflinks: ext4, tmpfs);
+- whole: the shard is written anew, sequentially, and replaces the old one at commit
+  (mode `copy`, and `auto` where most of a shard changed: faster than scattered writes).
+
+`auto` picks reflink where the filesystem clones files, else journal, and whole rewrites
+for shards more than `WHOLE_FRACTION` changed. A directory with no safetensors gets a first
+full save (`checkpoint.first_save`).
 """
 
 from __future__ import annotations
@@ -14,122 +24,258 @@ import json
 import logging
 import mmap
 import os
+import shutil
 import time
-from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from hotweights import blocks
-from hotweights.checkpoint import journal
+from hotweights.checkpoint import clone, journal, sidecar, stage
+from hotweights.checkpoint.names import to_disk
 from hotweights.checkpoint.shards import Shard, TensorInfo, read_dir, read_shard
-from hotweights.errors import CheckpointError, HotweightsError
+from hotweights.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
-SIDECAR_FORMAT = 1
-SIDECAR_DIR = ".hotweights"
-_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
-           "F64": torch.float64, "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16,
-           "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool}
+MODES = ("auto", "reflink", "journal", "copy")
+WHOLE_FRACTION = 0.5  # auto: a shard with more of its bytes changed is rewritten whole
+DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
+          "F64": torch.float64, "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16,
+          "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool}
+Progress = Callable[[str, int, int], None]  # (phase "hash" | "write", bytes done, total)
 
 
 @dataclass(frozen=True)
 class SyncResult:
     """What a sync did. `to_json()` for the CLI."""
 
-    mode: str
+    mode: str  # the mode asked for
     version: str | None
     tensors_synced: int
     tensors_changed: int
     shards_changed: tuple[str, ...]
     bytes_hashed: int  # live bytes fingerprinted
     bytes_compared: int  # live bytes compared with the file (no usable sidecar)
-    bytes_written: int  # payload patched into the shards (the journal holds as much again)
+    bytes_written: int  # into the shards (a journal holds its patches once more)
     missing_on_disk: tuple[str, ...]  # live tensors the checkpoint does not hold
     missing_live: tuple[str, ...]  # checkpoint tensors with no live source
     seconds: float
+    writes: dict[str, str] = field(default_factory=dict)  # changed shard -> how written
+    tied: tuple[str, ...] = ()  # live aliases of a tensor stored once, under another name
+    first_save: bool = False
+    reason: str = ""  # why this write mode
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 
 
-def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor], *,
-         mode: str = "journal", version: str | None = None,
-         block_size: int = blocks.DEFAULT_BLOCK_SIZE) -> SyncResult:
+def write_mode(model_dir: str | os.PathLike, mode: str = "auto") -> tuple[str, str]:
+    """How `sync` patches the shards of `model_dir` in `mode`: ("reflink" | "journal" |
+    "copy", why)."""
+    if mode not in MODES:
+        raise CheckpointError(f"mode {mode!r}: choose one of {', '.join(MODES)}")
+    if mode in ("journal", "copy"):
+        return mode, "asked for"
+    ok, why = clone.supports_reflink(model_dir)
+    if mode == "reflink" and not ok:
+        raise CheckpointError(f"{model_dir}: mode 'reflink' asked for, but {why}; use "
+                              "mode 'auto', 'journal' or 'copy'")
+    return ("reflink", why) if ok else ("journal", why)
+
+
+def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.nn.Module, *,
+         mode: str = "auto", version: str | None = None, config: object = None,
+         block_size: int = blocks.DEFAULT_BLOCK_SIZE, convert_dtype: bool = False,
+         max_shard_size: int | str = "50GB", progress: Progress | None = None,
+         after_read: Callable[[], None] | None = None) -> SyncResult:
     """Make the safetensors in `model_dir` hold the `live` tensors, writing what changed.
 
     Args:
-        model_dir: a directory with `model.safetensors` or a sharded index.
-        live: HF-named tensors (e.g. `bridge.model().state_dict()`), any device.
-        mode: "journal" (the only mode of this slice).
+        model_dir: a directory with `model.safetensors` or a sharded index; one with no
+            safetensors (or none yet) gets a first full save.
+        live: HF-named tensors (e.g. `bridge.model().state_dict()`), any device, or a
+            transformers model (then its own conversions name fused MoE experts as the
+            checkpoint does; else those of `config.model_type`).
+        mode: "auto", "reflink", "journal" or "copy" (see the module docstring).
         version: the weight version the live tensors are (recorded in the sidecars).
+        config: the model's config (a `PretrainedConfig` or a dict): its `model_type`
+            picks the name conversions; a first save writes it as `config.json`.
         block_size: bytes per fingerprinted block.
+        convert_dtype: cast a live tensor to the file's dtype instead of refusing it.
+        max_shard_size: for a first save, as in `save_pretrained`.
+        progress: called with (phase, bytes done, bytes total) as hashing and writing go.
+        after_read: called once every live byte the sync needs has been read (staged or
+            journaled), before the commit: the weights may change again from then on.
     Returns:
         A `SyncResult`.
     Raises:
-        CheckpointError: no safetensors in `model_dir`, or a live tensor whose dtype or
-            shape differs from the file's (named, with the shard; nothing is written).
+        CheckpointError: a live tensor whose dtype or shape differs from the file's (named,
+            with the shard), too little free space, an unwritable directory, a corrupt
+            shard: nothing is written.
     """
-    if mode != "journal":
-        raise CheckpointError(f"mode {mode!r}: this version writes mode 'journal' only")
     started = time.perf_counter()
     model_dir = Path(model_dir)
-    journal.recover(model_dir)  # an interrupted sync is finished or discarded first
-    disk = read_dir(model_dir)
-    if disk is None:
-        raise CheckpointError(f"{model_dir}: no safetensors to sync into (a first full save "
-                              "is not in this version: use save_pretrained)")
-    matched = {name: t for name, t in live.items() if name in disk}
-    for name, t in matched.items():
-        _check(name, t, *disk[name])
-    by_shard: dict[str, dict[str, torch.Tensor]] = {}  # shard path -> its live tensors
-    shards: dict[str, Shard] = {}  # its header, as read_dir read it
-    for name, t in matched.items():
-        shard = shards.setdefault(disk[name][0].path, disk[name][0])
-        by_shard.setdefault(shard.path, {})[name] = t.detach().contiguous()
-    hashed = compared = 0
-    plans: list[tuple[Shard, list[tuple[str, int, int]], blocks.Fingerprints]] = []
-    for path, tensors in by_shard.items():
-        shard, nbytes = shards[path], sum(t.numel() * t.element_size() for t in tensors.values())
-        fresh = blocks.fingerprint(tensors, block_size=block_size)
-        hashed += nbytes
-        old = _load_sidecar(shard, block_size)
-        if old is not None and set(old.tensors) >= set(tensors):
-            diff = blocks.changed(_subset(old, tensors), fresh)
-            ranges = [(n, int(lo), int(hi)) for n, c in diff.tensors.items()
-                      for lo, hi in c.ranges]
-        else:
-            ranges = _compare_file(shard, tensors, block_size)
-            compared += nbytes
-        plans.append((shard, ranges, fresh))
-    changed = [(shard, ranges) for shard, ranges, _ in plans if ranges]
-    written = sum(hi - lo for _, ranges in changed for _, lo, hi in ranges)
-    if changed:
-        journal.write_journal(model_dir, _patches(changed, by_shard),
-                              meta={"version": version})
-        journal.apply(model_dir)
-    for shard, _, fresh in plans:  # after the data: a stale sidecar is only ever distrusted
-        _write_sidecar(read_shard(shard.path), fresh, version)
+    model = live if isinstance(live, torch.nn.Module) else None
+    live = live.state_dict() if model is not None else live
+    patch_mode, reason = write_mode(model_dir, mode) if model_dir.is_dir() else (mode, "")
+    progress = progress or (lambda phase, done, total: None)
+    with journal.locked(_existing(model_dir)):
+        journal.recover(model_dir, lock=False)  # an interrupted sync is finished or dropped
+        disk = read_dir(model_dir)
+        if disk is None:
+            from hotweights.checkpoint import first_save
+            return first_save.save(model_dir, live, mode=mode, version=version, config=config,
+                                   block_size=block_size, max_shard_size=max_shard_size,
+                                   progress=progress, after_read=after_read, started=started)
+        names = to_disk(live, disk.keys(), model=model, model_type=_model_type(config, model))
+        matched, tied = dict(names.tensors), names.tied
+        for name in list(matched):
+            matched[name] = _check(name, matched[name], *disk[name], convert_dtype)
+        plans, hashed, compared = _plan(matched, disk, block_size, progress)
+        changed = [p for p in plans if p.ranges]
+        for p in changed:
+            p.how = _how(p, mode, patch_mode)
+        _check_space(model_dir, changed)
+        written = _write(model_dir, changed, version, progress, after_read)
+        for p in plans:  # after the data: a stale sidecar is only ever distrusted
+            sidecar.write(read_shard(p.shard.path), p.fresh, version)
     return SyncResult(
         mode=mode, version=version, tensors_synced=len(matched),
-        tensors_changed=len({n for _, ranges in changed for n, _, _ in ranges}),
-        shards_changed=tuple(Path(s.path).name for s, _ in changed), bytes_hashed=hashed,
+        tensors_changed=len({n for p in changed for n, _, _ in p.ranges}),
+        shards_changed=tuple(p.name for p in changed), bytes_hashed=hashed,
         bytes_compared=compared, bytes_written=written,
-        missing_on_disk=tuple(sorted(set(live) - set(disk))),
-        missing_live=tuple(sorted(set(disk) - set(live))),
-        seconds=time.perf_counter() - started)
+        missing_on_disk=names.only_live, missing_live=names.only_disk,
+        seconds=time.perf_counter() - started, writes={p.name: p.how for p in changed},
+        tied=tuple(sorted(tied)), reason=reason)
 
 
-def _check(name: str, t: torch.Tensor, shard: Shard, info: TensorInfo) -> None:
+def _model_type(config: object, model: torch.nn.Module | None) -> str | None:
+    config = config if config is not None else getattr(model, "config", None)
+    return config.get("model_type") if isinstance(config, dict) else getattr(
+        config, "model_type", None)
+
+
+def _existing(model_dir: Path) -> Path:
+    try:
+        model_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"{model_dir}: cannot create the directory: {e.strerror}") from e
+    if not model_dir.is_dir():
+        raise CheckpointError(f"{model_dir}: not a directory")
+    return model_dir
+
+
+def _check(name: str, t: torch.Tensor, shard: Shard, info: TensorInfo,
+           convert: bool) -> torch.Tensor:
     where = f"{name} in {Path(shard.path).name}"
-    if _DTYPES.get(info.dtype) != t.dtype:
-        raise CheckpointError(f"{where}: the file holds {info.dtype}, the live tensor is "
-                              f"{str(t.dtype).removeprefix('torch.')}; nothing was written")
     if tuple(t.shape) != info.shape:
         raise CheckpointError(f"{where}: the file holds shape {list(info.shape)}, the live "
                               f"tensor {list(t.shape)}; nothing was written")
+    want = DTYPES.get(info.dtype)
+    if want != t.dtype:
+        if convert and want is not None:
+            return t.detach().to(want).contiguous()
+        raise CheckpointError(f"{where}: the file holds {info.dtype}, the live tensor is "
+                              f"{str(t.dtype).removeprefix('torch.')}; nothing was written "
+                              "(convert_dtype=True casts it)")
+    return t.detach().contiguous()
+
+
+@dataclass
+class _Plan:
+    shard: Shard
+    tensors: dict[str, torch.Tensor]
+    fresh: blocks.Fingerprints
+    ranges: list[tuple[str, int, int]]  # (tensor, byte range within it) that changed
+    how: str = ""
+
+    @property
+    def name(self) -> str:
+        return Path(self.shard.path).name
+
+    @property
+    def changed_bytes(self) -> int:
+        return sum(hi - lo for _, lo, hi in self.ranges)
+
+
+def _plan(matched, disk, block_size: int, progress: Progress) -> tuple[list[_Plan], int, int]:
+    by_shard: dict[str, _Plan] = {}
+    for name, t in matched.items():
+        shard = disk[name][0]
+        by_shard.setdefault(shard.path, _Plan(shard, {}, None, [])).tensors[name] = t
+    total = sum(t.numel() * t.element_size() for t in matched.values())
+    hashed = compared = 0
+    for p in by_shard.values():
+        nbytes = sum(t.numel() * t.element_size() for t in p.tensors.values())
+        p.fresh = blocks.fingerprint(p.tensors, block_size=block_size)
+        old = sidecar.load(p.shard, block_size)
+        if old is not None and set(old.tensors) >= set(p.tensors):
+            diff = blocks.changed(_subset(old, p.tensors), p.fresh)
+            p.ranges = [(n, int(lo), int(hi)) for n, c in diff.tensors.items()
+                        for lo, hi in c.ranges]
+        else:
+            p.ranges = _compare_file(p.shard, p.tensors, block_size)
+            compared += nbytes
+        hashed += nbytes
+        progress("hash", hashed, total)
+    return list(by_shard.values()), hashed, compared
+
+
+def _how(p: _Plan, mode: str, patch_mode: str) -> str:
+    if patch_mode == "copy" or (mode == "auto" and
+                                p.changed_bytes > WHOLE_FRACTION * p.shard.size):
+        return "whole"
+    return patch_mode
+
+
+def _check_space(model_dir: Path, changed: list[_Plan]) -> None:
+    need = sum(p.shard.size if p.how == "whole" else p.changed_bytes + 64 * len(p.ranges)
+               for p in changed)
+    free = shutil.disk_usage(model_dir).free
+    if need > free:
+        raise CheckpointError(f"{model_dir}: this sync needs {need} bytes for its journal "
+                              f"and staged shards, only {free} are free; nothing was written")
+
+
+def _write(model_dir: Path, changed: list[_Plan], version: str | None, progress: Progress,
+           after_read: Callable[[], None] | None) -> int:
+    """Stage or journal every changed shard, then commit and apply them together."""
+    total = sum(p.shard.size if p.how == "whole" else p.changed_bytes for p in changed)
+    done = 0
+
+    def step(n: int) -> None:
+        nonlocal done
+        done += n
+        progress("write", done, total)
+
+    staged = [p for p in changed if p.how != "journal"]
+    area = model_dir / journal.STAGE_DIR
+    try:
+        if staged:
+            area.mkdir()
+        written = 0
+        for p in staged:
+            write = stage.whole if p.how == "whole" else stage.patched
+            args = (p.tensors,) if p.how == "whole" else (p.tensors, p.ranges)
+            written += write(p.shard, *args, area / p.name, step)
+        if changed:
+            journal.write_journal(model_dir, _patches(changed, step),
+                                  moves=[p.name for p in staged], meta={"version": version})
+    except BaseException as e:  # nothing committed: drop what was staged
+        shutil.rmtree(area, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise CheckpointError(f"{model_dir}: cannot stage the changed shards: "
+                                  f"{e.strerror or e}; nothing was written") from e
+        raise
+    if after_read:
+        after_read()
+    if changed:
+        journal.apply(model_dir)
+        area.rmdir() if area.exists() else None
+    return written + sum(p.changed_bytes for p in changed if p.how == "journal")
 
 
 def _subset(fp: blocks.Fingerprints, names) -> blocks.Fingerprints:
@@ -152,46 +298,14 @@ def _compare_file(shard: Shard, tensors: Mapping[str, torch.Tensor],
     return ranges
 
 
-def _patches(changed, by_shard) -> Iterator[tuple[str, int, memoryview]]:
-    for shard, ranges in changed:
-        for name, lo, hi in ranges:
-            data = by_shard[shard.path][name].reshape(-1).view(torch.uint8)[lo:hi]
-            yield Path(shard.path).name, shard.tensors[name].begin + lo, \
-                memoryview(data.cpu().numpy())
-
-
-def _sidecar_path(shard_path: str) -> Path:
-    p = Path(shard_path)
-    return p.parent / SIDECAR_DIR / f"{p.name}.blocks.json"
-
-
-def _load_sidecar(shard: Shard, block_size: int) -> blocks.Fingerprints | None:
-    """The shard's recorded fingerprints, or None if missing, corrupt or stale."""
-    path = _sidecar_path(shard.path)
-    try:
-        doc = json.loads(path.read_text())
-        stat = doc["shard"]
-        if doc.get("format") != SIDECAR_FORMAT or stat != dict(
-                size=shard.size, mtime_ns=shard.mtime_ns, inode=shard.inode):
-            logger.info("%s: stale (the shard changed since); comparing with the file", path)
-            return None
-        fp = blocks.Fingerprints.from_dict(doc["fingerprints"], source=str(path))
-    except FileNotFoundError:
-        return None
-    except (ValueError, KeyError, TypeError, HotweightsError) as e:
-        logger.warning("%s: unreadable sidecar (%s); comparing with the file", path, e)
-        return None
-    return fp if fp.block_size == block_size else None
-
-
-def _write_sidecar(shard: Shard, fp: blocks.Fingerprints, version: str | None) -> None:
-    path = _sidecar_path(shard.path)
-    path.parent.mkdir(exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    doc = dict(format=SIDECAR_FORMAT, version=version, fingerprints=fp.to_dict(),
-               shard=dict(size=shard.size, mtime_ns=shard.mtime_ns, inode=shard.inode))
-    with open(tmp, "w") as f:
-        json.dump(doc, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def _patches(changed: list[_Plan], step: Callable[[int], None]
+             ) -> Iterator[tuple[str, int, memoryview]]:
+    for p in changed:
+        if p.how != "journal":
+            continue
+        for name, lo, hi in p.ranges:
+            offset = p.shard.tensors[name].begin + lo
+            for chunk in stage.host_chunks(stage.raw(p.tensors[name])[lo:hi]):
+                yield p.name, offset, chunk
+                offset += chunk.nbytes
+            step(hi - lo)

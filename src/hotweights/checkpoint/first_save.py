@@ -1,0 +1,111 @@
+"""A first full save into a directory with no safetensors, as `save_pretrained` shards it.
+
+The shards (`model.safetensors`, or `model-0000i-of-0000n.safetensors` and the index), the
+config and the sidecars are staged in `DIR/.hotweights-stage/` and moved into place by one
+journal, the index last: a crash leaves no partial checkpoint behind. A tensor tied to
+another (the same storage: `lm_head.weight` and the embedding) is written once, under the
+first of its names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import torch
+from huggingface_hub import split_torch_state_dict_into_shards
+from safetensors.torch import save_file
+
+from hotweights import blocks
+from hotweights.checkpoint import journal, sidecar
+from hotweights.checkpoint.names import storage_key
+from hotweights.checkpoint.shards import read_shard
+from hotweights.errors import CheckpointError
+
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def save(model_dir: Path, live: Mapping[str, torch.Tensor], *, mode: str,
+         version: str | None, config: object, block_size: int, max_shard_size: int | str,
+         progress: Callable[[str, int, int], None],
+         after_read: Callable[[], None] | None, started: float):
+    """Write `live` as a new checkpoint in `model_dir` (see `checkpoint.sync.sync`)."""
+    from hotweights.checkpoint.sync import SyncResult
+
+    tensors: dict[str, torch.Tensor] = {}
+    tied: dict[str, str] = {}
+    seen: dict[object, str] = {}
+    for name, t in live.items():
+        key = storage_key(t) or name
+        if key in seen:
+            tied[name] = seen[key]
+        else:
+            seen[key] = name
+            tensors[name] = t.detach().contiguous()
+    if not tensors:
+        raise CheckpointError(f"{model_dir}: no safetensors there and no live tensors to "
+                              "save")
+    split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size)
+    area = model_dir / journal.STAGE_DIR
+    total, done = sum(t.numel() * t.element_size() for t in tensors.values()), 0
+    try:
+        area.mkdir()
+        for filename, names in split.filename_to_tensors.items():
+            _save(area / filename, {n: tensors[n] for n in names})
+            done += sum(tensors[n].numel() * tensors[n].element_size() for n in names)
+            progress("write", done, total)
+        extra = []
+        if config is not None:
+            text = (json.dumps(config, indent=2) if isinstance(config, dict)
+                    else config.to_json_string())
+            _text(area / "config.json", text)
+            extra.append("config.json")
+        if split.is_sharded:
+            _text(area / INDEX_NAME, json.dumps(
+                {"metadata": {"total_size": total}, "weight_map": split.tensor_to_filename},
+                indent=2, sort_keys=True))
+            extra.append(INDEX_NAME)
+        journal.write_journal(model_dir, [], moves=[*split.filename_to_tensors, *extra],
+                              meta={"version": version})
+    except BaseException as e:
+        shutil.rmtree(area, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise CheckpointError(f"{model_dir}: cannot write the first save: "
+                                  f"{e.strerror or e}; nothing was written") from e
+        raise
+    if after_read:
+        after_read()
+    journal.apply(model_dir)
+    area.rmdir()
+    for filename, names in split.filename_to_tensors.items():
+        fp = blocks.fingerprint({n: tensors[n] for n in names}, block_size=block_size)
+        sidecar.write(read_shard(model_dir / filename), fp, version)
+    return SyncResult(
+        mode=mode, version=version, tensors_synced=len(tensors), tensors_changed=len(tensors),
+        shards_changed=tuple(split.filename_to_tensors), bytes_hashed=total,
+        bytes_compared=0, bytes_written=total, missing_on_disk=(), missing_live=(),
+        seconds=time.perf_counter() - started,
+        writes=dict.fromkeys(split.filename_to_tensors, "whole"), tied=tuple(sorted(tied)),
+        first_save=True, reason="no safetensors in the directory: a first full save")
+
+
+def _save(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    save_file({n: t.cpu() for n, t in tensors.items()}, path, metadata={"format": "pt"})
+    _fsync(path)
+
+
+def _text(path: Path, text: str) -> None:
+    path.write_text(text)
+    _fsync(path)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,75 @@
+"""Per-shard sidecars: the block fingerprints of a shard and the weight version they describe.
+
+`DIR/.hotweights/SHARD.blocks.json` records the shard's size, mtime and inode beside the
+fingerprints. A missing, corrupt or stale one (the shard changed behind its back) is never
+trusted: `load` returns None and the caller compares with the file instead.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+from hotweights import blocks
+from hotweights.checkpoint.shards import Shard
+from hotweights.errors import HotweightsError
+
+logger = logging.getLogger(__name__)
+
+FORMAT = 1
+DIR = ".hotweights"
+
+
+def path_of(shard_path: str | os.PathLike) -> Path:
+    p = Path(shard_path)
+    return p.parent / DIR / f"{p.name}.blocks.json"
+
+
+def _stat(shard: Shard) -> dict:
+    return dict(size=shard.size, mtime_ns=shard.mtime_ns, inode=shard.inode)
+
+
+def state(shard: Shard) -> tuple[str, dict | None]:
+    """("fresh" | "missing" | "stale" | "corrupt", the sidecar's document or None)."""
+    path = path_of(shard.path)
+    try:
+        doc = json.loads(path.read_text())
+        if doc.get("format") != FORMAT:
+            return "corrupt", None
+        return ("fresh" if doc["shard"] == _stat(shard) else "stale"), doc
+    except FileNotFoundError:
+        return "missing", None
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return "corrupt", None
+
+
+def load(shard: Shard, block_size: int) -> blocks.Fingerprints | None:
+    """The shard's recorded fingerprints, or None if missing, corrupt, stale or of
+    another block size."""
+    path = path_of(shard.path)
+    kind, doc = state(shard)
+    if kind != "fresh":
+        if kind != "missing":
+            logger.warning("%s: %s sidecar; comparing with the file", path, kind)
+        return None
+    try:
+        fp = blocks.Fingerprints.from_dict(doc["fingerprints"], source=str(path))
+    except (KeyError, HotweightsError) as e:
+        logger.warning("%s: unreadable sidecar (%s); comparing with the file", path, e)
+        return None
+    return fp if fp.block_size == block_size else None
+
+
+def write(shard: Shard, fp: blocks.Fingerprints, version: str | None) -> None:
+    """Record `fp` for `shard` as it is now (write, fsync, rename)."""
+    path = path_of(shard.path)
+    path.parent.mkdir(exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    doc = dict(format=FORMAT, version=version, fingerprints=fp.to_dict(), shard=_stat(shard))
+    with open(tmp, "w") as f:
+        json.dump(doc, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -1,0 +1,214 @@
+"""checkpoint.sync write modes (reflink, journal, copy, auto), first saves and bad places."""
+
+import json
+import os
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from hotweights.checkpoint import journal
+from hotweights.checkpoint.sync import sync, write_mode
+from hotweights.errors import CheckpointError
+from hotweights.tiny import make_config
+
+
+def _model(tie: bool = False):
+    torch.manual_seed(0)
+    config = make_config("llama", 300)
+    config.tie_word_embeddings = tie
+    return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+
+
+def _live(model) -> dict[str, torch.Tensor]:
+    return {n: t.detach().clone() for n, t in model.state_dict().items()}
+
+
+@pytest.fixture
+def place(request, tmp_path, tmp_path_factory):
+    """An empty directory on ext4 (tmp_path) or, for reflink, on a loop-mounted XFS."""
+    if request.param == "xfs":
+        d = request.getfixturevalue("xfs_dir") / request.node.name
+        d.mkdir()
+        yield d
+        shutil.rmtree(d)
+    else:
+        yield tmp_path / "model"
+
+
+def _saved(d: Path):
+    model = _model()
+    model.save_pretrained(d, max_shard_size="200KB")
+    return _live(model)
+
+
+def _disk(d: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for shard in sorted(d.glob("*.safetensors")):
+        out.update(load_file(shard))
+    return out
+
+
+def _stats(d: Path) -> dict[str, tuple[int, int]]:
+    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in d.glob("*.safetensors")}
+
+
+def _shard_of(d: Path, name: str) -> str:
+    return json.loads((d / "model.safetensors.index.json").read_text())["weight_map"][name]
+
+
+def _equal(d: Path, live) -> None:
+    for n, t in _disk(d).items():
+        assert torch.equal(t.view(torch.int16), live[n].view(torch.int16)), n
+
+
+@pytest.mark.parametrize(("place", "mode", "how"), [
+    ("ext4", "journal", "journal"), ("ext4", "copy", "whole"), ("xfs", "reflink", "reflink"),
+    ("xfs", "auto", "reflink"), ("ext4", "auto", "journal")], indirect=["place"])
+def test_each_mode_writes_the_changed_shard_only(place, mode, how):
+    d = place
+    live = _saved(d)
+    sync(d, live, mode=mode, version="0@s")
+    before = _stats(d)
+    name = "model.layers.1.mlp.down_proj.weight"
+    live[name][3] += 1.0  # one row
+    result = sync(d, live, mode=mode, version="1@s")
+    shard = _shard_of(d, name)
+    assert result.shards_changed == (shard,) and result.writes == {shard: how}
+    row = live[name][3].numel() * 2
+    if how == "whole":
+        assert result.bytes_written == (d / shard).stat().st_size
+    else:
+        assert row <= result.bytes_written <= 64 << 10
+    _equal(d, live)
+    after = _stats(d)
+    for s, stat in before.items():  # untouched shards keep inode and mtime
+        assert (after[s] == stat) == (s != shard), s
+    if how != "journal":  # a new file took the old one's place
+        assert after[shard][0] != before[shard][0]
+    reloaded = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16)
+    assert torch.equal(reloaded.get_parameter(name), live[name])
+    assert not (d / journal.STAGE_DIR).exists() and not (d / journal.JOURNAL_NAME).exists()
+    assert sync(d, live, mode=mode).bytes_written == 0
+
+
+@pytest.mark.parametrize("place", ["ext4"], indirect=True)
+def test_auto_rewrites_a_mostly_changed_shard_whole(place):
+    d = place
+    live = _saved(d)
+    sync(d, live)
+    name = "model.layers.0.mlp.up_proj.weight"
+    shard = _shard_of(d, name)
+    for n in load_file(d / shard):  # every element of every tensor in that shard
+        live[n] += 1.0
+    result = sync(d, live)
+    assert result.writes == {shard: "whole"}
+    _equal(d, live)
+
+
+def test_reflink_refused_where_the_filesystem_cannot(tmp_path):
+    with pytest.raises(CheckpointError, match="mode 'reflink' asked for, but .*reflink"):
+        write_mode(tmp_path, "reflink")
+    assert write_mode(tmp_path, "auto")[0] == "journal"
+    with pytest.raises(CheckpointError, match="mode 'fast': choose one of auto, reflink"):
+        sync(tmp_path, {}, mode="fast")
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_a_first_save_is_what_save_pretrained_would_write(tmp_path, tie):
+    model = _model(tie)
+    live, d = model.state_dict(), tmp_path / "new"
+    calls = []
+    result = sync(d, live, config=model.config, max_shard_size="200KB", version="5@s",
+                  after_read=lambda: calls.append(list(d.glob("*.safetensors"))))
+    assert result.first_save and calls == [[]]  # after_read: before anything is in place
+    assert len(result.shards_changed) > 2 and (d / "model.safetensors.index.json").exists()
+    assert result.tied == (("lm_head.weight",) if tie else ())
+    reloaded = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16)
+    for n, t in reloaded.state_dict().items():
+        assert torch.equal(t, live[n]), n
+    assert sorted(p.name for p in d.iterdir()) == sorted(
+        [".hotweights", "config.json", "model.safetensors.index.json",
+         *result.shards_changed])
+    again = sync(d, live)
+    assert again.bytes_written == 0 and again.bytes_compared == 0  # the sidecars serve
+    assert again.tied == result.tied and again.missing_on_disk == ()
+
+
+def test_a_single_file_first_save(tmp_path):
+    live = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
+    result = sync(tmp_path, live)
+    assert result.shards_changed == ("model.safetensors",)
+    assert torch.equal(load_file(tmp_path / "model.safetensors")["w"], live["w"])
+
+
+def test_a_read_only_directory_is_named_and_nothing_written(tmp_path):
+    d = tmp_path / "m"
+    live = _saved(d)
+    sync(d, live)
+    live["model.norm.weight"] += 1
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if subprocess.run(["mount", "--bind", "-o", "ro", str(d), str(ro)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("a read-only bind mount needs root")
+    try:
+        before = {p.name: p.read_bytes() for p in ro.glob("*.safetensors")}
+        with pytest.raises(CheckpointError, match=f"{ro}: cannot .*Read-only file system"):
+            sync(ro, live)
+        assert {p.name: p.read_bytes() for p in ro.glob("*.safetensors")} == before
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)
+
+
+@pytest.mark.parametrize("mode", ["journal", "copy"])
+def test_a_full_disk_is_named_and_nothing_written(tmp_path, mode):
+    d = tmp_path / "small"
+    d.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1800k", "tmpfs", str(d)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("a small tmpfs mount needs root")
+    try:
+        live = _saved(d)
+        sync(d, live, mode=mode)
+        for n in live:  # a change far larger than the space left
+            live[n] += 1.0
+        before = {p.name: p.read_bytes() for p in d.glob("*.safetensors")}
+        with pytest.raises(CheckpointError, match=f"{d}: this sync needs .* bytes .* only "
+                                                  ".* are free; nothing was written"):
+            sync(d, live, mode=mode)
+        assert {p.name: p.read_bytes() for p in d.glob("*.safetensors")} == before
+        assert not (d / journal.STAGE_DIR).exists() and not (d / journal.JOURNAL_NAME).exists()
+    finally:
+        subprocess.run(["umount", str(d)], check=True)
+
+
+def test_two_writers_take_turns(tmp_path):
+    d = tmp_path / "m"
+    live = _saved(d)
+    sync(d, live)
+    other = {n: t + 1 for n, t in live.items()}
+    errors = []
+
+    def run(tensors):
+        try:
+            for _ in range(3):
+                sync(d, tensors, mode="copy")
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in (live, other)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    disk = _disk(d)
+    winner = live if torch.equal(disk["model.norm.weight"], live["model.norm.weight"]) else other
+    _equal(d, winner)
+    assert os.listdir(d).count(journal.STAGE_DIR) == 0
