@@ -182,6 +182,43 @@ def test_k_training_steps_are_served_exactly(any_server):
     assert any_server.logprobs()[1] == bridge.version
 
 
+def test_bridge_checkpoint_writes_only_what_changed(server, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(server.model_dir, ckpt)
+    bridge = Bridge.connect(server.url, token=TOKEN)
+    model = bridge.model()
+    bridge.checkpoint(ckpt)  # whatever earlier tests trained; sidecars written
+    name = "model.layers.1.mlp.down_proj.weight"
+    row = model.get_parameter(name)[2]
+    old = row.detach().clone()
+    with bridge.update():
+        with torch.no_grad():
+            row.add_(0.5)
+    try:
+        result = bridge.checkpoint(ckpt)
+        assert result.version == bridge.version and result.tensors_changed == 1
+        assert row.numel() * 2 <= result.bytes_written <= 64 << 10
+        disk = load_file(ckpt / "model.safetensors")
+        for n, t in model.state_dict().items():
+            assert torch.equal(disk.get(n, disk["model.embed_tokens.weight"]), t), n
+        # Another process: the lease holds trainers off while it reads, then the server
+        # resumes at the same version, clean.
+        other = Bridge.connect(server.url, token=TOKEN)
+        again = other.checkpoint(tmp_path / "first", exclusive=True)
+        assert again.first_save and again.version == bridge.version
+        status = bridge.status()
+        assert status["state"] == "idle" and status["version"] == bridge.version
+        assert status["dirty"] is False
+    finally:
+        with bridge.update():
+            with torch.no_grad():
+                row.copy_(old)
+
+
 def test_status_command_and_token_file(server, capsys, monkeypatch, tmp_path):
     from hotweights.cli import main
 

@@ -44,6 +44,7 @@ class Bridge:
         self.version = version  # "N@SERVER", as in every response's x-hotweights-version
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.tensors = shm.attach(manifests[0])
+        self._model: torch.nn.Module | None = None
 
     @classmethod
     def connect(cls, url: str, *, token: str | None = None) -> Bridge:
@@ -81,7 +82,48 @@ class Bridge:
             config = _local_model_dir(self.manifests[0].model,
                                       kwargs.get("trust_remote_code", False))
         model, self.report = build_hf_model(config, self.tensors, **kwargs)
+        self._model = model
         return model
+
+    def checkpoint(self, model_dir: str | os.PathLike, *, exclusive: bool = False,
+                   **kwargs: Any):
+        """Write the live weights into `model_dir`, only what changed (`checkpoint.sync`).
+
+        The sidecars record the bridge's version. Call it between steps: the weights must
+        not change while they are read. A process that is not the trainer passes
+        `exclusive=True`: the update lease (mode "keep") then holds off every trainer
+        while the live bytes are read, and the server resumes, at the same version, before
+        the files are committed.
+
+        Args:
+            model_dir: the checkpoint directory (its safetensors name the tensors; one
+                with none gets a first full save).
+            exclusive: hold the update lease while reading (see above).
+            kwargs: go to `checkpoint.sync` (`mode=`, `progress=`, ...).
+
+        Returns:
+            The `checkpoint.sync.SyncResult`.
+        """
+        from hotweights.checkpoint.sync import sync
+
+        model = self._model or self.model()
+        if not exclusive:
+            return sync(model_dir, model, version=self.version, config=model.config, **kwargs)
+        self._post("/hotweights/begin", mode="keep", lease_s=60.0)
+        renewer, held = _Renewer(self, 60.0), [True]
+
+        def release() -> None:
+            if held and held.pop():
+                renewer.__exit__()
+                self._abort(dirty=False)  # nothing written: resumed at the same version
+
+        try:
+            renewer.start()
+            version = self.status()["version"]
+            return sync(model_dir, model, version=version, config=model.config,
+                        after_read=release, **kwargs)
+        finally:
+            release()
 
     @contextlib.contextmanager
     def update(self, mode: str = "wait", *, lease_s: float = 60.0) -> Iterator[None]:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import IO
 
 from hotweights import shm
+from hotweights.checkpoint import journal
 from hotweights.errors import ConfigError
 from hotweights.tokens import remove_token, token_path, write_token
 from hotweights.vllm_plugin import ACTIVE  # no vLLM import: the package imports it lazily
@@ -118,6 +119,10 @@ def run(args: argparse.Namespace, vllm_args: list[str]) -> int:
     token_file = Path(args.token_file or token_path(args.port))
     for path in shm.sweep_stale():
         print(f"removed stale shared weights {path}")
+    if os.path.isdir(args.model):  # a sync cut short is finished or undone before vLLM reads
+        outcome = journal.recover(args.model)
+        if outcome != "none":
+            print(f"hotweights: {args.model}: {outcome} an interrupted checkpoint sync")
     server_id = secrets.token_hex(4)  # 8 hex digits: versions read 7@3f9a1c2b
     env = server_env(os.environ, vllm_args, token=token, server_id=server_id,
                      token_file=token_file)

@@ -1,0 +1,200 @@
+"""Whole syncs killed at random moments, and a plain reader during syncs, in every mode.
+
+A child process syncs two weight states A and B into one directory, one after the other,
+until it is SIGKILLed at a random moment (fingerprinting, staging, the journal, apply,
+renames, sidecars). After `recover`, every shard must hold A, or every shard B; the next
+sync completes. The children are forked from one process that imported torch once, so 50
+kills per mode take seconds, not minutes.
+"""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+from hotweights.checkpoint import journal
+from hotweights.checkpoint.sync import sync
+from hotweights.tiny import make_config
+
+KILLS = 50
+SYNCS = 20
+
+ZYGOTE = """
+import os, sys
+import torch
+torch.set_num_threads(1)
+from safetensors.torch import load_file
+from hotweights.checkpoint.sync import sync
+d, states, mode, limit = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+a, b = load_file(f"{states}/A.safetensors"), load_file(f"{states}/B.safetensors")
+for line in sys.stdin:
+    pid = os.fork()
+    if pid == 0:
+        n = 0
+        while limit == 0 or n < limit:
+            sync(d, b if n % 2 == 0 else a, mode=mode)
+            n += 1
+            print(f"synced {n}", flush=True)
+        os._exit(0)
+    print(pid, flush=True)
+    _, status = os.waitpid(pid, 0)
+    print(f"ended {status}", flush=True)
+"""
+
+
+class Zygote:
+    def __init__(self, d: Path, states: Path, mode: str, limit: int = 0):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", ZYGOTE, str(d), str(states), mode, str(limit)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def fork(self) -> int:
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        return int(self.proc.stdout.readline())
+
+    def wait(self) -> list[str]:
+        """The child's lines until it ended."""
+        lines = []
+        while not (line := self.proc.stdout.readline()).startswith("ended"):
+            assert line, "the zygote died"
+            lines.append(line)
+        return lines
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture
+def states(tmp_path):
+    """A tiny sharded bf16 model as A (on disk) and B (rows changed in every shard, one
+    shard changed whole so that auto mode rewrites it), and each shard's bytes in both."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(make_config("llama", 300), dtype=torch.bfloat16)
+    a = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    b = {n: t.clone() for n, t in a.items()}
+    for t in b.values():
+        if t.dim() == 2:
+            t[0] += 1.0
+    b["model.layers.1.mlp.down_proj.weight"] += 1.0
+    side = tmp_path / "states"
+    side.mkdir()
+    save_file(a, side / "A.safetensors")
+    save_file(b, side / "B.safetensors")
+    return model, a, b, side
+
+
+def _place(request, tmp_path) -> Path:
+    if request.param == "xfs":
+        root = request.getfixturevalue("xfs_dir") / request.node.name
+        root.mkdir()
+        return root
+    return tmp_path
+
+
+def _expected(d: Path, model, a, b, mode) -> dict[str, dict[str, bytes]]:
+    model.save_pretrained(d, max_shard_size="200KB")
+    sync(d, b, mode=mode)
+    shards = sorted(p.name for p in d.glob("*.safetensors"))
+    assert len(shards) > 2
+    new = {s: (d / s).read_bytes() for s in shards}
+    sync(d, a, mode=mode)
+    return {"A": {s: (d / s).read_bytes() for s in shards}, "B": new}
+
+
+def _version(d: Path, expected) -> str:
+    """'A' or 'B' when every shard is that version; fails on a torn shard or a mix."""
+    seen = set()
+    for s, old in expected["A"].items():
+        data = (d / s).read_bytes()
+        assert data in (old, expected["B"][s]), f"{s} is torn"
+        seen.add("A" if data == old else "B")
+    assert len(seen) == 1, f"shards mix versions: {seen}"
+    return seen.pop()
+
+
+MODES = [("ext4", "journal"), ("ext4", "copy"), ("ext4", "auto"), ("xfs", "reflink")]
+
+
+@pytest.fixture
+def place(request, tmp_path):
+    return _place(request, tmp_path)
+
+
+@pytest.mark.parametrize(("place", "mode"), MODES, indirect=["place"])
+def test_sigkill_at_random_moments_leaves_one_whole_version(place, mode, states):
+    model, a, b, side = states
+    d = place / "model"
+    expected = _expected(d, model, a, b, mode)
+    started = time.perf_counter()
+    sync(d, b, mode=mode)
+    sync(d, a, mode=mode)
+    per_sync = (time.perf_counter() - started) / 2
+    rng, seen = random.Random(7), []
+    zygote = Zygote(d, side, mode)
+    try:
+        for _ in range(KILLS):
+            pid = zygote.fork()
+            time.sleep(rng.uniform(0, 3 * per_sync))
+            os.kill(pid, signal.SIGKILL)
+            zygote.wait()
+            journal.recover(d)
+            seen.append(_version(d, expected))
+            assert not (d / journal.STAGE_DIR).exists()
+            assert not (d / journal.JOURNAL_NAME).exists()
+    finally:
+        zygote.close()
+    final = sync(d, b, mode=mode)  # the next sync completes
+    assert _version(d, expected) == "B" and final.bytes_written > 0 or seen[-1] == "B"
+    assert sync(d, b, mode=mode).bytes_written == 0
+
+
+@pytest.mark.parametrize(("place", "mode"), [("ext4", "copy"), ("xfs", "reflink"),
+                                             ("ext4", "journal")], indirect=["place"])
+def test_a_plain_reader_never_sees_a_torn_shard(place, mode, states):
+    """A reader that reads the shards in a loop during 20 syncs: in reflink and copy modes
+    every shard it reads is one whole version. (Shards it reads one after the other can be
+    of two consecutive versions when a commit falls between them: see docs/checkpoint.md.
+    In journal mode, a read during apply can see some blocks new: counted, not failed.)"""
+    model, a, b, side = states
+    d = place / "model"
+    expected = _expected(d, model, a, b, mode)
+    counts = {"loads": 0, "torn": 0, "mixed": 0}
+    done = threading.Event()
+
+    def read() -> None:
+        while not done.is_set():
+            versions = set()
+            for s, old in expected["A"].items():
+                data = (d / s).read_bytes()
+                if data not in (old, expected["B"][s]):
+                    counts["torn"] += 1
+                versions.add(data == old)
+            counts["loads"] += 1
+            counts["mixed"] += len(versions) > 1
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    zygote = Zygote(d, side, mode, limit=SYNCS)
+    try:
+        zygote.fork()
+        assert len(zygote.wait()) == SYNCS
+    finally:
+        done.set()
+        reader.join()
+        zygote.close()
+    print(f"{mode}: {counts}")
+    assert counts["loads"] > SYNCS
+    if mode != "journal":
+        assert counts["torn"] == 0, counts
+    assert _version(d, expected) == "A"
