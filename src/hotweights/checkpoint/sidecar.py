@@ -63,13 +63,12 @@ def load(shard: Shard, block_size: int) -> blocks.Fingerprints | None:
 
 
 def write(shard: Shard, fp: blocks.Fingerprints, version: str | None) -> None:
-    """Record `fp` for `shard` as it is now (write, fsync, rename)."""
+    """Record `fp` for `shard` as it is now (write, rename). Not fsync'd: a sidecar lost or
+    torn by a crash reads as missing or corrupt, and is never trusted."""
     path = path_of(shard.path)
     path.parent.mkdir(exist_ok=True)
     tmp = path.with_suffix(".tmp")
     doc = dict(format=FORMAT, version=version, fingerprints=fp.to_dict(), shard=_stat(shard))
     with open(tmp, "w") as f:
         json.dump(doc, f)
-        f.flush()
-        os.fsync(f.fileno())
     os.replace(tmp, path)

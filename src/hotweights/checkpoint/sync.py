@@ -2,8 +2,9 @@
 
 Every live tensor is checked against the shard headers first (dtype, shape: nothing is
 written if one disagrees). The changed blocks are found from each shard's sidecar
-fingerprints (`checkpoint.sidecar`) or, where a sidecar cannot be trusted, by comparing
-with the file. Each changed shard is then written one of three ways, all committed by one
+fingerprints (`checkpoint.sidecar`), then narrowed to the 4 KiB pages that differ from the
+file (only those blocks are read); where a sidecar cannot be trusted, every page is
+compared with the file. Each changed shard is then written one of three ways, all committed by one
 journal for the whole directory (`checkpoint.journal`):
 
 - `reflink`: the shard is cloned (no data copied), the changed blocks are written into the
@@ -42,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 MODES = ("auto", "reflink", "journal", "copy")
 WHOLE_FRACTION = 0.5  # auto: a shard with more of its bytes changed is rewritten whole
+PAGE = 4096  # a changed block is patched page by page: only the pages that differ
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
           "F64": torch.float64, "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16,
           "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool}
@@ -135,9 +137,12 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
         for name in list(matched):
             matched[name] = _check(name, matched[name], *disk[name], convert_dtype)
         plans, hashed, compared = _plan(matched, disk, block_size, progress)
+        for p in plans:
+            if p.ranges:
+                p.how = _how(p, mode, patch_mode)
+                if p.how != "whole" and not p.exact:
+                    p.ranges = _compare_file(p, p.ranges)
         changed = [p for p in plans if p.ranges]
-        for p in changed:
-            p.how = _how(p, mode, patch_mode)
         _check_space(model_dir, changed)
         written = _write(model_dir, changed, version, progress, after_read)
         for p in plans:  # after the data: a stale sidecar is only ever distrusted
@@ -191,6 +196,7 @@ class _Plan:
     fresh: blocks.Fingerprints
     ranges: list[tuple[str, int, int]]  # (tensor, byte range within it) that changed
     how: str = ""
+    exact: bool = False  # ranges are the pages that differ (else: whole changed blocks)
 
     @property
     def name(self) -> str:
@@ -217,7 +223,8 @@ def _plan(matched, disk, block_size: int, progress: Progress) -> tuple[list[_Pla
             p.ranges = [(n, int(lo), int(hi)) for n, c in diff.tensors.items()
                         for lo, hi in c.ranges]
         else:
-            p.ranges = _compare_file(p.shard, p.tensors, block_size)
+            whole = [(n, 0, t.numel() * t.element_size()) for n, t in p.tensors.items()]
+            p.ranges, p.exact = _compare_file(p, whole), True
             compared += nbytes
         hashed += nbytes
         progress("hash", hashed, total)
@@ -282,20 +289,20 @@ def _subset(fp: blocks.Fingerprints, names) -> blocks.Fingerprints:
     return blocks.Fingerprints(fp.kind, fp.block_size, {n: fp.tensors[n] for n in names})
 
 
-def _compare_file(shard: Shard, tensors: Mapping[str, torch.Tensor],
-                  block_size: int) -> list[tuple[str, int, int]]:
-    ranges = []
-    with open(shard.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+def _compare_file(p: _Plan, ranges: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    """The pages of `ranges` (tensor, byte range) whose bytes differ from the file's."""
+    out = []
+    with open(p.shard.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
         view = memoryview(m)
         try:
-            for name, t in tensors.items():
-                info = shard.tensors[name]
-                change = blocks.compare_bytes(name, t, view[info.begin:info.end],
-                                              block_size=block_size)
-                ranges += [(name, int(lo), int(hi)) for lo, hi in change.ranges]
+            for name, lo, hi in ranges:
+                begin = p.shard.tensors[name].begin
+                change = blocks.compare_bytes(name, stage.raw(p.tensors[name])[lo:hi],
+                                              view[begin + lo:begin + hi], block_size=PAGE)
+                out += [(name, lo + int(a), lo + int(b)) for a, b in change.ranges]
         finally:
             view.release()
-    return ranges
+    return out
 
 
 def _patches(changed: list[_Plan], step: Callable[[int], None]
