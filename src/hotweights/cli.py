@@ -83,7 +83,73 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=30, help="training steps (default: 30)")
     p.add_argument("--workdir", default=None, help="where to build the model (default: temp)")
     p.set_defaults(run=_run_demo)
+
+    p = sub.add_parser(
+        "sync",
+        help="write a model's weights into a checkpoint directory, only what changed",
+        description="Make the safetensors in --model-dir hold the weights of a running "
+        "`hotweights serve` (--server) or of another checkpoint directory (--from), "
+        "writing only the blocks that changed (found from per-shard fingerprint sidecars "
+        "in DIR/.hotweights/, else by comparing with the file). With --server the server "
+        "pauses (update lease, mode keep) only while the live bytes are read; it resumes "
+        "before the files are written. A directory with no safetensors gets a first full "
+        "save. Nothing is written if a tensor's shape or dtype differs from the file's.",
+        epilog=_MODES_EPILOG,
+    )
+    p.add_argument("--model-dir", required=True, metavar="DIR",
+                   help="the checkpoint directory to write (model.safetensors or an index)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--server", metavar="URL", help="a running hotweights serve, e.g. "
+                     "http://127.0.0.1:8000 (same machine)")
+    src.add_argument("--from", dest="source", metavar="DIR",
+                     help="another safetensors checkpoint directory of the same model")
+    p.add_argument("--mode", default="auto", choices=["auto", "reflink", "journal", "copy"],
+                   help="how changed shards are written (default: auto; see below)")
+    p.add_argument("--token", help="the server's access token (default: $HOTWEIGHTS_TOKEN, "
+                   "else the token file the server wrote for its port)")
+    p.add_argument("--convert-dtype", action="store_true",
+                   help="cast tensors to the file's dtype instead of refusing them")
+    p.add_argument("--json", action="store_true", help="print the result as JSON only")
+    p.set_defaults(run=_run_sync)
+
+    p = sub.add_parser(
+        "diagnose",
+        help="check a checkpoint directory before a sync, writing nothing",
+        description="Show what a sync into --model-dir would find: its shards and the "
+        "state of their fingerprint sidecars (fresh, missing, stale or corrupt: the last "
+        "three are only re-compared with the file), a committed journal not yet applied "
+        "or leftovers of an interrupted sync, the filesystem and the write mode. With "
+        "--server or --from, the names, shapes and dtypes of those weights are checked "
+        "against the shard headers (a server is only read: no lease, it keeps serving). "
+        "Exit code 1 when a problem is found.",
+        epilog=_MODES_EPILOG + " diagnose writes nothing, except a probe file for "
+        "reflinks, removed again.",
+    )
+    p.add_argument("--model-dir", required=True, metavar="DIR",
+                   help="the checkpoint directory to check")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--server", metavar="URL", help="check a running hotweights serve's "
+                     "weights against it (same machine)")
+    src.add_argument("--from", dest="source", metavar="DIR",
+                     help="check another checkpoint directory's tensors against it")
+    p.add_argument("--mode", default="auto", choices=["auto", "reflink", "journal", "copy"],
+                   help="the write mode to check (default: auto)")
+    p.add_argument("--token", help="the server's access token (default: as for sync)")
+    p.add_argument("--json", action="store_true", help="print the diagnosis as JSON only")
+    p.set_defaults(run=_run_diagnose)
     return parser
+
+
+_MODES_EPILOG = (
+    "Modes: reflink clones each changed shard (XFS, btrfs), patches the clone and renames "
+    "it over the shard: a reader sees each shard whole, old or new. journal (ext4, tmpfs) "
+    "patches the shards in place from a committed redo journal: a reader during those "
+    "writes may see a shard half updated. copy rewrites each changed shard whole and "
+    "renames it. auto: reflink where the filesystem has it, else journal, and a whole "
+    "rewrite for a shard mostly changed. After a crash, the next sync (or hotweights "
+    "serve) finishes a committed journal or drops an uncommitted one: every shard ends "
+    "all old or all new."
+)
 
 
 def _run_serve(args: argparse.Namespace) -> int:
@@ -108,6 +174,18 @@ def _run_demo(args: argparse.Namespace) -> int:
     from hotweights.demo import run
 
     return run(args)
+
+
+def _run_sync(args: argparse.Namespace) -> int:
+    from hotweights.cli_checkpoint import run_sync
+
+    return run_sync(args)
+
+
+def _run_diagnose(args: argparse.Namespace) -> int:
+    from hotweights.cli_checkpoint import run_diagnose
+
+    return run_diagnose(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,208 @@
+"""`diagnose`: what a `sync` into a checkpoint directory would find there, read-only."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from hotweights.checkpoint import clone, journal, sidecar
+from hotweights.checkpoint.names import to_disk
+from hotweights.checkpoint.shards import read_dir
+from hotweights.checkpoint.sync import DTYPES, MODES, write_mode
+from hotweights.errors import CheckpointError
+
+__all__ = ["Diagnosis", "Mismatch", "ShardInfo", "diagnose"]
+
+SAMPLES = 5  # names shown of each kind
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    name: str
+    size: int
+    tensors: int
+    sidecar: str  # "fresh" | "missing" | "stale" | "corrupt" (`sidecar.state`)
+    version: str | None = None  # the weight version a fresh sidecar records
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    name: str
+    shard: str
+    field: str  # "shape" | "dtype"
+    file: str
+    live: str
+
+    def line(self) -> str:
+        return (f"{self.name} in {self.shard}: the file holds {self.field} {self.file}, "
+                f"the live tensor {self.live}")
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """What `diagnose` found. `problems` are what make `hotweights diagnose` exit 1."""
+
+    model_dir: str
+    error: str | None  # the checkpoint could not be read (then shards is empty)
+    first_save: bool  # no safetensors yet: a sync makes a first full save
+    shards: tuple[ShardInfo, ...]
+    tensors: int
+    model_bytes: int  # tensor bytes on disk
+    journal: dict | None  # the meta of a committed journal not yet applied
+    leftovers: tuple[str, ...]  # an uncommitted journal, staged files, a corrupt journal
+    writer_active: bool  # a sync holds the directory's writer lock right now
+    fs_type: str
+    mount: str
+    mode: str  # the mode asked for
+    write_mode: str | None  # what a sync would do in `mode`; None if it cannot
+    write_reason: str
+    live: bool  # live tensors were given, and the fields below describe them
+    matched: int = 0
+    only_live: int = 0
+    only_live_samples: tuple[str, ...] = ()
+    only_disk: int = 0
+    only_disk_samples: tuple[str, ...] = ()
+    tied: int = 0
+    mismatches: tuple[Mismatch, ...] = ()
+    names_error: str | None = None  # live names could not be placed on disk
+
+    @property
+    def problems(self) -> list[str]:
+        """One line each for what stops a sync or leaves the checkpoint unfinished."""
+        out = []
+        if self.error:
+            out.append(f"unreadable checkpoint: {self.error}")
+        if self.journal is not None:
+            out.append(f"a committed journal (version {self.journal.get('version')}) is not "
+                       "applied yet: run hotweights sync or serve to finish it")
+        if self.write_mode is None:
+            out.append(self.write_reason)
+        if self.names_error:
+            out.append(self.names_error)
+        if self.live and not self.first_save and not self.error and not self.names_error \
+                and self.matched == 0:
+            out.append(f"no live tensor has a place in the checkpoint ({self.only_live} "
+                       "live, none on disk): is it the same model?")
+        out += [m.line() for m in self.mismatches]
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps({**asdict(self), "problems": self.problems})
+
+
+def diagnose(model_dir: str | os.PathLike,
+             live: Mapping[str, torch.Tensor] | torch.nn.Module | None = None, *,
+             mode: str = "auto") -> Diagnosis:
+    """Look at a checkpoint directory as `sync` would, and write nothing to it.
+
+    The one exception: finding the write mode probes for reflinks by cloning a small
+    temporary file in the directory (`clone.supports_reflink`), removed again. The
+    writer lock is tried and released at once to tell a running sync from leftovers.
+
+    Args:
+        model_dir: the checkpoint directory.
+        live: the tensors a sync would write (HF names), or a transformers model; their
+            names, shapes and dtypes are checked against the shard headers. No byte of
+            them is read.
+        mode: the write mode to check ("auto", "reflink", "journal", "copy").
+
+    Returns:
+        A `Diagnosis`; see its `problems`.
+
+    Raises:
+        CheckpointError: `model_dir` is not a directory, or `mode` is unknown.
+    """
+    d = Path(model_dir)
+    if not d.is_dir():
+        raise CheckpointError(f"{d}: not a directory")
+    if mode not in MODES:
+        raise CheckpointError(f"mode {mode!r}: choose one of {', '.join(MODES)}")
+    try:
+        wmode, reason = write_mode(d, mode)
+    except CheckpointError as e:  # mode "reflink" where there are none: a finding
+        wmode, reason = None, str(e)
+    kind, mount = clone.fs_type(d)
+    pending, leftovers = _journal_state(d)
+    base = dict(model_dir=str(d), journal=pending, leftovers=leftovers,
+                writer_active=_writer_active(d), fs_type=kind, mount=mount, mode=mode,
+                write_mode=wmode, write_reason=reason, live=live is not None)
+    try:
+        disk = read_dir(d)
+    except CheckpointError as e:
+        return Diagnosis(error=str(e), first_save=False, shards=(), tensors=0,
+                         model_bytes=0, **base)
+    if disk is None:
+        return Diagnosis(error=None, first_save=True, shards=(), tensors=0, model_bytes=0,
+                         **base)
+    shards = {}
+    for shard, _ in disk.values():
+        shards.setdefault(shard.path, shard)
+    infos = []
+    for shard in sorted(shards.values(), key=lambda s: s.path):
+        state, doc = sidecar.state(shard)
+        version = doc.get("version") if state == "fresh" else None
+        infos.append(ShardInfo(Path(shard.path).name, shard.size, len(shard.tensors), state,
+                               None if version is None else str(version)))
+    base.update(error=None, first_save=False, shards=tuple(infos), tensors=len(disk),
+                model_bytes=sum(info.nbytes for _, info in disk.values()))
+    if live is None:
+        return Diagnosis(**base)
+    return Diagnosis(**base, **_compare(live, disk))
+
+
+def _journal_state(d: Path) -> tuple[dict | None, tuple[str, ...]]:
+    pending = journal.pending(d)
+    leftovers = []
+    if (d / (journal.JOURNAL_NAME + ".tmp")).exists():
+        leftovers.append(f"{journal.JOURNAL_NAME}.tmp: an uncommitted journal")
+    if pending is None and (d / journal.JOURNAL_NAME).exists():
+        leftovers.append(f"{journal.JOURNAL_NAME}: a corrupt or torn journal (discarded "
+                         "by the next sync; the files were never touched by it)")
+    if os.path.lexists(d / journal.STAGE_DIR):
+        leftovers.append(f"{journal.STAGE_DIR}/: files staged for a journal")
+    return pending, tuple(leftovers)
+
+
+def _writer_active(d: Path) -> bool:
+    try:
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing releases the lock
+    return False
+
+
+def _compare(live, disk) -> dict:
+    model = live if isinstance(live, torch.nn.Module) else None
+    tensors = live.state_dict() if model is not None else live
+    config = getattr(model, "config", None)
+    try:
+        names = to_disk(tensors, disk.keys(), model=model,
+                        model_type=getattr(config, "model_type", None))
+    except CheckpointError as e:
+        return dict(names_error=str(e))
+    mismatches = []
+    for name, t in names.tensors.items():
+        shard, info = disk[name]
+        where = Path(shard.path).name
+        if tuple(t.shape) != info.shape:
+            mismatches.append(Mismatch(name, where, "shape", str(list(info.shape)),
+                                       str(list(t.shape))))
+        if DTYPES.get(info.dtype) != t.dtype:
+            mismatches.append(Mismatch(name, where, "dtype", info.dtype,
+                                       str(t.dtype).removeprefix("torch.")))
+    return dict(matched=len(names.tensors), only_live=len(names.only_live),
+                only_live_samples=names.only_live[:SAMPLES], only_disk=len(names.only_disk),
+                only_disk_samples=names.only_disk[:SAMPLES], tied=len(names.tied),
+                mismatches=tuple(mismatches))

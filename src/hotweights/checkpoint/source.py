@@ -1,0 +1,90 @@
+"""The tensors of another safetensors directory, mapped rather than read: a `sync` source."""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+from pathlib import Path
+
+import torch
+
+from hotweights.checkpoint.shards import read_dir
+from hotweights.errors import CheckpointError
+
+__all__ = ["Tensors", "open_dir"]
+
+
+class Tensors(dict):
+    """name -> tensor, each a view of a private mapping of its shard; holds the mappings.
+
+    The tensors keep their mapping alive by themselves (`torch.frombuffer` holds the
+    buffer); `mmaps` says so explicitly and lets `close` check that none is still in use.
+    """
+
+    def __init__(self, tensors: dict[str, torch.Tensor], mmaps: dict[str, mmap.mmap]):
+        super().__init__(tensors)
+        self.mmaps = mmaps  # shard path -> its mapping
+
+    def close(self) -> None:
+        """Drop the tensors and unmap the shards (a tensor still held elsewhere keeps its
+        shard mapped: `mmap.close` refuses while a buffer is exported, which is ignored)."""
+        self.clear()
+        for m in self.mmaps.values():
+            try:
+                m.close()
+            except BufferError:  # a tensor of it lives on elsewhere
+                pass
+        self.mmaps = {}
+
+
+def open_dir(model_dir: str | os.PathLike) -> Tensors:
+    """Map every tensor of the safetensors checkpoint in `model_dir`, without copying.
+
+    Each shard is mapped copy-on-write (`mmap.ACCESS_COPY`): the tensors read the file's
+    pages as they are touched, and writing into one changes this process's copy only,
+    never the file.
+
+    Args:
+        model_dir: a directory with `model.safetensors` or a sharded index.
+
+    Returns:
+        A `Tensors` mapping (a dict) of name -> CPU tensor, in the file's dtype and shape.
+
+    Raises:
+        CheckpointError: the directory holds no safetensors, a header is bad (as
+            `shards.read_dir`), or a tensor's dtype has no torch equivalent here.
+    """
+    from hotweights.checkpoint.sync import DTYPES
+
+    disk = read_dir(model_dir)
+    if disk is None:
+        raise CheckpointError(f"{model_dir}: no safetensors checkpoint (neither "
+                              "model.safetensors nor model.safetensors.index.json)")
+    mmaps: dict[str, mmap.mmap] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    for name, (shard, info) in disk.items():
+        dtype = DTYPES.get(info.dtype)
+        if dtype is None:
+            raise CheckpointError(f"{Path(shard.path).name}: tensor {name} is {info.dtype}; "
+                                  f"supported: {', '.join(DTYPES)}")
+        count = math.prod(info.shape)
+        if count == 0:
+            tensors[name] = torch.empty(info.shape, dtype=dtype)
+            continue
+        if shard.path not in mmaps:
+            mmaps[shard.path] = _map(shard.path, shard.size)
+        flat = torch.frombuffer(mmaps[shard.path], dtype=dtype, count=count,
+                                offset=info.begin)
+        tensors[name] = flat.view(info.shape)
+    return Tensors(tensors, mmaps)
+
+
+def _map(path: str, size: int) -> mmap.mmap:
+    try:
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size != size:
+                raise CheckpointError(f"{path}: changed size since its header was read")
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot map: {e.strerror}") from e

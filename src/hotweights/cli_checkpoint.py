@@ -1,0 +1,203 @@
+"""`hotweights sync` and `hotweights diagnose`: a checkpoint directory, for humans."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from hotweights.errors import CheckpointError
+
+_PHASES = {"hash": "hashing", "write": "writing"}
+_SHOWN = 5  # names listed of each kind
+_LISTED = 10  # problems listed
+
+
+def run_sync(args: argparse.Namespace) -> int:
+    from hotweights.checkpoint.shards import read_dir
+
+    with _progress(sys.stderr.isatty() and not args.json) as progress:
+        if args.source is not None:
+            result = _sync_from(args, progress)
+        else:
+            from hotweights.bridge import Bridge
+
+            # The lease pauses the server only while the live bytes are read.
+            bridge = Bridge.connect(args.server, token=args.token)
+            result = bridge.checkpoint(args.model_dir, exclusive=True, mode=args.mode,
+                                       convert_dtype=args.convert_dtype, progress=progress)
+    if args.json:
+        print(result.to_json())
+        return 0
+    disk = read_dir(args.model_dir) or {}
+    for key, value in sync_rows(result, disk):
+        print(f"  {key:<16}{value}" if key else value)
+    return 0
+
+
+def _sync_from(args: argparse.Namespace, progress):
+    from hotweights.checkpoint.source import open_dir
+    from hotweights.checkpoint.sync import sync
+
+    src, dst = Path(args.source), Path(args.model_dir)
+    if dst.exists() and src.exists() and os.path.samefile(src, dst):
+        raise CheckpointError(f"{dst}: --from and --model-dir are the same directory")
+    tensors = open_dir(src)
+    config = None  # the names need none; a first save copies it
+    with contextlib.suppress(OSError, ValueError):
+        config = json.loads((src / "config.json").read_text())
+    try:
+        return sync(dst, tensors, mode=args.mode, convert_dtype=args.convert_dtype,
+                    config=config if isinstance(config, dict) else None, progress=progress)
+    finally:
+        tensors.close()
+
+
+def sync_rows(result, disk: dict) -> list[tuple[str, str]]:
+    """What `sync` prints, line by line; `disk` is `read_dir` of the synced directory."""
+    shards = {shard.path for shard, _ in disk.values()}
+    model_bytes = sum(info.nbytes for _, info in disk.values())
+    written = result.bytes_written
+    share = f" ({100 * written / model_bytes:.2f} %)" if model_bytes else ""
+    out = [("", f"synced {result.tensors_synced} tensors in {result.seconds:.2f} s"
+            + ("" if result.version is None else f", version {result.version}"))]
+    if result.first_save:
+        out.append(("mode", f"first full save ({result.reason})"))
+        out.append(("written", f"{_size(written)} in {len(shards)} shards"))
+    else:
+        out.append(("mode", f"{result.mode}: {result.reason}" if result.reason
+                    else result.mode))
+        out.append(("written", f"{_size(written)} of {_size(model_bytes)} of weights{share}"))
+        writes = [f"{name} ({how})" for name, how in sorted(result.writes.items())]
+        out.append(("shards changed", f"{len(result.shards_changed)} of {len(shards)}"
+                    + (f": {_sample(writes)}" if writes else "")))
+        out.append(("tensors changed", f"{result.tensors_changed} of {result.tensors_synced}"))
+    if result.missing_on_disk:
+        out.append(("not on disk", f"{len(result.missing_on_disk)} live tensors have no "
+                    f"place in the checkpoint: {_sample(result.missing_on_disk)}"))
+    if result.missing_live:
+        out.append(("no live source", f"{len(result.missing_live)} checkpoint tensors kept "
+                    f"as they were: {_sample(result.missing_live)}"))
+    if result.tied:
+        out.append(("tied", f"{len(result.tied)} live aliases stored once: "
+                    f"{_sample(result.tied)}"))
+    return out
+
+
+def run_diagnose(args: argparse.Namespace) -> int:
+    from hotweights.checkpoint.diagnose import diagnose
+
+    live, source = None, None
+    if args.source is not None:
+        from hotweights.checkpoint.source import open_dir
+
+        live = source = open_dir(args.source)
+    elif args.server is not None:
+        from hotweights.bridge import Bridge
+
+        # Only names, shapes and dtypes are read: no lease, the server keeps serving.
+        live = Bridge.connect(args.server, token=args.token).model()
+    try:
+        found = diagnose(args.model_dir, live, mode=args.mode)
+    finally:
+        if source is not None:
+            source.close()
+    if args.json:
+        print(found.to_json())
+    else:
+        for key, value in diagnose_rows(found):
+            print(f"  {key:<16}{value}" if key else value)
+    return 1 if found.problems else 0
+
+
+def diagnose_rows(d) -> list[tuple[str, str]]:
+    """What `diagnose` prints, line by line (key "" for a line of its own)."""
+    out = [("", d.model_dir),
+           ("filesystem", f"{d.fs_type} at {d.mount}" if d.mount else d.fs_type),
+           ("write mode", f"{d.write_mode} (asked {d.mode}: {d.write_reason})"
+            if d.write_mode else f"none: {d.write_reason}")]
+    if d.journal is not None:
+        out.append(("journal", f"committed, not applied (version {d.journal.get('version')})"))
+    else:
+        out.append(("journal", "none pending"))
+    for line in d.leftovers:
+        out.append(("leftover", f"{line}; the next sync removes it"))
+    if d.writer_active:
+        out.append(("writer", "a sync holds the directory now"))
+    if d.error:
+        out.append(("checkpoint", f"unreadable: {d.error}"))
+    elif d.first_save:
+        out.append(("checkpoint", "no safetensors yet: a sync makes a first full save"))
+    else:
+        out.append(("checkpoint", f"{len(d.shards)} shards, {d.tensors} tensors, "
+                    f"{_size(d.model_bytes)}"))
+        width = max(len(s.name) for s in d.shards) if d.shards else 0
+        for s in d.shards:
+            version = f" (version {s.version})" if s.version is not None else ""
+            out.append(("", f"    {s.name:<{width}}  {_size(s.size):>10}  "
+                        f"{s.tensors:>4} tensors  sidecar {s.sidecar}{version}"))
+    if d.live:
+        if d.names_error:
+            out.append(("live", f"names not placed: {d.names_error}"))
+        else:
+            out.append(("live", f"{d.matched} matched, {d.only_live} only live, "
+                        f"{d.only_disk} only on disk, {d.tied} tied"))
+        if d.only_live:
+            out.append(("", f"    only live: {_sample(d.only_live_samples, d.only_live)}"))
+        if d.only_disk:
+            out.append(("", f"    only on disk: {_sample(d.only_disk_samples, d.only_disk)}"))
+    problems = d.problems
+    out.append(("", "problems:" if problems else "no problems"))
+    out += [("", f"  - {p}") for p in problems[:_LISTED]]
+    if len(problems) > _LISTED:
+        out.append(("", f"  and {len(problems) - _LISTED} more (--json lists them all)"))
+    return out
+
+
+def _sample(names: Sequence[str], total: int | None = None) -> str:
+    total = len(names) if total is None else total
+    shown = ", ".join(names[:_SHOWN])
+    return shown + (f" and {total - _SHOWN} more" if total > _SHOWN else "")
+
+
+def _size(n: float) -> str:
+    if n < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        n /= 1024
+        if n < 1024 or unit == "TiB":
+            break
+    return f"{n:.1f} {unit}"
+
+
+@contextlib.contextmanager
+def _progress(enabled: bool) -> Iterator:
+    """A `sync` progress callback drawing one rich bar per phase on stderr, or None."""
+    if not enabled:
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    with Progress(TextColumn("{task.description:<8}"), BarColumn(),
+                  DownloadColumn(binary_units=True), TransferSpeedColumn(), TimeRemainingColumn(),
+                  console=Console(stderr=True), transient=True) as bar:
+        tasks: dict[str, int] = {}
+
+        def update(phase: str, done: int, total: int) -> None:
+            if phase not in tasks:
+                tasks[phase] = bar.add_task(_PHASES.get(phase, phase), total=total)
+            bar.update(tasks[phase], completed=done, total=total)
+
+        yield update

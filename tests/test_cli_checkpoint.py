@@ -1,0 +1,222 @@
+"""`hotweights sync --from` and `hotweights diagnose`, and checkpoint.source (no vLLM)."""
+
+import ctypes
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from hotweights.checkpoint import clone, journal
+from hotweights.checkpoint.shards import read_dir
+from hotweights.checkpoint.source import open_dir
+from hotweights.cli import main
+from hotweights.errors import CheckpointError
+from hotweights.tiny import make_config
+
+CHANGED = ("model.layers.1.mlp.down_proj.weight", "model.embed_tokens.weight")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> dict[str, Path]:
+    """A tiny sharded bf16 Llama (A), the same with two rows changed (B), B in float32 (F)."""
+    root = tmp_path_factory.mktemp("saved")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(make_config("llama", 300), dtype=torch.bfloat16)
+    model.save_pretrained(root / "A", max_shard_size="200KB")
+    with torch.no_grad():
+        for name in CHANGED:
+            model.get_parameter(name)[3] += 1.0
+    model.save_pretrained(root / "B", max_shard_size="200KB")
+    model.float().save_pretrained(root / "F", max_shard_size="200KB")
+    assert len(list((root / "A").glob("*.safetensors"))) > 2
+    return {k: root / k for k in "ABF"}
+
+
+@pytest.fixture
+def dirs(saved, tmp_path) -> dict[str, Path]:
+    """Fresh copies for one test: it may write them."""
+    return {k: Path(shutil.copytree(v, tmp_path / k)) for k, v in saved.items()}
+
+
+def _disk(d: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for shard in sorted(d.glob("*.safetensors")):
+        out.update(load_file(shard))
+    return out
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)) for n in a)
+
+
+def _run(capsys, *argv) -> tuple[int, str, str]:
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_sync_from_writes_only_the_changed_rows(dirs, capsys):
+    a, b = dirs["A"], dirs["B"]
+    assert not _equal(_disk(a), _disk(b))
+    rc, out, _ = _run(capsys, "sync", "--model-dir", a, "--from", b, "--json")
+    assert rc == 0
+    result = json.loads(out)
+    assert result["tensors_changed"] == 2 and len(result["shards_changed"]) == 2
+    assert 0 < result["bytes_written"] <= 64 << 10  # rows, not shards
+    assert _equal(_disk(a), _disk(b))
+    rc, out, _ = _run(capsys, "sync", "--model-dir", a, "--from", b, "--json")
+    again = json.loads(out)
+    assert rc == 0 and again["bytes_written"] == 0 and again["tensors_changed"] == 0
+    assert again["bytes_compared"] == 0  # the sidecars of the first run were trusted
+
+
+def test_sync_prints_a_summary(dirs, capsys):
+    rc, out, err = _run(capsys, "sync", "--model-dir", dirs["A"], "--from", dirs["B"])
+    assert rc == 0 and err == ""
+    lines = {line.split(maxsplit=1)[0]: line for line in out.splitlines()[1:]}
+    assert "2 of 21" in lines["tensors"]
+    assert lines["shards"].startswith("  shards changed  2 of ")
+    assert lines["written"].endswith(" %)") and " of 1015.2 KiB of weights " in lines["written"]
+    assert out.startswith("synced 21 tensors in ")
+
+
+def test_sync_into_an_empty_directory_is_a_first_save(dirs, tmp_path, capsys):
+    new = tmp_path / "new"
+    rc, out, _ = _run(capsys, "sync", "--model-dir", new, "--from", dirs["B"], "--json")
+    assert rc == 0 and json.loads(out)["first_save"]
+    assert _equal(_disk(new), _disk(dirs["B"]))
+    assert json.loads((new / "config.json").read_text())["model_type"] == "llama"
+
+
+def test_sync_refuses_reflink_where_there_are_none(dirs, capsys):
+    if clone.supports_reflink(dirs["A"])[0]:
+        pytest.skip("tmp_path supports reflinks here")
+    before = _disk(dirs["A"])
+    rc, out, err = _run(capsys, "sync", "--model-dir", dirs["A"], "--from", dirs["B"],
+                        "--mode", "reflink")
+    assert rc == 1 and out == ""
+    assert err.startswith("error: ") and "does not support reflinks" in err
+    assert _equal(_disk(dirs["A"]), before)
+
+
+def test_sync_refuses_a_dtype_mismatch_and_writes_nothing(dirs, capsys):
+    before = _disk(dirs["A"])
+    rc, _, err = _run(capsys, "sync", "--model-dir", dirs["A"], "--from", dirs["F"])
+    assert rc == 1 and "the file holds BF16, the live tensor is float32" in err
+    assert _equal(_disk(dirs["A"]), before)
+
+
+def test_sync_refuses_the_same_directory(dirs, capsys):
+    rc, _, err = _run(capsys, "sync", "--model-dir", dirs["A"], "--from", dirs["A"] / ".")
+    assert rc == 1 and "same directory" in err
+
+
+@pytest.mark.parametrize("argv", [
+    ["sync", "--model-dir", "x"],  # neither --server nor --from
+    ["sync", "--model-dir", "x", "--from", "y", "--server", "http://h:1"],
+    ["sync", "--from", "y"],
+    ["sync", "--model-dir", "x", "--from", "y", "--mode", "fast"],
+    ["diagnose", "--model-dir", "x", "--from", "y", "--server", "http://h:1"],
+])
+def test_usage_errors_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert "usage: hotweights" in capsys.readouterr().err
+
+
+def test_diagnose_a_clean_checkpoint(dirs, capsys):
+    a = dirs["A"]
+    assert _run(capsys, "sync", "--model-dir", a, "--from", dirs["B"])[0] == 0
+    rc, out, _ = _run(capsys, "diagnose", "--model-dir", a, "--from", dirs["B"], "--json")
+    d = json.loads(out)
+    assert rc == 0 and d["problems"] == [] and d["error"] is None
+    assert d["tensors"] == 21 and d["matched"] == 21 and d["mismatches"] == []
+    assert len(d["shards"]) == len(list(a.glob("*.safetensors")))
+    assert {s["sidecar"] for s in d["shards"]} == {"fresh"}
+    assert d["write_mode"] in ("journal", "reflink") and d["fs_type"] != "unknown"
+    assert d["journal"] is None and d["leftovers"] == [] and not d["writer_active"]
+    rc, out, _ = _run(capsys, "diagnose", "--model-dir", a)
+    assert rc == 0 and out.rstrip().endswith("no problems")
+    assert "sidecar fresh" in out and "live" not in out.split()
+
+
+def test_diagnose_names_a_dtype_mismatch(dirs, capsys):
+    rc, out, _ = _run(capsys, "diagnose", "--model-dir", dirs["A"], "--from", dirs["F"])
+    assert rc == 1
+    assert ("model.embed_tokens.weight in model-00001-of-00006.safetensors: the file holds "
+            "dtype BF16, the live tensor float32") in out
+    assert "and 11 more (--json lists them all)" in out  # 21 mismatches, 10 listed
+    rc, out, _ = _run(capsys, "diagnose", "--model-dir", dirs["A"], "--from", dirs["F"],
+                      "--json")
+    d = json.loads(out)
+    assert rc == 1 and len(d["mismatches"]) == 21 and len(d["problems"]) == 21
+    assert {m["field"] for m in d["mismatches"]} == {"dtype"}
+
+
+def test_diagnose_a_stale_sidecar_is_no_problem(dirs, capsys):
+    a = dirs["A"]
+    _run(capsys, "sync", "--model-dir", a, "--from", dirs["B"])
+    shard = a / "model-00002-of-00006.safetensors"
+    save_file(load_file(shard), shard, metadata={"format": "pt"})  # behind the sidecar's back
+    rc, out, _ = _run(capsys, "diagnose", "--model-dir", a, "--json")
+    states = {s["name"]: s["sidecar"] for s in json.loads(out)["shards"]}
+    assert rc == 0 and states.pop(shard.name) == "stale"
+    assert set(states.values()) == {"fresh"}
+
+
+def test_diagnose_a_pending_journal_then_sync_finishes_it(dirs, capsys):
+    a = dirs["A"]
+    shard, info = read_dir(a)["model.norm.weight"]
+    journal.write_journal(a, [(Path(shard.path).name, info.begin, b"x")], meta={"version": "7"})
+    rc, out, _ = _run(capsys, "diagnose", "--model-dir", a)
+    assert rc == 1
+    assert ("a committed journal (version 7) is not applied yet: run hotweights sync or "
+            "serve to finish it") in out
+    rc, _, _ = _run(capsys, "sync", "--model-dir", a, "--from", dirs["B"])
+    assert rc == 0 and not (a / journal.JOURNAL_NAME).exists()
+    assert _equal(_disk(a), _disk(dirs["B"]))  # the patched byte compared and put back
+
+
+def test_diagnose_leftovers_and_an_empty_directory(dirs, tmp_path, capsys):
+    a = dirs["A"]
+    (a / journal.STAGE_DIR).mkdir()
+    (a / (journal.JOURNAL_NAME + ".tmp")).write_bytes(b"torn")
+    rc, out, _ = _run(capsys, "diagnose", "--model-dir", a, "--json")
+    d = json.loads(out)
+    assert rc == 0 and len(d["leftovers"]) == 2 and d["journal"] is None
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    rc, out, _ = _run(capsys, "diagnose", "--model-dir", empty)
+    assert rc == 0 and "no safetensors yet: a sync makes a first full save" in out
+    rc, _, err = _run(capsys, "diagnose", "--model-dir", tmp_path / "absent")
+    assert rc == 1 and err == f"error: {tmp_path / 'absent'}: not a directory\n"
+
+
+def test_open_dir_maps_without_copying_and_never_writes_back(dirs):
+    b = dirs["B"]
+    files = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in b.glob("*.safetensors")}
+    tensors = open_dir(b)
+    assert _equal(dict(tensors), _disk(b))
+    disk = read_dir(b)
+    for name, t in tensors.items():  # each tensor lies in its shard's mapping
+        shard, info = disk[name]
+        base = ctypes.addressof(ctypes.c_char.from_buffer(tensors.mmaps[shard.path]))
+        assert t.data_ptr() == base + info.begin, name
+    for t in tensors.values():
+        t.fill_(1.0)
+    assert tensors["model.norm.weight"].eq(1.0).all()
+    del t
+    tensors.close()
+    assert {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in files} == files
+
+
+def test_open_dir_without_safetensors(tmp_path):
+    with pytest.raises(CheckpointError, match=r"no safetensors checkpoint \(neither"):
+        open_dir(tmp_path)
