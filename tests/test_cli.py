@@ -11,7 +11,7 @@ from hotweights.cli import main
 def test_help_explains_every_command():
     out = subprocess.run([sys.executable, "-m", "hotweights.cli", "--help"],
                          capture_output=True, text=True, check=True).stdout
-    assert "layout" in out and "demo" in out
+    assert all(c in out for c in ("serve", "status", "layout", "demo", "sync", "diagnose"))
 
 
 @pytest.mark.vllm
@@ -62,3 +62,8 @@ def test_demo_trains_the_served_weights_in_place(tmp_path, capsys):
     after = out.split("after   (version 30):")[1].splitlines()[0]
     assert before != after and "the trainer" in after
     assert " 0 errors" in out
+    line = out.split("checkpoint: ")[1].splitlines()[0]
+    assert "version 30@" in line and not line.startswith("0 of")
+    trained, served = tmp_path / "checkpoint", tmp_path / "llama"
+    assert (trained / "model.safetensors").read_bytes() != (served / "model.safetensors"
+                                                            ).read_bytes()

@@ -7,6 +7,7 @@ import contextlib
 import json
 import multiprocessing
 import secrets
+import shutil
 import tempfile
 import time
 import urllib.request
@@ -155,6 +156,16 @@ def run(args: argparse.Namespace) -> int:
         text, version = _complete(url, name)
         console.print(f"after   (version {version}): [bold]{PROMPT}[/bold]"
                       f"[green]{text!r}[/green]  (target {TARGET!r})")
+        ckpt = workdir / "checkpoint"  # a copy of the served files: the step-0 checkpoint
+        shutil.rmtree(ckpt, ignore_errors=True)
+        shutil.copytree(model_dir, ckpt)
+        with console.status(f"checkpointing version {bridge.version} into {ckpt}"):
+            result = bridge.checkpoint(ckpt)
+        size = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
+        console.print(f"checkpoint: {result.bytes_written:,} of {size:,} bytes written "
+                      f"({result.bytes_written / size:.0%}: only what changed; "
+                      f"{', '.join(sorted(set(result.writes.values()))) or 'nothing'}) "
+                      f"into {ckpt} in {result.seconds:.2f} s, version {result.version}")
     finally:
         with console.status("stopping the server"):
             launch.stop(proc)

@@ -26,8 +26,10 @@ import logging
 import mmap
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -185,7 +187,7 @@ def _check(name: str, t: torch.Tensor, shard: Shard, info: TensorInfo,
             return t.detach().to(want).contiguous()
         raise CheckpointError(f"{where}: the file holds {info.dtype}, the live tensor is "
                               f"{str(t.dtype).removeprefix('torch.')}; nothing was written "
-                              "(convert_dtype=True casts it)")
+                              "(convert_dtype=True, or --convert-dtype, casts it)")
     return t.detach().contiguous()
 
 
@@ -251,23 +253,25 @@ def _write(model_dir: Path, changed: list[_Plan], version: str | None, progress:
            after_read: Callable[[], None] | None) -> int:
     """Stage or journal every changed shard, then commit and apply them together."""
     total = sum(p.shard.size if p.how == "whole" else p.changed_bytes for p in changed)
-    done = 0
+    done, lock = 0, threading.Lock()
 
     def step(n: int) -> None:
         nonlocal done
-        done += n
-        progress("write", done, total)
+        with lock:
+            done += n
+            progress("write", done, total)
 
     staged = [p for p in changed if p.how != "journal"]
     area = model_dir / journal.STAGE_DIR
     try:
         if staged:
             area.mkdir()
-        written = 0
-        for p in staged:
-            write = stage.whole if p.how == "whole" else stage.patched
-            args = (p.tensors,) if p.how == "whole" else (p.tensors, p.ranges)
-            written += write(p.shard, *args, area / p.name, step)
+        with ThreadPoolExecutor(2) as pool:  # one shard's fsync overlaps the next's writes
+            written = sum(f.result() for f in [
+                pool.submit(stage.whole, p.shard, p.tensors, area / p.name, step)
+                if p.how == "whole" else
+                pool.submit(stage.patched, p.shard, p.tensors, p.ranges, area / p.name, step)
+                for p in staged])
         if changed:
             journal.write_journal(model_dir, _patches(changed, step),
                                   moves=[p.name for p in staged], meta={"version": version})
