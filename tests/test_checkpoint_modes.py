@@ -1,6 +1,5 @@
 """checkpoint.sync write modes (reflink, journal, copy, auto), first saves and bad places."""
 
-import json
 import os
 import shutil
 import subprocess
@@ -16,6 +15,7 @@ from hotweights.checkpoint import journal
 from hotweights.checkpoint.sync import sync, write_mode
 from hotweights.errors import CheckpointError
 from hotweights.tiny import make_config
+from test_checkpoint_sync import _disk, _shard_of, _stats
 
 
 def _model(tie: bool = False):
@@ -45,21 +45,6 @@ def _saved(d: Path):
     model = _model()
     model.save_pretrained(d, max_shard_size="200KB")
     return _live(model)
-
-
-def _disk(d: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for shard in sorted(d.glob("*.safetensors")):
-        out.update(load_file(shard))
-    return out
-
-
-def _stats(d: Path) -> dict[str, tuple[int, int]]:
-    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in d.glob("*.safetensors")}
-
-
-def _shard_of(d: Path, name: str) -> str:
-    return json.loads((d / "model.safetensors.index.json").read_text())["weight_map"][name]
 
 
 def _equal(d: Path, live) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -21,7 +20,7 @@ from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 
 from hotweights import blocks
-from hotweights.checkpoint import journal, sidecar
+from hotweights.checkpoint import journal, sidecar, stage
 from hotweights.checkpoint.names import storage_key
 from hotweights.checkpoint.shards import read_shard
 from hotweights.errors import CheckpointError
@@ -50,9 +49,8 @@ def save(model_dir: Path, live: Mapping[str, torch.Tensor], *, mode: str,
         raise CheckpointError(f"{model_dir}: no safetensors there and no live tensors to "
                               "save")
     split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size)
-    area = model_dir / journal.STAGE_DIR
     total, done = sum(t.numel() * t.element_size() for t in tensors.values()), 0
-    try:
+    with stage.staging(model_dir, "write the first save") as area:
         area.mkdir()
         for filename, names in split.filename_to_tensors.items():
             _save(area / filename, {n: tensors[n] for n in names})
@@ -71,16 +69,7 @@ def save(model_dir: Path, live: Mapping[str, torch.Tensor], *, mode: str,
             extra.append(INDEX_NAME)
         journal.write_journal(model_dir, [], moves=[*split.filename_to_tensors, *extra],
                               meta={"version": version})
-    except BaseException as e:
-        shutil.rmtree(area, ignore_errors=True)
-        if isinstance(e, OSError):
-            raise CheckpointError(f"{model_dir}: cannot write the first save: "
-                                  f"{e.strerror or e}; nothing was written") from e
-        raise
-    if after_read:
-        after_read()
-    journal.apply(model_dir)
-    area.rmdir()
+    stage.commit(model_dir, after_read)
     for filename, names in split.filename_to_tensors.items():
         fp = blocks.fingerprint({n: tensors[n] for n in names}, block_size=block_size)
         sidecar.write(read_shard(model_dir / filename), fp, version)

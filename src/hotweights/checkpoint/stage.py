@@ -11,13 +11,16 @@ stays untouched (a reader sees it whole) until the journal's move record replace
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from hotweights.checkpoint import clone
+from hotweights.checkpoint import clone, journal
 from hotweights.checkpoint.shards import Shard
+from hotweights.errors import CheckpointError
 
 _CHUNK = 64 << 20  # bytes per write, and per device-to-host copy
 
@@ -56,6 +59,30 @@ def _create(dst: Path, like: str) -> int:
     fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     os.fchmod(fd, os.stat(like).st_mode & 0o7777)
     return fd
+
+
+@contextmanager
+def staging(model_dir: Path, what: str) -> Iterator[Path]:
+    """The stage area of `model_dir` for the body to fill and journal; if the body fails
+    (before the commit), what it staged is removed and an OSError becomes a
+    CheckpointError saying it could not `what`."""
+    area = model_dir / journal.STAGE_DIR
+    try:
+        yield area
+    except BaseException as e:
+        shutil.rmtree(area, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise CheckpointError(f"{model_dir}: cannot {what}: {e.strerror or e}; nothing "
+                                  "was written") from e
+        raise
+
+
+def commit(model_dir: Path, after_read: Callable[[], None] | None) -> None:
+    """Tell the caller every live byte is read, then apply the committed journal."""
+    if after_read:
+        after_read()
+    journal.apply(model_dir)
+    shutil.rmtree(model_dir / journal.STAGE_DIR, ignore_errors=True)  # empty by now
 
 
 def whole(shard: Shard, tensors: Mapping[str, torch.Tensor], dst: Path,

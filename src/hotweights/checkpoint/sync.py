@@ -262,8 +262,7 @@ def _write(model_dir: Path, changed: list[_Plan], version: str | None, progress:
             progress("write", done, total)
 
     staged = [p for p in changed if p.how != "journal"]
-    area = model_dir / journal.STAGE_DIR
-    try:
+    with stage.staging(model_dir, "stage the changed shards") as area:
         if staged:
             area.mkdir()
         with ThreadPoolExecutor(2) as pool:  # one shard's fsync overlaps the next's writes
@@ -275,17 +274,10 @@ def _write(model_dir: Path, changed: list[_Plan], version: str | None, progress:
         if changed:
             journal.write_journal(model_dir, _patches(changed, step),
                                   moves=[p.name for p in staged], meta={"version": version})
-    except BaseException as e:  # nothing committed: drop what was staged
-        shutil.rmtree(area, ignore_errors=True)
-        if isinstance(e, OSError):
-            raise CheckpointError(f"{model_dir}: cannot stage the changed shards: "
-                                  f"{e.strerror or e}; nothing was written") from e
-        raise
-    if after_read:
-        after_read()
     if changed:
-        journal.apply(model_dir)
-        area.rmdir() if area.exists() else None
+        stage.commit(model_dir, after_read)
+    elif after_read:
+        after_read()
     return written + sum(p.changed_bytes for p in changed if p.how == "journal")
 
 
