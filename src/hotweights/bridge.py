@@ -110,10 +110,12 @@ class Bridge:
         if not exclusive:
             return sync(model_dir, model, version=self.version, config=model.config, **kwargs)
         self._post("/hotweights/begin", mode="keep", lease_s=60.0)
-        renewer, held = _Renewer(self, 60.0), [True]
+        renewer, released = _Renewer(self, 60.0), False
 
         def release() -> None:
-            if held and held.pop():
+            nonlocal released
+            if not released:
+                released = True
                 renewer.__exit__()
                 self._abort(dirty=False)  # nothing written: resumed at the same version
 

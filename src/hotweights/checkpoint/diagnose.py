@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from hotweights.checkpoint import clone, journal, sidecar
-from hotweights.checkpoint.names import to_disk
+from hotweights.checkpoint.names import to_disk, unpack
 from hotweights.checkpoint.shards import read_dir
 from hotweights.checkpoint.sync import DTYPES, MODES, write_mode
 from hotweights.errors import CheckpointError
@@ -184,12 +184,9 @@ def _writer_active(d: Path) -> bool:
 
 
 def _compare(live, disk) -> dict:
-    model = live if isinstance(live, torch.nn.Module) else None
-    tensors = live.state_dict() if model is not None else live
-    config = getattr(model, "config", None)
+    tensors, model, model_type = unpack(live)
     try:
-        names = to_disk(tensors, disk.keys(), model=model,
-                        model_type=getattr(config, "model_type", None))
+        names = to_disk(tensors, disk.keys(), model=model, model_type=model_type)
     except CheckpointError as e:
         return dict(names_error=str(e))
     mismatches = []

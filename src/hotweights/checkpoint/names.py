@@ -94,6 +94,18 @@ def to_disk(
                    tuple(sorted(n for n in disk if n not in tensors)))
 
 
+def unpack(live: Mapping[str, torch.Tensor] | torch.nn.Module, config: object = None
+           ) -> tuple[Mapping[str, torch.Tensor], torch.nn.Module | None, str | None]:
+    """(tensors, model, model_type) of a state dict or a transformers model; the model
+    type from `config` (a config or a dict), else the model's config."""
+    model = live if isinstance(live, torch.nn.Module) else None
+    tensors = live.state_dict() if model is not None else live
+    config = config if config is not None else getattr(model, "config", None)
+    model_type = config.get("model_type") if isinstance(config, dict) else getattr(
+        config, "model_type", None)
+    return tensors, model, model_type
+
+
 def storage_key(t: torch.Tensor) -> tuple | None:
     """What two names of one tied tensor share; None for a tensor with no storage."""
     ptr = t.untyped_storage().data_ptr()

@@ -37,7 +37,7 @@ import torch
 
 from hotweights import blocks
 from hotweights.checkpoint import clone, journal, sidecar, stage
-from hotweights.checkpoint.names import to_disk
+from hotweights.checkpoint.names import to_disk, unpack
 from hotweights.checkpoint.shards import Shard, TensorInfo, read_dir, read_shard
 from hotweights.errors import CheckpointError
 
@@ -122,8 +122,7 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
     """
     started = time.perf_counter()
     model_dir = Path(model_dir)
-    model = live if isinstance(live, torch.nn.Module) else None
-    live = live.state_dict() if model is not None else live
+    live, model, model_type = unpack(live, config)
     patch_mode, reason = write_mode(model_dir, mode) if model_dir.is_dir() else (mode, "")
     progress = progress or (lambda phase, done, total: None)
     with journal.locked(_existing(model_dir)):
@@ -134,7 +133,7 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
             return first_save.save(model_dir, live, mode=mode, version=version, config=config,
                                    block_size=block_size, max_shard_size=max_shard_size,
                                    progress=progress, after_read=after_read, started=started)
-        names = to_disk(live, disk.keys(), model=model, model_type=_model_type(config, model))
+        names = to_disk(live, disk.keys(), model=model, model_type=model_type)
         matched, tied = dict(names.tensors), names.tied
         for name in list(matched):
             matched[name] = _check(name, matched[name], *disk[name], convert_dtype)
@@ -148,7 +147,7 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
         _check_space(model_dir, changed)
         written = _write(model_dir, changed, version, progress, after_read)
         for p in plans:  # after the data: a stale sidecar is only ever distrusted
-            sidecar.write(read_shard(p.shard.path), p.fresh, version)
+            sidecar.write(read_shard(p.shard.path) if p.ranges else p.shard, p.fresh, version)
     return SyncResult(
         mode=mode, version=version, tensors_synced=len(matched),
         tensors_changed=len({n for p in changed for n, _, _ in p.ranges}),
@@ -157,12 +156,6 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
         missing_on_disk=names.only_live, missing_live=names.only_disk,
         seconds=time.perf_counter() - started, writes={p.name: p.how for p in changed},
         tied=tuple(sorted(tied)), reason=reason)
-
-
-def _model_type(config: object, model: torch.nn.Module | None) -> str | None:
-    config = config if config is not None else getattr(model, "config", None)
-    return config.get("model_type") if isinstance(config, dict) else getattr(
-        config, "model_type", None)
 
 
 def _existing(model_dir: Path) -> Path:
