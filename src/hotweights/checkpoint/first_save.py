@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from hotweights import blocks
 from hotweights.checkpoint import journal, sidecar, stage
 from hotweights.checkpoint.names import storage_key
+from hotweights.checkpoint.result import SyncResult
 from hotweights.checkpoint.shards import read_shard
 from hotweights.errors import CheckpointError
 
@@ -31,10 +32,9 @@ INDEX_NAME = "model.safetensors.index.json"
 def save(model_dir: Path, live: Mapping[str, torch.Tensor], *, mode: str,
          version: str | None, config: object, block_size: int, max_shard_size: int | str,
          progress: Callable[[str, int, int], None],
-         after_read: Callable[[], None] | None, started: float):
+         after_read: Callable[[], None] | None, started: float,
+         model: torch.nn.Module | None = None, model_type: str | None = None) -> SyncResult:
     """Write `live` as a new checkpoint in `model_dir` (see `checkpoint.sync.sync`)."""
-    from hotweights.checkpoint.sync import SyncResult
-
     tensors: dict[str, torch.Tensor] = {}
     tied: dict[str, str] = {}
     seen: dict[object, str] = {}

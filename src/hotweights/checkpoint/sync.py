@@ -21,7 +21,6 @@ full save (`checkpoint.first_save`).
 
 from __future__ import annotations
 
-import json
 import logging
 import mmap
 import os
@@ -30,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -38,6 +37,7 @@ import torch
 from hotweights import blocks
 from hotweights.checkpoint import clone, journal, sidecar, stage
 from hotweights.checkpoint.names import to_disk, unpack
+from hotweights.checkpoint.result import SyncResult
 from hotweights.checkpoint.shards import Shard, TensorInfo, read_dir, read_shard
 from hotweights.errors import CheckpointError
 
@@ -50,30 +50,6 @@ DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
           "F64": torch.float64, "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16,
           "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool}
 Progress = Callable[[str, int, int], None]  # (phase "hash" | "write", bytes done, total)
-
-
-@dataclass(frozen=True)
-class SyncResult:
-    """What a sync did. `to_json()` for the CLI."""
-
-    mode: str  # the mode asked for
-    version: str | None
-    tensors_synced: int
-    tensors_changed: int
-    shards_changed: tuple[str, ...]
-    bytes_hashed: int  # live bytes fingerprinted
-    bytes_compared: int  # live bytes compared with the file (no usable sidecar)
-    bytes_written: int  # into the shards (a journal holds its patches once more)
-    missing_on_disk: tuple[str, ...]  # live tensors the checkpoint does not hold
-    missing_live: tuple[str, ...]  # checkpoint tensors with no live source
-    seconds: float
-    writes: dict[str, str] = field(default_factory=dict)  # changed shard -> how written
-    tied: tuple[str, ...] = ()  # live aliases of a tensor stored once, under another name
-    first_save: bool = False
-    reason: str = ""  # why this write mode
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
 
 
 def write_mode(model_dir: str | os.PathLike, mode: str = "auto") -> tuple[str, str]:
@@ -131,6 +107,7 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
         if disk is None:
             from hotweights.checkpoint import first_save
             return first_save.save(model_dir, live, mode=mode, version=version, config=config,
+                                   model=model, model_type=model_type,
                                    block_size=block_size, max_shard_size=max_shard_size,
                                    progress=progress, after_read=after_read, started=started)
         names = to_disk(live, disk.keys(), model=model, model_type=model_type)

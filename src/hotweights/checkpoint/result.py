@@ -1,0 +1,30 @@
+"""`SyncResult`: what a sync or a first save did."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    """What a sync did. `to_json()` for the CLI."""
+
+    mode: str  # the mode asked for
+    version: str | None
+    tensors_synced: int
+    tensors_changed: int
+    shards_changed: tuple[str, ...]
+    bytes_hashed: int  # live bytes fingerprinted
+    bytes_compared: int  # live bytes compared with the file (no usable sidecar)
+    bytes_written: int  # into the shards (a journal holds its patches once more)
+    missing_on_disk: tuple[str, ...]  # live tensors the checkpoint does not hold
+    missing_live: tuple[str, ...]  # checkpoint tensors with no live source
+    seconds: float
+    writes: dict[str, str] = field(default_factory=dict)  # changed shard -> how written
+    tied: tuple[str, ...] = ()  # live aliases of a tensor stored once, under another name
+    first_save: bool = False
+    reason: str = ""  # why this write mode
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
