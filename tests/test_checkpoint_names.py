@@ -1,5 +1,6 @@
 """checkpoint.names on checkpoints written by transformers' save_pretrained."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from transformers import (
 )
 
 from hotweights.checkpoint.names import to_disk
+from hotweights.checkpoint.sync import sync
 from hotweights.errors import CheckpointError
 
 _TINY = dict(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -107,3 +109,27 @@ def test_expert_missing_on_disk_is_an_error(tmp_path: Path) -> None:
     names = set(disk) - {"model.layers.0.mlp.experts.3.gate_proj.weight"}
     with pytest.raises(CheckpointError, match=r"experts.3.gate_proj.weight: converted from live"):
         to_disk(model.state_dict(), names, model=model)
+
+
+@pytest.mark.parametrize("given", ["model", "state_dict_and_config"])
+def test_moe_first_save_writes_the_names_and_bytes_save_pretrained_does(
+        tmp_path: Path, given: str) -> None:
+    config = Qwen3MoeConfig(**_TINY, num_experts=4, num_experts_per_tok=2,
+                            moe_intermediate_size=32)
+    model, disk = _save(config, tmp_path / "hf")
+    live = ({"live": model} if given == "model" else
+            {"live": model.state_dict(), "config": config})
+    result = sync(tmp_path / "ours", **live, max_shard_size="60KB")
+    assert result.first_save and result.tied == ()
+    ours = {}
+    for shard in sorted((tmp_path / "ours").glob("*.safetensors")):
+        ours.update(load_file(shard))
+    assert not any(".experts.gate_up_proj" in n for n in ours)  # one tensor per expert
+    _assert_bit_equal(ours, disk)
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    our_index = json.loads((tmp_path / "ours" / "model.safetensors.index.json").read_text())
+    assert our_index["weight_map"] == index["weight_map"]  # the same shards, too
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.bfloat16)
+    want = model.state_dict()
+    for name, t in loaded.state_dict().items():
+        assert torch.equal(t.view(torch.uint8), want[name].view(torch.uint8)), name

@@ -4,11 +4,13 @@ The shards (`model.safetensors`, or `model-0000i-of-0000n.safetensors` and the i
 config and the sidecars are staged in `DIR/.hotweights-stage/` and moved into place by one
 journal, the index last: a crash leaves no partial checkpoint behind. A tensor tied to
 another (the same storage: `lm_head.weight` and the embedding) is written once, under the
-first of its names.
+first of its names. Names are those `save_pretrained` writes: transformers' conversions
+(fused MoE experts split one tensor per expert) are reverted by `checkpoint.names.reverted`.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import time
@@ -21,7 +23,7 @@ from safetensors.torch import save_file
 
 from hotweights import blocks
 from hotweights.checkpoint import journal, sidecar, stage
-from hotweights.checkpoint.names import storage_key
+from hotweights.checkpoint.names import reverted, storage_key
 from hotweights.checkpoint.result import SyncResult
 from hotweights.checkpoint.shards import read_shard
 from hotweights.errors import CheckpointError
@@ -35,7 +37,7 @@ def save(model_dir: Path, live: Mapping[str, torch.Tensor], *, mode: str,
          after_read: Callable[[], None] | None, started: float,
          model: torch.nn.Module | None = None, model_type: str | None = None) -> SyncResult:
     """Write `live` as a new checkpoint in `model_dir` (see `checkpoint.sync.sync`)."""
-    tensors: dict[str, torch.Tensor] = {}
+    untied: dict[str, torch.Tensor] = {}
     tied: dict[str, str] = {}
     seen: dict[object, str] = {}
     for name, t in live.items():
@@ -44,7 +46,10 @@ def save(model_dir: Path, live: Mapping[str, torch.Tensor], *, mode: str,
             tied[name] = seen[key]
         else:
             seen[key] = name
-            tensors[name] = t.detach().contiguous()
+            untied[name] = t.detach()
+    # ties dropped first, then transformers' conversions reverted, as save_pretrained does
+    tensors = {n: t.contiguous() for n, t in
+               reverted(untied, model_type=model_type, model=model).items()}
     if not tensors:
         raise CheckpointError(f"{model_dir}: no safetensors there and no live tensors to "
                               "save")
@@ -57,6 +62,10 @@ def save(model_dir: Path, live: Mapping[str, torch.Tensor], *, mode: str,
             done += sum(tensors[n].numel() * tensors[n].element_size() for n in names)
             progress("write", done, total)
         extra = []
+        if config is None and getattr(model, "config", None) is not None:
+            # the model's own, naming its class as save_pretrained does (on a copy)
+            config = copy.deepcopy(model.config)
+            config.architectures = [type(model).__name__]
         if config is not None:
             text = (json.dumps(config, indent=2) if isinstance(config, dict)
                     else config.to_json_string())

@@ -94,6 +94,35 @@ def to_disk(
                    tuple(sorted(n for n in disk if n not in tensors)))
 
 
+def reverted(
+    live: Mapping[str, torch.Tensor],
+    *,
+    model_type: str | None = None,
+    model: torch.nn.Module | None = None,
+) -> dict[str, torch.Tensor]:
+    """Live tensors under the names `save_pretrained` writes, converted as it converts them.
+
+    For a checkpoint that does not exist yet (a first save): every tensor goes through the
+    conversions `to_disk` would pick, with no disk names to match. Tied aliases should be
+    dropped first, as `save_pretrained` drops them before it converts.
+
+    Args:
+        live: live name -> tensor.
+        model_type: picks transformers' conversions when given (as in `to_disk`).
+        model: the live model; without `model_type` its conversions are used.
+
+    Returns:
+        Checkpoint name -> tensor, in the order `save_pretrained` shards them; with no
+        conversion registered, `live` unchanged. Some tensors are copies or views.
+
+    Raises:
+        CheckpointError: transformers' conversion fails.
+    """
+    if model_type is None and model is None:
+        return dict(live)  # nothing to pick conversions by (and no transformers import)
+    return _revert(_Saved(model_type, model), dict(live))
+
+
 def unpack(live: Mapping[str, torch.Tensor] | torch.nn.Module, config: object = None
            ) -> tuple[Mapping[str, torch.Tensor], torch.nn.Module | None, str | None]:
     """(tensors, model, model_type) of a state dict or a transformers model; the model
