@@ -76,6 +76,18 @@ def test_sync_from_writes_only_the_changed_rows(dirs, capsys):
     assert again["bytes_compared"] == 0  # the sidecars of the first run were trusted
 
 
+def test_sync_from_records_the_version_in_the_sidecars(dirs, capsys):
+    a, b = dirs["A"], dirs["B"]
+    rc, out, _ = _run(capsys, "sync", "--model-dir", a, "--from", b, "--version", "7@run")
+    assert rc == 0 and ", version 7@run" in out.splitlines()[0]
+    sidecars = sorted((a / ".hotweights").glob("*.blocks.json"))
+    assert len(sidecars) == len(list(a.glob("*.safetensors")))
+    assert {json.loads(p.read_text())["version"] for p in sidecars} == {"7@run"}
+    rc, out, _ = _run(capsys, "sync", "--model-dir", a, "--from", b, "--json")  # none given
+    assert rc == 0 and json.loads(out)["version"] is None
+    assert {json.loads(p.read_text())["version"] for p in sidecars} == {None}
+
+
 def test_sync_prints_a_summary(dirs, capsys):
     rc, out, err = _run(capsys, "sync", "--model-dir", dirs["A"], "--from", dirs["B"])
     assert rc == 0 and err == ""
@@ -122,6 +134,8 @@ def test_sync_refuses_the_same_directory(dirs, capsys):
     ["sync", "--model-dir", "x", "--from", "y", "--server", "http://h:1"],
     ["sync", "--from", "y"],
     ["sync", "--model-dir", "x", "--from", "y", "--mode", "fast"],
+    ["sync", "--model-dir", "x", "--server", "http://h:1", "--version", "3"],
+    ["sync", "--model-dir", "x", "--from", "y", "--version"],
     ["diagnose", "--model-dir", "x", "--from", "y", "--server", "http://h:1"],
 ])
 def test_usage_errors_exit_2(argv, capsys):

@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from hotweights.checkpoint.sync import MODES
 from hotweights.errors import HotweightsError
 
 
@@ -103,14 +104,16 @@ def _parser() -> argparse.ArgumentParser:
                      "http://127.0.0.1:8000 (same machine)")
     src.add_argument("--from", dest="source", metavar="DIR",
                      help="another safetensors checkpoint directory of the same model")
-    p.add_argument("--mode", default="auto", choices=["auto", "reflink", "journal", "copy"],
+    p.add_argument("--mode", default="auto", choices=MODES,
                    help="how changed shards are written (default: auto; see below)")
+    p.add_argument("--version", metavar="TEXT", help="with --from: the weight version "
+                   "recorded in the sidecars (default: none; with --server, the server's)")
     p.add_argument("--token", help="the server's access token (default: $HOTWEIGHTS_TOKEN, "
                    "else the token file the server wrote for its port)")
     p.add_argument("--convert-dtype", action="store_true",
                    help="cast tensors to the file's dtype instead of refusing them")
     p.add_argument("--json", action="store_true", help="print the result as JSON only")
-    p.set_defaults(run=_run_sync)
+    p.set_defaults(run=_run_sync, usage_error=p.error)
 
     p = sub.add_parser(
         "diagnose",
@@ -132,7 +135,7 @@ def _parser() -> argparse.ArgumentParser:
                      "weights against it (same machine)")
     src.add_argument("--from", dest="source", metavar="DIR",
                      help="check another checkpoint directory's tensors against it")
-    p.add_argument("--mode", default="auto", choices=["auto", "reflink", "journal", "copy"],
+    p.add_argument("--mode", default="auto", choices=MODES,
                    help="the write mode to check (default: auto)")
     p.add_argument("--token", help="the server's access token (default: as for sync)")
     p.add_argument("--json", action="store_true", help="print the diagnosis as JSON only")

@@ -20,6 +20,9 @@ _LISTED = 10  # problems listed
 def run_sync(args: argparse.Namespace) -> int:
     from hotweights.checkpoint.shards import read_dir
 
+    if args.version is not None and args.source is None:
+        args.usage_error("--version goes with --from: with --server, the server's version "
+                         "is recorded")
     with _progress(sys.stderr.isatty() and not args.json) as progress:
         if args.source is not None:
             result = _sync_from(args, progress)
@@ -51,7 +54,8 @@ def _sync_from(args: argparse.Namespace, progress):
     with contextlib.suppress(OSError, ValueError):
         config = json.loads((src / "config.json").read_text())
     try:
-        return sync(dst, tensors, mode=args.mode, convert_dtype=args.convert_dtype,
+        return sync(dst, tensors, mode=args.mode, version=args.version,
+                    convert_dtype=args.convert_dtype,
                     config=config if isinstance(config, dict) else None, progress=progress)
     finally:
         tensors.close()
