@@ -112,10 +112,12 @@ def test_expert_missing_on_disk_is_an_error(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("given", ["model", "state_dict_and_config"])
+@pytest.mark.parametrize("config", [
+    Qwen3MoeConfig(**_TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    MixtralConfig(**_TINY, num_local_experts=4, num_experts_per_tok=2),  # + block_sparse_moe
+], ids=["qwen3_moe", "mixtral"])
 def test_moe_first_save_writes_the_names_and_bytes_save_pretrained_does(
-        tmp_path: Path, given: str) -> None:
-    config = Qwen3MoeConfig(**_TINY, num_experts=4, num_experts_per_tok=2,
-                            moe_intermediate_size=32)
+        tmp_path: Path, config: PretrainedConfig, given: str) -> None:
     model, disk = _save(config, tmp_path / "hf")
     live = ({"live": model} if given == "model" else
             {"live": model.state_dict(), "config": config})
