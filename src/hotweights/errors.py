@@ -31,3 +31,7 @@ class UnsupportedModelError(HotweightsError):
 
 class FingerprintError(HotweightsError):
     """Block fingerprints are malformed or cannot be compared (names the field or tensor)."""
+
+
+class DeltaError(HotweightsError):
+    """A weight delta or round is malformed or does not fit its target (names tensor, field)."""

@@ -1,0 +1,134 @@
+"""Benchmark: `delta` encode, pack and apply on a Llama-like bf16 state dict (~200 MB), CPU.
+
+Three updates of the same weights, each encoded against the old weights, packed into rounds
+through one reused staging buffer and applied to a receiver's copy (checked bit-exact):
+
+- rows: 1 % of each matrix's rows (at least one), scattered, every element of them changed;
+- scattered: 1 % of each tensor's elements at random (RL-like);
+- full: every element changed (dense).
+
+Each phase's time is the best of --repeat runs (the CI machine is shared and noisy). Bytes
+are on the wire (headers + buffers) against the weights' bytes. The last line is one JSON
+object: {"model_bytes", "max_bytes", then per update U in rows, scattered, full:
+"U_bytes", "U_ratio", "U_rounds", "U_encode_s", "U_pack_s", "U_apply_s", "U_gbps" (weight
+bytes / (encode + pack + apply))}.
+
+Run:  .venv/bin/python benchmarks/delta_encode.py [--layers 3] [--max-mb 64] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from hotweights import delta
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def llama_like(hidden: int, inter: int, kv: int, vocab: int, layers: int) -> dict:
+    """Random bf16 tensors with a Llama model's names and shapes."""
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
+              "lm_head.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "self_attn.q_proj.weight": (hidden, hidden),
+                       p + "self_attn.k_proj.weight": (kv, hidden),
+                       p + "self_attn.v_proj.weight": (kv, hidden),
+                       p + "self_attn.o_proj.weight": (hidden, hidden),
+                       p + "mlp.gate_proj.weight": (inter, hidden),
+                       p + "mlp.up_proj.weight": (inter, hidden),
+                       p + "mlp.down_proj.weight": (hidden, inter),
+                       p + "input_layernorm.weight": (hidden,),
+                       p + "post_attention_layernorm.weight": (hidden,)})
+    g = torch.Generator().manual_seed(0)
+    return {n: torch.randn(s, generator=g).bfloat16() for n, s in shapes.items()}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(_BITS[t.dtype.itemsize])
+
+
+def changed(old: dict, how: str, g: torch.Generator) -> dict:
+    """A copy of `old` with the lowest bit of the chosen elements flipped."""
+    new = {}
+    for n, t in old.items():
+        u = t.clone()
+        if how == "full":
+            bits(u).bitwise_xor_(1)
+        elif how == "scattered":
+            idx = torch.randint(0, t.numel(), (t.numel() // 100,), generator=g)
+            bits(u)[idx] ^= 1
+        elif t.dim() >= 2:
+            pick = torch.randint(0, t.shape[0], (max(1, t.shape[0] // 100),), generator=g)
+            bits(u).view(t.shape[0], -1)[pick] ^= 1
+        new[n] = u
+    return new
+
+
+def run(old: dict, new: dict, receiver: dict, max_bytes: int) -> dict:
+    """Encode, pack and apply one update; returns its figures."""
+    t0 = time.perf_counter()
+    deltas = delta.encode_all(old, new)
+    t1 = time.perf_counter()
+    staging = torch.empty(max_bytes, dtype=torch.uint8)
+    pack_s = apply_s = 0.0
+    nbytes = rounds = 0
+    it = delta.pack(deltas, max_bytes=max_bytes, staging=staging)
+    while True:
+        t = time.perf_counter()
+        r = next(it, None)
+        pack_s += time.perf_counter() - t
+        if r is None:
+            break
+        t = time.perf_counter()
+        delta.apply(r, receiver)
+        apply_s += time.perf_counter() - t
+        nbytes, rounds = nbytes + r.wire_bytes, rounds + 1
+    if not all(torch.equal(bits(receiver[n]), bits(new[n])) for n in new):
+        raise SystemExit("error: the receiver does not hold the new weights")
+    kinds = {k: sum(d.kind == k for d in deltas) for k in delta.KINDS}
+    return {"bytes": nbytes, "rounds": rounds, "encode_s": t1 - t0, "pack_s": pack_s,
+            "apply_s": apply_s, "kinds": kinds}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--inter", type=int, default=2816)
+    ap.add_argument("--kv", type=int, default=256, help="rows of k_proj and v_proj")
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--max-mb", type=int, default=64, help="staging budget per round, MiB")
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    old = llama_like(args.hidden, args.inter, args.kv, args.vocab, args.layers)
+    model_bytes, max_bytes = sum(t.nbytes for t in old.values()), args.max_mb << 20
+    receiver = {n: t.clone() for n, t in old.items()}
+    out, g = {"model_bytes": model_bytes, "max_bytes": max_bytes}, torch.Generator()
+    g.manual_seed(1)
+    for how in ("rows", "scattered", "full"):
+        new = changed(old, how, g)
+        runs = []
+        for _ in range(args.repeat):
+            for n, t in receiver.items():
+                t.copy_(old[n])
+            runs.append(run(old, new, receiver, max_bytes))
+        f = {**runs[0], **{k: min(r[k] for r in runs) for k in ("encode_s", "pack_s", "apply_s")}}
+        total = f["encode_s"] + f["pack_s"] + f["apply_s"]
+        print(f"{how:9s} {f['bytes'] / model_bytes:7.2%} of {model_bytes / 1e6:.0f} MB in "
+              f"{f['rounds']} rounds; encode {f['encode_s']:.3f} s, pack {f['pack_s']:.3f} s, "
+              f"apply {f['apply_s']:.3f} s; kinds {f['kinds']}", flush=True)
+        out.update({f"{how}_bytes": f["bytes"], f"{how}_ratio": round(f["bytes"] / model_bytes, 5),
+                    f"{how}_rounds": f["rounds"], f"{how}_encode_s": round(f["encode_s"], 4),
+                    f"{how}_pack_s": round(f["pack_s"], 4), f"{how}_apply_s": round(
+                        f["apply_s"], 4), f"{how}_gbps": round(model_bytes / total / 1e9, 3)})
+        del new
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,585 @@
+"""Exact weight deltas: what changed per tensor, packed into bounded rounds, applied in place.
+
+`encode` compares bit patterns (an integer view of the same width: -0.0 vs 0.0 and a NaN's
+payload are changes, two equal NaNs are not), a bounded chunk at a time, and keeps the
+encoding of the new tensor that is cheapest on the wire:
+
+- ``same``: bit-identical, nothing sent;
+- ``patch``: sorted flat element indices (int32; int64 from `INT64_INDEX_FROM` elements)
+  and the new values in the tensor's dtype;
+- ``rows`` (tensors of two dims or more): runs of changed rows along dim 0, as int64
+  (start, stop) pairs, and those rows;
+- ``dense``: the whole tensor.
+
+`pack` lays many deltas into a few contiguous uint8 buffers (one per round, at most
+``max_bytes`` each; a bigger delta is split: patches by index range, rows by row range, dense
+by flat element range), each with a small JSON-able header. `apply` checks a whole round
+against its targets before it writes anything, then writes in place. No transport, no vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hotweights.errors import DeltaError
+
+__all__ = ["FORMAT", "INT64_INDEX_FROM", "KINDS", "MIN_ROUND_BYTES", "Delta", "Round",
+           "apply", "check", "dense", "encode", "encode_all", "pack"]
+
+logger = logging.getLogger(__name__)
+
+FORMAT = 1
+SAME, PATCH, ROWS, DENSE = "same", "patch", "rows", "dense"
+KINDS = (SAME, PATCH, ROWS, DENSE)
+INT64_INDEX_FROM = 2**31  # a tensor with this many elements or more gets int64 patch indices
+MIN_ROUND_BYTES = 64  # the smallest max_bytes: room for a few elements of any patch
+_CHUNK = 1 << 22  # elements compared, checked or converted per step: bounds temporaries
+_RANGE = 16  # bytes of one int64 (start, stop) pair
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_INDEX = {"int32": torch.int32, "int64": torch.int64}
+
+
+def _al(n: int) -> int:
+    return (n + 7) & ~7  # every section starts 8-byte aligned, so it can be viewed in place
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _flat(name: str, t: torch.Tensor, who: str) -> torch.Tensor:
+    if not t.is_contiguous():
+        raise DeltaError(f"{name}: {who} tensor is not contiguous (shape {tuple(t.shape)}, "
+                         f"stride {t.stride()}); pass a contiguous tensor")
+    if t.dtype.itemsize not in _BITS or t.dtype.is_complex:
+        raise DeltaError(f"{name}: field 'dtype' {_dtype_name(t.dtype)} is not supported; "
+                         "use a float, integer or bool tensor")
+    return t.detach().reshape(-1)
+
+
+def _runs(flags: np.ndarray) -> np.ndarray:
+    edges = np.diff(np.concatenate(([0], flags.astype(np.int8), [0])))
+    return np.stack([np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)], axis=1).astype(
+        np.int64).reshape(-1, 2)
+
+
+def _row_index(ranges: torch.Tensor) -> torch.Tensor:
+    # (k, 2) int64 [start, stop) pairs -> the int64 row numbers they cover, in order.
+    lens = ranges[:, 1] - ranges[:, 0]
+    before = torch.cumsum(lens, 0) - lens
+    return (torch.repeat_interleave(ranges[:, 0] - before, lens)
+            + torch.arange(int(lens.sum()), device=ranges.device))
+
+
+def _chunks(n: int, row: int) -> Iterator[tuple[int, int]]:
+    # Flat element ranges of at most _CHUNK elements that hold whole rows, or (a row longer
+    # than a chunk) lie inside one row: each chunk's changed rows are found without a gather.
+    if row > _CHUNK:
+        for r0 in range(0, n, row):
+            for lo in range(r0, r0 + row, _CHUNK):
+                yield lo, min(lo + _CHUNK, r0 + row)
+        return
+    step = _CHUNK // row * row if row else _CHUNK
+    for lo in range(0, n, step):
+        yield lo, min(lo + step, n)
+
+
+@dataclass(frozen=True, eq=False)
+class Delta:
+    """The exact encoding of one tensor's new value given its old one (see `encode`).
+
+    Attributes:
+        name: the tensor's name, the key of its target on the receiving side.
+        kind: one of `KINDS`.
+        dtype, shape: the tensor's.
+        changed: elements whose bit pattern changed (every element for `dense` of a full sync).
+        nbytes: payload bytes before packing (0 for ``same``).
+        indices, values: ``patch`` only: sorted flat indices (int32 or int64), new values.
+        ranges: ``rows`` only: int64 array (k, 2) of [start, stop) runs of changed rows.
+        tensor: ``rows`` and ``dense`` only: the new tensor itself, not a copy, so pack the
+            delta before that tensor changes again.
+    """
+    name: str
+    kind: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    changed: int
+    nbytes: int
+    indices: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    ranges: np.ndarray | None = None
+    tensor: torch.Tensor | None = None
+
+
+def dense(name: str, tensor: torch.Tensor) -> Delta:
+    """The dense delta of a tensor: a full sync, or a receiver without the old value.
+
+    Args:
+        name: the tensor's name.
+        tensor: its new value, contiguous (referenced, not copied).
+    Returns:
+        A ``dense`` `Delta` (``same`` for a tensor without elements).
+    Raises:
+        DeltaError: a non-contiguous tensor or an unsupported dtype (named).
+    """
+    _flat(name, tensor, "new")
+    n = tensor.numel()
+    return Delta(name, DENSE if n else SAME, tensor.dtype, tuple(tensor.shape), n,
+                 n * tensor.dtype.itemsize, tensor=tensor if n else None)
+
+
+def encode(name: str, old: torch.Tensor, new: torch.Tensor) -> Delta:
+    """The cheapest exact encoding of `new` given `old`, by bytes on the wire.
+
+    The two are compared as integer bit patterns a chunk of `_CHUNK` elements at a time, so
+    temporaries stay a few times a chunk whatever the tensor's size; patch indices are kept
+    only while they cost less than the dense tensor. `old` may live on another device than
+    `new` (a host snapshot of GPU weights): each chunk of it is copied to `new`'s device.
+
+    Args:
+        name: the tensor's name, carried by the delta and named in errors.
+        old: the value the receiver holds.
+        new: the value it must end with (referenced by ``rows`` and ``dense`` deltas).
+    Returns:
+        A `Delta`; of equal costs dense is preferred, then rows, then patch.
+    Raises:
+        DeltaError: names the tensor: dtype or shape differ, a non-contiguous tensor, a dtype
+            without an integer view of its width (complex).
+    """
+    for field, a, b in (("dtype", old.dtype, new.dtype),
+                        ("shape", tuple(old.shape), tuple(new.shape))):
+        if a != b:
+            raise DeltaError(f"{name}: field '{field}' differs (old {a}, new {b}); leave it "
+                             "out of `old` to send it dense")
+    a, b = _flat(name, old, "old"), _flat(name, new, "new")
+    shape, s, n = tuple(new.shape), new.dtype.itemsize, new.numel()
+    bits, wide = _BITS[s], n >= INT64_INDEX_FROM
+    isz, idt = (8, torch.int64) if wide else (4, torch.int32)
+    row = n // shape[0] if len(shape) >= 2 and n else 0
+    rows_changed = torch.zeros(shape[0] if row else 0, dtype=torch.bool, device=new.device)
+    count, idx, val = 0, [], []
+    for lo, hi in _chunks(n, row):
+        nb = b[lo:hi]
+        # non_blocking only towards an accelerator, whose stream orders the compare after it
+        neq = a[lo:hi].to(nb.device, non_blocking=nb.device.type != "cpu").view(bits) != nb.view(
+            bits)
+        if row and hi - lo >= row:
+            rows_changed[lo // row:hi // row] = neq.view(-1, row).any(1)
+        elif row:
+            rows_changed[lo // row] |= neq.any()
+        count += (k := int(torch.count_nonzero(neq)))  # much cheaper than nonzero
+        if idx is not None and count * (isz + s) >= n * s:
+            idx = val = None  # patches already cost as much as the dense tensor: stop keeping
+        elif idx is not None and k:
+            nz = neq.nonzero().view(-1)
+            idx.append((nz + lo).to(idt))
+            val.append(nb[nz])
+    if count == 0:
+        return Delta(name, SAME, new.dtype, shape, 0, 0)
+    costs = [(n * s, DENSE)]
+    if row:
+        ranges = _runs(rows_changed.cpu().numpy())
+        costs.append((_RANGE * len(ranges) + int((ranges[:, 1] - ranges[:, 0]).sum()) * row * s,
+                      ROWS))
+    if idx is not None:
+        costs.append((count * (isz + s), PATCH))
+    cost, kind = min(costs, key=lambda c: c[0])  # the first of equal costs
+    if kind == PATCH:
+        cat = lambda parts: parts[0] if len(parts) == 1 else torch.cat(parts)  # noqa: E731
+        return Delta(name, PATCH, new.dtype, shape, count, cost, indices=cat(idx),
+                     values=cat(val))
+    return Delta(name, kind, new.dtype, shape, count, cost, tensor=new,
+                 ranges=ranges if kind == ROWS else None)
+
+
+def encode_all(old: Mapping[str, torch.Tensor] | None,
+               new: Mapping[str, torch.Tensor]) -> list[Delta]:
+    """Encode every tensor of `new` against its namesake in `old` (see `encode`).
+
+    Args:
+        old: what the receiver holds; None for a full sync. A name missing from it is sent
+            dense; a name only in it is left out (the receiver keeps its value).
+        new: name -> the value the receiver must end with.
+    Returns:
+        One `Delta` per tensor of `new`, in its order (``same`` ones included).
+    Raises:
+        DeltaError: as `encode`, naming the tensor.
+    """
+    out = [encode(k, old[k], t) if old is not None and k in old else dense(k, t)
+           for k, t in new.items()]
+    if logger.isEnabledFor(logging.DEBUG):
+        kinds = {k: sum(d.kind == k for d in out) for k in KINDS}
+        logger.debug("encoded %d tensors %s: %d payload bytes", len(out), kinds,
+                     sum(d.nbytes for d in out))
+    return out
+
+
+@dataclass(frozen=True, eq=False)
+class Round:
+    """One packed round: a JSON-able header and one contiguous uint8 buffer.
+
+    Attributes:
+        header: ``{"format", "round", "rounds", "nbytes", "entries"}``: this round's number,
+            how many the update has, the buffer's length, and one entry per piece of a delta:
+            "name", "kind", "dtype", "shape", "offset" and "nbytes" (its 8-byte aligned
+            segment of the buffer) and, by kind: dense "start", "stop" (its flat element
+            range); patch "count", "index_dtype" (the indices, then the values, each section
+            8-byte aligned); rows "nranges", "nrows" (the int64 pairs, then the rows).
+        buffer: uint8 tensor of ``header["nbytes"]`` bytes.
+    """
+    header: dict
+    buffer: torch.Tensor
+
+    def header_bytes(self) -> bytes:
+        """The header as compact UTF-8 JSON, as it goes on the wire."""
+        return json.dumps(self.header, separators=(",", ":")).encode()
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes on the wire: the JSON header and the buffer."""
+        return len(self.header_bytes()) + self.buffer.numel()
+
+
+@dataclass(frozen=True, eq=False)
+class _Piece:
+    delta: Delta
+    fields: dict  # the header entry's kind-specific fields
+    nbytes: int
+    src: tuple  # dense: (start, stop); patch: (i0, i1); rows: (ranges (k, 2), rows)
+
+
+class _Plan:
+    """Greedy split of deltas into rounds of at most `cap` bytes (sizes only, no copies)."""
+
+    def __init__(self, cap: int):
+        self.cap, self.rounds, self.used = cap, [[]], 0
+
+    @property
+    def room(self) -> int:
+        return self.cap - self.used
+
+    def add(self, p: _Piece) -> None:
+        self.rounds[-1].append(p)
+        self.used += p.nbytes
+
+    def next(self) -> None:
+        if self.rounds[-1]:
+            self.rounds.append([])
+            self.used = 0
+
+    def dense(self, d: Delta, start: int, stop: int) -> None:
+        s = d.dtype.itemsize
+        while start < stop:
+            if (k := min(stop - start, self.room // s)) == 0:
+                self.next()
+                continue
+            self.add(_Piece(d, {"start": start, "stop": start + k}, _al(k * s),
+                            (start, start + k)))
+            start += k
+
+    def patch(self, d: Delta) -> None:
+        i, isz, s = 0, d.indices.element_size(), d.dtype.itemsize
+        while i < d.changed:
+            if (k := min(d.changed - i, (self.room - 16) // (isz + s))) <= 0:
+                self.next()  # 16: both sections' alignment padding
+                continue
+            self.add(_Piece(d, {"count": k, "index_dtype": _dtype_name(d.indices.dtype)},
+                            _al(k * isz) + _al(k * s), (i, i + k)))
+            i += k
+
+    def rows(self, d: Delta) -> None:
+        row = math.prod(d.shape[1:])
+        row_bytes, todo, j = row * d.dtype.itemsize, d.ranges.copy(), 0
+        while j < len(todo):
+            lens = todo[j:, 1] - todo[j:, 0]
+            cost = _RANGE * np.arange(1, len(lens) + 1) + np.cumsum(lens) * row_bytes
+            whole = int(np.searchsorted(cost, self.room, side="right"))
+            take = todo[j:j + whole]
+            if whole < len(lens):  # the next run, in part
+                part = max(0, self.room - (int(cost[whole - 1]) if whole else 0) - _RANGE
+                           ) // row_bytes
+                if part:
+                    a = todo[j + whole, 0]
+                    take = np.concatenate([take, [[a, a + part]]])
+                    todo[j + whole, 0] += part
+            if len(take):
+                m = int((take[:, 1] - take[:, 0]).sum())
+                self.add(_Piece(d, {"nranges": len(take), "nrows": m},
+                                _al(_RANGE * len(take) + m * row_bytes), (take.copy(), m)))
+                if (j := j + whole) < len(todo):
+                    self.next()
+            elif self.rounds[-1]:
+                self.next()
+            else:  # one row is bigger than a round: send it as dense pieces
+                a = int(todo[j, 0])
+                self.dense(d, a * row, (a + 1) * row)
+                todo[j, 0] += 1
+                j += int(todo[j, 0] == todo[j, 1])
+
+
+def _write(p: _Piece, seg: torch.Tensor) -> None:
+    d, u8 = p.delta, torch.uint8
+    if d.kind == DENSE or "start" in p.fields:  # a row too big for a round comes as dense
+        a, b = p.src
+        k = (b - a) * d.dtype.itemsize
+        seg[:k].copy_(d.tensor.detach().reshape(-1)[a:b].view(u8))
+        seg[k:].zero_()
+    elif d.kind == PATCH:
+        (i0, i1), s = p.src, d.dtype.itemsize
+        ni = (i1 - i0) * d.indices.element_size()
+        seg[:ni].copy_(d.indices[i0:i1].view(u8))
+        seg[ni:_al(ni)].zero_()
+        seg[_al(ni):_al(ni) + (i1 - i0) * s].copy_(d.values[i0:i1].view(u8))
+        seg[_al(ni) + (i1 - i0) * s:].zero_()
+    else:
+        (take, m), k = p.src, len(p.src[0])
+        seg[:_RANGE * k].copy_(torch.from_numpy(np.ascontiguousarray(take)).view(-1).view(u8))
+        src = d.tensor.detach()
+        nd = m * src[0].numel() * d.dtype.itemsize
+        data = seg[_RANGE * k:_RANGE * k + nd].view(d.dtype).view(m, *d.shape[1:])
+        rows = _row_index(torch.from_numpy(take)).to(src.device)
+        if src.device == data.device:
+            torch.index_select(src, 0, rows, out=data)
+        else:
+            data.copy_(src.index_select(0, rows))
+        seg[_RANGE * k + nd:].zero_()
+
+
+def pack(deltas: Iterable[Delta], *, max_bytes: int, device: torch.device | str | None = None,
+         staging: torch.Tensor | None = None) -> Iterator[Round]:
+    """Pack deltas into rounds, each one buffer of at most `max_bytes` and a small header.
+
+    The split is planned from sizes first (no copies), so every round's header knows how many
+    rounds the update has; buffers are filled one round at a time, as the iterator is read.
+    An update always has at least one round (an empty one when nothing changed).
+
+    Args:
+        deltas: from `encode` / `encode_all` (``same`` ones are skipped).
+        max_bytes: the staging budget: the most buffer bytes in one round (rounded down to a
+            multiple of 8, at least `MIN_ROUND_BYTES`); a bigger delta is split across rounds.
+        device: where buffers are allocated; default the staging tensor's device, else the
+            first delta's, else the CPU.
+        staging: a 1-D uint8 tensor of at least `max_bytes` reused for every round: each
+            round's buffer is then a view of it, overwritten when the next round is read.
+    Returns:
+        An iterator of `Round`.
+    Raises:
+        DeltaError: a bad `max_bytes` or `staging` (named), before any round is made.
+    """
+    if type(max_bytes) is not int or max_bytes < MIN_ROUND_BYTES:
+        raise DeltaError(f"pack: field 'max_bytes' must be an int >= {MIN_ROUND_BYTES}, found "
+                         f"{max_bytes!r}")
+    cap = max_bytes // 8 * 8
+    if staging is not None and not (staging.dtype == torch.uint8 and staging.dim() == 1
+                                    and staging.is_contiguous() and staging.numel() >= cap):
+        raise DeltaError(f"pack: field 'staging' must be a contiguous 1-D uint8 tensor of >= "
+                         f"{cap} bytes, found {staging.dtype} of shape {tuple(staging.shape)}")
+    plan, first = _Plan(cap), None
+    for d in deltas:
+        first = d if first is None and d.kind != SAME else first
+        if d.kind == DENSE:
+            plan.dense(d, 0, math.prod(d.shape))
+        elif d.kind == PATCH:
+            plan.patch(d)
+        elif d.kind == ROWS:
+            plan.rows(d)
+    if device is None:
+        device = (staging.device if staging is not None else first.tensor.device
+                  if first is not None and first.tensor is not None else first.values.device
+                  if first is not None else "cpu")
+    return _rounds(plan.rounds, device, staging)
+
+
+def _rounds(rounds: list[list[_Piece]], device, staging) -> Iterator[Round]:
+    for i, pieces in enumerate(rounds):
+        size = sum(p.nbytes for p in pieces)
+        buf = (staging[:size] if staging is not None
+               else torch.empty(size, dtype=torch.uint8, device=device))
+        entries, off = [], 0
+        for p in pieces:
+            _write(p, buf[off:off + p.nbytes])
+            d = p.delta
+            entries.append({"name": d.name, "kind": DENSE if "start" in p.fields else d.kind,
+                            "dtype": _dtype_name(d.dtype), "shape": list(d.shape),
+                            "offset": off, "nbytes": p.nbytes,
+                            **{k: int(v) if k != "index_dtype" else v
+                               for k, v in p.fields.items()}})
+            off += p.nbytes
+        logger.debug("round %d/%d: %d pieces, %d bytes", i + 1, len(rounds), len(pieces), size)
+        yield Round({"format": FORMAT, "round": i, "rounds": len(rounds), "nbytes": size,
+                     "entries": entries}, buf)
+
+
+def _nat(e: dict, key: str, bad) -> int:
+    v = e.get(key)
+    if type(v) is not int or v < 0:
+        raise bad(key, f"must be an int >= 0, found {v!r}")
+    return v
+
+
+def _parse(header: object, targets: Mapping[str, torch.Tensor]) -> list[tuple[dict, torch.Tensor]]:
+    if not isinstance(header, dict):
+        raise DeltaError(f"round: header must be a JSON object, found {type(header).__name__}")
+    where = f"round {header.get('round')!r}"
+    if header.get("format") != FORMAT:
+        raise DeltaError(f"{where}: field 'format' must be {FORMAT}, found "
+                         f"{header.get('format')!r}")
+    total = header.get("nbytes")
+    if type(total) is not int or total < 0 or not isinstance(header.get("entries"), list):
+        raise DeltaError(f"{where}: fields 'nbytes' (an int >= 0) and 'entries' (a list) are "
+                         f"needed, found {total!r} and {type(header.get('entries')).__name__}")
+    out = []
+    for i, e in enumerate(header["entries"]):
+        name = e.get("name") if isinstance(e, dict) else None
+        if not isinstance(name, str):
+            raise DeltaError(f"{where} entry {i}: field 'name' must be a string, found {name!r}")
+        if name not in targets:
+            raise DeltaError(f"{where}: unknown tensor `{name}` (field 'name' of entry {i}); "
+                             f"the targets hold {len(targets)} tensors")
+
+        def bad(field: str, msg: str, name=name) -> DeltaError:
+            return DeltaError(f"{where}: `{name}`: field '{field}' {msg}")
+        t, kind = targets[name], e.get("kind")
+        if kind not in (PATCH, ROWS, DENSE):
+            raise bad("kind", f"must be one of {[PATCH, ROWS, DENSE]}, found {kind!r}")
+        if e.get("dtype") != _dtype_name(t.dtype):
+            raise bad("dtype", f"is {e.get('dtype')!r}, the target's is "
+                      f"{_dtype_name(t.dtype)!r}")
+        if e.get("shape") != list(t.shape):
+            raise bad("shape", f"is {e.get('shape')!r}, the target's is {list(t.shape)}")
+        if not t.is_contiguous():
+            raise bad("shape", f"the target is not contiguous (stride {t.stride()}); "
+                      "apply to contiguous tensors")
+        off, nb, s = _nat(e, "offset", bad), _nat(e, "nbytes", bad), t.dtype.itemsize
+        if off % 8 or off + nb > total:
+            raise bad("offset", f"[{off}, {off + nb}) is not an 8-aligned segment of the "
+                      f"{total}-byte buffer")
+        if kind == DENSE:
+            a, b = _nat(e, "start", bad), _nat(e, "stop", bad)
+            if not a <= b <= t.numel():
+                raise bad("stop", f"[{a}, {b}) is out of the {t.numel()} elements")
+            want = _al((b - a) * s)
+        elif kind == PATCH:
+            if e.get("index_dtype") not in _INDEX:
+                raise bad("index_dtype", f"must be one of {list(_INDEX)}, found "
+                          f"{e.get('index_dtype')!r}")
+            k = _nat(e, "count", bad)
+            want = _al(k * _INDEX[e["index_dtype"]].itemsize) + _al(k * s)
+        else:
+            if t.dim() < 2:
+                raise bad("kind", f"rows needs a tensor of 2 dims or more, found {t.dim()}")
+            k, m = _nat(e, "nranges", bad), _nat(e, "nrows", bad)
+            want = _al(_RANGE * k + m * t[0].numel() * s)
+        if nb != want:
+            raise bad("nbytes", f"is {nb}, its other fields make {want}")
+        out.append((e, t))
+    return out
+
+
+def check(header: dict, targets: Mapping[str, torch.Tensor]) -> None:
+    """Check a round's header against the targets, without its buffer.
+
+    A receiver can check every round's header before any buffer arrives; `apply` checks the
+    header again and the buffer's contents.
+
+    Args:
+        header: a `Round`'s header (decoded JSON).
+        targets: name -> the tensor each entry would be written to.
+    Raises:
+        DeltaError: naming the tensor and the field: unknown name, dtype or shape mismatch,
+            a segment outside the buffer or of the wrong size, a malformed field.
+    """
+    _parse(header, targets)
+
+
+def _finite(v: torch.Tensor) -> bool:
+    for lo in range(0, v.numel(), _CHUNK):
+        c = v[lo:lo + _CHUNK]
+        if c.dtype.itemsize == 1:
+            c = c.float()  # no float8 kernels
+        # aminmax propagates NaN and shows an Inf, with no temporary: ~20x isfinite(c).all()
+        if c.numel() and not all(map(bool, map(torch.isfinite, torch.aminmax(c)))):
+            return False
+    return True
+
+
+def _views(e: dict, t: torch.Tensor, buf: torch.Tensor, check_finite: bool, bad) -> tuple:
+    seg, s, kind = buf[e["offset"]:e["offset"] + e["nbytes"]], t.dtype.itemsize, e["kind"]
+    if kind == DENSE:
+        v = seg[:(e["stop"] - e["start"]) * s].view(t.dtype)
+        if check_finite and t.dtype.is_floating_point and not _finite(v):
+            raise bad("values", f"holds NaN or Inf (a dense update of elements "
+                      f"[{e['start']}, {e['stop']})); refused")
+        return (v,)
+    if kind == PATCH:
+        k, idt = e["count"], _INDEX[e["index_dtype"]]
+        idx = seg[:k * idt.itemsize].view(idt)
+        vals = seg[_al(k * idt.itemsize):_al(k * idt.itemsize) + k * s].view(t.dtype)
+        for lo in range(0, k, _CHUNK):
+            c = idx[lo:lo + _CHUNK]
+            if int(c.min()) < 0 or int(c.max()) >= t.numel():
+                raise bad("indices", f"hold [{int(c.min())}, {int(c.max())}], out of the "
+                          f"{t.numel()} elements")
+        return idx, vals
+    k, m = e["nranges"], e["nrows"]
+    ranges = seg[:_RANGE * k].view(torch.int64).view(k, 2)
+    if k and not bool(((ranges[:, 0] >= 0) & (ranges[:, 0] < ranges[:, 1])
+                       & (ranges[:, 1] <= t.shape[0])).all()):
+        raise bad("ranges", f"hold a run outside [0, {t.shape[0]}) or empty")
+    if (got := int((ranges[:, 1] - ranges[:, 0]).sum())) != m:
+        raise bad("nrows", f"is {m}, the ranges cover {got} rows")
+    return ranges, seg[_RANGE * k:_RANGE * k + m * t[0].numel() * s].view(t.dtype).view(
+        m, *t.shape[1:])
+
+
+def apply(round: Round, targets: Mapping[str, torch.Tensor], *,
+          check_finite: bool = True) -> list[str]:
+    """Check a whole round against its targets, then write it into them in place.
+
+    Nothing is written unless every entry passes. The targets may be the receiver's own
+    tensors or HF-named copies to hand on to a loader afterwards (vLLM:
+    ``model.load_weights((n, targets[n]) for n in apply(r, targets))``).
+
+    Args:
+        round: a `Round` from `pack` (or rebuilt from its header JSON and buffer).
+        targets: name -> contiguous tensor; the buffer may be on another device.
+        check_finite: refuse NaN or Inf in a dense update of a float tensor (patches and rows
+            carry exact bit patterns and are not checked).
+    Returns:
+        The names written, in the round's order, each once.
+    Raises:
+        DeltaError: naming the tensor and the field (see `check`; also indices or row
+            ranges out of range, a non-finite dense update, a buffer of the wrong length).
+    """
+    entries, buf, h = _parse(round.header, targets), round.buffer, round.header
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != h["nbytes"]:
+        raise DeltaError(f"round {h.get('round')!r}: field 'nbytes' is {h['nbytes']}, the "
+                         f"buffer holds {buf.numel()} {buf.dtype} in shape {tuple(buf.shape)}")
+    staged = []
+    for e, t in entries:
+        def bad(field: str, msg: str, name=e["name"]) -> DeltaError:
+            return DeltaError(f"round {h.get('round')!r}: `{name}`: field '{field}' {msg}")
+        staged.append((e, t, _views(e, t, buf, check_finite, bad)))
+    names = {}
+    for e, t, v in staged:  # everything checked: write
+        flat = t.detach().view(-1)
+        if e["kind"] == DENSE:
+            flat[e["start"]:e["stop"]].copy_(v[0])
+        elif e["kind"] == PATCH:
+            idx, vals = v
+            for lo in range(0, idx.numel(), _CHUNK):
+                flat.index_copy_(0, idx[lo:lo + _CHUNK].to(t.device, torch.int64),
+                                 vals[lo:lo + _CHUNK].to(t.device))
+        else:
+            t.detach().index_copy_(0, _row_index(v[0].to(t.device)), v[1].to(t.device))
+        names[e["name"]] = None
+    logger.debug("round %s: applied %d entries to %d tensors", h.get("round"), len(staged),
+                 len(names))
+    return list(names)

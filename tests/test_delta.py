@@ -1,0 +1,303 @@
+"""delta: exact per-tensor encodings, packing into bounded rounds, checked in-place apply."""
+
+import json
+
+import pytest
+import torch
+
+from hotweights import delta
+from hotweights.delta import Round, apply, check, encode, encode_all, pack
+from hotweights.errors import DeltaError
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8,
+          torch.uint8, torch.int32, torch.int64, torch.bool]
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(_BITS[t.dtype.itemsize])
+
+
+def _same_bits(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(_bits(a[k]), _bits(b[k])) for k in a)
+
+
+def _flip(t: torch.Tensor, index) -> torch.Tensor:
+    """A copy of `t` with the lowest bit of the chosen flat elements flipped."""
+    out = t.clone()
+    _bits(out)[index] ^= 1
+    return out
+
+
+def _random(shape, dtype, seed=0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g).to(dtype)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    return torch.randint(0, 100, shape, generator=g).to(dtype)
+
+
+def _sync(old: dict, new: dict, max_bytes: int = 1 << 20) -> tuple[dict, list[Round]]:
+    got = {k: v.clone() for k, v in old.items()}
+    rounds = list(pack(encode_all(old, new), max_bytes=max_bytes))
+    for r in rounds:
+        apply(r, got)
+    return got, rounds
+
+
+CASES = {  # kind -> flat elements of a (64, 32) tensor to change
+    "same": [],
+    "patch": [5, 200, 201, 1000, 2047],
+    "rows": slice(3 * 32, 7 * 32),
+    "dense": slice(None),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", list(CASES))
+def test_round_trip_is_exact_and_kind_is_cheapest(kind, dtype):
+    old = _random((64, 32), dtype)
+    new = _flip(old, CASES[kind])
+    d = encode("w", old, new)
+    assert d.kind == kind
+    s = dtype.itemsize
+    assert d.nbytes == {"same": 0, "patch": 5 * (4 + s), "rows": 16 + 4 * 32 * s,
+                        "dense": 64 * 32 * s}[kind]
+    got, rounds = _sync({"w": old}, {"w": new})
+    assert _same_bits(got, {"w": new})
+    assert len(rounds) == 1 and [e["kind"] for e in rounds[0].header["entries"]] == (
+        [] if kind == "same" else [kind])
+
+
+@pytest.mark.parametrize("dtype,zero,nan_a,nan_b", [
+    (torch.float32, 0x80000000, 0x7FC00001, 0x7FC00002),
+    (torch.bfloat16, 0x8000, 0x7FC1, 0x7FC2),
+    (torch.float16, 0x8000, 0x7E01, 0x7E02),
+])
+def test_bit_patterns_minus_zero_and_nan_payloads(dtype, zero, nan_a, nan_b):
+    bits = _BITS[dtype.itemsize]
+    as_signed = lambda v: v - (1 << 8 * dtype.itemsize) if v >= 1 << (8 * dtype.itemsize - 1) \
+        else v  # noqa: E731
+    old = torch.zeros(16, 8, dtype=dtype)
+    _bits(old)[20] = as_signed(nan_a)  # equal NaNs in both: not a change
+    _bits(old)[10] = as_signed(nan_a)
+    new = old.clone()
+    _bits(new)[3] = as_signed(zero)  # 0.0 -> -0.0
+    _bits(new)[10] = as_signed(nan_b)  # a NaN's payload changes
+    d = encode("w", old, new)
+    assert (d.kind, d.changed, d.indices.tolist()) == ("patch", 2, [3, 10])
+    got, _ = _sync({"w": old}, {"w": new})
+    assert torch.equal(got["w"].view(bits), new.view(bits))
+    # Two NaN bit patterns sent whole (rows) are exact too; a dense one is refused unless asked.
+    new2 = _flip(old, slice(0, 32))
+    _bits(new2)[1] = as_signed(nan_b)
+    assert encode("w", old, new2).kind == "rows"
+    got, _ = _sync({"w": old}, {"w": new2})
+    assert torch.equal(got["w"].view(bits), new2.view(bits))
+    (r,) = pack([delta.dense("w", new2)], max_bytes=1 << 20)
+    with pytest.raises(DeltaError, match=r"`w`: field 'values' holds NaN or Inf"):
+        apply(r, {"w": old.clone()})
+    got = old.clone()
+    apply(r, {"w": got}, check_finite=False)
+    assert torch.equal(got.view(bits), new2.view(bits))
+
+
+def test_int64_indices_past_the_threshold(monkeypatch):
+    monkeypatch.setattr(delta, "INT64_INDEX_FROM", 100)
+    old = _random((10, 10), torch.bfloat16)
+    new = _flip(old, [0, 42, 99])
+    d = encode("w", old, new)
+    assert d.kind == "patch" and d.indices.dtype == torch.int64 and d.nbytes == 3 * (8 + 2)
+    small = encode("v", old[:9], new[:9])  # 90 elements: below the threshold
+    assert small.indices.dtype == torch.int32
+    got, (r,) = _sync({"w": old}, {"w": new})
+    assert r.header["entries"][0]["index_dtype"] == "int64"
+    assert _same_bits(got, {"w": new})
+
+
+@pytest.mark.parametrize("chunk", [16, 24, 64, 1000])  # rows of 32: longer, uneven, whole
+def test_small_chunks_give_the_same_delta(monkeypatch, chunk):
+    old = _random((40, 32), torch.float16)
+    new = _flip(old, [0, 33, 34, 700, 1279])
+    new = _flip(new, slice(10 * 32, 13 * 32))
+    want = encode("w", old, new)
+    monkeypatch.setattr(delta, "_CHUNK", chunk)
+    got = encode("w", old, new)
+    assert (got.kind, got.changed, got.nbytes) == (want.kind, want.changed, want.nbytes)
+    assert got.ranges.tolist() == want.ranges.tolist() == [[0, 2], [10, 13], [21, 22],
+                                                            [39, 40]]
+    scattered = _flip(old, [1, 500, 1000])
+    assert encode("w", old, scattered).indices.tolist() == [1, 500, 1000]
+
+
+def _state(seed=0) -> dict:
+    """A few tensors of every kind of change, for splitting and bad-input tests."""
+    old = {"a": _random((300, 64), torch.bfloat16, seed), "b": _random(1000, torch.float32, seed),
+           "c": _random((50, 8, 4), torch.float16, seed), "d": _random((7, 5), torch.int8, seed)}
+    new = {"a": _flip(_flip(old["a"], slice(5 * 64, 9 * 64)), slice(100 * 64, 101 * 64)),
+           "b": _flip(old["b"], [3, 7, 99, 998]), "c": _flip(old["c"], slice(None)),
+           "d": old["d"].clone()}
+    return old, new
+
+
+@pytest.mark.parametrize("max_bytes", [64, 100, 136, 200, 1000, 1 << 20])
+def test_split_across_rounds_gives_identical_results(max_bytes):
+    old, new = _state()
+    assert [d.kind for d in encode_all(old, new)] == ["rows", "patch", "dense", "same"]
+    got, rounds = _sync(old, new, max_bytes)
+    assert _same_bits(got, new)
+    assert all(r.buffer.numel() <= max_bytes for r in rounds)
+    assert [r.header["round"] for r in rounds] == list(range(len(rounds)))
+    assert {r.header["rounds"] for r in rounds} == {len(rounds)}
+    # One staging tensor reused for every round: each applied before the next is packed.
+    staging, again = torch.empty(max_bytes, dtype=torch.uint8), {k: v.clone() for k, v in
+                                                                 old.items()}
+    for r in pack(encode_all(old, new), max_bytes=max_bytes, staging=staging):
+        assert r.buffer.data_ptr() == staging.data_ptr()
+        apply(Round(json.loads(r.header_bytes()), r.buffer), again)  # through JSON
+    assert _same_bits(again, new)
+
+
+def test_full_sync_and_empty_update():
+    old, new = _state()
+    got, _ = _sync({k: torch.zeros_like(v) for k, v in old.items()}, new)
+    assert _same_bits(got, new)
+    cold = {k: torch.zeros_like(v) for k, v in new.items()}
+    for r in pack(encode_all(None, new), max_bytes=4096):
+        apply(r, cold)
+    assert _same_bits(cold, new)
+    (r,) = pack(encode_all(new, new), max_bytes=4096)
+    assert r.header["entries"] == [] and r.buffer.numel() == 0 and r.header["rounds"] == 1
+    assert apply(r, dict(new)) == []
+
+
+def _one_round():
+    old, new = _state()
+    (r,) = pack(encode_all(old, new), max_bytes=1 << 20)
+    assert [e["name"] for e in r.header["entries"]] == ["a", "b", "c"]
+    return old, r
+
+
+def _entry(r, name):
+    return next(e for e in r.header["entries"] if e["name"] == name)
+
+
+def _with(r, name, **fields) -> Round:
+    h = json.loads(r.header_bytes())
+    next(e for e in h["entries"] if e["name"] == name).update(fields)
+    return Round(h, r.buffer)
+
+
+def _set_bytes(r, offset, values: torch.Tensor) -> Round:
+    buf = r.buffer.clone()
+    raw = values.reshape(-1).view(torch.uint8)
+    buf[offset:offset + raw.numel()] = raw
+    return Round(r.header, buf)
+
+
+def _bad_rounds():
+    old, r = _one_round()
+    a, b, c = (_entry(r, n) for n in "abc")
+    nan_c = _set_bytes(r, c["offset"] + 6, torch.tensor([float("nan")], dtype=torch.float16))
+    inf_c = _set_bytes(r, c["offset"], torch.tensor([float("-inf")], dtype=torch.float16))
+    return old, {
+        "unknown": (r, {k: v for k, v in old.items() if k != "c"}, r"unknown tensor `c`"),
+        "shape": (_with(r, "c", shape=[50, 32]), old, r"`c`: field 'shape'"),
+        "dtype": (_with(r, "c", dtype="float32"), old, r"`c`: field 'dtype'"),
+        "target_dtype": (r, {**old, "c": old["c"].float()}, r"`c`: field 'dtype'"),
+        "index_high": (_set_bytes(r, b["offset"] + 4, torch.tensor([1000], dtype=torch.int32)),
+                       old, r"`b`: field 'indices' hold \[3, 1000\], out of the 1000"),
+        "index_low": (_set_bytes(r, b["offset"], torch.tensor([-1], dtype=torch.int32)), old,
+                      r"`b`: field 'indices'"),
+        "rows_high": (_set_bytes(r, a["offset"] + 8, torch.tensor([301])), old,
+                      r"`a`: field 'ranges'"),
+        "rows_count": (_set_bytes(r, a["offset"] + 8, torch.tensor([8])), old,
+                       r"`a`: field 'nrows' is 5, the ranges cover 4"),
+        "short_buffer": (Round(r.header, r.buffer[:-8]), old, r"field 'nbytes' is \d+, the "
+                         r"buffer holds \d+"),
+        "entry_nbytes": (_with(r, "b", count=5), old, r"`b`: field 'nbytes'"),
+        "outside": (_with(r, "c", offset=r.header["nbytes"]), old, r"`c`: field 'offset'"),
+        "dense_range": (_with(r, "c", start=1, stop=1601), old, r"`c`: field 'stop'"),
+        "nan": (nan_c, old, r"`c`: field 'values' holds NaN or Inf"),
+        "inf": (inf_c, old, r"`c`: field 'values' holds NaN or Inf"),
+        "kind": (_with(r, "c", kind="sparse"), old, r"`c`: field 'kind'"),
+        "rows_1d": (_with(r, "b", kind="rows", nranges=0, nrows=0), old, r"`b`: field 'kind'"),
+        "format": (Round({**r.header, "format": 99}, r.buffer), old, r"field 'format'"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_rounds()[1]))
+def test_bad_round_is_refused_by_name_and_nothing_is_written(case):
+    old, cases = _bad_rounds()
+    r, targets, match = cases[case]
+    targets = {k: v.clone() for k, v in targets.items()}
+    before = {k: v.clone() for k, v in targets.items()}
+    with pytest.raises(DeltaError, match=match):
+        apply(r, targets)
+    assert _same_bits(targets, before)  # "a" and "b" come first and are untouched too
+
+
+def test_check_reads_the_header_only_and_apply_names_what_it_wrote():
+    old, r = _one_round()
+    check(r.header, old)
+    assert apply(r, {k: v.clone() for k, v in old.items()}) == ["a", "b", "c"]
+    with pytest.raises(DeltaError, match=r"unknown tensor `a`"):
+        check(r.header, {"b": old["b"], "c": old["c"]})
+
+
+def test_encode_and_pack_refuse_bad_input_by_name():
+    t = torch.zeros(4, 4)
+    with pytest.raises(DeltaError, match=r"w: field 'shape' differs"):
+        encode("w", t, torch.zeros(4, 5))
+    with pytest.raises(DeltaError, match=r"w: field 'dtype' differs"):
+        encode("w", t, t.half())
+    with pytest.raises(DeltaError, match=r"non-contiguous|not contiguous"):
+        encode("w", t.t(), t.t().clone().t())
+    with pytest.raises(DeltaError, match=r"w: field 'dtype' complex128 is not supported"):
+        encode("w", t.to(torch.complex128), t.to(torch.complex128))
+    with pytest.raises(DeltaError, match=r"pack: field 'max_bytes' must be an int >= 64"):
+        pack([], max_bytes=32)
+    with pytest.raises(DeltaError, match=r"pack: field 'staging'"):
+        pack([], max_bytes=128, staging=torch.empty(64, dtype=torch.uint8))
+
+
+def _llama_like(hidden=256, inter=688, kv=64, vocab=2048, layers=2) -> dict:
+    g = torch.Generator().manual_seed(0)
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
+              "lm_head.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "self_attn.q_proj.weight": (hidden, hidden),
+                       p + "self_attn.k_proj.weight": (kv, hidden),
+                       p + "self_attn.v_proj.weight": (kv, hidden),
+                       p + "self_attn.o_proj.weight": (hidden, hidden),
+                       p + "mlp.gate_proj.weight": (inter, hidden),
+                       p + "mlp.up_proj.weight": (inter, hidden),
+                       p + "mlp.down_proj.weight": (hidden, inter),
+                       p + "input_layernorm.weight": (hidden,),
+                       p + "post_attention_layernorm.weight": (hidden,)})
+    return {n: torch.randn(s, generator=g).bfloat16() for n, s in shapes.items()}
+
+
+def _ratio(old: dict, new: dict) -> float:
+    got, rounds = _sync(old, new, max_bytes=1 << 20)
+    assert _same_bits(got, new)
+    return sum(r.wire_bytes for r in rounds) / sum(t.nbytes for t in old.values())
+
+
+def test_bytes_on_the_wire_llama_like():
+    old, g = _llama_like(), torch.Generator().manual_seed(1)
+    rows = {}  # 1 % of each matrix's rows (at least one), scattered
+    for n, t in old.items():
+        if t.dim() < 2:
+            rows[n] = t.clone()
+            continue
+        pick = torch.randperm(t.shape[0], generator=g)[:max(1, t.shape[0] // 100)]
+        rows[n] = _flip(t, (pick[:, None] * t.shape[1] + torch.arange(t.shape[1])).reshape(-1))
+    assert _ratio(old, rows) <= 0.03
+    scattered = {n: _flip(t, torch.randperm(t.numel(), generator=g)[:t.numel() // 100])
+                 for n, t in old.items()}  # RL-like: 1 % of elements at random
+    assert 0.02 <= _ratio(old, scattered) <= 0.08
+    full = {n: _flip(t, slice(None)) for n, t in old.items()}
+    assert 1.0 <= _ratio(old, full) <= 1.01
