@@ -248,6 +248,20 @@ def test_compare_bytes_chunks(monkeypatch):
     assert want == [[0, 64], [128, 256], [960, 1000]]
 
 
+def test_compare_bytes_only_the_ranges_asked(monkeypatch):
+    monkeypatch.setattr(blocks, "_CHUNK", 3 * BS)  # a range spanning chunks
+    t = torch.arange(1000, dtype=torch.int8)
+    live = _flip(t, 0, 70, 400, 999)
+    got = compare_bytes("w", live, _u8(t).numpy(), block_size=BS,
+                        ranges=[(64, 512), (960, 1000)])
+    assert got.ranges.tolist() == [[64, 128], [384, 448], [960, 1000]]  # byte 0 not asked
+    assert got.blocks == 16 and got.blocks_changed == 3
+    with pytest.raises(FingerprintError, match=r"w: range \[10, 64\) is not block-aligned"):
+        compare_bytes("w", live, _u8(t).numpy(), block_size=BS, ranges=[(10, 64)])
+    with pytest.raises(FingerprintError, match=r"w: range \[960, 1064\)"):
+        compare_bytes("w", live, _u8(t).numpy(), block_size=BS, ranges=[(960, 1064)])
+
+
 def test_compare_bytes_errors():
     with pytest.raises(FingerprintError, match="w: live tensor has 16 bytes, the file 12"):
         compare_bytes("w", torch.zeros(4), b"\0" * 12, block_size=BS)

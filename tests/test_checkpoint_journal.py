@@ -180,6 +180,31 @@ def test_leftover_temporary_is_discarded(shards):
     assert sorted(os.listdir(d)) == sorted(NAMES)
 
 
+def test_replaced_file_is_freed_after_the_commit(shards, monkeypatch):
+    d, _, old, new, spec = shards
+    stage = d / journal.STAGE_DIR
+    stage.mkdir()
+    (stage / NAMES[0]).write_bytes(new[NAMES[0]])
+    ino = (d / NAMES[0]).stat().st_ino
+    freed = []
+    monkeypatch.setattr(journal, "_join_sweeper", lambda: None)  # sweep by hand, below
+    monkeypatch.setattr(journal, "_sweep", lambda d, background: freed.append(background))
+    journal.write_journal(d, [], moves=[NAMES[0]])
+    assert journal.apply(d) and freed == [True]
+    kept = d / journal.TRASH_DIR / NAMES[0]
+    assert (d / NAMES[0]).read_bytes() == new[NAMES[0]]
+    assert kept.stat().st_ino == ino and kept.read_bytes() == old[NAMES[0]]
+    monkeypatch.undo()
+    stage.rmdir()  # empty: what `stage.commit` removes
+    assert journal.recover(d) == "none" and not kept.parent.exists()  # a leftover trash
+    journal._sweep(str(d), background=True)  # nothing to sweep: no thread
+    (d / journal.TRASH_DIR).mkdir()
+    (d / journal.TRASH_DIR / "x").write_bytes(b"x")
+    journal._sweep(str(d), background=True)
+    journal._join_sweeper()
+    assert sorted(os.listdir(d)) == sorted(NAMES)
+
+
 def test_replay_twice_is_harmless_and_meta_kept(shards, tmp_path):
     d, _, old, new, spec = shards
     path = _committed(d, old, spec, new)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import base64
 import binascii
 import functools
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -216,6 +216,8 @@ class TensorChange:
 
 
 def _change(name: str, nbytes: int, block_size: int, diff: np.ndarray) -> TensorChange:
+    if not diff.any():  # most tensors, most steps: skip the run finding
+        return TensorChange(name, nbytes, len(diff), np.zeros((0, 2), np.int64), 0, 0, 0.0)
     edges = np.diff(np.concatenate(([0], diff.astype(np.int8), [0])))
     starts, stops = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
     ranges = np.stack([starts * block_size, np.minimum(stops * block_size, nbytes)], axis=1)
@@ -272,7 +274,8 @@ def changed(old: Fingerprints, new: Fingerprints) -> Changes:
 
 
 def compare_bytes(name: str, live: torch.Tensor, disk: object, *,
-                  block_size: int = DEFAULT_BLOCK_SIZE) -> TensorChange:
+                  block_size: int = DEFAULT_BLOCK_SIZE,
+                  ranges: Iterable[tuple[int, int]] | None = None) -> TensorChange:
     """Compare a live tensor with its bytes from a file, per block, vectorised (no sidecar).
 
     Args:
@@ -280,20 +283,30 @@ def compare_bytes(name: str, live: torch.Tensor, disk: object, *,
         live: the contiguous live tensor (off the CPU: copied to the host in chunks).
         disk: its bytes on disk, any buffer (a memoryview of an mmap, bytes, numpy array).
         block_size: bytes per block (a positive multiple of 8).
+        ranges: only these byte ranges [start, stop) are compared (each start a multiple of
+            `block_size`; e.g. the ranges `changed` found); the blocks outside read as
+            unchanged. None: the whole tensor.
     Returns:
         A `TensorChange` with the ranges `changed` would give for these bytes.
     Raises:
-        FingerprintError: non-contiguous tensor, bad block size, or sizes that differ.
+        FingerprintError: non-contiguous tensor, bad block size or range, or sizes that
+            differ.
     """
     _check_block_size(block_size, "compare_bytes")
     u8, on_disk = _bytes_of(name, live), np.frombuffer(disk, dtype=np.uint8)
     if on_disk.size != (n := u8.numel()):
         raise FingerprintError(f"{name}: live tensor has {n} bytes, the file {on_disk.size}")
-    step, parts = max(1, _CHUNK // block_size) * block_size, [np.zeros(0, dtype=bool)]
-    for lo in range(0, n, step):
-        a, b = u8[lo:lo + step].cpu().numpy(), on_disk[lo:lo + step]
-        w = a.size // 8 * 8  # compare uint64 words (unaligned views are fine), the < 8 bytes
-        neq = np.append(a[:w].view(np.uint64) != b[:w].view(np.uint64),  # left as one more
-                        not np.array_equal(a[w:], b[w:]))                # word, then per block
-        parts.append(np.logical_or.reduceat(neq, np.arange(0, a.size, block_size) // 8))
-    return _change(name, n, block_size, np.concatenate(parts))
+    step, dirty = max(1, _CHUNK // block_size) * block_size, np.zeros(-(-n // block_size), bool)
+    for lo, hi in [(0, n)] if ranges is None else ranges:
+        if lo % block_size or not 0 <= lo <= hi <= n:
+            raise FingerprintError(f"{name}: range [{lo}, {hi}) is not block-aligned within "
+                                   f"its {n} bytes (block size {block_size})")
+        for at in range(lo, hi, step):
+            a, b = u8[at:min(hi, at + step)].cpu().numpy(), on_disk[at:min(hi, at + step)]
+            w = a.size // 8 * 8  # compare uint64 words (unaligned views are fine), the < 8
+            neq = np.append(a[:w].view(np.uint64) != b[:w].view(np.uint64),  # bytes left as
+                            not np.array_equal(a[w:], b[w:]))                # one more word
+            first = at // block_size
+            dirty[first:first + -(-a.size // block_size)] = np.logical_or.reduceat(
+                neq, np.arange(0, a.size, block_size) // 8)
+    return _change(name, n, block_size, dirty)

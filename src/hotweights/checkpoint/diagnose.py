@@ -166,6 +166,9 @@ def _journal_state(d: Path) -> tuple[dict | None, tuple[str, ...]]:
                          "by the next sync; the files were never touched by it)")
     if os.path.lexists(d / journal.STAGE_DIR):
         leftovers.append(f"{journal.STAGE_DIR}/: files staged for a journal")
+    if os.path.lexists(d / journal.TRASH_DIR):
+        leftovers.append(f"{journal.TRASH_DIR}/: replaced shards not freed yet (the next "
+                         "sync frees them)")
     return pending, tuple(leftovers)
 
 

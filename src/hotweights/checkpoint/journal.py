@@ -11,22 +11,29 @@ patched in place or replaced whole by a complete file staged in `DIR/.hotweights
 It is written to `DIR/.hotweights-journal.tmp`, fsync'd, renamed, and the directory
 fsync'd: the rename is the commit point (staged files are written and fsync'd before).
 `apply` replays it (renames, pwrite, fsync each file, fsync the directory) and removes it;
-replaying twice is harmless. `recover` finishes a committed journal, or discards an
-incomplete one with whatever was staged for it. Writers hold `locked(DIR)`.
+replaying twice is harmless. A replaced file is first hard-linked into
+`DIR/.hotweights-trash/`, which a background thread removes after the commit: freeing a
+large file's blocks is slow on some filesystems, and no reader needs to wait for it.
+`recover` finishes a committed journal, or discards an incomplete one with whatever was
+staged for it. Writers hold `locked(DIR)`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
 import logging
+import mmap
 import os
 import shutil
 import signal
 import stat
 import struct
+import threading
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -34,7 +41,7 @@ import xxhash
 
 from hotweights.errors import CheckpointError
 
-__all__ = ["JOURNAL_NAME", "STAGE_DIR", "apply", "locked", "pending", "recover",
+__all__ = ["JOURNAL_NAME", "STAGE_DIR", "TRASH_DIR", "apply", "locked", "pending", "recover",
            "write_journal"]
 
 logger = logging.getLogger(__name__)
@@ -42,6 +49,8 @@ logger = logging.getLogger(__name__)
 JOURNAL_NAME = ".hotweights-journal"
 _TMP_NAME = JOURNAL_NAME + ".tmp"
 STAGE_DIR = ".hotweights-stage"  # complete files waiting for their move record
+TRASH_DIR = ".hotweights-trash"  # files replaced by a move, freed after the commit
+_sweeper: threading.Thread | None = None  # the thread freeing the last commit's trash
 _MAGIC = b"HWJRNL\r\n"
 _FORMAT = 1
 _HEAD = struct.Struct("<8sII")
@@ -66,7 +75,7 @@ class _Corrupt(Exception):  # the journal is incomplete or damaged; the message 
 def _check_name(name: str) -> bytes:
     bad = (not name or name in (".", "..") or "/" in name or "\\" in name
            or "\0" in name or os.path.isabs(name) or name.startswith(JOURNAL_NAME)
-           or name == STAGE_DIR)
+           or name in (STAGE_DIR, TRASH_DIR))
     if bad:
         raise CheckpointError(f"{name!r}: a patch target must be a plain file name in the "
                               "directory (no path separators, '..' or journal names)")
@@ -176,13 +185,21 @@ def write_journal(directory: str | os.PathLike, patches: Iterable[tuple[str, int
         for raw in moved:
             _write_all(fd, _REC.pack(b"M", len(raw), 0, 0) + raw, hasher)
             count += 1
+        buf = bytearray()  # small records gather here: one write per _CHUNK, not two each
         for name, offset, data in patches:
             raw, view = _validate(directory, name, offset, data, sizes)
             written += _REC.size + len(raw) + view.nbytes
-            _write_all(fd, _REC.pack(b"R", len(raw), offset, view.nbytes) + raw, hasher)
+            buf += _REC.pack(b"R", len(raw), offset, view.nbytes) + raw
             _crash_point("record", count)
-            _write_all(fd, view, hasher)
+            if len(buf) + view.nbytes > _CHUNK:
+                _write_all(fd, buf, hasher)
+                buf.clear()
+            if view.nbytes > _CHUNK:
+                _write_all(fd, view, hasher)
+            else:
+                buf += view
             count += 1
+        _write_all(fd, buf, hasher)
         _write_all(fd, _COMMIT.pack(b"C", count, hasher.intdigest()), xxhash.xxh3_64())
         os.fsync(fd)
     except BaseException as e:  # a bad patch, a full disk, ^C: nothing stays behind
@@ -257,12 +274,49 @@ def pending(directory: str | os.PathLike) -> dict | None:
 
 def _move(directory: str, name: str) -> None:
     staged, target = os.path.join(directory, STAGE_DIR, name), os.path.join(directory, name)
+    if os.path.exists(staged) and os.path.exists(target):
+        _keep(directory, target, name)
     try:
         os.replace(staged, target)
     except FileNotFoundError:  # moved by an earlier, interrupted replay
         if not os.path.exists(target):
             raise CheckpointError(f"{target}: the journal moves {staged} into place, and "
                                   "neither exists") from None
+
+
+def _keep(directory: str, target: str, name: str) -> None:
+    """Hard-link a file about to be replaced into the trash: the rename then only swaps
+    names, and the old blocks and cached pages (~0.2 s per 250 MB on ext4) are freed
+    later, by `_sweep`, off the commit's path."""
+    _join_sweeper()
+    trash = os.path.join(directory, TRASH_DIR)
+    try:
+        os.makedirs(trash, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(trash, name))
+        os.link(target, os.path.join(trash, name))
+    except OSError as e:  # no hard links here: the rename frees the old file itself
+        logger.debug("%s: not kept for a later free: %s", target, e)
+
+
+def _join_sweeper() -> None:
+    if _sweeper is not None:
+        _sweeper.join()
+
+
+def _sweep(directory: str, *, background: bool) -> None:
+    """Remove the trash of `directory` (files replaced by moves), in a thread or now."""
+    global _sweeper
+    trash = os.path.join(directory, TRASH_DIR)
+    if not os.path.lexists(trash):
+        return
+    _join_sweeper()
+    if background:  # not a daemon: the interpreter waits for it; a kill leaves it to recover
+        _sweeper = threading.Thread(target=shutil.rmtree, args=(trash, True),
+                                    name="hotweights-sweep")
+        _sweeper.start()
+    else:
+        shutil.rmtree(trash, ignore_errors=True)
 
 
 def _replay(directory: str, path: str, records: list) -> None:
@@ -282,25 +336,30 @@ def _replay(directory: str, path: str, records: list) -> None:
         _crash_point("move", k)
     fds: dict[str, int] = {}
     try:
-        with open(path, "rb") as f:
-            for k, (name, offset, length, pos) in enumerate(patches):
-                if name not in fds:
-                    fds[name] = os.open(os.path.join(directory, name), os.O_WRONLY)
-                f.seek(pos)
-                done = 0
-                while done < length:
-                    chunk = f.read(min(length - done, _CHUNK))
-                    view = memoryview(chunk)
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            data = memoryview(m)
+            try:
+                for k, (name, offset, length, pos) in enumerate(patches):
+                    if name not in fds:
+                        fds[name] = os.open(os.path.join(directory, name), os.O_WRONLY)
+                    view = data[pos:pos + length]
                     while view.nbytes:
-                        n = os.pwrite(fds[name], view, offset + done)
-                        view, done = view[n:], done + n
-                _crash_point("apply", k)
-        for fd in fds.values():
-            os.fsync(fd)
+                        n = os.pwrite(fds[name], view, offset)
+                        view, offset = view[n:], offset + n
+                    view.release()
+                    _crash_point("apply", k)
+            finally:
+                data.release()
+        if len(fds) > 1:  # concurrent fsyncs share the filesystem's journal commits
+            with ThreadPoolExecutor(len(fds)) as pool:
+                list(pool.map(os.fsync, fds.values()))
+        elif fds:
+            os.fsync(*fds.values())
     finally:
         for fd in fds.values():
             os.close(fd)
-    _fsync_dir(directory)
+    if moves:  # patches in place change no directory entry
+        _fsync_dir(directory)
     _crash_point("before-unlink")
     os.unlink(path)  # not fsync'd: a journal that reappears after a crash replays harmlessly
 
@@ -323,6 +382,7 @@ def apply(directory: str | os.PathLike) -> bool:
     except _Corrupt as e:
         raise CheckpointError(f"{path}: corrupt journal: {e}; recover() discards it") from None
     _replay(directory, path, records)
+    _sweep(directory, background=True)
     logger.info("%s: journal applied, %d records", path, len(records))
     return True
 
@@ -384,6 +444,7 @@ def recover(directory: str | os.PathLike, *, lock: bool = True) -> str:
             logger.warning("%s: replayed an interrupted journal, %d records",
                            path, len(records))
             outcome = "replayed"
+    _sweep(directory, background=False)
     stage = os.path.join(directory, STAGE_DIR)
     if os.path.lexists(stage):  # staged for a journal that never committed
         shutil.rmtree(stage) if os.path.isdir(stage) else os.unlink(stage)

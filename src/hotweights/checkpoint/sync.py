@@ -257,15 +257,18 @@ def _subset(fp: blocks.Fingerprints, names) -> blocks.Fingerprints:
 
 def _compare_file(p: _Plan, ranges: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
     """The pages of `ranges` (tensor, byte range) whose bytes differ from the file's."""
+    per: dict[str, list[tuple[int, int]]] = {}
+    for name, lo, hi in ranges:
+        per.setdefault(name, []).append((lo, hi))
     out = []
     with open(p.shard.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
         view = memoryview(m)
         try:
-            for name, lo, hi in ranges:
-                begin = p.shard.tensors[name].begin
-                change = blocks.compare_bytes(name, stage.raw(p.tensors[name])[lo:hi],
-                                              view[begin + lo:begin + hi], block_size=PAGE)
-                out += [(name, lo + int(a), lo + int(b)) for a, b in change.ranges]
+            for name, spans in per.items():
+                info = p.shard.tensors[name]
+                change = blocks.compare_bytes(name, p.tensors[name], view[info.begin:info.end],
+                                              block_size=PAGE, ranges=spans)
+                out += [(name, int(a), int(b)) for a, b in change.ranges]
         finally:
             view.release()
     return out
