@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from hotweights import delta
+from hotweights import delta, delta_apply
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -85,7 +85,7 @@ def run(old: dict, new: dict, receiver: dict, max_bytes: int) -> dict:
         if r is None:
             break
         t = time.perf_counter()
-        delta.apply(r, receiver)
+        delta_apply.apply(r, receiver)
         apply_s += time.perf_counter() - t
         nbytes, rounds = nbytes + r.wire_bytes, rounds + 1
     if not all(torch.equal(bits(receiver[n]), bits(new[n])) for n in new):

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from hotweights import delta
-from hotweights.delta import Round, apply, check, encode, encode_all, pack
+from hotweights.delta import Round, encode, encode_all, pack
+from hotweights.delta_apply import apply, check
 from hotweights.errors import DeltaError
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8,

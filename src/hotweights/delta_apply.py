@@ -1,0 +1,201 @@
+"""The receiving side of `hotweights.delta`: check a round against its targets, apply it in place.
+
+`check` validates a round's header alone (names, dtypes, shapes, segment bounds); `apply`
+checks the header and the buffer's contents (indices and row ranges in range, no NaN or Inf
+in a dense float update) for the whole round before it writes anything.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import torch
+
+from hotweights.delta import (
+    _CHUNK,
+    _RANGE,
+    DENSE,
+    FORMAT,
+    PATCH,
+    ROWS,
+    Round,
+    _al,
+    _dtype_name,
+    _row_index,
+)
+from hotweights.errors import DeltaError
+
+__all__ = ["apply", "check"]
+
+logger = logging.getLogger(__name__)
+
+_INDEX = {"int32": torch.int32, "int64": torch.int64}
+
+
+def _nat(e: dict, key: str, bad) -> int:
+    v = e.get(key)
+    if type(v) is not int or v < 0:
+        raise bad(key, f"must be an int >= 0, found {v!r}")
+    return v
+
+
+def _parse(header: object, targets: Mapping[str, torch.Tensor]) -> list[tuple[dict, torch.Tensor]]:
+    if not isinstance(header, dict):
+        raise DeltaError(f"round: header must be a JSON object, found {type(header).__name__}")
+    where = f"round {header.get('round')!r}"
+    if header.get("format") != FORMAT:
+        raise DeltaError(f"{where}: field 'format' must be {FORMAT}, found "
+                         f"{header.get('format')!r}")
+    total = header.get("nbytes")
+    if type(total) is not int or total < 0 or not isinstance(header.get("entries"), list):
+        raise DeltaError(f"{where}: fields 'nbytes' (an int >= 0) and 'entries' (a list) are "
+                         f"needed, found {total!r} and {type(header.get('entries')).__name__}")
+    out = []
+    for i, e in enumerate(header["entries"]):
+        name = e.get("name") if isinstance(e, dict) else None
+        if not isinstance(name, str):
+            raise DeltaError(f"{where} entry {i}: field 'name' must be a string, found {name!r}")
+        if name not in targets:
+            raise DeltaError(f"{where}: unknown tensor `{name}` (field 'name' of entry {i}); "
+                             f"the targets hold {len(targets)} tensors")
+
+        def bad(field: str, msg: str, name=name) -> DeltaError:
+            return DeltaError(f"{where}: `{name}`: field '{field}' {msg}")
+        t, kind = targets[name], e.get("kind")
+        if kind not in (PATCH, ROWS, DENSE):
+            raise bad("kind", f"must be one of {[PATCH, ROWS, DENSE]}, found {kind!r}")
+        if e.get("dtype") != _dtype_name(t.dtype):
+            raise bad("dtype", f"is {e.get('dtype')!r}, the target's is "
+                      f"{_dtype_name(t.dtype)!r}")
+        if e.get("shape") != list(t.shape):
+            raise bad("shape", f"is {e.get('shape')!r}, the target's is {list(t.shape)}")
+        if not t.is_contiguous():
+            raise bad("shape", f"the target is not contiguous (stride {t.stride()}); "
+                      "apply to contiguous tensors")
+        off, nb, s = _nat(e, "offset", bad), _nat(e, "nbytes", bad), t.dtype.itemsize
+        if off % 8 or off + nb > total:
+            raise bad("offset", f"[{off}, {off + nb}) is not an 8-aligned segment of the "
+                      f"{total}-byte buffer")
+        if kind == DENSE:
+            a, b = _nat(e, "start", bad), _nat(e, "stop", bad)
+            if not a <= b <= t.numel():
+                raise bad("stop", f"[{a}, {b}) is out of the {t.numel()} elements")
+            want = _al((b - a) * s)
+        elif kind == PATCH:
+            if e.get("index_dtype") not in _INDEX:
+                raise bad("index_dtype", f"must be one of {list(_INDEX)}, found "
+                          f"{e.get('index_dtype')!r}")
+            k = _nat(e, "count", bad)
+            want = _al(k * _INDEX[e["index_dtype"]].itemsize) + _al(k * s)
+        else:
+            if t.dim() < 2:
+                raise bad("kind", f"rows needs a tensor of 2 dims or more, found {t.dim()}")
+            k, m = _nat(e, "nranges", bad), _nat(e, "nrows", bad)
+            want = _al(_RANGE * k + m * t[0].numel() * s)
+        if nb != want:
+            raise bad("nbytes", f"is {nb}, its other fields make {want}")
+        out.append((e, t))
+    return out
+
+
+def check(header: dict, targets: Mapping[str, torch.Tensor]) -> None:
+    """Check a round's header against the targets, without its buffer.
+
+    A receiver can check every round's header before any buffer arrives; `apply` checks the
+    header again and the buffer's contents.
+
+    Args:
+        header: a `Round`'s header (decoded JSON).
+        targets: name -> the tensor each entry would be written to.
+    Raises:
+        DeltaError: naming the tensor and the field: unknown name, dtype or shape mismatch,
+            a segment outside the buffer or of the wrong size, a malformed field.
+    """
+    _parse(header, targets)
+
+
+def _finite(v: torch.Tensor) -> bool:
+    for lo in range(0, v.numel(), _CHUNK):
+        c = v[lo:lo + _CHUNK]
+        if c.dtype.itemsize == 1:
+            c = c.float()  # no float8 kernels
+        # aminmax propagates NaN and shows an Inf, with no temporary: ~20x isfinite(c).all()
+        if c.numel() and not all(map(bool, map(torch.isfinite, torch.aminmax(c)))):
+            return False
+    return True
+
+
+def _views(e: dict, t: torch.Tensor, buf: torch.Tensor, check_finite: bool, bad) -> tuple:
+    seg, s, kind = buf[e["offset"]:e["offset"] + e["nbytes"]], t.dtype.itemsize, e["kind"]
+    if kind == DENSE:
+        v = seg[:(e["stop"] - e["start"]) * s].view(t.dtype)
+        if check_finite and t.dtype.is_floating_point and not _finite(v):
+            raise bad("values", f"holds NaN or Inf (a dense update of elements "
+                      f"[{e['start']}, {e['stop']})); refused")
+        return (v,)
+    if kind == PATCH:
+        k, idt = e["count"], _INDEX[e["index_dtype"]]
+        idx = seg[:k * idt.itemsize].view(idt)
+        vals = seg[_al(k * idt.itemsize):_al(k * idt.itemsize) + k * s].view(t.dtype)
+        for lo in range(0, k, _CHUNK):
+            c = idx[lo:lo + _CHUNK]
+            if int(c.min()) < 0 or int(c.max()) >= t.numel():
+                raise bad("indices", f"hold [{int(c.min())}, {int(c.max())}], out of the "
+                          f"{t.numel()} elements")
+        return idx, vals
+    k, m = e["nranges"], e["nrows"]
+    ranges = seg[:_RANGE * k].view(torch.int64).view(k, 2)
+    if k and not bool(((ranges[:, 0] >= 0) & (ranges[:, 0] < ranges[:, 1])
+                       & (ranges[:, 1] <= t.shape[0])).all()):
+        raise bad("ranges", f"hold a run outside [0, {t.shape[0]}) or empty")
+    if (got := int((ranges[:, 1] - ranges[:, 0]).sum())) != m:
+        raise bad("nrows", f"is {m}, the ranges cover {got} rows")
+    return ranges, seg[_RANGE * k:_RANGE * k + m * t[0].numel() * s].view(t.dtype).view(
+        m, *t.shape[1:])
+
+
+def apply(round: Round, targets: Mapping[str, torch.Tensor], *,
+          check_finite: bool = True) -> list[str]:
+    """Check a whole round against its targets, then write it into them in place.
+
+    Nothing is written unless every entry passes. The targets may be the receiver's own
+    tensors or HF-named copies to hand on to a loader afterwards (vLLM:
+    ``model.load_weights((n, targets[n]) for n in apply(r, targets))``).
+
+    Args:
+        round: a `Round` from `pack` (or rebuilt from its header JSON and buffer).
+        targets: name -> contiguous tensor; the buffer may be on another device.
+        check_finite: refuse NaN or Inf in a dense update of a float tensor (patches and rows
+            carry exact bit patterns and are not checked).
+    Returns:
+        The names written, in the round's order, each once.
+    Raises:
+        DeltaError: naming the tensor and the field (see `check`; also indices or row
+            ranges out of range, a non-finite dense update, a buffer of the wrong length).
+    """
+    entries, buf, h = _parse(round.header, targets), round.buffer, round.header
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != h["nbytes"]:
+        raise DeltaError(f"round {h.get('round')!r}: field 'nbytes' is {h['nbytes']}, the "
+                         f"buffer holds {buf.numel()} {buf.dtype} in shape {tuple(buf.shape)}")
+    staged = []
+    for e, t in entries:
+        def bad(field: str, msg: str, name=e["name"]) -> DeltaError:
+            return DeltaError(f"round {h.get('round')!r}: `{name}`: field '{field}' {msg}")
+        staged.append((e, t, _views(e, t, buf, check_finite, bad)))
+    names = {}
+    for e, t, v in staged:  # everything checked: write
+        flat = t.detach().view(-1)
+        if e["kind"] == DENSE:
+            flat[e["start"]:e["stop"]].copy_(v[0])
+        elif e["kind"] == PATCH:
+            idx, vals = v
+            for lo in range(0, idx.numel(), _CHUNK):
+                flat.index_copy_(0, idx[lo:lo + _CHUNK].to(t.device, torch.int64),
+                                 vals[lo:lo + _CHUNK].to(t.device))
+        else:
+            t.detach().index_copy_(0, _row_index(v[0].to(t.device)), v[1].to(t.device))
+        names[e["name"]] = None
+    logger.debug("round %s: applied %d entries to %d tensors", h.get("round"), len(staged),
+                 len(names))
+    return list(names)
