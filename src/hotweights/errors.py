@@ -35,3 +35,7 @@ class FingerprintError(HotweightsError):
 
 class DeltaError(HotweightsError):
     """A weight delta or round is malformed or does not fit its target (names tensor, field)."""
+
+
+class RemoteError(HotweightsError):
+    """A remote channel failed: a peer is gone, stalled or unproven (names the rank and peer)."""

@@ -1,0 +1,378 @@
+"""A broadcast channel for packed delta rounds: one sender (rank 0), N receivers, a private group.
+
+The group is *stateless*: built from its own `TCPStore` and backend object (the way vLLM's
+``stateless_init_torch_distributed_process_group`` does it, without importing vLLM), so it
+lives beside any default group of the process (vLLM's own) and never touches global state.
+
+Before any weight moves, every side proves it holds the shared token (`rendezvous.prove`):
+a peer without it, or a stranger on the port, fails every side with a `RemoteError`.
+
+Each round goes as three broadcasts from rank 0, whatever its number of tensors: a fixed
+int64 meta tensor (header length, buffer length, round index, rounds total), the JSON header
+as uint8, then the buffer. Every rank runs a heartbeat thread (its own store connection), so
+when a collective fails or times out the channel names the peer that stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed import PrefixStore, TCPStore
+
+from hotweights.delta import Round
+from hotweights.errors import RemoteError
+from hotweights.remote import rendezvous
+
+__all__ = ["BACKENDS", "Channel"]
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("gloo", "nccl")
+_META = 4  # int64s: header length, buffer length, round index, rounds total
+_MAX_HEADER = 1 << 26  # a header longer than this is a broken or hostile sender
+_ABORT = -1  # a meta header length telling the receivers the sender gave up the update
+
+
+class _Heartbeat(threading.Thread):
+    """Bumps this rank's counter in the store every `interval` s, on its own connection."""
+
+    def __init__(self, addr: str, port: int, key: str, interval: float, timeout: float):
+        super().__init__(name=f"hotweights-heartbeat-{key}", daemon=True)
+        self.store = TCPStore(addr, port, None, False, timeout=timedelta(seconds=timeout))
+        self.key, self.interval, self.stop = key, interval, threading.Event()
+
+    def run(self) -> None:
+        n = 0
+        while not self.stop.is_set():
+            try:
+                self.store.set(self.key, str(n := n + 1))
+            except RuntimeError:  # the store (the sender) is gone: the channel reports it
+                return
+            self.stop.wait(self.interval)
+
+
+class Channel:
+    """One sender (rank 0) and ``world_size - 1`` receivers over a private process group.
+
+    Example:
+        sender: ``Channel(master_addr=a, master_port=p, rank=0, world_size=3, token=t)
+        .send(delta.pack(deltas, max_bytes=m))``; each receiver:
+        ``for r in Channel(..., rank=i, ...).receive(): delta_apply.apply(r, weights)``.
+
+    Attributes:
+        rank, world_size: this side's place in the group.
+        bytes_sent: bytes broadcast by this rank (meta, headers and buffers, once per round,
+            whatever the number of receivers); 0 on receivers.
+        bytes_received: the same, counted on a receiver.
+    """
+
+    def __init__(self, *, master_addr: str, master_port: int, rank: int, world_size: int,
+                 token: str, timeout: float = 60.0, backend: str = "gloo",
+                 device: torch.device | str | None = None):
+        """Rendezvous, prove the token both ways, then build the group.
+
+        Args:
+            master_addr: the sender's address; rank 0 listens on it.
+            master_port: the store's port (rank 0 binds it).
+            rank: 0 for the sender, 1 .. world_size - 1 for the receivers.
+            world_size: the sender and every receiver.
+            token: the shared secret; never sent, only HMACs of a fresh nonce with it.
+            timeout: seconds any rendezvous step or collective may wait for a peer.
+            backend: ``gloo`` (CPU tensors) or ``nccl`` (CUDA tensors).
+            device: where the meta, header and staging tensors live; default CPU for gloo,
+                the current CUDA device for nccl.
+        Raises:
+            RemoteError: a bad argument, a peer missing or late, a rank claimed twice, a
+                token proof that does not match (each names the rank).
+        """
+        self._validate(rank, world_size, token, timeout, backend)
+        self.rank, self.world_size, self.backend = rank, world_size, backend
+        self.addr, self.port, self.timeout = master_addr, master_port, timeout
+        self.device = torch.device(device if device is not None else
+                                   "cpu" if backend == "gloo" else "cuda")
+        self.bytes_sent = self.bytes_received = self._steps = 0
+        self._staging: torch.Tensor | None = None
+        self._pg = self._heartbeat = None
+        self._broken: str | None = None
+        td = timedelta(seconds=timeout)
+        self._store = self._ns = None
+        try:
+            self._store = TCPStore(master_addr, master_port, None, rank == 0, timeout=td,
+                                   wait_for_workers=False)
+            nonce = rendezvous.prove(self._store, rank=rank, world_size=world_size, token=token,
+                                     timeout=timeout, where=self._where())
+            self._ns = f"{rendezvous.NS}/{nonce}"
+            self._interval = min(1.0, timeout / 8)
+            self._heartbeat = _Heartbeat(master_addr, master_port, f"{self._ns}/hb/{rank}",
+                                         self._interval, timeout)
+            self._heartbeat.start()
+            self._pg = self._group(PrefixStore(f"{self._ns}/pg", self._store), td)
+        except dist.DistError as e:
+            self.close()
+            raise RemoteError(f"{self._where()}: rendezvous failed within {timeout} s: "
+                              f"{self._peer_hint()} ({e})") from e
+        except RemoteError:
+            self.close()
+            raise
+        logger.info("%s: channel ready (%s, %d ranks)", self._where(), backend, world_size)
+
+    @staticmethod
+    def _validate(rank: int, world_size: int, token: str, timeout: float, backend: str) -> None:
+        if type(world_size) is not int or world_size < 2:
+            raise RemoteError(f"channel: field 'world_size' must be an int >= 2 (the sender and "
+                              f"a receiver), found {world_size!r}")
+        if type(rank) is not int or not 0 <= rank < world_size:
+            raise RemoteError(f"channel: field 'rank' must be an int in [0, {world_size}), "
+                              f"found {rank!r}")
+        if not isinstance(token, str) or len(token) < 8:
+            raise RemoteError("channel: field 'token' must be a string of 8 characters or more")
+        if not timeout > 0:
+            raise RemoteError(f"channel: field 'timeout' must be > 0 seconds, found {timeout!r}")
+        if backend not in BACKENDS:
+            raise RemoteError(f"channel: field 'backend' must be one of {list(BACKENDS)}, "
+                              f"found {backend!r}")
+
+    def _where(self) -> str:
+        return f"channel {self.addr}:{self.port} rank {self.rank}"
+
+    def _peer_hint(self) -> str:
+        return ("a receiver did not join" if self.rank == 0 else
+                f"the sender (rank 0) at {self.addr}:{self.port} did not answer")
+
+    def _group(self, store: PrefixStore, td: timedelta):
+        if self.backend == "gloo":
+            from torch.distributed.distributed_c10d import ProcessGroupGloo
+            pg = ProcessGroupGloo(store, self.rank, self.world_size, timeout=td)
+        else:
+            from torch.distributed.distributed_c10d import ProcessGroupNCCL
+            opts = ProcessGroupNCCL.Options()
+            opts._timeout = td
+            pg = ProcessGroupNCCL(store, self.rank, self.world_size, opts)
+        pg._set_sequence_number_for_group()
+        return pg
+
+    # --- failures ---------------------------------------------------------------------------
+
+    def _beats(self) -> dict[int, bytes | None]:
+        out = {}
+        for r in range(self.world_size):
+            if r != self.rank:
+                k = f"{self._ns}/hb/{r}"
+                out[r] = self._store.get(k) if self._store.check([k]) else None
+        return out
+
+    def _behind(self) -> list[int]:
+        got = {}
+        for r in range(1, self.world_size):
+            k = f"{self._ns}/progress/{r}"
+            got[r] = int(self._store.get(k)) if self._store.check([k]) else -1
+        low = min(got.values())
+        return [r for r, v in got.items() if v == low and low < max(got.values())]
+
+    def _told(self) -> str | None:
+        # What another rank found: a receiver waits a little for the sender's verdict.
+        key = f"{self._ns}/failed"
+        if self.rank != 0:
+            try:
+                self._store.wait([key], timedelta(seconds=2.5 * self._interval + 1.0))
+            except dist.DistStoreError:  # nothing said yet: find out ourselves
+                return None
+        return self._store.get(key).decode() if self._store.check([key]) else None
+
+    def _blame(self, what: str, exc: BaseException) -> RemoteError:
+        """The error naming the peer that stopped; told to the others through the store."""
+        try:
+            if (msg := self._told()) is not None:
+                return RemoteError(f"{self._where()}: {what} failed: {msg}")
+            before = self._beats()
+            time.sleep(min(2.5 * self._interval, self.timeout))
+            after = self._beats()
+            dead = [r for r in before if before[r] == after[r]]
+            behind = [] if dead else self._behind()
+        except RuntimeError:  # the store lives in the sender: it is gone
+            return RemoteError(f"{self._where()}: {what} failed: the sender (rank 0) at "
+                               f"{self.addr}:{self.port} is gone ({exc})")
+        if dead:
+            who = (", ".join(f"rank {r} ({'sender' if r == 0 else 'receiver'})" for r in dead)
+                   + f" stopped (no heartbeat for {2.5 * self._interval:.1f} s)")
+        elif behind:
+            who = ", ".join(f"rank {r} (receiver)" for r in behind) + " stalled behind the others"
+        else:
+            who = "no peer stopped or fell behind; a peer is slow or unreachable"
+        msg = f"{who}; reported by rank {self.rank} ({exc})"
+        self._tell(msg)
+        return RemoteError(f"{self._where()}: {what} failed: {msg}")
+
+    def _broadcast(self, t: torch.Tensor, what: str) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self._collective(lambda: self._pg.broadcast([t], opts).wait(), what)
+
+    def _ack(self, what: str) -> None:
+        # Every receiver has read (and applied) every round: the sender returns only then.
+        t = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._collective(lambda: self._pg.allreduce([t]).wait(), what)
+
+    def _collective(self, op, what: str) -> None:
+        if self._broken is not None:
+            raise RemoteError(f"{self._where()}: the channel is broken ({self._broken}); "
+                              "close it and open a new one")
+        try:
+            op()
+        except RuntimeError as e:
+            err = self._blame(what, e)
+            self._broken = str(err)
+            logger.error("%s", err)
+            raise err from e
+
+    # --- rounds -----------------------------------------------------------------------------
+
+    def send(self, rounds: Iterable[Round]) -> int:
+        """Broadcast one update's rounds to every receiver (rank 0 only).
+
+        Args:
+            rounds: from `hotweights.delta.pack`, in order; their buffers on this channel's
+                device. If reading them raises, the receivers are told the update is aborted
+                and the error is raised again.
+        Returns:
+            The bytes this update put on the wire (also added to `bytes_sent`).
+        Raises:
+            RemoteError: a receiver died, stalled or left (named), within the timeout; the
+                channel is then broken.
+        """
+        if self.rank != 0:
+            raise RemoteError(f"{self._where()}: only rank 0 sends; call receive()")
+        sent, i, it = 0, 0, iter(rounds)
+        while True:
+            try:
+                r = next(it, None)
+            except Exception:
+                self._broadcast(torch.tensor([_ABORT, 0, i, 0], dtype=torch.int64,
+                                             device=self.device), f"abort at round {i}")
+                raise
+            if r is None:
+                break
+            sent += self._send_round(r)
+            i += 1
+        self._ack(f"acknowledgement of {i} rounds")
+        self.bytes_sent += sent
+        logger.info("%s: sent %d rounds, %d bytes", self._where(), i, sent)
+        return sent
+
+    def _send_round(self, r: Round) -> int:
+        head = r.header_bytes()
+        buf = r.buffer
+        if buf.device != self.device:
+            buf = buf.to(self.device)
+        meta = torch.tensor([len(head), buf.numel(), r.header["round"], r.header["rounds"]],
+                            dtype=torch.int64, device=self.device)
+        what = f"round {r.header['round'] + 1}/{r.header['rounds']}"
+        self._broadcast(meta, what)
+        self._broadcast(torch.frombuffer(bytearray(head), dtype=torch.uint8).to(self.device),
+                        what)
+        if buf.numel():
+            self._broadcast(buf, what)
+        return _META * 8 + len(head) + buf.numel()
+
+    def receive(self) -> Iterator[Round]:
+        """The rounds of one update, as they arrive (receivers only).
+
+        Each round's buffer is a view of one staging buffer, grown only when a round is
+        bigger than any before, so it is overwritten when the next round is read: check and
+        apply a round before asking for the next.
+
+        Returns:
+            An iterator of `Round`, ending after the update's last round.
+        Raises:
+            RemoteError: the sender died, stalled or aborted, or sent a malformed round (named).
+        """
+        if self.rank == 0:
+            raise RemoteError(f"{self._where()}: rank 0 sends; call send()")
+        i, total = 0, None
+        while total is None or i < total:
+            meta = torch.zeros(_META, dtype=torch.int64, device=self.device)
+            self._step()
+            self._broadcast(meta, f"round {i + 1}")
+            hlen, blen, idx, n = meta.tolist()
+            if hlen == _ABORT:
+                raise RemoteError(f"{self._where()}: the sender aborted the update at round "
+                                  f"{i + 1}; rounds before it were delivered")
+            total = n if total is None else total
+            self._check_meta(hlen, blen, idx, n, i, total)
+            head = torch.empty(hlen, dtype=torch.uint8, device=self.device)
+            self._broadcast(head, f"round {i + 1}/{total}")
+            buf = self._buffer(blen)
+            if blen:
+                self._broadcast(buf, f"round {i + 1}/{total}")
+            self.bytes_received += _META * 8 + hlen + blen
+            try:
+                yield Round(self._header(head, blen, i), buf)
+            except GeneratorExit:
+                self._broken = f"stopped reading at round {i + 1}/{total}"
+                self._tell(f"rank {self.rank} (receiver) {self._broken}")
+                raise
+            i += 1
+        self._step()
+        self._ack(f"acknowledgement of {total} rounds")
+        logger.info("%s: received %d rounds", self._where(), total)
+
+    def _step(self) -> None:
+        # Receivers record each step they enter (a round, the ack): a stalled one lags.
+        self._steps += 1
+        self._store.set(f"{self._ns}/progress/{self.rank}", str(self._steps))
+
+    def _tell(self, msg: str) -> None:
+        try:
+            self._store.compare_set(f"{self._ns}/failed", "", msg)
+        except RuntimeError:
+            pass
+
+    def _check_meta(self, hlen: int, blen: int, idx: int, n: int, i: int, total: int) -> None:
+        if not (0 < hlen <= _MAX_HEADER and blen >= 0 and idx == i and n == total >= 1):
+            self._broken = f"malformed round meta {[hlen, blen, idx, n]}"
+            raise RemoteError(f"{self._where()}: round {i + 1}: the sender's meta "
+                              f"[header length, buffer length, round, rounds] is "
+                              f"{[hlen, blen, idx, n]}, expected round {i} of {total}")
+
+    def _header(self, head: torch.Tensor, blen: int, i: int) -> dict:
+        try:
+            header = json.loads(bytes(head.cpu().numpy()))
+        except ValueError as e:
+            raise RemoteError(f"{self._where()}: round {i + 1}: header is not JSON ({e})") from e
+        if not isinstance(header, dict) or header.get("nbytes") != blen or header.get(
+                "round") != i:
+            raise RemoteError(f"{self._where()}: round {i + 1}: header fields 'nbytes', "
+                              f"'round' do not match the meta ({blen}, {i})")
+        return header
+
+    def _buffer(self, n: int) -> torch.Tensor:
+        if self._staging is None or self._staging.numel() < n:
+            self._staging = torch.empty(n, dtype=torch.uint8, device=self.device)
+        return self._staging[:n]
+
+    def close(self) -> None:
+        """Stop the heartbeat and destroy the group and the store connection (idempotent)."""
+        if self._heartbeat is not None:
+            self._heartbeat.stop.set()
+            self._heartbeat = None
+        if self._pg is not None:
+            try:
+                self._pg.shutdown()
+            except RuntimeError as e:  # a broken group may refuse a clean shutdown
+                logger.debug("%s: group shutdown: %s", self._where(), e)
+            self._pg = None
+        self._store = None
+        self._staging = None
+
+    def __enter__(self) -> Channel:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,257 @@
+"""remote.channel: delta rounds broadcast over a stateless Gloo group to receiver processes."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from hotweights import delta
+from hotweights.errors import RemoteError
+from hotweights.remote.channel import Channel
+
+TOKEN = "a-shared-secret-token"
+TIMEOUT = 6.0
+MAX_BYTES = 16 << 10
+
+# The receiver runs in a plain process: builds the same old weights, checks and applies every
+# round, prints one JSON line per update (or per error) with a checksum of its weights.
+RECEIVER = r"""
+import hashlib, json, os, signal, sys, time, torch
+from hotweights import delta_apply
+from hotweights.errors import HotweightsError
+from hotweights.remote.channel import Channel
+sys.path.insert(0, sys.argv[1])
+from test_remote_channel import checksum, weights
+port, rank, world, token, updates, mode = (int(sys.argv[2]), int(sys.argv[3]),
+                                           int(sys.argv[4]), sys.argv[5], int(sys.argv[6]),
+                                           sys.argv[7])
+w = weights()
+print(json.dumps({"ready": True}), flush=True)
+try:
+    ch = Channel(master_addr="127.0.0.1", master_port=port, rank=rank, world_size=world,
+                 token=token, timeout=float(sys.argv[8]))
+    for u in range(updates):
+        for i, r in enumerate(ch.receive()):
+            if mode == "kill" and u == updates - 1 and i == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if mode == "stall" and u == updates - 1 and i == 2:
+                time.sleep(120)
+            delta_apply.check(r.header, w)
+            delta_apply.apply(r, w)
+        print(json.dumps({"update": u, "sum": checksum(w), "bytes": ch.bytes_received}),
+              flush=True)
+    ch.close()
+except HotweightsError as e:
+    print(json.dumps({"error": str(e), "sum": checksum(w)}), flush=True)
+    sys.exit(3)
+"""
+
+
+def weights(hidden: int = 128, inter: int = 344, vocab: int = 512, layers: int = 2,
+            kv: int = 64) -> dict[str, torch.Tensor]:
+    """A small Llama-like bf16 state dict, the same in every process (seeded)."""
+    g = torch.Generator().manual_seed(0)
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
+              "lm_head.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes |= {p + "self_attn.q_proj.weight": (hidden, hidden),
+                   p + "self_attn.k_proj.weight": (kv, hidden),
+                   p + "self_attn.v_proj.weight": (kv, hidden),
+                   p + "self_attn.o_proj.weight": (hidden, hidden),
+                   p + "mlp.gate_proj.weight": (inter, hidden),
+                   p + "mlp.up_proj.weight": (inter, hidden),
+                   p + "mlp.down_proj.weight": (hidden, inter),
+                   p + "input_layernorm.weight": (hidden,),
+                   p + "post_attention_layernorm.weight": (hidden,)}
+    return {k: (torch.randn(s, generator=g) * 0.02).to(torch.bfloat16) for k, s in shapes.items()}
+
+
+def checksum(w: dict[str, torch.Tensor]) -> str:
+    import hashlib
+    h = hashlib.sha256()
+    for k in sorted(w):
+        h.update(k.encode())
+        h.update(w[k].view(torch.int16).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _rows(w, g):
+    out = {}
+    for k, t in w.items():
+        t = t.clone()
+        if t.dim() == 2:
+            rows = torch.randperm(t.shape[0], generator=g)[:max(1, t.shape[0] // 100)]
+            t[rows] += 0.5
+        out[k] = t
+    return out
+
+
+def _scattered(w, g):
+    out = {}
+    for k, t in w.items():
+        t = t.clone()
+        flat = t.view(-1)
+        idx = torch.randperm(flat.numel(), generator=g)[:max(1, flat.numel() // 100)]
+        flat[idx] += 0.5
+        out[k] = t
+    return out
+
+
+def _full(w, g):
+    return {k: t + 0.25 for k, t in w.items()}
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(port: int, rank: int, world: int, updates: int, *, token: str = TOKEN,
+           mode: str = "ok") -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    args = [sys.executable, "-c", RECEIVER, os.path.dirname(__file__), str(port), str(rank),
+            str(world), token, str(updates), mode, str(TIMEOUT)]
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+
+
+def _receivers(port: int, world: int, updates: int, **modes) -> list[subprocess.Popen]:
+    """Receivers 1 .. world - 1, started and ready (imports done) before the sender connects;
+    modes: ``r2={"token": ...}`` or ``r2={"mode": "kill"}`` for rank 2."""
+    procs = [_spawn(port, r, world, updates, **modes.get(f"r{r}", {})) for r in range(1, world)]
+    for p in procs:
+        assert json.loads(p.stdout.readline()) == {"ready": True}, p.stderr.read()
+    return procs
+
+
+def _lines(p: subprocess.Popen) -> list[dict]:
+    out, err = p.communicate(timeout=60)
+    lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    assert lines or p.returncode < 0, f"receiver printed nothing (rc {p.returncode}): {err}"
+    return lines
+
+
+def _nbytes(w) -> int:
+    return sum(t.numel() * t.element_size() for t in w.values())
+
+
+def test_updates_arrive_bit_identical_and_only_what_changed_goes_on_the_wire():
+    port, old = _port(), weights()
+    procs = _receivers(port, 3, 3)
+    g = torch.Generator().manual_seed(1)
+    sums, ratios = [], []
+    with Channel(master_addr="127.0.0.1", master_port=port, rank=0, world_size=3,
+                 token=TOKEN, timeout=TIMEOUT) as ch:
+        for change, kib in ((_rows, 2), (_scattered, 8), (_full, 64)):  # several rounds each
+            new = change(old, g)
+            rounds = list(delta.pack(delta.encode_all(old, new), max_bytes=kib << 10))
+            before = ch.bytes_sent
+            assert ch.send(rounds) == ch.bytes_sent - before
+            assert len(rounds) >= 2
+            ratios.append((ch.bytes_sent - before) / _nbytes(old))
+            sums.append(checksum(new))
+            old = new
+    for p in procs:
+        got = _lines(p)
+        assert p.returncode == 0, got
+        assert [x["sum"] for x in got] == sums
+        assert got[-1]["bytes"] == ch.bytes_sent
+    rows, scattered, full = ratios
+    assert rows <= 0.03 and scattered <= 0.08 and 1.0 <= full <= 1.05, ratios
+    print("wire bytes / weight bytes:", ratios)
+
+
+def test_a_wrong_token_fails_every_side_by_name_and_nothing_is_applied():
+    port, old = _port(), weights()
+    good, bad = _receivers(port, 3, 1, r2={"token": "not-the-token"})
+    with pytest.raises(RemoteError, match=r"rank 0: receiver rank\(s\) \[2\] did not prove the "
+                       r"channel's token"):
+        Channel(master_addr="127.0.0.1", master_port=port, rank=0, world_size=3, token=TOKEN,
+                timeout=TIMEOUT)
+    for p in (good, bad):
+        (line,) = _lines(p)
+        assert p.returncode == 3
+        assert "the sender refused the channel: token of rank(s) [2]" in line["error"]
+        assert line["sum"] == checksum(old)  # nothing applied
+
+
+def test_a_receiver_killed_mid_send_is_named_by_the_sender_within_the_timeout():
+    port, old = _port(), weights()
+    survivor, victim = _receivers(port, 3, 1, r2={"mode": "kill"})
+    new = _full(old, None)
+    with Channel(master_addr="127.0.0.1", master_port=port, rank=0, world_size=3,
+                 token=TOKEN, timeout=TIMEOUT) as ch:
+        t = time.monotonic()
+        with pytest.raises(RemoteError, match=r"rank 2 \(receiver\) stopped") as e:
+            ch.send(delta.pack(delta.encode_all(old, new), max_bytes=MAX_BYTES))
+        assert time.monotonic() - t < TIMEOUT + 3
+        print(f"{time.monotonic() - t:.1f} s:", e.value)
+        with pytest.raises(RemoteError, match="the channel is broken"):
+            ch.send(delta.pack(delta.encode_all(old, new), max_bytes=MAX_BYTES))
+    assert victim.wait(timeout=30) == -9
+    (line,) = _lines(survivor)
+    assert survivor.returncode == 3 and "rank 2 (receiver) stopped" in line["error"], line
+
+
+def test_a_stalled_receiver_is_named_by_the_sender_within_the_timeout():
+    port, old = _port(), weights()
+    survivor, stalled = _receivers(port, 3, 1, r2={"mode": "stall"})
+    new = _full(old, None)
+    try:
+        with Channel(master_addr="127.0.0.1", master_port=port, rank=0, world_size=3,
+                     token=TOKEN, timeout=TIMEOUT) as ch:
+            t = time.monotonic()
+            with pytest.raises(RemoteError, match=r"rank 2 \(receiver\) stalled behind") as e:
+                ch.send(delta.pack(delta.encode_all(old, new), max_bytes=MAX_BYTES))
+            assert time.monotonic() - t < TIMEOUT + 5, e.value
+            print(f"{time.monotonic() - t:.1f} s:", e.value)
+        (line,) = _lines(survivor)
+        assert survivor.returncode == 3 and "rank 2 (receiver) stalled" in line["error"], line
+    finally:
+        stalled.kill()
+        stalled.wait()
+
+
+def test_a_stranger_on_the_port_does_not_disturb_the_update():
+    port, old = _port(), weights()
+    procs = _receivers(port, 3, 1)
+    new = _scattered(old, torch.Generator().manual_seed(2))
+
+    def junk():
+        for _ in range(50):
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+                    s.sendall(b"\x00\xffGET / HTTP/1.1\r\n\r\n" * 8)
+                return
+            except OSError:
+                time.sleep(0.05)
+    import threading
+    th = threading.Thread(target=junk)
+    th.start()
+    with Channel(master_addr="127.0.0.1", master_port=port, rank=0, world_size=3,
+                 token=TOKEN, timeout=TIMEOUT) as ch:
+        ch.send(delta.pack(delta.encode_all(old, new), max_bytes=MAX_BYTES))
+    th.join()
+    for p in procs:
+        (line,) = _lines(p)
+        assert p.returncode == 0 and line["sum"] == checksum(new)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"world_size": 1}, "field 'world_size' must be an int >= 2"),
+    ({"rank": 3}, r"field 'rank' must be an int in \[0, 3\)"),
+    ({"token": "short"}, "field 'token' must be a string of 8"),
+    ({"backend": "mpi"}, "field 'backend' must be one of"),
+])
+def test_bad_arguments_are_named(kw, match):
+    args = {"master_addr": "127.0.0.1", "master_port": 1, "rank": 0, "world_size": 3,
+            "token": TOKEN, "timeout": 1.0} | kw
+    with pytest.raises(RemoteError, match=match):
+        Channel(**args)
