@@ -219,6 +219,30 @@ def test_bridge_checkpoint_writes_only_what_changed(server, tmp_path):
                 row.copy_(old)
 
 
+def test_sync_and_diagnose_commands_against_the_server(server, capsys, tmp_path):
+    import shutil
+
+    from hotweights.cli import main
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(server.model_dir, ckpt)
+    args = ["--model-dir", str(ckpt), "--server", server.url, "--token", TOKEN]
+    assert main(["sync", *args, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    version = _http(server.url, "/hotweights/status")[2]["version"]
+    assert result["version"] == version and not result["missing_on_disk"]
+    assert main(["diagnose", *args]) == 0  # the sidecars now describe the live weights
+    out = capsys.readouterr().out
+    assert "matched" in out and "fresh" in out
+    with pytest.raises(SystemExit) as usage:  # the server's version is the one recorded
+        main(["sync", *args, "--version", "v9"])
+    assert usage.value.code == 2 and "--version goes with --from" in capsys.readouterr().err
+    assert main(["sync", *args[:2], "--server", server.url, "--token", "wrong"]) == 1
+    assert "401" in capsys.readouterr().err
+    status = _http(server.url, "/hotweights/status")[2]
+    assert status["state"] == "idle" and status["version"] == version
+
+
 def test_status_command_and_token_file(server, capsys, monkeypatch, tmp_path):
     from hotweights.cli import main
 
