@@ -17,7 +17,9 @@ Scenarios, each from the same old content: (a) 1 % of rows changed in a few tens
 tensor (an RL step in bf16), (d) nothing changed. Before every timed run each directory
 holds the old content (hotweights and seed put it back with their own method, untimed),
 `os.sync()` has flushed every dirty page and the shards have been read (page cache warm for
-every method); every method pays its own fsync. Each timing is the median of --repeat
+every method); every method pays its own fsync. hotweights frees a replaced shard's blocks
+in a background thread after its commit (the timer stops when `sync` returns); the full
+rewrite frees them inside its rename. Each timing is the median of --repeat
 runs; after the first run of each method the directory's tensors are checked (safetensors
 load, all tensors) to equal the live ones, so a wrong fast path cannot look good.
 

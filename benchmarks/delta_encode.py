@@ -24,28 +24,9 @@ import time
 
 import torch
 
-from hotweights import delta, delta_apply
+from hotweights import delta, delta_apply, tiny
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def llama_like(hidden: int, inter: int, kv: int, vocab: int, layers: int) -> dict:
-    """Random bf16 tensors with a Llama model's names and shapes."""
-    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
-              "lm_head.weight": (vocab, hidden)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        shapes.update({p + "self_attn.q_proj.weight": (hidden, hidden),
-                       p + "self_attn.k_proj.weight": (kv, hidden),
-                       p + "self_attn.v_proj.weight": (kv, hidden),
-                       p + "self_attn.o_proj.weight": (hidden, hidden),
-                       p + "mlp.gate_proj.weight": (inter, hidden),
-                       p + "mlp.up_proj.weight": (inter, hidden),
-                       p + "mlp.down_proj.weight": (hidden, inter),
-                       p + "input_layernorm.weight": (hidden,),
-                       p + "post_attention_layernorm.weight": (hidden,)})
-    g = torch.Generator().manual_seed(0)
-    return {n: torch.randn(s, generator=g).bfloat16() for n, s in shapes.items()}
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -105,7 +86,8 @@ def main() -> None:
     ap.add_argument("--max-mb", type=int, default=64, help="staging budget per round, MiB")
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
-    old = llama_like(args.hidden, args.inter, args.kv, args.vocab, args.layers)
+    old = tiny.llama_tensors(hidden=args.hidden, inter=args.inter, kv=args.kv,
+                             vocab=args.vocab, layers=args.layers)
     model_bytes, max_bytes = sum(t.nbytes for t in old.values()), args.max_mb << 20
     receiver = {n: t.clone() for n, t in old.items()}
     out, g = {"model_bytes": model_bytes, "max_bytes": max_bytes}, torch.Generator()

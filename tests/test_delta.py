@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from hotweights import delta
+from hotweights import delta, tiny
 from hotweights.delta import Round, encode, encode_all, pack
 from hotweights.delta_apply import apply, check
 from hotweights.errors import DeltaError
@@ -264,21 +264,7 @@ def test_encode_and_pack_refuse_bad_input_by_name():
 
 
 def _llama_like(hidden=256, inter=688, kv=64, vocab=2048, layers=2) -> dict:
-    g = torch.Generator().manual_seed(0)
-    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
-              "lm_head.weight": (vocab, hidden)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        shapes.update({p + "self_attn.q_proj.weight": (hidden, hidden),
-                       p + "self_attn.k_proj.weight": (kv, hidden),
-                       p + "self_attn.v_proj.weight": (kv, hidden),
-                       p + "self_attn.o_proj.weight": (hidden, hidden),
-                       p + "mlp.gate_proj.weight": (inter, hidden),
-                       p + "mlp.up_proj.weight": (inter, hidden),
-                       p + "mlp.down_proj.weight": (hidden, inter),
-                       p + "input_layernorm.weight": (hidden,),
-                       p + "post_attention_layernorm.weight": (hidden,)})
-    return {n: torch.randn(s, generator=g).bfloat16() for n, s in shapes.items()}
+    return tiny.llama_tensors(hidden=hidden, inter=inter, kv=kv, vocab=vocab, layers=layers)
 
 
 def _ratio(old: dict, new: dict) -> float:

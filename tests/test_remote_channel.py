@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from hotweights import delta
+from hotweights import delta, tiny
 from hotweights.errors import RemoteError
 from hotweights.remote.channel import Channel
 
@@ -55,21 +55,8 @@ except HotweightsError as e:
 def weights(hidden: int = 128, inter: int = 344, vocab: int = 512, layers: int = 2,
             kv: int = 64) -> dict[str, torch.Tensor]:
     """A small Llama-like bf16 state dict, the same in every process (seeded)."""
-    g = torch.Generator().manual_seed(0)
-    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
-              "lm_head.weight": (vocab, hidden)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        shapes |= {p + "self_attn.q_proj.weight": (hidden, hidden),
-                   p + "self_attn.k_proj.weight": (kv, hidden),
-                   p + "self_attn.v_proj.weight": (kv, hidden),
-                   p + "self_attn.o_proj.weight": (hidden, hidden),
-                   p + "mlp.gate_proj.weight": (inter, hidden),
-                   p + "mlp.up_proj.weight": (inter, hidden),
-                   p + "mlp.down_proj.weight": (hidden, inter),
-                   p + "input_layernorm.weight": (hidden,),
-                   p + "post_attention_layernorm.weight": (hidden,)}
-    return {k: (torch.randn(s, generator=g) * 0.02).to(torch.bfloat16) for k, s in shapes.items()}
+    return tiny.llama_tensors(hidden=hidden, inter=inter, kv=kv, vocab=vocab, layers=layers,
+                              scale=0.02)
 
 
 def checksum(w: dict[str, torch.Tensor]) -> str:

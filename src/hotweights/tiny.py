@@ -148,3 +148,37 @@ def build(arch: str, out_dir: str | Path, *, dtype: str = "bfloat16", seed: int 
     (out / ".tiny").write_text(stamp)
     logger.info("built tiny %s model in %s", arch, out)
     return out
+
+
+def llama_tensors(*, hidden: int, inter: int, kv: int, vocab: int, layers: int,
+                  scale: float = 1.0, seed: int = 0) -> dict:
+    """Random bf16 tensors with a Llama model's HF names and shapes, no model around them
+    (for the weight-transfer tests and benchmarks): the same in every process for a seed.
+
+    Args:
+        hidden, inter, kv, vocab, layers: hidden size, MLP width, k/v projection width,
+            vocabulary rows and decoder layers.
+        scale: the standard deviation of the values.
+        seed: the generator's seed.
+    Returns:
+        HF name -> tensor, in a fixed order (embedding, norm, head, then layer by layer).
+    """
+    import torch
+
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
+              "lm_head.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes |= {p + "self_attn.q_proj.weight": (hidden, hidden),
+                   p + "self_attn.k_proj.weight": (kv, hidden),
+                   p + "self_attn.v_proj.weight": (kv, hidden),
+                   p + "self_attn.o_proj.weight": (hidden, hidden),
+                   p + "mlp.gate_proj.weight": (inter, hidden),
+                   p + "mlp.up_proj.weight": (inter, hidden),
+                   p + "mlp.down_proj.weight": (hidden, inter),
+                   p + "input_layernorm.weight": (hidden,),
+                   p + "post_attention_layernorm.weight": (hidden,)}
+    g = torch.Generator().manual_seed(seed)
+    return {n: (torch.randn(s, generator=g) * scale).to(torch.bfloat16)
+            for n, s in shapes.items()}
+
