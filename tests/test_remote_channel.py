@@ -36,12 +36,26 @@ try:
     ch = Channel(master_addr="127.0.0.1", master_port=port, rank=rank, world_size=world,
                  token=token, timeout=float(sys.argv[8]))
     for u in range(updates):
-        for i, r in enumerate(ch.receive()):
-            if mode == "kill" and u == updates - 1 and i == 2:
+        staged = []
+
+        def stage(r, last=u == updates - 1):
+            i = r.header["round"]
+            if mode == "kill" and last and i == 2:
                 os.kill(os.getpid(), signal.SIGKILL)
-            if mode == "stall" and u == updates - 1 and i == 2:
+            if mode == "stall" and last and i == 2:
                 time.sleep(120)
+            if mode == "refuse" and u == 0 and i == 2:
+                raise HotweightsError("round 3 refused by the test")
             delta_apply.check(r.header, w)
+            staged.append(delta_apply.Round(r.header, r.buffer.clone()))
+        try:
+            ch.receive(stage)
+        except HotweightsError as e:  # a refusal: nothing applied, the channel goes on
+            if "refused" not in str(e):
+                raise
+            print(json.dumps({"update": u, "refused": str(e), "sum": checksum(w)}), flush=True)
+            continue
+        for r in staged:
             delta_apply.apply(r, w)
         print(json.dumps({"update": u, "sum": checksum(w), "bytes": ch.bytes_received}),
               flush=True)
@@ -229,6 +243,25 @@ def test_a_stranger_on_the_port_does_not_disturb_the_update():
     for p in procs:
         (line,) = _lines(p)
         assert p.returncode == 0 and line["sum"] == checksum(new)
+
+
+def test_a_refusal_by_one_receiver_is_applied_by_none_and_the_channel_goes_on():
+    port, old = _port(), weights()
+    procs = _receivers(port, 3, 2, r2={"mode": "refuse"})
+    g = torch.Generator().manual_seed(3)
+    first, second = _full(old, g), _scattered(old, g)
+    with Channel(master_addr="127.0.0.1", master_port=port, rank=0, world_size=3,
+                 token=TOKEN, timeout=TIMEOUT) as ch:
+        with pytest.raises(RemoteError, match=r"refused the update, so no receiver applies "
+                           r"it: rank 2: HotweightsError: round 3 refused by the test"):
+            ch.send(delta.pack(delta.encode_all(old, first), max_bytes=MAX_BYTES))
+        ch.send(delta.pack(delta.encode_all(old, second), max_bytes=MAX_BYTES))
+    (told, _), (own, _) = lines = [_lines(p) for p in procs]
+    for p, (refused, done) in zip(procs, lines, strict=True):
+        assert p.returncode == 0 and refused["sum"] == checksum(old), refused
+        assert done["sum"] == checksum(second), done
+    assert "rank 2: HotweightsError: round 3" in told["refused"]
+    assert own["refused"] == "round 3 refused by the test"
 
 
 @pytest.mark.parametrize("kw, match", [

@@ -19,7 +19,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 
 import torch
@@ -64,7 +64,8 @@ class Channel:
     Example:
         sender: ``Channel(master_addr=a, master_port=p, rank=0, world_size=3, token=t)
         .send(delta.pack(deltas, max_bytes=m))``; each receiver:
-        ``for r in Channel(..., rank=i, ...).receive(): delta_apply.apply(r, weights)``.
+        ``Channel(..., rank=i, ...).receive(stage)``, where ``stage(round)`` checks a round
+        and keeps a copy; apply the copies once `receive` returns.
 
     Attributes:
         rank, world_size: this side's place in the group.
@@ -97,7 +98,7 @@ class Channel:
         self.addr, self.port, self.timeout = master_addr, master_port, timeout
         self.device = torch.device(device if device is not None else
                                    "cpu" if backend == "gloo" else "cuda")
-        self.bytes_sent = self.bytes_received = self._steps = 0
+        self.bytes_sent = self.bytes_received = self._steps = self._updates = 0
         self._staging: torch.Tensor | None = None
         self._pg = self._heartbeat = None
         self._broken: str | None = None
@@ -215,10 +216,21 @@ class Channel:
         opts.rootRank = 0
         self._collective(lambda: self._pg.broadcast([t], opts).wait(), what)
 
-    def _ack(self, what: str) -> None:
-        # Every receiver has read (and applied) every round: the sender returns only then.
-        t = torch.zeros(1, dtype=torch.int64, device=self.device)
+    def _ack(self, what: str, refused: bool = False) -> None:
+        """Every receiver has read and staged every round; any rank returns only then.
+
+        Each rank adds 1 if it refused the update: a non-zero sum fails it on every rank,
+        naming the receivers that refused and why.
+        """
+        t = torch.tensor([int(refused)], dtype=torch.int64, device=self.device)
         self._collective(lambda: self._pg.allreduce([t]).wait(), what)
+        keys = [(r, self._refusal_key(r)) for r in range(1, self.world_size)]
+        self._updates += 1
+        if int(t.item()) and not refused:
+            reasons = [f"rank {r}: {self._store.get(k).decode()}" for r, k in keys
+                       if self._store.check([k])]
+            raise RemoteError(f"{self._where()}: receiver(s) refused the update, so no receiver "
+                              f"applies it: {'; '.join(reasons)}")
 
     def _collective(self, op, what: str) -> None:
         if self._broken is not None:
@@ -244,8 +256,9 @@ class Channel:
         Returns:
             The bytes this update put on the wire (also added to `bytes_sent`).
         Raises:
-            RemoteError: a receiver died, stalled or left (named), within the timeout; the
-                channel is then broken.
+            RemoteError: a receiver died, stalled or left (named), within the timeout (the
+                channel is then broken), or refused the update (named, with its reason; the
+                channel stays usable).
         """
         if self.rank != 0:
             raise RemoteError(f"{self._where()}: only rank 0 sends; call receive()")
@@ -261,8 +274,8 @@ class Channel:
                 break
             sent += self._send_round(r)
             i += 1
-        self._ack(f"acknowledgement of {i} rounds")
         self.bytes_sent += sent
+        self._ack(f"acknowledgement of {i} rounds")
         logger.info("%s: sent %d rounds, %d bytes", self._where(), i, sent)
         return sent
 
@@ -281,21 +294,26 @@ class Channel:
             self._broadcast(buf, what)
         return _META * 8 + len(head) + buf.numel()
 
-    def receive(self) -> Iterator[Round]:
-        """The rounds of one update, as they arrive (receivers only).
+    def receive(self, stage: Callable[[Round], None]) -> int:
+        """Receive one update, handing each round to `stage` as it arrives (receivers only).
 
-        Each round's buffer is a view of one staging buffer, grown only when a round is
-        bigger than any before, so it is overwritten when the next round is read: check and
-        apply a round before asking for the next.
+        `stage` checks a round and keeps what it needs: the round's buffer is a view of one
+        staging buffer, grown only when a round is bigger than any before, and overwritten
+        by the next round. Apply nothing before this returns: it returns only when every
+        receiver has staged every round (all or nothing). If `stage` raises, the rest of the
+        update is read and dropped, and at the acknowledgement every rank learns that this
+        one refused; the channel stays usable.
 
         Returns:
-            An iterator of `Round`, ending after the update's last round.
+            The number of rounds received.
         Raises:
-            RemoteError: the sender died, stalled or aborted, or sent a malformed round (named).
+            RemoteError: the sender died, stalled or aborted, sent a malformed round, or
+                another receiver refused the update (each named).
+            Exception: what `stage` raised, on the receiver that refused.
         """
         if self.rank == 0:
             raise RemoteError(f"{self._where()}: rank 0 sends; call send()")
-        i, total = 0, None
+        i, total, refused = 0, None, None
         while total is None or i < total:
             meta = torch.zeros(_META, dtype=torch.int64, device=self.device)
             self._step()
@@ -303,7 +321,7 @@ class Channel:
             hlen, blen, idx, n = meta.tolist()
             if hlen == _ABORT:
                 raise RemoteError(f"{self._where()}: the sender aborted the update at round "
-                                  f"{i + 1}; rounds before it were delivered")
+                                  f"{i + 1}; nothing of it is applied")
             total = n if total is None else total
             self._check_meta(hlen, blen, idx, n, i, total)
             head = torch.empty(hlen, dtype=torch.uint8, device=self.device)
@@ -312,16 +330,22 @@ class Channel:
             if blen:
                 self._broadcast(buf, f"round {i + 1}/{total}")
             self.bytes_received += _META * 8 + hlen + blen
-            try:
-                yield Round(self._header(head, blen, i), buf)
-            except GeneratorExit:
-                self._broken = f"stopped reading at round {i + 1}/{total}"
-                self._tell(f"rank {self.rank} (receiver) {self._broken}")
-                raise
+            if refused is None:
+                try:
+                    stage(Round(self._header(head, blen, i), buf))
+                except Exception as e:  # read the rest, then tell everyone at the ack
+                    refused = e
+                    self._store.set(self._refusal_key(self.rank), f"{type(e).__name__}: {e}")
             i += 1
         self._step()
-        self._ack(f"acknowledgement of {total} rounds")
+        self._ack(f"acknowledgement of {total} rounds", refused is not None)
+        if refused is not None:
+            raise refused
         logger.info("%s: received %d rounds", self._where(), total)
+        return total
+
+    def _refusal_key(self, rank: int) -> str:
+        return f"{self._ns}/refused/{self._updates}/{rank}"
 
     def _step(self) -> None:
         # Receivers record each step they enter (a round, the ack): a stalled one lags.
