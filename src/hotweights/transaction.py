@@ -70,7 +70,11 @@ class Engine(Protocol):
     async def resume(self) -> None: ...
 
     async def after_update(self) -> None:
-        """The workers' post-update hook; raises on failure."""
+        """Apply what was staged (remote servers), then the workers' post-update hook;
+        raises on failure."""
+
+    async def discard(self) -> None:
+        """Drop a staged update (remote servers); the weights stay as they are."""
 
     async def reset_caches(self) -> None:
         """Drop every cache that holds weights-derived state; raises on failure."""
@@ -93,7 +97,7 @@ def parse_version(label: str) -> tuple[int, str]:
 # -- requests: frozen, validated; a bad field is a 400 that names it -------------------------
 
 
-_KINDS = {"str": str, "float": float, "bool": bool}
+_KINDS = {"str": str, "float": float, "bool": bool, "int": int}
 
 
 @dataclass(frozen=True)
@@ -151,7 +155,13 @@ class Renew(_Request):
 
 @dataclass(frozen=True)
 class Commit(_Request):
-    pass
+    n: int = 0  # the version number to serve: 0 for the next; a trainer of many servers
+    #             gives them all the same one (it must be above the current)
+
+
+@dataclass(frozen=True)
+class Receive(_Request):
+    """A remote server's receive step, under the holder's lease."""
 
 
 @dataclass(frozen=True)
@@ -215,7 +225,7 @@ class Transaction:
         cancelled resumes generation. The holder's retry of a begin joins the first one.
         """
         async with self._lock:
-            self._check_server(req.server_id)
+            self.check_server(req.server_id)
             # (a commit holds the lock to its end: never COMMITTING here)
             if self.state in (State.DRAINING, State.PAUSED):
                 if req.holder != self.holder:
@@ -265,6 +275,9 @@ class Transaction:
         """Post-update hook, cache reset, a new version, resume; `dirty` if a step failed."""
         async with self._lock:
             self._check_paused(req, "commit")
+            if req.n and req.n <= self.n:
+                raise Refused(409, f"field 'n' ({req.n}) must be above the version number "
+                              f"served ({self.n})", n=self.n)
             self.state = State.COMMITTING
             self._disarm()
             started = time.perf_counter()
@@ -280,7 +293,7 @@ class Transaction:
             finally:  # whatever happened, the trainer wrote: a new version, and resume
                 self.updates += 1
                 await self._new_version(f"commit by {req.holder}: {', '.join(failed)} "
-                                        "failed" if failed else None)
+                                        "failed" if failed else None, req.n)
                 await self._resume("committed")
             self.last_commit_s = time.perf_counter() - started
             self.last_update_s = time.perf_counter() - self._began
@@ -296,6 +309,7 @@ class Transaction:
                 self._pausing.cancel()
             else:
                 self._disarm()
+            await self._discard_quietly()
             if req.dirty:
                 await self._reset_quietly()
                 await self._new_version(f"update aborted by {req.holder}")
@@ -309,6 +323,7 @@ class Transaction:
                 return
             logger.warning("hotweights: lease of %s expired; resuming, weights marked dirty",
                            holder)
+            await self._discard_quietly()
             await self._reset_quietly()
             await self._new_version(f"lease of {holder} expired")
             await self._resume("expired")
@@ -321,7 +336,7 @@ class Transaction:
         return {"version": self.version, "n": self.n, "lease_expires": self.lease_expires,
                 "server_id": self.server_id}
 
-    def _check_server(self, server_id: str) -> None:
+    def check_server(self, server_id: str) -> None:
         if server_id != self.server_id:
             raise Refused(409, f"this is server {self.server_id}, not {server_id}: the server "
                           "restarted and the weights you mapped are gone; reconnect "
@@ -332,7 +347,7 @@ class Transaction:
                        holder=self.holder)
 
     def _check_holder(self, req: _Request) -> None:
-        self._check_server(req.server_id)
+        self.check_server(req.server_id)
         if self.holder is not None:
             if req.holder != self.holder:
                 raise self._held()
@@ -364,12 +379,22 @@ class Transaction:
         await asyncio.sleep(delay)
         await self.expire(holder)
 
+    def check_lease(self, req: _Request, what: str) -> None:
+        """Refuse (409) `what` unless `req`'s holder holds the paused weights."""
+        self._check_paused(req, what)
+
+    async def _discard_quietly(self) -> None:
+        try:
+            await self.engine.discard()
+        except Exception:
+            logger.exception("hotweights: could not drop the staged update")
+
     async def _reset_quietly(self) -> None:
         with contextlib.suppress(Exception):  # dirty anyway; the log says why
             await self.engine.reset_caches()
 
-    async def _new_version(self, dirty_reason: str | None) -> None:
-        self.n += 1
+    async def _new_version(self, dirty_reason: str | None, n: int = 0) -> None:
+        self.n = n or self.n + 1
         self.dirty, self.dirty_reason = dirty_reason is not None, dirty_reason
         if self.dirty:
             self.dirty_versions = [*self.dirty_versions, self.n][-_KEPT_DIRTY:]

@@ -14,12 +14,14 @@ import os
 logger = logging.getLogger(__name__)
 
 ACTIVE = "HOTWEIGHTS_ACTIVE"  # "1" in the environment of a vLLM hotweights started
+REMOTE = "HOTWEIGHTS_REMOTE"  # "1": `serve --remote`, updates come over the transfer engine
 
 _done = False
 
 
 def register() -> None:
-    """vLLM general plugin: on CPU, keep the live weights in a layout we can view."""
+    """vLLM general plugin: register the `hotweights` weight-transfer engine, and on CPU
+    keep the live weights in a layout we can view."""
     global _done
     if _done:
         return
@@ -28,7 +30,14 @@ def register() -> None:
                      "serve` (HOTWEIGHTS_ACTIVE is not 1)")
         return
     _done = True
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     from vllm.platforms import current_platform
+
+    try:  # `hotweights serve --remote` selects it; the module loads only then
+        WeightTransferEngineFactory.register_engine(
+            "hotweights", "hotweights.vllm_plugin.remote_engine", "HotweightsEngine")
+    except ValueError:  # registered already in this process
+        pass
 
     if current_platform.is_cpu():
         from hotweights.vllm_plugin.cpu_keep_weights import install

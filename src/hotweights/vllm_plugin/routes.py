@@ -20,6 +20,7 @@ import contextlib
 import hmac
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import APIRouter, FastAPI, Request
@@ -27,7 +28,17 @@ from fastapi.responses import JSONResponse
 
 from hotweights.errors import ConfigError, ServerError
 from hotweights.tokens import remove_token
-from hotweights.transaction import Abort, Begin, Commit, Refused, Renew, Transaction
+from hotweights.transaction import (
+    Abort,
+    Begin,
+    Commit,
+    Receive,
+    Refused,
+    Renew,
+    Transaction,
+    _Request,
+)
+from hotweights.vllm_plugin import REMOTE
 from hotweights.vllm_plugin.gate import Gate, GateMiddleware
 
 logger = logging.getLogger(__name__)
@@ -56,8 +67,8 @@ def _metrics() -> dict:
 class VllmEngine:
     """`transaction.Engine` over vLLM's engine client and the request gate."""
 
-    def __init__(self, client, gate: Gate):
-        self.client, self.gate = client, gate
+    def __init__(self, client, gate: Gate, *, remote: bool = False):
+        self.client, self.gate, self.remote = client, gate, remote
 
     def hold(self) -> None:
         self.gate.open.clear()
@@ -90,7 +101,13 @@ class VllmEngine:
         await self.client.resume_generation()
 
     async def after_update(self) -> None:
+        if self.remote:  # the staged update, through the model's loader
+            await self.client.collective_rpc("hotweights_remote_apply")
         await self.client.collective_rpc("hotweights_after_update")
+
+    async def discard(self) -> None:
+        if self.remote:
+            await self.client.collective_rpc("hotweights_remote_discard")
 
     async def reset_caches(self) -> None:
         # Cached KV (frozen `keep` requests' too: they recompute it on resume) and
@@ -101,6 +118,24 @@ class VllmEngine:
 
     async def set_version(self, label: str) -> None:
         await self.client.update_weight_version(label)
+
+
+@dataclass(frozen=True)
+class Join(_Request):
+    """Where the trainer's channel is, and this server's place in it."""
+
+    master_addr: str = ""
+    master_port: int = 0
+    rank_offset: int = 0
+    world_size: int = 0
+    token: str = ""
+    timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("master_addr", "master_port", "rank_offset", "world_size", "token"):
+            if not getattr(self, name):
+                raise Refused(400, f"field {name!r} is required")
 
 
 def _refuse_split_servers(args) -> None:
@@ -122,8 +157,11 @@ class HotweightsRoutes:
         self.token = os.environ.get("HOTWEIGHTS_TOKEN", "")
         self.metrics = _metrics()
         self.gate = Gate()
+        self.remote = os.environ.get(REMOTE) == "1"
         self.tx: Transaction | None = None
+        self.client = None
         self.manifests: list[dict] = []
+        self.workers = 0
 
     def attach_router(self, app: FastAPI) -> None:
         if not self.server_id:
@@ -135,6 +173,10 @@ class HotweightsRoutes:
         router.add_api_route("/status", self.status, methods=["GET"])
         for name in ("begin", "renew", "commit", "abort"):
             router.add_api_route(f"/{name}", getattr(self, name), methods=["POST"])
+        router.add_api_route("/checksum", self.checksum, methods=["GET"])
+        if self.remote:
+            router.add_api_route("/remote/join", self.join, methods=["POST"])
+            router.add_api_route("/remote/receive", self.receive, methods=["POST"])
         app.include_router(router)
         app.add_middleware(GateMiddleware, gate=self.gate, version=lambda: self.tx.version)
 
@@ -147,14 +189,22 @@ class HotweightsRoutes:
         _refuse_split_servers(args)
         if token_file := os.environ.get("HOTWEIGHTS_TOKEN_FILE"):  # written by the runner
             atexit.register(remove_token, Path(token_file), self.token)
-        self.tx = Transaction(VllmEngine(engine_client, self.gate), self.server_id)
+        self.client = engine_client
+        self.tx = Transaction(VllmEngine(engine_client, self.gate, remote=self.remote),
+                              self.server_id)
         await engine_client.update_weight_version(self.tx.version)  # not "default"
         self.metrics["version"].set_function(lambda: self.tx.n)
         self.metrics["dirty"].set_function(lambda: int(self.tx.dirty))
+        if self.remote:  # updates come over the transfer engine: nothing to share
+            self.workers = len(await engine_client.collective_rpc("hotweights_after_update"))
+            logger.info("hotweights: server %s, %d worker(s) receive updates from a "
+                        "trainer (--remote)", self.server_id, self.workers)
+            return
         self.manifests = list(
             await engine_client.collective_rpc("hotweights_share", args=(self.server_id,)))
+        self.workers = len(self.manifests)
         logger.info("hotweights: server %s, weights shared by %d worker(s)", self.server_id,
-                    len(self.manifests))
+                    self.workers)
 
     # -- helpers ---------------------------------------------------------------------
 
@@ -188,7 +238,50 @@ class HotweightsRoutes:
     async def status(self, request: Request):
         if refused := self._refuse(request):
             return refused
-        return self.tx.status()
+        return {**self.tx.status(), "remote": self.remote, "workers": self.workers}
+
+    async def checksum(self, request: Request):
+        """The version served and one xxh3-64 per worker over its weights (hashes them all)."""
+        if refused := self._refuse(request):
+            return refused
+        while True:
+            version = self.tx.version
+            sums = await self.client.collective_rpc("hotweights_checksum")
+            if version == self.tx.version and self.tx.state.value in ("idle", "expired"):
+                return {"version": version, "checksum": list(sums)}
+            await asyncio.sleep(0.05)  # an update ran meanwhile: hash again
+
+    async def join(self, request: Request):
+        """Join a trainer's channel (`hotweights.RemoteGroup`); returns once every rank has."""
+        return await self._call(request, Join, self._join)
+
+    async def _join(self, req: Join) -> dict:
+        self.tx.check_server(req.server_id)
+        if self.tx.state.value not in ("idle", "expired"):
+            raise Refused(409, f"an update is {self.tx.state.value}; join between updates",
+                          holder=self.tx.holder)
+        info = {k: getattr(req, k) for k in ("master_addr", "master_port", "rank_offset",
+                                             "world_size", "token", "timeout")}
+        await self._rpc("init_weight_transfer_engine", info)
+        logger.info("hotweights: %s joined channel %s:%d as ranks %d..%d of %d", self.server_id,
+                    req.master_addr, req.master_port, req.rank_offset,
+                    req.rank_offset + self.workers - 1, req.world_size)
+        return {"workers": self.workers, "version": self.tx.version}
+
+    async def receive(self, request: Request):
+        """Receive one update into staging (under the holder's lease); commit applies it."""
+        return await self._call(request, Receive, self._receive)
+
+    async def _receive(self, req: Receive) -> dict:
+        self.tx.check_lease(req, "receive")
+        (first, *_) = await self._rpc("hotweights_remote_receive")
+        return {**first, "workers": self.workers}
+
+    async def _rpc(self, method: str, *args) -> list:
+        try:
+            return await self.client.collective_rpc(method, args=args)
+        except Exception as e:  # the worker's error (a RemoteError, a refusal) by name
+            raise Refused(502, f"{method} failed on a worker: {e}") from e
 
     async def begin(self, request: Request):
         return await self._call(request, Begin, self.tx.begin)

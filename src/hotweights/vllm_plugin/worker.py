@@ -10,6 +10,8 @@ import atexit
 import logging
 import os
 
+import torch
+
 from hotweights import shm
 from hotweights.errors import ConfigError, UnsupportedModelError
 
@@ -54,6 +56,43 @@ class HotweightsWorker:
         Nothing to do yet: on CPU the plugin keeps every weight in the layout the engine
         computes on, so an in-place write is all there is.
         """
+
+    # -- remote servers (`hotweights serve --remote`): the `hotweights` transfer engine --
+
+    def hotweights_remote_receive(self) -> dict:
+        """Receive one update from the trainer's channel into the engine's staging."""
+        if not self._weight_update_active:
+            self.start_weight_update()
+        self.update_weights({})
+        staged = self.weight_transfer_engine.staged
+        return {"rounds": staged.rounds, "bytes": staged.nbytes}
+
+    def hotweights_remote_apply(self) -> bool:
+        """Apply the staged update through the model's loader; False if none was staged."""
+        if not self._weight_update_active:
+            return False
+        self.finish_weight_update()
+        return True
+
+    def hotweights_remote_discard(self) -> None:
+        """Drop a staged update, leaving the weights untouched."""
+        if (engine := getattr(self, "weight_transfer_engine", None)) is not None:
+            engine.discard()
+        if getattr(self, "_weight_update_active", False):
+            self.finish_weight_update()  # applies nothing: the staging is empty
+
+    def hotweights_checksum(self) -> str:
+        """xxh3-64 over this worker's parameters (names and bytes, in name order).
+
+        Equal on two servers of the same model, dtype, TP size and platform when their
+        weights are bit-identical."""
+        import xxhash
+
+        h = xxhash.xxh3_64()
+        for name, p in sorted(self.model_runner.model.named_parameters()):
+            h.update(name.encode())
+            h.update(p.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().data)
+        return h.hexdigest()
 
     def hotweights_release(self) -> None:
         """Remove the shared file (the engine keeps its mapping)."""

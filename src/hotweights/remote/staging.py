@@ -1,0 +1,128 @@
+"""A receiver's staging of one update: every round checked and held until the commit.
+
+`Staged` is the `stage` callback a receiver hands to `Channel.receive`. It checks each
+round against the model's tensor specs (HF names, dtype, shape: meta tensors are enough)
+and keeps a copy of its buffer, so nothing reaches the weights before the commit, and an
+update refused or cut off half way is dropped whole. At the commit, `patches()` turns the
+held pieces into checkpoint-coordinate patches for a loader (vLLM's
+``load_checkpoint_weight_patches``): one dense patch per tensor sent whole, one sparse patch
+(flat indices and values) per tensor sent as element patches or rows.
+
+Besides `delta_apply.checked`, a staged update is refused, naming the tensor, when a float
+value is NaN or Inf (NaN marks "unchanged" in vLLM's sparse loader), or a tensor's pieces
+(of any kind: `pack` may split rows into dense element ranges) do not come in increasing,
+non-overlapping flat order.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import torch
+
+from hotweights import delta_apply
+from hotweights.delta import DENSE, PATCH, Round, _row_index
+from hotweights.errors import DeltaError
+
+__all__ = ["Patch", "Staged"]
+
+logger = logging.getLogger(__name__)
+
+
+class Patch(NamedTuple):
+    """One tensor's update in checkpoint coordinates (the fields of vLLM's
+    ``CheckpointWeightPatch``): dense when `indices` is None, else flat indices."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    values: torch.Tensor
+    indices: torch.Tensor | None = None
+
+
+class Staged:
+    """The rounds of one update, checked against `specs` and held (see the module doc).
+
+    Args:
+        specs: HF name -> a tensor of the model's dtype and shape (a meta tensor will do).
+    Attributes:
+        nbytes: bytes of round buffers held.
+        rounds: rounds staged so far.
+    """
+
+    def __init__(self, specs: Mapping[str, torch.Tensor]):
+        self.specs = specs
+        self.nbytes = self.rounds = 0
+        self._pieces: dict[str, list[tuple]] = {}  # name -> [(kind, start, views)]
+        self._next: dict[str, int] = {}  # per tensor: the first flat element not yet staged
+
+    def __call__(self, r: Round) -> None:
+        buf = r.buffer.clone()  # the channel reuses its buffer for the next round
+        for e, t, views in delta_apply.checked(Round(r.header, buf), self.specs):
+            name, kind = e["name"], e["kind"]
+            if kind != DENSE and t.dtype.is_floating_point and not delta_apply.finite(views[1]):
+                raise DeltaError(f"`{name}`: the {kind} values hold NaN or Inf; refused")
+            start, stop = self._span(e, t, views)
+            if start < self._next.get(name, 0):
+                raise DeltaError(f"`{name}`: a {kind} piece starts at element {start}, before "
+                                 f"the end of the pieces staged before it; refused")
+            if start < stop:
+                self._next[name] = stop
+            self._pieces.setdefault(name, []).append((kind, e.get("start", 0), views))
+        self.nbytes += buf.numel()
+        self.rounds += 1
+
+    @staticmethod
+    def _span(e: dict, t: torch.Tensor, views: tuple) -> tuple[int, int]:
+        """The flat elements [first, last + 1) a piece writes; (0, 0) if none. Indices and
+        row ranges must increase within a piece."""
+        index = views[0]
+        if e["kind"] == DENSE:
+            return e["start"], e["stop"]
+        if not index.numel():
+            return 0, 0
+        if e["kind"] == PATCH:
+            ok, first, last = bool((index[1:] > index[:-1]).all()), index[0], index[-1]
+        else:
+            ok = bool((index[1:, 0] >= index[:-1, 1]).all())
+            row = t[0].numel()
+            first, last = index[0, 0] * row, index[-1, 1] * row - 1
+        if not ok:
+            raise DeltaError(f"`{e['name']}`: the {e['kind']} "
+                             f"{'indices' if e['kind'] == PATCH else 'ranges'} do not "
+                             "increase; refused")
+        return int(first), int(last) + 1
+
+    def patches(self) -> tuple[list[Patch], list[Patch]]:
+        """(dense patches, sparse patches), one per tensor: dense where a tensor came whole
+        (a view of the held buffer if in one piece), else flat indices and values."""
+        dense, sparse = [], []
+        for name, pieces in self._pieces.items():
+            spec = self.specs[name]
+            shape, row = tuple(spec.shape), spec[0].numel() if spec.dim() else 1
+            if all(k == DENSE for k, _, _ in pieces) and \
+                    sum(v.numel() for _, _, (v,) in pieces) == spec.numel():
+                dense.append(Patch(name, shape, spec.dtype, _cat([v for _, _, (v,) in pieces])))
+                continue
+            idx, vals = [], []
+            for kind, start, views in pieces:
+                dev = views[0].device
+                if kind == DENSE:
+                    idx.append(torch.arange(start, start + views[0].numel(), device=dev))
+                elif kind == PATCH:
+                    idx.append(views[0].to(torch.int64))
+                else:
+                    cols = torch.arange(row, dtype=torch.int64, device=dev)
+                    idx.append((_row_index(views[0])[:, None] * row + cols).view(-1))
+                vals.append(views[-1].reshape(-1))
+            sparse.append(Patch(name, shape, spec.dtype, _cat(vals), _cat(idx)))
+        return dense, sparse
+
+    def clear(self) -> None:
+        self.__init__(self.specs)
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -1,0 +1,169 @@
+"""The `hotweights` weight-transfer engine: a vLLM worker receives delta rounds from a trainer.
+
+vLLM builds it in each worker when the server runs with ``--weight-transfer-config
+'{"backend": "hotweights"}'`` (`hotweights serve --remote` passes it; the general plugin
+registers the name). Our authenticated routes drive it through the worker's own methods
+(`init_weight_transfer_engine`, `start_weight_update`, `update_weights`,
+`finish_weight_update`) and the worker extension's `hotweights_remote_*`; vLLM's RL routes
+and ``VLLM_SERVER_DEV_MODE`` are never needed.
+
+- init: joins the trainer's `Channel` as rank ``rank_offset + worker rank``, on Gloo (CPU)
+  or NCCL (CUDA).
+- update: receives every round of one update into a `Staged` (checked against the
+  checkpoint's names, shapes and the served dtype; nothing is applied yet); the trainer's
+  `send` returns only when every worker of every server has staged all of it.
+- finish: applies what was staged through ``load_checkpoint_weight_patches``, i.e. the
+  model's own ``load_weights`` (merging qkv / gate_up / experts, slicing for TP).
+- discard: drops what was staged (an aborted update leaves the weights untouched).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.model_executor.model_loader.checkpoint_weight_patch import (
+    CheckpointWeightPatch,
+    load_checkpoint_weight_patches,
+)
+
+from hotweights.checkpoint.shards import read_dir
+from hotweights.checkpoint.sync import DTYPES
+from hotweights.errors import ConfigError
+from hotweights.remote.channel import Channel
+from hotweights.remote.staging import Staged
+
+logger = logging.getLogger(__name__)
+
+NAME = "hotweights"
+SPARSE_CHUNK = 1 << 24  # values per load_checkpoint_weight_patches call of sparse patches
+
+
+@dataclass
+class RemoteInit(WeightTransferInitInfo):
+    """What a worker needs to join the trainer's channel (sent by our /remote/join route)."""
+
+    master_addr: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    token: str
+    timeout: float = 60.0
+
+
+@dataclass
+class RemoteUpdate(WeightTransferUpdateInfo):
+    """One update: everything else travels on the channel."""
+
+
+class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
+    init_info_cls = RemoteInit
+    update_info_cls = RemoteUpdate
+
+    def __init__(self, config, vllm_config, device, model) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.channel: Channel | None = None
+        self.staged: Staged | None = None
+
+    def _specs(self) -> dict[str, torch.Tensor]:
+        """HF name -> meta tensor of its shape and the served dtype, from the checkpoint."""
+        model_dir = _local_dir(str(self.model_config.model))
+        found = read_dir(model_dir)
+        if not found:
+            raise ConfigError(f"hotweights: no safetensors in {model_dir}; the remote engine "
+                              "checks updates against the checkpoint's tensor names and shapes")
+        served = self.model_config.dtype
+        return {name: torch.empty(info.shape, device="meta",
+                                  dtype=served if DTYPES.get(info.dtype, torch.int8)
+                                  .is_floating_point else DTYPES[info.dtype])
+                for name, (_, info) in found.items()}
+
+    def init_transfer_engine(self, init_info: RemoteInit) -> None:
+        self.shutdown()
+        pc = self.parallel_config
+        rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
+        cuda = self.device.type == "cuda"
+        self.channel = Channel(master_addr=init_info.master_addr,
+                               master_port=init_info.master_port, rank=rank,
+                               world_size=init_info.world_size, token=init_info.token,
+                               timeout=init_info.timeout, backend="nccl" if cuda else "gloo",
+                               device=self.device if cuda else "cpu")
+        if self.staged is None:
+            self.staged = Staged(self._specs())
+
+    def start_weight_update(self) -> None:
+        self._require()
+        self.staged.clear()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # vLLM's version ends with torch.accelerator.synchronize(), which raises on CPU torch
+        self.receive_weights(self.parse_update_info(update_info))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def receive_weights(self, update_info: RemoteUpdate) -> None:
+        self._require()
+        self.staged.clear()
+        try:
+            self.channel.receive(self.staged)
+        except BaseException:
+            self.staged.clear()
+            raise
+        logger.info("hotweights: staged %d rounds, %d bytes", self.staged.rounds,
+                    self.staged.nbytes)
+
+    def finish_weight_update(self) -> None:
+        """Apply what was staged (nothing after `discard`), through the model's loader."""
+        if self.staged is None:
+            return
+        dense, sparse = self.staged.patches()
+        names = set()
+        if dense:
+            names |= load_checkpoint_weight_patches(self.model, map(_vllm, dense))
+        chunk, size = [], 0
+        for p in sparse:
+            chunk.append(_vllm(p))
+            size += p.values.numel()
+            if size >= SPARSE_CHUNK or p is sparse[-1]:
+                # our indices are increasing, so unique: skip vLLM's sort
+                names |= load_checkpoint_weight_patches(self.model, chunk,
+                                                        validate_unique_indices=False)
+                chunk, size = [], 0
+        logger.info("hotweights: applied %d dense and %d sparse tensor updates",
+                    len(dense), len(sparse))
+        self.staged.clear()
+
+    def discard(self) -> None:
+        if self.staged is not None:
+            self.staged.clear()
+
+    def shutdown(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+
+    def _require(self) -> None:
+        if self.channel is None:
+            raise ConfigError("hotweights: this server has not joined a trainer's channel "
+                              "(POST /hotweights/remote/join first)")
+
+
+def _vllm(p) -> CheckpointWeightPatch:
+    return CheckpointWeightPatch(*p)
+
+
+def _local_dir(model: str) -> Path:
+    if os.path.isdir(model):
+        return Path(model)
+    from huggingface_hub import snapshot_download  # a hub id vLLM has already downloaded
+
+    return Path(snapshot_download(model, local_files_only=True))

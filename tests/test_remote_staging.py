@@ -1,0 +1,75 @@
+"""remote.staging: a receiver holds every round of an update, checked, until the commit."""
+
+import json
+
+import pytest
+import torch
+
+from hotweights.delta import Round, encode_all, pack
+from hotweights.errors import DeltaError
+from hotweights.remote.staging import Staged
+from test_delta import _same_bits, _state
+
+
+def _specs(w: dict) -> dict:
+    return {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in w.items()}
+
+
+def _load(weights: dict, patches: tuple[list, list]) -> None:
+    """What vLLM's loader does with the patches, on plain tensors."""
+    dense, sparse = patches
+    for p in dense:
+        assert p.indices is None and p.values.numel() == weights[p.name].numel()
+        weights[p.name].view(-1).copy_(p.values)
+    for p in sparse:
+        weights[p.name].view(-1).index_copy_(0, p.indices.long(), p.values)
+
+
+@pytest.mark.parametrize("max_bytes", [64, 200, 1 << 20])
+def test_staged_rounds_load_bit_identical(max_bytes):
+    old, new = _state()
+    staged = Staged(_specs(old))
+    staging = torch.empty(max_bytes, dtype=torch.uint8)  # one buffer, reused: staged copies
+    for r in pack(encode_all(old, new), max_bytes=max_bytes, staging=staging):
+        staged(r)
+    got = {k: v.clone() for k, v in old.items()}
+    dense, sparse = staged.patches()
+    assert [p.name for p in dense] == ["c"] and sorted(p.name for p in sparse) == ["a", "b"]
+    _load(got, (dense, sparse))
+    assert _same_bits(got, new)
+    staged.clear()
+    assert staged.patches() == ([], []) and staged.nbytes == 0
+
+
+def _round(old, new) -> Round:
+    (r,) = pack(encode_all(old, new), max_bytes=1 << 20)
+    return Round(json.loads(r.header_bytes()), r.buffer)
+
+
+def test_nan_in_patch_values_is_refused_by_name():
+    old, new = _state()
+    new["b"] = new["b"].clone()
+    new["b"][7] = float("nan")
+    with pytest.raises(DeltaError, match="`b`: the patch values hold NaN or Inf"):
+        Staged(_specs(old))(_round(old, new))
+
+
+def test_unknown_name_and_shape_mismatch_are_refused_before_anything_is_held():
+    old, new = _state()
+    specs = _specs(old)
+    del specs["a"]
+    staged = Staged(specs)
+    with pytest.raises(DeltaError, match="unknown tensor `a`"):
+        staged(_round(old, new))
+    specs["a"] = torch.empty(301, 64, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(DeltaError, match="`a`: field 'shape'"):
+        Staged(specs)(_round(old, new))
+
+
+def test_a_tensor_sent_twice_is_refused():
+    old, new = _state()
+    r = _round(old, new)
+    staged = Staged(_specs(old))
+    staged(Round({**r.header, "rounds": 2}, r.buffer))
+    with pytest.raises(DeltaError, match="`a`: a rows piece starts at element 320, before"):
+        staged(Round({**r.header, "round": 1, "rounds": 2}, r.buffer))
