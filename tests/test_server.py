@@ -42,15 +42,23 @@ def _http(url, route, *, token=TOKEN, body=None, method=None):
 
 
 class Server:
-    def __init__(self, model_dir: Path, tmp: Path, *extra: str, port: int | None = None):
+    def __init__(self, model_dir: Path, tmp: Path, *extra: str, port: int | None = None,
+                 wait: bool = True):
         self.port = port or launch.free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model_dir = str(model_dir)
-        log = tmp / "server.log"
-        self.proc = launch.spawn(model_dir, port=self.port, token=TOKEN, log=log, vllm_args=(
-            "--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "8", *extra))
+        self.log = tmp / "server.log"
+        self.proc = launch.spawn(model_dir, port=self.port, token=TOKEN, log=self.log,
+                                 vllm_args=("--max-model-len", "256", "--enforce-eager",
+                                            "--max-num-seqs", "8", *extra))
+        if wait:
+            self.wait()
+
+    def wait(self) -> None:
+        """Until it answers; stopped if it does not (starting several at once: spawn
+        them all with wait=False from this thread, the servers' parent, then wait)."""
         try:
-            launch.wait_ready(self.proc, self.url, log=log)
+            launch.wait_ready(self.proc, self.url, log=self.log)
         except BaseException:
             launch.stop(self.proc)
             raise

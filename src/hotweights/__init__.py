@@ -1,8 +1,15 @@
 """hotweights: train an LLM in place while vLLM serves it — one copy of the weights."""
 
 from hotweights.bridge import Bridge
-from hotweights.errors import HotweightsError, LayoutError, ManifestError, ServerError
+from hotweights.errors import (
+    HotweightsError,
+    LayoutError,
+    ManifestError,
+    RemoteError,
+    ServerError,
+)
 from hotweights.layout import Layout, Piece, plan
+from hotweights.remote.group import RemoteGroup
 from hotweights.views import ViewReport, build_hf_model, verify_shared
 
 __all__ = [
@@ -12,6 +19,8 @@ __all__ = [
     "LayoutError",
     "ManifestError",
     "Piece",
+    "RemoteError",
+    "RemoteGroup",
     "ServerError",
     "ViewReport",
     "build_hf_model",

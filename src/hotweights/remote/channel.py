@@ -140,6 +140,11 @@ class Channel:
             raise RemoteError(f"channel: field 'backend' must be one of {list(BACKENDS)}, "
                               f"found {backend!r}")
 
+    @property
+    def broken(self) -> bool:
+        """A collective failed: the group is unusable; close it and open a new one."""
+        return self._broken is not None
+
     def _where(self) -> str:
         return f"channel {self.addr}:{self.port} rank {self.rank}"
 

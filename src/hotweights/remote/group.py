@@ -1,0 +1,284 @@
+"""Trainer side of remote servers: `RemoteGroup` sends each update, only what changed, to every
+`hotweights serve --remote`, as one transaction.
+
+One update: begin (pause) on every server; every server's workers receive the rounds into
+staging while this process broadcasts them on a `Channel` (checked there, nothing applied);
+commit on every server with one version number N, which applies the staged update. What the
+design guarantees:
+
+- a server that dies, stalls or refuses during the send fails the update on every server,
+  within the timeout and by name; the others abort with nothing applied: **all stay at the
+  old version**;
+- once every server has staged the whole update, each is committed; a server that dies
+  between staging and its commit is named in the error while the others serve version N:
+  **the survivors all serve the new version**. The one that failed (or restarted, or missed
+  an update) gets a full sync at the next update, and then the deltas again.
+
+The old values the deltas are computed against are a host copy of what the servers hold
+(`reference`: one copy of the weights in this process's memory).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+import socket
+import time
+import urllib.parse
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from hotweights import delta
+from hotweights.bridge import _request
+from hotweights.errors import HotweightsError, RemoteError, ServerError
+from hotweights.remote.channel import Channel
+from hotweights.remote.hosts import server_urls
+from hotweights.tokens import find_token, is_loopback
+
+__all__ = ["RemoteGroup"]
+
+logger = logging.getLogger(__name__)
+
+ROUND_BYTES = 64 << 20  # staging budget per round, on both sides
+
+
+class RemoteGroup:
+    """The remote servers a trainer updates (see the module doc for the guarantees).
+
+    Example:
+        group = RemoteGroup("gpu[01-04]:8000", token=token)  # or ["http://a:8000", ...]
+        for batch in data:
+            train_step(model, batch)
+            group.update(model)      # every server serves the new weights, same version
+
+    Args:
+        servers: base URLs, ``host[:port]`` items or SLURM node lists (see
+            `hosts.server_urls`), as a comma-separated string or a list.
+        token: the servers' bearer token, or a mapping URL -> token (default: as for
+            `Bridge.connect`: HOTWEIGHTS_TOKEN, else the token file of a local server).
+        master_addr: the address the servers reach this process at for the channel
+            (default: 127.0.0.1 when every server is local, else this host's address).
+        master_port: the channel's port on this process (default: a free one).
+        timeout: seconds any peer may be silent in a collective before it is named.
+        max_round_bytes: the staging budget per round, on both sides.
+    """
+
+    def __init__(self, servers: str | Iterable[str], *, token: str | Mapping[str, str] | None =
+                 None, master_addr: str | None = None, master_port: int = 0,
+                 timeout: float = 60.0, max_round_bytes: int = ROUND_BYTES):
+        self.urls = server_urls(servers)
+        self._tokens = {u: find_token(u, token.get(u) if isinstance(token, Mapping) else token)
+                        for u in self.urls}
+        local = all(is_loopback(urllib.parse.urlsplit(u).hostname) for u in self.urls)
+        self.master_addr = master_addr or ("127.0.0.1" if local else
+                                           socket.gethostbyname(socket.gethostname()))
+        self.master_port, self.timeout = master_port, timeout
+        self.max_round_bytes = max_round_bytes
+        self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.n = 0  # the version number every server served at the last update
+        self.reference: dict[str, torch.Tensor] | None = None  # what the servers hold
+        self.bytes_sent = 0
+        self._held: dict[str, tuple[str, int]] = {}  # url -> (server id, n) of `reference`
+        self._channel: Channel | None = None
+        self._members: tuple = ()  # ((url, server id), ...) of the channel
+        self._ranks: dict[str, range] = {}
+
+    # -- the update ------------------------------------------------------------------------
+
+    def update(self, weights: torch.nn.Module | Mapping[str, torch.Tensor], *,
+               mode: str = "wait", lease_s: float | None = None) -> dict:
+        """Send the new weights to every server, as one transaction; return what happened.
+
+        Args:
+            weights: a model (its parameters, tied ones once) or a mapping of HF names (the
+                checkpoint's) to tensors.
+            mode: how servers treat in-flight requests while paused ("wait", "abort",
+                "keep"), as for `Bridge.update`.
+            lease_s: how long a server waits for this trainer before it resumes by itself
+                (default: four times the timeout, at least 60 s).
+        Returns:
+            ``{"version": N, "full": bool, "bytes_sent": int, "seconds": float,
+            "servers": {url: "N@SERVER"}}``.
+        Raises:
+            RemoteError: naming the server that failed (see the module doc for the state
+                every server is left in).
+        """
+        started = time.perf_counter()
+        new = _weights(weights)
+        status = self._each(lambda u: _request(u, "GET", "/hotweights/status", self._tokens[u]))
+        for u, st in status.items():
+            if not st.get("remote"):
+                raise RemoteError(f"{u}: not started with `hotweights serve --remote`; a "
+                                  "local server is updated in place through Bridge")
+        full = self.reference is None or any(
+            self._held.get(u) != (st["server_id"], st["n"]) for u, st in status.items())
+        self._connect(status)
+        deltas = delta.encode_all(None if full else self.reference, new)
+        lease_s = lease_s or max(60.0, 4 * self.timeout)
+        sent = self._send(status, deltas, mode, lease_s)
+        n = max(self.n, *(st["n"] for st in status.values())) + 1
+        committed, failed = {}, {}
+        for u, out in self._each(lambda u: self._post(u, status[u], "/hotweights/commit", n=n),
+                                 errors=True).items():
+            (failed if isinstance(out, Exception) else committed)[u] = out
+        self._remember(new, deltas, full)
+        self.n = n
+        self._held = {u: (status[u]["server_id"], n) for u in committed}
+        self.bytes_sent += sent
+        result = {"version": n, "full": full, "bytes_sent": sent,
+                  "seconds": time.perf_counter() - started,
+                  "servers": {u: out["version"] for u, out in committed.items()}}
+        if failed:
+            raise RemoteError(f"version {n} is served by {sorted(committed) or 'no server'}; "
+                              f"the commit failed on {_named(failed)}; that server gets a "
+                              "full sync at the next update")
+        logger.info("hotweights: version %d on %d servers, %d bytes sent%s in %.2f s", n,
+                    len(committed), sent, " (full sync)" if full else "", result["seconds"])
+        return result
+
+    def _send(self, status: dict, deltas: list, mode: str, lease_s: float) -> int:
+        """Begin everywhere, broadcast while every server receives; on failure abort all."""
+        began: list[str] = []
+        try:
+            for u, out in self._each(lambda u: self._post(u, status[u], "/hotweights/begin",
+                                                          mode=mode, lease_s=lease_s),
+                                     errors=True).items():
+                if isinstance(out, Exception):
+                    raise RemoteError(f"begin failed on {u}: {out}")
+                began.append(u)
+            with ThreadPoolExecutor(len(self.urls)) as pool:
+                receipts = {u: pool.submit(self._post, u, status[u], "/hotweights/remote/receive")
+                            for u in self.urls}
+                try:
+                    sent = self._channel.send(delta.pack(deltas, max_bytes=self.max_round_bytes))
+                except RemoteError as e:
+                    raise RemoteError(self._name_ranks(str(e))) from e
+                finally:
+                    outs = {u: _outcome(f) for u, f in receipts.items()}
+            if failed := {u: e for u, e in outs.items() if isinstance(e, Exception)}:
+                raise RemoteError(f"receive failed on {_named(failed)}")
+            return sent
+        except BaseException as e:
+            aborted = self._each(lambda u: self._post(u, status[u], "/hotweights/abort",
+                                                      dirty=False), errors=True, urls=began)
+            if self._channel is not None and self._channel.broken:
+                self._close()
+            if isinstance(e, HotweightsError):
+                left = [u for u, out in aborted.items() if not isinstance(out, Exception)]
+                raise RemoteError(f"update not applied anywhere: {e}; servers back at their "
+                                  f"old version: {left}") from e
+            raise
+
+    def _remember(self, new: dict, deltas: list, full: bool) -> None:
+        """Make `reference` what the servers now hold."""
+        if full or self.reference is None:
+            self.reference = {k: t.detach().to("cpu", copy=True) for k, t in new.items()}
+            return
+        for d in deltas:
+            if d.kind != delta.SAME:
+                self.reference[d.name].copy_(new[d.name])
+
+    # -- the channel -----------------------------------------------------------------------
+
+    def _connect(self, status: dict) -> None:
+        """(Re)build the channel when a server joined, restarted or the channel broke."""
+        members = tuple((u, status[u]["server_id"]) for u in self.urls)
+        if self._channel is not None and members == self._members:
+            return
+        self._close()
+        offset, self._ranks = 1, {}
+        for u in self.urls:
+            self._ranks[u] = range(offset, offset + status[u]["workers"])
+            offset += status[u]["workers"]
+        port = self.master_port or _free_port(self.master_addr)
+        token = secrets.token_hex(16)
+        with ThreadPoolExecutor(len(self.urls)) as pool:
+            joins = {u: pool.submit(self._post, u, status[u], "/hotweights/remote/join",
+                                    master_addr=self.master_addr, master_port=port,
+                                    rank_offset=self._ranks[u].start, world_size=offset,
+                                    token=token, timeout=self.timeout) for u in self.urls}
+            try:
+                self._channel = Channel(master_addr=self.master_addr, master_port=port, rank=0,
+                                        world_size=offset, token=token, timeout=self.timeout)
+            finally:
+                outs = {u: _outcome(f) for u, f in joins.items()}
+        if failed := {u: e for u, e in outs.items() if isinstance(e, Exception)}:
+            self._close()
+            raise RemoteError(f"joining the channel failed on {_named(failed)}")
+        self._members = members
+        logger.info("hotweights: channel %s:%d with %s", self.master_addr, port,
+                    {u: f"ranks {r.start}..{r.stop - 1}" for u, r in self._ranks.items()})
+
+    def _name_ranks(self, msg: str) -> str:
+        return re.sub(r"\brank ([1-9]\d*)( \(receiver\))?",
+                      lambda m: f"{m.group(0)} = {self._url(m)}", msg)
+
+    def _url(self, m: re.Match) -> str:
+        return next((u for u, r in self._ranks.items() if int(m.group(1)) in r), "?")
+
+    def _close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+        self._channel, self._members = None, ()
+
+    def close(self) -> None:
+        """Leave the channel (the servers keep serving; the next update rebuilds it)."""
+        self._close()
+
+    def __enter__(self) -> RemoteGroup:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- HTTP ------------------------------------------------------------------------------
+
+    def _post(self, url: str, status: dict, route: str, **body: Any) -> dict:
+        body = dict(holder=self.holder, server_id=status["server_id"], **body)
+        return _request(url, "POST", route, self._tokens[url], body, timeout=self.timeout + 60)
+
+    def _each(self, fn: Callable[[str], Any], *, errors: bool = False,
+              urls: list[str] | None = None) -> dict[str, Any]:
+        """fn(url) for every server at once; with `errors`, a failure is returned, not
+        raised."""
+        urls = self.urls if urls is None else urls
+        if not urls:
+            return {}
+        with ThreadPoolExecutor(len(urls)) as pool:
+            futures = {u: pool.submit(fn, u) for u in urls}
+            outs = {u: _outcome(f) for u, f in futures.items()}
+        if not errors and (failed := {u: e for u, e in outs.items()
+                                      if isinstance(e, Exception)}):
+            raise RemoteError(_named(failed))
+        return outs
+
+
+def _outcome(future) -> Any:
+    try:
+        return future.result()
+    except ServerError as e:
+        return e
+
+
+def _named(failed: dict[str, Exception]) -> str:
+    return "; ".join(f"{u}: {e}" for u, e in failed.items())
+
+
+def _weights(weights: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    if isinstance(weights, torch.nn.Module):  # named_parameters lists a tied weight once
+        items = weights.named_parameters()
+    else:
+        items = weights.items()
+    return {k: t.detach() if t.is_contiguous() else t.detach().contiguous() for k, t in items}
+
+
+def _free_port(addr: str) -> int:
+    with socket.socket() as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]

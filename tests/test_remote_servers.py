@@ -1,0 +1,159 @@
+"""`hotweights serve --remote` + `RemoteGroup`: two real vLLM CPU servers updated over Gloo."""
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from hotweights import HotweightsError, RemoteError, RemoteGroup
+from test_server import LOAD_TOL, PROMPT, TOKEN, Server, _greedy, _http, _sign_step
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def remotes(tiny_model, tmp_path_factory):
+    model_dir = tiny_model("llama")
+    # Both start at once, from this thread: a server stops when the thread that spawned it
+    # ends (PR_SET_PDEATHSIG follows the thread).
+    started = [Server(model_dir, tmp_path_factory.mktemp(f"remote{i}"), "--remote", wait=False)
+               for i in range(2)]
+    try:
+        for s in started:
+            s.wait()
+    except BaseException:
+        for s in started:
+            s.stop()
+        raise
+    yield started
+    for s in started:
+        s.stop()
+
+
+@pytest.fixture
+def trainer(remotes):
+    model = AutoModelForCausalLM.from_pretrained(remotes[0].model_dir, dtype=torch.bfloat16)
+    with RemoteGroup([s.url for s in remotes], token=TOKEN, timeout=10.0) as group:
+        group.update(model)  # a full sync: every server starts from the trainer's weights
+        yield model, group
+
+
+def _status(server) -> dict:
+    return _http(server.url, "/hotweights/status")[2]
+
+
+def _checksum(server) -> list[str]:
+    return _http(server.url, "/hotweights/checksum")[2]["checksum"]
+
+
+def _nbytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_k_updates_are_served_identically_with_one_version_number(remotes, trainer):
+    model, group = trainer
+    ids = torch.tensor([PROMPT])
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        model(ids, labels=ids).loss.backward()
+        _sign_step(model, 0.005)
+        out = group.update(model)
+        assert not out["full"] and out["version"] == group.n
+        assert [v.split("@")[0] for v in out["servers"].values()] == [str(group.n)] * 2
+    served = [_greedy(s, PROMPT, 8) for s in remotes]
+    assert served[0] == served[1]  # bit-identical weights, same kernels
+    assert _checksum(remotes[0]) == _checksum(remotes[1])
+    assert {_status(s)["n"] for s in remotes} == {group.n}
+    tokens, logprobs = served[0]
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT + tokens])).logits[0, len(PROMPT) - 1:-1]
+    ours = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    assert (ours - torch.tensor(logprobs)).abs().max() < LOAD_TOL
+
+
+def test_only_what_changed_goes_on_the_wire(remotes, trainer):
+    model, group = trainer
+    total, g = _nbytes(model), torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p[torch.randperm(p.shape[0], generator=g)[:max(1, p.shape[0] // 100)]] += 0.01
+    rows = group.update(model)["bytes_sent"] / total
+    with torch.no_grad():
+        for p in model.parameters():
+            flat = p.view(-1)
+            flat[torch.randperm(flat.numel(), generator=g)[:max(1, flat.numel() // 100)]] += 0.01
+    scattered = group.update(model)["bytes_sent"] / total
+    assert rows <= 0.03 and scattered <= 0.08, (rows, scattered)
+    assert _checksum(remotes[0]) == _checksum(remotes[1])
+
+
+@pytest.mark.parametrize("bad, match", [
+    ("unknown", "update not applied anywhere: .* unknown tensor `model.no_such.weight`"),
+    # the trainer's own encoder sees this one, before anything is sent
+    ("shape", "model.norm.weight: field 'shape' differs"),
+    ("nan", r"update not applied anywhere: .*rank 1 = http://127.0.0.1:\d+: DeltaError: "
+            "`model.norm.weight`: the patch values hold NaN or Inf; refused"),
+])
+def test_bad_input_is_refused_by_name_and_nothing_is_applied(remotes, trainer, bad, match):
+    model, group = trainer
+    weights = {k: v.detach().clone() for k, v in model.named_parameters()}
+    if bad == "unknown":
+        weights["model.no_such.weight"] = torch.zeros(4, dtype=torch.bfloat16)
+    elif bad == "shape":
+        weights["model.norm.weight"] = torch.zeros(3, dtype=torch.bfloat16)
+    else:
+        weights["model.norm.weight"][0] = float("nan")
+    weights["model.layers.0.mlp.up_proj.weight"] += 1  # a change that must not land either
+    before = [(_status(s)["version"], _checksum(s)) for s in remotes]
+    with pytest.raises(HotweightsError, match=match):
+        group.update(weights)
+    assert [(_status(s)["version"], _checksum(s)) for s in remotes] == before
+    assert all(_status(s)["state"] == "idle" for s in remotes)
+    group.update(model)  # and the next good update goes through
+
+
+def test_a_wrong_token_changes_nothing(remotes, trainer):
+    before = [_checksum(s) for s in remotes]
+    with pytest.raises(Exception, match="401"):
+        RemoteGroup([s.url for s in remotes], token="wrong-token").update(trainer[0])
+    assert [_checksum(s) for s in remotes] == before
+
+
+def test_a_server_killed_during_the_send_is_named_and_the_other_stays_old(
+        remotes, trainer, tiny_model, tmp_path):
+    model, group = trainer
+    victim, survivor = remotes[1], remotes[0]
+    group.max_round_bytes = 4096  # many rounds: the kill lands during the send
+    before = (_status(survivor)["version"], _checksum(survivor))
+
+    def kill_when_paused():
+        while _status(victim)["state"] != "paused":
+            time.sleep(0.01)
+        time.sleep(0.2)
+        os.killpg(victim.proc.pid, signal.SIGKILL)
+    killer = threading.Thread(target=kill_when_paused)
+    killer.start()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)
+    t0 = time.monotonic()
+    with pytest.raises(RemoteError) as e:
+        group.update(model)
+    killer.join()
+    assert time.monotonic() - t0 < 60
+    assert victim.url in str(e.value) and "update not applied anywhere" in str(e.value)
+    assert (_status(survivor)["version"], _checksum(survivor)) == before
+    victim.proc.wait()
+    # The restarted server rejoins: a full sync for it, and both serve one version again.
+    remotes[1] = Server(victim.model_dir, tmp_path, "--remote", port=victim.port)
+    group.max_round_bytes = 64 << 20
+    out = group.update(model)
+    assert out["full"] and len(out["servers"]) == 2
+    assert _checksum(remotes[0]) == _checksum(remotes[1])
+    print(json.dumps(out))
