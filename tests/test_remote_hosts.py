@@ -1,0 +1,30 @@
+"""remote.hosts: server lists as URLs, host:port items and SLURM node lists."""
+
+import pytest
+
+from hotweights.errors import ConfigError
+from hotweights.remote.hosts import expand_nodes, server_urls
+
+
+def test_slurm_node_lists_expand_with_their_padding():
+    assert expand_nodes("gpu[01-03,07],cpu1") == ["gpu01", "gpu02", "gpu03", "gpu07", "cpu1"]
+    assert expand_nodes("n[8-10]x") == ["n8x", "n9x", "n10x"]
+
+
+def test_server_urls_from_every_form():
+    assert server_urls("http://a:9000/, b, c:8100") == ["http://a:9000", "http://b:8000",
+                                                        "http://c:8100"]
+    assert server_urls(["gpu[1-2]:8001"]) == ["http://gpu1:8001", "http://gpu2:8001"]
+    assert server_urls("gpu[1-2]", port=7000) == ["http://gpu1:7000", "http://gpu2:7000"]
+
+
+@pytest.mark.parametrize("bad, match", [
+    ("", "no servers"),
+    ("a,a:8000", "servers named twice: http://a:8000"),
+    ("gpu[3-1]", "range '3-1' runs backwards"),
+    ("gpu[x]", "'x' is not N or N-M"),
+    ("gpu[1-2", "cannot read 'gpu\\[1-2'"),
+])
+def test_bad_lists_are_named(bad, match):
+    with pytest.raises(ConfigError, match=match):
+        server_urls(bad)
