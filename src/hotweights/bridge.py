@@ -45,6 +45,7 @@ class Bridge:
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.tensors = shm.attach(manifests[0])
         self._model: torch.nn.Module | None = None
+        self.remote = None  # a RemoteGroup updated with this server (add_remote)
 
     @classmethod
     def connect(cls, url: str, *, token: str | None = None) -> Bridge:
@@ -127,6 +128,23 @@ class Bridge:
         finally:
             release()
 
+    def add_remote(self, servers, **kwargs: Any):
+        """Update remote servers too: every `update()` is then one transaction over this
+        server and them (one version number; all at the new weights or all at the old).
+
+        Args:
+            servers: a `RemoteGroup`, or what `RemoteGroup` takes (URLs, ``host:port``,
+                SLURM node lists) with `kwargs` (``token=``, ``master_addr=``,
+                ``timeout=``, ...).
+        Returns:
+            The `RemoteGroup`. Its first update is a full sync.
+        """
+        from hotweights.remote.group import RemoteGroup
+
+        self.remote = servers if isinstance(servers, RemoteGroup) else RemoteGroup(servers,
+                                                                                   **kwargs)
+        return self.remote
+
     @contextlib.contextmanager
     def update(self, mode: str = "wait", *, lease_s: float = 60.0) -> Iterator[None]:
         """Pause the server, let the body write the weights, then commit (or abort).
@@ -141,10 +159,17 @@ class Bridge:
             lease_s: the server resumes by itself, marking the weights dirty, if it hears
                 nothing from this trainer for this many seconds. It also bounds the drain.
 
+        With remote servers (`add_remote`), after the body every remote stages what changed;
+        only then does this server commit, and the remotes with the same version number. If
+        a remote fails before that, the body's writes are undone here (from the group's copy
+        of the old weights), every server resumes at its old version, and the error names
+        the remote.
+
         Raises:
             ServerError: the server refused (another trainer holds the lease, it restarted
                 since `connect`, ...) or failed; an exception of the body is re-raised
                 after the update was aborted.
+            RemoteError: a remote server failed (named; see above).
         """
         try:  # the server bounds the drain by lease_s; a client that gives up aborts
             self._post("/hotweights/begin", timeout=lease_s + 30, mode=mode, lease_s=lease_s)
@@ -161,7 +186,22 @@ class Bridge:
         except BaseException:
             self._abort(dirty=True)
             raise
-        self.version = self._post("/hotweights/commit")["version"]
+        if self.remote is None:
+            self.version = self._post("/hotweights/commit")["version"]
+            return
+        model = self._model or self.model()
+        try:
+            pending = self.remote.prepare(model, mode=mode, lease_s=lease_s)
+        except BaseException:
+            self._abort(dirty=not self.remote.restore(model))  # restored: the old version
+            raise
+        n = max(pending.floor, self.status()["n"]) + 1
+        try:
+            self.version = self._post("/hotweights/commit", n=n)["version"]
+        except BaseException:
+            self.remote.abort(pending)
+            raise
+        self.remote.commit(pending, n)
 
     def renew(self, lease_s: float = 60.0) -> None:
         """Extend the lease of the current update (`update()` does it by itself)."""

@@ -30,22 +30,38 @@ import urllib.parse
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from hotweights import delta
 from hotweights.bridge import _request
+from hotweights.checkpoint.names import reverted
 from hotweights.errors import HotweightsError, RemoteError, ServerError
 from hotweights.remote.channel import Channel
 from hotweights.remote.hosts import server_urls
+from hotweights.remote.rendezvous import channel_id
 from hotweights.tokens import find_token, is_loopback
 
-__all__ = ["RemoteGroup"]
+__all__ = ["Pending", "RemoteGroup"]
 
 logger = logging.getLogger(__name__)
 
 ROUND_BYTES = 64 << 20  # staging budget per round, on both sides
+
+
+@dataclass(frozen=True)
+class Pending:
+    """An update staged on every server (`RemoteGroup.prepare`), not yet committed."""
+
+    status: dict  # url -> the server's status when the update began
+    new: dict  # name -> the new tensor
+    deltas: list
+    full: bool
+    sent: int  # bytes on the wire
+    started: float
+    floor: int  # the version number to commit must be above this
 
 
 class RemoteGroup:
@@ -87,6 +103,7 @@ class RemoteGroup:
         self._held: dict[str, tuple[str, int]] = {}  # url -> (server id, n) of `reference`
         self._channel: Channel | None = None
         self._members: tuple = ()  # ((url, server id), ...) of the channel
+        self._channel_id: str | None = None
         self._ranks: dict[str, range] = {}
 
     # -- the update ------------------------------------------------------------------------
@@ -96,8 +113,8 @@ class RemoteGroup:
         """Send the new weights to every server, as one transaction; return what happened.
 
         Args:
-            weights: a model (its parameters, tied ones once) or a mapping of HF names (the
-                checkpoint's) to tensors.
+            weights: a transformers model (its parameters under the checkpoint's names, tied
+                ones once) or a mapping of checkpoint names to tensors.
             mode: how servers treat in-flight requests while paused ("wait", "abort",
                 "keep"), as for `Bridge.update`.
             lease_s: how long a server waits for this trainer before it resumes by itself
@@ -108,6 +125,15 @@ class RemoteGroup:
         Raises:
             RemoteError: naming the server that failed (see the module doc for the state
                 every server is left in).
+        """
+        return self.commit(self.prepare(weights, mode=mode, lease_s=lease_s))
+
+    def prepare(self, weights: torch.nn.Module | Mapping[str, torch.Tensor], *,
+                mode: str = "wait", lease_s: float | None = None) -> Pending:
+        """The first half of `update`: every server paused, holding the whole update staged.
+
+        Follow with `commit` (or `abort`). On failure every server is back at its old
+        version with nothing applied, and the error names the server that failed.
         """
         started = time.perf_counter()
         new = _weights(weights)
@@ -122,53 +148,85 @@ class RemoteGroup:
         deltas = delta.encode_all(None if full else self.reference, new)
         lease_s = lease_s or max(60.0, 4 * self.timeout)
         sent = self._send(status, deltas, mode, lease_s)
-        n = max(self.n, *(st["n"] for st in status.values())) + 1
+        return Pending(status, new, deltas, full, sent, started,
+                       max(self.n, *(st["n"] for st in status.values())))
+
+    def commit(self, pending: Pending, n: int | None = None) -> dict:
+        """Commit a prepared update on every server with version number `n` (default: one
+        above every server's); see `update` for what it returns and raises."""
+        n = n or pending.floor + 1
+        if n <= pending.floor:
+            raise RemoteError(f"version number {n} must be above {pending.floor}")
+        status = pending.status
         committed, failed = {}, {}
         for u, out in self._each(lambda u: self._post(u, status[u], "/hotweights/commit", n=n),
                                  errors=True).items():
             (failed if isinstance(out, Exception) else committed)[u] = out
-        self._remember(new, deltas, full)
+        self._remember(pending.new, pending.deltas, pending.full)
         self.n = n
         self._held = {u: (status[u]["server_id"], n) for u in committed}
-        self.bytes_sent += sent
-        result = {"version": n, "full": full, "bytes_sent": sent,
-                  "seconds": time.perf_counter() - started,
+        self.bytes_sent += pending.sent
+        result = {"version": n, "full": pending.full, "bytes_sent": pending.sent,
+                  "seconds": time.perf_counter() - pending.started,
                   "servers": {u: out["version"] for u, out in committed.items()}}
         if failed:
             raise RemoteError(f"version {n} is served by {sorted(committed) or 'no server'}; "
                               f"the commit failed on {_named(failed)}; that server gets a "
                               "full sync at the next update")
         logger.info("hotweights: version %d on %d servers, %d bytes sent%s in %.2f s", n,
-                    len(committed), sent, " (full sync)" if full else "", result["seconds"])
+                    len(committed), pending.sent, " (full sync)" if pending.full else "",
+                    result["seconds"])
         return result
+
+    def abort(self, pending: Pending) -> None:
+        """Drop a prepared update everywhere: every server resumes at its old version."""
+        self._each(lambda u: self._post(u, pending.status[u], "/hotweights/abort",
+                                        dirty=False), errors=True)
+
+    def restore(self, weights: torch.nn.Module | Mapping[str, torch.Tensor]) -> bool:
+        """Write `reference` (what the servers hold) back into `weights`, in place: undoes a
+        trainer's step that the servers did not take. False if it cannot (no reference yet,
+        or a name the weights do not hold as a tensor of their own)."""
+        if self.reference is None:
+            return False
+        live = dict(weights.named_parameters()) if isinstance(weights, torch.nn.Module) \
+            else dict(weights)
+        if any(k not in live or live[k].shape != r.shape for k, r in self.reference.items()):
+            return False
+        with torch.no_grad():
+            for k, r in self.reference.items():
+                live[k].copy_(r)
+        return True
 
     def _send(self, status: dict, deltas: list, mode: str, lease_s: float) -> int:
         """Begin everywhere, broadcast while every server receives; on failure abort all."""
         began: list[str] = []
         try:
-            for u, out in self._each(lambda u: self._post(u, status[u], "/hotweights/begin",
-                                                          mode=mode, lease_s=lease_s),
-                                     errors=True).items():
-                if isinstance(out, Exception):
-                    raise RemoteError(f"begin failed on {u}: {out}")
-                began.append(u)
-            with ThreadPoolExecutor(len(self.urls)) as pool:
+            outs = self._each(lambda u: self._post(u, status[u], "/hotweights/begin",
+                                                   mode=mode, lease_s=lease_s), errors=True)
+            began = [u for u, out in outs.items() if not isinstance(out, Exception)]
+            if failed := {u: e for u, e in outs.items() if isinstance(e, Exception)}:
+                raise RemoteError(f"begin failed on {_named(failed)}")
+            pool = ThreadPoolExecutor(len(self.urls))
+            try:
                 receipts = {u: pool.submit(self._post, u, status[u], "/hotweights/remote/receive")
                             for u in self.urls}
                 try:
                     sent = self._channel.send(delta.pack(deltas, max_bytes=self.max_round_bytes))
-                except RemoteError as e:
+                except RemoteError as e:  # it names the rank: no need to wait for receipts
                     raise RemoteError(self._name_ranks(str(e))) from e
-                finally:
-                    outs = {u: _outcome(f) for u, f in receipts.items()}
+                outs = {u: _outcome(f) for u, f in receipts.items()}
+            finally:
+                pool.shutdown(wait=False, cancel_futures=True)
             if failed := {u: e for u, e in outs.items() if isinstance(e, Exception)}:
                 raise RemoteError(f"receive failed on {_named(failed)}")
             return sent
         except BaseException as e:
-            aborted = self._each(lambda u: self._post(u, status[u], "/hotweights/abort",
-                                                      dirty=False), errors=True, urls=began)
             if self._channel is not None and self._channel.broken:
-                self._close()
+                self._close()  # the survivors' receive fails at once, not at their timeout
+            aborted = self._each(lambda u: self._post(u, status[u], "/hotweights/abort",
+                                                      dirty=False, http_timeout=self.timeout
+                                                      + 30), errors=True, urls=began)
             if isinstance(e, HotweightsError):
                 left = [u for u, out in aborted.items() if not isinstance(out, Exception)]
                 raise RemoteError(f"update not applied anywhere: {e}; servers back at their "
@@ -189,8 +247,9 @@ class RemoteGroup:
     def _connect(self, status: dict) -> None:
         """(Re)build the channel when a server joined, restarted or the channel broke."""
         members = tuple((u, status[u]["server_id"]) for u in self.urls)
-        if self._channel is not None and members == self._members:
-            return
+        if self._channel is not None and members == self._members and all(
+                st.get("channel") == self._channel_id for st in status.values()):
+            return  # nobody restarted, and nobody joined another trainer's channel since
         self._close()
         offset, self._ranks = 1, {}
         for u in self.urls:
@@ -211,7 +270,7 @@ class RemoteGroup:
         if failed := {u: e for u, e in outs.items() if isinstance(e, Exception)}:
             self._close()
             raise RemoteError(f"joining the channel failed on {_named(failed)}")
-        self._members = members
+        self._members, self._channel_id = members, channel_id(self.master_addr, port, token)
         logger.info("hotweights: channel %s:%d with %s", self.master_addr, port,
                     {u: f"ranks {r.start}..{r.stop - 1}" for u, r in self._ranks.items()})
 
@@ -239,9 +298,11 @@ class RemoteGroup:
 
     # -- HTTP ------------------------------------------------------------------------------
 
-    def _post(self, url: str, status: dict, route: str, **body: Any) -> dict:
+    def _post(self, url: str, status: dict, route: str, *, http_timeout: float | None = None,
+              **body: Any) -> dict:
         body = dict(holder=self.holder, server_id=status["server_id"], **body)
-        return _request(url, "POST", route, self._tokens[url], body, timeout=self.timeout + 60)
+        return _request(url, "POST", route, self._tokens[url], body,
+                        timeout=http_timeout or self.timeout + 60)
 
     def _each(self, fn: Callable[[str], Any], *, errors: bool = False,
               urls: list[str] | None = None) -> dict[str, Any]:
@@ -271,11 +332,11 @@ def _named(failed: dict[str, Exception]) -> str:
 
 
 def _weights(weights: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    if isinstance(weights, torch.nn.Module):  # named_parameters lists a tied weight once
-        items = weights.named_parameters()
-    else:
-        items = weights.items()
-    return {k: t.detach() if t.is_contiguous() else t.detach().contiguous() for k, t in items}
+    if isinstance(weights, torch.nn.Module):  # named_parameters lists a tied weight once;
+        # the checkpoint's names: transformers' fused MoE experts split back, per expert
+        weights = reverted(dict(weights.named_parameters()), model=weights)
+    return {k: t.detach() if t.is_contiguous() else t.detach().contiguous()
+            for k, t in weights.items()}
 
 
 def _free_port(addr: str) -> int:

@@ -99,3 +99,8 @@ def _receiver(s: Store, rank: int, world_size: int, token: str, where: str) -> s
         raise RemoteError(f"{where}: the sender did not prove the channel's token (wrong "
                           "token?); nothing received")
     return nonce
+
+
+def channel_id(addr: str, port: int, token: str) -> str:
+    """Names a trainer's channel (in a server's status) without giving its token away."""
+    return f"{addr}:{port}#{hashlib.sha256(token.encode()).hexdigest()[:12]}"

@@ -27,6 +27,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from hotweights.errors import ConfigError, ServerError
+from hotweights.remote.rendezvous import channel_id
 from hotweights.tokens import remove_token
 from hotweights.transaction import (
     Abort,
@@ -162,6 +163,7 @@ class HotweightsRoutes:
         self.client = None
         self.manifests: list[dict] = []
         self.workers = 0
+        self.channel: str | None = None  # the trainer channel joined (remote servers)
 
     def attach_router(self, app: FastAPI) -> None:
         if not self.server_id:
@@ -238,7 +240,8 @@ class HotweightsRoutes:
     async def status(self, request: Request):
         if refused := self._refuse(request):
             return refused
-        return {**self.tx.status(), "remote": self.remote, "workers": self.workers}
+        return {**self.tx.status(), "remote": self.remote, "workers": self.workers,
+                "channel": self.channel}
 
     async def checksum(self, request: Request):
         """The version served and one xxh3-64 per worker over its weights (hashes them all)."""
@@ -262,7 +265,9 @@ class HotweightsRoutes:
                           holder=self.tx.holder)
         info = {k: getattr(req, k) for k in ("master_addr", "master_port", "rank_offset",
                                              "world_size", "token", "timeout")}
+        self.channel = None
         await self._rpc("init_weight_transfer_engine", info)
+        self.channel = channel_id(req.master_addr, req.master_port, req.token)
         logger.info("hotweights: %s joined channel %s:%d as ranks %d..%d of %d", self.server_id,
                     req.master_addr, req.master_port, req.rank_offset,
                     req.rank_offset + self.workers - 1, req.world_size)
