@@ -198,3 +198,22 @@ def test_a_server_killed_during_the_send_is_named_and_the_other_stays_old(
     assert out["full"] and len(out["servers"]) == 2
     assert _checksum(remotes[0]) == _checksum(remotes[1])
     print(json.dumps(out))
+
+
+def test_a_server_killed_between_send_and_commit_is_named_and_the_other_serves_new(
+        remotes, trainer, tmp_path):
+    model, group = trainer
+    victim, survivor = remotes[1], remotes[0]
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.add_(0.01)
+    pending = group.prepare(model)  # both staged the update, both paused
+    _kill(victim)
+    victim.proc.wait()
+    with pytest.raises(RemoteError, match=rf"version {pending.floor + 1} is served by "
+                       rf"\['{survivor.url}'\]; the commit failed on {victim.url}"):
+        group.commit(pending)
+    assert _status(survivor)["n"] == group.n and _status(survivor)["state"] == "idle"
+    remotes[1] = Server(victim.model_dir, tmp_path, "--remote", port=victim.port)
+    out = group.update(model)  # the restarted one gets a full sync and the same version
+    assert out["full"] and _checksum(remotes[0]) == _checksum(remotes[1])
+    assert {_status(s)["n"] for s in remotes[:2]} == {group.n}

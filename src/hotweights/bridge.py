@@ -285,3 +285,5 @@ def _request(url: str, method: str, route: str, token: str, body: dict | None = 
     except TimeoutError:
         raise ServerError(f"{method} {route}: no answer from {url} within {timeout:.0f} s") \
             from None
+    except OSError as e:  # the connection broke mid-answer (the server died)
+        raise ServerError(f"{method} {route}: the connection to {url} broke: {e}") from None
