@@ -37,6 +37,13 @@ def test_staged_rounds_load_bit_identical(max_bytes):
     assert [p.name for p in dense] == ["c"] and sorted(p.name for p in sparse) == ["a", "b"]
     _load(got, (dense, sparse))
     assert _same_bits(got, new)
+    direct = {k: v.clone() for k, v in old.items() if k != "b"}  # "b" through the loader
+    assert staged.apply_in_place(direct) == {"a", "c"}
+    rest = staged.patches(skip={"a", "c"})
+    assert [p.name for p in rest[1]] == ["b"] and rest[0] == []
+    merged = direct | {"b": old["b"].clone()}
+    _load(merged, rest)
+    assert _same_bits(merged, new)
     staged.clear()
     assert staged.patches() == ([], []) and staged.nbytes == 0
 

@@ -26,7 +26,7 @@ from hotweights.delta import (
 )
 from hotweights.errors import DeltaError
 
-__all__ = ["apply", "check", "checked", "finite"]
+__all__ = ["apply", "check", "checked", "finite", "write"]
 
 logger = logging.getLogger(__name__)
 
@@ -181,6 +181,21 @@ def checked(round: Round, targets: Mapping[str, torch.Tensor], *,
     return out
 
 
+def write(entry: dict, target: torch.Tensor, views: tuple) -> None:
+    """Write one checked piece (`checked`'s entry and views) into its contiguous target."""
+    flat = target.detach().view(-1)
+    if entry["kind"] == DENSE:
+        flat[entry["start"]:entry["stop"]].copy_(views[0])
+    elif entry["kind"] == PATCH:
+        idx, vals = views
+        for lo in range(0, idx.numel(), _CHUNK):
+            flat.index_copy_(0, idx[lo:lo + _CHUNK].to(target.device, torch.int64),
+                             vals[lo:lo + _CHUNK].to(target.device))
+    else:
+        target.detach().index_copy_(0, _row_index(views[0].to(target.device)),
+                                    views[1].to(target.device))
+
+
 def apply(round: Round, targets: Mapping[str, torch.Tensor], *,
           check_finite: bool = True) -> list[str]:
     """Check a whole round against its targets, then write it into them in place.
@@ -203,16 +218,7 @@ def apply(round: Round, targets: Mapping[str, torch.Tensor], *,
     staged = checked(round, targets, check_finite=check_finite)
     names = {}
     for e, t, v in staged:  # everything checked: write
-        flat = t.detach().view(-1)
-        if e["kind"] == DENSE:
-            flat[e["start"]:e["stop"]].copy_(v[0])
-        elif e["kind"] == PATCH:
-            idx, vals = v
-            for lo in range(0, idx.numel(), _CHUNK):
-                flat.index_copy_(0, idx[lo:lo + _CHUNK].to(t.device, torch.int64),
-                                 vals[lo:lo + _CHUNK].to(t.device))
-        else:
-            t.detach().index_copy_(0, _row_index(v[0].to(t.device)), v[1].to(t.device))
+        write(e, t, v)
         names[e["name"]] = None
     logger.debug("round %s: applied %d entries to %d tensors", round.header.get("round"),
                  len(staged), len(names))

@@ -234,13 +234,20 @@ class RemoteGroup:
             raise
 
     def _remember(self, new: dict, deltas: list, full: bool) -> None:
-        """Make `reference` what the servers now hold."""
+        """Make `reference` what the servers now hold: only what changed is written."""
         if full or self.reference is None:
             self.reference = {k: t.detach().to("cpu", copy=True) for k, t in new.items()}
             return
         for d in deltas:
-            if d.kind != delta.SAME:
-                self.reference[d.name].copy_(new[d.name])
+            ref = self.reference[d.name]
+            if d.kind == delta.PATCH:
+                ref.view(-1).index_copy_(0, d.indices.to(ref.device, torch.int64),
+                                         d.values.to(ref.device))
+            elif d.kind == delta.ROWS:
+                for a, b in d.ranges.tolist():
+                    ref[a:b].copy_(d.tensor[a:b])
+            elif d.kind == delta.DENSE:
+                ref.copy_(d.tensor)
 
     # -- the channel -----------------------------------------------------------------------
 

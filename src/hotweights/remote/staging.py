@@ -55,7 +55,7 @@ class Staged:
     def __init__(self, specs: Mapping[str, torch.Tensor]):
         self.specs = specs
         self.nbytes = self.rounds = 0
-        self._pieces: dict[str, list[tuple]] = {}  # name -> [(kind, start, views)]
+        self._pieces: dict[str, list[tuple]] = {}  # name -> [(header entry, views)]
         self._next: dict[str, int] = {}  # per tensor: the first flat element not yet staged
 
     def __call__(self, r: Round) -> None:
@@ -70,7 +70,7 @@ class Staged:
                                  f"the end of the pieces staged before it; refused")
             if start < stop:
                 self._next[name] = stop
-            self._pieces.setdefault(name, []).append((kind, e.get("start", 0), views))
+            self._pieces.setdefault(name, []).append((e, views))
         self.nbytes += buf.numel()
         self.rounds += 1
 
@@ -95,23 +95,40 @@ class Staged:
                              "increase; refused")
         return int(first), int(last) + 1
 
-    def patches(self) -> tuple[list[Patch], list[Patch]]:
-        """(dense patches, sparse patches), one per tensor: dense where a tensor came whole
-        (a view of the held buffer if in one piece), else flat indices and values."""
+    def apply_in_place(self, targets: Mapping[str, torch.Tensor]) -> set[str]:
+        """Write every staged tensor that `targets` holds (contiguous, of its spec's shape
+        and dtype) straight into it: O(what changed). Returns the names written."""
+        done = set()
+        for name, pieces in self._pieces.items():
+            t, spec = targets.get(name), self.specs[name]
+            if t is None or not t.is_contiguous() or t.shape != spec.shape or \
+                    t.dtype != spec.dtype:
+                continue
+            for e, views in pieces:
+                delta_apply.write(e, t, views)
+            done.add(name)
+        return done
+
+    def patches(self, skip: set[str] = frozenset()) -> tuple[list[Patch], list[Patch]]:
+        """(dense patches, sparse patches), one per tensor not in `skip`: dense where a
+        tensor came whole (a view of the held buffer if in one piece), else flat indices
+        and values."""
         dense, sparse = [], []
         for name, pieces in self._pieces.items():
+            if name in skip:
+                continue
             spec = self.specs[name]
             shape, row = tuple(spec.shape), spec[0].numel() if spec.dim() else 1
-            if all(k == DENSE for k, _, _ in pieces) and \
-                    sum(v.numel() for _, _, (v,) in pieces) == spec.numel():
-                dense.append(Patch(name, shape, spec.dtype, _cat([v for _, _, (v,) in pieces])))
+            if all(e["kind"] == DENSE for e, _ in pieces) and \
+                    sum(v.numel() for _, (v,) in pieces) == spec.numel():
+                dense.append(Patch(name, shape, spec.dtype, _cat([v for _, (v,) in pieces])))
                 continue
             idx, vals = [], []
-            for kind, start, views in pieces:
+            for e, views in pieces:
                 dev = views[0].device
-                if kind == DENSE:
-                    idx.append(torch.arange(start, start + views[0].numel(), device=dev))
-                elif kind == PATCH:
+                if e["kind"] == DENSE:
+                    idx.append(torch.arange(e["start"], e["stop"], device=dev))
+                elif e["kind"] == PATCH:
                     idx.append(views[0].to(torch.int64))
                 else:
                     cols = torch.arange(row, dtype=torch.int64, device=dev)

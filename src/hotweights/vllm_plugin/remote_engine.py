@@ -12,8 +12,10 @@ and ``VLLM_SERVER_DEV_MODE`` are never needed.
 - update: receives every round of one update into a `Staged` (checked against the
   checkpoint's names, shapes and the served dtype; nothing is applied yet); the trainer's
   `send` returns only when every worker of every server has staged all of it.
-- finish: applies what was staged through ``load_checkpoint_weight_patches``, i.e. the
-  model's own ``load_weights`` (merging qkv / gate_up / experts, slicing for TP).
+- finish: applies what was staged, in place where a view of the live weights holds an HF
+  tensor whole (`layout.plan`, the mapping the bridge trains through: tp=1, O(what
+  changed)), else through ``load_checkpoint_weight_patches``, i.e. the model's own
+  ``load_weights`` (merging qkv / gate_up / experts, slicing for TP).
 - discard: drops what was staged (an aborted update leaves the weights untouched).
 """
 
@@ -38,9 +40,11 @@ from vllm.model_executor.model_loader.checkpoint_weight_patch import (
 
 from hotweights.checkpoint.shards import read_dir
 from hotweights.checkpoint.sync import DTYPES
-from hotweights.errors import ConfigError
+from hotweights.errors import ConfigError, HotweightsError
+from hotweights.layout import plan
 from hotweights.remote.channel import Channel
 from hotweights.remote.staging import Staged
+from hotweights.views import view_of
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +77,7 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
         super().__init__(config, vllm_config, device, model)
         self.channel: Channel | None = None
         self.staged: Staged | None = None
+        self._hf_views: dict[str, torch.Tensor] | None = None
 
     def _specs(self) -> dict[str, torch.Tensor]:
         """HF name -> meta tensor of its shape and the served dtype, from the checkpoint."""
@@ -121,12 +126,33 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
         logger.info("hotweights: staged %d rounds, %d bytes", self.staged.rounds,
                     self.staged.nbytes)
 
+    def _views(self) -> dict[str, torch.Tensor]:
+        """HF name -> a view of the live parameter slab that holds it, where one holds it
+        whole (`layout.plan`, as the bridge maps a local server); {} where none can."""
+        if self._hf_views is None:
+            params = dict(self.model.named_parameters())
+            try:
+                layout = plan(str(_local_dir(str(self.model_config.model))),
+                              {n: tuple(p.shape) for n, p in params.items()}, strict=False,
+                              trust_remote_code=self.model_config.trust_remote_code)
+                self._hf_views = {piece.hf_name: view_of(params[vname].data, piece)
+                                  for vname, pieces in layout.pieces.items()
+                                  for piece in pieces if piece.whole}
+            except HotweightsError as e:
+                logger.info("hotweights: no in-place views (%s); updates go through the "
+                            "model's loader", e)
+                self._hf_views = {}
+        return self._hf_views
+
     def finish_weight_update(self) -> None:
-        """Apply what was staged (nothing after `discard`), through the model's loader."""
+        """Apply what was staged (nothing after `discard`): in place where a view of the
+        live weights holds a tensor whole (tp=1: O(what changed)), else through the
+        model's loader (``load_checkpoint_weight_patches``)."""
         if self.staged is None:
             return
-        dense, sparse = self.staged.patches()
-        names = set()
+        direct = self.staged.apply_in_place(self._views())
+        dense, sparse = self.staged.patches(skip=direct)
+        names = set(direct)
         if dense:
             names |= load_checkpoint_weight_patches(self.model, map(_vllm, dense))
         chunk, size = [], 0
@@ -138,8 +164,8 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
                 names |= load_checkpoint_weight_patches(self.model, chunk,
                                                         validate_unique_indices=False)
                 chunk, size = [], 0
-        logger.info("hotweights: applied %d dense and %d sparse tensor updates",
-                    len(dense), len(sparse))
+        logger.info("hotweights: applied %d tensor updates in place, %d dense and %d sparse "
+                    "through the loader", len(direct), len(dense), len(sparse))
         self.staged.clear()
 
     def discard(self) -> None:
