@@ -27,7 +27,7 @@ class Recorder:
 def _bridge() -> Bridge:
     b = Bridge.__new__(Bridge)  # no server: only the transaction's client side
     b.url, b._token, b.server_id, b.holder, b.version = "http://x", "t", "s", "h", "0@s"
-    b.tensors = {}
+    b.tensors, b.remote = {}, None
     return b
 
 

@@ -62,6 +62,8 @@ try:
     ch.close()
 except HotweightsError as e:
     print(json.dumps({"error": str(e), "sum": checksum(w)}), flush=True)
+    if "ch" in dir():
+        ch.close()  # a broken Gloo group left to the interpreter's exit may abort it
     sys.exit(3)
 """
 
