@@ -230,7 +230,7 @@ def test_a_remote_server_stages_on_receive_applies_on_commit_and_discards_on_abo
         assert r.status_code == 200 and r.json()["version"] == f"4@{SID}"
         i = stub.calls.index("hotweights_remote_receive")
         assert stub.calls[i:i + 3] == ["hotweights_remote_receive", "hotweights_remote_apply",
-                                       "hotweights_after_update"]
+                                       "reset_prefix"]
         await client.post("/hotweights/begin", json=body(), headers=AUTH)
         r = await client.post("/hotweights/abort", json=body(dirty=False), headers=AUTH)
         assert r.json()["version"] == f"4@{SID}" and stub.calls[-2:] == [

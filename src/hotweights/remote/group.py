@@ -145,9 +145,9 @@ class RemoteGroup:
         full = self.reference is None or any(
             self._held.get(u) != (st["server_id"], st["n"]) for u, st in status.items())
         self._connect(status)
-        deltas = delta.encode_all(None if full else self.reference, new)
-        lease_s = lease_s or max(60.0, 4 * self.timeout)
-        sent = self._send(status, deltas, mode, lease_s)
+        reference = None if full else self.reference
+        deltas, sent = self._send(status, lambda: delta.encode_all(reference, new), mode,
+                                  lease_s or max(60.0, 4 * self.timeout))
         return Pending(status, new, deltas, full, sent, started,
                        max(self.n, *(st["n"] for st in status.values())))
 
@@ -198,30 +198,35 @@ class RemoteGroup:
                 live[k].copy_(r)
         return True
 
-    def _send(self, status: dict, deltas: list, mode: str, lease_s: float) -> int:
-        """Begin everywhere, broadcast while every server receives; on failure abort all."""
+    def _send(self, status: dict, encode: Callable[[], list], mode: str,
+              lease_s: float) -> tuple[list, int]:
+        """Begin everywhere (while `encode` runs here), then broadcast while every server
+        receives; on failure abort all. Returns (deltas, bytes sent)."""
         began: list[str] = []
+        pool = ThreadPoolExecutor(len(self.urls))
         try:
-            outs = self._each(lambda u: self._post(u, status[u], "/hotweights/begin",
-                                                   mode=mode, lease_s=lease_s), errors=True)
-            began = [u for u, out in outs.items() if not isinstance(out, Exception)]
+            begins = {u: pool.submit(self._post, u, status[u], "/hotweights/begin", mode=mode,
+                                     lease_s=lease_s) for u in self.urls}
+            try:
+                deltas = encode()
+            finally:
+                outs = {u: _outcome(f) for u, f in begins.items()}
+                began = [u for u, out in outs.items() if not isinstance(out, Exception)]
             if failed := {u: e for u, e in outs.items() if isinstance(e, Exception)}:
                 raise RemoteError(f"begin failed on {_named(failed)}")
-            pool = ThreadPoolExecutor(len(self.urls))
+            receipts = {u: pool.submit(self._post, u, status[u], "/hotweights/remote/receive")
+                        for u in self.urls}
             try:
-                receipts = {u: pool.submit(self._post, u, status[u], "/hotweights/remote/receive")
-                            for u in self.urls}
-                try:
-                    sent = self._channel.send(delta.pack(deltas, max_bytes=self.max_round_bytes))
-                except RemoteError as e:  # it names the rank: no need to wait for receipts
-                    raise RemoteError(self._name_ranks(str(e))) from e
-                outs = {u: _outcome(f) for u, f in receipts.items()}
-            finally:
-                pool.shutdown(wait=False, cancel_futures=True)
+                sent = self._channel.send(delta.pack(deltas, max_bytes=self.max_round_bytes))
+            except RemoteError as e:  # it names the rank: no need to wait for receipts
+                raise RemoteError(self._name_ranks(str(e))) from e
+            outs = {u: _outcome(f) for u, f in receipts.items()}
             if failed := {u: e for u, e in outs.items() if isinstance(e, Exception)}:
                 raise RemoteError(f"receive failed on {_named(failed)}")
-            return sent
+            pool.shutdown(wait=False)
+            return deltas, sent
         except BaseException as e:
+            pool.shutdown(wait=False, cancel_futures=True)
             if self._channel is not None and self._channel.broken:
                 self._close()  # the survivors' receive fails at once, not at their timeout
             aborted = self._each(lambda u: self._post(u, status[u], "/hotweights/abort",

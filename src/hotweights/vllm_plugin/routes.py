@@ -102,9 +102,9 @@ class VllmEngine:
         await self.client.resume_generation()
 
     async def after_update(self) -> None:
-        if self.remote:  # the staged update, through the model's loader
-            await self.client.collective_rpc("hotweights_remote_apply")
-        await self.client.collective_rpc("hotweights_after_update")
+        # remote: the staged update is applied first, then the hook (one round trip)
+        await self.client.collective_rpc("hotweights_remote_apply" if self.remote else
+                                         "hotweights_after_update")
 
     async def discard(self) -> None:
         if self.remote:

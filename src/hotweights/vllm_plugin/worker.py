@@ -68,11 +68,13 @@ class HotweightsWorker:
         return {"rounds": staged.rounds, "bytes": staged.nbytes}
 
     def hotweights_remote_apply(self) -> bool:
-        """Apply the staged update through the model's loader; False if none was staged."""
-        if not self._weight_update_active:
-            return False
-        self.finish_weight_update()
-        return True
+        """Apply the staged update (see the engine), then the post-update hook; False if no
+        update was staged."""
+        staged = self._weight_update_active
+        if staged:
+            self.finish_weight_update()
+        self.hotweights_after_update()
+        return staged
 
     def hotweights_remote_discard(self) -> None:
         """Drop a staged update, leaving the weights untouched."""
