@@ -188,7 +188,7 @@ def main() -> None:
                     n = change(weights, how, g)
                     phases.clear()
                     out = group.update(weights)
-                    # encode runs inside send (overlapped with the servers' begin)
+                    # encode runs inside send, before the servers' begin
                     split.append(dict(phases, send=phases["send"] - phases["encode"],
                                       rest=out["seconds"] - phases["send"]
                                       - phases["remember"]))
@@ -203,8 +203,7 @@ def main() -> None:
                       f"{model_bytes / min(secs) / 1e9:6.2f} GB/s of weights")
                 print(f"{'':12}best run: " + ", ".join(
                     f"{k} {v:.3f} s" for k, v in split[secs.index(min(secs))].items()) +
-                    " (send: begin beside the encode, broadcast, both servers staging; rest: "
-                    "status + commits)")
+                    " (send: begin, broadcast, both servers staging; rest: status + commits)")
 
             ref_bytes = sum(t.nbytes for t in (group.reference or {}).values())
             extra = ref_bytes + group.max_round_bytes

@@ -200,18 +200,19 @@ class RemoteGroup:
 
     def _send(self, status: dict, encode: Callable[[], list], mode: str,
               lease_s: float) -> tuple[list, int]:
-        """Begin everywhere (while `encode` runs here), then broadcast while every server
-        receives; on failure abort all. Returns (deltas, bytes sent)."""
+        """Encode, begin everywhere, then broadcast while every server receives; on failure
+        abort all. Returns (deltas, bytes sent).
+
+        The encode runs before the begins, not beside them: on a small machine the servers'
+        pausing slowed it threefold (measured), and the servers keep serving meanwhile."""
+        deltas = encode()
         began: list[str] = []
         pool = ThreadPoolExecutor(len(self.urls))
         try:
             begins = {u: pool.submit(self._post, u, status[u], "/hotweights/begin", mode=mode,
                                      lease_s=lease_s) for u in self.urls}
-            try:
-                deltas = encode()
-            finally:
-                outs = {u: _outcome(f) for u, f in begins.items()}
-                began = [u for u, out in outs.items() if not isinstance(out, Exception)]
+            outs = {u: _outcome(f) for u, f in begins.items()}
+            began = [u for u, out in outs.items() if not isinstance(out, Exception)]
             if failed := {u: e for u, e in outs.items() if isinstance(e, Exception)}:
                 raise RemoteError(f"begin failed on {_named(failed)}")
             receipts = {u: pool.submit(self._post, u, status[u], "/hotweights/remote/receive")
