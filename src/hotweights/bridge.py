@@ -172,7 +172,8 @@ class Bridge:
             RemoteError: a remote server failed (named; see above).
         """
         try:  # the server bounds the drain by lease_s; a client that gives up aborts
-            self._post("/hotweights/begin", timeout=lease_s + 30, mode=mode, lease_s=lease_s)
+            began = self._post("/hotweights/begin", timeout=lease_s + 30, mode=mode,
+                               lease_s=lease_s)
         except BaseException:
             self._abort(dirty=False, quiet=True)  # nothing written; no stale begin may linger
             raise
@@ -195,7 +196,7 @@ class Bridge:
         except BaseException:
             self._abort(dirty=not self.remote.restore(model))  # restored: the old version
             raise
-        n = max(pending.floor, self.status()["n"]) + 1
+        n = max(pending.floor, began["n"]) + 1
         try:
             self.version = self._post("/hotweights/commit", n=n)["version"]
         except BaseException:

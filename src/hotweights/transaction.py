@@ -267,14 +267,14 @@ class Transaction:
 
     async def renew(self, req: Renew) -> dict:
         async with self._lock:
-            self._check_paused(req, "renew")
+            self.check_lease(req, "renew")
             self._arm(req.lease_s)
             return self._granted()
 
     async def commit(self, req: Commit) -> dict:
         """Post-update hook, cache reset, a new version, resume; `dirty` if a step failed."""
         async with self._lock:
-            self._check_paused(req, "commit")
+            self.check_lease(req, "commit")
             if req.n and req.n <= self.n:
                 raise Refused(409, f"field 'n' ({req.n}) must be above the version number "
                               f"served ({self.n})", n=self.n)
@@ -359,7 +359,8 @@ class Transaction:
         else:
             raise Refused(409, f"no update in progress for {req.holder}")
 
-    def _check_paused(self, req: _Request, what: str) -> None:
+    def check_lease(self, req: _Request, what: str) -> None:
+        """Refuse (409) `what` unless `req`'s holder holds the paused weights."""
         self._check_holder(req)
         if self.state is not State.PAUSED:
             raise Refused(409, f"{req.holder}'s update is {self.state.value}, not paused; "
@@ -378,10 +379,6 @@ class Transaction:
     async def _expire_after(self, delay: float, holder: str | None) -> None:
         await asyncio.sleep(delay)
         await self.expire(holder)
-
-    def check_lease(self, req: _Request, what: str) -> None:
-        """Refuse (409) `what` unless `req`'s holder holds the paused weights."""
-        self._check_paused(req, what)
 
     async def _discard_quietly(self) -> None:
         try:

@@ -15,6 +15,7 @@ logger = logging.getLogger(__name__)
 
 ACTIVE = "HOTWEIGHTS_ACTIVE"  # "1" in the environment of a vLLM hotweights started
 REMOTE = "HOTWEIGHTS_REMOTE"  # "1": `serve --remote`, updates come over the transfer engine
+REMOTE_ENGINE = "hotweights"  # the weight-transfer engine `register` adds to vLLM's registry
 
 _done = False
 
@@ -35,7 +36,7 @@ def register() -> None:
 
     try:  # `hotweights serve --remote` selects it; the module loads only then
         WeightTransferEngineFactory.register_engine(
-            "hotweights", "hotweights.vllm_plugin.remote_engine", "HotweightsEngine")
+            REMOTE_ENGINE, "hotweights.vllm_plugin.remote_engine", "HotweightsEngine")
     except ValueError:  # registered already in this process
         pass
 

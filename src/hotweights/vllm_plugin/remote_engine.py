@@ -48,7 +48,6 @@ from hotweights.views import view_of
 
 logger = logging.getLogger(__name__)
 
-NAME = "hotweights"
 SPARSE_CHUNK = 1 << 24  # values per load_checkpoint_weight_patches call of sparse patches
 
 
@@ -78,13 +77,13 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
         self.channel: Channel | None = None
         self.staged: Staged | None = None
         self._hf_views: dict[str, torch.Tensor] | None = None
+        self.model_dir = _local_dir(str(self.model_config.model))
 
     def _specs(self) -> dict[str, torch.Tensor]:
         """HF name -> meta tensor of its shape and the served dtype, from the checkpoint."""
-        model_dir = _local_dir(str(self.model_config.model))
-        found = read_dir(model_dir)
+        found = read_dir(self.model_dir)
         if not found:
-            raise ConfigError(f"hotweights: no safetensors in {model_dir}; the remote engine "
+            raise ConfigError(f"hotweights: no safetensors in {self.model_dir}; the remote engine "
                               "checks updates against the checkpoint's tensor names and shapes")
         served = self.model_config.dtype
         return {name: torch.empty(info.shape, device="meta",
@@ -132,7 +131,7 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
         if self._hf_views is None:
             params = dict(self.model.named_parameters())
             try:
-                layout = plan(str(_local_dir(str(self.model_config.model))),
+                layout = plan(str(self.model_dir),
                               {n: tuple(p.shape) for n, p in params.items()}, strict=False,
                               trust_remote_code=self.model_config.trust_remote_code)
                 self._hf_views = {piece.hf_name: view_of(params[vname].data, piece)
@@ -152,17 +151,15 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
             return
         direct = self.staged.apply_in_place(self._views())
         dense, sparse = self.staged.patches(skip=direct)
-        names = set(direct)
         if dense:
-            names |= load_checkpoint_weight_patches(self.model, map(_vllm, dense))
+            load_checkpoint_weight_patches(self.model, map(_vllm, dense))
         chunk, size = [], 0
         for p in sparse:
             chunk.append(_vllm(p))
             size += p.values.numel()
             if size >= SPARSE_CHUNK or p is sparse[-1]:
                 # our indices are increasing, so unique: skip vLLM's sort
-                names |= load_checkpoint_weight_patches(self.model, chunk,
-                                                        validate_unique_indices=False)
+                load_checkpoint_weight_patches(self.model, chunk, validate_unique_indices=False)
                 chunk, size = [], 0
         logger.info("hotweights: applied %d tensor updates in place, %d dense and %d sparse "
                     "through the loader", len(direct), len(dense), len(sparse))

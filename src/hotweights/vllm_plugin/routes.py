@@ -160,7 +160,6 @@ class HotweightsRoutes:
         self.gate = Gate()
         self.remote = os.environ.get(REMOTE) == "1"
         self.tx: Transaction | None = None
-        self.client = None
         self.manifests: list[dict] = []
         self.workers = 0
         self.channel: str | None = None  # the trainer channel joined (remote servers)
@@ -191,7 +190,6 @@ class HotweightsRoutes:
         _refuse_split_servers(args)
         if token_file := os.environ.get("HOTWEIGHTS_TOKEN_FILE"):  # written by the runner
             atexit.register(remove_token, Path(token_file), self.token)
-        self.client = engine_client
         self.tx = Transaction(VllmEngine(engine_client, self.gate, remote=self.remote),
                               self.server_id)
         await engine_client.update_weight_version(self.tx.version)  # not "default"
@@ -249,7 +247,7 @@ class HotweightsRoutes:
             return refused
         while True:
             version = self.tx.version
-            sums = await self.client.collective_rpc("hotweights_checksum")
+            sums = await self.tx.engine.client.collective_rpc("hotweights_checksum")
             if version == self.tx.version and self.tx.state.value in ("idle", "expired"):
                 return {"version": version, "checksum": list(sums)}
             await asyncio.sleep(0.05)  # an update ran meanwhile: hash again
@@ -284,7 +282,7 @@ class HotweightsRoutes:
 
     async def _rpc(self, method: str, *args) -> list:
         try:
-            return await self.client.collective_rpc(method, args=args)
+            return await self.tx.engine.client.collective_rpc(method, args=args)
         except Exception as e:  # the worker's error (a RemoteError, a refusal) by name
             raise Refused(502, f"{method} failed on a worker: {e}") from e
 
