@@ -117,6 +117,18 @@ def time_phases(group: RemoteGroup) -> dict[str, float]:
     return phases
 
 
+def split_cpus(server_cpus: int) -> tuple[set[int], set[int]]:
+    """(trainer's CPUs, servers' CPUs): the last `server_cpus` of this process's CPUs go to
+    the servers (0: everyone shares every CPU)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if not server_cpus:
+        return set(cpus), set(cpus)
+    if server_cpus >= len(cpus):
+        raise SystemExit(f"--server-cpus {server_cpus}: this process has only {len(cpus)} "
+                         "CPUs; leave the trainer at least one (or 0: share them all)")
+    return set(cpus[:-server_cpus]), set(cpus[-server_cpus:])
+
+
 def rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -134,6 +146,9 @@ def main() -> None:
                     "/tmp/hotweights-bench-remote/llama-<size>mb)")
     ap.add_argument("--logs", default=None, help="server logs (default: the model dir's "
                     "parent)")
+    ap.add_argument("--server-cpus", type=int, default=1, help="CPUs given to the servers, "
+                    "taken from the end of this process's CPUs; the trainer keeps the rest "
+                    "(0: all share all)")
     ap.add_argument("--timeout", type=float, default=120.0, help="RemoteGroup timeout, s")
     args = ap.parse_args()
     started = time.perf_counter()
@@ -158,13 +173,21 @@ def main() -> None:
     # Both servers from this (the main) thread: a server stops when the thread that spawned
     # it ends. Spawn both, then wait for each.
     servers = []
+    trainer_cpus, server_cpus = split_cpus(args.server_cpus)
     try:
         t0 = time.perf_counter()
+        # the servers stand for other machines: their own CPUs, not the trainer's
+        os.sched_setaffinity(0, server_cpus)  # inherited by the servers' processes
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, sorted(server_cpus)))
         for i in range(2):
             port = launch.free_port()
             log = logs / f"server{i}.log"
             servers.append((f"http://127.0.0.1:{port}", log, launch.spawn(
                 model_dir, port=port, token=TOKEN, log=log, vllm_args=VLLM_ARGS)))
+        os.sched_setaffinity(0, trainer_cpus)
+        torch.set_num_threads(len(trainer_cpus))
+        print(f"CPUs: trainer {sorted(trainer_cpus)} ({torch.get_num_threads()} torch "
+              f"threads), servers {sorted(server_cpus)}")
         for url, log, proc in servers:
             launch.wait_ready(proc, url, log=log, timeout=900)
         urls = [u for u, _, _ in servers]

@@ -99,7 +99,8 @@ class Delta:
         name: the tensor's name, the key of its target on the receiving side.
         kind: one of `KINDS`.
         dtype, shape: the tensor's.
-        changed: elements whose bit pattern changed (every element for `dense` of a full sync).
+        changed: elements the delta carries: for ``patch`` exactly those whose bit pattern
+            changed, for ``rows`` those of the rows sent, for ``dense`` every element.
         nbytes: payload bytes before packing (0 for ``same``).
         indices, values: ``patch`` only: sorted flat indices (int32 or int64), new values.
         ranges: ``rows`` only: int64 array (k, 2) of [start, stop) runs of changed rows.
@@ -139,8 +140,10 @@ def encode(name: str, old: torch.Tensor, new: torch.Tensor) -> Delta:
     """The cheapest exact encoding of `new` given `old`, by bytes on the wire.
 
     The two are compared as integer bit patterns a chunk of `_CHUNK` elements at a time, so
-    temporaries stay a few times a chunk whatever the tensor's size; patch indices are kept
-    only while they cost less than the dense tensor. `old` may live on another device than
+    temporaries stay a few times a chunk whatever the tensor's size: as 8-byte words where
+    the chunk allows it (a quarter of the compares for 16-bit dtypes), then element by
+    element only inside the words that differ. Patch indices are kept only while they cost
+    less than the dense tensor. `old` may live on another device than
     `new` (a host snapshot of GPU weights): each chunk of it is copied to `new`'s device.
 
     Args:
@@ -164,39 +167,72 @@ def encode(name: str, old: torch.Tensor, new: torch.Tensor) -> Delta:
     isz, idt = (8, torch.int64) if wide else (4, torch.int32)
     row = n // shape[0] if len(shape) >= 2 and n else 0
     rows_changed = torch.zeros(shape[0] if row else 0, dtype=torch.bool, device=new.device)
-    count, idx, val = 0, [], []
+    changed, count, idx, val = False, 0, [], []
     for lo, hi in _chunks(n, row):
         nb = b[lo:hi]
         # non_blocking only towards an accelerator, whose stream orders the compare after it
-        neq = a[lo:hi].to(nb.device, non_blocking=nb.device.type != "cpu").view(bits) != nb.view(
-            bits)
+        na = a[lo:hi].to(nb.device, non_blocking=nb.device.type != "cpu")
+        w = _word(na, nb, row)  # elements per compared unit: 8-byte words where they fit
+        an, bn = (na.view(torch.int64), nb.view(torch.int64)) if w > 1 else (na.view(bits),
+                                                                               nb.view(bits))
+        neq = an != bn
         if row and hi - lo >= row:
-            rows_changed[lo // row:hi // row] = neq.view(-1, row).any(1)
+            per_row = row // w  # 8 flags at a time where rows allow: a quicker reduction
+            flags = neq.view(torch.int64).view(-1, per_row // 8) if per_row % 8 == 0 else \
+                neq.view(-1, per_row)
+            rows_changed[lo // row:hi // row] = flags.any(1)
         elif row:
             rows_changed[lo // row] |= neq.any()
-        count += (k := int(torch.count_nonzero(neq)))  # much cheaper than nonzero
-        if idx is not None and count * (isz + s) >= n * s:
+        if not (k := int(torch.count_nonzero(neq))):  # much cheaper than nonzero
+            continue
+        changed = True
+        if idx is not None and (count + k) * (isz + s) >= n * s:
+            idx = val = None  # even one element per changed word costs as much as dense
+        elif idx is not None and w > 1 and (count + k * w) * (isz + s) >= n * s and (
+                count + int(torch.count_nonzero(na.view(bits) != nb.view(bits)))) * (
+                isz + s) >= n * s:
+            idx = val = None  # the changed elements, counted, cost as much as dense
+        if idx is None:
+            continue
+        nz = neq.nonzero().view(-1)
+        values = nb.view(bits)[nz] if w == 1 else None
+        if w > 1:  # the changed elements of the changed words
+            words = bn[nz].view(bits).view(-1, w)
+            lanes = an[nz].view(bits).view(-1, w) != words
+            values = words[lanes]
+            at = lanes.nonzero()
+            nz = nz[at[:, 0]] * w + at[:, 1]
+        count += len(nz)
+        if count * (isz + s) >= n * s:
             idx = val = None  # patches already cost as much as the dense tensor: stop keeping
-        elif idx is not None and k:
-            nz = neq.nonzero().view(-1)
+        else:
             idx.append((nz + lo).to(idt))
-            val.append(nb[nz])
-    if count == 0:
+            val.append(values.view(new.dtype))
+    if not changed:
         return Delta(name, SAME, new.dtype, shape, 0, 0)
-    costs = [(n * s, DENSE)]
+    costs = [(n * s, DENSE, n)]
     if row:
         ranges = _runs(rows_changed.cpu().numpy())
-        costs.append((_RANGE * len(ranges) + int((ranges[:, 1] - ranges[:, 0]).sum()) * row * s,
-                      ROWS))
+        nrows = int((ranges[:, 1] - ranges[:, 0]).sum())
+        costs.append((_RANGE * len(ranges) + nrows * row * s, ROWS, nrows * row))
     if idx is not None:
-        costs.append((count * (isz + s), PATCH))
-    cost, kind = min(costs, key=lambda c: c[0])  # the first of equal costs
+        costs.append((count * (isz + s), PATCH, count))
+    cost, kind, carried = min(costs, key=lambda c: c[0])  # the first of equal costs
     if kind == PATCH:
         cat = lambda parts: parts[0] if len(parts) == 1 else torch.cat(parts)  # noqa: E731
         return Delta(name, PATCH, new.dtype, shape, count, cost, indices=cat(idx),
                      values=cat(val))
-    return Delta(name, kind, new.dtype, shape, count, cost, tensor=new,
+    return Delta(name, kind, new.dtype, shape, carried, cost, tensor=new,
                  ranges=ranges if kind == ROWS else None)
+
+
+def _word(a: torch.Tensor, b: torch.Tensor, row: int) -> int:
+    """Elements per 8-byte word when both chunks can be compared as int64 words (their
+    offsets and lengths whole words, whole rows whole words too), else 1."""
+    w = 8 // a.element_size()
+    ok = w > 1 and a.numel() % w == 0 and (not row or a.numel() < row or row % w == 0) and all(
+        t.storage_offset() % w == 0 and t.data_ptr() % 8 == 0 for t in (a, b))
+    return w if ok else 1
 
 
 def encode_all(old: Mapping[str, torch.Tensor] | None,
