@@ -1,0 +1,154 @@
+"""Benchmark: where a trainer keeps the old values that remote deltas are computed against.
+
+`RemoteGroup` must know what the servers hold to send only what changed. Three options,
+measured side by side in one run on the same model and the same changes (no servers needed:
+what goes on the wire is what `delta.pack` / the block ranges would put there):
+
+- **snapshot** (the default, `RemoteGroup.reference`): a host copy of what the servers
+  hold. Exact element deltas. Extra memory: one copy of the weights, in this process.
+- **checkpoint**: the last synced checkpoint on disk, read through a memory map. The same
+  exact deltas, but only while the checkpoint holds exactly the servers' version (a
+  checkpoint some steps behind gives wrong deltas: an element that changed and changed
+  back is missing), so it must be synced at every update: its time is counted. Extra
+  memory: none of this process's own (the page cache, shared and reclaimable).
+- **fingerprints**: per-block hashes of what the servers hold (`hotweights.blocks`);
+  every changed block is sent whole. Extra memory: 8 bytes per block.
+
+Scenarios, each on the same bf16 model (built with `tiny.build` as in
+`remote_update.py`), a fresh change per run, the lowest bit flipped: (rows) every element
+of 1 % of the rows of every 2-D tensor; (scattered) 1 % of the elements of every tensor, at
+random (an RL step in bf16). Seconds are the trainer's work before sending (encode against
+the reference, plus the checkpoint sync or the fingerprinting), best of --repeat.
+
+The last line is JSON: per option and scenario the bytes sent (% of the model), the
+trainer's seconds and its extra memory (% of the model).
+
+Run:  .venv/bin/python benchmarks/remote_reference.py [--size-mb 500] [--repeat 3]
+      [--model-dir /tmp/hotweights-bench-remote/llama-500mb] [--block-kb 4 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import shutil
+import tempfile
+import time
+import warnings
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hotweights import blocks, delta, tiny
+from hotweights.checkpoint.shards import read_dir
+from hotweights.checkpoint.sync import DTYPES, sync
+from remote_update import HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, change, layers_for, load_weights
+
+ROUND = 64 << 20
+
+
+def wire(deltas: list) -> int:
+    """Bytes `delta.pack` puts on the wire (headers and buffers)."""
+    return sum(r.wire_bytes for r in delta.pack(deltas, max_bytes=ROUND))
+
+
+def mapped(model_dir: Path) -> tuple[dict[str, torch.Tensor], list]:
+    """The checkpoint's tensors as read-only views of memory maps of its shards."""
+    maps, out = {}, {}
+    for name, (shard, info) in (read_dir(model_dir) or {}).items():
+        if shard.path not in maps:
+            with open(shard.path, "rb") as f:
+                maps[shard.path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        buf = np.frombuffer(maps[shard.path], np.uint8, info.nbytes, info.begin)
+        with warnings.catch_warnings():  # a read-only buffer: nothing writes to it
+            warnings.simplefilter("ignore", UserWarning)
+            out[name] = torch.from_numpy(buf).view(DTYPES[info.dtype]).view(info.shape)
+    return out, list(maps.values())
+
+
+def diff(old: blocks.Fingerprints, weights: dict) -> blocks.Changes:
+    return blocks.changed(old, blocks.fingerprint(weights, block_size=old.block_size))
+
+
+def best(fn, repeat: int):
+    times, out = [], None
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return min(times), out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size-mb", type=float, default=500, help="model size, MB (10**6 bytes)")
+    ap.add_argument("--repeat", type=int, default=3, help="timed runs per measure (best)")
+    ap.add_argument("--model-dir", default=None, help="where the model is built (default: "
+                    "/tmp/hotweights-bench-remote/llama-<size>mb)")
+    ap.add_argument("--block-kb", type=int, nargs="+", default=[4, 64],
+                    help="fingerprint block sizes, KiB")
+    args = ap.parse_args()
+    model_dir = Path(args.model_dir or f"/tmp/hotweights-bench-remote/llama-{args.size_mb:g}mb")
+    tiny.build("llama", model_dir, hidden_size=HIDDEN, intermediate_size=INTER,
+               num_hidden_layers=layers_for(args.size_mb), num_attention_heads=HEADS,
+               num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM)
+    weights = load_weights(model_dir)
+    model_bytes = sum(t.nbytes for t in weights.values())
+    print(f"model: {model_bytes:,} bytes, {len(weights)} tensors ({model_dir}); "
+          f"torch threads {torch.get_num_threads()}; repeat {args.repeat}")
+    work = Path(tempfile.mkdtemp(prefix="hotweights-bench-ref-"))
+    ckpt = work / "ckpt"
+    shutil.copytree(model_dir, ckpt)  # the checkpoint that follows the servers' version
+    g = torch.Generator().manual_seed(0)
+    out: dict = {"model_bytes": model_bytes}
+    try:
+        for how in ("rows", "scattered"):
+            snapshot = {k: t.clone() for k, t in weights.items()}  # what the servers hold
+            sync(ckpt, snapshot, version="0")
+            change(weights, how, g)
+            row = out.setdefault(how, {})
+
+            s, deltas = best(partial(delta.encode_all, snapshot, weights), args.repeat)
+            row["snapshot"] = dict(bytes=wire(deltas), s=s, memory=model_bytes)
+
+            ref, maps = mapped(ckpt)
+            s, deltas = best(partial(delta.encode_all, ref, weights), args.repeat)
+            del ref
+            for m in maps:
+                m.close()
+            # syncing the new version into the checkpoint, for the next update's reference
+            # (once: a second sync would find nothing to write)
+            synced = sync(ckpt, weights, version="1")
+            row["checkpoint"] = dict(bytes=wire(deltas), s=s + synced.seconds, memory=0,
+                                     sync_s=synced.seconds, sync_written=synced.bytes_written)
+
+            for kb in args.block_kb:
+                bs = kb << 10
+                old = blocks.fingerprint(snapshot, block_size=bs)
+                s, changes = best(partial(diff, old, weights), args.repeat)
+                sent = changes.bytes_changed + sum(16 * len(c.ranges)  # a (start, stop) each
+                                                   for c in changes.tensors.values())
+                row[f"fingerprints_{kb}k"] = dict(
+                    bytes=sent, s=s, memory=sum(8 * len(h) for _, h in old.tensors.values()))
+
+            print(f"({how})")
+            for name, r in row.items():
+                extra = (f"  (sync {r['sync_s']:.3f} s, {r['sync_written']:,} B written)"
+                         if "sync_s" in r else "")
+                print(f"  {name:16} sent {r['bytes'] / model_bytes:7.2%}  trainer "
+                      f"{r['s']:6.3f} s  extra memory {r['memory'] / model_bytes:7.2%}{extra}")
+            del snapshot
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps({how: {name: {"sent_pct": round(100 * r["bytes"] / model_bytes, 3),
+                                   "trainer_s": round(r["s"], 3),
+                                   "memory_pct": round(100 * r["memory"] / model_bytes, 3)}
+                            for name, r in row.items()}
+                      for how, row in out.items() if how != "model_bytes"}))
+
+
+if __name__ == "__main__":
+    main()
