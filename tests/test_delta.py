@@ -288,3 +288,194 @@ def test_bytes_on_the_wire_llama_like():
     assert 0.02 <= _ratio(old, scattered) <= 0.08
     full = {n: _flip(t, slice(None)) for n, t in old.items()}
     assert 1.0 <= _ratio(old, full) <= 1.01
+
+
+# encode compares 8-byte words where the chunk allows, then the elements inside the words that
+# differ: the cases below are where that word path and the element path part ways.
+
+WORD_DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.bool,
+               torch.float64]  # elements per 8-byte word: 4, 4, 2, 8, 8, 1
+
+
+def _reference(old: torch.Tensor, new: torch.Tensor) -> tuple:
+    """(kind, nbytes, changed, changed flat indices) by brute force: an element bit compare;
+    dense n*s, rows 16*runs + rows*row*s, patch count*(index bytes + s); of equal costs dense,
+    then rows, then patch."""
+    diff = _bits(old) != _bits(new)
+    where = torch.nonzero(diff).view(-1)
+    n, s = new.numel(), new.dtype.itemsize
+    if not len(where):
+        return "same", 0, 0, where
+    costs = [(n * s, "dense", n)]
+    if new.dim() >= 2:
+        row = n // new.shape[0]
+        flags = diff.view(new.shape[0], row).any(1).tolist()
+        runs = sum(f and (i == 0 or not flags[i - 1]) for i, f in enumerate(flags))
+        costs.append((16 * runs + sum(flags) * row * s, "rows", sum(flags) * row))
+    isz = 8 if n >= delta.INT64_INDEX_FROM else 4
+    costs.append((len(where) * (isz + s), "patch", len(where)))
+    nbytes, kind, changed = min(costs, key=lambda c: c[0])  # the first of equal costs
+    return kind, nbytes, changed, where
+
+
+def _at(t: torch.Tensor, offset: int) -> torch.Tensor:
+    """`t`'s value in a contiguous view of a bigger tensor, at storage offset `offset`."""
+    big = torch.zeros(t.numel() + offset + 8, dtype=t.dtype)
+    view = big[offset:offset + t.numel()].view(t.shape)
+    view.copy_(t)
+    assert view.is_contiguous() and view.storage_offset() == offset
+    return view
+
+
+def _exact(old: torch.Tensor, new: torch.Tensor):
+    """encode agrees with `_reference` and its delta round-trips bit for bit."""
+    d = encode("w", old, new)
+    kind, nbytes, changed, where = _reference(old, new)
+    assert (d.kind, d.nbytes, d.changed) == (kind, nbytes, changed)
+    if kind == "patch":
+        assert d.indices.dtype == (torch.int64 if new.numel() >= delta.INT64_INDEX_FROM
+                                   else torch.int32)
+        assert d.indices.tolist() == where.tolist()
+        assert d.values.dtype == new.dtype
+        assert torch.equal(_bits(d.values), _bits(new)[where])
+    got, _ = _sync({"w": old}, {"w": new})
+    assert _same_bits(got, {"w": new.contiguous()})
+    return d
+
+
+def _spy(monkeypatch) -> list:
+    """The elements per compared unit that encode's chunks get from `_word`."""
+    seen, real = [], delta._word
+    monkeypatch.setattr(delta, "_word", lambda a, b, row: seen.append(real(a, b, row)) or seen[-1])
+    return seen
+
+
+WORD_CASES = [  # shape, dtype, storage offsets of old and new, _CHUNK (None: as is), words
+    ((16, 64), torch.bfloat16, (0, 0), None, {4}),  # 16 words a row: flags 8 at a time
+    ((16, 64), torch.bfloat16, (0, 0), 64, {4}),  # one row a chunk
+    ((40, 12), torch.bfloat16, (0, 0), None, {4}),  # 3 words a row
+    ((40, 12), torch.bfloat16, (0, 0), 40, {4}),  # 36-element chunks, the last of 12
+    ((50, 7), torch.bfloat16, (0, 0), None, {1}),  # rows not whole words
+    ((40, 6), torch.bfloat16, (0, 0), None, {1}),  # whole words a chunk, not a row
+    ((8, 3), torch.int8, (0, 0), None, {1}),
+    ((50, 7), torch.float16, (0, 0), 24, {1}),
+    ((13,), torch.float32, (0, 0), None, {1}),
+    ((13,), torch.float32, (0, 0), 4, {2, 1}),  # the last chunk a single element
+    ((1001,), torch.bfloat16, (0, 0), None, {1}),
+    ((1001,), torch.bfloat16, (0, 0), 64, {4, 1}),  # the last chunk of 41
+    ((1000,), torch.int8, (0, 0), 24, {8}),
+    ((30, 16), torch.bool, (0, 0), None, {8}),  # 2 words a row
+    ((16, 64), torch.bool, (0, 0), None, {8}),  # 8 words a row
+    ((16, 64), torch.float64, (0, 0), None, {1}),  # 64 flags a row, 8 at a time
+    ((50, 7), torch.float64, (0, 0), 24, {1}),
+    ((25, 8), torch.float32, (0, 0), 24, {2}),
+    # contiguous views at a storage offset: both odd, one odd, both whole words
+    ((16, 64), torch.bfloat16, (1, 1), None, {1}),
+    ((16, 64), torch.bfloat16, (0, 3), None, {1}),
+    ((16, 64), torch.bfloat16, (6, 0), 64, {1}),
+    ((16, 64), torch.bfloat16, (4, 8), 64, {4}),
+    ((40, 12), torch.bfloat16, (2, 2), 40, {1}),
+    ((1000,), torch.int8, (5, 0), 64, {1}),
+    ((1000,), torch.bool, (8, 16), 64, {8}),
+    ((1000,), torch.bool, (3, 3), None, {1}),
+    ((25, 8), torch.float32, (1, 1), None, {1}),
+    ((25, 8), torch.float32, (3, 0), 24, {1}),
+    ((13,), torch.float64, (1, 2), 4, {1}),
+    # rows longer than a chunk: each chunk inside one row, word-aligned or not by itself
+    ((4, 100), torch.bfloat16, (0, 0), 24, {4}),
+    ((4, 100), torch.bool, (0, 0), 24, {8, 1}),  # odd rows start half a word in
+    ((3, 50), torch.float32, (0, 0), 16, {2}),
+    ((3, 51), torch.float32, (0, 0), 16, {2, 1}),
+    ((3, 50), torch.float32, (1, 0), 16, {1}),
+]
+
+
+def _patterns(n: int):
+    yield [n - 1]  # the last element
+    yield list(range(min(n, 3)))  # adjacent, in the first word
+    yield sorted({max(0, n // 2 - 1), n // 2, min(n - 1, n // 2 + 1)})  # adjacent, mid-way
+    yield list(range(max(0, n - 5), n))  # the tail: the last (partial) chunk
+    yield [i for i in range(n) if i % 8 in (1, 2, 5)]  # several in every word
+    yield list(range(0, n, 9))  # one in scattered words
+    yield slice(None)  # every element
+
+
+@pytest.mark.parametrize("shape,dtype,offsets,chunk,words", WORD_CASES,
+                         ids=[f"{c[0]}-{str(c[1])[6:]}-at{c[2]}-chunk{c[3]}" for c in WORD_CASES])
+def test_word_compare_is_exact(monkeypatch, shape, dtype, offsets, chunk, words):
+    if chunk is not None:
+        monkeypatch.setattr(delta, "_CHUNK", chunk)
+    seen = _spy(monkeypatch)
+    base = _random(shape, dtype, seed=3)
+    old = _at(base, offsets[0])
+    assert encode("w", old, _at(base, offsets[1])).kind == "same"
+    n = base.numel()
+    for which in _patterns(n):
+        new = _at(_flip(base, which), offsets[1])
+        d = _exact(old, new)
+        if which == slice(None):
+            assert (d.kind, d.changed, d.nbytes) == ("dense", n, n * dtype.itemsize)
+    assert set(seen) == words  # the path each chunk took is the one meant
+
+
+@pytest.mark.parametrize("offset", [0, 1])
+@pytest.mark.parametrize("isz", [4, 8])
+@pytest.mark.parametrize("layout", ["spread", "packed", "tail"])
+@pytest.mark.parametrize("chunk", [None, 16, 40])
+@pytest.mark.parametrize("dtype", WORD_DTYPES)
+def test_patch_until_it_costs_as_much_as_dense(monkeypatch, dtype, chunk, layout, isz, offset):
+    if chunk is not None:
+        monkeypatch.setattr(delta, "_CHUNK", chunk)
+    if isz == 8:
+        monkeypatch.setattr(delta, "INT64_INDEX_FROM", 1)
+    s, tie = dtype.itemsize, 24
+    n = tie * (isz + s) // s  # 24 changed elements cost exactly the dense tensor
+    assert tie * (isz + s) == n * s
+    base = _random((n,), dtype, seed=5)
+    old = _at(base, offset)
+    for count in (1, tie - 2, tie - 1, tie, tie + 1):
+        which = {"spread": sorted({n - 1 - i * n // count for i in range(count)}),
+                 "packed": list(range(count)), "tail": list(range(n - count, n))}[layout]
+        assert len(which) == count
+        d = _exact(old, _at(_flip(base, which), offset))
+        want = ("patch", count, count * (isz + s)) if count < tie else ("dense", n, n * s)
+        assert (d.kind, d.changed, d.nbytes) == want
+
+
+def test_random_sweep_matches_brute_force(monkeypatch):
+    import random
+
+    g, chunk0 = random.Random(20261123), delta._CHUNK
+    shapes = [(13,), (1001,), (64,), (1,), (), (50, 7), (40, 12), (16, 64), (4, 100),
+              (3, 5, 8), (7, 1), (1, 33), (9, 24)]
+    kinds = set()
+    for i in range(400):
+        shape, dtype = g.choice(shapes), g.choice(WORD_DTYPES)
+        monkeypatch.setattr(delta, "_CHUNK", g.choice([chunk0, 8, 24, 40, 64, 100]))
+        monkeypatch.setattr(delta, "INT64_INDEX_FROM", g.choice([2**31, 2**31, 1, 500]))
+        base = _random(shape, dtype, seed=i)
+        n, s = base.numel(), dtype.itemsize
+        how = g.choice(["few", "cluster", "rows", "density", "near", "all", "none"])
+        if how == "few":
+            which = g.sample(range(n), min(n, g.randint(1, 4)))
+        elif how == "cluster":
+            at = g.randrange(n)
+            which = list(range(at, min(n, at + g.randint(2, 9))))
+        elif how == "rows" and len(shape) >= 2:
+            row = n // shape[0]
+            which = [r * row + j for r in g.sample(range(shape[0]), g.randint(1, shape[0]))
+                     for j in range(row)] + g.sample(range(n), g.randint(0, 2))
+        elif how in ("density", "rows"):
+            p = g.choice([0.05, 0.2, 0.3, 0.5, 0.9])
+            which = [j for j in range(n) if g.random() < p]
+        elif how == "near":  # around the count where a patch costs as much as dense
+            count = min(n, max(1, -(-n * s // (4 + s)) + g.randint(-2, 2)))
+            at = g.randrange(n - count + 1)
+            which = (list(range(at, at + count)) if g.random() < 0.5
+                     else g.sample(range(n), count))
+        else:
+            which = slice(None) if how == "all" else []
+        old = _at(base, g.choice([0, 0, 0, 1, 2, 3, 4, 8]))
+        new = _at(_flip(base, which), g.choice([0, 0, 0, 1, 2, 3, 4, 8]))
+        kinds.add(_exact(old, new).kind)
+    assert kinds == {"same", "patch", "rows", "dense"}
