@@ -195,13 +195,13 @@ def encode(name: str, old: torch.Tensor, new: torch.Tensor) -> Delta:
         if idx is None:
             continue
         nz = neq.nonzero().view(-1)
-        values = nb.view(bits)[nz] if w == 1 else None
-        if w > 1:  # the changed elements of the changed words
-            words = bn[nz].view(bits).view(-1, w)
-            lanes = an[nz].view(bits).view(-1, w) != words
-            values = words[lanes]
-            at = lanes.nonzero()
-            nz = nz[at[:, 0]] * w + at[:, 1]
+        if w == 1:
+            values = nb.view(bits)[nz]
+        else:  # the changed elements of the changed words (w is a power of two)
+            words = bn[nz].view(bits)
+            at = (an[nz].view(bits) != words).nonzero().view(-1)
+            values = words[at]
+            nz = nz[at >> (w.bit_length() - 1)] * w + (at & (w - 1))
         count += len(nz)
         if count * (isz + s) >= n * s:
             idx = val = None  # patches already cost as much as the dense tensor: stop keeping
