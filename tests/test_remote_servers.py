@@ -3,6 +3,7 @@
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -10,6 +11,7 @@ import time
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from hotweights import Bridge, HotweightsError, RemoteError, RemoteGroup
@@ -41,8 +43,10 @@ def remotes(tiny_model, tmp_path_factory):
 @pytest.fixture
 def trainer(remotes):
     model = AutoModelForCausalLM.from_pretrained(remotes[0].model_dir, dtype=torch.bfloat16)
-    with RemoteGroup([s.url for s in remotes[:2]], token=TOKEN, timeout=10.0) as group:
-        group.update(model)  # a full sync: every server starts from the trainer's weights
+    # the checkpoint the servers started from: a restarted one is synced from it
+    with RemoteGroup([s.url for s in remotes[:2]], token=TOKEN, timeout=10.0,
+                     checkpoint=remotes[0].model_dir) as group:
+        group.update(model)  # every server starts from the trainer's weights
         yield model, group
 
 
@@ -65,6 +69,31 @@ def _kill(server) -> None:
 
 def _nbytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_fresh_servers_are_synced_from_the_checkpoint_they_loaded(remotes, tmp_path):
+    # First in the module: no update has been applied to either server yet.
+    urls = [s.url for s in remotes[:2]]
+    assert all(_status(s)["checkpoint"] for s in remotes[:2])
+    model = AutoModelForCausalLM.from_pretrained(remotes[0].model_dir, dtype=torch.bfloat16)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight[:2].add_(0.01)  # 2 rows differ
+    with RemoteGroup(urls, token=TOKEN, timeout=10.0, checkpoint=remotes[0].model_dir) as group:
+        out = group.update(model)
+        assert not out["full"] and out["from_checkpoint"] == urls
+        assert out["bytes_sent"] < 0.01 * _nbytes(model)
+        assert {_status(s)["checkpoint"] for s in remotes[:2]} == {None}  # no longer fresh
+    served = [_greedy(s, PROMPT, 8) for s in remotes[:2]]
+    assert served[0] == served[1] and _checksum(remotes[0]) == _checksum(remotes[1])
+    # Another checkpoint than the one loaded: never trusted, a full sync.
+    other = tmp_path / "other"
+    shutil.copytree(remotes[0].model_dir, other)
+    (shard,) = other.glob("*.safetensors")
+    tensors = load_file(shard)
+    tensors["model.norm.weight"] += 1
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with RemoteGroup(urls, token=TOKEN, timeout=10.0, checkpoint=other) as group:
+        assert group.update(model)["full"]
 
 
 def test_k_updates_are_served_identically_with_one_version_number(remotes, trainer):
@@ -191,11 +220,12 @@ def test_a_server_killed_during_the_send_is_named_and_the_other_stays_old(
     assert victim.url in str(e.value) and "update not applied anywhere" in str(e.value)
     assert (_status(survivor)["version"], _checksum(survivor)) == before
     victim.proc.wait()
-    # The restarted server rejoins: a full sync for it, and both serve one version again.
+    # The restarted server rejoins: synced from the checkpoint it loaded, both serve one
+    # version again.
     remotes[1] = Server(victim.model_dir, tmp_path, "--remote", port=victim.port)
     group.max_round_bytes = 64 << 20
     out = group.update(model)
-    assert out["full"] and len(out["servers"]) == 2
+    assert out["from_checkpoint"] == [victim.url] and len(out["servers"]) == 2
     assert _checksum(remotes[0]) == _checksum(remotes[1])
     print(json.dumps(out))
 
@@ -214,6 +244,7 @@ def test_a_server_killed_between_send_and_commit_is_named_and_the_other_serves_n
         group.commit(pending)
     assert _status(survivor)["n"] == group.n and _status(survivor)["state"] == "idle"
     remotes[1] = Server(victim.model_dir, tmp_path, "--remote", port=victim.port)
-    out = group.update(model)  # the restarted one gets a full sync and the same version
-    assert out["full"] and _checksum(remotes[0]) == _checksum(remotes[1])
+    out = group.update(model)  # the restarted one: what differs from the checkpoint
+    assert out["from_checkpoint"] == [victim.url] and not out["full"]
+    assert _checksum(remotes[0]) == _checksum(remotes[1])
     assert {_status(s)["n"] for s in remotes[:2]} == {group.n}

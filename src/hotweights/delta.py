@@ -136,7 +136,8 @@ def dense(name: str, tensor: torch.Tensor) -> Delta:
                  n * tensor.dtype.itemsize, tensor=tensor if n else None)
 
 
-def encode(name: str, old: torch.Tensor, new: torch.Tensor) -> Delta:
+def encode(name: str, old: torch.Tensor, new: torch.Tensor, *,
+           also: torch.Tensor | None = None) -> Delta:
     """The cheapest exact encoding of `new` given `old`, by bytes on the wire.
 
     The two are compared as integer bit patterns a chunk of `_CHUNK` elements at a time, so
@@ -150,18 +151,22 @@ def encode(name: str, old: torch.Tensor, new: torch.Tensor) -> Delta:
         name: the tensor's name, carried by the delta and named in errors.
         old: the value the receiver holds.
         new: the value it must end with (referenced by ``rows`` and ``dense`` deltas).
+        also: another value some receivers hold instead of `old` (see `encode_all`): an
+            element is sent where `new` differs from either.
     Returns:
         A `Delta`; of equal costs dense is preferred, then rows, then patch.
     Raises:
         DeltaError: names the tensor: dtype or shape differ, a non-contiguous tensor, a dtype
             without an integer view of its width (complex).
     """
-    for field, a, b in (("dtype", old.dtype, new.dtype),
-                        ("shape", tuple(old.shape), tuple(new.shape))):
-        if a != b:
-            raise DeltaError(f"{name}: field '{field}' differs (old {a}, new {b}); leave it "
-                             "out of `old` to send it dense")
+    for who, t in (("old", old), ("also", also)):
+        for field, x, y in (("dtype", t.dtype, new.dtype),
+                            ("shape", tuple(t.shape), tuple(new.shape))) if t is not None else ():
+            if x != y:
+                raise DeltaError(f"{name}: field '{field}' differs ({who} {x}, new {y}); leave "
+                                 f"it out of `{who}` to send it dense")
     a, b = _flat(name, old, "old"), _flat(name, new, "new")
+    c = _flat(name, also, "also") if also is not None else None
     shape, s, n = tuple(new.shape), new.dtype.itemsize, new.numel()
     bits, wide = _BITS[s], n >= INT64_INDEX_FROM
     isz, idt = (8, torch.int64) if wide else (4, torch.int32)
@@ -171,11 +176,12 @@ def encode(name: str, old: torch.Tensor, new: torch.Tensor) -> Delta:
     for lo, hi in _chunks(n, row):
         nb = b[lo:hi]
         # non_blocking only towards an accelerator, whose stream orders the compare after it
-        na = a[lo:hi].to(nb.device, non_blocking=nb.device.type != "cpu")
-        w = _word(na, nb, row)  # elements per compared unit: 8-byte words where they fit
-        an, bn = (na.view(torch.int64), nb.view(torch.int64)) if w > 1 else (na.view(bits),
-                                                                               nb.view(bits))
-        neq = an != bn
+        na, nc = (None if x is None else x[lo:hi].to(
+            nb.device, non_blocking=nb.device.type != "cpu") for x in (a, c))
+        w = _word(row, na, nb, nc)  # elements per compared unit: 8-byte words where they fit
+        an, bn, cn = (None if x is None else x.view(torch.int64 if w > 1 else bits)
+                      for x in (na, nb, nc))
+        neq = _differ(an, bn, cn)
         if row and hi - lo >= row:
             per_row = row // w  # 8 flags at a time where rows allow: a quicker reduction
             flags = neq.view(torch.int64).view(-1, per_row // 8) if per_row % 8 == 0 else \
@@ -189,7 +195,8 @@ def encode(name: str, old: torch.Tensor, new: torch.Tensor) -> Delta:
         if idx is not None and (count + k) * (isz + s) >= n * s:
             idx = val = None  # even one element per changed word costs as much as dense
         elif idx is not None and w > 1 and (count + k * w) * (isz + s) >= n * s and (
-                count + int(torch.count_nonzero(na.view(bits) != nb.view(bits)))) * (
+                count + int(torch.count_nonzero(_differ(na.view(bits), nb.view(bits),
+                                                        _bits(nc, bits))))) * (
                 isz + s) >= n * s:
             idx = val = None  # the changed elements, counted, cost as much as dense
         if idx is None:
@@ -199,7 +206,8 @@ def encode(name: str, old: torch.Tensor, new: torch.Tensor) -> Delta:
             values = nb.view(bits)[nz]
         else:  # the changed elements of the changed words (w is a power of two)
             words = bn[nz].view(bits)
-            at = (an[nz].view(bits) != words).nonzero().view(-1)
+            at = _differ(an[nz].view(bits), words, _bits(cn[nz] if cn is not None else None,
+                                                         bits)).nonzero().view(-1)
             values = words[at]
             nz = nz[at >> (w.bit_length() - 1)] * w + (at & (w - 1))
         count += len(nz)
@@ -226,29 +234,44 @@ def encode(name: str, old: torch.Tensor, new: torch.Tensor) -> Delta:
                  ranges=ranges if kind == ROWS else None)
 
 
-def _word(a: torch.Tensor, b: torch.Tensor, row: int) -> int:
-    """Elements per 8-byte word when both chunks can be compared as int64 words (their
+def _word(row: int, a: torch.Tensor, *more: torch.Tensor | None) -> int:
+    """Elements per 8-byte word when every chunk can be compared as int64 words (their
     offsets and lengths whole words, whole rows whole words too), else 1."""
     w = 8 // a.element_size()
     ok = w > 1 and a.numel() % w == 0 and (not row or a.numel() < row or row % w == 0) and all(
-        t.storage_offset() % w == 0 and t.data_ptr() % 8 == 0 for t in (a, b))
+        t.storage_offset() % w == 0 and t.data_ptr() % 8 == 0 for t in (a, *more)
+        if t is not None)
     return w if ok else 1
 
 
-def encode_all(old: Mapping[str, torch.Tensor] | None,
-               new: Mapping[str, torch.Tensor]) -> list[Delta]:
+def _differ(old: torch.Tensor, new: torch.Tensor, also: torch.Tensor | None) -> torch.Tensor:
+    """Where `new` differs from `old`, or from `also` where there is one."""
+    neq = old != new
+    return neq if also is None else neq.logical_or_(also != new)
+
+
+def _bits(t: torch.Tensor | None, bits: torch.dtype) -> torch.Tensor | None:
+    return None if t is None else t.view(bits)
+
+
+def encode_all(old: Mapping[str, torch.Tensor] | None, new: Mapping[str, torch.Tensor], *,
+               also: Mapping[str, torch.Tensor] | None = None) -> list[Delta]:
     """Encode every tensor of `new` against its namesake in `old` (see `encode`).
 
     Args:
         old: what the receiver holds; None for a full sync. A name missing from it is sent
             dense; a name only in it is left out (the receiver keeps its value).
         new: name -> the value the receiver must end with.
+        also: what other receivers of the same update hold instead (a checkpoint that
+            restarted servers loaded): an element that differs from either is sent, so
+            every receiver ends with `new`. A name missing from it is sent dense.
     Returns:
         One `Delta` per tensor of `new`, in its order (``same`` ones included).
     Raises:
         DeltaError: as `encode`, naming the tensor.
     """
-    out = [encode(k, old[k], t) if old is not None and k in old else dense(k, t)
+    out = [encode(k, old[k], t, also=None if also is None else also[k])
+           if old is not None and k in old and (also is None or k in also) else dense(k, t)
            for k, t in new.items()]
     if logger.isEnabledFor(logging.DEBUG):
         kinds = {k: sum(d.kind == k for d in out) for k in KINDS}

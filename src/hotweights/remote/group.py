@@ -15,7 +15,10 @@ design guarantees:
   an update) gets a full sync at the next update, and then the deltas again.
 
 The old values the deltas are computed against are a host copy of what the servers hold
-(`reference`: one copy of the weights in this process's memory).
+(`reference`: one copy of the weights in this process's memory). A server that holds exactly
+the checkpoint it started from (it reports the checkpoint's digest until its first commit)
+is synced from it instead, when the group is given the same checkpoint: only what differs
+from it is sent (from either, when other servers hold `reference`), not the whole model.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import torch
 
 from hotweights import delta
 from hotweights.bridge import _request
+from hotweights.checkpoint.digest import digest, mapped, stats
 from hotweights.checkpoint.names import reverted
 from hotweights.errors import HotweightsError, RemoteError, ServerError
 from hotweights.remote.channel import Channel
@@ -59,6 +63,7 @@ class Pending:
     new: dict  # name -> the new tensor
     deltas: list
     full: bool
+    from_checkpoint: tuple[str, ...]  # servers sent what differs from the checkpoint
     sent: int  # bytes on the wire
     started: float
     floor: int  # the version number to commit must be above this
@@ -83,11 +88,17 @@ class RemoteGroup:
         master_port: the channel's port on this process (default: a free one).
         timeout: seconds any peer may be silent in a collective before it is named.
         max_round_bytes: the staging budget per round, on both sides.
+        checkpoint: a directory holding the checkpoint the servers were started from (the
+            same files). A server that reports it still holds exactly that checkpoint (it
+            just started, or restarted) is sent only what differs from it instead of the
+            whole model; its digest is checked, so a different one costs a full sync, never
+            a wrong weight.
     """
 
     def __init__(self, servers: str | Iterable[str], *, token: str | Mapping[str, str] | None =
                  None, master_addr: str | None = None, master_port: int = 0,
-                 timeout: float = 60.0, max_round_bytes: int = ROUND_BYTES):
+                 timeout: float = 60.0, max_round_bytes: int = ROUND_BYTES,
+                 checkpoint: str | os.PathLike | None = None):
         self.urls = server_urls(servers)
         self._tokens = {u: find_token(u, token.get(u) if isinstance(token, Mapping) else token)
                         for u in self.urls}
@@ -96,6 +107,8 @@ class RemoteGroup:
                                            socket.gethostbyname(socket.gethostname()))
         self.master_port, self.timeout = master_port, timeout
         self.max_round_bytes = max_round_bytes
+        self.checkpoint = checkpoint
+        self._loaded: tuple[dict, str | None, dict] | None = None  # (stats, digest, tensors)
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.n = 0  # the version number every server served at the last update
         self.reference: dict[str, torch.Tensor] | None = None  # what the servers hold
@@ -142,13 +155,23 @@ class RemoteGroup:
             if not st.get("remote"):
                 raise RemoteError(f"{u}: not started with `hotweights serve --remote`; a "
                                   "local server is updated in place through Bridge")
-        full = self.reference is None or any(
-            self._held.get(u) != (st["server_id"], st["n"]) for u, st in status.items())
+        stale = [u for u, st in status.items()
+                 if self.reference is None or self._held.get(u) != (st["server_id"], st["n"])]
         self._connect(status)
-        reference = None if full else self.reference
-        deltas, sent = self._send(status, lambda: delta.encode_all(reference, new), mode,
-                                  lease_s or max(60.0, 4 * self.timeout))
-        return Pending(status, new, deltas, full, sent, started,
+        reference, also = (self.reference if len(stale) < len(self.urls) else None), None
+        if stale:
+            ckpt = self._checkpoint_for([status[u] for u in stale], new)
+            if ckpt is None:
+                reference = None  # a full sync: the whole model, dense, to every server
+            elif reference is None:
+                reference = ckpt  # every server holds the checkpoint
+            else:
+                also = ckpt  # the others hold `reference`: what differs from either is sent
+        deltas, sent = self._send(
+            status, lambda: delta.encode_all(reference, new, also=also), mode,
+            lease_s or max(60.0, 4 * self.timeout))
+        from_checkpoint = tuple(stale) if reference is not None and stale else ()
+        return Pending(status, new, deltas, reference is None, from_checkpoint, sent, started,
                        max(self.n, *(st["n"] for st in status.values())))
 
     def commit(self, pending: Pending, n: int | None = None) -> dict:
@@ -166,7 +189,8 @@ class RemoteGroup:
         self.n = n
         self._held = {u: (status[u]["server_id"], n) for u in committed}
         self.bytes_sent += pending.sent
-        result = {"version": n, "full": pending.full, "bytes_sent": pending.sent,
+        result = {"version": n, "full": pending.full,
+                  "from_checkpoint": list(pending.from_checkpoint), "bytes_sent": pending.sent,
                   "seconds": time.perf_counter() - pending.started,
                   "servers": {u: out["version"] for u, out in committed.items()}}
         if failed:
@@ -197,6 +221,26 @@ class RemoteGroup:
             for k, r in self.reference.items():
                 live[k].copy_(r)
         return True
+
+    def _checkpoint_for(self, stale: list[dict], new: dict) -> dict | None:
+        """The checkpoint's tensors (memory-mapped) when every server in `stale` holds
+        exactly `checkpoint` and it matches the new weights' names, dtypes and shapes."""
+        if self.checkpoint is None or any(st.get("checkpoint") is None for st in stale):
+            return None
+        now = stats(self.checkpoint)
+        if self._loaded is None or self._loaded[0] != now:  # hashed again only when changed
+            self._loaded = (now, digest(self.checkpoint), mapped(self.checkpoint))
+        _, found, tensors = self._loaded
+        if any(st["checkpoint"] != found for st in stale):
+            logger.info("hotweights: %s differs from what the servers loaded: a full sync",
+                        self.checkpoint)
+            return None
+        if bad := next((k for k, t in new.items() if k not in tensors or tensors[k].dtype
+                        != t.dtype or tensors[k].shape != t.shape), None):
+            logger.info("hotweights: %s: %s differs from the checkpoint's (dtype, shape or "
+                        "missing): a full sync", self.checkpoint, bad)
+            return None
+        return tensors
 
     def _send(self, status: dict, encode: Callable[[], list], mode: str,
               lease_s: float) -> tuple[list, int]:

@@ -18,6 +18,7 @@ import asyncio
 import atexit
 import contextlib
 import hmac
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from pathlib import Path
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from hotweights.checkpoint.digest import digest, stats
 from hotweights.errors import ConfigError, ServerError
 from hotweights.remote.rendezvous import channel_id
 from hotweights.tokens import remove_token
@@ -39,7 +41,7 @@ from hotweights.transaction import (
     Transaction,
     _Request,
 )
-from hotweights.vllm_plugin import REMOTE
+from hotweights.vllm_plugin import CHECKPOINT_STATS, REMOTE
 from hotweights.vllm_plugin.gate import Gate, GateMiddleware
 
 logger = logging.getLogger(__name__)
@@ -139,6 +141,20 @@ class Join(_Request):
                 raise Refused(400, f"field {name!r} is required")
 
 
+def _loaded(model: str) -> str | None:
+    """The digest of the checkpoint vLLM loaded from `model`, if its shards are those
+    `hotweights serve` saw before the load (none written since); else None."""
+    before = os.environ.get(CHECKPOINT_STATS)
+    if not before or not os.path.isdir(model):
+        return None
+    found = digest(model)
+    if stats(model) != json.loads(before):
+        logger.warning("hotweights: %s changed since this server loaded it; a trainer's "
+                       "first update to it sends the whole model", model)
+        return None
+    return found
+
+
 def _refuse_split_servers(args) -> None:
     for flag in ("api_server_count", "data_parallel_size"):
         if (getattr(args, flag, 1) or 1) > 1:
@@ -163,6 +179,7 @@ class HotweightsRoutes:
         self.manifests: list[dict] = []
         self.workers = 0
         self.channel: str | None = None  # the trainer channel joined (remote servers)
+        self.loaded: str | None = None  # remote: digest of the checkpoint vLLM loaded
 
     def attach_router(self, app: FastAPI) -> None:
         if not self.server_id:
@@ -197,6 +214,7 @@ class HotweightsRoutes:
         self.metrics["dirty"].set_function(lambda: int(self.tx.dirty))
         if self.remote:  # updates come over the transfer engine: nothing to share
             self.workers = len(await engine_client.collective_rpc("hotweights_after_update"))
+            self.loaded = await asyncio.to_thread(_loaded, str(getattr(args, "model", "")))
             logger.info("hotweights: server %s, %d worker(s) receive updates from a "
                         "trainer (--remote)", self.server_id, self.workers)
             return
@@ -238,8 +256,9 @@ class HotweightsRoutes:
     async def status(self, request: Request):
         if refused := self._refuse(request):
             return refused
+        untouched = self.tx.n == 0 and not self.tx.dirty  # still the weights it loaded
         return {**self.tx.status(), "remote": self.remote, "workers": self.workers,
-                "channel": self.channel}
+                "channel": self.channel, "checkpoint": self.loaded if untouched else None}
 
     async def checksum(self, request: Request):
         """The version served and one xxh3-64 per worker over its weights (hashes them all)."""

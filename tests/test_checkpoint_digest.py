@@ -1,0 +1,78 @@
+"""checkpoint.digest: which weights a checkpoint holds, whatever its sharding; its tensors
+mapped without a copy; and the check a `--remote` server makes of what it loaded."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from hotweights.checkpoint.digest import digest, mapped, stats
+from hotweights.vllm_plugin import CHECKPOINT_STATS
+from hotweights.vllm_plugin.routes import _loaded
+
+
+def _tensors(seed=0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"a.weight": torch.randn(8, 16, generator=g).to(torch.bfloat16),
+            "b.bias": torch.randn(16, generator=g),
+            "c.steps": torch.arange(5, dtype=torch.int64)}
+
+
+def _save(d, tensors, shards=1):
+    d.mkdir(parents=True, exist_ok=True)
+    names = sorted(tensors)
+    if shards == 1:
+        save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+        return d
+    index, parts = {}, [names[i::shards] for i in range(shards)]
+    for i, part in enumerate(parts):
+        f = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({k: tensors[k] for k in part}, d / f, metadata={"format": "pt"})
+        index.update(dict.fromkeys(part, f))
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
+    return d
+
+
+def test_digest_is_the_tensors_not_the_files(tmp_path):
+    one = digest(_save(tmp_path / "one", _tensors()))
+    assert one == digest(_save(tmp_path / "two", _tensors(), shards=2))
+    assert one != digest(_save(tmp_path / "other", _tensors(seed=1)))
+    renamed = _tensors()
+    renamed["a.weight2"] = renamed.pop("a.weight")
+    assert one != digest(_save(tmp_path / "renamed", renamed))
+    as_f32 = _tensors()
+    as_f32["a.weight"] = as_f32["a.weight"].float()
+    assert one != digest(_save(tmp_path / "f32", as_f32))
+    assert digest(tmp_path / "empty") is None and stats(tmp_path / "empty") == {}
+
+
+def test_mapped_tensors_are_the_files_and_stats_follow_every_write(tmp_path):
+    d = _save(tmp_path / "m", _tensors(), shards=2)
+    got = mapped(d)
+    assert got.keys() == _tensors().keys()
+    for k, t in _tensors().items():
+        assert got[k].dtype == t.dtype and torch.equal(got[k], t)
+    before = stats(d)
+    (shard, *_) = sorted(d.glob("*.safetensors"))
+    tensors = load_file(shard)
+    save_file(tensors, shard, metadata={"format": "pt"})  # same bytes, written again
+    assert stats(d) != before
+
+
+def test_a_server_reports_what_it_loaded_only_if_no_shard_changed_since(tmp_path, monkeypatch):
+    d = _save(tmp_path / "s", _tensors())
+    monkeypatch.delenv(CHECKPOINT_STATS, raising=False)
+    assert _loaded(str(d)) is None  # not started by `hotweights serve --remote`
+    monkeypatch.setenv(CHECKPOINT_STATS, json.dumps(stats(d)))
+    assert _loaded(str(d)) == digest(d)
+    assert _loaded("org/some-hub-id") is None
+    _save(d, _tensors(seed=2))  # a sync after the load: what was loaded is unknown
+    assert _loaded(str(d)) is None
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_digest_reads_big_tensors_without_copies(tmp_path, shards):
+    big = {f"t{i}": torch.full((256, 1024), float(i)) for i in range(3)}
+    d = _save(tmp_path / "big", big, shards=shards)
+    assert digest(d) == digest(_save(tmp_path / "again", big, shards=4 - shards))
