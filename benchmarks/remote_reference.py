@@ -31,20 +31,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import shutil
 import tempfile
 import time
-import warnings
 from functools import partial
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from hotweights import blocks, delta, tiny
-from hotweights.checkpoint.shards import read_dir
-from hotweights.checkpoint.sync import DTYPES, sync
+from hotweights.checkpoint.digest import mapped
+from hotweights.checkpoint.sync import sync
 from remote_update import HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, change, layers_for, load_weights
 
 ROUND = 64 << 20
@@ -53,20 +50,6 @@ ROUND = 64 << 20
 def wire(deltas: list) -> int:
     """Bytes `delta.pack` puts on the wire (headers and buffers)."""
     return sum(r.wire_bytes for r in delta.pack(deltas, max_bytes=ROUND))
-
-
-def mapped(model_dir: Path) -> tuple[dict[str, torch.Tensor], list]:
-    """The checkpoint's tensors as read-only views of memory maps of its shards."""
-    maps, out = {}, {}
-    for name, (shard, info) in (read_dir(model_dir) or {}).items():
-        if shard.path not in maps:
-            with open(shard.path, "rb") as f:
-                maps[shard.path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        buf = np.frombuffer(maps[shard.path], np.uint8, info.nbytes, info.begin)
-        with warnings.catch_warnings():  # a read-only buffer: nothing writes to it
-            warnings.simplefilter("ignore", UserWarning)
-            out[name] = torch.from_numpy(buf).view(DTYPES[info.dtype]).view(info.shape)
-    return out, list(maps.values())
 
 
 def diff(old: blocks.Fingerprints, weights: dict) -> blocks.Changes:
@@ -114,11 +97,7 @@ def main() -> None:
             s, deltas = best(partial(delta.encode_all, snapshot, weights), args.repeat)
             row["snapshot"] = dict(bytes=wire(deltas), s=s, memory=model_bytes)
 
-            ref, maps = mapped(ckpt)
-            s, deltas = best(partial(delta.encode_all, ref, weights), args.repeat)
-            del ref
-            for m in maps:
-                m.close()
+            s, deltas = best(partial(delta.encode_all, mapped(ckpt), weights), args.repeat)
             # syncing the new version into the checkpoint, for the next update's reference
             # (once: a second sync would find nothing to write)
             synced = sync(ckpt, weights, version="1")
