@@ -168,7 +168,7 @@ class RemoteGroup:
             else:
                 also = ckpt  # the others hold `reference`: what differs from either is sent
         deltas, sent = self._send(
-            status, lambda: delta.encode_all(reference, new, also=also), mode,
+            status, lambda: self._encode(reference, new, also, bool(stale)), mode,
             lease_s or max(60.0, 4 * self.timeout))
         from_checkpoint = tuple(stale) if reference is not None and stale else ()
         return Pending(status, new, deltas, reference is None, from_checkpoint, sent, started,
@@ -222,6 +222,15 @@ class RemoteGroup:
                 live[k].copy_(r)
         return True
 
+    def _encode(self, reference: dict | None, new: dict, also: dict | None,
+                stale: bool) -> list:
+        deltas = delta.encode_all(reference, new, also=also)
+        if stale and reference is not None and stats(self.checkpoint) != self._loaded[0]:
+            # in place (journal mode): the memory-mapped old values may have moved under us
+            raise RemoteError(f"{self.checkpoint} was written during the update; nothing was "
+                              "sent: update again")
+        return deltas
+
     def _checkpoint_for(self, stale: list[dict], new: dict) -> dict | None:
         """The checkpoint's tensors (memory-mapped) when every server in `stale` holds
         exactly `checkpoint` and it matches the new weights' names, dtypes and shapes."""
@@ -229,7 +238,11 @@ class RemoteGroup:
             return None
         now = stats(self.checkpoint)
         if self._loaded is None or self._loaded[0] != now:  # hashed again only when changed
-            self._loaded = (now, digest(self.checkpoint), mapped(self.checkpoint))
+            found, tensors = digest(self.checkpoint), mapped(self.checkpoint)
+            if stats(self.checkpoint) != now:
+                logger.info("hotweights: %s is being written: a full sync", self.checkpoint)
+                return None
+            self._loaded = (now, found, tensors)
         _, found, tensors = self._loaded
         if any(st["checkpoint"] != found for st in stale):
             logger.info("hotweights: %s differs from what the servers loaded: a full sync",
