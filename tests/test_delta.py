@@ -297,11 +297,13 @@ WORD_DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.b
                torch.float64]  # elements per 8-byte word: 4, 4, 2, 8, 8, 1
 
 
-def _reference(old: torch.Tensor, new: torch.Tensor) -> tuple:
-    """(kind, nbytes, changed, changed flat indices) by brute force: an element bit compare;
-    dense n*s, rows 16*runs + rows*row*s, patch count*(index bytes + s); of equal costs dense,
-    then rows, then patch."""
+def _reference(old: torch.Tensor, new: torch.Tensor, also: torch.Tensor | None = None) -> tuple:
+    """(kind, nbytes, changed, changed flat indices) by brute force: an element bit compare
+    (against `old`, or `also` where given: the union); dense n*s, rows 16*runs + rows*row*s,
+    patch count*(index bytes + s); of equal costs dense, then rows, then patch."""
     diff = _bits(old) != _bits(new)
+    if also is not None:
+        diff |= _bits(also) != _bits(new)
     where = torch.nonzero(diff).view(-1)
     n, s = new.numel(), new.dtype.itemsize
     if not len(where):
@@ -492,25 +494,6 @@ def _xor(t: torch.Tensor, index, bit: int) -> torch.Tensor:
     return out
 
 
-def _reference_also(old: torch.Tensor, new: torch.Tensor, also: torch.Tensor) -> tuple:
-    """`_reference` over the union mask: (kind, nbytes, changed, changed flat indices)."""
-    diff = (_bits(old) != _bits(new)) | (_bits(also) != _bits(new))
-    where = torch.nonzero(diff).view(-1)
-    n, s = new.numel(), new.dtype.itemsize
-    if not len(where):
-        return "same", 0, 0, where
-    costs = [(n * s, "dense", n)]
-    if new.dim() >= 2:
-        row = n // new.shape[0]
-        flags = diff.view(new.shape[0], row).any(1).tolist()
-        runs = sum(f and (i == 0 or not flags[i - 1]) for i, f in enumerate(flags))
-        costs.append((16 * runs + sum(flags) * row * s, "rows", sum(flags) * row))
-    isz = 8 if n >= delta.INT64_INDEX_FROM else 4
-    costs.append((len(where) * (isz + s), "patch", len(where)))
-    nbytes, kind, changed = min(costs, key=lambda c: c[0])  # the first of equal costs
-    return kind, nbytes, changed, where
-
-
 def _apply_to(held: torch.Tensor, rounds: list[Round]) -> torch.Tensor:
     got = {"w": held.clone()}
     for r in rounds:
@@ -520,11 +503,11 @@ def _apply_to(held: torch.Tensor, rounds: list[Round]) -> torch.Tensor:
 
 def _exact_also(old: torch.Tensor, new: torch.Tensor, also: torch.Tensor,
                 max_bytes=(64, 200, 1 << 20)):
-    """encode_all with also= agrees with `_reference_also`, and its rounds, applied to `old`
+    """encode_all with also= agrees with `_reference`, and its rounds, applied to `old`
     and to `also`, both give `new` bit for bit, whatever the round size."""
     keep = (old.clone(), new.clone(), also.clone())
     (d,) = encode_all({"w": old}, {"w": new}, also={"w": also})
-    kind, nbytes, changed, where = _reference_also(old, new, also)
+    kind, nbytes, changed, where = _reference(old, new, also)
     assert (d.kind, d.nbytes, d.changed) == (kind, nbytes, changed)
     if kind == "patch":
         assert d.indices.dtype == (torch.int64 if new.numel() >= delta.INT64_INDEX_FROM

@@ -159,9 +159,9 @@ def encode(name: str, old: torch.Tensor, new: torch.Tensor, *,
         DeltaError: names the tensor: dtype or shape differ, a non-contiguous tensor, a dtype
             without an integer view of its width (complex).
     """
-    for who, t in (("old", old), ("also", also)):
+    for who, t in (("old", old), ("also", also)) if also is not None else (("old", old),):
         for field, x, y in (("dtype", t.dtype, new.dtype),
-                            ("shape", tuple(t.shape), tuple(new.shape))) if t is not None else ():
+                            ("shape", tuple(t.shape), tuple(new.shape))):
             if x != y:
                 raise DeltaError(f"{name}: field '{field}' differs ({who} {x}, new {y}); leave "
                                  f"it out of `{who}` to send it dense")

@@ -32,42 +32,30 @@ def stats(model_dir: str | os.PathLike) -> dict[str, list[int]]:
 def digest(model_dir: str | os.PathLike) -> str | None:
     """xxh3-128 over every tensor in name order (name, dtype, shape, bytes), whatever the
     sharding; None for a directory without safetensors."""
-    tensors, maps = _views(model_dir)
+    tensors = mapped(model_dir)
     if not tensors:
         return None
     h = xxhash.xxh3_128()
-    try:
-        for name in sorted(tensors):
-            info, data = tensors[name]
-            h.update(f"{name}\0{info.dtype}\0{list(info.shape)}\0".encode())
-            h.update(data)
-    finally:
-        for _, data in tensors.values():
-            data.release()
-        for m in maps:
-            m.close()
+    for name in sorted(tensors):
+        t = tensors[name]
+        h.update(f"{name}\0{t.dtype}\0{list(t.shape)}\0".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
     return h.hexdigest()
 
 
 def mapped(model_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     """name -> the checkpoint's tensor, a read-only view of a memory map of its shard (no
-    copy; the pages stay the page cache's). Write nothing to them."""
-    tensors, _ = _views(model_dir)  # a map stays open while a tensor views it
+    copy; the pages stay the page cache's; a map closes with the last tensor viewing it).
+    Write nothing to them."""
+    maps: dict[str, mmap.mmap] = {}
     out = {}
     with warnings.catch_warnings():  # torch warns of the read-only buffer
         warnings.simplefilter("ignore", UserWarning)
-        for name, (info, data) in tensors.items():
-            out[name] = torch.from_numpy(np.frombuffer(data, np.uint8)).view(
+        for name, (shard, info) in (read_dir(model_dir) or {}).items():
+            if shard.path not in maps:
+                with open(shard.path, "rb") as f:
+                    maps[shard.path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            out[name] = torch.from_numpy(np.frombuffer(
+                maps[shard.path], np.uint8, info.nbytes, info.begin)).view(
                 DTYPES[info.dtype]).view(info.shape)
     return out
-
-
-def _views(model_dir: str | os.PathLike) -> tuple[dict, list[mmap.mmap]]:
-    maps: dict[str, mmap.mmap] = {}
-    out = {}
-    for name, (shard, info) in (read_dir(model_dir) or {}).items():
-        if shard.path not in maps:
-            with open(shard.path, "rb") as f:
-                maps[shard.path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        out[name] = (info, memoryview(maps[shard.path])[info.begin:info.end])
-    return out, list(maps.values())

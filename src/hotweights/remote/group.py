@@ -167,10 +167,10 @@ class RemoteGroup:
                 reference = ckpt  # every server holds the checkpoint
             else:
                 also = ckpt  # the others hold `reference`: what differs from either is sent
+        from_checkpoint = tuple(stale) if reference is not None else ()
         deltas, sent = self._send(
-            status, lambda: self._encode(reference, new, also, bool(stale)), mode,
+            status, lambda: self._encode(reference, new, also, bool(from_checkpoint)), mode,
             lease_s or max(60.0, 4 * self.timeout))
-        from_checkpoint = tuple(stale) if reference is not None and stale else ()
         return Pending(status, new, deltas, reference is None, from_checkpoint, sent, started,
                        max(self.n, *(st["n"] for st in status.values())))
 
@@ -223,9 +223,9 @@ class RemoteGroup:
         return True
 
     def _encode(self, reference: dict | None, new: dict, also: dict | None,
-                stale: bool) -> list:
+                from_checkpoint: bool) -> list:
         deltas = delta.encode_all(reference, new, also=also)
-        if stale and reference is not None and stats(self.checkpoint) != self._loaded[0]:
+        if from_checkpoint and stats(self.checkpoint) != self._loaded[0]:
             # in place (journal mode): the memory-mapped old values may have moved under us
             raise RemoteError(f"{self.checkpoint} was written during the update; nothing was "
                               "sent: update again")
