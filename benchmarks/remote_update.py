@@ -50,6 +50,8 @@ from safetensors.torch import load_file
 
 from hotweights import delta, launch, tiny
 from hotweights.bridge import _request
+from hotweights.remote import group as group_module
+from hotweights.remote import prefilter
 from hotweights.remote.group import ROUND_BYTES, RemoteGroup
 
 TOKEN = "bench-token-1234"
@@ -112,8 +114,19 @@ def time_phases(group: RemoteGroup) -> dict[str, float]:
                 phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
         return run
     delta.encode_all = timed("encode", delta.encode_all)  # the module `group` calls
+    prefilter.fingerprints = timed("fingerprint", prefilter.fingerprints)
     group._send = timed("send", group._send)
     group._remember = timed("remember", group._remember)
+    request = group_module._request
+
+    def each(url, method, route, *a, **k):  # the slowest server's request, per route
+        t0 = time.perf_counter()
+        try:
+            return request(url, method, route, *a, **k)
+        finally:
+            key = route.removeprefix("/hotweights/")
+            phases[key] = max(phases.get(key, 0.0), time.perf_counter() - t0)
+    group_module._request = each
     return phases
 
 
@@ -214,7 +227,7 @@ def main() -> None:
                     # encode runs inside send, before the servers' begin
                     split.append(dict(phases, send=phases["send"] - phases["encode"],
                                       rest=out["seconds"] - phases["send"]
-                                      - phases["remember"]))
+                                      - phases["remember"] - phases["fingerprint"]))
                     assert not out["full"] and len(out["servers"]) == 2, out
                     secs.append(out["seconds"])
                     sent.append(out["bytes_sent"])
@@ -226,7 +239,8 @@ def main() -> None:
                       f"{model_bytes / min(secs) / 1e9:6.2f} GB/s of weights")
                 print(f"{'':12}best run: " + ", ".join(
                     f"{k} {v:.3f} s" for k, v in split[secs.index(min(secs))].items()) +
-                    " (send: begin, broadcast, both servers staging; rest: status + commits)")
+                    " (send: begin, broadcast, both servers staging; rest: status + commits; "
+                    "a route: its slowest request)")
 
             ref_bytes = sum(t.nbytes for t in (group.reference or {}).values())
             extra = ref_bytes + group.max_round_bytes

@@ -137,7 +137,7 @@ def dense(name: str, tensor: torch.Tensor) -> Delta:
 
 
 def encode(name: str, old: torch.Tensor, new: torch.Tensor, *,
-           also: torch.Tensor | None = None) -> Delta:
+           also: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> Delta:
     """The cheapest exact encoding of `new` given `old`, by bytes on the wire.
 
     The two are compared as integer bit patterns a chunk of `_CHUNK` elements at a time, so
@@ -153,11 +153,14 @@ def encode(name: str, old: torch.Tensor, new: torch.Tensor, *,
         new: the value it must end with (referenced by ``rows`` and ``dense`` deltas).
         also: another value some receivers hold instead of `old` (see `encode_all`): an
             element is sent where `new` differs from either.
+        rows: when the caller knows (`hotweights.remote.prefilter`), the only rows along dim
+            0 (int64, ascending; a tensor of two dims or more, unless empty) where `new` may
+            differ: only they are compared, gathered a chunk at a time.
     Returns:
         A `Delta`; of equal costs dense is preferred, then rows, then patch.
     Raises:
         DeltaError: names the tensor: dtype or shape differ, a non-contiguous tensor, a dtype
-            without an integer view of its width (complex).
+            without an integer view of its width (complex), `rows` for a tensor without rows.
     """
     for who, t in (("old", old), ("also", also)) if also is not None else (("old", old),):
         for field, x, y in (("dtype", t.dtype, new.dtype),
@@ -171,22 +174,26 @@ def encode(name: str, old: torch.Tensor, new: torch.Tensor, *,
     bits, wide = _BITS[s], n >= INT64_INDEX_FROM
     isz, idt = (8, torch.int64) if wide else (4, torch.int32)
     row = n // shape[0] if len(shape) >= 2 and n else 0
+    if rows is not None and len(rows) and not row:
+        raise DeltaError(f"{name}: `rows` given for a tensor without rows (shape {shape})")
     rows_changed = torch.zeros(shape[0] if row else 0, dtype=torch.bool, device=new.device)
     changed, count, idx, val = False, 0, [], []
-    for lo, hi in _chunks(n, row):
-        nb = b[lo:hi]
+    for where, (na, nb, nc) in _pieces(n, row, rows, a, b, c):
         # non_blocking only towards an accelerator, whose stream orders the compare after it
-        na, nc = (None if x is None else x[lo:hi].to(
-            nb.device, non_blocking=nb.device.type != "cpu") for x in (a, c))
+        na, nc = (None if x is None else x.to(nb.device, non_blocking=nb.device.type != "cpu")
+                  for x in (na, nc))
         w = _word(row, na, nb, nc)  # elements per compared unit: 8-byte words where they fit
         an, bn, cn = (None if x is None else x.view(torch.int64 if w > 1 else bits)
                       for x in (na, nb, nc))
-        neq = _differ(an, bn, cn)
-        if row and hi - lo >= row:
+        neq, lo = _differ(an, bn, cn), where if isinstance(where, int) else 0
+        if row and len(nb) >= row:
             per_row = row // w  # 8 flags at a time where rows allow: a quicker reduction
-            flags = neq.view(torch.int64).view(-1, per_row // 8) if per_row % 8 == 0 else \
-                neq.view(-1, per_row)
-            rows_changed[lo // row:hi // row] = flags.any(1)
+            flags = (neq.view(torch.int64).view(-1, per_row // 8) if per_row % 8 == 0 else
+                     neq.view(-1, per_row)).any(1)
+            if isinstance(where, int):
+                rows_changed[lo // row:lo // row + len(flags)] = flags
+            else:
+                rows_changed[where] = flags
         elif row:
             rows_changed[lo // row] |= neq.any()
         if not (k := _count(neq)):  # much cheaper than nonzero
@@ -214,7 +221,8 @@ def encode(name: str, old: torch.Tensor, new: torch.Tensor, *,
         if count * (isz + s) >= n * s:
             idx = val = None  # patches already cost as much as the dense tensor: stop keeping
         else:
-            idx.append((nz + lo).to(idt))
+            idx.append((nz + lo if isinstance(where, int) else
+                        where.index_select(0, nz // row) * row + nz % row).to(idt))
             val.append(values.view(new.dtype))
     if not changed:
         return Delta(name, SAME, new.dtype, shape, 0, 0)
@@ -232,6 +240,22 @@ def encode(name: str, old: torch.Tensor, new: torch.Tensor, *,
                      values=cat(val))
     return Delta(name, kind, new.dtype, shape, carried, cost, tensor=new,
                  ranges=ranges if kind == ROWS else None)
+
+
+def _pieces(n: int, row: int, rows: torch.Tensor | None, *ts: torch.Tensor | None
+            ) -> Iterator[tuple[int | torch.Tensor, list[torch.Tensor | None]]]:
+    """(where, the chunk of each of `ts`): `where` is the first flat element of a slice of
+    `_chunks`, or, given `rows`, the row numbers (on the last tensor's device) a chunk of
+    whole rows was gathered from."""
+    if rows is None:
+        for lo, hi in _chunks(n, row):
+            yield lo, [None if t is None else t[lo:hi] for t in ts]
+        return
+    step = max(1, _CHUNK // row) if row else 1
+    for i in range(0, len(rows), step):
+        r = rows[i:i + step]
+        yield r.to(ts[1].device), [None if t is None else t.view(-1, row).index_select(
+            0, r.to(t.device)).view(-1) for t in ts]
 
 
 def _word(row: int, a: torch.Tensor, *more: torch.Tensor | None) -> int:
@@ -269,7 +293,8 @@ def _count(flags: torch.Tensor) -> int:
 
 
 def encode_all(old: Mapping[str, torch.Tensor] | None, new: Mapping[str, torch.Tensor], *,
-               also: Mapping[str, torch.Tensor] | None = None) -> list[Delta]:
+               also: Mapping[str, torch.Tensor] | None = None,
+               rows: Mapping[str, torch.Tensor] | None = None) -> list[Delta]:
     """Encode every tensor of `new` against its namesake in `old` (see `encode`).
 
     Args:
@@ -279,12 +304,15 @@ def encode_all(old: Mapping[str, torch.Tensor] | None, new: Mapping[str, torch.T
         also: what other receivers of the same update hold instead (a checkpoint that
             restarted servers loaded): an element that differs from either is sent, so
             every receiver ends with `new`. A name missing from it is sent dense.
+        rows: name -> the only rows that may differ (see `encode`); a name missing from it
+            is compared whole.
     Returns:
         One `Delta` per tensor of `new`, in its order (``same`` ones included).
     Raises:
         DeltaError: as `encode`, naming the tensor.
     """
-    out = [encode(k, old[k], t, also=None if also is None else also[k])
+    out = [encode(k, old[k], t, also=None if also is None else also[k],
+                  rows=None if rows is None else rows.get(k))
            if old is not None and k in old and (also is None or k in also) else dense(k, t)
            for k, t in new.items()]
     if logger.isEnabledFor(logging.DEBUG):

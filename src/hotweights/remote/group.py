@@ -43,6 +43,7 @@ from hotweights.bridge import _request
 from hotweights.checkpoint.digest import digest, mapped, stats
 from hotweights.checkpoint.names import reverted
 from hotweights.errors import HotweightsError, RemoteError, ServerError
+from hotweights.remote import prefilter
 from hotweights.remote.channel import Channel
 from hotweights.remote.hosts import server_urls
 from hotweights.remote.rendezvous import channel_id
@@ -64,6 +65,7 @@ class Pending:
     deltas: list
     full: bool
     from_checkpoint: tuple[str, ...]  # servers sent what differs from the checkpoint
+    prints: prefilter.Prints  # of `new`: after the commit, of what the servers hold
     sent: int  # bytes on the wire
     started: float
     floor: int  # the version number to commit must be above this
@@ -112,6 +114,7 @@ class RemoteGroup:
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.n = 0  # the version number every server served at the last update
         self.reference: dict[str, torch.Tensor] | None = None  # what the servers hold
+        self._prints: prefilter.Prints | None = None  # of `reference`
         self.bytes_sent = 0
         self._held: dict[str, tuple[str, int]] = {}  # url -> (server id, n) of `reference`
         self._channel: Channel | None = None
@@ -168,11 +171,15 @@ class RemoteGroup:
             else:
                 also = ckpt  # the others hold `reference`: what differs from either is sent
         from_checkpoint = tuple(stale) if reference is not None else ()
+        prints = prefilter.fingerprints(new)
+        # only what `reference` holds is fingerprinted: the checkpoint is compared whole
+        rows = prefilter.candidates(self._prints, prints, new) \
+            if reference is self.reference and also is None else None
         deltas, sent = self._send(
-            status, lambda: self._encode(reference, new, also, bool(from_checkpoint)), mode,
-            lease_s or max(60.0, 4 * self.timeout))
-        return Pending(status, new, deltas, reference is None, from_checkpoint, sent, started,
-                       max(self.n, *(st["n"] for st in status.values())))
+            status, lambda: self._encode(reference, new, also, rows, bool(from_checkpoint)),
+            mode, lease_s or max(60.0, 4 * self.timeout))
+        return Pending(status, new, deltas, reference is None, from_checkpoint, prints, sent,
+                       started, max(self.n, *(st["n"] for st in status.values())))
 
     def commit(self, pending: Pending, n: int | None = None) -> dict:
         """Commit a prepared update on every server with version number `n` (default: one
@@ -186,6 +193,7 @@ class RemoteGroup:
                                  errors=True).items():
             (failed if isinstance(out, Exception) else committed)[u] = out
         self._remember(pending.new, pending.deltas, pending.full)
+        self._prints = pending.prints
         self.n = n
         self._held = {u: (status[u]["server_id"], n) for u in committed}
         self.bytes_sent += pending.sent
@@ -223,8 +231,8 @@ class RemoteGroup:
         return True
 
     def _encode(self, reference: dict | None, new: dict, also: dict | None,
-                from_checkpoint: bool) -> list:
-        deltas = delta.encode_all(reference, new, also=also)
+                rows: dict | None, from_checkpoint: bool) -> list:
+        deltas = delta.encode_all(reference, new, also=also, rows=rows)
         if from_checkpoint and stats(self.checkpoint) != self._loaded[0]:
             # in place (journal mode): the memory-mapped old values may have moved under us
             raise RemoteError(f"{self.checkpoint} was written during the update; nothing was "
