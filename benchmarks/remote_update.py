@@ -224,10 +224,10 @@ def main() -> None:
                     n = change(weights, how, g)
                     phases.clear()
                     out = group.update(weights)
-                    # encode runs inside send, before the servers' begin
-                    split.append(dict(phases, send=phases["send"] - phases["encode"],
-                                      rest=out["seconds"] - phases["send"]
-                                      - phases["remember"] - phases["fingerprint"]))
+                    # the encode (fingerprints first) runs inside send, beside the begins
+                    split.append(dict(phases, send=phases["send"] - phases["encode"]
+                                      - phases.get("fingerprint", 0.0),
+                                      rest=out["seconds"] - phases["send"]))
                     assert not out["full"] and len(out["servers"]) == 2, out
                     secs.append(out["seconds"])
                     sent.append(out["bytes_sent"])
@@ -239,8 +239,8 @@ def main() -> None:
                       f"{model_bytes / min(secs) / 1e9:6.2f} GB/s of weights")
                 print(f"{'':12}best run: " + ", ".join(
                     f"{k} {v:.3f} s" for k, v in split[secs.index(min(secs))].items()) +
-                    " (send: begin, broadcast, both servers staging; rest: status + commits; "
-                    "a route: its slowest request)")
+                    " (send: begin, broadcast, both servers staging; rest: status + commits, "
+                    "remember beside the commits; a route: its slowest request)")
 
             ref_bytes = sum(t.nbytes for t in (group.reference or {}).values())
             extra = ref_bytes + group.max_round_bytes

@@ -109,3 +109,30 @@ def test_prefiltered_encode_is_exact_over_a_seeded_sweep(monkeypatch):
                                     new)
         assert ([_fields(d) for d in encode_all(old, new, rows=rows)]
                 == [_fields(d) for d in encode_all(old, new)]), i
+
+
+def test_spared_and_the_skip_policy(monkeypatch):
+    monkeypatch.setattr(prefilter, "BLOCK_BYTES", 64)  # 4 rows of 8 float16 per block
+    old = {"w": _random((40, 8), torch.float16), "b": _random((16,), torch.float32)}
+    rows = {"w": torch.tensor([0, 1, 2, 3]), "b": torch.zeros(0, dtype=torch.int64)}
+    assert prefilter.spared(rows, old) == (640 - 64 + 64) / (640 + 64)
+    assert prefilter.spared({}, old) == 0.0
+    p = prefilter.Prefilter()
+    got, prints = p.rows(old)
+    assert got is None and prints is not None  # nothing known yet: compared whole
+    p.prints = prints
+    sparse = dict(old, w=_flip(old["w"], [3]))
+    got, prints = p.rows(sparse)
+    assert got["w"].tolist() == [0, 1, 2, 3] and got["b"].tolist() == []
+    p.prints = prints
+    everywhere = dict(sparse, w=_flip(sparse["w"], list(range(0, 320, 8))))
+    got, prints = p.rows(everywhere)
+    assert "w" not in got and prefilter.spared(got, everywhere) < prefilter.SPARE
+    for _ in range(prefilter.SKIP):  # then skipped: no fingerprints, everything compared
+        p.prints = prints
+        assert p.rows(everywhere) == (None, None)
+        prints = None
+    p.prints = None
+    got, prints = p.rows(everywhere)  # taken again, used at the next update
+    assert got is None and prints is not None
+    assert p.rows(everywhere, use=False)[0] is None

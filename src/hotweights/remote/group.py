@@ -65,7 +65,7 @@ class Pending:
     deltas: list
     full: bool
     from_checkpoint: tuple[str, ...]  # servers sent what differs from the checkpoint
-    prints: prefilter.Prints  # of `new`: after the commit, of what the servers hold
+    prints: prefilter.Prints | None  # of `new` (if taken): then of what the servers hold
     sent: int  # bytes on the wire
     started: float
     floor: int  # the version number to commit must be above this
@@ -114,7 +114,7 @@ class RemoteGroup:
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.n = 0  # the version number every server served at the last update
         self.reference: dict[str, torch.Tensor] | None = None  # what the servers hold
-        self._prints: prefilter.Prints | None = None  # of `reference`
+        self._prefilter = prefilter.Prefilter()  # fingerprints of `reference`
         self.bytes_sent = 0
         self._held: dict[str, tuple[str, int]] = {}  # url -> (server id, n) of `reference`
         self._channel: Channel | None = None
@@ -171,13 +171,9 @@ class RemoteGroup:
             else:
                 also = ckpt  # the others hold `reference`: what differs from either is sent
         from_checkpoint = tuple(stale) if reference is not None else ()
-        prints = prefilter.fingerprints(new)
-        # only what `reference` holds is fingerprinted: the checkpoint is compared whole
-        rows = prefilter.candidates(self._prints, prints, new) \
-            if reference is self.reference and also is None else None
-        deltas, sent = self._send(
-            status, lambda: self._encode(reference, new, also, rows, bool(from_checkpoint)),
-            mode, lease_s or max(60.0, 4 * self.timeout))
+        (deltas, prints), sent = self._send(
+            status, lambda: self._encode(reference, new, also, bool(from_checkpoint)), mode,
+            lease_s or max(60.0, 4 * self.timeout))
         return Pending(status, new, deltas, reference is None, from_checkpoint, prints, sent,
                        started, max(self.n, *(st["n"] for st in status.values())))
 
@@ -189,11 +185,14 @@ class RemoteGroup:
             raise RemoteError(f"version number {n} must be above {pending.floor}")
         status = pending.status
         committed, failed = {}, {}
-        for u, out in self._each(lambda u: self._post(u, status[u], "/hotweights/commit", n=n),
-                                 errors=True).items():
+        with ThreadPoolExecutor(1) as pool:  # while the servers commit
+            remembered = pool.submit(self._remember, pending.new, pending.deltas, pending.full)
+            outs = self._each(lambda u: self._post(u, status[u], "/hotweights/commit", n=n),
+                              errors=True)
+            remembered.result()
+        for u, out in outs.items():
             (failed if isinstance(out, Exception) else committed)[u] = out
-        self._remember(pending.new, pending.deltas, pending.full)
-        self._prints = pending.prints
+        self._prefilter.prints = pending.prints
         self.n = n
         self._held = {u: (status[u]["server_id"], n) for u in committed}
         self.bytes_sent += pending.sent
@@ -231,13 +230,18 @@ class RemoteGroup:
         return True
 
     def _encode(self, reference: dict | None, new: dict, also: dict | None,
-                rows: dict | None, from_checkpoint: bool) -> list:
+                from_checkpoint: bool) -> tuple[list, prefilter.Prints | None]:
+        """(the deltas, the new weights' fingerprints if taken); blocks whose fingerprint did
+        not change since the last update are not compared (the checkpoint is compared
+        whole)."""
+        rows, prints = self._prefilter.rows(new, use=reference is self.reference
+                                            and also is None)
         deltas = delta.encode_all(reference, new, also=also, rows=rows)
         if from_checkpoint and stats(self.checkpoint) != self._loaded[0]:
             # in place (journal mode): the memory-mapped old values may have moved under us
             raise RemoteError(f"{self.checkpoint} was written during the update; nothing was "
                               "sent: update again")
-        return deltas
+        return deltas, prints
 
     def _checkpoint_for(self, stale: list[dict], new: dict) -> dict | None:
         """The checkpoint's tensors (memory-mapped) when every server in `stale` holds
@@ -263,42 +267,42 @@ class RemoteGroup:
             return None
         return tensors
 
-    def _send(self, status: dict, encode: Callable[[], list], mode: str,
-              lease_s: float) -> tuple[list, int]:
-        """Encode, begin everywhere, then broadcast while every server receives; on failure
-        abort all. Returns (deltas, bytes sent).
+    def _send(self, status: dict, encode: Callable[[], tuple], mode: str,
+              lease_s: float) -> tuple[tuple, int]:
+        """Begin everywhere and encode meanwhile, then broadcast while every server receives;
+        on failure abort all. Returns (what `encode` returned, bytes sent).
 
-        The encode runs before the begins, not beside them: on a small machine the servers'
-        pausing slowed it threefold (measured), and the servers keep serving meanwhile."""
-        deltas = encode()
-        began: list[str] = []
+        The servers pause while this process encodes: they are other machines, and the
+        update ends sooner (on one small machine shared with them, the encode runs slower)."""
         pool = ThreadPoolExecutor(len(self.urls))
+        begins, encoded = {}, None
         try:
             begins = {u: pool.submit(self._post, u, status[u], "/hotweights/begin", mode=mode,
                                      lease_s=lease_s) for u in self.urls}
+            encoded = encode()
             outs = {u: _outcome(f) for u, f in begins.items()}
-            began = [u for u, out in outs.items() if not isinstance(out, Exception)]
             if failed := {u: e for u, e in outs.items() if isinstance(e, Exception)}:
                 raise RemoteError(f"begin failed on {_named(failed)}")
             receipts = {u: pool.submit(self._post, u, status[u], "/hotweights/remote/receive")
                         for u in self.urls}
             try:
-                sent = self._channel.send(delta.pack(deltas, max_bytes=self.max_round_bytes))
+                sent = self._channel.send(delta.pack(encoded[0], max_bytes=self.max_round_bytes))
             except RemoteError as e:  # it names the rank: no need to wait for receipts
                 raise RemoteError(self._name_ranks(str(e))) from e
             outs = {u: _outcome(f) for u, f in receipts.items()}
             if failed := {u: e for u, e in outs.items() if isinstance(e, Exception)}:
                 raise RemoteError(f"receive failed on {_named(failed)}")
             pool.shutdown(wait=False)
-            return deltas, sent
+            return encoded, sent
         except BaseException as e:
             pool.shutdown(wait=False, cancel_futures=True)
             if self._channel is not None and self._channel.broken:
                 self._close()  # the survivors' receive fails at once, not at their timeout
+            began = [u for u, f in begins.items() if not f.cancelled() and f.exception() is None]
             aborted = self._each(lambda u: self._post(u, status[u], "/hotweights/abort",
                                                       dirty=False, http_timeout=self.timeout
                                                       + 30), errors=True, urls=began)
-            if isinstance(e, HotweightsError):
+            if isinstance(e, HotweightsError) and encoded is not None:  # else: bad input, named
                 left = [u for u, out in aborted.items() if not isinstance(out, Exception)]
                 raise RemoteError(f"update not applied anywhere: {e}; servers back at their "
                                   f"old version: {left}") from e

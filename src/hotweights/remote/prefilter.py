@@ -19,10 +19,12 @@ import torch
 
 from hotweights import blocks
 
-__all__ = ["BLOCK_BYTES", "Prints", "candidates", "fingerprints"]
+__all__ = ["BLOCK_BYTES", "Prefilter", "Prints", "candidates", "fingerprints"]
 
 BLOCK_BYTES = 16 << 10  # 1 % of rows changed at random leaves ~90 % of the blocks unread
 DENSER = 0.5  # more blocks changed than this: the tensor is compared whole, not gathered
+SPARE = 0.25  # fingerprints that spare less of the compare than this are then skipped ...
+SKIP = 4  # ... for this many updates
 
 Prints = dict[str, tuple[int, str, np.ndarray]]  # name -> (rows per block, kind, hashes)
 
@@ -71,3 +73,41 @@ def candidates(before: Prints | None, now: Prints,
             rows = (torch.from_numpy(changed)[:, None] * k + torch.arange(k)).view(-1)
             out[name] = rows[rows < tensors[name].shape[0]]
     return out
+
+
+def spared(rows: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor]) -> float:
+    """The fraction of the bytes of `tensors` that `rows` (from `candidates`) leaves
+    uncompared."""
+    left = 0
+    for name, r in rows.items():
+        t = tensors[name]
+        left += t.nbytes - (len(r) * (t.nbytes // t.shape[0]) if len(r) else 0)
+    total = sum(t.nbytes for t in tensors.values())
+    return left / total if total else 1.0
+
+
+class Prefilter:
+    """The fingerprints of what the receivers hold, and when taking them pays: an update
+    whose fingerprints spared less than `SPARE` of the compare (changes spread over most
+    blocks: every tensor's low bits, say) skips them for the next `SKIP` updates, which
+    compare everything; then they are taken again."""
+
+    def __init__(self) -> None:
+        self.prints: Prints | None = None  # of what the receivers hold; None: not known
+        self._skip = 0
+
+    def rows(self, new: Mapping[str, torch.Tensor], *, use: bool = True
+             ) -> tuple[dict[str, torch.Tensor] | None, Prints | None]:
+        """(`encode_all`'s rows for `new`, or None: compare everything; the fingerprints of
+        `new`, for `prints` once the receivers hold it, or None: not taken). `use`: the
+        receivers hold what `prints` describes."""
+        if self._skip:
+            self._skip -= 1
+            return None, None
+        now = fingerprints(new)
+        if not use or self.prints is None:
+            return None, now
+        rows = candidates(self.prints, now, new)
+        if spared(rows, new) < SPARE:
+            self._skip = SKIP
+        return rows, now
