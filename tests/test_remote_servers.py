@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from hotweights import Bridge, HotweightsError, RemoteError, RemoteGroup
+from hotweights.errors import ServerError
 from test_server import LOAD_TOL, PROMPT, TOKEN, Server, _greedy, _http, _sign_step
 
 pytestmark = pytest.mark.vllm
@@ -166,7 +167,7 @@ def test_a_wrong_token_changes_nothing(remotes, trainer):
     assert [_checksum(s) for s in remotes[:2]] == before
 
 
-def test_a_bridge_and_two_remotes_update_as_one_transaction(remotes):
+def test_a_bridge_and_two_remotes_update_as_one_transaction(remotes, monkeypatch):
     *far, local = remotes
     bridge = Bridge.connect(local.url, token=TOKEN)
     model = bridge.model(trainable=True)
@@ -192,6 +193,22 @@ def test_a_bridge_and_two_remotes_update_as_one_transaction(remotes):
                 model.model.layers[0].mlp.up_proj.weight.add_(1)
     assert [(_status(s)["version"], _checksum(s)) for s in remotes] == before
     assert not _status(local)["dirty"]
+    # This server commits but its answer is lost, after the remotes staged: they commit too
+    # (the weights here are the new ones), and the error is raised.
+    post = bridge._post
+
+    def answer_lost(route, **kw):
+        out = post(route, **kw)
+        if route == "/hotweights/commit":
+            raise ServerError("the commit's answer was lost")
+        return out
+    monkeypatch.setattr(bridge, "_post", answer_lost)
+    with pytest.raises(ServerError, match="answer was lost"):
+        with bridge.update():
+            _sign_step(model, 0.005)
+    monkeypatch.undo()
+    assert _checksum(local) == _checksum(far[0]) == _checksum(far[1])
+    assert {_status(s)["n"] for s in remotes} == {group.n}
     group.close()
 
 

@@ -163,7 +163,8 @@ class Bridge:
         only then does this server commit, and the remotes with the same version number. If
         a remote fails before that, the body's writes are undone here (from the group's copy
         of the old weights), every server resumes at its old version, and the error names
-        the remote.
+        the remote. If this server's commit fails after that, the remotes commit anyway (this
+        server's weights are the new ones, written in place) and its error is raised.
 
         Raises:
             ServerError: the server refused (another trainer holds the lease, it restarted
@@ -199,6 +200,9 @@ class Bridge:
         n = max(pending.floor, began["n"]) + 1
         try:
             self.version = self._post("/hotweights/commit", n=n)["version"]
+        except Exception:  # the weights here are the new ones whatever became of the commit
+            self.remote.commit(pending, n)  # (served, dirty, or at the lease's expiry): so
+            raise  # are the remotes'
         except BaseException:
             self.remote.abort(pending)
             raise
