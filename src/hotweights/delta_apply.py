@@ -8,8 +8,10 @@ in a dense float update) for the whole round before it writes anything.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 
 from hotweights.delta import (
@@ -26,7 +28,7 @@ from hotweights.delta import (
 )
 from hotweights.errors import DeltaError
 
-__all__ = ["apply", "check", "checked", "finite", "write"]
+__all__ = ["apply", "check", "checked", "finite", "host", "write"]
 
 logger = logging.getLogger(__name__)
 
@@ -122,9 +124,15 @@ def finite(v: torch.Tensor) -> bool:
         if c.dtype.itemsize == 1:
             c = c.float()  # no float8 kernels
         # aminmax propagates NaN and shows an Inf, with no temporary: ~20x isfinite(c).all()
-        if c.numel() and not all(map(bool, map(torch.isfinite, torch.aminmax(c)))):
+        if c.numel() and not all(map(math.isfinite, (x.item() for x in torch.aminmax(c)))):
             return False
     return True
+
+
+def host(t: torch.Tensor) -> np.ndarray | torch.Tensor:
+    """A CPU tensor's numpy view (no copy: ops on small arrays cost ~10x less than torch's),
+    else the tensor; the checks here read the same on both."""
+    return t.numpy() if t.device.type == "cpu" else t
 
 
 def _views(e: dict, t: torch.Tensor, buf: torch.Tensor, check_finite: bool, bad) -> tuple:
@@ -140,17 +148,17 @@ def _views(e: dict, t: torch.Tensor, buf: torch.Tensor, check_finite: bool, bad)
         idx = seg[:k * idt.itemsize].view(idt)
         vals = seg[_al(k * idt.itemsize):_al(k * idt.itemsize) + k * s].view(t.dtype)
         for lo in range(0, k, _CHUNK):
-            c = idx[lo:lo + _CHUNK]
+            c = host(idx[lo:lo + _CHUNK])
             if int(c.min()) < 0 or int(c.max()) >= t.numel():
                 raise bad("indices", f"hold [{int(c.min())}, {int(c.max())}], out of the "
                           f"{t.numel()} elements")
         return idx, vals
     k, m = e["nranges"], e["nrows"]
     ranges = seg[:_RANGE * k].view(torch.int64).view(k, 2)
-    if k and not bool(((ranges[:, 0] >= 0) & (ranges[:, 0] < ranges[:, 1])
-                       & (ranges[:, 1] <= t.shape[0])).all()):
+    r = host(ranges)
+    if k and not bool(((r[:, 0] >= 0) & (r[:, 0] < r[:, 1]) & (r[:, 1] <= t.shape[0])).all()):
         raise bad("ranges", f"hold a run outside [0, {t.shape[0]}) or empty")
-    if (got := int((ranges[:, 1] - ranges[:, 0]).sum())) != m:
+    if (got := int((r[:, 1] - r[:, 0]).sum())) != m:
         raise bad("nrows", f"is {m}, the ranges cover {got} rows")
     return ranges, seg[_RANGE * k:_RANGE * k + m * t[0].numel() * s].view(t.dtype).view(
         m, *t.shape[1:])

@@ -17,6 +17,7 @@ non-overlapping flat order.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 from typing import NamedTuple
 
@@ -78,16 +79,16 @@ class Staged:
     def _span(e: dict, t: torch.Tensor, views: tuple) -> tuple[int, int]:
         """The flat elements [first, last + 1) a piece writes; (0, 0) if none. Indices and
         row ranges must increase within a piece."""
-        index = views[0]
         if e["kind"] == DENSE:
             return e["start"], e["stop"]
-        if not index.numel():
+        index = delta_apply.host(views[0])
+        if not len(index):
             return 0, 0
         if e["kind"] == PATCH:
             ok, first, last = bool((index[1:] > index[:-1]).all()), index[0], index[-1]
         else:
             ok = bool((index[1:, 0] >= index[:-1, 1]).all())
-            row = t[0].numel()
+            row = math.prod(t.shape[1:])
             first, last = index[0, 0] * row, index[-1, 1] * row - 1
         if not ok:
             raise DeltaError(f"`{e['name']}`: the {e['kind']} "
