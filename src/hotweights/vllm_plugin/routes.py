@@ -115,9 +115,11 @@ class VllmEngine:
     async def reset_caches(self) -> None:
         # Cached KV (frozen `keep` requests' too: they recompute it on resume) and
         # encoder outputs were computed with the old weights.
-        if not await self.client.reset_prefix_cache(reset_running_requests=True):
+        # both at once: the engine core serves them in order, at the cost of one round trip
+        reset, _ = await asyncio.gather(self.client.reset_prefix_cache(
+            reset_running_requests=True), self.client.reset_encoder_cache())
+        if not reset:
             raise ServerError("vLLM did not reset its prefix cache")
-        await self.client.reset_encoder_cache()
 
     async def set_version(self, label: str) -> None:
         await self.client.update_weight_version(label)
