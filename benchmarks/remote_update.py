@@ -16,11 +16,13 @@ apart, not a scenario). Then, each on the trainer's tensors in place, a fresh ch
   the encoder sends every tensor dense (the real "full broadcast" of an update; the group's
   incremental path, not its first-sync path).
 
-Each time is the whole `group.update` call (status, encode against `group.reference`, the
-broadcast to both servers' workers over the Gloo channel, commit on both, the reference
-refreshed), the best of --repeat runs (the machine is shared and noisy); bytes are the bytes
-the channel sent (headers + buffers, counted once for the broadcast). After the last update
-both servers' `/hotweights/checksum` must be equal (else the run fails).
+Each time is the whole `group.update` call (status; the fingerprints and the encode against
+`group.reference` while both servers pause; the broadcast to both servers' workers over the
+Gloo channel; commit on both while the reference is refreshed), the best of --repeat runs
+(the machine is shared and noisy); bytes are the bytes the channel sent (headers + buffers,
+counted once for the broadcast). Each run's phases are printed too (a route: its slowest
+server's request). After the last update both servers' `/hotweights/checksum` must be equal
+(else the run fails).
 
 trainer extra memory: the bytes of `group.reference` (the host copy of what the servers
 hold) plus the staging budget `max_round_bytes` (one reused round buffer), over the model's
