@@ -697,3 +697,19 @@ def test_also_of_another_dtype_or_shape_is_refused_by_name():
     # old is still checked, and named as old
     with pytest.raises(DeltaError, match=r"w: field 'dtype' differs \(old .*`old`"):
         encode("w", t.half(), t.clone(), also=t)
+
+
+def test_a_dense_patch_is_expanded_on_the_way_and_stays_exact(monkeypatch):
+    # The changed words of a patch are expanded into elements only if the patch is chosen,
+    # or as soon as they hold half the dense size: 20 % scattered in bf16 gets there.
+    monkeypatch.setattr(delta, "_CHUNK", 1024)
+    calls, expand = [], delta._expand
+    monkeypatch.setattr(delta, "_expand", lambda *a: calls.append(a) or expand(*a))
+    old = _random((64, 256), torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    new = _flip(old, torch.randperm(old.numel(), generator=g)[:old.numel() // 5])
+    d = _exact(old, new)
+    assert d.kind == "patch" and len(calls) > old.numel() // 1024  # expanded on the way
+    calls.clear()
+    rows = _flip(old, list(range(256 * 3, 256 * 5)))  # two whole rows: sent as rows
+    assert _exact(old, rows).kind == "rows" and not calls  # never expanded

@@ -177,7 +177,11 @@ def encode(name: str, old: torch.Tensor, new: torch.Tensor, *,
     if rows is not None and len(rows) and not row:
         raise DeltaError(f"{name}: `rows` given for a tensor without rows (shape {shape})")
     rows_changed = torch.zeros(shape[0] if row else 0, dtype=torch.bool, device=new.device)
-    changed, count, idx, val = False, 0, [], []
+    # parts: a patch's pieces, (where, nz, values, lanes); lanes None: nz are the changed
+    # elements of the chunk; else nz are its changed words, values their new words, lanes
+    # which of their elements changed: expanded (`_expand`) only if the patch is chosen (a
+    # changed row sent as rows skips it) or when those words hold half the dense size.
+    changed, count, parts, held = False, 0, [], 0
     for where, (na, nb, nc) in _pieces(n, row, rows, a, b, c):
         # non_blocking only towards an accelerator, whose stream orders the compare after it
         na, nc = (None if x is None else x.to(nb.device, non_blocking=nb.device.type != "cpu")
@@ -199,31 +203,31 @@ def encode(name: str, old: torch.Tensor, new: torch.Tensor, *,
         if not (k := _count(neq)):  # much cheaper than nonzero
             continue
         changed = True
-        if idx is not None and (count + k) * (isz + s) >= n * s:
-            idx = val = None  # even one element per changed word costs as much as dense
-        elif idx is not None and w > 1 and (count + k * w) * (isz + s) >= n * s and (
+        if parts is not None and (count + k) * (isz + s) >= n * s:
+            parts = None  # even one element per changed word costs as much as dense
+        elif parts is not None and w > 1 and (count + k * w) * (isz + s) >= n * s and (
                 count + _count(_differ(na.view(bits), nb.view(bits), None if nc is None
                                           else nc.view(bits)))) * (
                 isz + s) >= n * s:
-            idx = val = None  # the changed elements, counted, cost as much as dense
-        if idx is None:
+            parts = None  # the changed elements, counted, cost as much as dense
+        if parts is None:
             continue
         nz = _nonzero(neq)
         if w == 1:
-            values = nb.view(bits).index_select(0, nz)
-        else:  # the changed elements of the changed words (w is a power of two)
-            words = bn.index_select(0, nz).view(bits)
-            at = _nonzero(_differ(an.index_select(0, nz).view(bits), words, None if cn is None
-                                  else cn.index_select(0, nz).view(bits)))
-            values = words.index_select(0, at)
-            nz = nz.index_select(0, at >> (w.bit_length() - 1)) * w + (at & (w - 1))
-        count += len(nz)
-        if count * (isz + s) >= n * s:
-            idx = val = None  # patches already cost as much as the dense tensor: stop keeping
+            part, m = (where, nz, nb.view(bits).index_select(0, nz), None), len(nz)
         else:
-            idx.append((nz + lo if isinstance(where, int) else
-                        where.index_select(0, nz // row) * row + nz % row).to(idt))
-            val.append(values.view(new.dtype))
+            words = bn.index_select(0, nz).view(bits)
+            lanes = _differ(an.index_select(0, nz).view(bits), words, None if cn is None
+                            else cn.index_select(0, nz).view(bits))
+            part, m = (where, nz, words, lanes), _count(lanes)
+        held += len(nz) * (nz.element_size() + 8 + w)
+        count += m
+        if count * (isz + s) >= n * s:
+            parts = None  # patches already cost as much as the dense tensor: stop keeping
+            continue
+        parts.append(part)
+        if held > n * s // 2:  # bound what the unexpanded pieces hold
+            parts, held = [_expand(p, row, idt) for p in parts], 0
     if not changed:
         return Delta(name, SAME, new.dtype, shape, 0, 0)
     costs = [(n * s, DENSE, n)]
@@ -231,15 +235,32 @@ def encode(name: str, old: torch.Tensor, new: torch.Tensor, *,
         ranges = _runs(rows_changed.cpu().numpy())
         nrows = int((ranges[:, 1] - ranges[:, 0]).sum())
         costs.append((_RANGE * len(ranges) + nrows * row * s, ROWS, nrows * row))
-    if idx is not None:
+    if parts is not None:
         costs.append((count * (isz + s), PATCH, count))
     cost, kind, carried = min(costs, key=lambda c: c[0])  # the first of equal costs
     if kind == PATCH:
-        cat = lambda parts: parts[0] if len(parts) == 1 else torch.cat(parts)  # noqa: E731
-        return Delta(name, PATCH, new.dtype, shape, count, cost, indices=cat(idx),
-                     values=cat(val))
+        cat = lambda xs: xs[0] if len(xs) == 1 else torch.cat(xs)  # noqa: E731
+        indices, values = zip(*(_expand(p, row, idt)[1:3] for p in parts), strict=True)
+        return Delta(name, PATCH, new.dtype, shape, count, cost, indices=cat(indices),
+                     values=cat([v.view(new.dtype) for v in values]))
     return Delta(name, kind, new.dtype, shape, carried, cost, tensor=new,
                  ranges=ranges if kind == ROWS else None)
+
+
+def _expand(part: tuple, row: int, idt: torch.dtype) -> tuple:
+    """A patch piece (see `encode`) as its changed elements' flat indices in the tensor (of
+    `idt`) and their values: (None, indices, values, None)."""
+    where, nz, values, lanes = part
+    if where is None:
+        return part
+    if lanes is not None:  # the changed elements of the changed words (w a power of two)
+        w = lanes.numel() // max(1, len(nz))
+        at = _nonzero(lanes)
+        values = values.index_select(0, at)
+        nz = nz.index_select(0, at >> (w.bit_length() - 1)) * w + (at & (w - 1))
+    flat = (nz + where if isinstance(where, int) else
+            where.index_select(0, nz // row) * row + nz % row)
+    return None, flat.to(idt), values, None
 
 
 def _pieces(n: int, row: int, rows: torch.Tensor | None, *ts: torch.Tensor | None
