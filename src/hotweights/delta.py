@@ -266,8 +266,8 @@ def _expand(part: tuple, row: int, idt: torch.dtype) -> tuple:
 def _pieces(n: int, row: int, rows: torch.Tensor | None, *ts: torch.Tensor | None
             ) -> Iterator[tuple[int | torch.Tensor, list[torch.Tensor | None]]]:
     """(where, the chunk of each of `ts`): `where` is the first flat element of a slice of
-    `_chunks`, or, given `rows`, the row numbers (on the last tensor's device) a chunk of
-    whole rows was gathered from."""
+    `_chunks`, or, given `rows`, the row numbers (on the device of `ts[1]`, the new tensor)
+    a chunk of whole rows was gathered from."""
     if rows is None:
         for lo, hi in _chunks(n, row):
             yield lo, [None if t is None else t[lo:hi] for t in ts]
