@@ -713,3 +713,16 @@ def test_a_dense_patch_is_expanded_on_the_way_and_stays_exact(monkeypatch):
     calls.clear()
     rows = _flip(old, list(range(256 * 3, 256 * 5)))  # two whole rows: sent as rows
     assert _exact(old, rows).kind == "rows" and not calls  # never expanded
+
+
+def test_torch_compare_with_more_threads_gives_the_same_delta():
+    threads = torch.get_num_threads()
+    old = _random((64, 256), torch.bfloat16)
+    cases = [_flip(old, [5, 700, 701]), _flip(old, list(range(256 * 2, 256 * 4))),
+             _flip(old, slice(None))]
+    want = [_fields(encode("w", old, new)) for new in cases]
+    try:
+        torch.set_num_threads(4)  # above 2: torch's compare instead of numpy's
+        assert [_fields(encode("w", old, new)) for new in cases] == want
+    finally:
+        torch.set_num_threads(threads)
