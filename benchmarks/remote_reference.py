@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from hotweights import blocks, delta, tiny
-from hotweights.checkpoint.digest import mapped
+from hotweights.checkpoint.source import open_dir
 from hotweights.checkpoint.sync import sync
 from remote_update import HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, change, layers_for, load_weights
 
@@ -97,7 +97,7 @@ def main() -> None:
             s, deltas = best(partial(delta.encode_all, snapshot, weights), args.repeat)
             row["snapshot"] = dict(bytes=wire(deltas), s=s, memory=model_bytes)
 
-            s, deltas = best(partial(delta.encode_all, mapped(ckpt), weights), args.repeat)
+            s, deltas = best(partial(delta.encode_all, open_dir(ckpt), weights), args.repeat)
             # syncing the new version into the checkpoint, for the next update's reference
             # (once: a second sync would find nothing to write)
             synced = sync(ckpt, weights, version="1")

@@ -1,5 +1,5 @@
-"""checkpoint.digest: which weights a checkpoint holds, whatever its sharding; its tensors
-mapped without a copy; and the check a `--remote` server makes of what it loaded."""
+"""checkpoint.digest: which weights a checkpoint holds, whatever its sharding; the shards'
+stats; and the check a `--remote` server makes of what it loaded."""
 
 import json
 
@@ -7,7 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hotweights.checkpoint.digest import digest, mapped, stats
+from hotweights.checkpoint.digest import digest, stats
+from hotweights.checkpoint.source import open_dir
 from hotweights.vllm_plugin import CHECKPOINT_STATS
 from hotweights.vllm_plugin.routes import _loaded
 
@@ -49,7 +50,7 @@ def test_digest_is_the_tensors_not_the_files(tmp_path):
 
 def test_mapped_tensors_are_the_files_and_stats_follow_every_write(tmp_path):
     d = _save(tmp_path / "m", _tensors(), shards=2)
-    got = mapped(d)
+    got = open_dir(d)
     assert got.keys() == _tensors().keys()
     for k, t in _tensors().items():
         assert got[k].dtype == t.dtype and torch.equal(got[k], t)

@@ -40,8 +40,9 @@ import torch
 
 from hotweights import delta
 from hotweights.bridge import _request
-from hotweights.checkpoint.digest import digest, mapped, stats
+from hotweights.checkpoint.digest import digest, stats
 from hotweights.checkpoint.names import reverted
+from hotweights.checkpoint.source import open_dir
 from hotweights.errors import HotweightsError, RemoteError, ServerError
 from hotweights.remote import prefilter
 from hotweights.remote.channel import Channel
@@ -250,7 +251,8 @@ class RemoteGroup:
             return None
         now = stats(self.checkpoint)
         if self._loaded is None or self._loaded[0] != now:  # hashed again only when changed
-            found, tensors = digest(self.checkpoint), mapped(self.checkpoint)
+            found = digest(self.checkpoint)  # None: no safetensors there
+            tensors = open_dir(self.checkpoint) if found is not None else {}
             if stats(self.checkpoint) != now:
                 logger.info("hotweights: %s is being written: a full sync", self.checkpoint)
                 return None
