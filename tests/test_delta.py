@@ -444,6 +444,15 @@ def test_patch_until_it_costs_as_much_as_dense(monkeypatch, dtype, chunk, layout
         assert (d.kind, d.changed, d.nbytes) == want
 
 
+def _sweep_case(monkeypatch, g, shapes: list, i: int, chunk0: int) -> tuple:
+    """One seeded sweep case: (shape, dtype, base tensor), encode's chunk and int64 index
+    threshold drawn with it."""
+    shape, dtype = g.choice(shapes), g.choice(WORD_DTYPES)
+    monkeypatch.setattr(delta, "_CHUNK", g.choice([chunk0, 8, 24, 40, 64, 100]))
+    monkeypatch.setattr(delta, "INT64_INDEX_FROM", g.choice([2**31, 2**31, 1, 500]))
+    return shape, dtype, _random(shape, dtype, seed=i)
+
+
 def test_random_sweep_matches_brute_force(monkeypatch):
     import random
 
@@ -452,10 +461,7 @@ def test_random_sweep_matches_brute_force(monkeypatch):
               (3, 5, 8), (7, 1), (1, 33), (9, 24)]
     kinds = set()
     for i in range(400):
-        shape, dtype = g.choice(shapes), g.choice(WORD_DTYPES)
-        monkeypatch.setattr(delta, "_CHUNK", g.choice([chunk0, 8, 24, 40, 64, 100]))
-        monkeypatch.setattr(delta, "INT64_INDEX_FROM", g.choice([2**31, 2**31, 1, 500]))
-        base = _random(shape, dtype, seed=i)
+        shape, dtype, base = _sweep_case(monkeypatch, g, shapes, i, chunk0)
         n, s = base.numel(), dtype.itemsize
         how = g.choice(["few", "cluster", "rows", "density", "near", "all", "none"])
         if how == "few":
@@ -533,10 +539,7 @@ def test_also_union_is_exact_over_a_seeded_sweep(monkeypatch):
     g, chunk0 = random.Random(20261124), delta._CHUNK
     seen = set()
     for i in range(200):
-        shape, dtype = g.choice(ALSO_SHAPES), g.choice(WORD_DTYPES)
-        monkeypatch.setattr(delta, "_CHUNK", g.choice([chunk0, 8, 24, 40, 64, 100]))
-        monkeypatch.setattr(delta, "INT64_INDEX_FROM", g.choice([2**31, 2**31, 1, 500]))
-        base = _random(shape, dtype, seed=i)
+        shape, dtype, base = _sweep_case(monkeypatch, g, ALSO_SHAPES, i, chunk0)
         n = base.numel()
         row = n // shape[0] if len(shape) >= 2 else 1
 
