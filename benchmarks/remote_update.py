@@ -54,6 +54,7 @@ from hotweights import delta, launch, tiny
 from hotweights.bridge import _request
 from hotweights.remote import group as group_module
 from hotweights.remote import prefilter
+from hotweights.remote.channel import Channel
 from hotweights.remote.group import ROUND_BYTES, RemoteGroup
 
 TOKEN = "bench-token-1234"
@@ -119,6 +120,7 @@ def time_phases(group: RemoteGroup) -> dict[str, float]:
     prefilter.fingerprints = timed("fingerprint", prefilter.fingerprints)
     group._send = timed("send", group._send)
     group._remember = timed("remember", group._remember)
+    Channel.send = timed("broadcast", Channel.send)  # rounds and acknowledgement
     request = group_module._request
 
     def each(url, method, route, *a, **k):  # the slowest server's request, per route
@@ -241,8 +243,9 @@ def main() -> None:
                       f"{model_bytes / min(secs) / 1e9:6.2f} GB/s of weights")
                 print(f"{'':12}best run: " + ", ".join(
                     f"{k} {v:.3f} s" for k, v in split[secs.index(min(secs))].items()) +
-                    " (send: begin, broadcast, both servers staging; rest: status + commits, "
-                    "remember beside the commits; a route: its slowest request)")
+                    " (send: after the encode, until both servers staged it, incl. "
+                    "broadcast: rounds and acknowledgement; rest: status + commits, remember "
+                    "beside the commits; a route: its slowest request)")
 
             ref_bytes = sum(t.nbytes for t in (group.reference or {}).values())
             extra = ref_bytes + group.max_round_bytes

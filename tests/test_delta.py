@@ -729,3 +729,12 @@ def test_torch_compare_with_more_threads_gives_the_same_delta():
         assert [_fields(encode("w", old, new)) for new in cases] == want
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("ranges", [[], [[0, 0]], [[3, 4]], [[0, 2], [5, 9], [9, 10]],
+                                    [[7, 8], [100, 164]]])
+def test_row_index_lists_the_rows_of_the_runs_in_order(ranges):
+    r = torch.tensor(ranges, dtype=torch.int64).view(-1, 2)
+    got = delta._row_index(r)
+    assert got.dtype == torch.int64
+    assert got.tolist() == [i for a, b in ranges for i in range(a, b)]

@@ -49,9 +49,10 @@ try:
             delta_apply.check(r.header, w)
             staged.append(delta_apply.Round(r.header, r.buffer.clone()))
         try:
-            ch.receive(stage)
+            ch.receive(stage, **({"update": f"u{u}", "wait": 4 * float(sys.argv[8])}
+                                 if mode == "announced" else {}))
         except HotweightsError as e:  # a refusal: nothing applied, the channel goes on
-            if "refused" not in str(e):
+            if "refused" not in str(e) and "cancelled" not in str(e):
                 raise
             print(json.dumps({"update": u, "refused": str(e), "sum": checksum(w)}), flush=True)
             continue
@@ -264,6 +265,48 @@ def test_a_refusal_by_one_receiver_is_applied_by_none_and_the_channel_goes_on():
         assert done["sum"] == checksum(second), done
     assert "rank 2: HotweightsError: round 3" in told["refused"]
     assert own["refused"] == "round 3 refused by the test"
+
+
+def test_announced_updates_wait_past_the_timeout_and_a_cancelled_one_changes_nothing():
+    port, old = _port(), weights()
+    procs = _receivers(port, 3, 3, r1={"mode": "announced"}, r2={"mode": "announced"})
+    g = torch.Generator().manual_seed(4)
+    first, third = _rows(old, g), _scattered(old, g)
+    with Channel(master_addr="127.0.0.1", master_port=port, rank=0, world_size=3,
+                 token=TOKEN, timeout=TIMEOUT) as ch:
+        time.sleep(TIMEOUT * 1.3)  # the sender works out its update for longer than the timeout
+        ch.start("u0")
+        ch.send(delta.pack(delta.encode_all(old, first), max_bytes=MAX_BYTES))
+        ch.cancel("u1")
+        ch.cancel("u1")  # twice is harmless
+        ch.start("u2")
+        ch.cancel("u2")  # too late: started
+        ch.send(delta.pack(delta.encode_all(first, third), max_bytes=MAX_BYTES))
+        for p in procs:
+            assert [x.get("sum") for x in _lines(p)] == [checksum(first), checksum(first),
+                                                         checksum(third)]
+        with pytest.raises(RuntimeError, match="stop waiting"):  # the receivers are gone
+            ch.start("u3", check=lambda: (_ for _ in ()).throw(RuntimeError("stop waiting")))
+        t = time.monotonic()
+        with pytest.raises(RemoteError, match=r"rank\(s\) \[1, 2\] \(receiver\) did not start "
+                           r"receiving the update within"):
+            ch.start("u4")
+        assert TIMEOUT <= time.monotonic() - t < TIMEOUT + 3
+
+
+def test_receivers_waiting_for_an_announced_update_learn_the_sender_is_gone():
+    port = _port()
+    procs = _receivers(port, 3, 1, r1={"mode": "announced"}, r2={"mode": "announced"})
+    ch = Channel(master_addr="127.0.0.1", master_port=port, rank=0, world_size=3, token=TOKEN,
+                 timeout=TIMEOUT)
+    time.sleep(0.5)
+    t = time.monotonic()
+    ch.close()
+    for p in procs:
+        (line,) = _lines(p)
+        assert p.returncode == 3 and "rank 0) at 127.0.0.1" in line["error"], line
+        assert "is gone" in line["error"] and line["sum"] == checksum(weights())
+    assert time.monotonic() - t < TIMEOUT
 
 
 @pytest.mark.parametrize("kw, match", [

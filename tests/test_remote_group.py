@@ -54,3 +54,10 @@ def test_an_encode_that_sees_the_checkpoint_written_is_refused(checkpoint, monke
     with pytest.raises(RemoteError, match=rf"^{ckpt} was written during the update; nothing "
                                           "was sent: update again$"):
         group._encode(old, new, None, True)
+
+
+@pytest.mark.parametrize("bad", [0, 63, 4096.0, "64"])
+def test_a_bad_round_budget_is_named(bad):
+    with pytest.raises(RemoteError, match=r"field 'max_round_bytes' must be an int >= 64, "
+                                          rf"found {bad!r}"):
+        RemoteGroup(["http://127.0.0.1:1"], token="t" * 32, max_round_bytes=bad)

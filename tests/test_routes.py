@@ -21,6 +21,7 @@ class StubClient:
 
     def __init__(self):
         self.calls: list[str] = []
+        self.args: dict[str, tuple] = {}  # method -> its last collective_rpc args
         self.label = None
         self.prefix_reset = True
 
@@ -42,6 +43,7 @@ class StubClient:
 
     async def collective_rpc(self, method, args=()):
         self.calls.append(method)
+        self.args[method] = args
         return [{"server_id": args[0]} if method == "hotweights_share" else
                 {"rounds": 1, "bytes": 8} if method == "hotweights_remote_receive" else None]
 
@@ -225,16 +227,66 @@ def test_a_remote_server_stages_on_receive_applies_on_commit_and_discards_on_abo
         await client.post("/hotweights/begin", json=body(), headers=AUTH)
         r = await client.post("/hotweights/remote/join", json=join, headers=AUTH)
         assert r.status_code == 409 and "join between updates" in r.json()["error"]
+        for bad in ({"wait_s": -1.0}, {"wait_s": 1e9}, {"update": "u" * 201}):
+            r = await client.post("/hotweights/remote/receive", json=body(**bad), headers=AUTH)
+            assert r.status_code == 400 and "field 'wait_s' must be in" in r.json()["error"]
         await client.post("/hotweights/remote/receive", json=body(), headers=AUTH)
+        assert stub.args["hotweights_remote_receive"] == (None, None)  # not announced
+        await client.post("/hotweights/remote/receive", json=body(update="u7", wait_s=90),
+                          headers=AUTH)
+        assert stub.args["hotweights_remote_receive"] == ("u7", 90.0)  # the workers wait
         r = await client.post("/hotweights/commit", json=body(n=4), headers=AUTH)
         assert r.status_code == 200 and r.json()["version"] == f"4@{SID}"
-        i = stub.calls.index("hotweights_remote_receive")
+        i = max(i for i, c in enumerate(stub.calls) if c == "hotweights_remote_receive")
         assert stub.calls[i:i + 3] == ["hotweights_remote_receive", "hotweights_remote_apply",
                                        "reset_prefix"]
         await client.post("/hotweights/begin", json=body(), headers=AUTH)
         r = await client.post("/hotweights/abort", json=body(dirty=False), headers=AUTH)
         assert r.json()["version"] == f"4@{SID}" and stub.calls[-2:] == [
             "hotweights_remote_discard", "resume"]
+
+    serve(test)
+
+
+def test_a_remote_commit_waits_for_the_receive_in_flight_and_a_failed_one_applies_nothing(
+        monkeypatch, caplog):
+    monkeypatch.setenv("HOTWEIGHTS_REMOTE", "1")
+
+    async def test(client, stub):
+        received, rpc, failing = asyncio.Event(), stub.collective_rpc, []
+
+        async def slow(method, args=()):
+            if method == "hotweights_remote_receive":
+                await received.wait()
+                if failing:
+                    raise RuntimeError("channel rank 1: round 1/1 failed: the sender is gone")
+            return await rpc(method, args)
+        stub.collective_rpc = slow
+
+        async def update(n):
+            await client.post("/hotweights/begin", json=body(), headers=AUTH)
+            receive = asyncio.ensure_future(client.post(
+                "/hotweights/remote/receive", json=body(update="u", wait_s=5.0), headers=AUTH))
+            await asyncio.sleep(0.05)
+            commit = asyncio.ensure_future(client.post("/hotweights/commit", json=body(n=n),
+                                                       headers=AUTH))
+            await asyncio.sleep(0.05)
+            assert not commit.done() and "hotweights_remote_apply" not in stub.calls[-3:]
+            received.set()
+            return await receive, await commit
+
+        receive, commit = await update(2)
+        assert receive.status_code == 200 and commit.status_code == 200
+        assert stub.calls.index("hotweights_remote_receive") < stub.calls.index(
+            "hotweights_remote_apply")
+        received.clear()
+        failing.append(True)
+        applied = stub.calls.count("hotweights_remote_apply")
+        receive, commit = await update(3)
+        assert receive.status_code == 502 and commit.status_code == 500
+        assert "after_update failed; see the server log" in commit.json()["error"]
+        assert "the update's receive failed" in caplog.text
+        assert commit.json()["dirty"] and stub.calls.count("hotweights_remote_apply") == applied
 
     serve(test)
 

@@ -72,6 +72,11 @@ def _runs(flags: np.ndarray) -> np.ndarray:
 
 def _row_index(ranges: torch.Tensor) -> torch.Tensor:
     # (k, 2) int64 [start, stop) pairs -> the int64 row numbers they cover, in order.
+    if ranges.device.type == "cpu":  # numpy: ~10x less per call on the few runs of a tensor
+        r = ranges.numpy()
+        lens = r[:, 1] - r[:, 0]
+        return torch.from_numpy(np.repeat(r[:, 0] - (np.cumsum(lens) - lens), lens)
+                                + np.arange(lens.sum(), dtype=np.int64))
     lens = ranges[:, 1] - ranges[:, 0]
     before = torch.cumsum(lens, 0) - lens
     return (torch.repeat_interleave(ranges[:, 0] - before, lens)

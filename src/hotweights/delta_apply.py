@@ -94,7 +94,7 @@ def _parse(header: object, targets: Mapping[str, torch.Tensor]) -> list[tuple[di
             if t.dim() < 2:
                 raise bad("kind", f"rows needs a tensor of 2 dims or more, found {t.dim()}")
             k, m = _nat(e, "nranges", bad), _nat(e, "nrows", bad)
-            want = _al(_RANGE * k + m * t[0].numel() * s)
+            want = _al(_RANGE * k + m * math.prod(t.shape[1:]) * s)
         if nb != want:
             raise bad("nbytes", f"is {nb}, its other fields make {want}")
         out.append((e, t))
@@ -160,7 +160,7 @@ def _views(e: dict, t: torch.Tensor, buf: torch.Tensor, check_finite: bool, bad)
         raise bad("ranges", f"hold a run outside [0, {t.shape[0]}) or empty")
     if (got := int((r[:, 1] - r[:, 0]).sum())) != m:
         raise bad("nrows", f"is {m}, the ranges cover {got} rows")
-    return ranges, seg[_RANGE * k:_RANGE * k + m * t[0].numel() * s].view(t.dtype).view(
+    return ranges, seg[_RANGE * k:_RANGE * k + m * math.prod(t.shape[1:]) * s].view(t.dtype).view(
         m, *t.shape[1:])
 
 

@@ -161,7 +161,18 @@ class Commit(_Request):
 
 @dataclass(frozen=True)
 class Receive(_Request):
-    """A remote server's receive step, under the holder's lease."""
+    """A remote server's receive step, under the holder's lease: with `update`, its workers
+    wait up to `wait_s` for the trainer to start that update on the channel."""
+
+    update: str = ""
+    wait_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 <= self.wait_s <= MAX_LEASE_S or len(self.update) > 200:
+            raise Refused(400, f"field 'wait_s' must be in [0, {MAX_LEASE_S:.0f}] seconds and "
+                          f"'update' at most 200 characters, got {self.wait_s!r}, "
+                          f"{self.update[:40]!r}")
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,10 @@ a peer without it, or a stranger on the port, fails every side with a `RemoteErr
 
 Each round goes as three broadcasts from rank 0, whatever its number of tensors: a fixed
 int64 meta tensor (header length, buffer length, round index, rounds total), the JSON header
-as uint8, then the buffer. Every rank runs a heartbeat thread (its own store connection), so
+as uint8, then the buffer. An update may be announced: its receivers then wait in the store,
+up to a wait of their own, for the sender's word (`start` or `cancel`) instead of waiting in
+a collective, which times out after `timeout`; so they can be ready while the sender is
+still working out what to send. Every rank runs a heartbeat thread (its own store connection), so
 when a collective fails or times out the channel names the peer that stopped.
 """
 
@@ -100,6 +103,7 @@ class Channel:
                                    "cpu" if backend == "gloo" else "cuda")
         self.bytes_sent = self.bytes_received = self._steps = self._updates = 0
         self._staging: torch.Tensor | None = None
+        self._told_updates: list[str] = []  # the last two updates the sender announced
         self._pg = self._heartbeat = None
         self._broken: str | None = None
         td = timedelta(seconds=timeout)
@@ -284,6 +288,62 @@ class Channel:
         logger.info("%s: sent %d rounds, %d bytes", self._where(), i, sent)
         return sent
 
+    def start(self, update: str, check: Callable[[], None] = lambda: None) -> None:
+        """Let the receivers of an announced update (`receive(update=...)`) go on to its
+        rounds, once every one of them waits for it (rank 0 only); `send` them next.
+
+        Args:
+            update: the update's id, as the receivers were given it.
+            check: called while a receiver is not ready yet; raise from it to stop waiting
+                (the receiver's request failed, say). Then `cancel` the update.
+        Raises:
+            RemoteError: a receiver not ready within the timeout (named by rank).
+        """
+        keys = {r: self._key("ready", update, r) for r in range(1, self.world_size)}
+        deadline = time.monotonic() + self.timeout
+        while not self._store.check(list(keys.values())):
+            check()
+            if time.monotonic() > deadline:
+                late = [r for r, k in keys.items() if not self._store.check([k])]
+                raise RemoteError(f"{self._where()}: rank(s) {late} (receiver) did not start "
+                                  f"receiving the update within {self.timeout} s")
+            time.sleep(0.002)
+        self._word(update, b"go")
+
+    def cancel(self, update: str) -> None:
+        """Tell the receivers waiting for an announced update that it will not come (rank 0;
+        nothing happens if it was started)."""
+        if self._store is not None and self._broken is None:
+            self._word(update, b"cancel")
+
+    def _word(self, update: str, word: bytes) -> None:
+        for old in self._told_updates[:-1]:  # the update before last is over everywhere
+            for r in range(1, self.world_size):
+                self._store.delete_key(self._key("ready", old, r))
+            self._store.delete_key(self._key("word", old))
+        self._told_updates = [*self._told_updates[-1:], update]
+        self._store.compare_set(self._key("word", update), "", word)
+
+    def _key(self, what: str, update: str, rank: int | None = None) -> str:
+        return f"{self._ns}/{what}/{update}" + ("" if rank is None else f"/{rank}")
+
+    def _await_word(self, update: str, wait: float) -> None:
+        self._store.set(self._key("ready", update, self.rank), "1")
+        key = self._key("word", update)
+        try:
+            self._store.wait([key], timedelta(seconds=wait))
+            word = self._store.get(key)
+        except dist.DistStoreError as e:
+            raise RemoteError(f"{self._where()}: the sender did not start the update within "
+                              f"{wait} s; nothing of it is applied") from e
+        except RuntimeError as e:  # the store lives in the sender
+            raise RemoteError(f"{self._where()}: the sender (rank 0) at {self.addr}:"
+                              f"{self.port} is gone ({e}); nothing of the update is applied"
+                              ) from e
+        if word != b"go":
+            raise RemoteError(f"{self._where()}: the sender cancelled the update before "
+                              "sending it; nothing of it is applied")
+
     def _send_round(self, r: Round) -> int:
         head = r.header_bytes()
         buf = r.buffer
@@ -299,7 +359,8 @@ class Channel:
             self._broadcast(buf, what)
         return _META * 8 + len(head) + buf.numel()
 
-    def receive(self, stage: Callable[[Round], None]) -> int:
+    def receive(self, stage: Callable[[Round], None], *, update: str | None = None,
+                wait: float | None = None) -> int:
         """Receive one update, handing each round to `stage` as it arrives (receivers only).
 
         `stage` checks a round and keeps what it needs: the round's buffer is a view of one
@@ -309,15 +370,22 @@ class Channel:
         update is read and dropped, and at the acknowledgement every rank learns that this
         one refused; the channel stays usable.
 
+        Args:
+            stage: see above.
+            update: the id of an announced update: first wait, up to `wait` seconds (default
+                the timeout), for the sender to `start` it.
+            wait: see `update`.
         Returns:
             The number of rounds received.
         Raises:
-            RemoteError: the sender died, stalled or aborted, sent a malformed round, or
-                another receiver refused the update (each named).
+            RemoteError: the sender died, stalled, aborted or cancelled, sent a malformed
+                round, or another receiver refused the update (each named).
             Exception: what `stage` raised, on the receiver that refused.
         """
         if self.rank == 0:
             raise RemoteError(f"{self._where()}: rank 0 sends; call send()")
+        if update is not None:
+            self._await_word(update, self.timeout if wait is None else wait)
         i, total, refused = 0, None, None
         while total is None or i < total:
             meta = torch.zeros(_META, dtype=torch.int64, device=self.device)

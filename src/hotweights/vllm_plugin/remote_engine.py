@@ -65,7 +65,11 @@ class RemoteInit(WeightTransferInitInfo):
 
 @dataclass
 class RemoteUpdate(WeightTransferUpdateInfo):
-    """One update: everything else travels on the channel."""
+    """One update (everything else travels on the channel): its id if the trainer announced
+    it, and how long to wait for the trainer to start it."""
+
+    update: str | None = None
+    wait: float | None = None
 
 
 class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
@@ -118,7 +122,7 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
         self._require()
         self.staged.clear()
         try:
-            self.channel.receive(self.staged)
+            self.channel.receive(self.staged, update=update_info.update, wait=update_info.wait)
         except BaseException:
             self.staged.clear()
             raise

@@ -72,6 +72,16 @@ class VllmEngine:
 
     def __init__(self, client, gate: Gate, *, remote: bool = False):
         self.client, self.gate, self.remote = client, gate, remote
+        self.receiving: asyncio.Task | None = None  # remote: the workers' receive in flight
+
+    async def _received(self) -> BaseException | None:
+        """Wait for the receive in flight, if any; what it raised. (The trainer commits
+        once every worker has staged the update, before the receive's answer comes back.)"""
+        task, self.receiving = self.receiving, None
+        if task is None:
+            return None
+        await asyncio.wait([task])
+        return task.exception() if not task.cancelled() else asyncio.CancelledError()
 
     def hold(self) -> None:
         self.gate.open.clear()
@@ -105,11 +115,14 @@ class VllmEngine:
 
     async def after_update(self) -> None:
         # remote: the staged update is applied first, then the hook (one round trip)
+        if self.remote and (failed := await self._received()) is not None:
+            raise ServerError(f"the update's receive failed ({failed!r}): nothing staged")
         await self.client.collective_rpc("hotweights_remote_apply" if self.remote else
                                          "hotweights_after_update")
 
     async def discard(self) -> None:
         if self.remote:
+            await self._received()
             await self.client.collective_rpc("hotweights_remote_discard")
 
     async def reset_caches(self) -> None:
@@ -298,7 +311,10 @@ class HotweightsRoutes:
 
     async def _receive(self, req: Receive) -> dict:
         self.tx.check_lease(req, "receive")
-        (first, *_) = await self._rpc("hotweights_remote_receive")
+        task = asyncio.ensure_future(self._rpc("hotweights_remote_receive", req.update or None,
+                                               req.wait_s or None))
+        self.tx.engine.receiving = task  # a commit or abort waits for it
+        (first, *_) = await asyncio.shield(task)
         return {**first, "workers": self.workers}
 
     async def _rpc(self, method: str, *args) -> list:

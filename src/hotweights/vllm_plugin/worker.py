@@ -59,11 +59,13 @@ class HotweightsWorker:
 
     # -- remote servers (`hotweights serve --remote`): the `hotweights` transfer engine --
 
-    def hotweights_remote_receive(self) -> dict:
-        """Receive one update from the trainer's channel into the engine's staging."""
+    def hotweights_remote_receive(self, update: str | None = None,
+                                  wait: float | None = None) -> dict:
+        """Receive one update from the trainer's channel into the engine's staging (an
+        announced one: first wait up to `wait` s for the trainer to start it)."""
         if not self._weight_update_active:
             self.start_weight_update()
-        self.update_weights({})
+        self.update_weights({"update": update, "wait": wait})
         staged = self.weight_transfer_engine.staged
         return {"rounds": staged.rounds, "bytes": staged.nbytes}
 
