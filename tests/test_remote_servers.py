@@ -160,6 +160,41 @@ def test_bad_input_is_refused_by_name_and_nothing_is_applied(remotes, trainer, b
     group.update(model)  # and the next good update goes through
 
 
+def test_the_servers_wait_for_an_encode_longer_than_the_timeout(remotes, trainer,
+                                                                monkeypatch):
+    # the workers wait for the update on the channel while the trainer encodes: up to the
+    # lease, not the collective timeout; an encode that fails lets them go at once
+    model, _ = trainer
+    from hotweights import delta
+    encode_all = delta.encode_all
+    slow = {"s": 4.0, "fail": False}
+
+    def slow_encode(*args, **kwargs):
+        time.sleep(slow["s"])
+        if slow["fail"]:
+            raise RuntimeError("the encode failed")
+        return encode_all(*args, **kwargs)
+    with RemoteGroup([s.url for s in remotes[:2]], token=TOKEN, timeout=3.0) as group:
+        group.update(model)  # a full sync: no encode
+        monkeypatch.setattr(delta, "encode_all", slow_encode)
+        with torch.no_grad():
+            model.model.norm.weight[0] += 1
+        n = group.update(model)["version"]
+        first, second = (_checksum(s) for s in remotes[:2])
+        assert first == second
+        assert {_status(s)["n"] for s in remotes[:2]} == {n}
+        slow.update(s=1.0, fail=True)
+        with torch.no_grad():
+            model.model.norm.weight[0] += 1
+        t = time.monotonic()
+        with pytest.raises(RuntimeError, match="the encode failed"):
+            group.update(model)
+        assert time.monotonic() - t < 3.0
+        assert all(_status(s)["state"] == "idle" and _status(s)["n"] == n for s in remotes[:2])
+        slow.update(s=0.0, fail=False)
+        assert group.update(model)["version"] == n + 1
+
+
 def test_a_wrong_token_changes_nothing(remotes, trainer):
     before = [_checksum(s) for s in remotes[:2]]
     with pytest.raises(Exception, match="401"):
