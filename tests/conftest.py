@@ -186,3 +186,13 @@ def xfs_dir(tmp_path_factory):
         if subprocess.run(["umount", str(mount)], capture_output=True).returncode != 0:
             subprocess.run(["umount", "-l", str(mount)], capture_output=True)
         image.unlink()
+
+
+@pytest.fixture(params=["numpy", "torch"])
+def both_paths(request, monkeypatch):
+    """`delta.encode` on CPU tensors through numpy (its CPU path), then through torch (the
+    path of an accelerator's tensors)."""
+    from hotweights import delta
+
+    monkeypatch.setattr(delta, "_NUMPY", request.param == "numpy")
+    return request.param

@@ -453,7 +453,7 @@ def _sweep_case(monkeypatch, g, shapes: list, i: int, chunk0: int) -> tuple:
     return shape, dtype, _random(shape, dtype, seed=i)
 
 
-def test_random_sweep_matches_brute_force(monkeypatch):
+def test_random_sweep_matches_brute_force(monkeypatch, both_paths):
     import random
 
     g, chunk0 = random.Random(20261123), delta._CHUNK
@@ -533,7 +533,7 @@ ALSO_SHAPES = [(13,), (1001,), (64,), (1,), (), (50, 7), (40, 12), (16, 64), (4,
                (3, 5, 8), (7, 1), (1, 33), (9, 24), (8, 3)]
 
 
-def test_also_union_is_exact_over_a_seeded_sweep(monkeypatch):
+def test_also_union_is_exact_over_a_seeded_sweep(monkeypatch, both_paths):
     import random
 
     g, chunk0 = random.Random(20261124), delta._CHUNK

@@ -19,7 +19,7 @@ def _rows_of(shape, which) -> list[int]:
     return sorted({i // row for i in which})
 
 
-def test_rows_superset_gives_the_same_delta_over_a_seeded_sweep(monkeypatch):
+def test_rows_superset_gives_the_same_delta_over_a_seeded_sweep(monkeypatch, both_paths):
     g, chunk0 = random.Random(20261124), delta._CHUNK
     shapes = [(50, 7), (40, 12), (16, 64), (4, 100), (3, 5, 8), (7, 1), (1, 33), (9, 24)]
     kinds = set()

@@ -176,29 +176,35 @@ def encode(name: str, old: torch.Tensor, new: torch.Tensor, *,
     a, b = _flat(name, old, "old"), _flat(name, new, "new")
     c = _flat(name, also, "also") if also is not None else None
     shape, s, n = tuple(new.shape), new.dtype.itemsize, new.numel()
-    bits, wide = _BITS[s], n >= INT64_INDEX_FROM
-    isz, idt = (8, torch.int64) if wide else (4, torch.int32)
+    wide = n >= INT64_INDEX_FROM
+    isz = 8 if wide else 4
     row = n // shape[0] if len(shape) >= 2 and n else 0
     if rows is not None and len(rows) and not row:
         raise DeltaError(f"{name}: `rows` given for a tensor without rows (shape {shape})")
-    rows_changed = torch.zeros(shape[0] if row else 0, dtype=torch.bool, device=new.device)
+    if _NUMPY and all(t.device.type == "cpu" for t in (a, b, c) if t is not None):
+        # numpy from here on: its small ops cost a fraction of torch's (see `_ne`)
+        a, b, c = (None if t is None else t.view(_BITS[s]).numpy() for t in (a, b, c))
+        rows = None if rows is None else rows.cpu().numpy()
+        rows_changed = np.zeros(shape[0] if row else 0, dtype=bool)
+    else:
+        rows_changed = torch.zeros(shape[0] if row else 0, dtype=torch.bool, device=new.device)
     # parts: a patch's pieces, (where, nz, values, lanes); lanes None: nz are the changed
     # elements of the chunk; else nz are its changed words, values their new words, lanes
     # which of their elements changed: expanded (`_expand`) only if the patch is chosen (a
     # changed row sent as rows skips it) or when those words hold half the dense size.
     changed, count, parts, held = False, 0, [], 0
     for where, (na, nb, nc) in _pieces(n, row, rows, a, b, c):
-        # non_blocking only towards an accelerator, whose stream orders the compare after it
-        na, nc = (None if x is None else x.to(nb.device, non_blocking=nb.device.type != "cpu")
-                  for x in (na, nc))
+        if isinstance(nb, torch.Tensor):  # non_blocking only towards an accelerator, whose
+            # stream orders the compare after the copy
+            na, nc = (None if x is None else x.to(nb.device, non_blocking=nb.device.type !=
+                                                  "cpu") for x in (na, nc))
         w = _word(row, na, nb, nc)  # elements per compared unit: 8-byte words where they fit
-        an, bn, cn = (None if x is None else x.view(torch.int64 if w > 1 else bits)
-                      for x in (na, nb, nc))
+        an, bn, cn = (None if x is None else _iv(x, 8 if w > 1 else s) for x in (na, nb, nc))
         neq, lo = _differ(an, bn, cn), where if isinstance(where, int) else 0
         if row and len(nb) >= row:
             per_row = row // w  # 8 flags at a time where rows allow: a quicker reduction
-            flags = (neq.view(torch.int64).view(-1, per_row // 8) if per_row % 8 == 0 else
-                     neq.view(-1, per_row)).any(1)
+            flags = (_iv(neq, 8).reshape(-1, per_row // 8) if per_row % 8 == 0 else
+                     neq.reshape(-1, per_row)).any(1)
             if isinstance(where, int):
                 rows_changed[lo // row:lo // row + len(flags)] = flags
             else:
@@ -211,68 +217,67 @@ def encode(name: str, old: torch.Tensor, new: torch.Tensor, *,
         if parts is not None and (count + k) * (isz + s) >= n * s:
             parts = None  # even one element per changed word costs as much as dense
         elif parts is not None and w > 1 and (count + k * w) * (isz + s) >= n * s and (
-                count + _count(_differ(na.view(bits), nb.view(bits), None if nc is None
-                                          else nc.view(bits)))) * (
-                isz + s) >= n * s:
+                count + _count(_differ(_iv(na, s), _iv(nb, s), None if nc is None
+                                       else _iv(nc, s)))) * (isz + s) >= n * s:
             parts = None  # the changed elements, counted, cost as much as dense
         if parts is None:
             continue
         nz = _nonzero(neq)
         if w == 1:
-            part, m = (where, nz, nb.view(bits).index_select(0, nz), None), len(nz)
+            part, m = (where, nz, _take(_iv(nb, s), nz), None), len(nz)
         else:
-            words = bn.index_select(0, nz).view(bits)
-            lanes = _differ(an.index_select(0, nz).view(bits), words, None if cn is None
-                            else cn.index_select(0, nz).view(bits))
+            words = _iv(_take(bn, nz), s)
+            lanes = _differ(_iv(_take(an, nz), s), words, None if cn is None
+                            else _iv(_take(cn, nz), s))
             part, m = (where, nz, words, lanes), _count(lanes)
-        held += len(nz) * (nz.element_size() + 8 + w)
+        held += len(nz) * (nz.dtype.itemsize + 8 + w)
         count += m
         if count * (isz + s) >= n * s:
             parts = None  # patches already cost as much as the dense tensor: stop keeping
             continue
         parts.append(part)
         if held > n * s // 2:  # bound what the unexpanded pieces hold
-            parts, held = [_expand(p, row, idt) for p in parts], 0
+            parts, held = [_expand(p, row, isz) for p in parts], 0
     if not changed:
         return Delta(name, SAME, new.dtype, shape, 0, 0)
     costs = [(n * s, DENSE, n)]
     if row:
-        ranges = _runs(rows_changed.cpu().numpy())
+        ranges = _runs(rows_changed if isinstance(rows_changed, np.ndarray)
+                       else rows_changed.cpu().numpy())
         nrows = int((ranges[:, 1] - ranges[:, 0]).sum())
         costs.append((_RANGE * len(ranges) + nrows * row * s, ROWS, nrows * row))
     if parts is not None:
         costs.append((count * (isz + s), PATCH, count))
     cost, kind, carried = min(costs, key=lambda c: c[0])  # the first of equal costs
     if kind == PATCH:
-        cat = lambda xs: xs[0] if len(xs) == 1 else torch.cat(xs)  # noqa: E731
-        indices, values = zip(*(_expand(p, row, idt)[1:3] for p in parts), strict=True)
-        return Delta(name, PATCH, new.dtype, shape, count, cost, indices=cat(indices),
-                     values=cat([v.view(new.dtype) for v in values]))
+        indices, values = zip(*(_expand(p, row, isz)[1:3] for p in parts), strict=True)
+        return Delta(name, PATCH, new.dtype, shape, count, cost, indices=_cat(indices),
+                     values=_cat(values).view(new.dtype))
     return Delta(name, kind, new.dtype, shape, carried, cost, tensor=new,
                  ranges=ranges if kind == ROWS else None)
 
 
-def _expand(part: tuple, row: int, idt: torch.dtype) -> tuple:
-    """A patch piece (see `encode`) as its changed elements' flat indices in the tensor (of
-    `idt`) and their values: (None, indices, values, None)."""
+def _expand(part: tuple, row: int, isz: int) -> tuple:
+    """A patch piece (see `encode`) as its changed elements' flat indices in the tensor
+    (`isz`-byte integers) and their values: (None, indices, values, None)."""
     where, nz, values, lanes = part
     if where is None:
         return part
     if lanes is not None:  # the changed elements of the changed words (w a power of two)
-        w = lanes.numel() // max(1, len(nz))
+        w = len(lanes) // max(1, len(nz))
         at = _nonzero(lanes)
-        values = values.index_select(0, at)
-        nz = nz.index_select(0, at >> (w.bit_length() - 1)) * w + (at & (w - 1))
-    flat = (nz + where if isinstance(where, int) else
-            where.index_select(0, nz // row) * row + nz % row)
-    return None, flat.to(idt), values, None
+        values = _take(values, at)
+        nz = _take(nz, at >> (w.bit_length() - 1)) * w + (at & (w - 1))
+    flat = nz + where if isinstance(where, int) else _take(where, nz // row) * row + nz % row
+    return None, (flat.astype(_NP_BITS[isz]) if isinstance(flat, np.ndarray)
+                  else flat.to(_BITS[isz])), values, None
 
 
-def _pieces(n: int, row: int, rows: torch.Tensor | None, *ts: torch.Tensor | None
-            ) -> Iterator[tuple[int | torch.Tensor, list[torch.Tensor | None]]]:
-    """(where, the chunk of each of `ts`): `where` is the first flat element of a slice of
-    `_chunks`, or, given `rows`, the row numbers (on the device of `ts[1]`, the new tensor)
-    a chunk of whole rows was gathered from."""
+def _pieces(n: int, row: int, rows: np.ndarray | torch.Tensor | None, *ts
+            ) -> Iterator[tuple[int | np.ndarray | torch.Tensor, list]]:
+    """(where, the chunk of each of `ts`, numpy arrays or tensors): `where` is the first
+    flat element of a slice of `_chunks`, or, given `rows`, the row numbers (on the device of
+    `ts[1]`, the new tensor) a chunk of whole rows was gathered from."""
     if rows is None:
         for lo, hi in _chunks(n, row):
             yield lo, [None if t is None else t[lo:hi] for t in ts]
@@ -280,43 +285,70 @@ def _pieces(n: int, row: int, rows: torch.Tensor | None, *ts: torch.Tensor | Non
     step = max(1, _CHUNK // row) if row else 1
     for i in range(0, len(rows), step):
         r = rows[i:i + step]
-        yield r.to(ts[1].device), [None if t is None else t.view(-1, row).index_select(
-            0, r.to(t.device)).view(-1) for t in ts]
+        if isinstance(r, np.ndarray):
+            yield r, [None if t is None else t.reshape(-1, row).take(r, axis=0).reshape(-1)
+                      for t in ts]
+        else:
+            yield r.to(ts[1].device), [None if t is None else t.view(-1, row).index_select(
+                0, r.to(t.device)).view(-1) for t in ts]
 
 
-def _word(row: int, a: torch.Tensor, *more: torch.Tensor | None) -> int:
+def _word(row: int, a, *more) -> int:
     """Elements per 8-byte word when every chunk can be compared as int64 words (their
     offsets and lengths whole words, whole rows whole words too), else 1."""
-    w = 8 // a.element_size()
-    ok = w > 1 and a.numel() % w == 0 and (not row or a.numel() < row or row % w == 0) and all(
+    w = 8 // a.dtype.itemsize
+    ok = w > 1 and len(a) % w == 0 and (not row or len(a) < row or row % w == 0) and all(
+        t.ctypes.data % 8 == 0 if isinstance(t, np.ndarray) else
         t.storage_offset() % w == 0 and t.data_ptr() % 8 == 0 for t in (a, *more)
         if t is not None)
     return w if ok else 1
 
 
-def _differ(old: torch.Tensor, new: torch.Tensor, also: torch.Tensor | None) -> torch.Tensor:
+# On the CPU, `encode` works on numpy views of the tensors' bits (no copies): numpy's
+# compare, nonzero and count run 1.6x, 1.8x and 5x as fast as torch's on one thread
+# (measured on int64 words), and its small ops cost a fraction of torch's. The compare reads
+# the most: with more than 2 torch threads, torch's (parallel) compare runs instead.
+_NUMPY = True  # tests turn it off to run torch's path (an accelerator's) on the CPU
+_NP_BITS = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
+def _iv(x, nbytes: int):
+    """An integer view of `x` (numpy array or tensor) with `nbytes`-wide elements."""
+    return x.view(_NP_BITS[nbytes]) if isinstance(x, np.ndarray) else x.view(_BITS[nbytes])
+
+
+def _take(x, i):
+    return x.take(i) if isinstance(x, np.ndarray) else x.index_select(0, i)
+
+
+def _cat(xs) -> torch.Tensor:
+    if isinstance(xs[0], np.ndarray):
+        return torch.from_numpy(xs[0] if len(xs) == 1 else np.concatenate(xs))
+    return xs[0] if len(xs) == 1 else torch.cat(xs)
+
+
+def _differ(old, new, also):
     """Where `new` differs from `old`, or from `also` where there is one."""
     neq = _ne(old, new)
-    return neq if also is None else neq.logical_or_(_ne(also, new))
+    if also is None:
+        return neq
+    return np.logical_or(neq, _ne(also, new), out=neq) if isinstance(neq, np.ndarray) \
+        else neq.logical_or_(_ne(also, new))
 
 
-# On the CPU numpy's compare, nonzero and count run 1.6x, 1.8x and 5x as fast as torch's on
-# one thread (measured on int64 words); the arrays are shared, not copied. The compare reads
-# the most: with more than 2 torch threads, torch's (parallel) compare runs instead.
-
-def _ne(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    if x.device.type == "cpu" and torch.get_num_threads() <= 2:
-        return torch.from_numpy(np.not_equal(x.numpy(), y.numpy()))
+def _ne(x, y):
+    if isinstance(x, np.ndarray):
+        return np.not_equal(x, y) if torch.get_num_threads() <= 2 else \
+            (torch.from_numpy(x) != torch.from_numpy(y)).numpy()
     return x != y
 
 
-def _nonzero(flags: torch.Tensor) -> torch.Tensor:
-    return torch.from_numpy(np.flatnonzero(flags.numpy())) if flags.device.type == "cpu" \
-        else flags.nonzero().view(-1)
+def _nonzero(flags):
+    return np.flatnonzero(flags) if isinstance(flags, np.ndarray) else flags.nonzero().view(-1)
 
 
-def _count(flags: torch.Tensor) -> int:
-    return int(np.count_nonzero(flags.numpy()) if flags.device.type == "cpu"
+def _count(flags) -> int:
+    return int(np.count_nonzero(flags) if isinstance(flags, np.ndarray)
                else torch.count_nonzero(flags))
 
 
