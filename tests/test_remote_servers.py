@@ -300,3 +300,44 @@ def test_a_server_killed_between_send_and_commit_is_named_and_the_other_serves_n
     assert out["from_checkpoint"] == [victim.url] and not out["full"]
     assert _checksum(remotes[0]) == _checksum(remotes[1])
     assert {_status(s)["n"] for s in remotes[:2]} == {group.n}
+
+
+def test_a_tensor_parallel_server_is_updated_through_the_model_loader(tiny_model, tmp_path,
+                                                                      monkeypatch):
+    # TP=2: each worker holds slices of the merged tensors; what no view holds whole goes
+    # through the model's own loader, which merges and slices the HF tensors
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("a TP=2 vLLM CPU server needs 2 cores, one per worker")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cores[0]}|{cores[1]}")  # one NUMA node
+    server = Server(tiny_model("llama"), tmp_path, "--remote", "--tensor-parallel-size", "2")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(server.model_dir, dtype=torch.bfloat16)
+        ids, g = torch.tensor([PROMPT]), torch.Generator().manual_seed(3)
+        with RemoteGroup([server.url], token=TOKEN, timeout=10.0) as group:
+            assert group.update(model)["full"]
+            assert _status(server)["workers"] == 2
+            for step in range(3):
+                if step == 2:  # and rows, as an embedding update sends them
+                    with torch.no_grad():
+                        rows = torch.randperm(model.model.embed_tokens.weight.shape[0],
+                                              generator=g)[:4]
+                        model.model.embed_tokens.weight[rows] += 0.05
+                model.zero_grad(set_to_none=True)
+                model(ids, labels=ids).loss.backward()
+                _sign_step(model, 0.005)
+                out = group.update(model)
+                assert not out["full"] and out["version"] == group.n
+        assert len(_checksum(server)) == 2
+        tokens, logprobs = _greedy(server, PROMPT, 8)
+        with torch.no_grad():
+            logits = model(torch.tensor([PROMPT + tokens])).logits[0, len(PROMPT) - 1:-1]
+        ours = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(tokens)[:, None])
+        before = AutoModelForCausalLM.from_pretrained(server.model_dir, dtype=torch.bfloat16)
+        with torch.no_grad():
+            logits = before(torch.tensor([PROMPT + tokens])).logits[0, len(PROMPT) - 1:-1]
+        old = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(tokens)[:, None])
+        assert (ours[:, 0] - torch.tensor(logprobs)).abs().max() < LOAD_TOL
+        assert (ours - old).abs().max() > 5 * LOAD_TOL  # the updates moved them (~5 here)
+    finally:
+        server.stop()

@@ -293,19 +293,24 @@ class Transaction:
             self._disarm()
             started = time.perf_counter()
             failed = []
-            try:
-                for step in (self.engine.after_update, self.engine.reset_caches):
-                    try:
-                        await step()
-                    except Exception:
-                        logger.exception("hotweights: %s failed; weights marked dirty",
-                                         step.__name__)
+            try:  # both at once, each while paused: the engine serves them in order, at
+                # the cost of one round trip
+                steps = (self.engine.after_update, self.engine.reset_caches)
+                for step, out in zip(steps, await asyncio.gather(
+                        *(step() for step in steps), return_exceptions=True), strict=True):
+                    if isinstance(out, Exception):
+                        logger.error("hotweights: %s failed; weights marked dirty",
+                                     step.__name__, exc_info=out)
                         failed.append(step.__name__)
+                    elif isinstance(out, BaseException):
+                        raise out
             finally:  # whatever happened, the trainer wrote: a new version, and resume
                 self.updates += 1
-                await self._new_version(f"commit by {req.holder}: {', '.join(failed)} "
-                                        "failed" if failed else None, req.n)
-                await self._resume("committed")
+                # our version (status, headers) is set before resume lets requests in;
+                # vLLM's own label goes beside the resume
+                await asyncio.gather(self._new_version(
+                    f"commit by {req.holder}: {', '.join(failed)} failed" if failed else None,
+                    req.n), self._resume("committed"))
             self.last_commit_s = time.perf_counter() - started
             self.last_update_s = time.perf_counter() - self._began
             return {"version": self.version, "n": self.n, "dirty": self.dirty,
