@@ -286,7 +286,7 @@ class RemoteGroup:
         ready when the encode ends."""
         pool = ThreadPoolExecutor(2 * len(self.urls) + 1)
         update = uuid.uuid4().hex
-        begins, encoded, receipts = {}, None, {}
+        begins, encoded = {}, None
         try:
             begins = {u: pool.submit(self._post, u, status[u], "/hotweights/begin", mode=mode,
                                      lease_s=lease_s) for u in self.urls}
@@ -294,7 +294,8 @@ class RemoteGroup:
                                     lease_s)
             encoded = encode()
             receipts = receiving.result()
-            self._channel.start(update, check=lambda: _results(receipts, "receive", wait=False))
+            self._channel.start(update, check=lambda: _raise_failed(receipts, "receive",
+                                                                    wait=False))
             try:
                 sent = self._channel.send(delta.pack(encoded[0], max_bytes=self.max_round_bytes,
                                                      staging=self._round_buffer()))
@@ -333,7 +334,7 @@ class RemoteGroup:
                             update: str, lease_s: float) -> dict:
         """Once every server has begun, ask each to receive `update` (its workers wait for
         its start on the channel); return those requests' futures."""
-        _results(begins, "begin")
+        _raise_failed(begins, "begin")
         return {u: pool.submit(self._post, u, status[u], "/hotweights/remote/receive",
                                update=update, wait_s=lease_s,
                                http_timeout=lease_s + self.timeout + 60) for u in self.urls}
@@ -439,13 +440,12 @@ def _outcome(future) -> Any:
         return e
 
 
-def _results(futures: dict, what: str, *, wait: bool = True) -> dict:
-    """url -> what each server's request (`futures`: url -> future) returned; RemoteError
-    naming every server whose `what` failed. Without `wait`, only the requests done count."""
+def _raise_failed(futures: dict, what: str, *, wait: bool = True) -> None:
+    """RemoteError naming every server whose request (`futures`: url -> future) for `what`
+    failed. Without `wait`, only the requests done count."""
     outs = {u: _outcome(f) for u, f in futures.items() if wait or f.done()}
     if failed := {u: e for u, e in outs.items() if isinstance(e, Exception)}:
         raise RemoteError(f"{what} failed on {_named(failed)}")
-    return outs
 
 
 def _named(failed: dict[str, Exception]) -> str:
