@@ -135,33 +135,38 @@ def host(t: torch.Tensor) -> np.ndarray | torch.Tensor:
     return t.numpy() if t.device.type == "cpu" else t
 
 
-def _views(e: dict, t: torch.Tensor, buf: torch.Tensor, check_finite: bool, bad) -> tuple:
-    seg, s, kind = buf[e["offset"]:e["offset"] + e["nbytes"]], t.dtype.itemsize, e["kind"]
+def _views(e: dict, t: torch.Tensor, buf: torch.Tensor, nb, check_finite: bool, bad) -> tuple:
+    # nb: the buffer's numpy view on the CPU (its index checks cost a fraction of torch's),
+    # else the buffer itself
+    off, s, kind = e["offset"], t.dtype.itemsize, e["kind"]
     if kind == DENSE:
-        v = seg[:(e["stop"] - e["start"]) * s].view(t.dtype)
+        v = buf[off:off + (e["stop"] - e["start"]) * s].view(t.dtype)
         if check_finite and t.dtype.is_floating_point and not finite(v):
             raise bad("values", f"holds NaN or Inf (a dense update of elements "
                       f"[{e['start']}, {e['stop']})); refused")
         return (v,)
     if kind == PATCH:
         k, idt = e["count"], _INDEX[e["index_dtype"]]
-        idx = seg[:k * idt.itemsize].view(idt)
-        vals = seg[_al(k * idt.itemsize):_al(k * idt.itemsize) + k * s].view(t.dtype)
+        ni = k * idt.itemsize
+        idx = buf[off:off + ni].view(idt)
+        vals = buf[off + _al(ni):off + _al(ni) + k * s].view(t.dtype)
         for lo in range(0, k, _CHUNK):
             c = host(idx[lo:lo + _CHUNK])
             if int(c.min()) < 0 or int(c.max()) >= t.numel():
                 raise bad("indices", f"hold [{int(c.min())}, {int(c.max())}], out of the "
                           f"{t.numel()} elements")
         return idx, vals
-    k, m = e["nranges"], e["nrows"]
-    ranges = seg[:_RANGE * k].view(torch.int64).view(k, 2)
-    r = host(ranges)
-    if k and not bool(((r[:, 0] >= 0) & (r[:, 0] < r[:, 1]) & (r[:, 1] <= t.shape[0])).all()):
-        raise bad("ranges", f"hold a run outside [0, {t.shape[0]}) or empty")
-    if (got := int((r[:, 1] - r[:, 0]).sum())) != m:
+    k, m, nr = e["nranges"], e["nrows"], _RANGE * e["nranges"]
+    r = nb[off:off + nr].view(np.int64 if isinstance(nb, np.ndarray) else torch.int64)
+    if k:  # [start, stop) pairs, flat: each run non-empty and inside the rows
+        lens = r[1::2] - r[0::2]
+        if not (int(r.min()) >= 0 and int(r.max()) <= t.shape[0] and int(lens.min()) > 0):
+            raise bad("ranges", f"hold a run outside [0, {t.shape[0]}) or empty")
+    if (got := int(lens.sum()) if k else 0) != m:
         raise bad("nrows", f"is {m}, the ranges cover {got} rows")
-    return ranges, seg[_RANGE * k:_RANGE * k + m * math.prod(t.shape[1:]) * s].view(t.dtype).view(
-        m, *t.shape[1:])
+    return (buf[off:off + nr].view(torch.int64).view(k, 2),
+            buf[off + nr:off + nr + m * math.prod(t.shape[1:]) * s].view(t.dtype).view(
+                m, *t.shape[1:]))
 
 
 def checked(round: Round, targets: Mapping[str, torch.Tensor], *,
@@ -181,11 +186,11 @@ def checked(round: Round, targets: Mapping[str, torch.Tensor], *,
     if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != h["nbytes"]:
         raise DeltaError(f"round {h.get('round')!r}: field 'nbytes' is {h['nbytes']}, the "
                          f"buffer holds {buf.numel()} {buf.dtype} in shape {tuple(buf.shape)}")
-    out = []
+    out, nb = [], host(buf)
     for e, t in entries:
         def bad(field: str, msg: str, name=e["name"]) -> DeltaError:
             return DeltaError(f"round {h.get('round')!r}: `{name}`: field '{field}' {msg}")
-        out.append((e, t, _views(e, t, buf, check_finite, bad)))
+        out.append((e, t, _views(e, t, buf, nb, check_finite, bad)))
     return out
 
 

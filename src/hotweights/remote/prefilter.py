@@ -27,6 +27,7 @@ SPARE = 0.25  # fingerprints that spare less of the compare than this are then s
 SKIP = 4  # ... for this many updates
 
 Prints = dict[str, tuple[int, str, np.ndarray]]  # name -> (rows per block, kind, hashes)
+_NONE = torch.zeros(0, dtype=torch.int64)  # no row changed (empty: never written to)
 
 
 def _rows_per_block(t: torch.Tensor) -> int:
@@ -68,10 +69,11 @@ def candidates(before: Prints | None, now: Prints,
             continue
         changed = np.flatnonzero(old[2] != h)
         if not len(changed):
-            out[name] = torch.zeros(0, dtype=torch.int64)
-        elif k and len(changed) <= DENSER * len(h):
-            rows = (torch.from_numpy(changed)[:, None] * k + torch.arange(k)).view(-1)
-            out[name] = rows[rows < tensors[name].shape[0]]
+            out[name] = _NONE
+        elif k and len(changed) <= DENSER * len(h):  # numpy: a fraction of torch's cost
+            rows = (changed[:, None] * k + np.arange(k)).reshape(-1)
+            n = tensors[name].shape[0]
+            out[name] = torch.from_numpy(rows if rows[-1] < n else rows[rows < n])
     return out
 
 
