@@ -65,9 +65,11 @@ def _flat(name: str, t: torch.Tensor, who: str) -> torch.Tensor:
 
 
 def _runs(flags: np.ndarray) -> np.ndarray:
-    edges = np.diff(np.concatenate(([0], flags.astype(np.int8), [0])))
-    return np.stack([np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)], axis=1).astype(
-        np.int64).reshape(-1, 2)
+    # bool flags -> (k, 2) int64 [start, stop) of their runs of True: where a padded copy
+    # changes, starts and stops alternate
+    padded = np.zeros(len(flags) + 2, dtype=bool)
+    padded[1:-1] = flags
+    return np.flatnonzero(padded[1:] != padded[:-1]).astype(np.int64, copy=False).reshape(-1, 2)
 
 
 def _row_index(ranges: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,9 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from hotweights import delta
 from hotweights.delta import (
+    _BITS,
     _CHUNK,
     _RANGE,
     DENSE,
@@ -33,6 +35,7 @@ __all__ = ["apply", "check", "checked", "finite", "host", "write"]
 logger = logging.getLogger(__name__)
 
 _INDEX = {"int32": torch.int32, "int64": torch.int64}
+_FEW_RUNS = 64  # row runs written one slice each; more: through one index_copy_
 
 
 def _nat(e: dict, key: str, bad) -> int:
@@ -204,6 +207,13 @@ def write(entry: dict, target: torch.Tensor, views: tuple) -> None:
         for lo in range(0, idx.numel(), _CHUNK):
             flat.index_copy_(0, idx[lo:lo + _CHUNK].to(target.device, torch.int64),
                              vals[lo:lo + _CHUNK].to(target.device))
+    elif delta._NUMPY and target.device.type == views[1].device.type == "cpu" and \
+            len(views[0]) <= _FEW_RUNS:  # numpy slice copies: a fraction of an index's cost
+        bits = _BITS[target.dtype.itemsize]
+        t, rows, at = target.detach().view(bits).numpy(), views[1].view(bits).numpy(), 0
+        for a, b in host(views[0]).tolist():
+            t[a:b] = rows[at:at + b - a]
+            at += b - a
     else:
         target.detach().index_copy_(0, _row_index(views[0].to(target.device)),
                                     views[1].to(target.device))
