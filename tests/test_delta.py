@@ -104,6 +104,22 @@ def test_bit_patterns_minus_zero_and_nan_payloads(dtype, zero, nan_a, nan_b):
     assert torch.equal(got.view(bits), new2.view(bits))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
+def test_finite_reads_bounded_chunks_of_elements_whatever_the_shape(monkeypatch, dtype):
+    from hotweights import delta_apply
+
+    monkeypatch.setattr(delta_apply, "_CHUNK", 8)
+    seen, real = [], torch.aminmax
+    monkeypatch.setattr(torch, "aminmax", lambda c: seen.append(c.numel()) or real(c))
+    rows = torch.zeros(5, 8, dtype=torch.float32)
+    assert delta_apply.finite(rows.to(dtype))
+    assert seen == [8] * 5  # rows of a rows update: 40 elements, 8 at a time
+    for bad in (float("nan"),) if dtype.itemsize == 1 else (float("nan"), float("inf")):
+        v = rows.clone()  # (float8 e4m3fn has no Inf)
+        v[4, 7] = bad  # in the last chunk
+        assert not delta_apply.finite(v.to(dtype))
+
+
 def test_int64_indices_past_the_threshold(monkeypatch):
     monkeypatch.setattr(delta, "INT64_INDEX_FROM", 100)
     old = _random((10, 10), torch.bfloat16)
