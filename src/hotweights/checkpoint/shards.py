@@ -176,13 +176,17 @@ def read_index(model_dir: str | os.PathLike) -> dict[str, str] | None:
         wm = doc.get("weight_map") if isinstance(doc, dict) else None
         if not isinstance(wm, dict):
             raise CheckpointError(f"{index}: no 'weight_map' object")
+        checked = set()  # each shard is looked for once, not once per tensor
         for name, fn in wm.items():
+            if isinstance(fn, str) and fn in checked:
+                continue
             if not isinstance(fn, str) or Path(fn).name != fn or fn in ("", ".", ".."):
                 raise CheckpointError(f"{index}: weight_map[{name!r}] = {fn!r} is not a "
                                       "file name in the model directory")
             if not (d / fn).is_file():
                 raise CheckpointError(f"{index}: tensor {name} is in shard {fn}, which does "
                                       f"not exist in {d}")
+            checked.add(fn)
         return dict(wm)
     single = d / SINGLE_NAME
     if single.is_file():

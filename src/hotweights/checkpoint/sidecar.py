@@ -70,5 +70,5 @@ def write(shard: Shard, fp: blocks.Fingerprints, version: str | None) -> None:
     tmp = path.with_suffix(".tmp")
     doc = dict(format=FORMAT, version=version, fingerprints=fp.to_dict(), shard=_stat(shard))
     with open(tmp, "w") as f:
-        json.dump(doc, f)
+        f.write(json.dumps(doc))  # json.dump to a file would take the pure-Python encoder
     os.replace(tmp, path)

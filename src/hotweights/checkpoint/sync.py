@@ -147,14 +147,15 @@ def _existing(model_dir: Path) -> Path:
 
 def _check(name: str, t: torch.Tensor, shard: Shard, info: TensorInfo,
            convert: bool) -> torch.Tensor:
-    where = f"{name} in {Path(shard.path).name}"
     if tuple(t.shape) != info.shape:
+        where = f"{name} in {Path(shard.path).name}"
         raise CheckpointError(f"{where}: the file holds shape {list(info.shape)}, the live "
                               f"tensor {list(t.shape)}; nothing was written")
     want = DTYPES.get(info.dtype)
     if want != t.dtype:
         if convert and want is not None:
             return t.detach().to(want).contiguous()
+        where = f"{name} in {Path(shard.path).name}"
         raise CheckpointError(f"{where}: the file holds {info.dtype}, the live tensor is "
                               f"{str(t.dtype).removeprefix('torch.')}; nothing was written "
                               "(convert_dtype=True, or --convert-dtype, casts it)")
@@ -279,9 +280,10 @@ def _patches(changed: list[_Plan], step: Callable[[int], None]
     for p in changed:
         if p.how != "journal":
             continue
+        shard = p.name
         for name, lo, hi in p.ranges:
             offset = p.shard.tensors[name].begin + lo
             for chunk in stage.host_chunks(stage.raw(p.tensors[name])[lo:hi]):
-                yield p.name, offset, chunk
+                yield shard, offset, chunk
                 offset += chunk.nbytes
             step(hi - lo)
