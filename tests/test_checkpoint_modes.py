@@ -197,3 +197,26 @@ def test_two_writers_take_turns(tmp_path):
     winner = live if torch.equal(disk["model.norm.weight"], live["model.norm.weight"]) else other
     _equal(d, winner)
     assert os.listdir(d).count(journal.STAGE_DIR) == 0
+
+
+def test_a_whole_rewrite_starts_the_disk_writing_behind_it(tmp_path, monkeypatch):
+    """stage.whole asks the kernel to write each 8 MiB it wrote (no wait), in order and
+    without gaps, so its fsync has little left; the shard is the same bytes either way."""
+    from hotweights.checkpoint import stage
+    from hotweights.checkpoint.shards import read_shard
+    calls = []
+    monkeypatch.setattr(stage, "_SYNC_FILE_RANGE", lambda *a: calls.append(a) or 0)
+    monkeypatch.setattr(stage, "_BEHIND", 1 << 20)
+    live = {"a": torch.arange(3 << 18, dtype=torch.float32), "b": torch.ones(5, 7)}
+    d = tmp_path / "m"
+    sync(d, {n: torch.zeros_like(t) for n, t in live.items()})
+    shard = read_shard(d / "model.safetensors")
+    written = stage.whole(shard, live, tmp_path / "new", lambda n: None)
+    got = load_file(tmp_path / "new")
+    assert all(torch.equal(got[n], t) for n, t in live.items()) and written == shard.size
+    assert calls[0][1] == 0 and all(flag == 2 and n >= 1 << 20 for _, _, n, flag in calls)
+    assert all(a[1] + a[2] == b[1] for a, b in zip(calls, calls[1:], strict=False))  # no gap
+    assert shard.size - (calls[-1][1] + calls[-1][2]) < 1 << 20  # the fsync does the rest
+    monkeypatch.setattr(stage, "_SYNC_FILE_RANGE", None)  # no such call here: still writes
+    stage.whole(shard, live, tmp_path / "plain", lambda n: None)
+    assert (tmp_path / "plain").read_bytes() == (tmp_path / "new").read_bytes()

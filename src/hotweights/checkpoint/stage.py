@@ -10,6 +10,8 @@ stays untouched (a reader sees it whole) until the journal's move record replace
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import shutil
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -23,6 +25,37 @@ from hotweights.checkpoint.shards import Shard
 from hotweights.errors import CheckpointError
 
 _CHUNK = 64 << 20  # bytes per write, and per device-to-host copy
+_BEHIND = 8 << 20  # a whole shard's writeback is started every this many bytes written
+
+
+def _writeback_starter():
+    """libc's sync_file_range (Linux), or None where there is none."""
+    try:
+        f = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).sync_file_range
+    except (OSError, AttributeError, TypeError):
+        return None
+    f.argtypes, f.restype = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint], \
+        ctypes.c_int
+    return f
+
+
+_SYNC_FILE_RANGE = _writeback_starter()
+
+
+class _Behind:
+    """Starts the disk writing what a sequential writer wrote (SYNC_FILE_RANGE_WRITE: no
+    wait), `_BEHIND` bytes at a time, so the writing and the disk overlap and the final
+    fsync has little left to do. A full-shard rewrite then beats write-everything-then-
+    fsync (what save_file + fsync does) by about the time of the in-memory copy."""
+
+    def __init__(self, fd: int):
+        self.fd, self.started, self.pos = fd, 0, 0
+
+    def wrote(self, n: int) -> None:
+        self.pos += n
+        if _SYNC_FILE_RANGE is not None and self.pos - self.started >= _BEHIND:
+            _SYNC_FILE_RANGE(self.fd, self.started, self.pos - self.started, 2)
+            self.started = self.pos
 
 
 def raw(t: torch.Tensor) -> torch.Tensor:
@@ -39,20 +72,24 @@ def host_chunks(u8: torch.Tensor) -> Iterator[memoryview]:
         yield memoryview(u8[lo:lo + _CHUNK].cpu().numpy())
 
 
-def _write(fd: int, data: memoryview, offset: int | None = None) -> None:
+def _write(fd: int, data: memoryview, offset: int | None = None,
+           behind: _Behind | None = None) -> None:
+    step = _CHUNK if behind is None else _BEHIND
     while data.nbytes:
-        n = os.write(fd, data[:_CHUNK]) if offset is None else os.pwrite(fd, data[:_CHUNK],
-                                                                          offset)
+        n = os.write(fd, data[:step]) if offset is None else os.pwrite(fd, data[:step], offset)
         data = data[n:]
         offset = None if offset is None else offset + n
+        if behind is not None:
+            behind.wrote(n)
 
 
-def _copy(src: int, dst: int, offset: int, count: int) -> None:
+def _copy(src: int, dst: int, offset: int, count: int, behind: _Behind) -> None:
     while count:
-        n = os.copy_file_range(src, dst, count, offset)
+        n = os.copy_file_range(src, dst, min(count, _BEHIND), offset)
         if n == 0:
             raise OSError(f"unexpected end of the source at byte {offset}")
         offset, count = offset + n, count - n
+        behind.wrote(n)
 
 
 def _create(dst: Path, like: str) -> int:
@@ -90,20 +127,21 @@ def whole(shard: Shard, tensors: Mapping[str, torch.Tensor], dst: Path,
     """Write `shard` anew at `dst` with the `tensors` (contiguous, the header's dtypes and
     shapes) in place of their bytes; fsync. Returns the bytes written."""
     src, fd = os.open(shard.path, os.O_RDONLY), _create(dst, shard.path)
+    behind = _Behind(fd)
     try:
         pos = 0
         for name, info in sorted(shard.tensors.items(), key=lambda kv: kv[1].begin):
             if info.begin > pos:  # the header, or a gap between tensors
-                _copy(src, fd, pos, info.begin - pos)
+                _copy(src, fd, pos, info.begin - pos, behind)
             if name in tensors:
                 for chunk in host_chunks(raw(tensors[name])):
-                    _write(fd, chunk)
+                    _write(fd, chunk, behind=behind)
             else:
-                _copy(src, fd, info.begin, info.nbytes)
+                _copy(src, fd, info.begin, info.nbytes, behind)
             progress(info.nbytes)
             pos = max(pos, info.end)
         if shard.size > pos:
-            _copy(src, fd, pos, shard.size - pos)
+            _copy(src, fd, pos, shard.size - pos, behind)
         os.fsync(fd)
     finally:
         os.close(src)
