@@ -127,3 +127,60 @@ def test_names_missing_on_either_side_are_reported(saved):
 def test_nothing_to_save_is_a_clear_error(tmp_path):
     with pytest.raises(CheckpointError, match="no safetensors there and no live tensors"):
         sync(tmp_path, {})
+
+
+def _hold_the_finisher(monkeypatch, fail: bool = False):
+    """Make the finisher thread's fsyncs wait for the returned event (and then fail with
+    EIO if `fail`); every other fsync runs as usual."""
+    import errno
+    import os
+    import threading
+    release, real = threading.Event(), os.fsync
+
+    def fsync(fd):
+        if threading.current_thread().name == "hotweights-finish":
+            release.wait(30)
+            if fail:
+                raise OSError(errno.EIO, "Input/output error")
+        return real(fd)
+    monkeypatch.setattr(os, "fsync", fsync)
+    return release
+
+
+def test_sync_returns_once_the_files_hold_the_commit_and_a_thread_makes_it_durable(
+        saved, monkeypatch):
+    from hotweights.checkpoint import journal
+    d, live = saved
+    sync(d, live)
+    name = "model.layers.1.mlp.down_proj.weight"
+    live[name][3] += 1.0
+    release = _hold_the_finisher(monkeypatch)
+    try:
+        sync(d, live)
+        # a reader sees the new weights while the committed journal still guards them
+        assert torch.equal(_disk(d)[name].view(torch.int16), live[name].view(torch.int16))
+        assert (d / journal.JOURNAL_NAME).exists()
+    finally:
+        release.set()
+    assert journal.pending(d) is None  # waits for this process's finisher
+    assert not (d / journal.JOURNAL_NAME).exists()
+    assert sync(d, live).bytes_written == 0
+
+
+def test_a_commit_whose_fsync_fails_keeps_its_journal_for_the_next_sync(
+        saved, monkeypatch, caplog):
+    from hotweights.checkpoint import journal
+    d, live = saved
+    sync(d, live)
+    name = "model.layers.1.mlp.down_proj.weight"
+    live[name][3] += 1.0
+    release = _hold_the_finisher(monkeypatch, fail=True)
+    sync(d, live, version="v1")
+    release.set()
+    journal.finish()
+    assert "could not make the commit durable" in caplog.text
+    assert journal.pending(d) == {"version": "v1"}  # kept, whole, for a replay
+    monkeypatch.undo()
+    assert sync(d, live).bytes_written == 0  # replayed first; nothing else to write
+    assert journal.pending(d) is None and not (d / journal.JOURNAL_NAME).exists()
+    assert torch.equal(_disk(d)[name].view(torch.int16), live[name].view(torch.int16))

@@ -18,6 +18,7 @@ _LISTED = 10  # problems listed
 
 
 def run_sync(args: argparse.Namespace) -> int:
+    from hotweights.checkpoint import journal
     from hotweights.checkpoint.shards import read_dir
 
     if args.version is not None and args.source is None:
@@ -33,6 +34,7 @@ def run_sync(args: argparse.Namespace) -> int:
             bridge = Bridge.connect(args.server, token=args.token)
             result = bridge.checkpoint(args.model_dir, exclusive=True, mode=args.mode,
                                        convert_dtype=args.convert_dtype, progress=progress)
+    journal.finish()  # the command ends with the files fsync'd and the journal removed
     if args.json:
         print(result.to_json())
         return 0

@@ -41,8 +41,8 @@ import xxhash
 
 from hotweights.errors import CheckpointError
 
-__all__ = ["JOURNAL_NAME", "STAGE_DIR", "TRASH_DIR", "apply", "locked", "pending", "recover",
-           "write_journal"]
+__all__ = ["JOURNAL_NAME", "STAGE_DIR", "TRASH_DIR", "apply", "finish", "locked", "pending",
+           "recover", "write_journal"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,7 @@ _TMP_NAME = JOURNAL_NAME + ".tmp"
 STAGE_DIR = ".hotweights-stage"  # complete files waiting for their move record
 TRASH_DIR = ".hotweights-trash"  # files replaced by a move, freed after the commit
 _sweeper: threading.Thread | None = None  # the thread freeing the last commit's trash
+_finisher: threading.Thread | None = None  # the thread making the last commit durable
 _MAGIC = b"HWJRNL\r\n"
 _FORMAT = 1
 _HEAD = struct.Struct("<8sII")
@@ -265,6 +266,7 @@ def _scan(path: str) -> tuple[dict, list[tuple[bytes, str, int, int, int]]]:
 
 def pending(directory: str | os.PathLike) -> dict | None:
     """The meta of a committed, intact journal in `directory`, or None if there is none."""
+    finish()  # a journal this process is still removing is not pending
     path = os.path.join(os.fspath(directory), JOURNAL_NAME)
     try:
         return _scan(path)[0]
@@ -319,7 +321,9 @@ def _sweep(directory: str, *, background: bool) -> None:
         shutil.rmtree(trash, ignore_errors=True)
 
 
-def _replay(directory: str, path: str, records: list) -> None:
+def _replay(directory: str, path: str, records: list) -> tuple[list[int], bool]:
+    """Move and patch the files as the journal says; (the patched files' fds, whether any
+    file was moved), for `_durable`."""
     sizes: dict[str, int] = {}
     moves = [name for tag, name, *_ in records if tag == b"M"]
     patches = [r[1:] for r in records if r[0] == b"R"]
@@ -350,22 +354,81 @@ def _replay(directory: str, path: str, records: list) -> None:
                     _crash_point("apply", k)
             finally:
                 data.release()
-        if len(fds) > 1:  # concurrent fsyncs share the filesystem's journal commits
-            with ThreadPoolExecutor(len(fds)) as pool:
-                list(pool.map(os.fsync, fds.values()))
-        elif fds:
-            os.fsync(*fds.values())
-    finally:
+    except BaseException:
         for fd in fds.values():
             os.close(fd)
-    if moves:  # patches in place change no directory entry
+        raise
+    return list(fds.values()), bool(moves)
+
+
+def _durable(directory: str, path: str, fds: list[int], moved: bool) -> None:
+    """fsync what a replay wrote, then remove the journal: from then on the files alone
+    hold the commit."""
+    try:
+        if len(fds) > 1:  # concurrent fsyncs share the filesystem's journal commits
+            with ThreadPoolExecutor(len(fds)) as pool:
+                list(pool.map(os.fsync, fds))
+        elif fds:
+            os.fsync(*fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    if moved:  # patches in place change no directory entry
         _fsync_dir(directory)
     _crash_point("before-unlink")
     os.unlink(path)  # not fsync'd: a journal that reappears after a crash replays harmlessly
 
 
-def apply(directory: str | os.PathLike) -> bool:
+def _durable_later(directory: str, path: str, fds: list[int], moved: bool) -> None:
+    """`_durable` in this process's finisher thread, after which the trash is swept. The
+    journal is removed under the writer lock, and only if it is still this one (a writer
+    in another process may have replayed it and committed its own since)."""
+    ino = os.stat(path).st_ino
+
+    def run() -> None:
+        try:
+            with locked(directory):
+                try:
+                    ours = os.stat(path).st_ino == ino
+                except FileNotFoundError:
+                    ours = False
+                if not ours:  # replayed and removed by another writer: nothing left to do
+                    for fd in fds:
+                        os.close(fd)
+                    return
+                _durable(directory, path, fds, moved)
+        except FileNotFoundError as e:  # the directory was removed meanwhile
+            logger.info("%s: removed before its commit was made durable (%s)", path, e)
+            return
+        except (OSError, CheckpointError) as e:  # the journal stays, to be replayed
+            logger.error("%s: could not make the commit durable (%s); the journal is kept "
+                         "and the next sync or recover replays it", path, e)
+            return
+        _sweep(directory, background=True)
+
+    global _finisher
+    _finisher = threading.Thread(target=run, name="hotweights-finish")
+    _finisher.start()
+
+
+def finish() -> None:
+    """Wait until this process's last commit is on disk and its journal removed (`sync`
+    returns as soon as the commit is durable and the files hold it; a thread fsyncs the
+    files and removes the journal). Writers and `pending` wait for it by themselves."""
+    t = _finisher
+    if t is not None and t is not threading.current_thread():
+        t.join()
+
+
+def apply(directory: str | os.PathLike, *, wait: bool = True) -> bool:
     """Replay the committed journal of `directory` into its files, then remove it.
+
+    Args:
+        directory: the checkpoint directory (the caller holds its writer lock).
+        wait: fsync the files and remove the journal before returning. False: return once
+            the files hold the commit (a reader sees it) and leave the fsyncs and the
+            removal to a thread (`finish` waits for it); a crash before they are done
+            leaves the committed journal, which `recover` replays.
 
     Returns:
         True if a journal was replayed, False if there was none.
@@ -381,8 +444,12 @@ def apply(directory: str | os.PathLike) -> bool:
         _, records = _scan(path)
     except _Corrupt as e:
         raise CheckpointError(f"{path}: corrupt journal: {e}; recover() discards it") from None
-    _replay(directory, path, records)
-    _sweep(directory, background=True)
+    fds, moved = _replay(directory, path, records)
+    if wait:
+        _durable(directory, path, fds, moved)
+        _sweep(directory, background=True)
+    else:
+        _durable_later(directory, path, fds, moved)
     logger.info("%s: journal applied, %d records", path, len(records))
     return True
 
@@ -391,6 +458,7 @@ def apply(directory: str | os.PathLike) -> bool:
 def locked(directory: str | os.PathLike) -> Iterator[None]:
     """Hold the directory's writer lock (an flock on the directory itself); a second
     writer, in this process or another, waits for the first."""
+    finish()  # this process's last commit first (its thread takes this lock too)
     try:
         fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     except OSError as e:
@@ -440,7 +508,7 @@ def recover(directory: str | os.PathLike, *, lock: bool = True) -> str:
             logger.warning("%s: discarded a corrupt journal: %s", path, e)
             outcome = "discarded"
         else:
-            _replay(directory, path, records)
+            _durable(directory, path, *_replay(directory, path, records))
             logger.warning("%s: replayed an interrupted journal, %d records",
                            path, len(records))
             outcome = "replayed"

@@ -115,10 +115,11 @@ def staging(model_dir: Path, what: str) -> Iterator[Path]:
 
 
 def commit(model_dir: Path, after_read: Callable[[], None] | None) -> None:
-    """Tell the caller every live byte is read, then apply the committed journal."""
+    """Tell the caller every live byte is read, then apply the committed journal (its
+    fsyncs and removal finish in a thread: `journal.finish`)."""
     if after_read:
         after_read()
-    journal.apply(model_dir)
+    journal.apply(model_dir, wait=False)
     shutil.rmtree(model_dir / journal.STAGE_DIR, ignore_errors=True)  # empty by now
 
 
