@@ -26,6 +26,7 @@ from hotweights.errors import CheckpointError
 
 _CHUNK = 64 << 20  # bytes per write, and per device-to-host copy
 _BEHIND = 8 << 20  # a whole shard's writeback is started every this many bytes written
+_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writing the range's dirty pages, no wait
 
 
 def _writeback_starter():
@@ -54,7 +55,8 @@ class _Behind:
     def wrote(self, n: int) -> None:
         self.pos += n
         if _SYNC_FILE_RANGE is not None and self.pos - self.started >= _BEHIND:
-            _SYNC_FILE_RANGE(self.fd, self.started, self.pos - self.started, 2)
+            _SYNC_FILE_RANGE(self.fd, self.started, self.pos - self.started,
+                             _SYNC_FILE_RANGE_WRITE)
             self.started = self.pos
 
 
