@@ -118,10 +118,8 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
         for p in plans:
             if p.ranges:
                 p.how = _how(p, mode, patch_mode)
-        narrow = [p for p in plans if p.ranges and p.how != "whole" and not p.exact]
-        with ThreadPoolExecutor(2) as pool:  # numpy compares without the GIL
-            for p, pages in zip(narrow, pool.map(_compare_file, narrow), strict=True):
-                p.ranges = pages
+                if p.how != "whole" and not p.exact:
+                    p.ranges = _compare_file(p, p.ranges)
         changed = [p for p in plans if p.ranges]
         _check_space(model_dir, changed)
         written = _write(model_dir, changed, version, progress, after_read)
@@ -258,11 +256,8 @@ def _subset(fp: blocks.Fingerprints, names) -> blocks.Fingerprints:
     return blocks.Fingerprints(fp.kind, fp.block_size, {n: fp.tensors[n] for n in names})
 
 
-def _compare_file(p: _Plan, ranges: list[tuple[str, int, int]] | None = None
-                  ) -> list[tuple[str, int, int]]:
-    """The pages of `ranges` (tensor, byte range; default `p.ranges`) whose bytes differ
-    from the file's."""
-    ranges = p.ranges if ranges is None else ranges
+def _compare_file(p: _Plan, ranges: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    """The pages of `ranges` (tensor, byte range) whose bytes differ from the file's."""
     per: dict[str, list[tuple[int, int]]] = {}
     for name, lo, hi in ranges:
         per.setdefault(name, []).append((lo, hi))
