@@ -361,9 +361,8 @@ def _replay(directory: str, path: str, records: list) -> tuple[list[int], bool]:
     return list(fds.values()), bool(moves)
 
 
-def _durable(directory: str, path: str, fds: list[int], moved: bool) -> None:
-    """fsync what a replay wrote, then remove the journal: from then on the files alone
-    hold the commit."""
+def _fsync_all(fds: list[int]) -> None:
+    """fsync the files a replay patched, then close them (whatever happens)."""
     try:
         if len(fds) > 1:  # concurrent fsyncs share the filesystem's journal commits
             with ThreadPoolExecutor(len(fds)) as pool:
@@ -373,10 +372,20 @@ def _durable(directory: str, path: str, fds: list[int], moved: bool) -> None:
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def _remove(directory: str, path: str, moved: bool) -> None:
+    """Once the files are fsync'd: make the moves durable and remove the journal; from
+    then on the files alone hold the commit."""
     if moved:  # patches in place change no directory entry
         _fsync_dir(directory)
     _crash_point("before-unlink")
     os.unlink(path)  # not fsync'd: a journal that reappears after a crash replays harmlessly
+
+
+def _durable(directory: str, path: str, fds: list[int], moved: bool) -> None:
+    _fsync_all(fds)
+    _remove(directory, path, moved)
 
 
 def _durable_later(directory: str, path: str, fds: list[int], moved: bool) -> None:
@@ -387,24 +396,16 @@ def _durable_later(directory: str, path: str, fds: list[int], moved: bool) -> No
 
     def run() -> None:
         try:
+            _fsync_all(fds)
             with locked(directory):
-                try:
-                    ours = os.stat(path).st_ino == ino
-                except FileNotFoundError:
-                    ours = False
-                if not ours:  # replayed and removed by another writer: nothing left to do
-                    for fd in fds:
-                        os.close(fd)
-                    return
-                _durable(directory, path, fds, moved)
-        except FileNotFoundError as e:  # the directory was removed meanwhile
-            logger.info("%s: removed before its commit was made durable (%s)", path, e)
-            return
+                if os.stat(path).st_ino == ino:  # else another writer's journal by now
+                    _remove(directory, path, moved)
+                    _sweep(directory, background=True)
+        except FileNotFoundError as e:  # replayed and removed by another writer, or the
+            logger.info("%s: removed before this process could (%s)", path, e)  # directory
         except (OSError, CheckpointError) as e:  # the journal stays, to be replayed
             logger.error("%s: could not make the commit durable (%s); the journal is kept "
                          "and the next sync or recover replays it", path, e)
-            return
-        _sweep(directory, background=True)
 
     global _finisher
     _finisher = threading.Thread(target=run, name="hotweights-finish")
