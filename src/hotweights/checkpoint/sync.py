@@ -147,15 +147,14 @@ def _existing(model_dir: Path) -> Path:
 
 def _check(name: str, t: torch.Tensor, shard: Shard, info: TensorInfo,
            convert: bool) -> torch.Tensor:
+    where = f"{name} in {os.path.basename(shard.path)}"  # no Path per tensor
     if tuple(t.shape) != info.shape:
-        where = f"{name} in {Path(shard.path).name}"
         raise CheckpointError(f"{where}: the file holds shape {list(info.shape)}, the live "
                               f"tensor {list(t.shape)}; nothing was written")
     want = DTYPES.get(info.dtype)
     if want != t.dtype:
         if convert and want is not None:
             return t.detach().to(want).contiguous()
-        where = f"{name} in {Path(shard.path).name}"
         raise CheckpointError(f"{where}: the file holds {info.dtype}, the live tensor is "
                               f"{str(t.dtype).removeprefix('torch.')}; nothing was written "
                               "(convert_dtype=True, or --convert-dtype, casts it)")
