@@ -297,16 +297,21 @@ def compare_bytes(name: str, live: torch.Tensor, disk: object, *,
     if on_disk.size != (n := u8.numel()):
         raise FingerprintError(f"{name}: live tensor has {n} bytes, the file {on_disk.size}")
     step, dirty = max(1, _CHUNK // block_size) * block_size, np.zeros(-(-n // block_size), bool)
+    host = u8.numpy() if u8.device.type == "cpu" else None  # one view, not one per range
+    words = block_size // 8
     for lo, hi in [(0, n)] if ranges is None else ranges:
         if lo % block_size or not 0 <= lo <= hi <= n:
             raise FingerprintError(f"{name}: range [{lo}, {hi}) is not block-aligned within "
                                    f"its {n} bytes (block size {block_size})")
         for at in range(lo, hi, step):
-            a, b = u8[at:min(hi, at + step)].cpu().numpy(), on_disk[at:min(hi, at + step)]
-            w = a.size // 8 * 8  # compare uint64 words (unaligned views are fine), the < 8
-            neq = np.append(a[:w].view(np.uint64) != b[:w].view(np.uint64),  # bytes left as
-                            not np.array_equal(a[w:], b[w:]))                # one more word
-            first = at // block_size
-            dirty[first:first + -(-a.size // block_size)] = np.logical_or.reduceat(
-                neq, np.arange(0, a.size, block_size) // 8)
+            end = min(hi, at + step)
+            a = host[at:end] if host is not None else u8[at:end].cpu().numpy()
+            b, first, full = on_disk[at:end], at // block_size, (end - at) // block_size
+            if full:  # whole blocks as uint64 words (unaligned views are fine)
+                w = full * block_size
+                dirty[first:first + full] = (a[:w].view(np.uint64) != b[:w].view(np.uint64)
+                                             ).reshape(full, words).any(axis=1)
+            if end - at > full * block_size:  # the tensor's partial last block
+                dirty[first + full] = a[full * block_size:].tobytes() != \
+                    b[full * block_size:].tobytes()
     return _change(name, n, block_size, dirty)
