@@ -292,3 +292,24 @@ def test_read_only_directory_named(shards):
     finally:
         subprocess.run(["umount", str(d)], check=True)
     assert _state(d, old, new) == "old"
+
+
+def test_a_writer_applies_its_own_journal_without_reading_it_back(shards, monkeypatch):
+    d, _, old, new, spec = shards
+    _committed(d, old, spec, new)
+    read = []
+    monkeypatch.setattr(journal, "_scan", lambda p: read.append(p) or 1 / 0)
+    assert journal.apply(d, mine=True) and read == []
+    assert _state(d, old, new) == "new"
+
+
+def test_a_journal_replaced_since_it_was_written_is_read_back(shards):
+    d, _, old, new, spec = shards
+    path = _committed(d, old, spec, new)
+    other = path.with_name("other")  # a new file at the path: never trusted
+    other.write_bytes(path.read_bytes())
+    _corrupt_flip(other)
+    os.replace(other, path)
+    with pytest.raises(CheckpointError, match="corrupt journal"):
+        journal.apply(d, mine=True)
+    assert _state(d, old, new) == "old"

@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from hotweights.checkpoint import journal
 from hotweights.checkpoint.sync import sync
 from hotweights.errors import CheckpointError
 from hotweights.tiny import make_config
@@ -59,6 +60,7 @@ def test_only_the_changed_blocks_of_the_changed_shard_are_written(saved):
         assert (after[shard] == stat) == (shard != _shard_of(d, name)), shard
     reloaded = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16)
     assert torch.equal(reloaded.get_parameter(name), live[name])
+    journal.finish()  # the sidecars are written once the commit is durable, in a thread
     sidecar = json.loads((d / ".hotweights" / f"{_shard_of(d, name)}.blocks.json").read_text())
     assert sidecar["version"] == "1@s"
 
@@ -149,7 +151,6 @@ def _hold_the_finisher(monkeypatch, fail: bool = False):
 
 def test_sync_returns_once_the_files_hold_the_commit_and_a_thread_makes_it_durable(
         saved, monkeypatch):
-    from hotweights.checkpoint import journal
     d, live = saved
     sync(d, live)
     name = "model.layers.1.mlp.down_proj.weight"
@@ -169,7 +170,6 @@ def test_sync_returns_once_the_files_hold_the_commit_and_a_thread_makes_it_durab
 
 def test_a_commit_whose_fsync_fails_keeps_its_journal_for_the_next_sync(
         saved, monkeypatch, caplog):
-    from hotweights.checkpoint import journal
     d, live = saved
     sync(d, live)
     name = "model.layers.1.mlp.down_proj.weight"

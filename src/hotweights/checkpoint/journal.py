@@ -32,7 +32,7 @@ import signal
 import stat
 import struct
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
@@ -52,6 +52,7 @@ STAGE_DIR = ".hotweights-stage"  # complete files waiting for their move record
 TRASH_DIR = ".hotweights-trash"  # files replaced by a move, freed after the commit
 _sweeper: threading.Thread | None = None  # the thread freeing the last commit's trash
 _finisher: threading.Thread | None = None  # the thread making the last commit durable
+_written: tuple | None = None  # (path, stat, records) of the journal this process committed
 _MAGIC = b"HWJRNL\r\n"
 _FORMAT = 1
 _HEAD = struct.Struct("<8sII")
@@ -157,6 +158,8 @@ def write_journal(directory: str | os.PathLike, patches: Iterable[tuple[str, int
         CheckpointError: a bad name, a missing target, a patch outside its file, too
             little free space, an unwritable directory, or a committed journal pending.
     """
+    global _written
+    _written = None
     directory = os.fspath(directory)
     journal, tmp = os.path.join(directory, JOURNAL_NAME), os.path.join(directory, _TMP_NAME)
     if os.path.exists(journal):
@@ -174,7 +177,7 @@ def write_journal(directory: str | os.PathLike, patches: Iterable[tuple[str, int
         if need > free:
             raise CheckpointError(f"{directory}: the journal needs {need} bytes, "
                                   f"only {free} are free")
-    written = 0
+    written, records = 0, []  # records as `_scan` reads them back, for `apply`
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     except OSError as e:
@@ -182,16 +185,20 @@ def write_journal(directory: str | os.PathLike, patches: Iterable[tuple[str, int
     try:
         hasher = xxhash.xxh3_64()
         _write_all(fd, _HEAD.pack(_MAGIC, _FORMAT, len(head)) + head, hasher)
-        count = 0
-        for raw in moved:
+        pos = _HEAD.size + len(head)
+        for name, raw in zip(moves, moved):
             _write_all(fd, _REC.pack(b"M", len(raw), 0, 0) + raw, hasher)
-            count += 1
+            pos += _REC.size + len(raw)
+            records.append((b"M", name, 0, 0, pos))
         buf = bytearray()  # small records gather here: one write per _CHUNK, not two each
         for name, offset, data in patches:
             raw, view = _validate(directory, name, offset, data, sizes)
             written += _REC.size + len(raw) + view.nbytes
             buf += _REC.pack(b"R", len(raw), offset, view.nbytes) + raw
-            _crash_point("record", count)
+            pos += _REC.size + len(raw)
+            records.append((b"R", name, offset, view.nbytes, pos))
+            pos += view.nbytes
+            _crash_point("record", len(records) - 1)
             if len(buf) + view.nbytes > _CHUNK:
                 _write_all(fd, buf, hasher)
                 buf.clear()
@@ -199,9 +206,8 @@ def write_journal(directory: str | os.PathLike, patches: Iterable[tuple[str, int
                 _write_all(fd, view, hasher)
             else:
                 buf += view
-            count += 1
         _write_all(fd, buf, hasher)
-        _write_all(fd, _COMMIT.pack(b"C", count, hasher.intdigest()), xxhash.xxh3_64())
+        _write_all(fd, _COMMIT.pack(b"C", len(records), hasher.intdigest()), xxhash.xxh3_64())
         os.fsync(fd)
     except BaseException as e:  # a bad patch, a full disk, ^C: nothing stays behind
         os.close(fd)
@@ -217,8 +223,24 @@ def write_journal(directory: str | os.PathLike, patches: Iterable[tuple[str, int
     os.replace(tmp, journal)
     _crash_point("after-rename")
     _fsync_dir(directory)
-    logger.info("%s: journal committed, %d patches", journal, count)
+    _written = (journal, _identity(journal), records)
+    logger.info("%s: journal committed, %d records", journal, len(records))
     return journal
+
+
+def _identity(path: str) -> tuple[int, int, int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _records(path: str, mine: bool) -> list[tuple[bytes, str, int, int, int]]:
+    """The journal's records: if `mine`, as this process wrote them (if it is still that
+    file: no re-read), else read back and verified by `_scan`."""
+    global _written
+    written, _written = _written, None
+    if mine and written is not None and written[:2] == (path, _identity(path)):
+        return written[2]
+    return _scan(path)[1]
 
 
 def _read_exact(f: Any, n: int) -> bytes:
@@ -388,10 +410,11 @@ def _durable(directory: str, path: str, fds: list[int], moved: bool) -> None:
     _remove(directory, path, moved)
 
 
-def _durable_later(directory: str, path: str, fds: list[int], moved: bool) -> None:
-    """`_durable` in this process's finisher thread, after which the trash is swept. The
-    journal is removed under the writer lock, and only if it is still this one (a writer
-    in another process may have replayed it and committed its own since)."""
+def _durable_later(directory: str, path: str, fds: list[int], moved: bool,
+                   then: Callable[[], None] | None) -> None:
+    """`_durable` in this process's finisher thread, then `then`, after which the trash is
+    swept. The journal is removed under the writer lock, and only if it is still this one
+    (a writer in another process may have replayed it and committed its own since)."""
     ino = os.stat(path).st_ino
 
     def run() -> None:
@@ -400,6 +423,8 @@ def _durable_later(directory: str, path: str, fds: list[int], moved: bool) -> No
             with locked(directory):
                 if os.stat(path).st_ino == ino:  # else another writer's journal by now
                     _remove(directory, path, moved)
+                    if then:
+                        then()
                     _sweep(directory, background=True)
         except FileNotFoundError as e:  # replayed and removed by another writer, or the
             logger.info("%s: removed before this process could (%s)", path, e)  # directory
@@ -421,7 +446,8 @@ def finish() -> None:
         t.join()
 
 
-def apply(directory: str | os.PathLike, *, wait: bool = True) -> bool:
+def apply(directory: str | os.PathLike, *, wait: bool = True,
+          then: Callable[[], None] | None = None, mine: bool = False) -> bool:
     """Replay the committed journal of `directory` into its files, then remove it.
 
     Args:
@@ -430,6 +456,10 @@ def apply(directory: str | os.PathLike, *, wait: bool = True) -> bool:
             the files hold the commit (a reader sees it) and leave the fsyncs and the
             removal to a thread (`finish` waits for it); a crash before they are done
             leaves the committed journal, which `recover` replays.
+        then: called once the commit is durable and the journal removed, under the
+            writer lock (in the thread if not `wait`); e.g. to record what the files hold.
+        mine: the journal is the one this process's last `write_journal` committed, under
+            the writer lock held since: its records are taken as written, not read back.
 
     Returns:
         True if a journal was replayed, False if there was none.
@@ -442,15 +472,17 @@ def apply(directory: str | os.PathLike, *, wait: bool = True) -> bool:
     if not os.path.exists(path):
         return False
     try:
-        _, records = _scan(path)
+        records = _records(path, mine)
     except _Corrupt as e:
         raise CheckpointError(f"{path}: corrupt journal: {e}; recover() discards it") from None
     fds, moved = _replay(directory, path, records)
     if wait:
         _durable(directory, path, fds, moved)
+        if then:
+            then()
         _sweep(directory, background=True)
     else:
-        _durable_later(directory, path, fds, moved)
+        _durable_later(directory, path, fds, moved, then)
     logger.info("%s: journal applied, %d records", path, len(records))
     return True
 

@@ -116,12 +116,13 @@ def staging(model_dir: Path, what: str) -> Iterator[Path]:
         raise
 
 
-def commit(model_dir: Path, after_read: Callable[[], None] | None) -> None:
+def commit(model_dir: Path, after_read: Callable[[], None] | None,
+           then: Callable[[], None] | None = None) -> None:
     """Tell the caller every live byte is read, then apply the committed journal (its
-    fsyncs and removal finish in a thread: `journal.finish`)."""
+    fsyncs and removal, then `then`, finish in a thread: `journal.finish`)."""
     if after_read:
         after_read()
-    journal.apply(model_dir, wait=False)
+    journal.apply(model_dir, wait=False, then=then, mine=True)
     shutil.rmtree(model_dir / journal.STAGE_DIR, ignore_errors=True)  # empty by now
 
 

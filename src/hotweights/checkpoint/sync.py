@@ -21,6 +21,7 @@ full save (`checkpoint.first_save`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import mmap
 import os
@@ -122,9 +123,8 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
                     p.ranges = _compare_file(p, p.ranges)
         changed = [p for p in plans if p.ranges]
         _check_space(model_dir, changed)
-        written = _write(model_dir, changed, version, progress, after_read)
-        for p in plans:  # after the data: a stale sidecar is only ever distrusted
-            sidecar.write(read_shard(p.shard.path) if p.ranges else p.shard, p.fresh, version)
+        record = functools.partial(_record, plans, version)
+        written = _write(model_dir, changed, version, progress, after_read, record)
     return SyncResult(
         mode=mode, version=version, tensors_synced=len(matched),
         tensors_changed=len({n for p in changed for n, _, _ in p.ranges}),
@@ -219,9 +219,21 @@ def _check_space(model_dir: Path, changed: list[_Plan]) -> None:
                               f"and staged shards, only {free} are free; nothing was written")
 
 
+def _record(plans: list[_Plan], version: str | None) -> None:
+    """Write every shard's sidecar, after its data (a stale sidecar is only ever
+    distrusted); a sidecar that cannot be written only costs the next sync a compare."""
+    for p in plans:
+        try:
+            sidecar.write(read_shard(p.shard.path) if p.ranges else p.shard, p.fresh, version)
+        except (OSError, CheckpointError) as e:
+            logger.warning("%s: sidecar not written (%s); the next sync compares the shard "
+                           "with the live weights", p.shard.path, e)
+
+
 def _write(model_dir: Path, changed: list[_Plan], version: str | None, progress: Progress,
-           after_read: Callable[[], None] | None) -> int:
-    """Stage or journal every changed shard, then commit and apply them together."""
+           after_read: Callable[[], None] | None, record: Callable[[], None]) -> int:
+    """Stage or journal every changed shard, then commit and apply them together; `record`
+    runs once the commit is durable (in the finisher thread, `journal.finish`)."""
     total = sum(p.shard.size if p.how == "whole" else p.changed_bytes for p in changed)
     done, lock = 0, threading.Lock()
 
@@ -245,9 +257,11 @@ def _write(model_dir: Path, changed: list[_Plan], version: str | None, progress:
             journal.write_journal(model_dir, _patches(changed, step),
                                   moves=[p.name for p in staged], meta={"version": version})
     if changed:
-        stage.commit(model_dir, after_read)
-    elif after_read:
-        after_read()
+        stage.commit(model_dir, after_read, record)
+    else:
+        if after_read:
+            after_read()
+        record()
     return written + sum(p.changed_bytes for p in changed if p.how == "journal")
 
 
