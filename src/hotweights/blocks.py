@@ -186,9 +186,10 @@ def fingerprint(tensors: Mapping[str, torch.Tensor], *,
                                    f"{flat[off].device}; use kind={TORCH!r}")
         h, bs = xxhash.xxh3_64_intdigest, block_size  # one C call per block (no batch API)
         views = {n: memoryview(u8.numpy()) for n, u8 in flat.items()}
-        return Fingerprints(kind, bs, {n: (len(mv), np.fromiter(
-            (h(mv[o:o + bs]) for o in range(0, len(mv), bs)), np.uint64, count=-(-len(mv) // bs)))
-            for n, mv in views.items()})
+        return Fingerprints(kind, bs, {n: (len(mv), np.fromiter(  # map: no Python frame
+            map(h, map(mv.__getitem__, map(slice, range(0, len(mv), bs),  # per block
+                                           range(bs, len(mv) + bs, bs)))),
+            np.uint64, count=-(-len(mv) // bs))) for n, mv in views.items()})
     per = [_torch_blocks(u8, block_size) for u8 in flat.values()]
     both = torch.cat([h.to(per[0].device) for h in per]).cpu()  # one copy, not one per tensor
     parts = np.split(both.numpy().view(np.uint64), np.cumsum([h.numel() for h in per])[:-1])

@@ -107,7 +107,7 @@ def _target_size(directory: str, name: str, sizes: dict[str, int]) -> int:
 
 def _validate(directory: str, name: str, offset: int, data: Any,
               sizes: dict[str, int]) -> tuple[bytes, memoryview]:
-    raw = _check_name(name)
+    raw = name.encode() if name in sizes else _check_name(name)  # once per file
     view = memoryview(data).cast("B")
     size = _target_size(directory, name, sizes)
     if size < 0:

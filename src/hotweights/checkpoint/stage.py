@@ -74,6 +74,24 @@ def host_chunks(u8: torch.Tensor) -> Iterator[memoryview]:
         yield memoryview(u8[lo:lo + _CHUNK].cpu().numpy())
 
 
+def range_chunks(tensors: Mapping[str, torch.Tensor], ranges: Sequence[tuple[str, int, int]]
+                 ) -> Iterator[tuple[str, int, memoryview]]:
+    """(tensor, byte offset in it, host bytes) covering each (tensor, lo, hi) of `ranges`:
+    a CPU tensor is viewed once for all its ranges (no copy), any other copied to the host
+    a chunk at a time."""
+    now = view = u8 = None
+    for name, lo, hi in ranges:
+        if name != now:
+            now, u8 = name, raw(tensors[name])
+            view = memoryview(u8.numpy()) if u8.device.type == "cpu" else None
+        if view is not None:
+            yield name, lo, view[lo:hi]
+            continue
+        for chunk in host_chunks(u8[lo:hi]):
+            yield name, lo, chunk
+            lo += chunk.nbytes
+
+
 def _write(fd: int, data: memoryview, offset: int | None = None,
            behind: _Behind | None = None) -> None:
     step = _CHUNK if behind is None else _BEHIND
@@ -162,13 +180,10 @@ def patched(shard: Shard, tensors: Mapping[str, torch.Tensor],
     fd, written = os.open(dst, os.O_WRONLY), 0
     try:
         os.fchmod(fd, os.stat(shard.path).st_mode & 0o7777)
-        for name, lo, hi in ranges:
-            offset = shard.tensors[name].begin + lo
-            for chunk in host_chunks(raw(tensors[name])[lo:hi]):
-                _write(fd, chunk, offset)
-                offset += chunk.nbytes
-            written += hi - lo
-            progress(hi - lo)
+        for name, lo, chunk in range_chunks(tensors, ranges):
+            _write(fd, chunk, shard.tensors[name].begin + lo)
+            written += chunk.nbytes
+            progress(chunk.nbytes)
         os.fsync(fd)
     finally:
         os.close(fd)

@@ -293,10 +293,7 @@ def _patches(changed: list[_Plan], step: Callable[[int], None]
     for p in changed:
         if p.how != "journal":
             continue
-        shard = p.name
-        for name, lo, hi in p.ranges:
-            offset = p.shard.tensors[name].begin + lo
-            for chunk in stage.host_chunks(stage.raw(p.tensors[name])[lo:hi]):
-                yield shard, offset, chunk
-                offset += chunk.nbytes
-            step(hi - lo)
+        shard, where = p.name, p.shard.tensors
+        for name, lo, chunk in stage.range_chunks(p.tensors, p.ranges):
+            yield shard, where[name].begin + lo, chunk
+            step(chunk.nbytes)
