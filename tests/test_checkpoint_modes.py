@@ -200,24 +200,40 @@ def test_two_writers_take_turns(tmp_path):
     assert os.listdir(d).count(journal.STAGE_DIR) == 0
 
 
-def test_a_whole_rewrite_starts_the_disk_writing_behind_it(tmp_path, monkeypatch):
-    """stage.whole asks the kernel to write each 8 MiB it wrote (no wait), in order and
-    without gaps, so its fsync has little left; the shard is the same bytes either way."""
+def _takes_o_direct(d) -> bool:
+    try:
+        os.close(os.open(d / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT))
+        return True
+    except OSError:
+        return False
+    finally:
+        (d / "probe").unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_whole_rewrite_is_the_same_bytes_direct_or_buffered(tmp_path, monkeypatch, direct):
+    """stage.whole writes through O_DIRECT where the filesystem takes it (here: several
+    buffers, the last one padded and the file truncated back), else buffered; a tensor with
+    no live source is copied from the old file."""
     from hotweights.checkpoint import stage
     from hotweights.checkpoint.shards import read_shard
-    calls = []
-    monkeypatch.setattr(stage, "_SYNC_FILE_RANGE", lambda *a: calls.append(a) or 0)
-    monkeypatch.setattr(stage, "_BEHIND", 1 << 20)
-    live = {"a": torch.arange(3 << 18, dtype=torch.float32), "b": torch.ones(5, 7)}
+    monkeypatch.setattr(stage, "_DIRECT_BUFFER", 1 << 16)
+    monkeypatch.setattr(stage, "DIRECT", direct)
+    sinks, real = [], stage._sink
+    monkeypatch.setattr(stage, "_sink", lambda fd: sinks.append(real(fd)) or sinks[-1])
+    live = {"a": torch.arange(3 << 15, dtype=torch.float32), "b": torch.ones(5, 7),
+            "c": torch.arange(1001, dtype=torch.int16)}
     d = tmp_path / "m"
     sync(d, {n: torch.zeros_like(t) for n, t in live.items()})
     shard = read_shard(d / "model.safetensors")
-    written = stage.whole(shard, live, tmp_path / "new", lambda n: None)
-    got = load_file(tmp_path / "new")
-    assert all(torch.equal(got[n], t) for n, t in live.items()) and written == shard.size
-    assert calls[0][1] == 0 and all(flag == 2 and n >= 1 << 20 for _, _, n, flag in calls)
-    assert all(a[1] + a[2] == b[1] for a, b in zip(calls, calls[1:], strict=False))  # no gap
-    assert shard.size - (calls[-1][1] + calls[-1][2]) < 1 << 20  # the fsync does the rest
-    monkeypatch.setattr(stage, "_SYNC_FILE_RANGE", None)  # no such call here: still writes
-    stage.whole(shard, live, tmp_path / "plain", lambda n: None)
-    assert (tmp_path / "plain").read_bytes() == (tmp_path / "new").read_bytes()
+    assert shard.size % 4096
+    new = tmp_path / "new"
+    written = stage.whole(shard, {n: live[n] for n in ("a", "c")}, new, lambda n: None)
+    got = load_file(new)
+    assert written == shard.size == new.stat().st_size
+    assert torch.equal(got["a"], live["a"]) and torch.equal(got["c"], live["c"])
+    assert torch.equal(got["b"], torch.zeros(5, 7))  # from the old file
+    assert new.read_bytes()[:shard.data_start] == (d / "model.safetensors").read_bytes()[
+        :shard.data_start]
+    want = "_Direct" if direct and _takes_o_direct(tmp_path) else "_Buffered"
+    assert [type(s).__name__ for s in sinks] == [want]
