@@ -349,10 +349,9 @@ def _replay(directory: str, path: str, records: list) -> tuple[list[int], bool]:
     sizes: dict[str, int] = {}
     moves = [name for tag, name, *_ in records if tag == b"M"]
     patches = [r[1:] for r in records if r[0] == b"R"]
-    for name in moves:
+    for name in {*moves, *(r[0] for r in patches)}:
         _check_name(name)
     for name, offset, length, _ in patches:  # a committed journal may still be stale
-        _check_name(name)
         if offset + length > _target_size(directory, name, sizes):
             raise CheckpointError(f"{os.path.join(directory, name)}: journal {path} patches "
                                   f"offset {offset} beyond the file's end; the file changed "
