@@ -88,6 +88,23 @@ def test_a_shard_changed_behind_the_sidecar_is_compared_with_the_file(saved):
     assert torch.equal(_disk(d)[name], live[name])
 
 
+def test_a_sidecar_of_the_other_hash_kind_is_compared_with_the_file(saved, monkeypatch):
+    """Fingerprints of CUDA tensors (the torch hash) and of CPU ones (xxh3) never meet: a
+    trainer that syncs from the GPU after a CPU sync gets a compare, not an error."""
+    from hotweights import blocks
+    d, live = saved
+    cpu_kind = blocks.fingerprint
+    monkeypatch.setattr(blocks, "fingerprint",
+                        lambda t, **kw: cpu_kind(t, **kw, kind=blocks.TORCH))  # as on CUDA
+    sync(d, live)
+    monkeypatch.setattr(blocks, "fingerprint", cpu_kind)
+    name = "model.norm.weight"
+    live[name] += 1
+    result = sync(d, live)
+    assert result.bytes_compared > 0 and torch.equal(_disk(d)[name], live[name])
+    assert sync(d, live).bytes_compared == 0  # the fresh sidecars are xxh3's
+
+
 def test_a_corrupt_sidecar_is_never_trusted(saved):
     d, live = saved
     sync(d, live)

@@ -45,21 +45,26 @@ def state(shard: Shard) -> tuple[str, dict | None]:
         return "corrupt", None
 
 
-def load(shard: Shard, block_size: int) -> blocks.Fingerprints | None:
-    """The shard's recorded fingerprints, or None if missing, corrupt, stale or of
-    another block size."""
+def load(shard: Shard, block_size: int, kind: str) -> blocks.Fingerprints | None:
+    """The shard's recorded fingerprints, or None if missing, corrupt, stale, or of
+    another block size or hash kind (CUDA tensors are hashed with torch, CPU ones with
+    xxh3: the two never compare)."""
     path = path_of(shard.path)
-    kind, doc = state(shard)
-    if kind != "fresh":
-        if kind != "missing":
-            logger.warning("%s: %s sidecar; comparing with the file", path, kind)
+    how, doc = state(shard)
+    if how != "fresh":
+        if how != "missing":
+            logger.warning("%s: %s sidecar; comparing with the file", path, how)
         return None
     try:
         fp = blocks.Fingerprints.from_dict(doc["fingerprints"], source=str(path))
     except (KeyError, HotweightsError) as e:
         logger.warning("%s: unreadable sidecar (%s); comparing with the file", path, e)
         return None
-    return fp if fp.block_size == block_size else None
+    if (fp.block_size, fp.kind) != (block_size, kind):
+        logger.info("%s: fingerprints of %s at %d-byte blocks, this sync takes %s at %d; "
+                    "comparing with the file", path, fp.kind, fp.block_size, kind, block_size)
+        return None
+    return fp
 
 
 def write(shard: Shard, fp: blocks.Fingerprints, version: str | None) -> None:

@@ -189,7 +189,7 @@ def _plan(matched, disk, block_size: int, progress: Progress) -> tuple[list[_Pla
     for p in by_shard.values():
         nbytes = sum(t.numel() * t.element_size() for t in p.tensors.values())
         p.fresh = blocks.fingerprint(p.tensors, block_size=block_size)
-        old = sidecar.load(p.shard, block_size)
+        old = sidecar.load(p.shard, block_size, p.fresh.kind)
         if old is not None and set(old.tensors) >= set(p.tensors):
             diff = blocks.changed(_subset(old, p.tensors), p.fresh)
             p.ranges = [(n, int(lo), int(hi)) for n, c in diff.tensors.items()
