@@ -272,28 +272,3 @@ def test_compare_bytes_errors():
 def test_compare_bytes_zero_elements():
     tc = compare_bytes("e", torch.zeros(0), b"", block_size=BS)
     assert tc.blocks == 0 and tc.ranges.shape == (0, 2)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_fingerprints_match_the_cpu_torch_path():
-    # The torch hash is device-independent (wrap-around sums): CUDA and CPU must agree.
-    g = torch.Generator().manual_seed(2)
-    cpu = {"a": torch.randn(100_003, generator=g).to(torch.bfloat16),
-           "b": torch.randint(0, 9, (4097,), generator=g, dtype=torch.int32),
-           "e": torch.zeros(0), "v": torch.randn(1001, generator=g).to(torch.bfloat16)[1:]}
-    cuda = {n: t.cuda() for n, t in cpu.items()}
-    for bs in (BS, blocks.DEFAULT_BLOCK_SIZE):
-        on_gpu, on_cpu = fingerprint(cuda, block_size=bs), fingerprint(cpu, block_size=bs,
-                                                                       kind=TORCH)
-        assert on_gpu.kind == TORCH
-        for n in cpu:
-            assert np.array_equal(on_gpu.tensors[n][1], on_cpu.tensors[n][1]), (n, bs)
-    new = {n: t.clone() for n, t in cuda.items()}
-    _u8(new["a"])[70_000] ^= 1
-    c = changed(fingerprint(cuda, block_size=BS), fingerprint(new, block_size=BS))
-    assert c.tensors["a"].ranges.tolist() == [[69_952, 70_016]] and c.bytes_changed == BS
-    assert compare_bytes("a", new["a"], _u8(cpu["a"]).numpy(), block_size=BS
-                         ).ranges.tolist() == [[69_952, 70_016]]
-    with pytest.raises(FingerprintError, match="a: xxh3_64 needs a CPU tensor"):
-        fingerprint(cuda, kind=XXH3)

@@ -186,7 +186,7 @@ def write_journal(directory: str | os.PathLike, patches: Iterable[tuple[str, int
         hasher = xxhash.xxh3_64()
         _write_all(fd, _HEAD.pack(_MAGIC, _FORMAT, len(head)) + head, hasher)
         pos = _HEAD.size + len(head)
-        for name, raw in zip(moves, moved):
+        for name, raw in zip(moves, moved, strict=True):
             _write_all(fd, _REC.pack(b"M", len(raw), 0, 0) + raw, hasher)
             pos += _REC.size + len(raw)
             records.append((b"M", name, 0, 0, pos))

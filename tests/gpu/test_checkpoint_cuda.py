@@ -1,0 +1,70 @@
+"""CUDA change detection and checkpoints: fingerprints computed on the device (only the
+hashes cross to the host), and a sync of CUDA tensors (journal and whole-shard writes)."""
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hotweights import blocks
+from hotweights.blocks import TORCH, XXH3, changed, compare_bytes, fingerprint
+from hotweights.checkpoint import journal
+from hotweights.checkpoint.sync import sync
+from hotweights.errors import FingerprintError
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+BS = 64  # small blocks keep every case tiny
+
+
+def _u8(t: torch.Tensor) -> torch.Tensor:
+    return t.view(-1).view(torch.uint8)
+
+
+def test_cuda_fingerprints_match_the_cpu_torch_path():
+    # The torch hash is device-independent (wrap-around sums): CUDA and CPU must agree.
+    g = torch.Generator().manual_seed(2)
+    cpu = {"a": torch.randn(100_003, generator=g).to(torch.bfloat16),
+           "b": torch.randint(0, 9, (4097,), generator=g, dtype=torch.int32),
+           "e": torch.zeros(0), "v": torch.randn(1001, generator=g).to(torch.bfloat16)[1:]}
+    cuda = {n: t.cuda() for n, t in cpu.items()}
+    for bs in (BS, blocks.DEFAULT_BLOCK_SIZE):
+        on_gpu, on_cpu = fingerprint(cuda, block_size=bs), fingerprint(cpu, block_size=bs,
+                                                                       kind=TORCH)
+        assert on_gpu.kind == TORCH
+        for n in cpu:
+            assert np.array_equal(on_gpu.tensors[n][1], on_cpu.tensors[n][1]), (n, bs)
+    new = {n: t.clone() for n, t in cuda.items()}
+    _u8(new["a"])[70_000] ^= 1
+    c = changed(fingerprint(cuda, block_size=BS), fingerprint(new, block_size=BS))
+    assert c.tensors["a"].ranges.tolist() == [[69_952, 70_016]] and c.bytes_changed == BS
+    assert compare_bytes("a", new["a"], _u8(cpu["a"]).numpy(), block_size=BS
+                         ).ranges.tolist() == [[69_952, 70_016]]
+    with pytest.raises(FingerprintError, match="a: xxh3_64 needs a CPU tensor"):
+        fingerprint(cuda, kind=XXH3)
+
+
+@pytest.mark.parametrize("mode", ["journal", "copy"])
+def test_a_sync_of_cuda_tensors_writes_what_changed(tmp_path, mode):
+    g = torch.Generator().manual_seed(3)
+    live = {"model.embed_tokens.weight": torch.randn(512, 64, generator=g),
+            "model.norm.weight": torch.randn(64, generator=g),
+            "lm_head.weight": torch.randn(512, 64, generator=g)}
+    live = {n: t.to(torch.bfloat16).cuda() for n, t in live.items()}
+    first = sync(tmp_path, live, max_shard_size="100KB")
+    assert first.first_save and len(list(tmp_path.glob("*.safetensors"))) > 1
+    assert sync(tmp_path, live).bytes_compared == 0  # the sidecars hold torch fingerprints
+    live["lm_head.weight"][7] += 1.0
+    result = sync(tmp_path, live, mode=mode)
+    journal.finish()
+    assert result.tensors_changed == 1 and result.bytes_compared == 0
+    if mode == "journal":
+        assert 0 < result.bytes_written <= blocks.DEFAULT_BLOCK_SIZE
+    disk = {}
+    for shard in tmp_path.glob("*.safetensors"):
+        disk.update(load_file(shard))
+    for n, t in live.items():
+        assert torch.equal(disk[n].view(torch.int16), t.cpu().view(torch.int16)), n
