@@ -237,3 +237,33 @@ def test_a_whole_rewrite_is_the_same_bytes_direct_or_buffered(tmp_path, monkeypa
         :shard.data_start]
     want = "_Direct" if direct and _takes_o_direct(tmp_path) else "_Buffered"
     assert [type(s).__name__ for s in sinks] == [want]
+
+
+def test_a_direct_write_the_device_refuses_goes_on_buffered(tmp_path, monkeypatch):
+    """A device that wants a larger O_DIRECT alignment than 4 KiB refuses the write
+    (EINVAL): the rest of the shard is written buffered, the same bytes."""
+    import errno
+
+    from hotweights.checkpoint import stage
+    from hotweights.checkpoint.shards import read_shard
+    if not _takes_o_direct(tmp_path):
+        pytest.skip(f"{tmp_path}: this filesystem refuses O_DIRECT")
+    live = {"a": torch.arange(3 << 15, dtype=torch.float32), "b": torch.ones(5, 7)}
+    d = tmp_path / "m"
+    sync(d, {n: torch.zeros_like(t) for n, t in live.items()})
+    shard = read_shard(d / "model.safetensors")
+    monkeypatch.setattr(stage, "_DIRECT_BUFFER", 1 << 16)
+    write, refused = os.write, []
+
+    def refuse_once(fd, data):
+        if not refused:
+            refused.append(fd)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return write(fd, data)
+    monkeypatch.setattr(stage.os, "write", refuse_once)
+    new = tmp_path / "new"
+    stage.whole(shard, live, new, lambda n: None)
+    monkeypatch.undo()
+    got = load_file(new)
+    assert refused and all(torch.equal(got[n], t) for n, t in live.items())
+    assert new.stat().st_size == shard.size

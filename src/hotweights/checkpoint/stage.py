@@ -10,6 +10,7 @@ stays untouched (a reader sees it whole) until the journal's move record replace
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import mmap
@@ -67,7 +68,12 @@ class _Direct:
     def _flush(self, n: int) -> None:
         data = self.view[:n]
         while data.nbytes:
-            data = data[os.write(self.fd, data):]
+            try:
+                data = data[os.write(self.fd, data):]
+            except OSError as e:  # EINVAL: the device wants a larger alignment
+                if e.errno != errno.EINVAL or not _direct(self.fd, False):
+                    raise
+                logger.debug("O_DIRECT write refused (%s): buffered from here on", e)
         self.fill = 0
 
     def end(self) -> None:
@@ -103,11 +109,21 @@ class _Buffered:
         pass
 
 
+def _direct(fd: int, on: bool) -> bool:
+    """Turn O_DIRECT on or off for `fd`; False if it was already so."""
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    want = flags | os.O_DIRECT if on else flags & ~os.O_DIRECT
+    if want == flags:
+        return False
+    fcntl.fcntl(fd, fcntl.F_SETFL, want)
+    return True
+
+
 def _sink(fd: int) -> _Direct | _Buffered:
     """An O_DIRECT writer on `fd` if the filesystem takes it (and `DIRECT`), else buffered."""
     if DIRECT:
         try:
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+            _direct(fd, True)
             return _Direct(fd)
         except OSError as e:  # EINVAL: no direct I/O on this filesystem
             logger.debug("no O_DIRECT (%s): buffered writes", e)
