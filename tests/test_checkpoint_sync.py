@@ -105,9 +105,27 @@ def test_a_sidecar_of_the_other_hash_kind_is_compared_with_the_file(saved, monke
     assert sync(d, live).bytes_compared == 0  # the fresh sidecars are xxh3's
 
 
+def test_a_sidecar_this_process_wrote_is_not_parsed_again(saved, monkeypatch):
+    from hotweights import blocks
+    d, live = saved
+    sync(d, live)
+    journal.finish()
+    parsed, from_dict = [], blocks.Fingerprints.from_dict
+    monkeypatch.setattr(blocks.Fingerprints, "from_dict",
+                        lambda doc, **kw: parsed.append(kw) or from_dict(doc, **kw))
+    assert sync(d, live).bytes_compared == 0 and parsed == []
+    journal.finish()
+    one = next((d / ".hotweights").glob("*.json"))
+    copy = one.with_suffix(".copy")
+    copy.write_bytes(one.read_bytes())
+    copy.replace(one)  # the same content, another file: read as any other program's
+    assert sync(d, live).bytes_compared == 0 and len(parsed) == 1
+
+
 def test_a_corrupt_sidecar_is_never_trusted(saved):
     d, live = saved
     sync(d, live)
+    journal.finish()  # the sidecars are written in a thread
     for sidecar in (d / ".hotweights").glob("*.json"):
         sidecar.write_text("{not json")
     name = "model.norm.weight"

@@ -41,8 +41,8 @@ import xxhash
 
 from hotweights.errors import CheckpointError
 
-__all__ = ["JOURNAL_NAME", "STAGE_DIR", "TRASH_DIR", "apply", "finish", "locked", "pending",
-           "recover", "write_journal"]
+__all__ = ["JOURNAL_NAME", "STAGE_DIR", "TRASH_DIR", "apply", "finish", "later", "locked",
+           "pending", "recover", "write_journal"]
 
 logger = logging.getLogger(__name__)
 
@@ -432,6 +432,22 @@ def _durable_later(directory: str, path: str, fds: list[int], moved: bool,
                          "and the next sync or recover replays it", path, e)
 
     global _finisher
+    _finisher = threading.Thread(target=run, name="hotweights-finish")
+    _finisher.start()
+
+
+def later(directory: str | os.PathLike, fn: Callable[[], None]) -> None:
+    """Run `fn` in this process's finisher thread, under the writer lock of `directory`
+    (taken once the caller, which holds it, lets go); `finish` waits for it."""
+    def run() -> None:
+        try:
+            with locked(directory):
+                fn()
+        except (OSError, CheckpointError) as e:  # e.g. the directory removed meanwhile
+            logger.info("%s: %s not run (%s)", directory, getattr(fn, "__name__", fn), e)
+
+    global _finisher
+    finish()
     _finisher = threading.Thread(target=run, name="hotweights-finish")
     _finisher.start()
 

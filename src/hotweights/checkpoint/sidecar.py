@@ -20,6 +20,9 @@ logger = logging.getLogger(__name__)
 
 FORMAT = 1
 DIR = ".hotweights"
+# path -> (the sidecar file's identity, its shard stat, its fingerprints), as this process
+# last wrote it: while the file is still that one, `load` takes them without parsing it.
+_written: dict[str, tuple[tuple, dict, blocks.Fingerprints]] = {}
 
 
 def path_of(shard_path: str | os.PathLike) -> Path:
@@ -50,16 +53,23 @@ def load(shard: Shard, block_size: int, kind: str) -> blocks.Fingerprints | None
     another block size or hash kind (CUDA tensors are hashed with torch, CPU ones with
     xxh3: the two never compare)."""
     path = path_of(shard.path)
-    how, doc = state(shard)
-    if how != "fresh":
-        if how != "missing":
-            logger.warning("%s: %s sidecar; comparing with the file", path, how)
-        return None
-    try:
-        fp = blocks.Fingerprints.from_dict(doc["fingerprints"], source=str(path))
-    except (KeyError, HotweightsError) as e:
-        logger.warning("%s: unreadable sidecar (%s); comparing with the file", path, e)
-        return None
+    mine = _written.get(str(path))
+    if mine is not None and mine[0] == _identity(path):  # as this process wrote it
+        if mine[1] != _stat(shard):
+            logger.warning("%s: stale sidecar; comparing with the file", path)
+            return None
+        fp = mine[2]
+    else:
+        how, doc = state(shard)
+        if how != "fresh":
+            if how != "missing":
+                logger.warning("%s: %s sidecar; comparing with the file", path, how)
+            return None
+        try:
+            fp = blocks.Fingerprints.from_dict(doc["fingerprints"], source=str(path))
+        except (KeyError, HotweightsError) as e:
+            logger.warning("%s: unreadable sidecar (%s); comparing with the file", path, e)
+            return None
     if (fp.block_size, fp.kind) != (block_size, kind):
         logger.info("%s: fingerprints of %s at %d-byte blocks, this sync takes %s at %d; "
                     "comparing with the file", path, fp.kind, fp.block_size, kind, block_size)
@@ -77,3 +87,12 @@ def write(shard: Shard, fp: blocks.Fingerprints, version: str | None) -> None:
     with open(tmp, "w") as f:
         f.write(json.dumps(doc))  # json.dump to a file would take the pure-Python encoder
     os.replace(tmp, path)
+    _written[str(path)] = (_identity(path), doc["shard"], fp)
+
+
+def _identity(path: Path) -> tuple | None:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns

@@ -233,7 +233,8 @@ def _record(plans: list[_Plan], version: str | None) -> None:
 def _write(model_dir: Path, changed: list[_Plan], version: str | None, progress: Progress,
            after_read: Callable[[], None] | None, record: Callable[[], None]) -> int:
     """Stage or journal every changed shard, then commit and apply them together; `record`
-    runs once the commit is durable (in the finisher thread, `journal.finish`)."""
+    runs once the commit is durable, or at once if nothing changed, in the finisher thread
+    (`journal.finish`)."""
     total = sum(p.shard.size if p.how == "whole" else p.changed_bytes for p in changed)
     done, lock = 0, threading.Lock()
 
@@ -261,7 +262,7 @@ def _write(model_dir: Path, changed: list[_Plan], version: str | None, progress:
     else:
         if after_read:
             after_read()
-        record()
+        journal.later(model_dir, record)
     return written + sum(p.changed_bytes for p in changed if p.how == "journal")
 
 
