@@ -51,7 +51,8 @@ _TMP_NAME = JOURNAL_NAME + ".tmp"
 STAGE_DIR = ".hotweights-stage"  # complete files waiting for their move record
 TRASH_DIR = ".hotweights-trash"  # files replaced by a move, freed after the commit
 _sweeper: threading.Thread | None = None  # the thread freeing the last commit's trash
-_finisher: threading.Thread | None = None  # the thread making the last commit durable
+_finisher: threading.Thread | None = None  # the last of this process's finisher threads
+_finishers_lock = threading.Lock()
 _written: tuple | None = None  # (path, stat, records) of the journal this process committed
 _MAGIC = b"HWJRNL\r\n"
 _FORMAT = 1
@@ -414,13 +415,13 @@ def _durable_later(directory: str, path: str, fds: list[int], moved: bool,
     """`_durable` in this process's finisher thread, then `then`, after which the trash is
     swept. The journal is removed under the writer lock, and only if it is still this one
     (a writer in another process may have replayed it and committed its own since)."""
-    ino = os.stat(path).st_ino
+    mine = _identity(path)
 
     def run() -> None:
         try:
             _fsync_all(fds)
-            with locked(directory):
-                if os.stat(path).st_ino == ino:  # else another writer's journal by now
+            with locked(directory, finish_first=False):
+                if _identity(path) == mine:  # else another writer's journal by now
                     _remove(directory, path, moved)
                     if then:
                         then()
@@ -431,9 +432,24 @@ def _durable_later(directory: str, path: str, fds: list[int], moved: bool,
             logger.error("%s: could not make the commit durable (%s); the journal is kept "
                          "and the next sync or recover replays it", path, e)
 
+    _start_finisher(run)
+
+
+def _start_finisher(run: Callable[[], None]) -> None:
+    """Run `run` in a new finisher thread, after the one before it (a writer in another
+    thread of this process may have started it): `finish` joins the last, so all."""
     global _finisher
-    _finisher = threading.Thread(target=run, name="hotweights-finish")
-    _finisher.start()
+    with _finishers_lock:  # writers of other directories may start theirs meanwhile
+        before = _finisher
+
+        def chained() -> None:
+            if before is not None:
+                before.join()
+            run()
+
+        t = threading.Thread(target=chained, name="hotweights-finish")
+        t.start()
+        _finisher = t  # started before `finish` can see it
 
 
 def later(directory: str | os.PathLike, fn: Callable[[], None]) -> None:
@@ -441,15 +457,12 @@ def later(directory: str | os.PathLike, fn: Callable[[], None]) -> None:
     (taken once the caller, which holds it, lets go); `finish` waits for it."""
     def run() -> None:
         try:
-            with locked(directory):
+            with locked(directory, finish_first=False):
                 fn()
         except (OSError, CheckpointError) as e:  # e.g. the directory removed meanwhile
             logger.info("%s: %s not run (%s)", directory, getattr(fn, "__name__", fn), e)
 
-    global _finisher
-    finish()
-    _finisher = threading.Thread(target=run, name="hotweights-finish")
-    _finisher.start()
+    _start_finisher(run)
 
 
 def finish() -> None:
@@ -503,10 +516,12 @@ def apply(directory: str | os.PathLike, *, wait: bool = True,
 
 
 @contextmanager
-def locked(directory: str | os.PathLike) -> Iterator[None]:
+def locked(directory: str | os.PathLike, *, finish_first: bool = True) -> Iterator[None]:
     """Hold the directory's writer lock (an flock on the directory itself); a second
-    writer, in this process or another, waits for the first."""
-    finish()  # this process's last commit first (its thread takes this lock too)
+    writer, in this process or another, waits for the first. `finish_first`: wait for this
+    process's finisher threads first (False: the caller is one of them)."""
+    if finish_first:  # this process's last commit first (its thread takes this lock too;
+        finish()      # a finisher thread itself never waits for the others: they chain)
     try:
         fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     except OSError as e:
