@@ -41,8 +41,8 @@ import xxhash
 
 from hotweights.errors import CheckpointError
 
-__all__ = ["JOURNAL_NAME", "STAGE_DIR", "TRASH_DIR", "apply", "finish", "later", "locked",
-           "pending", "recover", "write_journal"]
+__all__ = ["JOURNAL_NAME", "STAGE_DIR", "TRASH_DIR", "apply", "finish", "identity", "later",
+           "locked", "pending", "recover", "write_journal"]
 
 logger = logging.getLogger(__name__)
 
@@ -224,12 +224,13 @@ def write_journal(directory: str | os.PathLike, patches: Iterable[tuple[str, int
     os.replace(tmp, journal)
     _crash_point("after-rename")
     _fsync_dir(directory)
-    _written = (journal, _identity(journal), records)
+    _written = (journal, identity(journal), records)
     logger.info("%s: journal committed, %d records", journal, len(records))
     return journal
 
 
-def _identity(path: str) -> tuple[int, int, int, int]:
+def identity(path: str | os.PathLike) -> tuple[int, int, int, int]:
+    """A file's (device, inode, size, mtime): another file, or this one changed, differs."""
     st = os.stat(path)
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
@@ -239,7 +240,7 @@ def _records(path: str, mine: bool) -> list[tuple[bytes, str, int, int, int]]:
     file: no re-read), else read back and verified by `_scan`."""
     global _written
     written, _written = _written, None
-    if mine and written is not None and written[:2] == (path, _identity(path)):
+    if mine and written is not None and written[:2] == (path, identity(path)):
         return written[2]
     return _scan(path)[1]
 
@@ -415,13 +416,13 @@ def _durable_later(directory: str, path: str, fds: list[int], moved: bool,
     """`_durable` in this process's finisher thread, then `then`, after which the trash is
     swept. The journal is removed under the writer lock, and only if it is still this one
     (a writer in another process may have replayed it and committed its own since)."""
-    mine = _identity(path)
+    mine = identity(path)
 
     def run() -> None:
         try:
             _fsync_all(fds)
             with locked(directory, finish_first=False):
-                if _identity(path) == mine:  # else another writer's journal by now
+                if identity(path) == mine:  # else another writer's journal by now
                     _remove(directory, path, moved)
                     if then:
                         then()

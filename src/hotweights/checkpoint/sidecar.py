@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from hotweights import blocks
+from hotweights.checkpoint import journal
 from hotweights.checkpoint.shards import Shard
 from hotweights.errors import HotweightsError
 
@@ -54,7 +55,12 @@ def load(shard: Shard, block_size: int, kind: str) -> blocks.Fingerprints | None
     xxh3: the two never compare)."""
     path = path_of(shard.path)
     mine = _written.get(str(path))
-    if mine is not None and mine[0] == _identity(path):  # as this process wrote it
+    try:
+        if mine is not None and mine[0] != journal.identity(path):
+            mine = None  # not the file this process wrote
+    except FileNotFoundError:
+        mine = None  # gone: `state` says so below
+    if mine is not None:  # as this process wrote it
         if mine[1] != _stat(shard):
             logger.warning("%s: stale sidecar; comparing with the file", path)
             return None
@@ -87,12 +93,4 @@ def write(shard: Shard, fp: blocks.Fingerprints, version: str | None) -> None:
     with open(tmp, "w") as f:
         f.write(json.dumps(doc))  # json.dump to a file would take the pure-Python encoder
     os.replace(tmp, path)
-    _written[str(path)] = (_identity(path), doc["shard"], fp)
-
-
-def _identity(path: Path) -> tuple | None:
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return None
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+    _written[str(path)] = (journal.identity(path), doc["shard"], fp)
