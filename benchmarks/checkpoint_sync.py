@@ -6,6 +6,8 @@ its own copy of that directory:
 
 - hotweights: `sync(dir, live, mode=--mode)`, timed in its steady state: a warm-up sync of
   the unchanged model writes the sidecars first (timed apart, not in any scenario);
+- named: the same, told which tensors the scenario may have changed (`changed=`, as a
+  trainer passes the parameters its optimizer steps): only those are hashed;
 - seed: the seed algorithm, reimplemented: per tensor a host copy (`.cpu().clone()`), a
   Python loop comparing the file's bytes with it per 4 KB block (bytes slices), differing
   blocks written in place through an mmap of the shard, `flush` (msync) per shard;
@@ -30,8 +32,9 @@ contiguous tensor), the ceiling for change detection.
 
 The last line is one JSON object: {"model_bytes", "changed_bytes", "written_bytes",
 "speedup_vs_seed", "speedup_vs_full" (these five for scenario (a)),
-"scattered_speedup_vs_full" (c), "nochange_gbps" (d), "hash_gbps", "nochange_vs_hash"};
-a speedup is the baseline's seconds over hotweights' seconds.
+"scattered_speedup_vs_full" (c), "nochange_gbps" (d), "hash_gbps", "nochange_vs_hash",
+"named_speedup_vs_seed", "named_speedup_vs_full" (a, with `changed=`)}; a speedup is the
+baseline's seconds over hotweights' seconds.
 
 Run:  .venv/bin/python benchmarks/checkpoint_sync.py [--size-gb 1.0] [--mode auto]
       [--repeat 3] [--workdir /tmp]
@@ -65,7 +68,8 @@ SEED_BLOCK = 4096
 VOCAB = 32000
 SCENARIOS = {"a": "1% of rows in a few tensors", "b": "two whole layers",
              "c": "1% of elements, every tensor", "d": "nothing changed"}
-METHODS = ("hotweights", "seed", "full")
+METHODS = ("hotweights", "named", "seed", "full")
+OURS = ("hotweights", "named")
 
 
 # --- the model ------------------------------------------------------------------------
@@ -124,28 +128,32 @@ def shard_files(d: Path) -> dict[str, list[str]]:
 
 # --- the scenarios --------------------------------------------------------------------
 
-def mutate(old: dict, scenario: str, gen: torch.Generator) -> dict:
-    """A new live state dict: `old` cloned, then changed as the scenario says."""
+def mutate(old: dict, scenario: str, gen: torch.Generator) -> tuple[dict, list[str]]:
+    """A new live state dict (`old` cloned, then changed as the scenario says) and the
+    names of the tensors it changed (what a trainer's optimizer steps)."""
     live = {n: t.clone() for n, t in old.items()}
     layers = sorted({int(n.split(".")[2]) for n in live if n.startswith("model.layers.")})
+    names = []
     if scenario == "a":  # rare-token embedding rows, the head, two projections
         mid = layers[len(layers) // 2]
-        for n in ("model.embed_tokens.weight", "lm_head.weight",
-                  f"model.layers.{mid}.self_attn.q_proj.weight",
-                  f"model.layers.{mid}.mlp.down_proj.weight"):
+        names = ["model.embed_tokens.weight", "lm_head.weight",
+                 f"model.layers.{mid}.self_attn.q_proj.weight",
+                 f"model.layers.{mid}.mlp.down_proj.weight"]
+        for n in names:
             t = live[n]
             rows = torch.randperm(t.shape[0], generator=gen)[:max(1, t.shape[0] // 100)]
             t[rows] = (torch.randn(len(rows), t.shape[1], generator=gen) * 0.02).to(t.dtype)
     elif scenario == "b":  # the last two layers (a trainable subset)
-        for n, t in live.items():
-            if any(n.startswith(f"model.layers.{i}.") for i in layers[-2:]):
-                t += (torch.randn(t.shape, generator=gen) * 0.01).to(t.dtype)
+        names = [n for n in live if any(n.startswith(f"model.layers.{i}.") for i in layers[-2:])]
+        for n in names:
+            live[n] += (torch.randn(live[n].shape, generator=gen) * 0.01).to(live[n].dtype)
     elif scenario == "c":  # scattered, like an RL step: flip the sign of 1 % of values
+        names = list(live)
         for t in live.values():
             flat = t.view(-1)
             idx = torch.randint(0, flat.numel(), (max(1, flat.numel() // 100),), generator=gen)
             flat[idx] = -flat[idx]  # -0.0 differs from 0.0 in its bytes too
-    return live
+    return live, names
 
 
 def changed_bytes(old: dict, new: dict, block_size: int) -> tuple[int, int]:
@@ -252,8 +260,9 @@ def main() -> None:
         dirs = {m: root / m for m in METHODS}
         for m in METHODS:
             shutil.copytree(base, dirs[m])
-        settle(dirs["hotweights"])
-        warm = sync(dirs["hotweights"], old, mode=args.mode, version="v0")
+        for m in OURS:
+            settle(dirs[m])
+            warm = sync(dirs[m], old, mode=args.mode, version="v0")
         print(f"warm-up sync (no sidecars yet; writes them; not in any scenario): "
               f"{warm.seconds:.2f} s, compared {warm.bytes_compared:,} B, written "
               f"{warm.bytes_written:,} B")
@@ -269,18 +278,21 @@ def main() -> None:
 
         rows = {}
         for sc in SCENARIOS:
-            live = mutate(old, sc, gen)
+            live, names = mutate(old, sc, gen)
             cb, ce = changed_bytes(old, live, bs)
             secs: dict[str, list[float]] = {m: [] for m in METHODS}
             written: dict[str, int] = {}
-            result = None
+            results = {}
             for rep in range(args.repeat):
                 for m in METHODS:
                     settle(dirs[m])
                     t0 = time.perf_counter()
-                    if m == "hotweights":
-                        result = sync(dirs[m], live, mode=args.mode, version=f"{sc}{rep}")
-                        written[m] = result.bytes_written
+                    if m in OURS:
+                        hint = names if m == "named" else None
+                        res = sync(dirs[m], live, mode=args.mode, version=f"{sc}{rep}",
+                                   changed=hint)
+                        results[m] = res
+                        written[m] = res.bytes_written
                     elif m == "seed":
                         written[m] = seed_sync(dirs[m], live)
                     else:
@@ -288,16 +300,17 @@ def main() -> None:
                     secs[m].append(time.perf_counter() - t0)
                     if rep == 0:
                         verify(dirs[m], live, f"scenario ({sc}), {m}")
-                    if m == "hotweights" and sc != "d":  # back to the old content, untimed
+                    if m in OURS and sc != "d":  # back to the old content, untimed
                         sync(dirs[m], old, mode=args.mode, version="v0")
                     elif m == "seed" and sc != "d":
                         seed_sync(dirs[m], old)
                     if rep == 0 and m != "full" and sc != "d":
                         verify(dirs[m], old, f"scenario ({sc}), {m}, restored")
-            assert result is not None and not result.missing_on_disk and not result.missing_live
+            result = results["hotweights"]
+            assert not result.missing_on_disk and not result.missing_live
             med = {m: statistics.median(s) for m, s in secs.items()}
             rows[sc] = dict(changed=cb, elements=ce, seconds=med, written=written,
-                            result=result)
+                            results=results)
             del live
 
         # the table
@@ -310,13 +323,13 @@ def main() -> None:
                   f"changed elements {r['elements']:,} B")
             for m in METHODS:
                 s = r["seconds"][m]
-                sp = "" if m == "hotweights" else f"{s / r['seconds']['hotweights']:7.2f}x"
+                sp = "" if m in OURS else f"{s / r['seconds']['hotweights']:7.2f}x"
                 print(f"{'':34} {m:10} {s:8.3f} {r['written'][m]:15,} "
                       f"{model_bytes / s / 1e9:6.2f} {sp:>8}")
-            res = r["result"]
-            print(f"{'':34} hotweights: {res.tensors_changed} tensors changed, shards "
-                  f"{len(res.shards_changed)}, hashed {res.bytes_hashed:,} B, compared "
-                  f"{res.bytes_compared:,} B, mode {res.mode}")
+            for m, res in r["results"].items():
+                print(f"{'':34} {m}: {res.tensors_changed} tensors changed, shards "
+                      f"{len(res.shards_changed)}, hashed {res.bytes_hashed:,} B, compared "
+                      f"{res.bytes_compared:,} B, mode {res.mode}")
 
         a, c, d = rows["a"], rows["c"], rows["d"]
         out = {
@@ -328,6 +341,8 @@ def main() -> None:
             "nochange_gbps": model_bytes / d["seconds"]["hotweights"] / 1e9,
             "hash_gbps": hash_gbps}
         out["nochange_vs_hash"] = out["nochange_gbps"] / hash_gbps
+        out["named_speedup_vs_seed"] = a["seconds"]["seed"] / a["seconds"]["named"]
+        out["named_speedup_vs_full"] = a["seconds"]["full"] / a["seconds"]["named"]
 
         def target(ok: bool) -> str:
             return "met" if ok else "MISSED"
@@ -337,6 +352,10 @@ def main() -> None:
               f"{target(out['speedup_vs_seed'] >= 15)}")
         print(f"  (a) vs full   {out['speedup_vs_full']:8.2f}x  >= 10x   "
               f"{target(out['speedup_vs_full'] >= 10)}")
+        print(f"  (a) named (changed=), vs seed {out['named_speedup_vs_seed']:.2f}x "
+              f"({target(out['named_speedup_vs_seed'] >= 15)}), vs full "
+              f"{out['named_speedup_vs_full']:.2f}x "
+              f"({target(out['named_speedup_vs_full'] >= 10)})")
         print(f"  (c) vs full   {out['scattered_speedup_vs_full']:8.2f}x  >= 1x    "
               f"{target(out['scattered_speedup_vs_full'] >= 1)}")
         print(f"  (d) vs xxh3   {out['nochange_vs_hash']:8.2%}  >= 50%   "

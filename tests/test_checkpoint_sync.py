@@ -1,6 +1,7 @@
 """checkpoint.sync on checkpoints written by transformers' save_pretrained."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -93,11 +94,9 @@ def test_a_sidecar_of_the_other_hash_kind_is_compared_with_the_file(saved, monke
     trainer that syncs from the GPU after a CPU sync gets a compare, not an error."""
     from hotweights import blocks
     d, live = saved
-    cpu_kind = blocks.fingerprint
-    monkeypatch.setattr(blocks, "fingerprint",
-                        lambda t, **kw: cpu_kind(t, **kw, kind=blocks.TORCH))  # as on CUDA
+    monkeypatch.setattr(blocks, "kind_of", lambda t: blocks.TORCH)  # as on CUDA
     sync(d, live)
-    monkeypatch.setattr(blocks, "fingerprint", cpu_kind)
+    monkeypatch.undo()
     name = "model.norm.weight"
     live[name] += 1
     result = sync(d, live)
@@ -120,6 +119,53 @@ def test_a_sidecar_this_process_wrote_is_not_parsed_again(saved, monkeypatch):
     copy.write_bytes(one.read_bytes())
     copy.replace(one)  # the same content, another file: read as any other program's
     assert sync(d, live).bytes_compared == 0 and len(parsed) == 1
+
+
+def test_only_the_tensors_named_changed_are_hashed(saved):
+    d, live = saved
+    total = sum(t.numel() * t.element_size() for t in live.values())
+    first = sync(d, live, changed=[])  # no sidecar yet: everything is compared anyway
+    assert first.bytes_compared == first.bytes_hashed == total and first.bytes_trusted == 0
+    name, other = "model.layers.1.mlp.down_proj.weight", "model.layers.0.mlp.up_proj.weight"
+    live[name][3] += 1.0
+    result = sync(d, live, changed=[name])
+    size = live[name].numel() * 2
+    assert result.bytes_hashed == size and result.bytes_trusted == total - size
+    assert result.tensors_changed == 1 and torch.equal(_disk(d)[name], live[name])
+    live[other][0] += 1.0  # not named: taken as unchanged, as the caller said
+    assert sync(d, live, changed=[name]).bytes_written == 0
+    assert not torch.equal(_disk(d)[other], live[other])
+    found = sync(d, live)  # a sync without `changed` hashes everything and finds it
+    assert found.tensors_changed == 1 and torch.equal(_disk(d)[other], live[other])
+
+
+def test_a_tensor_sharing_bytes_with_a_changed_one_is_hashed(saved):
+    """The bridge's tensors are views into vLLM's merged ones, and tied weights are one
+    tensor under two names: a named tensor's bytes are hashed under every name."""
+    d, live = saved
+    flat = torch.cat([t.reshape(-1) for t in live.values()])
+    at, views = 0, {}
+    for n, t in live.items():
+        views[n] = flat[at:at + t.numel()].view(t.shape)
+        at += t.numel()
+    views["lm_head.alias"] = views["model.norm.weight"]  # not on disk: a tied alias
+    sync(d, views)
+    views["model.norm.weight"] += 1.0
+    result = sync(d, views, changed=["lm_head.alias"])
+    assert result.bytes_hashed == views["model.norm.weight"].numel() * 2
+    assert torch.equal(_disk(d)["model.norm.weight"], views["model.norm.weight"])
+
+
+@pytest.mark.parametrize(("changed", "message"), [
+    (["model.nope.weight"], "the live weights do not hold, e.g. ['model.nope.weight']"),
+    ("model.norm.weight", "not one string")])
+def test_bad_changed_names_are_refused_and_nothing_is_written(saved, changed, message):
+    d, live = saved
+    before = _stats(d)
+    live["model.norm.weight"] += 1
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        sync(d, live, changed=changed)
+    assert _stats(d) == before and not (d / ".hotweights").exists()
 
 
 def test_a_corrupt_sidecar_is_never_trusted(saved):

@@ -22,7 +22,7 @@ import xxhash
 from hotweights.errors import FingerprintError
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "FORMAT", "KINDS", "Changes", "Fingerprints",
-           "TensorChange", "changed", "compare_bytes", "fingerprint"]
+           "TensorChange", "changed", "compare_bytes", "fingerprint", "kind_of"]
 
 FORMAT = 1
 XXH3, TORCH = "xxh3_64", "torch-mix64-v1"
@@ -159,6 +159,12 @@ class Fingerprints:
             raise bad(str(e).removeprefix("fingerprints: ")) from None
 
 
+def kind_of(tensors: Iterable[torch.Tensor]) -> str:
+    """The hash `fingerprint` takes by default: xxh3 when every tensor is on the CPU, else
+    the torch hash."""
+    return XXH3 if all(t.device.type == "cpu" for t in tensors) else TORCH
+
+
 def fingerprint(tensors: Mapping[str, torch.Tensor], *,
                 block_size: int = DEFAULT_BLOCK_SIZE, kind: str | None = None) -> Fingerprints:
     """Fingerprint every block of every tensor, on the tensor's own device.
@@ -174,8 +180,7 @@ def fingerprint(tensors: Mapping[str, torch.Tensor], *,
         FingerprintError: a non-contiguous tensor or xxh3 off the CPU (named), a bad block
             size or kind.
     """
-    if kind is None:
-        kind = XXH3 if all(t.device.type == "cpu" for t in tensors.values()) else TORCH
+    kind = kind_of(tensors.values()) if kind is None else kind
     empty = Fingerprints(kind, block_size, {})  # checks kind and block size before any work
     flat = {name: _bytes_of(name, t) for name, t in tensors.items()}
     if not flat:

@@ -100,7 +100,9 @@ class Bridge:
             model_dir: the checkpoint directory (its safetensors name the tensors; one
                 with none gets a first full save).
             exclusive: hold the update lease while reading (see above).
-            kwargs: go to `checkpoint.sync` (`mode=`, `progress=`, ...).
+            kwargs: go to `checkpoint.sync` (`mode=`, `progress=`, `changed=` the names
+                of the only parameters that may have changed, e.g. those the optimizer
+                steps: the rest is not hashed, see `checkpoint.sync`).
 
         Returns:
             The `checkpoint.sync.SyncResult`.

@@ -25,6 +25,7 @@ class SyncResult:
     tied: tuple[str, ...] = ()  # live aliases of a tensor stored once, under another name
     first_save: bool = False
     reason: str = ""  # why this write mode
+    bytes_trusted: int = 0  # live bytes not hashed: `changed=` left them out
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

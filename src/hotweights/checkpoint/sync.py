@@ -21,6 +21,7 @@ full save (`checkpoint.first_save`).
 
 from __future__ import annotations
 
+import bisect
 import functools
 import logging
 import mmap
@@ -28,9 +29,9 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -39,7 +40,7 @@ from hotweights import blocks
 from hotweights.checkpoint import clone, journal, sidecar, stage
 from hotweights.checkpoint.names import to_disk, unpack
 from hotweights.checkpoint.result import SyncResult
-from hotweights.checkpoint.shards import Shard, TensorInfo, read_dir, read_shard
+from hotweights.checkpoint.shards import Shard, TensorInfo, read_dir
 from hotweights.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -71,7 +72,8 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
          mode: str = "auto", version: str | None = None, config: object = None,
          block_size: int = blocks.DEFAULT_BLOCK_SIZE, convert_dtype: bool = False,
          max_shard_size: int | str = "50GB", progress: Progress | None = None,
-         after_read: Callable[[], None] | None = None) -> SyncResult:
+         after_read: Callable[[], None] | None = None,
+         changed: Collection[str] | None = None) -> SyncResult:
     """Make the safetensors in `model_dir` hold the `live` tensors, writing what changed.
 
     Args:
@@ -90,16 +92,24 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
         progress: called with (phase, bytes done, bytes total) as hashing and writing go.
         after_read: called once every live byte the sync needs has been read (staged or
             journaled), before the commit: the weights may change again from then on.
+        changed: the live names (as in `live`) of the only tensors that may differ from
+            what the directory holds, e.g. the parameters your optimizer steps. Every other
+            tensor is taken as unchanged, not hashed, where its shard has a fresh sidecar
+            and its bytes share none with a named tensor's (a tied alias, a view). Only
+            pass what you know: a change this leaves out is not written (a later sync
+            without `changed` finds it). None: every tensor is hashed.
     Returns:
         A `SyncResult`.
     Raises:
         CheckpointError: a live tensor whose dtype or shape differs from the file's (named,
-            with the shard), too little free space, an unwritable directory, a corrupt
-            shard: nothing is written.
+            with the shard), a name in `changed` that `live` lacks, too little free space,
+            an unwritable directory, a corrupt shard: nothing is written.
     """
     started = time.perf_counter()
     model_dir = Path(model_dir)
     live, model, model_type = unpack(live, config)
+    if changed is not None:
+        _check_changed(live, changed)
     patch_mode, reason = write_mode(model_dir, mode) if model_dir.is_dir() else (mode, "")
     progress = progress or (lambda phase, done, total: None)
     with journal.locked(_existing(model_dir)):
@@ -115,7 +125,8 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
         matched, tied = dict(names.tensors), names.tied
         for name in list(matched):
             matched[name] = _check(name, matched[name], *disk[name], convert_dtype)
-        plans, hashed, compared = _plan(matched, disk, block_size, progress)
+        trusted = set() if changed is None else _unchanged(live, changed, matched)
+        plans, hashed, compared = _plan(matched, disk, block_size, progress, trusted)
         for p in plans:
             if p.ranges:
                 p.how = _how(p, mode, patch_mode)
@@ -130,6 +141,7 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
         tensors_changed=len({n for p in changed for n, _, _ in p.ranges}),
         shards_changed=tuple(p.name for p in changed), bytes_hashed=hashed,
         bytes_compared=compared, bytes_written=written,
+        bytes_trusted=sum(_nbytes(t) for t in matched.values()) - hashed,
         missing_on_disk=names.only_live, missing_live=names.only_disk,
         seconds=time.perf_counter() - started, writes={p.name: p.how for p in changed},
         tied=tuple(sorted(tied)), reason=reason)
@@ -179,28 +191,83 @@ class _Plan:
         return sum(hi - lo for _, lo, hi in self.ranges)
 
 
-def _plan(matched, disk, block_size: int, progress: Progress) -> tuple[list[_Plan], int, int]:
+def _plan(matched, disk, block_size: int, progress: Progress, trusted: set[str]
+          ) -> tuple[list[_Plan], int, int]:
     by_shard: dict[str, _Plan] = {}
     for name, t in matched.items():
         shard = disk[name][0]
         by_shard.setdefault(shard.path, _Plan(shard, {}, None, [])).tensors[name] = t
-    total = sum(t.numel() * t.element_size() for t in matched.values())
-    hashed = compared = 0
+    total = sum(_nbytes(t) for t in matched.values())
+    done = hashed = compared = 0
     for p in by_shard.values():
-        nbytes = sum(t.numel() * t.element_size() for t in p.tensors.values())
-        p.fresh = blocks.fingerprint(p.tensors, block_size=block_size)
-        old = sidecar.load(p.shard, block_size, p.fresh.kind)
+        nbytes = sum(_nbytes(t) for t in p.tensors.values())
+        kind = blocks.kind_of(p.tensors.values())
+        old = sidecar.load(p.shard, block_size, kind)
         if old is not None and set(old.tensors) >= set(p.tensors):
-            diff = blocks.changed(_subset(old, p.tensors), p.fresh)
+            todo = {n: t for n, t in p.tensors.items() if n not in trusted}
+            new = blocks.fingerprint(todo, block_size=block_size, kind=kind)
+            diff = blocks.changed(_subset(old, todo), new)
+            p.fresh = new if len(todo) == len(p.tensors) else blocks.Fingerprints(
+                kind, block_size, {n: (new if n in todo else old).tensors[n]
+                                   for n in p.tensors})
             p.ranges = [(n, int(lo), int(hi)) for n, c in diff.tensors.items()
                         for lo, hi in c.ranges]
+            hashed += sum(_nbytes(t) for t in todo.values())
         else:
-            whole = [(n, 0, t.numel() * t.element_size()) for n, t in p.tensors.items()]
+            p.fresh = blocks.fingerprint(p.tensors, block_size=block_size, kind=kind)
+            whole = [(n, 0, _nbytes(t)) for n, t in p.tensors.items()]
             p.ranges, p.exact = _compare_file(p, whole), True
             compared += nbytes
-        hashed += nbytes
-        progress("hash", hashed, total)
+            hashed += nbytes
+        done += nbytes
+        progress("hash", done, total)
     return list(by_shard.values()), hashed, compared
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _check_changed(live: Mapping[str, torch.Tensor], changed: Collection[str]) -> None:
+    if isinstance(changed, str):
+        raise CheckpointError(f"changed={changed!r}: pass a collection of live tensor names, "
+                              "not one string")
+    if unknown := sorted(n for n in changed if n not in live):
+        raise CheckpointError(f"changed names {len(unknown)} tensor(s) the live weights do not "
+                              f"hold, e.g. {unknown[:3]}; nothing was written")
+
+
+def _unchanged(live: Mapping[str, torch.Tensor], changed: Collection[str],
+               matched: Mapping[str, torch.Tensor]) -> set[str]:
+    """The disk names `changed` rules out: tensors whose bytes are a live tensor's own
+    (not a conversion's or a cast's copy) and share none with a tensor named in it."""
+    own = {(t.device, t.untyped_storage().data_ptr()) for t in live.values()}
+    spans: dict[torch.device, list[tuple[int, int]]] = {}
+    for n in changed:
+        t = live[n]
+        if t.numel():
+            lo = t.data_ptr()
+            spans.setdefault(t.device, []).append(
+                (lo, lo + t.element_size() * (1 + sum((s - 1) * st for s, st in
+                                                      zip(t.shape, t.stride(), strict=True)))))
+    merged = {}  # per device: disjoint sorted spans (starts, ends)
+    for device, ss in spans.items():
+        starts, ends = [], []
+        for lo, hi in sorted(ss):
+            if ends and lo <= ends[-1]:
+                ends[-1] = max(ends[-1], hi)
+            else:
+                starts.append(lo)
+                ends.append(hi)
+        merged[device] = starts, ends
+
+    def touches(t: torch.Tensor) -> bool:
+        starts, ends = merged.get(t.device, ((), ()))
+        lo, i = t.data_ptr(), bisect.bisect_right(starts, t.data_ptr()) - 1
+        return (i >= 0 and ends[i] > lo) or (i + 1 < len(starts)
+                                             and starts[i + 1] < lo + _nbytes(t))
+    return {n for n, t in matched.items()
+            if (t.device, t.untyped_storage().data_ptr()) in own and not touches(t)}
 
 
 def _how(p: _Plan, mode: str, patch_mode: str) -> str:
@@ -224,7 +291,12 @@ def _record(plans: list[_Plan], version: str | None) -> None:
     distrusted); a sidecar that cannot be written only costs the next sync a compare."""
     for p in plans:
         try:
-            sidecar.write(read_shard(p.shard.path) if p.ranges else p.shard, p.fresh, version)
+            shard = p.shard
+            if p.ranges:  # the same header (names, offsets) in a new file or a new mtime
+                st = os.stat(shard.path)
+                shard = replace(shard, size=st.st_size, mtime_ns=st.st_mtime_ns,
+                                inode=st.st_ino)
+            sidecar.write(shard, p.fresh, version)
         except (OSError, CheckpointError) as e:
             logger.warning("%s: sidecar not written (%s); the next sync compares the shard "
                            "with the live weights", p.shard.path, e)
