@@ -11,7 +11,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from hotweights.checkpoint import clone, journal
+from hotweights import blocks
+from hotweights.checkpoint import clone, journal, sidecar
+from hotweights.checkpoint.diagnose import diagnose
 from hotweights.checkpoint.shards import read_dir
 from hotweights.checkpoint.source import open_dir
 from hotweights.cli import main
@@ -183,6 +185,46 @@ def test_diagnose_a_stale_sidecar_is_no_problem(dirs, capsys):
     states = {s["name"]: s["sidecar"] for s in json.loads(out)["shards"]}
     assert rc == 0 and states.pop(shard.name) == "stale"
     assert set(states.values()) == {"fresh"}
+
+
+def test_diagnose_names_a_sidecar_a_sync_from_cpu_tensors_would_not_use(dirs, capsys):
+    a = dirs["A"]
+    _run(capsys, "sync", "--model-dir", a, "--from", dirs["B"])
+    shard = a / "model-00002-of-00006.safetensors"
+    doc = json.loads(sidecar.path_of(shard).read_text())
+    assert doc["fingerprints"]["kind"] == blocks.XXH3
+    doc["fingerprints"]["kind"] = blocks.TORCH  # as a sync from CUDA tensors records it
+    sidecar.path_of(shard).write_text(json.dumps(doc))
+    unused = (f"{blocks.TORCH} fingerprints: a sync from CPU tensors compares this shard "
+              "with the file")
+    rc, out, _ = _run(capsys, "diagnose", "--model-dir", a, "--json")
+    infos = {s["name"]: s for s in json.loads(out)["shards"]}
+    assert rc == 0 and infos[shard.name]["sidecar"] == "fresh"
+    assert infos[shard.name]["kind"] == blocks.TORCH
+    assert infos[shard.name]["unused"] is None  # no live tensors: no telling
+    rc, out, _ = _run(capsys, "diagnose", "--model-dir", a, "--from", dirs["B"], "--json")
+    d = json.loads(out)
+    infos = {s["name"]: s for s in d["shards"]}
+    assert rc == 0 and d["problems"] == [] and infos.pop(shard.name)["unused"] == unused
+    assert {(s["sidecar"], s["kind"], s["block_size"], s["unused"]) for s in infos.values()} \
+        == {("fresh", blocks.XXH3, blocks.DEFAULT_BLOCK_SIZE, None)}
+    rc, out, _ = _run(capsys, "diagnose", "--model-dir", a, "--from", dirs["B"])
+    assert rc == 0 and f"sidecar fresh ({unused})" in out
+    assert out.count(f"sidecar fresh ({blocks.XXH3})") == len(infos)
+    tensors = open_dir(dirs["B"])
+    try:
+        other = diagnose(a, tensors, block_size=4096)
+    finally:
+        tensors.close()
+    assert other.shards[0].unused == (f"{blocks.DEFAULT_BLOCK_SIZE}-byte blocks: a sync at "
+                                      "4096 compares this shard with the file")
+    rc, out, _ = _run(capsys, "sync", "--model-dir", a, "--from", dirs["B"], "--json")
+    result = json.loads(out)  # the sync compares that shard with the file, and only that one
+    assert rc == 0 and result["bytes_written"] == 0
+    assert result["bytes_compared"] == sum(i.nbytes for s, i in read_dir(a).values()
+                                           if s.path == str(shard))
+    rc, out, _ = _run(capsys, "diagnose", "--model-dir", a, "--from", dirs["B"], "--json")
+    assert {s["unused"] for s in json.loads(out)["shards"]} == {None}
 
 
 def test_diagnose_a_pending_journal_then_sync_finishes_it(dirs, capsys):

@@ -143,9 +143,14 @@ def diagnose_rows(d) -> list[tuple[str, str]]:
                     f"{_size(d.model_bytes)}"))
         width = max(len(s.name) for s in d.shards) if d.shards else 0
         for s in d.shards:
-            version = f" (version {s.version})" if s.version is not None else ""
+            about = [] if s.version is None else [f"version {s.version}"]
+            if s.unused:  # it names the kind or block size a sync would not use
+                about.append(s.unused)
+            elif s.kind is not None:
+                about.insert(0, s.kind)
             out.append(("", f"    {s.name:<{width}}  {_size(s.size):>10}  "
-                        f"{s.tensors:>4} tensors  sidecar {s.sidecar}{version}"))
+                        f"{s.tensors:>4} tensors  sidecar {s.sidecar}"
+                        + (f" ({'; '.join(about)})" if about else "")))
     if d.live:
         if d.names_error:
             out.append(("live", f"names not placed: {d.names_error}"))

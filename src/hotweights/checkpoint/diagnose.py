@@ -6,11 +6,12 @@ import fcntl
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
+from hotweights import blocks
 from hotweights.checkpoint import clone, journal, sidecar
 from hotweights.checkpoint.names import to_disk, unpack
 from hotweights.checkpoint.shards import read_dir
@@ -29,6 +30,13 @@ class ShardInfo:
     tensors: int
     sidecar: str  # "fresh" | "missing" | "stale" | "corrupt" (`sidecar.state`)
     version: str | None = None  # the weight version a fresh sidecar records
+    kind: str | None = None  # the hash of a fresh sidecar's fingerprints (`blocks.KINDS`)
+    block_size: int | None = None  # and their block size
+    # Why a sync of the live tensors would not use a fresh sidecar (`sidecar.load`: another
+    # hash kind or block size) but compare the shard with the file; None when it would use
+    # it, or no live tensors were given (a sync from CPU tensors takes xxh3_64, from CUDA
+    # ones torch-mix64-v1).
+    unused: str | None = None
 
 
 @dataclass(frozen=True)
@@ -98,7 +106,7 @@ class Diagnosis:
 
 def diagnose(model_dir: str | os.PathLike,
              live: Mapping[str, torch.Tensor] | torch.nn.Module | None = None, *,
-             mode: str = "auto") -> Diagnosis:
+             mode: str = "auto", block_size: int = blocks.DEFAULT_BLOCK_SIZE) -> Diagnosis:
     """Look at a checkpoint directory as `sync` would, and write nothing to it.
 
     The one exception: finding the write mode probes for reflinks by cloning a small
@@ -108,9 +116,10 @@ def diagnose(model_dir: str | os.PathLike,
     Args:
         model_dir: the checkpoint directory.
         live: the tensors a sync would write (HF names), or a transformers model; their
-            names, shapes and dtypes are checked against the shard headers. No byte of
-            them is read.
+            names, shapes and dtypes are checked against the shard headers, and their
+            devices against the sidecars' hash kinds. No byte of them is read.
         mode: the write mode to check ("auto", "reflink", "journal", "copy").
+        block_size: the block size of the sync to check the sidecars for.
 
     Returns:
         A `Diagnosis`; see its `problems`.
@@ -143,17 +152,34 @@ def diagnose(model_dir: str | os.PathLike,
     shards = {}
     for shard, _ in disk.values():
         shards.setdefault(shard.path, shard)
-    infos = []
-    for shard in sorted(shards.values(), key=lambda s: s.path):
-        state, doc = sidecar.state(shard)
-        version = doc.get("version") if state == "fresh" else None
-        infos.append(ShardInfo(Path(shard.path).name, shard.size, len(shard.tensors), state,
-                               None if version is None else str(version)))
-    base.update(error=None, first_save=False, shards=tuple(infos), tensors=len(disk),
-                model_bytes=sum(info.nbytes for _, info in disk.values()))
-    if live is None:
-        return Diagnosis(**base)
-    return Diagnosis(**base, **_compare(live, disk))
+    found, by_shard = _compare(live, disk) if live is not None else ({}, {})
+    infos = tuple(_shard_info(shard, by_shard.get(shard.path), block_size)
+                  for shard in sorted(shards.values(), key=lambda s: s.path))
+    return Diagnosis(**base, error=None, first_save=False, shards=infos, tensors=len(disk),
+                     model_bytes=sum(info.nbytes for _, info in disk.values()), **found)
+
+
+def _shard_info(shard, live: list[torch.Tensor] | None, block_size: int) -> ShardInfo:
+    """`live`: the live tensors a sync would write into this shard (None: not known)."""
+    state, doc = sidecar.state(shard)
+    info = ShardInfo(Path(shard.path).name, shard.size, len(shard.tensors), state)
+    if state != "fresh":
+        return info
+    version, fp = doc.get("version"), doc.get("fingerprints")
+    kind, size = (fp.get("kind"), fp.get("block_size")) if isinstance(fp, dict) else (None, None)
+    unused = None
+    if live:
+        want = blocks.kind_of(live)
+        if kind != want:
+            device = "CPU" if want == blocks.XXH3 else next(
+                t.device.type for t in live if t.device.type != "cpu")
+            unused = f"{kind} fingerprints: a sync from {device} tensors compares this " \
+                     "shard with the file"
+        elif size != block_size:
+            unused = f"{size}-byte blocks: a sync at {block_size} compares this shard with " \
+                     "the file"
+    return replace(info, version=None if version is None else str(version), kind=kind,
+                   block_size=size, unused=unused)
 
 
 def _journal_state(d: Path) -> tuple[dict | None, tuple[str, ...]]:
@@ -186,15 +212,18 @@ def _writer_active(d: Path) -> bool:
     return False
 
 
-def _compare(live, disk) -> dict:
+def _compare(live, disk) -> tuple[dict, dict[str, list[torch.Tensor]]]:
+    """The `Diagnosis` fields about the live tensors, and those placed in each shard (by
+    its path)."""
     tensors, model, model_type = unpack(live)
     try:
         names = to_disk(tensors, disk.keys(), model=model, model_type=model_type)
     except CheckpointError as e:
-        return dict(names_error=str(e))
-    mismatches = []
+        return dict(names_error=str(e)), {}
+    mismatches, by_shard = [], {}
     for name, t in names.tensors.items():
         shard, info = disk[name]
+        by_shard.setdefault(shard.path, []).append(t)
         where = Path(shard.path).name
         if tuple(t.shape) != info.shape:
             mismatches.append(Mismatch(name, where, "shape", str(list(info.shape)),
@@ -205,4 +234,4 @@ def _compare(live, disk) -> dict:
     return dict(matched=len(names.tensors), only_live=len(names.only_live),
                 only_live_samples=names.only_live[:SAMPLES], only_disk=len(names.only_disk),
                 only_disk_samples=names.only_disk[:SAMPLES], tied=len(names.tied),
-                mismatches=tuple(mismatches))
+                mismatches=tuple(mismatches)), by_shard
