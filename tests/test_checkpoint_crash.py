@@ -9,6 +9,7 @@ kills per mode take seconds, not minutes.
 
 import os
 import random
+import select
 import signal
 import subprocess
 import sys
@@ -51,28 +52,83 @@ for line in sys.stdin:
 """
 
 
+STALL = 60  # seconds without a line from the zygote before the child's state goes to stderr
+LIMIT = 480  # seconds a child may take to end before `Zygote.wait` fails
+
+
+def _state(pid: int) -> str:
+    """What the kernel says about a process: its state letter (D: uninterruptible, e.g. in
+    I/O), where it waits (wchan) and, for root, its kernel stack."""
+    proc = Path(f"/proc/{pid}")
+    try:
+        state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return f"pid {pid}: gone from /proc"
+    parts = [f"pid {pid}: state {state}"]
+    for name in ("wchan", "stack"):
+        try:
+            text = (proc / name).read_text().strip()
+        except OSError as e:
+            text = f"unreadable ({e.strerror})"
+        parts.append(f"{name}: {text or '-'}")
+    return "; ".join(parts)
+
+
 class Zygote:
     def __init__(self, d: Path, states: Path, mode: str, limit: int = 0):
+        # Binary and unbuffered: `_line` splits the lines itself, so that no line waits in
+        # a reader's buffer while `select` says the pipe is empty.
         self.proc = subprocess.Popen(
             [sys.executable, "-c", ZYGOTE, str(d), str(states), mode, str(limit)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
+        self.buf = b""
+        self.pid = 0
+
+    def _line(self, timeout: float) -> str | None:
+        """The zygote's next line, or None when none came in `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.proc.stdout], [], [], left)[0]:
+                return None
+            chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
+            assert chunk, "the zygote died"
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        return line.decode()
 
     def fork(self) -> int:
-        self.proc.stdin.write("go\n")
-        self.proc.stdin.flush()
-        return int(self.proc.stdout.readline())
+        self.proc.stdin.write(b"go\n")
+        line = self._line(LIMIT)
+        assert line is not None, f"the zygote did not fork in {LIMIT} s"
+        self.pid = int(line)
+        return self.pid
 
     def wait(self) -> list[str]:
-        """The child's lines until it ended."""
-        lines = []
-        while not (line := self.proc.stdout.readline()).startswith("ended"):
-            assert line, "the zygote died"
-            lines.append(line)
-        return lines
+        """The child's lines until it ended. When no line came for STALL seconds, the
+        child's state goes to stderr; after LIMIT seconds, a failure that says it."""
+        lines, started = [], time.monotonic()
+        while True:
+            waited = time.monotonic() - started
+            line = self._line(min(STALL, LIMIT - waited))
+            if line is None:
+                waited = time.monotonic() - started
+                state = _state(self.pid)
+                print(f"child still running after {waited:.0f} s: {state}", file=sys.stderr,
+                      flush=True)
+                assert waited < LIMIT, f"the child did not end in {LIMIT} s: {state}"
+            elif line.startswith("ended"):
+                return lines
+            else:
+                lines.append(line)
 
     def close(self) -> None:
         self.proc.stdin.close()
-        self.proc.wait(timeout=30)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # still waiting for a child that does not end
+            self.proc.kill()
+            raise
 
 
 @pytest.fixture
@@ -131,6 +187,9 @@ def place(request, tmp_path):
     return _place(request, tmp_path)
 
 
+# A SIGKILLed child ends only when the kernel is done with its I/O, which on the loop-mounted
+# XFS of a loaded CI machine can take minutes: Zygote.wait waits up to LIMIT seconds.
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize(("place", "mode"), MODES, indirect=["place"])
 def test_sigkill_at_random_moments_leaves_one_whole_version(place, mode, states):
     model, a, b, side = states
