@@ -61,6 +61,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from hotweights import blocks
+from hotweights.checkpoint import journal
 from hotweights.checkpoint.sync import sync
 
 SHARDS = 4
@@ -225,7 +226,10 @@ def verify(d: Path, live: dict, what: str) -> None:
 
 
 def settle(d: Path) -> None:
-    """No dirty pages anywhere, and the shards in the page cache (equal for every method)."""
+    """No sync's background work left (hotweights' finisher thread of any directory),
+    no dirty pages anywhere, and the shards in the page cache (equal for every method)."""
+    journal.finish()
+    journal._join_sweeper()  # replaced shards freed (hotweights does it behind its commit)
     os.sync()
     for p in d.glob("*.safetensors"):
         with open(p, "rb") as f:

@@ -61,6 +61,24 @@ def test_offsets_give_bit_identical_bytes(shard: Path):
             assert _bytes_of(shard, info) == _raw(t) == _raw(live[name])
 
 
+def test_a_header_rewritten_in_place_is_read_again(shard: Path):
+    """Headers are parsed once per content: the same bytes, with no new stat in between
+    (same size and inode, a mtime in the same clock tick), still give the new header."""
+    first = read_shard(shard)
+    data = bytearray(shard.read_bytes())
+    at = data.index(b'"pt"')
+    data[at:at + 4] = b'"qt"'  # the same length
+    with open(shard, "r+b") as f:
+        f.write(data)
+    again = read_shard(shard)
+    assert again.metadata == {"format": "qt"} and first.metadata == {"format": "pt"}
+    data[data.index(b'"dtype"')] = ord("[")  # corrupt, still the same length
+    with open(shard, "r+b") as f:
+        f.write(data)
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        read_shard(shard)
+
+
 def test_sharded_save_pretrained(tmp_path: Path):
     from transformers import AutoModelForCausalLM
 

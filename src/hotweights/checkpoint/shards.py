@@ -11,7 +11,7 @@ import json
 import math
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hotweights.errors import CheckpointError
@@ -19,6 +19,10 @@ from hotweights.errors import CheckpointError
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 MAX_HEADER = 100_000_000  # the safetensors loader refuses headers past 100 MB too
+# path -> (raw header, file size, Shard) as last parsed: the same header bytes in a file of
+# the same size make the same Shard (a sync reads every header every time; JSON and checks
+# cost ~1 ms per 100 tensors).
+_parsed: dict[str, tuple[bytes, int, Shard]] = {}
 
 # Bits per element of each safetensors dtype (the sub-byte ones pack whole bytes only).
 DTYPE_BITS = {
@@ -89,6 +93,8 @@ def read_shard(path: str | os.PathLike) -> Shard:
             raw = f.read(n)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read: {e}") from e
+    if (seen := _parsed.get(path)) is not None and seen[:2] == (raw, st.st_size):
+        return replace(seen[2], mtime_ns=st.st_mtime_ns, inode=st.st_ino)
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_dup_keys)
     except (UnicodeDecodeError, ValueError) as e:
@@ -116,8 +122,12 @@ def read_shard(path: str | os.PathLike) -> Shard:
         raise CheckpointError(f"{path}: {st.st_size - pos} trailing bytes after the last "
                               f"tensor (data section {data_len} bytes, tensors end at "
                               f"{pos - 8 - n})")
-    return Shard(path, st.st_size, st.st_mtime_ns, st.st_ino, n,
-                 {t.name: t for t in tensors}, dict(metadata))
+    shard = Shard(path, st.st_size, st.st_mtime_ns, st.st_ino, n,
+                  {t.name: t for t in tensors}, dict(metadata))
+    if len(_parsed) >= 4096:  # many directories in one process: start again
+        _parsed.clear()
+    _parsed[path] = raw, st.st_size, shard
+    return shard
 
 
 def _tensor(path: str, name: str, entry: object, base: int, data_len: int) -> TensorInfo:
