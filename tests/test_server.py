@@ -207,7 +207,11 @@ def test_bridge_checkpoint_writes_only_what_changed(server, tmp_path):
         with torch.no_grad():
             row.add_(0.5)
     try:
-        result = bridge.checkpoint(ckpt)
+        # Named: only the stepped tensor is hashed, though every parameter is a view into
+        # the server's shared tensors (only bytes it shares are hashed with it).
+        result = bridge.checkpoint(ckpt, changed=[name])
+        size = model.get_parameter(name).numel() * 2
+        assert result.bytes_hashed == size and result.bytes_trusted > 0
         assert result.version == bridge.version and result.tensors_changed == 1
         assert row.numel() * 2 <= result.bytes_written <= 64 << 10
         disk = load_file(ckpt / "model.safetensors")
