@@ -128,7 +128,7 @@ def test_only_the_tensors_named_changed_are_hashed(saved):
     assert first.bytes_compared == first.bytes_hashed == total and first.bytes_trusted == 0
     name, other = "model.layers.1.mlp.down_proj.weight", "model.layers.0.mlp.up_proj.weight"
     live[name][3] += 1.0
-    result = sync(d, live, changed=[name])
+    result = sync(d, live, changed=(n for n in [name]))  # any iterable, read once
     size = live[name].numel() * 2
     assert result.bytes_hashed == size and result.bytes_trusted == total - size
     assert result.tensors_changed == 1 and torch.equal(_disk(d)[name], live[name])

@@ -29,7 +29,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -73,7 +73,7 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
          block_size: int = blocks.DEFAULT_BLOCK_SIZE, convert_dtype: bool = False,
          max_shard_size: int | str = "50GB", progress: Progress | None = None,
          after_read: Callable[[], None] | None = None,
-         changed: Collection[str] | None = None) -> SyncResult:
+         changed: Iterable[str] | None = None) -> SyncResult:
     """Make the safetensors in `model_dir` hold the `live` tensors, writing what changed.
 
     Args:
@@ -109,7 +109,7 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
     model_dir = Path(model_dir)
     live, model, model_type = unpack(live, config)
     if changed is not None:
-        _check_changed(live, changed)
+        changed = _check_changed(live, changed)
     patch_mode, reason = write_mode(model_dir, mode) if model_dir.is_dir() else (mode, "")
     progress = progress or (lambda phase, done, total: None)
     with journal.locked(_existing(model_dir)):
@@ -228,13 +228,16 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _check_changed(live: Mapping[str, torch.Tensor], changed: Collection[str]) -> None:
+def _check_changed(live: Mapping[str, torch.Tensor], changed: Iterable[str]
+                   ) -> frozenset[str]:
     if isinstance(changed, str):
         raise CheckpointError(f"changed={changed!r}: pass a collection of live tensor names, "
                               "not one string")
+    changed = frozenset(changed)  # a generator is read once, here
     if unknown := sorted(n for n in changed if n not in live):
         raise CheckpointError(f"changed names {len(unknown)} tensor(s) the live weights do not "
                               f"hold, e.g. {unknown[:3]}; nothing was written")
+    return changed
 
 
 def _unchanged(live: Mapping[str, torch.Tensor], changed: Collection[str],
