@@ -141,7 +141,7 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
         tensors_changed=len({n for p in changed for n, _, _ in p.ranges}),
         shards_changed=tuple(p.name for p in changed), bytes_hashed=hashed,
         bytes_compared=compared, bytes_written=written,
-        bytes_trusted=sum(_nbytes(t) for t in matched.values()) - hashed,
+        bytes_trusted=sum(t.nbytes for t in matched.values()) - hashed,
         missing_on_disk=names.only_live, missing_live=names.only_disk,
         seconds=time.perf_counter() - started, writes={p.name: p.how for p in changed},
         tied=tuple(sorted(tied)), reason=reason)
@@ -197,10 +197,10 @@ def _plan(matched, disk, block_size: int, progress: Progress, trusted: set[str]
     for name, t in matched.items():
         shard = disk[name][0]
         by_shard.setdefault(shard.path, _Plan(shard, {}, None, [])).tensors[name] = t
-    total = sum(_nbytes(t) for t in matched.values())
+    total = sum(t.nbytes for t in matched.values())
     done = hashed = compared = 0
     for p in by_shard.values():
-        nbytes = sum(_nbytes(t) for t in p.tensors.values())
+        nbytes = sum(t.nbytes for t in p.tensors.values())
         kind = blocks.kind_of(p.tensors.values())
         old = sidecar.load(p.shard, block_size, kind)
         if old is not None and set(old.tensors) >= set(p.tensors):
@@ -212,20 +212,16 @@ def _plan(matched, disk, block_size: int, progress: Progress, trusted: set[str]
                                    for n in p.tensors})
             p.ranges = [(n, int(lo), int(hi)) for n, c in diff.tensors.items()
                         for lo, hi in c.ranges]
-            hashed += sum(_nbytes(t) for t in todo.values())
+            hashed += sum(t.nbytes for t in todo.values())
         else:
             p.fresh = blocks.fingerprint(p.tensors, block_size=block_size, kind=kind)
-            whole = [(n, 0, _nbytes(t)) for n, t in p.tensors.items()]
+            whole = [(n, 0, t.nbytes) for n, t in p.tensors.items()]
             p.ranges, p.exact = _compare_file(p, whole), True
             compared += nbytes
             hashed += nbytes
         done += nbytes
         progress("hash", done, total)
     return list(by_shard.values()), hashed, compared
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def _check_changed(live: Mapping[str, torch.Tensor], changed: Iterable[str]
@@ -268,7 +264,7 @@ def _unchanged(live: Mapping[str, torch.Tensor], changed: Collection[str],
         starts, ends = merged.get(t.device, ((), ()))
         lo, i = t.data_ptr(), bisect.bisect_right(starts, t.data_ptr()) - 1
         return (i >= 0 and ends[i] > lo) or (i + 1 < len(starts)
-                                             and starts[i + 1] < lo + _nbytes(t))
+                                             and starts[i + 1] < lo + t.nbytes)
     return {n for n, t in matched.items()
             if (t.device, t.untyped_storage().data_ptr()) in own and not touches(t)}
 
