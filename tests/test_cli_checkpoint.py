@@ -100,6 +100,46 @@ def test_sync_prints_a_summary(dirs, capsys):
     assert out.startswith("synced 21 tensors in ")
 
 
+def _with_sidecars(dirs, tmp_path, capsys) -> Path:
+    """A with fresh sidecars: synced once from a copy of itself."""
+    same = shutil.copytree(dirs["A"], tmp_path / "A-copy")
+    assert _run(capsys, "sync", "--model-dir", dirs["A"], "--from", same)[0] == 0
+    return dirs["A"]
+
+
+def test_sync_changed_hashes_only_the_named_tensors(dirs, tmp_path, capsys):
+    a = _with_sidecars(dirs, tmp_path, capsys)
+    rc, out, _ = _run(capsys, "sync", "--model-dir", a, "--from", dirs["B"], "--json",
+                      "--changed", "model.layers.1.mlp.*", "model.embed_tokens.weight")
+    result = json.loads(out)
+    assert rc == 0 and result["tensors_changed"] == 2 and _equal(_disk(a), _disk(dirs["B"]))
+    named = sum(t.nbytes for n, t in _disk(dirs["B"]).items()
+                if n == CHANGED[1] or n.startswith("model.layers.1.mlp."))
+    assert result["bytes_hashed"] == named and result["bytes_compared"] == 0
+    assert result["bytes_trusted"] == sum(t.nbytes for t in _disk(a).values()) - named
+
+
+def test_sync_changed_that_leaves_a_change_out_skips_it_until_a_full_sync(dirs, tmp_path,
+                                                                          capsys):
+    a = _with_sidecars(dirs, tmp_path, capsys)
+    rc, out, _ = _run(capsys, "sync", "--model-dir", a, "--from", dirs["B"],
+                      "--changed", "model.layers.0.*")
+    assert rc == 0 and "  not hashed      " in out and "outside --changed" in out
+    assert "tensors changed 0 of 21" in out and not _equal(_disk(a), _disk(dirs["B"]))
+    rc, out, _ = _run(capsys, "sync", "--model-dir", a, "--from", dirs["B"], "--json")
+    assert rc == 0 and json.loads(out)["tensors_changed"] == 2
+    assert _equal(_disk(a), _disk(dirs["B"]))
+
+
+def test_sync_changed_pattern_matching_nothing_is_an_error_naming_it(dirs, capsys):
+    before = _disk(dirs["A"])
+    rc, out, err = _run(capsys, "sync", "--model-dir", dirs["A"], "--from", dirs["B"],
+                        "--changed", "model.layers.1.*", "lm_head.bias")
+    assert rc == 1 and out == ""
+    assert "--changed 'lm_head.bias' matches none of the 21 live tensor names" in err
+    assert _equal(_disk(dirs["A"]), before)
+
+
 def test_sync_into_an_empty_directory_is_a_first_save(dirs, tmp_path, capsys):
     new = tmp_path / "new"
     rc, out, _ = _run(capsys, "sync", "--model-dir", new, "--from", dirs["B"], "--json")
@@ -138,6 +178,7 @@ def test_sync_refuses_the_same_directory(dirs, capsys):
     ["sync", "--model-dir", "x", "--from", "y", "--mode", "fast"],
     ["sync", "--model-dir", "x", "--server", "http://h:1", "--version", "3"],
     ["sync", "--model-dir", "x", "--from", "y", "--version"],
+    ["sync", "--model-dir", "x", "--from", "y", "--changed"],
     ["diagnose", "--model-dir", "x", "--from", "y", "--server", "http://h:1"],
 ])
 def test_usage_errors_exit_2(argv, capsys):

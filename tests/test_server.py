@@ -243,6 +243,12 @@ def test_sync_and_diagnose_commands_against_the_server(server, capsys, tmp_path)
     result = json.loads(capsys.readouterr().out)
     version = _http(server.url, "/hotweights/status")[2]["version"]
     assert result["version"] == version and not result["missing_on_disk"]
+    assert main(["sync", *args, "--json", "--changed", "model.layers.1.*"]) == 0
+    named = json.loads(capsys.readouterr().out)
+    layer = sum(t.nbytes for n, t in Bridge.connect(server.url, token=TOKEN).model()
+                .state_dict().items() if n.startswith("model.layers.1."))
+    assert named["bytes_hashed"] == layer and named["bytes_trusted"] > 0
+    assert named["bytes_written"] == 0 and named["bytes_compared"] == 0
     assert main(["diagnose", *args]) == 0  # the sidecars now describe the live weights
     out = capsys.readouterr().out
     assert "matched" in out and "fresh" in out

@@ -116,6 +116,12 @@ def _parser() -> argparse.ArgumentParser:
                    "else the token file the server wrote for its port)")
     p.add_argument("--convert-dtype", action="store_true",
                    help="cast tensors to the file's dtype instead of refusing them")
+    p.add_argument("--changed", action="extend", nargs="+", metavar="GLOB",
+                   help="only the tensors these names or glob patterns match (live names, "
+                   "e.g. 'model.layers.2[4-7].*') may have changed since the last sync: the "
+                   "others are not hashed where their shard's sidecar is fresh. Give only "
+                   "what you know (e.g. the trainable parameters): a change outside it is "
+                   "not written until a sync without --changed. Default: hash every tensor")
     p.add_argument("--json", action="store_true", help="print the result as JSON only")
     p.set_defaults(run=_run_sync, usage_error=p.error)
 

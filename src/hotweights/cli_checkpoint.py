@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fnmatch
 import json
 import os
 import sys
@@ -32,8 +33,10 @@ def run_sync(args: argparse.Namespace) -> int:
 
             # The lease pauses the server only while the live bytes are read.
             bridge = Bridge.connect(args.server, token=args.token)
+            changed = _expand(args.changed, bridge.model().state_dict())
             result = bridge.checkpoint(args.model_dir, exclusive=True, mode=args.mode,
-                                       convert_dtype=args.convert_dtype, progress=progress)
+                                       convert_dtype=args.convert_dtype, progress=progress,
+                                       changed=changed)
     journal.finish()  # the command ends with the files fsync'd and the journal removed
     if args.json:
         print(result.to_json())
@@ -57,10 +60,23 @@ def _sync_from(args: argparse.Namespace, progress):
         config = json.loads((src / "config.json").read_text())
     try:
         return sync(dst, tensors, mode=args.mode, version=args.version,
-                    convert_dtype=args.convert_dtype,
+                    convert_dtype=args.convert_dtype, changed=_expand(args.changed, tensors),
                     config=config if isinstance(config, dict) else None, progress=progress)
     finally:
         tensors.close()
+
+
+def _expand(patterns: list[str] | None, names) -> list[str] | None:
+    """The live names `--changed`'s glob patterns match (each must match one), or None."""
+    if patterns is None:
+        return None
+    names, out = list(names), set()
+    for pattern in patterns:
+        if not (hits := [n for n in names if fnmatch.fnmatchcase(n, pattern)]):
+            raise CheckpointError(f"--changed {pattern!r} matches none of the {len(names)} "
+                                  f"live tensor names (e.g. {_sample(names[:3])})")
+        out.update(hits)
+    return sorted(out)
 
 
 def sync_rows(result, disk: dict) -> list[tuple[str, str]]:
@@ -82,6 +98,9 @@ def sync_rows(result, disk: dict) -> list[tuple[str, str]]:
         out.append(("shards changed", f"{len(result.shards_changed)} of {len(shards)}"
                     + (f": {_sample(writes)}" if writes else "")))
         out.append(("tensors changed", f"{result.tensors_changed} of {result.tensors_synced}"))
+        if result.bytes_trusted:
+            out.append(("not hashed", f"{_size(result.bytes_trusted)} outside --changed, "
+                        "taken as unchanged (their sidecars are fresh)"))
     if result.missing_on_disk:
         out.append(("not on disk", f"{len(result.missing_on_disk)} live tensors have no "
                     f"place in the checkpoint: {_sample(result.missing_on_disk)}"))
