@@ -1,6 +1,7 @@
 """blocks: per-block fingerprints, their diff, and the file-bytes fallback (no vLLM)."""
 
 import base64
+import dataclasses
 import json
 
 import numpy as np
@@ -176,8 +177,8 @@ def test_json_round_trip(kind):
     assert changed(fp, back).bytes_changed == 0
 
 
-def _good() -> dict:
-    return fingerprint({"w": torch.randn(40)}, block_size=BS).to_dict()  # 160 B: 3 blocks
+def _good() -> dict:  # 160 B: 3 blocks, 1 coarse
+    return fingerprint({"w": torch.randn(40)}, block_size=BS, kind=XXH3, coarse=True).to_dict()
 
 
 def _set(path: str, value):
@@ -204,7 +205,7 @@ def _set(path: str, value):
     (_set("block_size", 100), "field 'block_size' must be a positive multiple of 8, found 100"),
     (_set("tensors", []), r"field 'tensors' must be an object, found \[\]"),
     (_set("tensors.w", 5), "field 'tensors.w' must be an object"),
-    (_set("tensors.w.hashes", KeyError), "field 'tensors.w' must be an object"),
+    (_set("tensors.w.hashes", KeyError), "field 'tensors.w.hashes' must be a base64 string"),
     (_set("tensors.w.hashes", "not base64!"), r"field 'tensors.w.hashes' is not base64"),
     (_set("tensors.w.hashes", "AAAA"), r"'tensors.w.hashes' holds 3 bytes, not a multiple of 8"),
     (_set("tensors.w.hashes", base64.b64encode(bytes(16)).decode()),
@@ -212,6 +213,11 @@ def _set(path: str, value):
     (_set("tensors.w.nbytes", KeyError), r"'tensors.w.nbytes' must be an int >= 0, found None"),
     (_set("tensors.w.nbytes", -1), r"'tensors.w.nbytes' must be an int >= 0, found -1"),
     (_set("tensors.w.nbytes", 1000), r"'tensors.w.hashes' must be 16 uint64 values"),
+    (_set("tensors.w.coarse", 7), "field 'tensors.w.coarse' must be a base64 string"),
+    (_set("tensors.w.coarse", "AAAA"), r"'tensors.w.coarse' holds 3 bytes"),
+    (_set("tensors.w.coarse", base64.b64encode(bytes(16)).decode()),
+     r"'tensors.w.coarse' must be 1 uint64 values, found \(2,\)"),
+    (_set("kind", TORCH), "coarse hashes are xxh3_64 only, found kind 'torch-mix64-v1'"),
 ])
 def test_from_dict_validation(d, match):
     with pytest.raises(FingerprintError, match=r"^x\.sidecar: .*" + match):
@@ -272,3 +278,69 @@ def test_compare_bytes_errors():
 def test_compare_bytes_zero_elements():
     tc = compare_bytes("e", torch.zeros(0), b"", block_size=BS)
     assert tc.blocks == 0 and tc.ranges.shape == (0, 2)
+
+
+def _equal_fp(a: Fingerprints, b: Fingerprints) -> bool:
+    return (a.kind, a.block_size, list(a.tensors), list(a.coarse)) == \
+        (b.kind, b.block_size, list(b.tensors), list(b.coarse)) and all(
+        a.tensors[n][0] == b.tensors[n][0] and np.array_equal(a.tensors[n][1], b.tensors[n][1])
+        for n in a.tensors) and all(np.array_equal(a.coarse[n], b.coarse[n]) for n in a.coarse)
+
+
+def test_coarse_hashes_round_trip_and_are_dropped_at_another_grain():
+    fp = fingerprint({"a": torch.randn(1000), "b": torch.randn(3)}, block_size=BS, kind=XXH3,
+                     coarse=True)
+    assert [len(fp.coarse[n]) for n in "ab"] == [-(-4000 // (BS * blocks.COARSE)), 1]
+    d = json.loads(json.dumps(fp.to_dict()))
+    assert _equal_fp(Fingerprints.from_dict(d), fp)
+    d["coarse_blocks"] = blocks.COARSE * 2  # written by a build with another grain
+    assert Fingerprints.from_dict(d).coarse == {}
+    assert fingerprint({"a": torch.randn(4)}, block_size=BS, kind=XXH3).coarse == {}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8])
+def test_refresh_equals_hashing_from_scratch(dtype):
+    gen = torch.Generator().manual_seed(1)
+    big = BS * blocks.COARSE  # bytes per coarse hash
+    old = {"w": torch.randn(5 * big + 40, generator=gen).to(dtype),  # partial last region
+           "e": torch.zeros(0, dtype=dtype), "s": torch.randn(3).to(dtype),
+           "gone": torch.randn(9).to(dtype), "resized": torch.randn(big).to(dtype)}
+    fp = fingerprint(old, block_size=BS, kind=XXH3, coarse=True)
+    n = old["w"].nbytes
+    cases = [(), (0,), (big - 1, big), (n - 1,), tuple(range(0, n, big // 2)), (3 * big + 7,)]
+    for flips in cases:
+        new = dict(old, w=_flip(old["w"], *flips), resized=torch.randn(big + 8).to(dtype),
+                   added=torch.randn(70).to(dtype))
+        del new["gone"]
+        got = blocks.refresh(fp, new)
+        assert _equal_fp(got, fingerprint(new, block_size=BS, kind=XXH3, coarse=True)), flips
+        if len(flips) == 1:
+            lo = flips[0] // BS * BS
+            assert changed(fp, got).tensors["w"].ranges.tolist() == [[lo, min(lo + BS, n)]]
+
+
+def test_refresh_hashes_per_block_only_where_a_coarse_hash_differs(monkeypatch):
+    big = BS * blocks.COARSE
+    old = {"w": torch.randn(8 * big // 4), "x": torch.randn(2 * big // 4)}
+    fp = fingerprint(old, block_size=BS, kind=XXH3, coarse=True)
+    seen = []
+    real = blocks._xxh3
+    monkeypatch.setattr(blocks, "_xxh3", lambda mv, size: seen.append((len(mv), size)) or
+                        real(mv, size))
+    new = dict(old, w=_flip(old["w"], 2 * big + 5, 6 * big))
+    blocks.refresh(fp, new)
+    per_block = sum(length for length, size in seen if size == BS)
+    assert per_block == 2 * big  # the two regions that changed, not 10 regions' worth
+    seen.clear()
+    blocks.refresh(dataclasses.replace(fp, coarse={"w": fp.coarse["w"]}), old)  # x: none
+    assert sum(length for length, size in seen if size == BS) == old["x"].nbytes
+
+
+def test_refresh_and_coarse_errors():
+    with pytest.raises(FingerprintError, match="refresh takes xxh3_64 fingerprints"):
+        blocks.refresh(fingerprint({"a": torch.randn(4)}, block_size=BS, kind=TORCH), {})
+    fp = fingerprint({"a": torch.randn(4)}, block_size=BS, kind=XXH3, coarse=True)
+    with pytest.raises(FingerprintError, match="'tensors.b.coarse' has no block hashes"):
+        Fingerprints(XXH3, BS, fp.tensors, {"b": fp.coarse["a"]})
+    with pytest.raises(FingerprintError, match="non contiguous tensor: `t`"):
+        blocks.refresh(fp, {"t": torch.randn(4, 4).t()})

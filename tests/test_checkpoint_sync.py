@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from hotweights import blocks
 from hotweights.checkpoint import journal
 from hotweights.checkpoint.sync import sync
 from hotweights.errors import CheckpointError
@@ -137,6 +138,54 @@ def test_only_the_tensors_named_changed_are_hashed(saved):
     assert not torch.equal(_disk(d)[other], live[other])
     found = sync(d, live)  # a sync without `changed` hashes everything and finds it
     assert found.tensors_changed == 1 and torch.equal(_disk(d)[other], live[other])
+
+
+def _sidecars(d: Path) -> dict[str, dict]:
+    journal.finish()  # sidecars of a sync are written behind its commit
+    return {n: e for p in (d / ".hotweights").glob("*.blocks.json")
+            for n, e in json.loads(p.read_text())["fingerprints"]["tensors"].items()}
+
+
+def test_coarse_hashes_spare_the_per_block_pass_and_never_outlive_their_bytes(saved,
+                                                                              monkeypatch):
+    d, live = saved
+    bs, name = 1024, "model.embed_tokens.weight"  # coarse hashes of 16 KiB
+    sync(d, live, block_size=bs)  # compared with the file; the sidecars get coarse hashes
+    assert all("coarse" in e for e in _sidecars(d).values())
+    seen, real = [], blocks._xxh3
+    monkeypatch.setattr(blocks, "_xxh3", lambda mv, size: seen.append((len(mv), size)) or
+                        real(mv, size))
+    live[name][5] += 1.0  # one row, inside one coarse region
+    result = sync(d, live, block_size=bs)
+    assert result.tensors_changed == 1 and torch.equal(_disk(d)[name], live[name])
+    assert sum(n for n, size in seen if size == bs) == bs * blocks.COARSE  # that region
+    # Hashed per block only (named), a tensor's coarse hashes are dropped, not left stale;
+    # the next sync without a hint finds what the hint left out, and records them again.
+    other = "model.layers.0.mlp.up_proj.weight"
+    live[name][6] += 1.0
+    live[other][0] += 1.0
+    assert sync(d, live, block_size=bs, changed=[name]).tensors_changed == 1
+    entries = _sidecars(d)
+    assert "coarse" not in entries[name] and "coarse" in entries[other]
+    found = sync(d, live, block_size=bs)
+    assert found.tensors_changed == 1 and _disk(d)[other].equal(live[other])
+    assert all("coarse" in e for e in _sidecars(d).values())
+
+
+def test_sidecars_without_coarse_hashes_still_find_every_change(saved):
+    d, live = saved
+    sync(d, live)
+    for p in (d / ".hotweights").glob("*.blocks.json"):  # as an earlier build wrote them
+        doc = json.loads(p.read_text())
+        for e in doc["fingerprints"]["tensors"].values():
+            del e["coarse"]
+        p.write_text(json.dumps(doc))
+    name = "model.layers.1.self_attn.q_proj.weight"
+    live[name][2] += 1.0
+    result = sync(d, live)
+    assert result.bytes_compared == 0 and result.tensors_changed == 1  # the sidecars used
+    assert torch.equal(_disk(d)[name], live[name])
+    assert all("coarse" in e for e in _sidecars(d).values())
 
 
 def test_a_tensor_sharing_bytes_with_a_changed_one_is_hashed(saved):

@@ -80,7 +80,8 @@ def save(model_dir: Path, live: Mapping[str, torch.Tensor], *, mode: str,
                               meta={"version": version})
     stage.commit(model_dir, after_read)
     for filename, names in split.filename_to_tensors.items():
-        fp = blocks.fingerprint({n: tensors[n] for n in names}, block_size=block_size)
+        fp = blocks.fingerprint({n: tensors[n] for n in names}, block_size=block_size,
+                                coarse=True)
         sidecar.write(read_shard(model_dir / filename), fp, version)
     return SyncResult(
         mode=mode, version=version, tensors_synced=len(tensors), tensors_changed=len(tensors),

@@ -125,7 +125,7 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
         matched, tied = dict(names.tensors), names.tied
         for name in list(matched):
             matched[name] = _check(name, matched[name], *disk[name], convert_dtype)
-        trusted = set() if changed is None else _unchanged(live, changed, matched)
+        trusted = None if changed is None else _unchanged(live, changed, matched)
         plans, hashed, compared = _plan(matched, disk, block_size, progress, trusted)
         for p in plans:
             if p.ranges:
@@ -191,8 +191,10 @@ class _Plan:
         return sum(hi - lo for _, lo, hi in self.ranges)
 
 
-def _plan(matched, disk, block_size: int, progress: Progress, trusted: set[str]
+def _plan(matched, disk, block_size: int, progress: Progress, trusted: set[str] | None
           ) -> tuple[list[_Plan], int, int]:
+    """Per shard, its changed ranges and fresh fingerprints. `trusted`: the names `changed=`
+    rules out (None: no hint; then xxh3 shards are hashed coarse first, `blocks.refresh`)."""
     by_shard: dict[str, _Plan] = {}
     for name, t in matched.items():
         shard = disk[name][0]
@@ -204,17 +206,23 @@ def _plan(matched, disk, block_size: int, progress: Progress, trusted: set[str]
         kind = blocks.kind_of(p.tensors.values())
         old = sidecar.load(p.shard, block_size, kind)
         if old is not None and set(old.tensors) >= set(p.tensors):
-            todo = {n: t for n, t in p.tensors.items() if n not in trusted}
-            new = blocks.fingerprint(todo, block_size=block_size, kind=kind)
+            todo = {n: t for n, t in p.tensors.items() if n not in (trusted or ())}
+            # Named tensors are likely changed: straight to per-block hashes.
+            new = blocks.refresh(old, todo) if trusted is None and kind == blocks.XXH3 \
+                else blocks.fingerprint(todo, block_size=block_size, kind=kind)
             diff = blocks.changed(_subset(old, todo), new)
-            p.fresh = new if len(todo) == len(p.tensors) else blocks.Fingerprints(
-                kind, block_size, {n: (new if n in todo else old).tensors[n]
-                                   for n in p.tensors})
+            if len(todo) < len(p.tensors):
+                kept = {n: new if n in todo else old for n in p.tensors}
+                new = blocks.Fingerprints(kind, block_size, {
+                    n: fp.tensors[n] for n, fp in kept.items()}, {
+                    n: fp.coarse[n] for n, fp in kept.items() if n in fp.coarse})
+            p.fresh = new
             p.ranges = [(n, int(lo), int(hi)) for n, c in diff.tensors.items()
                         for lo, hi in c.ranges]
             hashed += sum(t.nbytes for t in todo.values())
         else:
-            p.fresh = blocks.fingerprint(p.tensors, block_size=block_size, kind=kind)
+            p.fresh = blocks.fingerprint(p.tensors, block_size=block_size, kind=kind,
+                                         coarse=True)  # for `refresh` next time
             whole = [(n, 0, t.nbytes) for n, t in p.tensors.items()]
             p.ranges, p.exact = _compare_file(p, whole), True
             compared += nbytes
@@ -344,8 +352,8 @@ def _subset(fp: blocks.Fingerprints, names) -> blocks.Fingerprints:
 def _compare_file(p: _Plan, ranges: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
     """The pages of `ranges` (tensor, byte range) whose bytes differ from the file's."""
     per: dict[str, list[tuple[int, int]]] = {}
-    for name, lo, hi in ranges:
-        per.setdefault(name, []).append((lo, hi))
+    for name, lo, hi in ranges:  # from page starts: a block size under a page, or not a
+        per.setdefault(name, []).append((lo - lo % PAGE, hi))  # multiple of it, is fine
     out = []
     with open(p.shard.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
         view = memoryview(m)
