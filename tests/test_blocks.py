@@ -307,16 +307,31 @@ def test_refresh_equals_hashing_from_scratch(dtype):
            "gone": torch.randn(9).to(dtype), "resized": torch.randn(big).to(dtype)}
     fp = fingerprint(old, block_size=BS, kind=XXH3, coarse=True)
     n = old["w"].nbytes
-    cases = [(), (0,), (big - 1, big), (n - 1,), tuple(range(0, n, big // 2)), (3 * big + 7,)]
-    for flips in cases:
+    everywhere = tuple(range(0, n, big // 2))
+    for flips in [(), (0,), (big - 1, big), (n - 1,), everywhere, (3 * big + 7,)]:
         new = dict(old, w=_flip(old["w"], *flips), resized=torch.randn(big + 8).to(dtype),
                    added=torch.randn(70).to(dtype))
         del new["gone"]
         got = blocks.refresh(fp, new)
-        assert _equal_fp(got, fingerprint(new, block_size=BS, kind=XXH3, coarse=True)), flips
+        scratch = fingerprint(new, block_size=BS, kind=XXH3, coarse=True)
+        assert _equal_fp(dataclasses.replace(got, coarse={}),
+                         dataclasses.replace(scratch, coarse={})), flips
+        assert all(np.array_equal(h, scratch.coarse[k]) for k, h in got.coarse.items())
+        # Kept where they will likely pay: not for a tensor changed all over, nor for
+        # one without coarse hashes before that changed (or was resized, or added).
+        assert set(got.coarse) == {"e", "s"} | ({"w"} if flips != everywhere else set())
         if len(flips) == 1:
             lo = flips[0] // BS * BS
             assert changed(fp, got).tensors["w"].ranges.tolist() == [[lo, min(lo + BS, n)]]
+
+
+def test_refresh_gives_coarse_hashes_back_to_a_tensor_found_unchanged():
+    ts = {"a": torch.randn(3 * BS), "b": torch.randn(3 * BS)}
+    plain = fingerprint(ts, block_size=BS, kind=XXH3)  # e.g. after a sync that named them
+    got = blocks.refresh(plain, dict(ts, b=_flip(ts["b"], 5)))
+    assert list(got.coarse) == ["a"]
+    assert np.array_equal(got.coarse["a"], fingerprint(ts, block_size=BS, kind=XXH3,
+                                                       coarse=True).coarse["a"])
 
 
 def test_refresh_hashes_per_block_only_where_a_coarse_hash_differs(monkeypatch):

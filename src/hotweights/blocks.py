@@ -249,36 +249,42 @@ def fingerprint(tensors: Mapping[str, torch.Tensor], *,
 
 
 def refresh(old: Fingerprints, tensors: Mapping[str, torch.Tensor]) -> Fingerprints:
-    """xxh3 fingerprints of `tensors`, with coarse hashes, reusing `old`'s block hashes
-    where the bytes are unchanged.
+    """xxh3 fingerprints of `tensors`, reusing `old`'s block hashes where the bytes are
+    unchanged, with coarse hashes where they will likely pay next time.
 
-    A tensor `old` holds coarse hashes for, at its size, is hashed per `COARSE` blocks;
-    only the regions whose coarse hash differs are hashed per block, the other block hashes
-    are `old`'s (they describe the same bytes as its coarse hashes). Any other tensor is
-    hashed per block and coarse (two passes, once).
+    A tensor `old` holds coarse hashes for (at its size) is hashed per `COARSE` blocks
+    first; only the regions whose coarse hash differs are hashed per block, the other block
+    hashes are `old`'s (they describe the same bytes as its coarse hashes). Its new coarse
+    hashes are kept unless most regions differed: a tensor that changes all over (every
+    step of full training) is then hashed per block alone, one pass. A tensor without
+    coarse hashes is hashed per block; found unchanged, it gets coarse hashes again.
 
     Args:
         old: the recorded xxh3 fingerprints (e.g. a sidecar's), at the block size wanted.
         tensors: name -> contiguous CPU tensor.
     Returns:
-        The same `Fingerprints` as `fingerprint(tensors, kind="xxh3_64", coarse=True)`.
+        The block hashes `fingerprint(tensors, kind="xxh3_64")` gives, and coarse hashes
+        for some of the tensors (those of `fingerprint(..., coarse=True)`).
     Raises:
         FingerprintError: `old` not xxh3, a non-contiguous or non-CPU tensor (named).
     """
     if old.kind != XXH3:
         raise FingerprintError(f"refresh takes {XXH3} fingerprints, found {old.kind!r}")
-    bs = old.block_size
-    big, per, coarse = bs * COARSE, {}, {}
+    bs, big, per, coarse = old.block_size, old.block_size * COARSE, {}, {}
     for n, mv in _host_views(tensors).items():
-        coarse[n] = now = _xxh3(mv, big)
-        was = old.coarse.get(n)
-        if was is None or old.tensors[n][0] != len(mv):
-            per[n] = (len(mv), _xxh3(mv, bs))
-            continue
-        h = old.tensors[n][1].copy()
-        for i in np.flatnonzero(was != now).tolist():
-            h[i * COARSE:(i + 1) * COARSE] = _xxh3(mv[i * big:(i + 1) * big], bs)
-        per[n] = (len(mv), h)
+        same_size = old.tensors.get(n, (-1,))[0] == len(mv)
+        if same_size and n in old.coarse:
+            now = _xxh3(mv, big)
+            dirty = np.flatnonzero(old.coarse[n] != now)
+            if 2 * len(dirty) <= len(now):  # mostly unchanged: per block where it differs
+                h = old.tensors[n][1].copy()
+                for i in dirty.tolist():
+                    h[i * COARSE:(i + 1) * COARSE] = _xxh3(mv[i * big:(i + 1) * big], bs)
+                per[n], coarse[n] = (len(mv), h), now
+                continue
+        per[n] = (len(mv), h := _xxh3(mv, bs))
+        if same_size and n not in old.coarse and np.array_equal(old.tensors[n][1], h):
+            coarse[n] = _xxh3(mv, big)  # found unchanged: coarse first from next time
     return Fingerprints(XXH3, bs, per, coarse)
 
 
