@@ -232,7 +232,7 @@ def fingerprint(tensors: Mapping[str, torch.Tensor], *,
             size or kind.
     """
     kind = kind_of(tensors.values()) if kind is None else kind
-    Fingerprints(kind, block_size, {})  # checks kind and block size before any work
+    empty = Fingerprints(kind, block_size, {})  # checks kind and block size before any work
     if kind == XXH3:
         views = _host_views(tensors)
         return Fingerprints(kind, block_size, {
@@ -240,7 +240,7 @@ def fingerprint(tensors: Mapping[str, torch.Tensor], *,
             {n: _xxh3(mv, block_size * COARSE) for n, mv in views.items()} if coarse else {})
     flat = {name: _bytes_of(name, t) for name, t in tensors.items()}
     if not flat:
-        return Fingerprints(kind, block_size, {})
+        return empty
     per = [_torch_blocks(u8, block_size) for u8 in flat.values()]
     both = torch.cat([h.to(per[0].device) for h in per]).cpu()  # one copy, not one per tensor
     parts = np.split(both.numpy().view(np.uint64), np.cumsum([h.numel() for h in per])[:-1])

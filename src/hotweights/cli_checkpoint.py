@@ -33,7 +33,8 @@ def run_sync(args: argparse.Namespace) -> int:
 
             # The lease pauses the server only while the live bytes are read.
             bridge = Bridge.connect(args.server, token=args.token)
-            changed = _expand(args.changed, bridge.model().state_dict())
+            changed = None if args.changed is None else _expand(  # names read only for --changed
+                args.changed, bridge.model().state_dict())
             result = bridge.checkpoint(args.model_dir, exclusive=True, mode=args.mode,
                                        convert_dtype=args.convert_dtype, progress=progress,
                                        changed=changed)

@@ -126,24 +126,24 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
         for name in list(matched):
             matched[name] = _check(name, matched[name], *disk[name], convert_dtype)
         trusted = None if changed is None else _unchanged(live, changed, matched)
-        plans, hashed, compared = _plan(matched, disk, block_size, progress, trusted)
+        plans, hashed, compared, trusted_bytes = _plan(matched, disk, block_size, progress,
+                                                       trusted)
         for p in plans:
             if p.ranges:
                 p.how = _how(p, mode, patch_mode)
                 if p.how != "whole" and not p.exact:
                     p.ranges = _compare_file(p, p.ranges)
-        changed = [p for p in plans if p.ranges]
-        _check_space(model_dir, changed)
+        writing = [p for p in plans if p.ranges]
+        _check_space(model_dir, writing)
         record = functools.partial(_record, plans, version)
-        written = _write(model_dir, changed, version, progress, after_read, record)
+        written = _write(model_dir, writing, version, progress, after_read, record)
     return SyncResult(
         mode=mode, version=version, tensors_synced=len(matched),
-        tensors_changed=len({n for p in changed for n, _, _ in p.ranges}),
-        shards_changed=tuple(p.name for p in changed), bytes_hashed=hashed,
-        bytes_compared=compared, bytes_written=written,
-        bytes_trusted=sum(t.nbytes for t in matched.values()) - hashed,
+        tensors_changed=len({n for p in writing for n, _, _ in p.ranges}),
+        shards_changed=tuple(p.name for p in writing), bytes_hashed=hashed,
+        bytes_compared=compared, bytes_written=written, bytes_trusted=trusted_bytes,
         missing_on_disk=names.only_live, missing_live=names.only_disk,
-        seconds=time.perf_counter() - started, writes={p.name: p.how for p in changed},
+        seconds=time.perf_counter() - started, writes={p.name: p.how for p in writing},
         tied=tuple(sorted(tied)), reason=reason)
 
 
@@ -192,9 +192,10 @@ class _Plan:
 
 
 def _plan(matched, disk, block_size: int, progress: Progress, trusted: set[str] | None
-          ) -> tuple[list[_Plan], int, int]:
-    """Per shard, its changed ranges and fresh fingerprints. `trusted`: the names `changed=`
-    rules out (None: no hint; then xxh3 shards are hashed coarse first, `blocks.refresh`)."""
+          ) -> tuple[list[_Plan], int, int, int]:
+    """Per shard, its changed ranges and fresh fingerprints; the bytes hashed, compared with
+    the file and not hashed. `trusted`: the names `changed=` rules out (None: no hint; then
+    xxh3 shards are hashed coarse first, `blocks.refresh`)."""
     by_shard: dict[str, _Plan] = {}
     for name, t in matched.items():
         shard = disk[name][0]
@@ -229,7 +230,7 @@ def _plan(matched, disk, block_size: int, progress: Progress, trusted: set[str] 
             hashed += nbytes
         done += nbytes
         progress("hash", done, total)
-    return list(by_shard.values()), hashed, compared
+    return list(by_shard.values()), hashed, compared, total - hashed
 
 
 def _check_changed(live: Mapping[str, torch.Tensor], changed: Iterable[str]
