@@ -153,6 +153,19 @@ def custom_model(tiny_model, tmp_path_factory):
     return out
 
 
+def remove_synced(d) -> None:
+    """Remove a directory this process synced into, once nothing of those syncs runs behind
+    them: `sync` returns at its commit, its finisher thread then writes the sidecars and
+    its sweeper frees the trash, both in the directory."""
+    import shutil
+
+    from hotweights.checkpoint import journal
+
+    journal.finish()
+    journal._join_sweeper()
+    shutil.rmtree(d)
+
+
 @pytest.fixture(scope="session")
 def xfs_dir(tmp_path_factory):
     """A loop-mounted 512 MiB XFS with reflinks (root and xfsprogs needed, else a skip).

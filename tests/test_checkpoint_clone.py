@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import remove_synced
 from hotweights.checkpoint import clone
 from hotweights.errors import CheckpointError
 
@@ -23,7 +24,7 @@ def xfs(xfs_dir, request):
     d = xfs_dir / re.sub(r"\W", "_", request.node.name)
     d.mkdir()
     yield d
-    shutil.rmtree(d)
+    remove_synced(d)
 
 
 @pytest.fixture(params=["tmp_path", "dev_shm"])
@@ -40,7 +41,7 @@ def plain_dir(request, tmp_path):
         d = Path(os.path.realpath("/dev/shm")) / f"hotweights-test-{os.getpid()}"
         d.mkdir()
         yield d
-        shutil.rmtree(d)
+        remove_synced(d)
 
 
 @pytest.fixture

@@ -1,7 +1,6 @@
 """checkpoint.sync write modes (reflink, journal, copy, auto), first saves and bad places."""
 
 import os
-import shutil
 import subprocess
 import threading
 from pathlib import Path
@@ -11,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from conftest import remove_synced
 from hotweights.checkpoint import journal
 from hotweights.checkpoint.sync import sync, write_mode
 from hotweights.errors import CheckpointError
@@ -36,7 +36,7 @@ def place(request, tmp_path, tmp_path_factory):
         d = request.getfixturevalue("xfs_dir") / request.node.name
         d.mkdir()
         yield d
-        shutil.rmtree(d)
+        remove_synced(d)
     else:
         yield tmp_path / "model"
 
