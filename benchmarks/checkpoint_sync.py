@@ -8,6 +8,12 @@ its own copy of that directory:
   the unchanged model writes the sidecars first (timed apart, not in any scenario);
 - named: the same, told which tensors the scenario may have changed (`changed=`, as a
   trainer passes the parameters its optimizer steps): only those are hashed;
+- watched: the same with a `WriteWatch` (`watch=`), on live tensors that the scenario
+  changes in place (only the differing elements written, untimed, as a trainer's step):
+  only the pages the kernel saw written are hashed. Where this machine cannot watch
+  writes, it hashes like hotweights (the reason is printed). Also timed: a full in-place
+  write of every watched tensor against the same write to unwatched ones (the faults the
+  watch costs a trainer's step);
 - seed: the seed algorithm, reimplemented: per tensor a host copy (`.cpu().clone()`), a
   Python loop comparing the file's bytes with it per 4 KB block (bytes slices), differing
   blocks written in place through an mmap of the shard, `flush` (msync) per shard;
@@ -33,8 +39,10 @@ contiguous tensor), the ceiling for change detection.
 The last line is one JSON object: {"model_bytes", "changed_bytes", "written_bytes",
 "speedup_vs_seed", "speedup_vs_full" (these five for scenario (a)),
 "scattered_speedup_vs_full" (c), "nochange_gbps" (d), "hash_gbps", "nochange_vs_hash",
-"named_speedup_vs_seed", "named_speedup_vs_full" (a, with `changed=`)}; a speedup is the
-baseline's seconds over hotweights' seconds.
+"named_speedup_vs_seed", "named_speedup_vs_full" (a, with `changed=`),
+"watched_speedup_vs_seed", "watched_speedup_vs_full" (a, with `watch=`), "watch_write_cost"
+(watched over unwatched seconds of a full write)}; a speedup is the baseline's seconds over
+hotweights' seconds.
 
 Run:  .venv/bin/python benchmarks/checkpoint_sync.py [--size-gb 1.0] [--mode auto]
       [--repeat 3] [--workdir /tmp]
@@ -63,14 +71,15 @@ from safetensors.torch import save_file
 from hotweights import blocks
 from hotweights.checkpoint import journal
 from hotweights.checkpoint.sync import sync
+from hotweights.writewatch import WriteWatch
 
 SHARDS = 4
 SEED_BLOCK = 4096
 VOCAB = 32000
 SCENARIOS = {"a": "1% of rows in a few tensors", "b": "two whole layers",
              "c": "1% of elements, every tensor", "d": "nothing changed"}
-METHODS = ("hotweights", "named", "seed", "full")
-OURS = ("hotweights", "named")
+METHODS = ("hotweights", "named", "watched", "seed", "full")
+OURS = ("hotweights", "named", "watched")
 
 
 # --- the model ------------------------------------------------------------------------
@@ -155,6 +164,32 @@ def mutate(old: dict, scenario: str, gen: torch.Generator) -> tuple[dict, list[s
             idx = torch.randint(0, flat.numel(), (max(1, flat.numel() // 100),), generator=gen)
             flat[idx] = -flat[idx]  # -0.0 differs from 0.0 in its bytes too
     return live, names
+
+
+def write_in_place(dst: dict, src: dict, names: list[str]) -> None:
+    """Make `dst[n]` hold `src[n]`'s bytes, writing only the bytes that differ (a step
+    writes its own elements; a copy of the whole tensor would write every page)."""
+    for n in names:
+        a, b = dst[n].view(-1).view(torch.uint8), src[n].view(-1).view(torch.uint8)
+        idx = (a != b).nonzero().squeeze(1)
+        a[idx] = b[idx]
+
+
+def write_cost(live: dict, watch: WriteWatch, repeat: int) -> tuple[float, float]:
+    """Seconds of one in-place write of every tensor (`mul_(1)`): watched tensors right
+    after a sync (every page protected again), and unwatched copies of them."""
+    plain = {n: t.clone() for n, t in live.items()}
+    out = []
+    for d in (live, plain):
+        secs = []
+        for _ in range(repeat):
+            watch.written(live)  # protects the pages written since
+            t0 = time.perf_counter()
+            for t in d.values():
+                t.mul_(1)
+            secs.append(time.perf_counter() - t0)
+        out.append(statistics.median(secs))
+    return out[0], out[1]
 
 
 def changed_bytes(old: dict, new: dict, block_size: int) -> tuple[int, int]:
@@ -264,9 +299,12 @@ def main() -> None:
         dirs = {m: root / m for m in METHODS}
         for m in METHODS:
             shutil.copytree(base, dirs[m])
+        watch, watched = WriteWatch(), {n: t.clone() for n, t in old.items()}
         for m in OURS:
             settle(dirs[m])
-            warm = sync(dirs[m], old, mode=args.mode, version="v0")
+            warm = sync(dirs[m], watched if m == "watched" else old, mode=args.mode,
+                        version="v0", watch=watch if m == "watched" else None)
+        print(f"write watch: {watch.why or 'on'}")
         print(f"warm-up sync (no sidecars yet; writes them; not in any scenario): "
               f"{warm.seconds:.2f} s, compared {warm.bytes_compared:,} B, written "
               f"{warm.bytes_written:,} B")
@@ -289,12 +327,15 @@ def main() -> None:
             results = {}
             for rep in range(args.repeat):
                 for m in METHODS:
+                    if m == "watched":  # the step, in place (untimed)
+                        write_in_place(watched, live, names)
                     settle(dirs[m])
                     t0 = time.perf_counter()
                     if m in OURS:
                         hint = names if m == "named" else None
-                        res = sync(dirs[m], live, mode=args.mode, version=f"{sc}{rep}",
-                                   changed=hint)
+                        res = sync(dirs[m], watched if m == "watched" else live,
+                                   mode=args.mode, version=f"{sc}{rep}", changed=hint,
+                                   watch=watch if m == "watched" else None)
                         results[m] = res
                         written[m] = res.bytes_written
                     elif m == "seed":
@@ -304,7 +345,12 @@ def main() -> None:
                     secs[m].append(time.perf_counter() - t0)
                     if rep == 0:
                         verify(dirs[m], live, f"scenario ({sc}), {m}")
-                    if m in OURS and sc != "d":  # back to the old content, untimed
+                        if m == "watched":
+                            verify(dirs[m], watched, f"scenario ({sc}), {m} (its tensors)")
+                    if m == "watched" and sc != "d":  # back to the old content, untimed
+                        write_in_place(watched, old, names)
+                        sync(dirs[m], watched, mode=args.mode, version="v0", watch=watch)
+                    elif m in OURS and sc != "d":
                         sync(dirs[m], old, mode=args.mode, version="v0")
                     elif m == "seed" and sc != "d":
                         seed_sync(dirs[m], old)
@@ -316,6 +362,8 @@ def main() -> None:
             rows[sc] = dict(changed=cb, elements=ce, seconds=med, written=written,
                             results=results)
             del live
+
+        wrote_watched, wrote_plain = write_cost(watched, watch, args.repeat)
 
         # the table
         print(f"\npage cache warm for every method (os.sync() then the shards read before "
@@ -347,6 +395,9 @@ def main() -> None:
         out["nochange_vs_hash"] = out["nochange_gbps"] / hash_gbps
         out["named_speedup_vs_seed"] = a["seconds"]["seed"] / a["seconds"]["named"]
         out["named_speedup_vs_full"] = a["seconds"]["full"] / a["seconds"]["named"]
+        out["watched_speedup_vs_seed"] = a["seconds"]["seed"] / a["seconds"]["watched"]
+        out["watched_speedup_vs_full"] = a["seconds"]["full"] / a["seconds"]["watched"]
+        out["watch_write_cost"] = wrote_watched / wrote_plain
 
         def target(ok: bool) -> str:
             return "met" if ok else "MISSED"
@@ -360,6 +411,10 @@ def main() -> None:
               f"({target(out['named_speedup_vs_seed'] >= 15)}), vs full "
               f"{out['named_speedup_vs_full']:.2f}x "
               f"({target(out['named_speedup_vs_full'] >= 10)})")
+        print(f"  (a) watched (watch=), vs seed {out['watched_speedup_vs_seed']:.2f}x "
+              f"({target(out['watched_speedup_vs_seed'] >= 15)}), vs full "
+              f"{out['watched_speedup_vs_full']:.2f}x "
+              f"({target(out['watched_speedup_vs_full'] >= 10)})")
         print(f"  (c) vs full   {out['scattered_speedup_vs_full']:8.2f}x  >= 1x    "
               f"{target(out['scattered_speedup_vs_full'] >= 1)}")
         print(f"  (d) vs xxh3   {out['nochange_vs_hash']:8.2%}  >= 50%   "
@@ -369,6 +424,9 @@ def main() -> None:
             ratio = r["written"]["hotweights"] / r["changed"]
             print(f"  ({sc}) written / changed blocks {ratio:6.3f}  <= 1.1   "
                   f"{target(ratio <= 1.1)}  (journal not counted)")
+        print(f"a full in-place write of the model (mul_(1)): {wrote_watched:.3f} s watched, "
+              f"{wrote_plain:.3f} s not ({out['watch_write_cost']:.2f}x: one fault per page "
+              "written after a sync)")
         print(f"total {time.perf_counter() - started:.0f} s")
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v
                           for k, v in out.items()}))

@@ -359,3 +359,21 @@ def test_refresh_and_coarse_errors():
         Fingerprints(XXH3, BS, fp.tensors, {"b": fp.coarse["a"]})
     with pytest.raises(FingerprintError, match="non contiguous tensor: `t`"):
         blocks.refresh(fp, {"t": torch.randn(4, 4).t()})
+
+
+def test_refresh_hashes_only_the_blocks_written_tells(monkeypatch):
+    big = BS * blocks.COARSE
+    old = {"w": torch.randn(3 * big // 4 + 5), "x": torch.randn(big // 4)}
+    fp = fingerprint(old, block_size=BS, kind=XXH3, coarse=True)
+    new = dict(old, w=_flip(old["w"], 5, 2 * big + BS + 1))
+    seen = []
+    real = blocks._xxh3
+    monkeypatch.setattr(blocks, "_xxh3", lambda mv, size: seen.append(len(mv)) or
+                        real(mv, size))
+    got = blocks.refresh(fp, new, written={"w": [(0, 8), (2 * big + BS, 2 * big + BS + 2)],
+                                           "x": []})
+    assert seen == [BS, BS]  # one block per range, nothing of x
+    scratch = fingerprint(new, block_size=BS, kind=XXH3, coarse=True)
+    assert _equal_fp(dataclasses.replace(got, coarse={}), dataclasses.replace(scratch, coarse={}))
+    assert list(got.coarse) == ["x"]  # w's no longer describe its bytes
+    assert np.array_equal(got.coarse["x"], scratch.coarse["x"])

@@ -248,7 +248,8 @@ def fingerprint(tensors: Mapping[str, torch.Tensor], *,
         flat.items(), parts, strict=True)})
 
 
-def refresh(old: Fingerprints, tensors: Mapping[str, torch.Tensor]) -> Fingerprints:
+def refresh(old: Fingerprints, tensors: Mapping[str, torch.Tensor], *,
+            written: Mapping[str, Iterable[tuple[int, int]]] | None = None) -> Fingerprints:
     """xxh3 fingerprints of `tensors`, reusing `old`'s block hashes where the bytes are
     unchanged, with coarse hashes where they will likely pay next time.
 
@@ -262,6 +263,9 @@ def refresh(old: Fingerprints, tensors: Mapping[str, torch.Tensor]) -> Fingerpri
     Args:
         old: the recorded xxh3 fingerprints (e.g. a sidecar's), at the block size wanted.
         tensors: name -> contiguous CPU tensor.
+        written: name -> the byte ranges [start, stop) of that tensor that may differ from
+            `old` (a `WriteWatch` knows them): only the blocks they touch are hashed; its
+            coarse hashes are kept if there are none, else dropped.
     Returns:
         The block hashes `fingerprint(tensors, kind="xxh3_64")` gives, and coarse hashes
         for some of the tensors (those of `fingerprint(..., coarse=True)`).
@@ -273,6 +277,15 @@ def refresh(old: Fingerprints, tensors: Mapping[str, torch.Tensor]) -> Fingerpri
     bs, big, per, coarse = old.block_size, old.block_size * COARSE, {}, {}
     for n, mv in _host_views(tensors).items():
         same_size = old.tensors.get(n, (-1,))[0] == len(mv)
+        if same_size and written is not None and n in written:
+            h, ranges = old.tensors[n][1].copy(), list(written[n])
+            for lo, hi in ranges:
+                b0, b1 = lo // bs, -(-hi // bs)
+                h[b0:b1] = _xxh3(mv[b0 * bs:b1 * bs], bs)
+            per[n] = (len(mv), h)
+            if not ranges and n in old.coarse:
+                coarse[n] = old.coarse[n]
+            continue
         if same_size and n in old.coarse:
             now = _xxh3(mv, big)
             dirty = np.flatnonzero(old.coarse[n] != now)

@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from hotweights import blocks
@@ -42,6 +43,7 @@ from hotweights.checkpoint.names import to_disk, unpack
 from hotweights.checkpoint.result import SyncResult
 from hotweights.checkpoint.shards import Shard, TensorInfo, read_dir
 from hotweights.errors import CheckpointError
+from hotweights.writewatch import WriteWatch
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +75,7 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
          block_size: int = blocks.DEFAULT_BLOCK_SIZE, convert_dtype: bool = False,
          max_shard_size: int | str = "50GB", progress: Progress | None = None,
          after_read: Callable[[], None] | None = None,
-         changed: Iterable[str] | None = None) -> SyncResult:
+         changed: Iterable[str] | None = None, watch: WriteWatch | None = None) -> SyncResult:
     """Make the safetensors in `model_dir` hold the `live` tensors, writing what changed.
 
     Args:
@@ -98,6 +100,11 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
             and its bytes share none with a named tensor's (a tied alias, a view). Only
             pass what you know: a change this leaves out is not written (a later sync
             without `changed` finds it). None: every tensor is hashed.
+        watch: a `WriteWatch` this process passes to every sync of these weights: where
+            the kernel tracks the writes to a live tensor (this process's own CPU memory,
+            Linux 6.7+), only the blocks written since the last sync are hashed, no
+            promise asked of you. The tensors it cannot watch are hashed; `changed` rules
+            over it for the tensors it names.
     Returns:
         A `SyncResult`.
     Raises:
@@ -125,18 +132,26 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
         matched, tied = dict(names.tensors), names.tied
         for name in list(matched):
             matched[name] = _check(name, matched[name], *disk[name], convert_dtype)
-        trusted = None if changed is None else _unchanged(live, changed, matched)
-        plans, hashed, compared, trusted_bytes = _plan(matched, disk, block_size, progress,
-                                                       trusted)
-        for p in plans:
-            if p.ranges:
-                p.how = _how(p, mode, patch_mode)
-                if p.how != "whole" and not p.exact:
-                    p.ranges = _compare_file(p, p.ranges)
-        writing = [p for p in plans if p.ranges]
-        _check_space(model_dir, writing)
-        record = functools.partial(_record, plans, version)
-        written = _write(model_dir, writing, version, progress, after_read, record)
+        own = _own(live, matched)
+        trusted = None if changed is None else _unchanged(live, changed, matched, own)
+        seen = {} if watch is None else watch.written({n: matched[n] for n in own})
+        hashes = {}
+        try:
+            plans, hashed, compared, trusted_bytes = _plan(matched, disk, block_size,
+                                                           progress, trusted, seen, watch)
+            for p in plans:
+                if p.ranges:
+                    p.how = _how(p, mode, patch_mode)
+                    if p.how != "whole" and not p.exact:
+                        p.ranges = _compare_file(p, p.ranges)
+            writing = [p for p in plans if p.ranges]
+            _check_space(model_dir, writing)
+            record = functools.partial(_record, plans, version)
+            written = _write(model_dir, writing, version, progress, after_read, record)
+            hashes = {n: p.fresh.tensors[n][1] for p in plans for n in p.hashed}
+        finally:  # what the watch tells next time counts from the hashes just taken
+            if watch is not None:
+                watch.record(hashes)
     return SyncResult(
         mode=mode, version=version, tensors_synced=len(matched),
         tensors_changed=len({n for p in writing for n, _, _ in p.ranges}),
@@ -181,6 +196,7 @@ class _Plan:
     ranges: list[tuple[str, int, int]]  # (tensor, byte range within it) that changed
     how: str = ""
     exact: bool = False  # ranges are the pages that differ (else: whole changed blocks)
+    hashed: tuple[str, ...] = ()  # the tensors whose fresh block hashes were taken now
 
     @property
     def name(self) -> str:
@@ -191,11 +207,13 @@ class _Plan:
         return sum(hi - lo for _, lo, hi in self.ranges)
 
 
-def _plan(matched, disk, block_size: int, progress: Progress, trusted: set[str] | None
+def _plan(matched, disk, block_size: int, progress: Progress, trusted: set[str] | None,
+          written: Mapping[str, list[tuple[int, int]]], watch: WriteWatch | None
           ) -> tuple[list[_Plan], int, int, int]:
     """Per shard, its changed ranges and fresh fingerprints; the bytes hashed, compared with
     the file and not hashed. `trusted`: the names `changed=` rules out (None: no hint; then
-    xxh3 shards are hashed coarse first, `blocks.refresh`)."""
+    xxh3 shards are hashed coarse first, `blocks.refresh`). `written`: what `watch` saw
+    written, used where the sidecar holds the hashes it recorded."""
     by_shard: dict[str, _Plan] = {}
     for name, t in matched.items():
         shard = disk[name][0]
@@ -208,8 +226,11 @@ def _plan(matched, disk, block_size: int, progress: Progress, trusted: set[str] 
         old = sidecar.load(p.shard, block_size, kind)
         if old is not None and set(old.tensors) >= set(p.tensors):
             todo = {n: t for n, t in p.tensors.items() if n not in (trusted or ())}
+            seen = {n: r for n, r in written.items()
+                    if n in todo and _same(watch.recorded(n), old.tensors[n][1])}
             # Named tensors are likely changed: straight to per-block hashes.
-            new = blocks.refresh(old, todo) if trusted is None and kind == blocks.XXH3 \
+            new = blocks.refresh(old, todo, written=seen) \
+                if trusted is None and kind == blocks.XXH3 \
                 else blocks.fingerprint(todo, block_size=block_size, kind=kind)
             diff = blocks.changed(_subset(old, todo), new)
             if len(todo) < len(p.tensors):
@@ -217,13 +238,15 @@ def _plan(matched, disk, block_size: int, progress: Progress, trusted: set[str] 
                 new = blocks.Fingerprints(kind, block_size, {
                     n: fp.tensors[n] for n, fp in kept.items()}, {
                     n: fp.coarse[n] for n, fp in kept.items() if n in fp.coarse})
-            p.fresh = new
+            p.fresh, p.hashed = new, tuple(todo)
             p.ranges = [(n, int(lo), int(hi)) for n, c in diff.tensors.items()
                         for lo, hi in c.ranges]
-            hashed += sum(t.nbytes for t in todo.values())
+            hashed += sum(t.nbytes for n, t in todo.items() if n not in seen) + sum(
+                _block_bytes(r, block_size, todo[n].nbytes) for n, r in seen.items())
         else:
             p.fresh = blocks.fingerprint(p.tensors, block_size=block_size, kind=kind,
                                          coarse=True)  # for `refresh` next time
+            p.hashed = tuple(p.tensors)
             whole = [(n, 0, t.nbytes) for n, t in p.tensors.items()]
             p.ranges, p.exact = _compare_file(p, whole), True
             compared += nbytes
@@ -245,11 +268,29 @@ def _check_changed(live: Mapping[str, torch.Tensor], changed: Iterable[str]
     return changed
 
 
-def _unchanged(live: Mapping[str, torch.Tensor], changed: Collection[str],
-               matched: Mapping[str, torch.Tensor]) -> set[str]:
-    """The disk names `changed` rules out: tensors whose bytes are a live tensor's own
-    (not a conversion's or a cast's copy) and share none with a tensor named in it."""
+def _same(a: np.ndarray | None, b: np.ndarray) -> bool:
+    return a is b or np.array_equal(a, b)  # the sidecar this process wrote: the same array
+
+
+def _block_bytes(ranges: list[tuple[int, int]], block_size: int, nbytes: int) -> int:
+    """The bytes of the blocks that `ranges` touch."""
+    blocks_touched = set()
+    for lo, hi in ranges:
+        blocks_touched.update(range(lo // block_size, -(-hi // block_size)))
+    return min(nbytes, len(blocks_touched) * block_size)
+
+
+def _own(live: Mapping[str, torch.Tensor], matched: Mapping[str, torch.Tensor]) -> set[str]:
+    """The disk names whose tensors are a live tensor's own bytes, not a conversion's or
+    a cast's copy."""
     own = {(t.device, t.untyped_storage().data_ptr()) for t in live.values()}
+    return {n for n, t in matched.items() if (t.device, t.untyped_storage().data_ptr()) in own}
+
+
+def _unchanged(live: Mapping[str, torch.Tensor], changed: Collection[str],
+               matched: Mapping[str, torch.Tensor], own: set[str]) -> set[str]:
+    """The disk names `changed` rules out: tensors of `own` whose bytes share none with
+    a tensor named in it."""
     spans: dict[torch.device, list[tuple[int, int]]] = {}
     for n in changed:
         t = live[n]
@@ -274,8 +315,7 @@ def _unchanged(live: Mapping[str, torch.Tensor], changed: Collection[str],
         lo, i = t.data_ptr(), bisect.bisect_right(starts, t.data_ptr()) - 1
         return (i >= 0 and ends[i] > lo) or (i + 1 < len(starts)
                                              and starts[i + 1] < lo + t.nbytes)
-    return {n for n, t in matched.items()
-            if (t.device, t.untyped_storage().data_ptr()) in own and not touches(t)}
+    return {n for n in own if not touches(matched[n])}
 
 
 def _how(p: _Plan, mode: str, patch_mode: str) -> str:

@@ -1,0 +1,109 @@
+"""checkpoint.sync with a WriteWatch: only the blocks the kernel saw written are hashed,
+and every change still reaches the files."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hotweights.checkpoint import journal
+from hotweights.checkpoint import sync as sync_mod
+from hotweights.checkpoint.sync import sync
+from hotweights.errors import CheckpointError
+from hotweights.writewatch import MIN_BYTES, WriteWatch
+
+WHY = WriteWatch().why
+pytestmark = pytest.mark.skipif(bool(WHY), reason=f"no write watch here: {WHY}")
+BS = 16 << 10  # block size: several blocks per page run
+
+
+def _live(seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {f"model.layers.{i}.w": torch.randn(192, 1024, generator=gen).to(torch.bfloat16)
+            for i in range(4)} | {"model.norm.weight": torch.ones(64, dtype=torch.bfloat16)}
+
+
+def _on_disk(d: Path) -> dict[str, torch.Tensor]:
+    journal.finish()
+    return load_file(d / "model.safetensors")
+
+
+def _same(d: Path, live) -> bool:
+    disk = _on_disk(d)
+    return disk.keys() == live.keys() and all(torch.equal(disk[n], t) for n, t in live.items())
+
+
+@pytest.fixture
+def watch():
+    with WriteWatch() as w:
+        yield w
+
+
+def test_only_the_blocks_written_are_hashed_and_every_change_is_written(tmp_path, watch):
+    live = _live()
+    small = live["model.norm.weight"].nbytes
+    assert small < MIN_BYTES < live["model.layers.0.w"].nbytes
+    sync(tmp_path, live, watch=watch, block_size=BS)  # first save
+    sync(tmp_path, live, watch=watch, block_size=BS)  # watched from here
+    r = sync(tmp_path, live, watch=watch, block_size=BS)
+    assert (r.bytes_hashed, r.bytes_written) == (small, 0)  # only the unwatched tensor
+    gen = torch.Generator().manual_seed(1)
+    for step in range(6):
+        t = live[f"model.layers.{step % 4}.w"]
+        rows = torch.randint(0, t.shape[0], (3,), generator=gen)
+        t[rows] += 1  # in place, as an optimizer step
+        r = sync(tmp_path, live, watch=watch, block_size=BS, version=str(step))
+        assert _same(tmp_path, live), step
+        assert r.tensors_changed == 1
+        assert small < r.bytes_hashed <= small + 3 * 2 * BS  # each row's blocks, at most
+        assert r.bytes_trusted == sum(t.nbytes for t in live.values()) - r.bytes_hashed
+
+
+def test_a_directory_another_writer_changed_is_hashed_again(tmp_path, watch):
+    live, other = _live(0), _live(1)
+    for _ in range(2):
+        sync(tmp_path, live, watch=watch)
+    sync(tmp_path, other)  # another writer (a process without this watch)
+    r = sync(tmp_path, live, watch=watch)  # nothing written to `live` since its last sync
+    assert r.bytes_hashed == sum(t.nbytes for t in live.values())
+    assert _same(tmp_path, live)
+
+
+def test_one_watch_for_two_directories(tmp_path, watch):
+    live, a, b = _live(), tmp_path / "a", tmp_path / "b"
+    for d in (a, b, a, b):
+        sync(d, live, watch=watch)
+    for step in range(4):
+        live["model.layers.1.w"][step] += 1
+        sync(a if step % 2 else b, live, watch=watch)
+        assert _same(a if step % 2 else b, live)
+    sync(a, live, watch=watch)
+    sync(b, live, watch=watch)
+    assert _same(a, live) and _same(b, live)
+
+
+def test_a_failed_watched_sync_loses_no_write(tmp_path, watch, monkeypatch):
+    live = _live()
+    for _ in range(3):
+        sync(tmp_path, live, watch=watch)
+    live["model.layers.2.w"][7] += 1
+
+    def full(*args):
+        raise CheckpointError("disk full (test)")
+    with monkeypatch.context() as m:
+        m.setattr(sync_mod, "_check_space", full)
+        with pytest.raises(CheckpointError, match="disk full"):
+            sync(tmp_path, live, watch=watch)
+    r = sync(tmp_path, live, watch=watch)
+    assert r.tensors_changed == 1 and _same(tmp_path, live)
+
+
+def test_cast_copies_are_not_watched(tmp_path, watch):
+    live = _live()
+    sync(tmp_path, live)
+    as_f32 = {n: t.float() for n, t in live.items()}
+    for _ in range(2):
+        r = sync(tmp_path, as_f32, watch=watch, convert_dtype=True)  # cast anew each time
+    assert r.bytes_hashed == sum(t.nbytes for t in live.values())
+    assert all(watch.recorded(n) is None for n in live)

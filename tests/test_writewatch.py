@@ -1,0 +1,175 @@
+"""WriteWatch: the pages of live tensors written since their hashes were recorded, from
+the kernel (userfaultfd write-protect, PAGEMAP_SCAN)."""
+
+import ctypes
+import os
+import platform
+
+import numpy as np
+import pytest
+import torch
+
+from hotweights import writewatch
+from hotweights.writewatch import PAGE, WriteWatch
+
+WHY = WriteWatch().why
+needs_kernel = pytest.mark.skipif(bool(WHY), reason=f"no write watch here: {WHY}")
+N = 256 << 10  # bytes per test tensor: above writewatch.MIN_BYTES
+
+
+def _tensors(*sizes: int) -> dict[str, torch.Tensor]:
+    return {f"t{i}": torch.zeros(n // 4) for i, n in enumerate(sizes)}
+
+
+def _settle(watch: WriteWatch, tensors) -> dict:
+    """One sync's worth: what was written, then every tensor recorded."""
+    got = watch.written(tensors)
+    watch.record({n: np.zeros(1, np.uint64) for n in tensors})
+    return got
+
+
+def _pages_of(t: torch.Tensor, lo: int, hi: int) -> tuple[int, int]:
+    """Byte range [lo, hi) of `t` widened to whole pages, clipped to the tensor."""
+    p = t.data_ptr()
+    a, b = (p + lo) - (p + lo) % PAGE, -(-(p + hi) // PAGE) * PAGE
+    return max(a, p) - p, min(b, p + t.nbytes) - p
+
+
+@needs_kernel
+def test_only_the_pages_written_since_the_record_are_told():
+    ts = _tensors(N, N)
+    with WriteWatch() as w:
+        assert _settle(w, ts) == {}  # new: protected now, nothing to tell yet
+        assert _settle(w, ts) == {"t0": [], "t1": []}
+        ts["t0"][1000] = 1.0
+        ts["t0"][-1] = 2.0
+        assert w.written(ts) == {"t0": [_pages_of(ts["t0"], 4000, 4004),
+                                        _pages_of(ts["t0"], N - 4, N)], "t1": []}
+        w.record({n: np.zeros(1, np.uint64) for n in ts})
+        assert _settle(w, ts) == {"t0": [], "t1": []}  # protected again by the scan
+
+
+@needs_kernel
+def test_a_failed_sync_loses_no_write():
+    ts = _tensors(N)
+    with WriteWatch() as w:
+        _settle(w, ts)
+        ts["t0"][5] = 1.0
+        first = w.written(ts)
+        w.record({})  # the sync failed: nothing recorded
+        ts["t0"][N // 4 - 1] = 1.0
+        got = w.written(ts)
+        w.record({})
+        assert got["t0"] == first["t0"] + [_pages_of(ts["t0"], N - 4, N)]
+        assert w.written(ts)["t0"] == got["t0"]
+        w.record({})
+
+
+@needs_kernel
+def test_pages_shared_with_other_memory_count_only_when_the_tensors_own_bytes_change():
+    big = torch.zeros((3 * N + 3 * PAGE) // 4)
+    off = PAGE // 2 + 8  # no boundary on a page
+    ts = {"a": big[off // 4:(off + N) // 4], "b": big[(off + N) // 4:(off + 2 * N) // 4]}
+    with WriteWatch() as w:
+        _settle(w, ts)
+        _settle(w, ts)
+        big[0] = 1.0  # in a's first page, not a's
+        big[(off + 2 * N) // 4] = 1.0  # in b's last page, not b's
+        assert _settle(w, ts) == {"a": [], "b": []}
+        ts["b"][0] = 1.0  # b's first byte: in a page it shares with a
+        got = _settle(w, ts)
+        assert got == {"a": [], "b": [_pages_of(ts["b"], 0, 4)]}
+        ts["a"][-1] = 3.0  # the same shared page, a's side
+        assert _settle(w, ts) == {"a": [_pages_of(ts["a"], N - 4, N)], "b": []}
+
+
+@needs_kernel
+def test_zeroed_pages_read_as_written():
+    ts = _tensors(N)
+    with WriteWatch() as w:
+        _settle(w, ts)
+        _settle(w, ts)
+        ts["t0"].fill_(1.0)
+        _settle(w, ts)
+        p = ts["t0"].data_ptr()
+        page = -(-p // PAGE) * PAGE + PAGE  # a whole page inside the tensor
+        libc = ctypes.CDLL(None, use_errno=True)
+        assert libc.madvise(ctypes.c_void_p(page), ctypes.c_size_t(PAGE), 4) == 0  # DONTNEED
+        assert ts["t0"].view(-1)[(page - p) // 4].item() == 0.0
+        assert _settle(w, ts) == {"t0": [(page - p, page - p + PAGE)]}
+
+
+@needs_kernel
+def test_moved_small_and_shared_tensors_are_not_told():
+    ts = _tensors(N, writewatch.MIN_BYTES // 2, N)
+    ts["t2"].share_memory_()  # another process may write it
+    with WriteWatch() as w:
+        _settle(w, ts)
+        assert _settle(w, ts) == {"t0": []}
+        ts["t0"] = ts["t0"].clone()  # new bytes under the old name: start over
+        assert _settle(w, ts) == {}
+        assert _settle(w, ts) == {"t0": []}
+        assert w.recorded("t1") is None and w.recorded("t2") is None
+
+
+@needs_kernel
+def test_syncs_sharing_a_watch_take_turns():
+    import threading
+    ts = _tensors(N)
+    with WriteWatch() as w:
+        w.written(ts)
+        other = threading.Thread(target=_settle, args=(w, ts))
+        other.start()
+        other.join(0.2)
+        assert other.is_alive()  # waits for this turn's record
+        w.record({})
+        other.join(5)
+        assert not other.is_alive()
+
+
+@needs_kernel
+def test_a_forked_child_is_told_nothing():
+    ts = _tensors(N)
+    with WriteWatch() as w:
+        _settle(w, ts)
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if "another process" in w.why and w.written(ts) == {} else 1)
+        assert os.waitpid(pid, 0)[1] == 0
+        assert _settle(w, ts) == {"t0": []}
+
+
+def test_a_closed_watch_tells_nothing():
+    w = WriteWatch()
+    w.close()
+    assert w.why == "closed"
+    assert w.written(_tensors(N)) == {}
+    w.record({})
+
+
+def test_where_the_kernel_cannot_watch_it_says_why(monkeypatch):
+    monkeypatch.setattr(platform, "machine", lambda: "riscv64")
+    w = WriteWatch()
+    assert "needs Linux on x86_64 or aarch64" in w.why
+    assert w.written(_tensors(N)) == {}
+    w.record({})
+
+
+@needs_kernel
+def test_pages_mapped_anew_read_as_written():
+    ts = _tensors(N)
+    with WriteWatch() as w:
+        _settle(w, ts)
+        _settle(w, ts)
+        p = ts["t0"].data_ptr()
+        page = -(-p // PAGE) * PAGE + 2 * PAGE
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_int, ctypes.c_long]
+        fixed = 0x10 | 0x20 | 0x02  # MAP_FIXED | MAP_ANONYMOUS | MAP_PRIVATE: not registered
+        assert libc.mmap(page, PAGE, 3, fixed, -1, 0) == page
+        ts["t0"][0] = 1.0  # and a write elsewhere, in a page still registered
+        assert _settle(w, ts) == {"t0": [_pages_of(ts["t0"], 0, 4),
+                                         (page - p, page - p + PAGE)]}
+        assert _settle(w, ts) == {"t0": [(page - p, page - p + PAGE)]}  # every time
