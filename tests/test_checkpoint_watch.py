@@ -11,7 +11,7 @@ from hotweights.checkpoint import journal
 from hotweights.checkpoint import sync as sync_mod
 from hotweights.checkpoint.sync import sync
 from hotweights.errors import CheckpointError
-from hotweights.writewatch import MIN_BYTES, WriteWatch
+from hotweights.writewatch import MIN_BYTES, PAGE, WriteWatch
 
 WHY = WriteWatch().why
 pytestmark = pytest.mark.skipif(bool(WHY), reason=f"no write watch here: {WHY}")
@@ -57,6 +57,7 @@ def test_only_the_blocks_written_are_hashed_and_every_change_is_written(tmp_path
         assert _same(tmp_path, live), step
         assert r.tensors_changed == 1
         assert small < r.bytes_hashed <= small + 3 * 2 * BS  # each row's blocks, at most
+        assert 0 < r.bytes_written <= 3 * 2 * PAGE  # the pages written, no file compare
         assert r.bytes_trusted == sum(t.nbytes for t in live.values()) - r.bytes_hashed
 
 

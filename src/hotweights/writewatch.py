@@ -99,6 +99,7 @@ class WriteWatch:
         self._regions = np.zeros((_REGIONS, 3), np.uint64)
         self._turn = threading.Lock()  # held from `written` to `record`
         self._spans: list[tuple[int, int]] = []  # the watched pages, merged
+        self._asked: set[str] = set()  # the names of the last `written` call
 
     @property
     def why(self) -> str:
@@ -133,7 +134,7 @@ class WriteWatch:
         if self.why:
             return {}
         self._collect()
-        out, new, anonymous = {}, [], None
+        out, new, anonymous, self._asked = {}, [], None, set(tensors)
         for name, t in tensors.items():
             span = (t.data_ptr(), t.data_ptr() + t.nbytes)
             w = self._watched.get(name)
@@ -149,8 +150,8 @@ class WriteWatch:
             else:
                 self._watched.pop(name, None)
                 self._unwatchable[name] = span
-        if new:
-            self._protect(new)
+        self._protect(new)
+        self._spans = _merge(_pages(*w.span) for w in self._watched.values())
         return out
 
     def recorded(self, name: str) -> np.ndarray | None:
@@ -163,7 +164,7 @@ class WriteWatch:
         nothing was hashed, e.g. the sync failed): their writes count from that call on."""
         try:
             for name, h in hashes.items():
-                if (w := self._watched.get(name)) is not None:
+                if name in self._asked and (w := self._watched.get(name)) is not None:
                     w.hashes, w.written, w.edges = h, [], w.edges_now
         finally:
             if self._turn.locked():
@@ -215,7 +216,7 @@ class WriteWatch:
         for lo, hi in self._spans:  # pages mapped anew (not registered) read as written
             hits += self._scan(lo, hi, 0, _WP_ALLOWED, _WP_ALLOWED)
             hits += self._scan(lo, hi, _WP_MATCHING, 0, _WRITTEN)
-        hits.sort()
+        hits = _merge(hits)  # disjoint: the one starting last at or before a span covers it
         starts = [lo for lo, _ in hits]
         for w in self._watched.values():
             a, b = w.span
@@ -241,7 +242,6 @@ class WriteWatch:
                 self._watched.pop(name, None)
                 continue
             self._watched[name] = _Watched(span, edges_now=_edge_bytes(span))
-        self._spans = _merge(_pages(*w.span) for w in self._watched.values())
 
     def _scan(self, lo: int, hi: int, flags: int, inverted: int, mask: int
               ) -> list[tuple[int, int]]:

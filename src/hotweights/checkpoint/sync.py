@@ -142,8 +142,10 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
             for p in plans:
                 if p.ranges:
                     p.how = _how(p, mode, patch_mode)
-                    if p.how != "whole" and not p.exact:
-                        p.ranges = _compare_file(p, p.ranges)
+                    if p.how != "whole" and not p.exact:  # what the watch saw is exact
+                        p.ranges = _compare_file(p, [r for r in p.ranges if r[0] not in
+                                                     p.known]) + [r for r in p.ranges
+                                                                  if r[0] in p.known]
             writing = [p for p in plans if p.ranges]
             _check_space(model_dir, writing)
             record = functools.partial(_record, plans, version)
@@ -197,6 +199,7 @@ class _Plan:
     how: str = ""
     exact: bool = False  # ranges are the pages that differ (else: whole changed blocks)
     hashed: tuple[str, ...] = ()  # the tensors whose fresh block hashes were taken now
+    known: frozenset[str] = frozenset()  # the tensors whose ranges are the pages written
 
     @property
     def name(self) -> str:
@@ -226,21 +229,21 @@ def _plan(matched, disk, block_size: int, progress: Progress, trusted: set[str] 
         old = sidecar.load(p.shard, block_size, kind)
         if old is not None and set(old.tensors) >= set(p.tensors):
             todo = {n: t for n, t in p.tensors.items() if n not in (trusted or ())}
-            seen = {n: r for n, r in written.items()
-                    if n in todo and _same(watch.recorded(n), old.tensors[n][1])}
-            # Named tensors are likely changed: straight to per-block hashes.
-            new = blocks.refresh(old, todo, written=seen) \
-                if trusted is None and kind == blocks.XXH3 \
-                else blocks.fingerprint(todo, block_size=block_size, kind=kind)
+            if trusted is None and kind == blocks.XXH3:
+                seen = {n: r for n, r in written.items()
+                        if n in todo and _same(watch.recorded(n), old.tensors[n][1])}
+                new = blocks.refresh(old, todo, written=seen)
+            else:  # named tensors are likely changed: straight to per-block hashes
+                seen, new = {}, blocks.fingerprint(todo, block_size=block_size, kind=kind)
             diff = blocks.changed(_subset(old, todo), new)
             if len(todo) < len(p.tensors):
                 kept = {n: new if n in todo else old for n in p.tensors}
                 new = blocks.Fingerprints(kind, block_size, {
                     n: fp.tensors[n] for n, fp in kept.items()}, {
                     n: fp.coarse[n] for n, fp in kept.items() if n in fp.coarse})
-            p.fresh, p.hashed = new, tuple(todo)
-            p.ranges = [(n, int(lo), int(hi)) for n, c in diff.tensors.items()
-                        for lo, hi in c.ranges]
+            p.fresh, p.hashed, p.known = new, tuple(todo), frozenset(seen)
+            p.ranges = [(n, int(lo), int(hi)) for n, c in diff.tensors.items() for lo, hi in
+                        (_within(c.ranges.tolist(), seen[n]) if n in seen else c.ranges)]
             hashed += sum(t.nbytes for n, t in todo.items() if n not in seen) + sum(
                 _block_bytes(r, block_size, todo[n].nbytes) for n, r in seen.items())
         else:
@@ -266,6 +269,21 @@ def _check_changed(live: Mapping[str, torch.Tensor], changed: Iterable[str]
         raise CheckpointError(f"changed names {len(unknown)} tensor(s) the live weights do not "
                               f"hold, e.g. {unknown[:3]}; nothing was written")
     return changed
+
+
+def _within(blocks_changed: list[list[int]], pages: list[tuple[int, int]]
+            ) -> list[tuple[int, int]]:
+    """The parts of the changed blocks in the pages written (both sorted, disjoint): the
+    pages of a changed block not written since the last sync still hold the file's bytes."""
+    out, j = [], 0
+    for lo, hi in blocks_changed:
+        while j < len(pages) and pages[j][1] <= lo:
+            j += 1
+        k = j
+        while k < len(pages) and pages[k][0] < hi:
+            out.append((max(lo, pages[k][0]), min(hi, pages[k][1])))
+            k += 1
+    return out
 
 
 def _same(a: np.ndarray | None, b: np.ndarray) -> bool:
