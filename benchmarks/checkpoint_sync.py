@@ -184,6 +184,7 @@ def write_cost(live: dict, watch: WriteWatch, repeat: int) -> tuple[float, float
         secs = []
         for _ in range(repeat):
             watch.written(live)  # protects the pages written since
+            watch.record({})
             t0 = time.perf_counter()
             for t in d.values():
                 t.mul_(1)
