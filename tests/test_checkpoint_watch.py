@@ -13,7 +13,8 @@ from hotweights.checkpoint.sync import sync
 from hotweights.errors import CheckpointError
 from hotweights.writewatch import MIN_BYTES, PAGE, WriteWatch
 
-WHY = WriteWatch().why
+with WriteWatch() as _probe:
+    WHY = _probe.why
 pytestmark = pytest.mark.skipif(bool(WHY), reason=f"no write watch here: {WHY}")
 BS = 16 << 10  # block size: several blocks per page run
 

@@ -12,7 +12,8 @@ import torch
 from hotweights import writewatch
 from hotweights.writewatch import PAGE, WriteWatch
 
-WHY = WriteWatch().why
+with WriteWatch() as _probe:
+    WHY = _probe.why
 needs_kernel = pytest.mark.skipif(bool(WHY), reason=f"no write watch here: {WHY}")
 N = 256 << 10  # bytes per test tensor: above writewatch.MIN_BYTES
 
