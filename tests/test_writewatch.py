@@ -29,6 +29,18 @@ def _settle(watch: WriteWatch, tensors) -> dict:
     return got
 
 
+def _page_inside(t: torch.Tensor, k: int) -> tuple[int, int]:
+    """The address of the `k`-th whole page inside `t` (from 0), and its offset in `t`."""
+    page = -(-t.data_ptr() // PAGE) * PAGE + k * PAGE
+    return page, page - t.data_ptr()
+
+
+LIBC = ctypes.CDLL(None, use_errno=True)
+LIBC.mmap.restype = ctypes.c_void_p
+LIBC.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_int, ctypes.c_long]
+
+
 def _pages_of(t: torch.Tensor, lo: int, hi: int) -> tuple[int, int]:
     """Byte range [lo, hi) of `t` widened to whole pages, clipped to the tensor."""
     p = t.data_ptr()
@@ -92,12 +104,10 @@ def test_zeroed_pages_read_as_written():
         _settle(w, ts)
         ts["t0"].fill_(1.0)
         _settle(w, ts)
-        p = ts["t0"].data_ptr()
-        page = -(-p // PAGE) * PAGE + PAGE  # a whole page inside the tensor
-        libc = ctypes.CDLL(None, use_errno=True)
-        assert libc.madvise(ctypes.c_void_p(page), ctypes.c_size_t(PAGE), 4) == 0  # DONTNEED
-        assert ts["t0"].view(-1)[(page - p) // 4].item() == 0.0
-        assert _settle(w, ts) == {"t0": [(page - p, page - p + PAGE)]}
+        page, at = _page_inside(ts["t0"], 1)
+        assert LIBC.madvise(ctypes.c_void_p(page), ctypes.c_size_t(PAGE), 4) == 0  # DONTNEED
+        assert ts["t0"].view(-1)[at // 4].item() == 0.0
+        assert _settle(w, ts) == {"t0": [(at, at + PAGE)]}
 
 
 @needs_kernel
@@ -162,15 +172,9 @@ def test_pages_mapped_anew_read_as_written():
     with WriteWatch() as w:
         _settle(w, ts)
         _settle(w, ts)
-        p = ts["t0"].data_ptr()
-        page = -(-p // PAGE) * PAGE + 2 * PAGE
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_int, ctypes.c_long]
+        page, at = _page_inside(ts["t0"], 2)
         fixed = 0x10 | 0x20 | 0x02  # MAP_FIXED | MAP_ANONYMOUS | MAP_PRIVATE: not registered
-        assert libc.mmap(page, PAGE, 3, fixed, -1, 0) == page
+        assert LIBC.mmap(page, PAGE, 3, fixed, -1, 0) == page
         ts["t0"][0] = 1.0  # and a write elsewhere, in a page still registered
-        assert _settle(w, ts) == {"t0": [_pages_of(ts["t0"], 0, 4),
-                                         (page - p, page - p + PAGE)]}
-        assert _settle(w, ts) == {"t0": [(page - p, page - p + PAGE)]}  # every time
+        assert _settle(w, ts) == {"t0": [_pages_of(ts["t0"], 0, 4), (at, at + PAGE)]}
+        assert _settle(w, ts) == {"t0": [(at, at + PAGE)]}  # every time

@@ -240,6 +240,7 @@ class WriteWatch:
             except OSError as e:
                 logger.debug("%s: cannot watch its pages (%s): hashed", name, e.strerror)
                 self._watched.pop(name, None)
+                self._unwatchable[name] = span  # not tried again at every sync
                 continue
             self._watched[name] = _Watched(span, edges_now=_edge_bytes(span))
 

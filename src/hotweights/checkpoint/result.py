@@ -25,7 +25,8 @@ class SyncResult:
     tied: tuple[str, ...] = ()  # live aliases of a tensor stored once, under another name
     first_save: bool = False
     reason: str = ""  # why this write mode
-    bytes_trusted: int = 0  # live bytes not hashed: `changed=` left them out
+    bytes_trusted: int = 0  # live bytes not hashed: `changed=` left them out, or a
+    # `WriteWatch` saw them unwritten
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
