@@ -264,8 +264,7 @@ def verify(d: Path, live: dict, what: str) -> None:
 def settle(d: Path) -> None:
     """No sync's background work left (hotweights' finisher thread of any directory),
     no dirty pages anywhere, and the shards in the page cache (equal for every method)."""
-    journal.finish()
-    journal._join_sweeper()  # replaced shards freed (hotweights does it behind its commit)
+    journal.finish()  # replaced shards freed too (hotweights does it behind its commit)
     os.sync()
     for p in d.glob("*.safetensors"):
         with open(p, "rb") as f:

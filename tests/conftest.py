@@ -162,7 +162,6 @@ def remove_synced(d) -> None:
     from hotweights.checkpoint import journal
 
     journal.finish()
-    journal._join_sweeper()
     shutil.rmtree(d)
 
 

@@ -201,7 +201,7 @@ def test_replaced_file_is_freed_after_the_commit(shards, monkeypatch):
     (d / journal.TRASH_DIR).mkdir()
     (d / journal.TRASH_DIR / "x").write_bytes(b"x")
     journal._sweep(str(d), background=True)
-    journal._join_sweeper()
+    journal.finish()  # waits for the sweeper too
     assert sorted(os.listdir(d)) == sorted(NAMES)
 
 

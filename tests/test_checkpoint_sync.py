@@ -315,3 +315,23 @@ def test_a_commit_whose_fsync_fails_keeps_its_journal_for_the_next_sync(
     assert sync(d, live).bytes_written == 0  # replayed first; nothing else to write
     assert journal.pending(d) is None and not (d / journal.JOURNAL_NAME).exists()
     assert torch.equal(_disk(d)[name].view(torch.int16), live[name].view(torch.int16))
+
+
+def test_ctrl_c_during_the_file_compare_is_raised_as_itself(saved, monkeypatch):
+    """The compare reads the shards through a map; an interrupt that leaves slices of it in
+    its traceback is still the error raised, not a BufferError from unmapping."""
+    d, live = saved
+    compare = blocks.compare_bytes
+
+    def interrupted(name, tensor, disk, **kw):
+        on_disk = memoryview(disk)[8:]  # a slice of the map, alive in this frame
+        raise KeyboardInterrupt(f"{name}: {on_disk.nbytes}")
+
+    monkeypatch.setattr(blocks, "compare_bytes", interrupted)
+    before = {p.name: p.read_bytes() for p in d.glob("*.safetensors")}
+    live["model.embed_tokens.weight"][0] += 1.0
+    with pytest.raises(KeyboardInterrupt):
+        sync(d, live)  # no sidecar yet: every tensor is compared with the file
+    assert {p.name: p.read_bytes() for p in d.glob("*.safetensors")} == before
+    monkeypatch.setattr(blocks, "compare_bytes", compare)
+    assert sync(d, live).tensors_changed == 1

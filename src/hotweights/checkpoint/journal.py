@@ -25,7 +25,6 @@ import errno
 import fcntl
 import json
 import logging
-import mmap
 import os
 import shutil
 import signal
@@ -39,6 +38,7 @@ from typing import Any
 
 import xxhash
 
+from hotweights.checkpoint.mapped import mapped
 from hotweights.errors import CheckpointError
 
 __all__ = ["JOURNAL_NAME", "STAGE_DIR", "TRASH_DIR", "apply", "finish", "identity", "later",
@@ -363,20 +363,16 @@ def _replay(directory: str, path: str, records: list) -> tuple[list[int], bool]:
         _crash_point("move", k)
     fds: dict[str, int] = {}
     try:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            data = memoryview(m)
-            try:
-                for k, (name, offset, length, pos) in enumerate(patches):
-                    if name not in fds:
-                        fds[name] = os.open(os.path.join(directory, name), os.O_WRONLY)
-                    view = data[pos:pos + length]
-                    while view.nbytes:
-                        n = os.pwrite(fds[name], view, offset)
-                        view, offset = view[n:], offset + n
-                    view.release()
-                    _crash_point("apply", k)
-            finally:
-                data.release()
+        with mapped(path) as data:
+            for k, (name, offset, length, pos) in enumerate(patches):
+                if name not in fds:
+                    fds[name] = os.open(os.path.join(directory, name), os.O_WRONLY)
+                view = data[pos:pos + length]
+                while view.nbytes:
+                    n = os.pwrite(fds[name], view, offset)
+                    view, offset = view[n:], offset + n
+                view.release()
+                _crash_point("apply", k)
     except BaseException:
         for fd in fds.values():
             os.close(fd)
@@ -467,12 +463,15 @@ def later(directory: str | os.PathLike, fn: Callable[[], None]) -> None:
 
 
 def finish() -> None:
-    """Wait until this process's last commit is on disk and its journal removed (`sync`
-    returns as soon as the commit is durable and the files hold it; a thread fsyncs the
-    files and removes the journal). Writers and `pending` wait for it by themselves."""
+    """Wait until this process's last commit is on disk, its journal removed and the files
+    it replaced freed (`sync` returns as soon as the commit is durable and the files hold
+    it; a thread fsyncs the files, removes the journal, then another frees the trash).
+    Writers and `pending` wait for it by themselves; call it before removing a directory
+    this process synced into."""
     t = _finisher
     if t is not None and t is not threading.current_thread():
         t.join()
+    _join_sweeper()
 
 
 def apply(directory: str | os.PathLike, *, wait: bool = True,

@@ -24,7 +24,6 @@ from __future__ import annotations
 import bisect
 import functools
 import logging
-import mmap
 import os
 import shutil
 import threading
@@ -39,6 +38,7 @@ import torch
 
 from hotweights import blocks
 from hotweights.checkpoint import clone, journal, sidecar, stage
+from hotweights.checkpoint.mapped import mapped
 from hotweights.checkpoint.names import to_disk, unpack
 from hotweights.checkpoint.result import SyncResult
 from hotweights.checkpoint.shards import Shard, TensorInfo, read_dir
@@ -414,16 +414,12 @@ def _compare_file(p: _Plan, ranges: list[tuple[str, int, int]]) -> list[tuple[st
     for name, lo, hi in ranges:  # from page starts: a block size under a page, or not a
         per.setdefault(name, []).append((lo - lo % PAGE, hi))  # multiple of it, is fine
     out = []
-    with open(p.shard.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        view = memoryview(m)
-        try:
-            for name, spans in per.items():
-                info = p.shard.tensors[name]
-                change = blocks.compare_bytes(name, p.tensors[name], view[info.begin:info.end],
-                                              block_size=PAGE, ranges=spans)
-                out += [(name, int(a), int(b)) for a, b in change.ranges]
-        finally:
-            view.release()
+    with mapped(p.shard.path) as view:
+        for name, spans in per.items():
+            info = p.shard.tensors[name]
+            change = blocks.compare_bytes(name, p.tensors[name], view[info.begin:info.end],
+                                          block_size=PAGE, ranges=spans)
+            out += [(name, int(a), int(b)) for a, b in change.ranges]
     return out
 
 
