@@ -4,16 +4,16 @@ A Llama-shaped bf16 state dict (~--size-gb GB, random values; dims derived from 
 is saved as 4 safetensors shards with a `model.safetensors.index.json`. Each method has
 its own copy of that directory:
 
-- hotweights: `sync(dir, live, mode=--mode)`, timed in its steady state: a warm-up sync of
-  the unchanged model writes the sidecars first (timed apart, not in any scenario);
-- named: the same, told which tensors the scenario may have changed (`changed=`, as a
-  trainer passes the parameters its optimizer steps): only those are hashed;
-- watched: the same with a `WriteWatch` (`watch=`), on live tensors that the scenario
-  changes in place (only the differing elements written, untimed, as a trainer's step):
-  only the pages the kernel saw written are hashed. Where this machine cannot watch
-  writes, it hashes like hotweights (the reason is printed). Also timed: a full in-place
-  write of every watched tensor against the same write to unwatched ones (the faults the
-  watch costs a trainer's step);
+- hotweights: `sync(dir, live, mode=--mode)`, timed in its steady state (a warm-up sync of
+  the unchanged model writes the sidecars first, timed apart, not in any scenario), on
+  live tensors that the scenario changes in place (only the differing elements written,
+  untimed, as a trainer's step). The process's write watch (on by default) tells which
+  pages were written; only those are hashed. Where this machine cannot watch writes, it
+  hashes every byte (the reason is printed);
+- hashed: the same without the watch (`watch=False`), on a fresh state dict: every byte
+  hashed and compared with the sidecars;
+- named: that, told which tensors the scenario may have changed (`changed=`, as a trainer
+  passes the parameters its optimizer steps): only those are hashed;
 - seed: the seed algorithm, reimplemented: per tensor a host copy (`.cpu().clone()`), a
   Python loop comparing the file's bytes with it per 4 KB block (bytes slices), differing
   blocks written in place through an mmap of the shard, `flush` (msync) per shard;
@@ -25,7 +25,9 @@ Scenarios, each from the same old content: (a) 1 % of rows changed in a few tens
 tensor (an RL step in bf16), (d) nothing changed. Before every timed run each directory
 holds the old content (hotweights and seed put it back with their own method, untimed),
 `os.sync()` has flushed every dirty page and the shards have been read (page cache warm for
-every method); every method pays its own fsync. hotweights frees a replaced shard's blocks
+every method); every method pays its own fsync. Also timed: a full in-place write of every
+tensor right after a watch's scan against the same write to unwatched ones (the faults
+the watch costs a trainer's step). hotweights frees a replaced shard's blocks
 in a background thread after its commit (the timer stops when `sync` returns); the full
 rewrite frees them inside its rename. Each timing is the median of --repeat
 runs; after the first run of each method the directory's tensors are checked (safetensors
@@ -39,10 +41,10 @@ contiguous tensor), the ceiling for change detection.
 The last line is one JSON object: {"model_bytes", "changed_bytes", "written_bytes",
 "speedup_vs_seed", "speedup_vs_full" (these five for scenario (a)),
 "scattered_speedup_vs_full" (c), "nochange_gbps" (d), "hash_gbps", "nochange_vs_hash",
-"named_speedup_vs_seed", "named_speedup_vs_full" (a, with `changed=`),
-"watched_speedup_vs_seed", "watched_speedup_vs_full" (a, with `watch=`), "watch_write_cost"
-(watched over unwatched seconds of a full write)}; a speedup is the baseline's seconds over
-hotweights' seconds.
+"hashed_speedup_vs_seed", "hashed_speedup_vs_full" (a, `watch=False`), "hashed_nochange_vs_hash"
+(d, `watch=False`), "named_speedup_vs_seed", "named_speedup_vs_full" (a, `changed=`),
+"watch_write_cost" (watched over unwatched seconds of a full write)}; a speedup is the
+baseline's seconds over hotweights' seconds.
 
 Run:  .venv/bin/python benchmarks/checkpoint_sync.py [--size-gb 1.0] [--mode auto]
       [--repeat 3] [--workdir /tmp]
@@ -68,7 +70,7 @@ import xxhash
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from hotweights import blocks
+from hotweights import blocks, writewatch
 from hotweights.checkpoint import journal
 from hotweights.checkpoint.sync import sync
 from hotweights.writewatch import WriteWatch
@@ -78,8 +80,8 @@ SEED_BLOCK = 4096
 VOCAB = 32000
 SCENARIOS = {"a": "1% of rows in a few tensors", "b": "two whole layers",
              "c": "1% of elements, every tensor", "d": "nothing changed"}
-METHODS = ("hotweights", "named", "watched", "seed", "full")
-OURS = ("hotweights", "named", "watched")
+METHODS = ("hotweights", "hashed", "named", "seed", "full")
+OURS = ("hotweights", "hashed", "named")
 
 
 # --- the model ------------------------------------------------------------------------
@@ -175,21 +177,22 @@ def write_in_place(dst: dict, src: dict, names: list[str]) -> None:
         a[idx] = b[idx]
 
 
-def write_cost(live: dict, watch: WriteWatch, repeat: int) -> tuple[float, float]:
-    """Seconds of one in-place write of every tensor (`mul_(1)`): watched tensors right
-    after a sync (every page protected again), and unwatched copies of them."""
-    plain = {n: t.clone() for n, t in live.items()}
+def write_cost(live: dict, repeat: int) -> tuple[float, float]:
+    """Seconds of one in-place write of every tensor (`mul_(1)`): watched copies right
+    after a scan (every page protected again), and unwatched copies."""
+    watched, plain = ({n: t.clone() for n, t in live.items()} for _ in range(2))
     out = []
-    for d in (live, plain):
-        secs = []
-        for _ in range(repeat):
-            watch.written(live)  # protects the pages written since
-            watch.record({})
-            t0 = time.perf_counter()
-            for t in d.values():
-                t.mul_(1)
-            secs.append(time.perf_counter() - t0)
-        out.append(statistics.median(secs))
+    with WriteWatch() as watch:  # its own: the default one stops watching tensors written
+        for d in (watched, plain):  # all over (a scan that records no hashes keeps them)
+            secs = []
+            for _ in range(repeat):
+                watch.written(watched)  # protects the pages written since
+                watch.record({})
+                t0 = time.perf_counter()
+                for t in d.values():
+                    t.mul_(1)
+                secs.append(time.perf_counter() - t0)
+            out.append(statistics.median(secs))
     return out[0], out[1]
 
 
@@ -299,12 +302,12 @@ def main() -> None:
         dirs = {m: root / m for m in METHODS}
         for m in METHODS:
             shutil.copytree(base, dirs[m])
-        watch, watched = WriteWatch(), {n: t.clone() for n, t in old.items()}
+        watch, trained = writewatch.default(), {n: t.clone() for n, t in old.items()}
         for m in OURS:
             settle(dirs[m])
-            warm = sync(dirs[m], watched if m == "watched" else old, mode=args.mode,
-                        version="v0", watch=watch if m == "watched" else None)
-        print(f"write watch: {watch.why or 'on'}")
+            warm = sync(dirs[m], trained if m == "hotweights" else old, mode=args.mode,
+                        version="v0", watch=m == "hotweights")
+        print(f"write watch: {(watch.why or 'on') if watch else 'off (' + writewatch.ENV + ')'}")
         print(f"warm-up sync (no sidecars yet; writes them; not in any scenario): "
               f"{warm.seconds:.2f} s, compared {warm.bytes_compared:,} B, written "
               f"{warm.bytes_written:,} B")
@@ -327,15 +330,15 @@ def main() -> None:
             results = {}
             for rep in range(args.repeat):
                 for m in METHODS:
-                    if m == "watched":  # the step, in place (untimed)
-                        write_in_place(watched, live, names)
+                    if m == "hotweights":  # the step, in place (untimed)
+                        write_in_place(trained, live, names)
                     settle(dirs[m])
                     t0 = time.perf_counter()
                     if m in OURS:
                         hint = names if m == "named" else None
-                        res = sync(dirs[m], watched if m == "watched" else live,
+                        res = sync(dirs[m], trained if m == "hotweights" else live,
                                    mode=args.mode, version=f"{sc}{rep}", changed=hint,
-                                   watch=watch if m == "watched" else None)
+                                   watch=m == "hotweights")
                         results[m] = res
                         written[m] = res.bytes_written
                     elif m == "seed":
@@ -345,13 +348,13 @@ def main() -> None:
                     secs[m].append(time.perf_counter() - t0)
                     if rep == 0:
                         verify(dirs[m], live, f"scenario ({sc}), {m}")
-                        if m == "watched":
-                            verify(dirs[m], watched, f"scenario ({sc}), {m} (its tensors)")
-                    if m == "watched" and sc != "d":  # back to the old content, untimed
-                        write_in_place(watched, old, names)
-                        sync(dirs[m], watched, mode=args.mode, version="v0", watch=watch)
+                        if m == "hotweights":
+                            verify(dirs[m], trained, f"scenario ({sc}), {m} (its tensors)")
+                    if m == "hotweights" and sc != "d":  # back to the old content, untimed
+                        write_in_place(trained, old, names)
+                        sync(dirs[m], trained, mode=args.mode, version="v0")
                     elif m in OURS and sc != "d":
-                        sync(dirs[m], old, mode=args.mode, version="v0")
+                        sync(dirs[m], old, mode=args.mode, version="v0", watch=False)
                     elif m == "seed" and sc != "d":
                         seed_sync(dirs[m], old)
                     if rep == 0 and m != "full" and sc != "d":
@@ -363,7 +366,7 @@ def main() -> None:
                             results=results)
             del live
 
-        wrote_watched, wrote_plain = write_cost(watched, watch, args.repeat)
+        wrote_watched, wrote_plain = write_cost(old, args.repeat)
 
         # the table
         print(f"\npage cache warm for every method (os.sync() then the shards read before "
@@ -393,10 +396,10 @@ def main() -> None:
             "nochange_gbps": model_bytes / d["seconds"]["hotweights"] / 1e9,
             "hash_gbps": hash_gbps}
         out["nochange_vs_hash"] = out["nochange_gbps"] / hash_gbps
-        out["named_speedup_vs_seed"] = a["seconds"]["seed"] / a["seconds"]["named"]
-        out["named_speedup_vs_full"] = a["seconds"]["full"] / a["seconds"]["named"]
-        out["watched_speedup_vs_seed"] = a["seconds"]["seed"] / a["seconds"]["watched"]
-        out["watched_speedup_vs_full"] = a["seconds"]["full"] / a["seconds"]["watched"]
+        for m in ("hashed", "named"):
+            out[f"{m}_speedup_vs_seed"] = a["seconds"]["seed"] / a["seconds"][m]
+            out[f"{m}_speedup_vs_full"] = a["seconds"]["full"] / a["seconds"][m]
+        out["hashed_nochange_vs_hash"] = model_bytes / d["seconds"]["hashed"] / 1e9 / hash_gbps
         out["watch_write_cost"] = wrote_watched / wrote_plain
 
         def target(ok: bool) -> str:
@@ -407,18 +410,17 @@ def main() -> None:
               f"{target(out['speedup_vs_seed'] >= 15)}")
         print(f"  (a) vs full   {out['speedup_vs_full']:8.2f}x  >= 10x   "
               f"{target(out['speedup_vs_full'] >= 10)}")
-        print(f"  (a) named (changed=), vs seed {out['named_speedup_vs_seed']:.2f}x "
-              f"({target(out['named_speedup_vs_seed'] >= 15)}), vs full "
-              f"{out['named_speedup_vs_full']:.2f}x "
-              f"({target(out['named_speedup_vs_full'] >= 10)})")
-        print(f"  (a) watched (watch=), vs seed {out['watched_speedup_vs_seed']:.2f}x "
-              f"({target(out['watched_speedup_vs_seed'] >= 15)}), vs full "
-              f"{out['watched_speedup_vs_full']:.2f}x "
-              f"({target(out['watched_speedup_vs_full'] >= 10)})")
+        for m, how in (("hashed", "watch=False"), ("named", "changed=")):
+            print(f"  (a) {m} ({how}), vs seed {out[f'{m}_speedup_vs_seed']:.2f}x "
+                  f"({target(out[f'{m}_speedup_vs_seed'] >= 15)}), vs full "
+                  f"{out[f'{m}_speedup_vs_full']:.2f}x "
+                  f"({target(out[f'{m}_speedup_vs_full'] >= 10)})")
         print(f"  (c) vs full   {out['scattered_speedup_vs_full']:8.2f}x  >= 1x    "
               f"{target(out['scattered_speedup_vs_full'] >= 1)}")
         print(f"  (d) vs xxh3   {out['nochange_vs_hash']:8.2%}  >= 50%   "
-              f"{target(out['nochange_vs_hash'] >= 0.5)}  ({out['nochange_gbps']:.2f} GB/s)")
+              f"{target(out['nochange_vs_hash'] >= 0.5)}  ({out['nochange_gbps']:.2f} GB/s; "
+              f"hashed {out['hashed_nochange_vs_hash']:.2%}, "
+              f"{target(out['hashed_nochange_vs_hash'] >= 0.5)})")
         for sc in ("a", "b"):
             r = rows[sc]
             ratio = r["written"]["hotweights"] / r["changed"]

@@ -148,15 +148,15 @@ def _sidecars(d: Path) -> dict[str, dict]:
 
 def test_coarse_hashes_spare_the_per_block_pass_and_never_outlive_their_bytes(saved,
                                                                               monkeypatch):
-    d, live = saved
+    d, live = saved  # the hashing path: no write watch
     bs, name = 1024, "model.embed_tokens.weight"  # coarse hashes of 16 KiB
-    sync(d, live, block_size=bs)  # compared with the file; the sidecars get coarse hashes
+    sync(d, live, block_size=bs, watch=False)  # compared with the file; coarse hashes kept
     assert all("coarse" in e for e in _sidecars(d).values())
     seen, real = [], blocks._xxh3
     monkeypatch.setattr(blocks, "_xxh3", lambda mv, size: seen.append((len(mv), size)) or
                         real(mv, size))
     live[name][5] += 1.0  # one row, inside one coarse region
-    result = sync(d, live, block_size=bs)
+    result = sync(d, live, block_size=bs, watch=False)
     assert result.tensors_changed == 1 and torch.equal(_disk(d)[name], live[name])
     assert sum(n for n, size in seen if size == bs) == bs * blocks.COARSE  # that region
     # Hashed per block only (named), a tensor's coarse hashes are dropped, not left stale;
@@ -164,10 +164,10 @@ def test_coarse_hashes_spare_the_per_block_pass_and_never_outlive_their_bytes(sa
     other = "model.layers.0.mlp.up_proj.weight"
     live[name][6] += 1.0
     live[other][0] += 1.0
-    assert sync(d, live, block_size=bs, changed=[name]).tensors_changed == 1
+    assert sync(d, live, block_size=bs, changed=[name], watch=False).tensors_changed == 1
     entries = _sidecars(d)
     assert "coarse" not in entries[name] and "coarse" in entries[other]
-    found = sync(d, live, block_size=bs)
+    found = sync(d, live, block_size=bs, watch=False)
     assert found.tensors_changed == 1 and _disk(d)[other].equal(live[other])
     # `name`, found unchanged, has them again; `other` changed in one region of several.
     assert all("coarse" in e for e in _sidecars(d).values())

@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from hotweights import writewatch
 from hotweights.checkpoint import journal
 from hotweights.checkpoint import sync as sync_mod
 from hotweights.checkpoint.sync import sync
@@ -109,3 +110,17 @@ def test_cast_copies_are_not_watched(tmp_path, watch):
         r = sync(tmp_path, as_f32, watch=watch, convert_dtype=True)  # cast anew each time
     assert r.bytes_hashed == sum(t.nbytes for t in live.values())
     assert all(watch.recorded(n) is None for n in live)
+
+
+def test_a_plain_sync_watches_unless_told_not_to(tmp_path, monkeypatch):
+    live = _live()
+    small, total = live["model.norm.weight"].nbytes, sum(t.nbytes for t in live.values())
+    for _ in range(3):  # first save; watched from the second
+        r = sync(tmp_path, live, block_size=BS)
+    assert r.bytes_hashed == small
+    live["model.layers.2.w"][7] += 1
+    r = sync(tmp_path, live, block_size=BS)
+    assert small < r.bytes_hashed <= small + 2 * BS and _same(tmp_path, live)
+    assert sync(tmp_path, live, block_size=BS, watch=False).bytes_hashed == total
+    monkeypatch.setenv(writewatch.ENV, "0")
+    assert sync(tmp_path, live, block_size=BS).bytes_hashed == total

@@ -178,3 +178,53 @@ def test_pages_mapped_anew_read_as_written():
         ts["t0"][0] = 1.0  # and a write elsewhere, in a page still registered
         assert _settle(w, ts) == {"t0": [_pages_of(ts["t0"], 0, 4), (at, at + PAGE)]}
         assert _settle(w, ts) == {"t0": [(at, at + PAGE)]}  # every time
+
+
+@needs_kernel
+def test_a_tensor_written_all_over_at_two_syncs_in_a_row_is_hashed_from_then_on():
+    ts = _tensors(N, N)
+    with WriteWatch() as w, WriteWatch() as other:
+        _settle(w, ts)
+        _settle(w, ts)
+        ts["t0"].add_(1)
+        assert _settle(w, ts)["t0"] == [(0, N)]  # once: still watched
+        ts["t0"][:N // 8].add_(1)  # half of it
+        assert _settle(w, ts) == {"t1": []}  # twice in a row: hashed (the faults cost more)
+        assert _settle(w, ts) == {"t1": []} and w.recorded("t0") is None
+        _, at = _page_inside(ts["t0"], 1)  # its pages were let go (but one it may share
+        mine = {"t": ts["t0"].view(torch.uint8)[at:at + 16 * PAGE]}  # with t1): another
+        _settle(other, mine)  # watch may take them
+        assert _settle(other, mine) == {"t": []}
+
+
+@needs_kernel
+def test_the_pages_of_a_freed_tensor_are_let_go():
+    memory = np.zeros(N // 4, np.float32)  # outlives the tensors made on it
+    with WriteWatch() as w, WriteWatch() as other:
+        _settle(w, {"t": torch.from_numpy(memory)})  # then the tensor is freed
+        again = {"u": torch.from_numpy(memory)}
+        _settle(other, again)  # the first watch lets go of its pages when asked
+        assert _settle(other, again) == {"u": []}
+        assert w.recorded("t") is None
+
+
+def test_the_default_watch_is_one_per_process_and_can_be_turned_off(monkeypatch):
+    assert writewatch.default() is writewatch.default()
+    monkeypatch.setenv(writewatch.ENV, "0")
+    assert writewatch.default() is None
+
+
+@needs_kernel
+def test_a_kernel_that_fails_the_self_test_is_not_trusted(monkeypatch):
+    monkeypatch.setattr(WriteWatch, "_scan", lambda self, *a: [])  # sees no write
+    w = WriteWatch()
+    assert "self-test: a written page does not read as written" in w.why
+    assert w.written(_tensors(N)) == {}
+    w.record({})
+
+
+def test_spans_without_holes():
+    assert writewatch._without([(0, 10), (20, 30)], [(2, 4), (8, 22), (25, 26)]) == \
+        [(0, 2), (4, 8), (22, 25), (26, 30)]
+    assert writewatch._without([(0, 10)], []) == [(0, 10)]
+    assert writewatch._without([(0, 10)], [(0, 10)]) == []

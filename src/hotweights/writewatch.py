@@ -12,28 +12,35 @@ as written).
 What it cannot see, and so never watches: memory another process may write (shared or file
 mappings: shared memory with a vLLM server), and pinned memory (a device writes it by DMA).
 The cost is on the writer: after each scan, the first write to each 4 KiB page faults once
-(~0.5 us; `benchmarks/checkpoint_sync.py` measures it).
+(~0.4 us; `benchmarks/checkpoint_sync.py` measures it), more than hashing the page costs:
+a tensor written all over at two syncs in a row is let go (hashed from then on), and so
+are the pages of a freed tensor. `checkpoint.sync` uses the process's watch, `default()`,
+unless told otherwise.
 """
 
 from __future__ import annotations
 
 import bisect
 import ctypes
+import errno
 import fcntl
 import logging
+import mmap
 import os
 import platform
 import struct
 import threading
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["WriteWatch"]
+__all__ = ["ENV", "WriteWatch", "default"]
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 MIN_BYTES = 64 << 10  # smaller tensors are hashed whole: fewer registrations (VMA splits)
@@ -45,6 +52,12 @@ _WP_MATCHING = 1  # PAGEMAP_SCAN: protect the pages it reports. Not with PM_SCAN
 # that fails on a mapping not registered, after protecting pages it then does not report.
 _WP_ALLOWED, _WRITTEN = 1, 1 << 1  # page categories
 _REGIONS = 4096  # page regions per PAGEMAP_SCAN call (the walk resumes where it stopped)
+# A fault per page written costs about what hashing 2-3 unwritten pages saves: a tensor more
+# than a quarter written at this many syncs in a row is no longer watched.
+_DENSE = 2
+ENV = "HOTWEIGHTS_WRITE_WATCH"  # "0": syncs that are given no watch use none
+_default: WriteWatch | None = None
+_default_lock = threading.Lock()
 
 
 def _iowr(kind: int, nr: int, size: int) -> int:
@@ -53,17 +66,21 @@ def _iowr(kind: int, nr: int, size: int) -> int:
 
 _UFFDIO_API, _UFFDIO_REGISTER = _iowr(0xAA, 0x3F, 24), _iowr(0xAA, 0x00, 32)
 _UFFDIO_WRITEPROTECT, _PAGEMAP_SCAN = _iowr(0xAA, 0x06, 24), _iowr(ord("f"), 16, 96)
+_UFFDIO_UNREGISTER = (2 << 30) | (16 << 16) | (0xAA << 8) | 0x01  # _IOR: reads 16 bytes
+_watches: weakref.WeakSet[WriteWatch] = weakref.WeakSet()  # this process's open watches
 
 
 @dataclass
 class _Watched:
     span: tuple[int, int]  # the tensor's bytes, as addresses
+    storage: StorageWeakRef  # expired: the tensor was freed, its pages are not its own
     hashes: np.ndarray | None = None  # its block hashes when last recorded
     written: list[tuple[int, int]] = field(default_factory=list)  # since then (addresses)
     # Its bytes in the pages it shares with other memory (allocator headers, neighbours,
     # written all the time): when last recorded, and now (recorded next).
     edges: dict[tuple[int, int], bytes] = field(default_factory=dict)
     edges_now: dict[tuple[int, int], bytes] = field(default_factory=dict)
+    dense: int = 0  # syncs in a row that found more than a quarter of it written
 
     def changed(self) -> list[tuple[int, int]]:
         """`written`, less the shared pages where its own bytes are as recorded; notes its
@@ -82,10 +99,11 @@ class _Watched:
 
 class WriteWatch:
     """Tells `checkpoint.sync` which bytes of the live tensors were written since it last
-    hashed them, so it hashes only those (`sync(..., watch=WriteWatch())`).
+    hashed them, so it hashes only those.
 
-    One watch follows the tensors of one process; pass the same one to every sync of
-    those weights (syncs that share it take turns). A tensor it cannot watch (not on the
+    One watch follows the tensors of one process; every sync of those weights must use the
+    same one (syncs that share it take turns): the process's `default()` unless a sync is
+    given its own (`sync(..., watch=WriteWatch())`). A tensor it cannot watch (not on the
     CPU, in shared or pinned memory, under 64 KiB, or a kernel without the feature: see
     `why`) is hashed as without it.
     """
@@ -134,25 +152,54 @@ class WriteWatch:
         if self.why:
             return {}
         self._collect()
+        self._forget([n for n, w in self._watched.items() if w.storage.expired()  # freed,
+                      or n in tensors and w.span != _span(tensors[n])])  # or moved
         out, new, anonymous, self._asked = {}, [], None, set(tensors)
         for name, t in tensors.items():
-            span = (t.data_ptr(), t.data_ptr() + t.nbytes)
+            span = _span(t)
             w = self._watched.get(name)
-            if w is not None and w.span == span:
-                if w.hashes is not None:
-                    out[name] = [(lo - span[0], hi - span[0]) for lo, hi in w.changed()]
-                else:  # protected, never recorded
-                    w.edges_now = _edge_bytes(span)
+            if w is not None and w.hashes is None:  # protected, never recorded
+                w.edges_now = _edge_bytes(span)
+            elif w is not None:
+                changed = w.changed()
+                w.dense = w.dense + 1 if 4 * sum(b - a for a, b in changed) > t.nbytes else 0
+                if w.dense < _DENSE:
+                    out[name] = [(lo - span[0], hi - span[0]) for lo, hi in changed]
+                else:  # written all over, sync after sync: hashing costs less than the
+                    logger.debug("%s: written all over at %d syncs in a row: hashed from "
+                                 "now on", name, _DENSE)  # faults
+                    self._forget([name])
+                    self._unwatchable[name] = span
             elif self._unwatchable.get(name) == span:
                 continue
-            elif _watchable(name, t, anonymous := anonymous or _anonymous()):
-                new.append((name, span))
+            elif _plain(name, t) and _private(name, t, anonymous := anonymous or _anonymous()):
+                new.append((name, t))
             else:
-                self._watched.pop(name, None)
                 self._unwatchable[name] = span
         self._protect(new)
         self._spans = _merge(_pages(*w.span) for w in self._watched.values())
         return out
+
+    def _forget(self, names: list[str]) -> None:
+        """Stop watching these tensors: their pages are unregistered (no more faults, and
+        free for another watch), but for those they share with a tensor still watched."""
+        if not names:
+            return
+        gone = _merge(_pages(*self._watched.pop(n).span) for n in names)
+        for lo, hi in _without(gone, _merge(_pages(*w.span) for w in self._watched.values())):
+            try:
+                fcntl.ioctl(self._uffd, _UFFDIO_UNREGISTER, struct.pack("QQ", lo, hi - lo))
+            except OSError as e:  # unmapped since: nothing registered there any more
+                logger.debug("pages %#x-%#x: not unregistered (%s)", lo, hi, e.strerror)
+
+    def _tidy(self) -> None:
+        """Forget the tensors that were freed, if no sync is using this watch right now."""
+        if self._uffd >= 0 and os.getpid() == self._pid and self._turn.acquire(blocking=False):
+            try:
+                self._forget([n for n, w in self._watched.items() if w.storage.expired()])
+                self._spans = _merge(_pages(*w.span) for w in self._watched.values())
+            finally:
+                self._turn.release()
 
     def recorded(self, name: str) -> np.ndarray | None:
         """The block hashes last `record`ed for `name`, if it is watched."""
@@ -207,7 +254,39 @@ class WriteWatch:
         except OSError as e:
             self.close()
             return f"PAGEMAP_SCAN needs Linux 6.7 or later ({e.strerror})"
+        try:
+            failed = self._self_test()
+        except OSError as e:
+            failed = e.strerror
+        if failed:
+            self.close()
+            return f"the kernel's write tracking failed a self-test: {failed}"
+        _watches.add(self)
         return ""
+
+    def _self_test(self) -> str:
+        """Watch a page of its own and write it: what went wrong, or ''. An emulated or
+        broken kernel must not pass for one that tracks writes."""
+        m = mmap.mmap(-1, PAGE)
+        page = (ctypes.c_char * PAGE).from_buffer(m)
+        lo = ctypes.addressof(page)
+        hi = lo + PAGE
+        try:
+            self._register(lo, hi)
+            self._protection(lo, hi, _WP)
+            if self._scan(lo, hi, 0, _WP_ALLOWED, _WP_ALLOWED):
+                return "a registered page reads as not registered"
+            if self._scan(lo, hi, 0, 0, _WRITTEN):
+                return "a protected page reads as written"
+            page[0] = b"\x01"
+            if self._scan(lo, hi, _WP_MATCHING, 0, _WRITTEN) != [(lo, hi)]:
+                return "a written page does not read as written"
+            if self._scan(lo, hi, 0, 0, _WRITTEN):
+                return "a page protected again reads as written"
+            return ""
+        finally:
+            del page
+            m.close()  # its registration goes with the mapping
 
     def _collect(self) -> None:
         """Move what the kernel saw written since the last scan into every watched tensor,
@@ -229,20 +308,35 @@ class WriteWatch:
             if len(w.written) > seen:
                 w.written = _merge(w.written)
 
-    def _protect(self, new: list[tuple[str, tuple[int, int]]]) -> None:
-        for name, span in new:
+    def _protect(self, new: list[tuple[str, torch.Tensor]]) -> None:
+        for name, t in new:
+            span = _span(t)
             lo, hi = _pages(*span)
             try:
-                fcntl.ioctl(self._uffd, _UFFDIO_REGISTER, bytearray(struct.pack(
-                    "QQQQ", lo, hi - lo, _REGISTER_WP, 0)))
-                fcntl.ioctl(self._uffd, _UFFDIO_WRITEPROTECT, bytearray(struct.pack(
-                    "QQQ", lo, hi - lo, _WP)))
+                try:
+                    self._register(lo, hi)
+                except OSError as e:  # EBUSY: another watch holds pages of a freed tensor?
+                    if e.errno != errno.EBUSY:
+                        raise
+                    for other in list(_watches):
+                        if other is not self:
+                            other._tidy()
+                    self._register(lo, hi)
+                self._protection(lo, hi, _WP)
             except OSError as e:
                 logger.debug("%s: cannot watch its pages (%s): hashed", name, e.strerror)
-                self._watched.pop(name, None)
                 self._unwatchable[name] = span  # not tried again at every sync
                 continue
-            self._watched[name] = _Watched(span, edges_now=_edge_bytes(span))
+            self._watched[name] = _Watched(span, StorageWeakRef(t.untyped_storage()),
+                                           edges_now=_edge_bytes(span))
+
+    def _register(self, lo: int, hi: int) -> None:
+        fcntl.ioctl(self._uffd, _UFFDIO_REGISTER, bytearray(struct.pack(
+            "QQQQ", lo, hi - lo, _REGISTER_WP, 0)))
+
+    def _protection(self, lo: int, hi: int, mode: int) -> None:
+        fcntl.ioctl(self._uffd, _UFFDIO_WRITEPROTECT, bytearray(struct.pack(
+            "QQQ", lo, hi - lo, mode)))
 
     def _scan(self, lo: int, hi: int, flags: int, inverted: int, mask: int
               ) -> list[tuple[int, int]]:
@@ -259,6 +353,18 @@ class WriteWatch:
                 break
             lo = walk_end
         return out
+
+
+def default() -> WriteWatch | None:
+    """The watch `checkpoint.sync` uses when it is given none: one per process, made at its
+    first use; None where the environment says HOTWEIGHTS_WRITE_WATCH=0."""
+    global _default
+    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    with _default_lock:
+        if _default is None or _default._pid != os.getpid():  # a forked child makes its own
+            _default = WriteWatch()
+        return _default
 
 
 def _pages(lo: int, hi: int) -> tuple[int, int]:
@@ -286,13 +392,37 @@ def _merge(spans) -> list[tuple[int, int]]:
     return out
 
 
-def _watchable(name: str, t: torch.Tensor, anonymous: tuple[list[int], list[int]]) -> bool:
+def _without(spans: list[tuple[int, int]], holes: list[tuple[int, int]]
+             ) -> list[tuple[int, int]]:
+    """The parts of sorted, disjoint `spans` outside sorted, disjoint `holes`."""
+    out = []
+    for lo, hi in spans:
+        for a, b in holes:
+            if b <= lo or a >= hi:
+                continue
+            if a > lo:
+                out.append((lo, a))
+            lo = max(lo, b)
+        if lo < hi:
+            out.append((lo, hi))
+    return out
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    return t.data_ptr(), t.data_ptr() + t.nbytes
+
+
+def _plain(name: str, t: torch.Tensor) -> bool:
     if t.device.type != "cpu" or t.nbytes < MIN_BYTES or not t.is_contiguous():
         return False
     if t.is_pinned():
         logger.debug("%s: pinned memory (DMA writes bypass the page tables): hashed", name)
         return False
-    lo, hi = _pages(t.data_ptr(), t.data_ptr() + t.nbytes)
+    return True
+
+
+def _private(name: str, t: torch.Tensor, anonymous: tuple[list[int], list[int]]) -> bool:
+    lo, hi = _pages(*_span(t))
     starts, ends = anonymous
     i = bisect.bisect_right(starts, lo) - 1
     if i < 0 or ends[i] < hi:

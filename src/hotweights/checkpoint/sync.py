@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hotweights import blocks
+from hotweights import blocks, writewatch
 from hotweights.checkpoint import clone, journal, sidecar, stage
 from hotweights.checkpoint.mapped import mapped
 from hotweights.checkpoint.names import to_disk, unpack
@@ -75,7 +75,7 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
          block_size: int = blocks.DEFAULT_BLOCK_SIZE, convert_dtype: bool = False,
          max_shard_size: int | str = "50GB", progress: Progress | None = None,
          after_read: Callable[[], None] | None = None,
-         changed: Iterable[str] | None = None, watch: WriteWatch | None = None) -> SyncResult:
+         changed: Iterable[str] | None = None, watch: WriteWatch | bool = True) -> SyncResult:
     """Make the safetensors in `model_dir` hold the `live` tensors, writing what changed.
 
     Args:
@@ -100,11 +100,12 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
             and its bytes share none with a named tensor's (a tied alias, a view). Only
             pass what you know: a change this leaves out is not written (a later sync
             without `changed` finds it). None: every tensor is hashed.
-        watch: a `WriteWatch` this process passes to every sync of these weights: where
-            the kernel tracks the writes to a live tensor (this process's own CPU memory,
-            Linux 6.7+), only the blocks written since the last sync are hashed, no
-            promise asked of you. The tensors it cannot watch are hashed; `changed` rules
-            over it for the tensors it names.
+        watch: where the kernel tracks the writes to a live tensor (this process's own
+            CPU memory, Linux 6.7+), only the blocks written since the last sync are hashed,
+            no promise asked of you (see `hotweights.writewatch`). True: the process's own
+            `WriteWatch`, unless the environment sets HOTWEIGHTS_WRITE_WATCH=0; or a
+            `WriteWatch` of yours; False: every tensor is hashed. The tensors it cannot
+            watch are hashed; `changed` rules over it for the tensors it names.
     Returns:
         A `SyncResult`.
     Raises:
@@ -114,6 +115,7 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
     """
     started = time.perf_counter()
     model_dir = Path(model_dir)
+    watch = writewatch.default() if watch is True else watch or None
     live, model, model_type = unpack(live, config)
     if changed is not None:
         changed = _check_changed(live, changed)
