@@ -182,11 +182,13 @@ class WriteWatch:
 
     def _forget(self, names: list[str]) -> None:
         """Stop watching these tensors: their pages are unregistered (no more faults, and
-        free for another watch), but for those they share with a tensor still watched."""
+        free for another watch), but for those they share with a tensor still watched;
+        the scans cover the pages of those alone."""
         if not names:
             return
         gone = _merge(_pages(*self._watched.pop(n).span) for n in names)
-        for lo, hi in _without(gone, _merge(_pages(*w.span) for w in self._watched.values())):
+        self._spans = _merge(_pages(*w.span) for w in self._watched.values())
+        for lo, hi in _without(gone, self._spans):
             try:
                 fcntl.ioctl(self._uffd, _UFFDIO_UNREGISTER, struct.pack("QQ", lo, hi - lo))
             except OSError as e:  # unmapped since: nothing registered there any more
@@ -197,7 +199,6 @@ class WriteWatch:
         if self._uffd >= 0 and os.getpid() == self._pid and self._turn.acquire(blocking=False):
             try:
                 self._forget([n for n, w in self._watched.items() if w.storage.expired()])
-                self._spans = _merge(_pages(*w.span) for w in self._watched.values())
             finally:
                 self._turn.release()
 
