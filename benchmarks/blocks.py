@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import xxhash
 
-from hotweights import blocks
+from hotweights.changes import blocks
 
 
 def best(fn, repeat: int) -> float:

@@ -70,10 +70,10 @@ import xxhash
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from hotweights import blocks, writewatch
+from hotweights.changes import blocks, writewatch
+from hotweights.changes.writewatch import WriteWatch
 from hotweights.checkpoint import journal
 from hotweights.checkpoint.sync import sync
-from hotweights.writewatch import WriteWatch
 
 SHARDS = 4
 SEED_BLOCK = 4096

@@ -24,7 +24,8 @@ import time
 
 import torch
 
-from hotweights import delta, delta_apply, tiny
+from hotweights.remote import delta, delta_apply
+from hotweights.testing import tiny
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

@@ -11,7 +11,7 @@ what goes on the wire is what `delta.pack` / the block ranges would put there):
   checkpoint some steps behind gives wrong deltas: an element that changed and changed
   back is missing), so it must be synced at every update: its time is counted. Extra
   memory: none of this process's own (the page cache, shared and reclaimable).
-- **fingerprints**: per-block hashes of what the servers hold (`hotweights.blocks`);
+- **fingerprints**: per-block hashes of what the servers hold (`hotweights.changes.blocks`);
   every changed block is sent whole. Extra memory: 8 bytes per block.
 
 Scenarios, each on the same bf16 model (built with `tiny.build` as in
@@ -39,9 +39,11 @@ from pathlib import Path
 
 import torch
 
-from hotweights import blocks, delta, tiny
+from hotweights.changes import blocks
 from hotweights.checkpoint.source import open_dir
 from hotweights.checkpoint.sync import sync
+from hotweights.remote import delta
+from hotweights.testing import tiny
 from remote_update import HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, change, layers_for, load_weights
 
 ROUND = 64 << 20

@@ -50,12 +50,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from hotweights import delta, launch, tiny
-from hotweights.bridge import _request
+from hotweights.bridge.client import _request
+from hotweights.remote import delta, prefilter
 from hotweights.remote import group as group_module
-from hotweights.remote import prefilter
 from hotweights.remote.channel import Channel
 from hotweights.remote.group import ROUND_BYTES, RemoteGroup
+from hotweights.server import launch
+from hotweights.testing import tiny
 
 TOKEN = "bench-token-1234"
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 1024, 2816, 16, 4, 64

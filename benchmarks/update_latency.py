@@ -46,9 +46,11 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from hotweights import launch, serve, tiny
+from hotweights.server import launch, serve
 
 # The probe: the smallest request that shows the weights (its prefill is recomputed after
+from hotweights.testing import tiny
+
 # every update: the commit resets the prefix cache).
 PROMPT = [1, 5, 9]
 SERVE_FLAGS = ["--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "8"]
@@ -127,7 +129,7 @@ def edit(model, step: int) -> None:
 
 def hotweights_run(name: str, model_dir: Path, args: argparse.Namespace,
                    overhead: bool = False) -> dict:
-    from hotweights.bridge import Bridge
+    from hotweights.bridge.client import Bridge
 
     token = secrets.token_urlsafe(16)
     with running(name, model_dir, args, token) as url:
@@ -198,7 +200,7 @@ def overhead_child(url: str) -> None:
 
     proc = psutil.Process()
     start = proc.memory_full_info()
-    from hotweights.bridge import Bridge
+    from hotweights.bridge.client import Bridge
 
     bridge = Bridge.connect(url)
     kind = json.loads((Path(bridge.manifests[0].model) / "config.json").read_text())[

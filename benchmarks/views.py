@@ -32,7 +32,7 @@ import threading
 import time
 from pathlib import Path
 
-from hotweights import tiny
+from hotweights.testing import tiny
 
 ARCHS = ("llama", "llama_tied", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_next",
          "transformers_backend")
@@ -99,7 +99,7 @@ def run_one(arch: str, size: str, workdir: Path) -> dict:
     import psutil
 
     from hotweights import build_hf_model, plan, verify_shared
-    from hotweights.layout import hf_params
+    from hotweights.layout.plan import hf_params
     from hotweights.vllm_plugin.local import hf_context, live_params, start_engine, stop_engine
 
     model_dir = build_model(arch, size, workdir)

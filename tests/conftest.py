@@ -6,7 +6,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may come from a hub
 
 import pytest
 
-from hotweights import tiny
+from hotweights.testing import tiny
 
 # Found, not imported: the trainer side and the table tests run without vLLM.
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
@@ -204,7 +204,7 @@ def xfs_dir(tmp_path_factory):
 def both_paths(request, monkeypatch):
     """`delta.encode` on CPU tensors through numpy (its CPU path), then through torch (the
     path of an accelerator's tensors)."""
-    from hotweights import delta
+    from hotweights.remote import delta
 
     monkeypatch.setattr(delta, "_NUMPY", request.param == "numpy")
     return request.param

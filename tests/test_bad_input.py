@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hotweights import LayoutError, build_hf_model, plan
-from hotweights.layout import load_config
+from hotweights.layout.plan import load_config
 
 LIVE = json.loads((Path(__file__).parent / "fixtures" / "llama_live.json").read_text())
 
@@ -111,4 +111,4 @@ def test_recorded_table_is_what_vllm_serves(engine_key, vllm_engines, tiny_model
         return {k: v for k, v in values.items() if k != "transformers_version"}
 
     built = json.loads((tiny_model("llama") / "config.json").read_text())
-    assert config(built) == config(LIVE["config"]), "hotweights.tiny changed: re-record"
+    assert config(built) == config(LIVE["config"]), "hotweights.testing.tiny changed: re-record"

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hotweights import shm
+from hotweights.protocol import shm
 
 STEPS, LR = 1000, 1e-3  # an AdamW step is ~lr: below bf16's half-ulp at 1.0 (2**-8)
 

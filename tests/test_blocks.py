@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from hotweights import blocks
-from hotweights.blocks import TORCH, XXH3, Fingerprints, changed, compare_bytes, fingerprint
+from hotweights.changes import blocks
+from hotweights.changes.blocks import TORCH, XXH3, Fingerprints, changed, compare_bytes, fingerprint
 from hotweights.errors import FingerprintError
 
 BS = 64  # small blocks keep every case tiny

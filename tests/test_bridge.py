@@ -5,8 +5,8 @@ import time
 import pytest
 import torch
 
-from hotweights import bridge as bridge_module
-from hotweights.bridge import Bridge
+from hotweights.bridge.client import Bridge
+from hotweights.bridge.client import client as bridge_module
 from hotweights.errors import ServerError
 
 
@@ -68,7 +68,7 @@ def test_an_exception_in_the_body_aborts_dirty_and_is_reraised(monkeypatch):
 
 
 def test_the_model_dir_comes_from_this_machine_not_the_servers_word(tmp_path):
-    from hotweights import shm
+    from hotweights.protocol import shm
 
     b = _bridge()
     b.manifests = [shm.Manifest(shm.FORMAT, "s", "/dev/shm/x", 1, (), model="org/model")]

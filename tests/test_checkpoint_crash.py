@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM
 
 from hotweights.checkpoint import journal
 from hotweights.checkpoint.sync import sync
-from hotweights.tiny import make_config
+from hotweights.testing.tiny import make_config
 
 KILLS = 50
 SYNCS = 20

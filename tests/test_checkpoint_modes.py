@@ -14,7 +14,7 @@ from conftest import remove_synced
 from hotweights.checkpoint import journal
 from hotweights.checkpoint.sync import sync, write_mode
 from hotweights.errors import CheckpointError
-from hotweights.tiny import make_config
+from hotweights.testing.tiny import make_config
 from test_checkpoint_sync import _disk, _shard_of, _stats
 
 

@@ -82,7 +82,7 @@ def test_a_header_rewritten_in_place_is_read_again(shard: Path):
 def test_sharded_save_pretrained(tmp_path: Path):
     from transformers import AutoModelForCausalLM
 
-    from hotweights.tiny import make_config
+    from hotweights.testing.tiny import make_config
 
     config = make_config("llama", 300)
     torch.manual_seed(0)

@@ -9,11 +9,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from hotweights import blocks
+from hotweights.changes import blocks
 from hotweights.checkpoint import journal
 from hotweights.checkpoint.sync import sync
 from hotweights.errors import CheckpointError
-from hotweights.tiny import make_config
+from hotweights.testing.tiny import make_config
 
 
 @pytest.fixture
@@ -93,7 +93,7 @@ def test_a_shard_changed_behind_the_sidecar_is_compared_with_the_file(saved):
 def test_a_sidecar_of_the_other_hash_kind_is_compared_with_the_file(saved, monkeypatch):
     """Fingerprints of CUDA tensors (the torch hash) and of CPU ones (xxh3) never meet: a
     trainer that syncs from the GPU after a CPU sync gets a compare, not an error."""
-    from hotweights import blocks
+    from hotweights.changes import blocks
     d, live = saved
     monkeypatch.setattr(blocks, "kind_of", lambda t: blocks.TORCH)  # as on CUDA
     sync(d, live)
@@ -106,7 +106,7 @@ def test_a_sidecar_of_the_other_hash_kind_is_compared_with_the_file(saved, monke
 
 
 def test_a_sidecar_this_process_wrote_is_not_parsed_again(saved, monkeypatch):
-    from hotweights import blocks
+    from hotweights.changes import blocks
     d, live = saved
     sync(d, live)
     journal.finish()

@@ -7,12 +7,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hotweights import writewatch
+from hotweights.changes import writewatch
+from hotweights.changes.writewatch import MIN_BYTES, PAGE, WriteWatch
 from hotweights.checkpoint import journal
 from hotweights.checkpoint import sync as sync_mod
 from hotweights.checkpoint.sync import sync
 from hotweights.errors import CheckpointError
-from hotweights.writewatch import MIN_BYTES, PAGE, WriteWatch
 
 with WriteWatch() as _probe:
     WHY = _probe.why

@@ -5,11 +5,11 @@ import sys
 
 import pytest
 
-from hotweights.cli import main
+from hotweights.cli.main import main
 
 
 def test_help_explains_every_command():
-    out = subprocess.run([sys.executable, "-m", "hotweights.cli", "--help"],
+    out = subprocess.run([sys.executable, "-m", "hotweights.cli.main", "--help"],
                          capture_output=True, text=True, check=True).stdout
     assert all(c in out for c in ("serve", "status", "layout", "demo", "sync", "diagnose"))
 
@@ -46,7 +46,7 @@ def test_serve_refuses_flags_that_split_the_weights_or_the_updates(flags, named,
 
 
 def test_serve_passes_other_data_parallel_flags_to_vllm():
-    from hotweights.serve import refuse_unshareable
+    from hotweights.server.serve import refuse_unshareable
 
     refuse_unshareable(["-dpl", "4", "-dpb=ray", "--data-parallel-size-local", "2", "-dp",
                         "1", "--api-server-count=1"])  # none of them splits anything

@@ -11,14 +11,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from hotweights import blocks
+from hotweights.changes import blocks
 from hotweights.checkpoint import clone, journal, sidecar
 from hotweights.checkpoint.diagnose import diagnose
 from hotweights.checkpoint.shards import read_dir
 from hotweights.checkpoint.source import open_dir
-from hotweights.cli import main
+from hotweights.cli.main import main
 from hotweights.errors import CheckpointError
-from hotweights.tiny import make_config
+from hotweights.testing.tiny import make_config
 
 CHANGED = ("model.layers.1.mlp.down_proj.weight", "model.embed_tokens.weight")
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from hotweights.cli_status import rows
+from hotweights.cli.status import rows
 
 BASE = dict(version="3@ab12cd34", holder=None, mode=None, lease_expires=None, dirty=False,
             dirty_reason=None, dirty_versions=[], updates=3, last_pause_s=0.02,

@@ -5,10 +5,11 @@ import json
 import pytest
 import torch
 
-from hotweights import delta, tiny
-from hotweights.delta import Round, encode, encode_all, pack
-from hotweights.delta_apply import apply, check
 from hotweights.errors import DeltaError
+from hotweights.remote import delta
+from hotweights.remote.delta import Round, encode, encode_all, pack
+from hotweights.remote.delta_apply import apply, check
+from hotweights.testing import tiny
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8,
           torch.uint8, torch.int32, torch.int64, torch.bool]
@@ -106,7 +107,7 @@ def test_bit_patterns_minus_zero_and_nan_payloads(dtype, zero, nan_a, nan_b):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
 def test_finite_reads_bounded_chunks_of_elements_whatever_the_shape(monkeypatch, dtype):
-    from hotweights import delta_apply
+    from hotweights.remote import delta_apply
 
     monkeypatch.setattr(delta_apply, "_CHUNK", 8)
     seen, real = [], torch.aminmax

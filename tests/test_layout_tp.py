@@ -1,4 +1,4 @@
-"""Tensor-parallel offset math of `hotweights.layout.plan`, checked against a reference.
+"""Tensor-parallel offset math of `hotweights.layout.plan.plan`, checked against a reference.
 
 The reference below builds each rank's vLLM tensors from the HF tensors the way vLLM
 shards them (QKVParallelLinear, MergedColumnParallelLinear, RowParallelLinear, FusedMoE,
@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hotweights.errors import LayoutError
-from hotweights.layout import Piece, hf_params, plan
+from hotweights.layout.plan import Piece, hf_params, plan
 
 EMBED = "model.embed_tokens.weight"
 LM_HEAD = "lm_head.weight"

@@ -22,8 +22,9 @@ from pathlib import Path
 import pytest
 import transformers
 
-from hotweights import LayoutError, plan, tiny
-from hotweights.layout import hf_params
+from hotweights import LayoutError, plan
+from hotweights.layout.plan import hf_params
+from hotweights.testing import tiny
 
 SHARD_ORDER = {"q": 0, "k": 1, "v": 2}
 LIVE = json.loads((Path(__file__).parent / "fixtures" / "qwen3_5_live.json").read_text())

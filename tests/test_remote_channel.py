@@ -10,9 +10,10 @@ import time
 import pytest
 import torch
 
-from hotweights import delta, tiny
 from hotweights.errors import RemoteError
+from hotweights.remote import delta
 from hotweights.remote.channel import Channel
+from hotweights.testing import tiny
 
 TOKEN = "a-shared-secret-token"
 TIMEOUT = 6.0
@@ -22,7 +23,7 @@ MAX_BYTES = 16 << 10
 # round, prints one JSON line per update (or per error) with a checksum of its weights.
 RECEIVER = r"""
 import hashlib, json, os, signal, sys, time, torch
-from hotweights import delta_apply
+from hotweights.remote import delta_apply
 from hotweights.errors import HotweightsError
 from hotweights.remote.channel import Channel
 sys.path.insert(0, sys.argv[1])

@@ -7,8 +7,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from hotweights import RemoteError, RemoteGroup, delta
+from hotweights import RemoteError, RemoteGroup
 from hotweights.checkpoint.digest import digest
+from hotweights.remote import delta
 
 
 @pytest.fixture

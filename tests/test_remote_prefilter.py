@@ -7,10 +7,9 @@ import random
 import pytest
 import torch
 
-from hotweights import delta
-from hotweights.delta import encode, encode_all
 from hotweights.errors import DeltaError
-from hotweights.remote import prefilter
+from hotweights.remote import delta, prefilter
+from hotweights.remote.delta import encode, encode_all
 from test_delta import WORD_DTYPES, _at, _bits, _fields, _flip, _random
 
 

@@ -165,7 +165,7 @@ def test_the_servers_wait_for_an_encode_longer_than_the_timeout(remotes, trainer
     # the workers wait for the update on the channel while the trainer encodes: up to the
     # lease, not the collective timeout; an encode that fails lets them go at once
     model, _ = trainer
-    from hotweights import delta
+    from hotweights.remote import delta
     encode_all = delta.encode_all
     slow = {"s": 4.0, "fail": False}
 

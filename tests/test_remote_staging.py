@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from hotweights.delta import Round, encode_all, pack
 from hotweights.errors import DeltaError
+from hotweights.remote.delta import Round, encode_all, pack
 from hotweights.remote.staging import Staged
 from test_delta import _same_bits, _state
 

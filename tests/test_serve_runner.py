@@ -9,14 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from hotweights import serve, shm
-from hotweights.launch import free_port
+from hotweights.protocol import shm
+from hotweights.server import serve
+from hotweights.server.launch import free_port
 
 FAKE = Path(__file__).parent / "fixtures" / "fake_vllm_server.py"
 # `hotweights serve` with vLLM replaced by tests/fixtures/fake_vllm_server.py.
 RUNNER = """
 import sys
-from hotweights import cli, serve
+from hotweights.cli.main import main as cli
+from hotweights.server import serve
 serve.command = lambda args, extra: [sys.executable, {fake!r}, str(args.port), {mode!r}]
 sys.exit(cli.main(sys.argv[1:]))
 """
@@ -62,7 +64,7 @@ def test_server_env_sizes_the_kv_cache_unless_told(environ, flags, kv):
 
 
 def test_help_says_the_memory_default(capsys):
-    from hotweights.cli import main
+    from hotweights.cli.main import main
 
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
@@ -134,7 +136,7 @@ def test_python_dash_m_hotweights_runs():
 
 
 def test_demo_with_an_unknown_arch_is_one_line(capsys):
-    from hotweights.cli import main
+    from hotweights.cli.main import main
 
     assert main(["demo", "--arch", "bogus"]) == 1
     err = capsys.readouterr().err
@@ -143,7 +145,7 @@ def test_demo_with_an_unknown_arch_is_one_line(capsys):
 
 @pytest.mark.vllm
 def test_demo_of_an_arch_this_machine_cannot_serve_is_one_line(capsys, tmp_path):
-    from hotweights.cli import main
+    from hotweights.cli.main import main
     from hotweights.vllm_plugin.support import unservable
 
     if not (reason := unservable("qwen3_5")):

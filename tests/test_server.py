@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from hotweights import launch
-from hotweights.bridge import Bridge
+from hotweights.bridge.client import Bridge
 from hotweights.errors import LayoutError, ServerError
-from hotweights.tokens import token_path
-from hotweights.transaction import parse_version
+from hotweights.protocol.tokens import token_path
+from hotweights.server import launch
+from hotweights.server.transaction import parse_version
 
 pytestmark = pytest.mark.vllm
 
@@ -234,7 +234,7 @@ def test_bridge_checkpoint_writes_only_what_changed(server, tmp_path):
 def test_sync_and_diagnose_commands_against_the_server(server, capsys, tmp_path):
     import shutil
 
-    from hotweights.cli import main
+    from hotweights.cli.main import main
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(server.model_dir, ckpt)
@@ -262,7 +262,7 @@ def test_sync_and_diagnose_commands_against_the_server(server, capsys, tmp_path)
 
 
 def test_status_command_and_token_file(server, capsys, monkeypatch, tmp_path):
-    from hotweights.cli import main
+    from hotweights.cli.main import main
 
     monkeypatch.delenv("HOTWEIGHTS_TOKEN", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no token file for this port yet
@@ -325,7 +325,7 @@ def test_a_step_longer_than_the_lease_is_kept_alive_by_renewal(server):
 
 def test_killed_trainer_lease_expires_and_server_resumes(server, tmp_path):
     code = (
-        "import os, signal; from hotweights.bridge import Bridge\n"
+        "import os, signal; from hotweights.bridge.client import Bridge\n"
         f"b = Bridge.connect({server.url!r}, token={TOKEN!r})\n"
         "b.holder = 'doomed'\n"
         "b._post('/hotweights/begin', mode='wait', lease_s=10)\n"
@@ -467,8 +467,8 @@ def test_custom_remote_code_model_through_the_transformers_backend(custom_model,
 def test_the_trainer_maps_only_the_servers_own_file(server, tmp_path):
     import dataclasses
 
-    from hotweights import shm
     from hotweights.errors import ManifestError
+    from hotweights.protocol import shm
 
     manifest = Bridge.connect(server.url, token=TOKEN).manifests[0]
     link = Path(manifest.path).with_name(f"hotweights-{manifest.server_id}-999999999")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hotweights import shm
+from hotweights.protocol import shm
 from hotweights.vllm_plugin.local import live_params
 
 TRAINER = Path(__file__).with_name("trainer.py")

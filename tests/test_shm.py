@@ -13,8 +13,8 @@ import textwrap
 import pytest
 import torch
 
-from hotweights import shm
 from hotweights.errors import ManifestError
+from hotweights.protocol import shm
 
 
 @pytest.fixture
@@ -40,7 +40,7 @@ def test_share_copies_once_and_maps_the_file(shared):
 def test_another_process_writes_the_same_bytes(shared):
     _, manifest, mapped = shared
     code = (
-        "import sys, torch; from hotweights import shm\n"
+        "import sys, torch; from hotweights.protocol import shm\n"
         "m = shm.Manifest.from_json(sys.stdin.read(), source='stdin')\n"
         "t = shm.attach(m, directory=sys.argv[1])\n"
         "t['b'].mul_(3)\n"
@@ -145,7 +145,7 @@ def test_attach_refuses_the_default_directory_for_a_file_elsewhere(shared):
 
 HOLDER = textwrap.dedent("""
     import sys, torch
-    from hotweights import shm
+    from hotweights.protocol import shm
     manifest, _ = shm.share({"w": torch.ones(4)}, directory=sys.argv[1], server_id="live")
     print(manifest.path, flush=True)
     sys.stdin.read()  # hold the file until the test closes stdin

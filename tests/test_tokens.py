@@ -3,7 +3,7 @@
 import pytest
 
 from hotweights.errors import ServerError
-from hotweights.tokens import find_token, remove_token, token_path, write_token
+from hotweights.protocol.tokens import find_token, remove_token, token_path, write_token
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from hotweights.transaction import (
+from hotweights.server.transaction import (
     Abort,
     Begin,
     Commit,

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from hotweights import build_hf_model, tiny
+from hotweights import build_hf_model
+from hotweights.testing import tiny
 
 VOCAB, PADDED = 300, 320  # vLLM pads the vocabulary rows to a multiple of 64
 

@@ -7,8 +7,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hotweights import build_hf_model, plan, tiny, verify_shared
-from hotweights.views import view_of
+from hotweights import build_hf_model, plan, verify_shared
+from hotweights.layout.views import view_of
+from hotweights.testing import tiny
 from hotweights.vllm_plugin.local import hf_context, live_params
 
 # (arch, dtype, impl): the engine of each comes from the suite's `vllm_engines`, shared with

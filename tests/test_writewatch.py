@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from hotweights import writewatch
-from hotweights.writewatch import PAGE, WriteWatch
+from hotweights.changes import writewatch
+from hotweights.changes.writewatch import PAGE, WriteWatch
 
 with WriteWatch() as _probe:
     WHY = _probe.why

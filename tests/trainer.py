@@ -9,7 +9,8 @@ import sys
 import psutil
 import torch
 
-from hotweights import build_hf_model, plan, shm, verify_shared
+from hotweights import build_hf_model, plan, verify_shared
+from hotweights.protocol import shm
 
 PROMPT = [1, 5, 9, 20, 33, 7, 101, 250, 64, 3]
 

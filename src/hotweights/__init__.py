@@ -1,6 +1,6 @@
 """hotweights: train an LLM in place while vLLM serves it — one copy of the weights."""
 
-from hotweights.bridge import Bridge
+from hotweights.bridge.client import Bridge
 from hotweights.errors import (
     HotweightsError,
     LayoutError,
@@ -8,9 +8,9 @@ from hotweights.errors import (
     RemoteError,
     ServerError,
 )
-from hotweights.layout import Layout, Piece, plan
+from hotweights.layout.plan import Layout, Piece, plan
+from hotweights.layout.views import ViewReport, build_hf_model, verify_shared
 from hotweights.remote.group import RemoteGroup
-from hotweights.views import ViewReport, build_hf_model, verify_shared
 
 __all__ = [
     "Bridge",

@@ -2,6 +2,6 @@
 
 import sys
 
-from hotweights.cli import main
+from hotweights.cli.main import main
 
 sys.exit(main())

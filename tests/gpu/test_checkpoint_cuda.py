@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hotweights import blocks
-from hotweights.blocks import TORCH, XXH3, changed, compare_bytes, fingerprint
+from hotweights.changes import blocks
+from hotweights.changes.blocks import TORCH, XXH3, changed, compare_bytes, fingerprint
 from hotweights.checkpoint import journal
 from hotweights.checkpoint.sync import sync
 from hotweights.errors import FingerprintError

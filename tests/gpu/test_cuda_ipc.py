@@ -14,7 +14,9 @@ import textwrap
 import pytest
 import torch
 
-from hotweights import build_hf_model, plan, shm, tiny, verify_shared
+from hotweights import build_hf_model, plan, verify_shared
+from hotweights.protocol import shm
+from hotweights.testing import tiny
 
 pytestmark = [
     pytest.mark.gpu,
@@ -24,7 +26,8 @@ pytestmark = [
 SERVER = textwrap.dedent('''
     import json, sys, torch
     from transformers import AutoModelForCausalLM
-    from hotweights import plan, shm
+    from hotweights import plan
+    from hotweights.protocol import shm
     model_dir = sys.argv[1]
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).state_dict()
     # vLLM's merged tensors, assembled from the HF ones (tp=1, vocab padded to 64)

@@ -13,8 +13,9 @@ import textwrap
 import pytest
 import torch
 
-from hotweights import delta, tiny
+from hotweights.remote import delta
 from hotweights.remote.channel import Channel
+from hotweights.testing import tiny
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,7 +27,7 @@ TOKEN = "a-shared-secret-token"
 
 RECEIVER = textwrap.dedent('''
     import hashlib, json, sys, torch
-    from hotweights import tiny
+    from hotweights.testing import tiny
     from hotweights.remote.channel import Channel
     from hotweights.remote.staging import Staged
     torch.cuda.set_device(1)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from hotweights import blocks
+from hotweights.changes import blocks
 from hotweights.checkpoint import clone, journal, sidecar
 from hotweights.checkpoint.names import to_disk, unpack
 from hotweights.checkpoint.shards import read_dir

@@ -21,7 +21,7 @@ import torch
 from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 
-from hotweights import blocks
+from hotweights.changes import blocks
 from hotweights.checkpoint import journal, sidecar, stage
 from hotweights.checkpoint.names import reverted, storage_key
 from hotweights.checkpoint.result import SyncResult

@@ -12,7 +12,7 @@ import logging
 import os
 from pathlib import Path
 
-from hotweights import blocks
+from hotweights.changes import blocks
 from hotweights.checkpoint import journal
 from hotweights.checkpoint.shards import Shard
 from hotweights.errors import HotweightsError

@@ -36,14 +36,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hotweights import blocks, writewatch
+from hotweights.changes import blocks, writewatch
+from hotweights.changes.writewatch import WriteWatch
 from hotweights.checkpoint import clone, journal, sidecar, stage
 from hotweights.checkpoint.mapped import mapped
 from hotweights.checkpoint.names import to_disk, unpack
 from hotweights.checkpoint.result import SyncResult
 from hotweights.checkpoint.shards import Shard, TensorInfo, read_dir
 from hotweights.errors import CheckpointError
-from hotweights.writewatch import WriteWatch
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
             without `changed` finds it). None: every tensor is hashed.
         watch: where the kernel tracks the writes to a live tensor (this process's own
             CPU memory, Linux 6.7+), only the blocks written since the last sync are hashed,
-            no promise asked of you (see `hotweights.writewatch`). True: the process's own
+            no promise asked of you (see `hotweights.changes.writewatch`). True: the process's own
             `WriteWatch`, unless the environment sets HOTWEIGHTS_WRITE_WATCH=0; or a
             `WriteWatch` of yours; False: every tensor is hashed. The tensors it cannot
             watch are hashed; `changed` rules over it for the tensors it names.

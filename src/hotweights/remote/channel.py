@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore
 
-from hotweights.delta import Round
 from hotweights.errors import RemoteError
 from hotweights.remote import rendezvous
+from hotweights.remote.delta import Round
 
 __all__ = ["BACKENDS", "Channel"]
 
@@ -259,7 +259,7 @@ class Channel:
         """Broadcast one update's rounds to every receiver (rank 0 only).
 
         Args:
-            rounds: from `hotweights.delta.pack`, in order; their buffers on this channel's
+            rounds: from `hotweights.remote.delta.pack`, in order; their buffers on this channel's
                 device. If reading them raises, the receivers are told the update is aborted
                 and the error is raised again.
         Returns:

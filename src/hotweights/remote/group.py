@@ -38,17 +38,16 @@ from typing import Any
 
 import torch
 
-from hotweights import delta
-from hotweights.bridge import _request
+from hotweights.bridge.client import _request
 from hotweights.checkpoint.digest import digest, stats
 from hotweights.checkpoint.names import reverted
 from hotweights.checkpoint.source import open_dir
 from hotweights.errors import HotweightsError, RemoteError, ServerError
-from hotweights.remote import prefilter
+from hotweights.protocol.tokens import find_token, is_loopback
+from hotweights.remote import delta, prefilter
 from hotweights.remote.channel import Channel
 from hotweights.remote.hosts import server_urls
 from hotweights.remote.rendezvous import channel_id
-from hotweights.tokens import find_token, is_loopback
 
 __all__ = ["Pending", "RemoteGroup"]
 

@@ -1,5 +1,5 @@
 """Which rows of which tensors may have changed since the last update, from per-block
-fingerprints (`hotweights.blocks`): blocks whose hash did not change are not compared.
+fingerprints (`hotweights.changes.blocks`): blocks whose hash did not change are not compared.
 
 Each tensor of two dims or more is cut into blocks of whole rows along dim 0 (about
 `BLOCK_BYTES` each, a multiple of 8 bytes); any other tensor is one block. Hashing reads the
@@ -17,7 +17,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from hotweights import blocks
+from hotweights.changes import blocks
 
 __all__ = ["BLOCK_BYTES", "Prefilter", "Prints", "candidates", "fingerprints", "spared"]
 

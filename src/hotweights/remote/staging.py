@@ -23,9 +23,9 @@ from typing import NamedTuple
 
 import torch
 
-from hotweights import delta_apply
-from hotweights.delta import DENSE, PATCH, Round, _row_index
 from hotweights.errors import DeltaError
+from hotweights.remote import delta_apply
+from hotweights.remote.delta import DENSE, PATCH, Round, _row_index
 
 __all__ = ["Patch", "Staged"]
 

@@ -41,10 +41,10 @@ from vllm.model_executor.model_loader.checkpoint_weight_patch import (
 from hotweights.checkpoint.shards import read_dir
 from hotweights.checkpoint.sync import DTYPES
 from hotweights.errors import ConfigError, HotweightsError
-from hotweights.layout import plan
+from hotweights.layout.plan import plan
+from hotweights.layout.views import view_of
 from hotweights.remote.channel import Channel
 from hotweights.remote.staging import Staged
-from hotweights.views import view_of
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Every route needs `Authorization: Bearer <token>` (the token comes from the
 HOTWEIGHTS_TOKEN environment variable that `hotweights serve` sets; it is never logged).
-The routes are a thin HTTP layer over `hotweights.transaction.Transaction`: `begin`
+The routes are a thin HTTP layer over `hotweights.server.transaction.Transaction`: `begin`
 pauses generation and takes a lease, the trainer writes the shared weights in place,
 `commit` runs the workers' post-update hook, resets the caches, serves a new version and
 resumes. Bodies are parsed into the transaction's frozen request types (400 naming the
@@ -29,9 +29,9 @@ from fastapi.responses import JSONResponse
 
 from hotweights.checkpoint.digest import digest, stats
 from hotweights.errors import ConfigError, ServerError
+from hotweights.protocol.tokens import remove_token
 from hotweights.remote.rendezvous import channel_id
-from hotweights.tokens import remove_token
-from hotweights.transaction import (
+from hotweights.server.transaction import (
     Abort,
     Begin,
     Commit,

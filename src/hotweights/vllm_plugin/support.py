@@ -5,7 +5,7 @@ from __future__ import annotations
 
 def unservable(arch: str) -> str | None:
     """Why this vLLM CPU build cannot serve the tiny model `arch` here, or None."""
-    from hotweights.tiny import GDN_ARCHS
+    from hotweights.testing.tiny import GDN_ARCHS
     from hotweights.vllm_plugin.cpu_keep_weights import conv_kernel_reads_packed_weights
 
     if arch in GDN_ARCHS and conv_kernel_reads_packed_weights():

@@ -12,8 +12,8 @@ import os
 
 import torch
 
-from hotweights import shm
 from hotweights.errors import ConfigError, UnsupportedModelError
+from hotweights.protocol import shm
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ encoding of the new tensor that is cheapest on the wire:
 `pack` lays many deltas into a few contiguous uint8 buffers (one per round, at most
 ``max_bytes`` each; a bigger delta is split: patches by index range, rows by row range, dense
 by flat element range), each with a small JSON-able header. The receiving side, which checks
-a whole round against its targets before it writes anything, is `hotweights.delta_apply`.
+a whole round against its targets before it writes anything, is `hotweights.remote.delta_apply`.
 No transport, no vLLM.
 """
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from hotweights.console import make_console
+from hotweights.cli.console import make_console
 from hotweights.errors import LayoutError
 
 
@@ -25,7 +25,7 @@ def _model_dir(path: str) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hotweights.layout import load_config, plan
+    from hotweights.layout.plan import load_config, plan
 
     trust = args.trust_remote_code
     config = load_config(_model_dir(args.model_dir), trust_remote_code=trust)  # fail fast

@@ -29,7 +29,7 @@ def run_sync(args: argparse.Namespace) -> int:
         if args.source is not None:
             result = _sync_from(args, progress)
         else:
-            from hotweights.bridge import Bridge
+            from hotweights.bridge.client import Bridge
 
             # The lease pauses the server only while the live bytes are read.
             bridge = Bridge.connect(args.server, token=args.token)
@@ -123,7 +123,7 @@ def run_diagnose(args: argparse.Namespace) -> int:
 
         live = source = open_dir(args.source)
     elif args.server is not None:
-        from hotweights.bridge import Bridge
+        from hotweights.bridge.client import Bridge
 
         # Only names, shapes and dtypes are read: no lease, the server keeps serving.
         live = Bridge.connect(args.server, token=args.token).model()

@@ -1,4 +1,4 @@
-"""The receiving side of `hotweights.delta`: check a round against its targets, apply it in place.
+"""The receiving side of `remote.delta`: check a round against its targets, apply it in place.
 
 `check` validates a round's header alone (names, dtypes, shapes, segment bounds); `apply`
 checks the header and the buffer's contents (indices and row ranges in range, no NaN or Inf
@@ -14,8 +14,9 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from hotweights import delta
-from hotweights.delta import (
+from hotweights.errors import DeltaError
+from hotweights.remote import delta
+from hotweights.remote.delta import (
     _BITS,
     _CHUNK,
     _RANGE,
@@ -28,7 +29,6 @@ from hotweights.delta import (
     _dtype_name,
     _row_index,
 )
-from hotweights.errors import DeltaError
 
 __all__ = ["apply", "check", "checked", "finite", "host", "write"]
 

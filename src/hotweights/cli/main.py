@@ -166,37 +166,37 @@ _MODES_EPILOG = (
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from hotweights.serve import run
+    from hotweights.server.serve import run
 
     return run(args, args.extra)
 
 
 def _run_status(args: argparse.Namespace) -> int:
-    from hotweights.cli_status import run
+    from hotweights.cli.status import run
 
     return run(args)
 
 
 def _run_layout(args: argparse.Namespace) -> int:
-    from hotweights.cli_layout import run
+    from hotweights.cli.layout import run
 
     return run(args)
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from hotweights.demo import run
+    from hotweights.cli.demo import run
 
     return run(args)
 
 
 def _run_sync(args: argparse.Namespace) -> int:
-    from hotweights.cli_checkpoint import run_sync
+    from hotweights.cli.checkpoint import run_sync
 
     return run_sync(args)
 
 
 def _run_diagnose(args: argparse.Namespace) -> int:
-    from hotweights.cli_checkpoint import run_diagnose
+    from hotweights.cli.checkpoint import run_diagnose
 
     return run_diagnose(args)
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from hotweights.errors import LayoutError
-from hotweights.layout import Layout, hf_params, load_config, meta_model, plan
+from hotweights.layout.plan import Layout, hf_params, load_config, meta_model, plan
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import urllib.request
 from pathlib import Path
 
 from hotweights.errors import ServerError
-from hotweights.serve import term_with_parent
+from hotweights.server.serve import term_with_parent
 
 
 def free_port() -> int:

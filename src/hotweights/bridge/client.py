@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from hotweights import shm
 from hotweights.errors import ServerError
-from hotweights.tokens import find_token
-from hotweights.views import build_hf_model
+from hotweights.layout.views import build_hf_model
+from hotweights.protocol import shm
+from hotweights.protocol.tokens import find_token
 
 logger = logging.getLogger(__name__)
 

@@ -17,11 +17,11 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import IO
 
-from hotweights import shm
 from hotweights.checkpoint import journal
 from hotweights.checkpoint.digest import stats as checkpoint_stats
 from hotweights.errors import ConfigError
-from hotweights.tokens import remove_token, token_path, write_token
+from hotweights.protocol import shm
+from hotweights.protocol.tokens import remove_token, token_path, write_token
 from hotweights.vllm_plugin import (  # no vLLM import: the package imports it lazily
     ACTIVE,
     CHECKPOINT_STATS,

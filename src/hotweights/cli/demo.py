@@ -15,9 +15,9 @@ from pathlib import Path
 
 from rich.progress import Progress
 
-from hotweights.console import make_console
+from hotweights.cli.console import make_console
 from hotweights.errors import ConfigError
-from hotweights.transaction import parse_version
+from hotweights.server.transaction import parse_version
 
 PROMPT = "The server generates,"
 TARGET = " the trainer learns."
@@ -82,8 +82,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from hotweights import launch, tiny
-    from hotweights.bridge import Bridge
+    from hotweights.bridge.client import Bridge
+    from hotweights.server import launch
+    from hotweights.testing import tiny
 
     if args.arch not in tiny.ARCHS:
         raise ConfigError(f"--arch {args.arch}: not a tiny model hotweights can build; "
