@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from hotweights.bridge.client import _request
+from hotweights.protocol.http import request
 from hotweights.remote import delta, prefilter
 from hotweights.remote import group as group_module
 from hotweights.remote.channel import Channel
@@ -122,7 +122,7 @@ def time_phases(group: RemoteGroup) -> dict[str, float]:
     group._send = timed("send", group._send)
     group._remember = timed("remember", group._remember)
     Channel.send = timed("broadcast", Channel.send)  # rounds and acknowledgement
-    request = group_module._request
+    request = group_module.request
 
     def each(url, method, route, *a, **k):  # the slowest server's request, per route
         t0 = time.perf_counter()
@@ -131,7 +131,7 @@ def time_phases(group: RemoteGroup) -> dict[str, float]:
         finally:
             key = route.removeprefix("/hotweights/")
             phases[key] = max(phases.get(key, 0.0), time.perf_counter() - t0)
-    group_module._request = each
+    group_module.request = each
     return phases
 
 
@@ -153,7 +153,7 @@ def rss() -> int:
 
 
 def checksum(url: str) -> dict:
-    return _request(url, "GET", "/hotweights/checksum", TOKEN)
+    return request(url, "GET", "/hotweights/checksum", TOKEN)
 
 
 def main() -> None:

@@ -5,8 +5,8 @@ import time
 import pytest
 import torch
 
+from hotweights.bridge import client as bridge_module
 from hotweights.bridge.client import Bridge
-from hotweights.bridge.client import client as bridge_module
 from hotweights.errors import ServerError
 
 
@@ -35,7 +35,7 @@ def _bridge() -> Bridge:
                                    KeyboardInterrupt()])
 def test_a_failed_or_interrupted_begin_is_aborted_clean(monkeypatch, error):
     rec = Recorder({"/hotweights/begin": error})
-    monkeypatch.setattr(bridge_module, "_request", rec)
+    monkeypatch.setattr(bridge_module, "request", rec)
     with pytest.raises(type(error)):
         with _bridge().update(lease_s=10):
             pytest.fail("the body must not run")
@@ -47,7 +47,7 @@ def test_a_failed_or_interrupted_begin_is_aborted_clean(monkeypatch, error):
 
 def test_the_body_runs_under_background_renewals_and_commits(monkeypatch):
     rec = Recorder({})
-    monkeypatch.setattr(bridge_module, "_request", rec)
+    monkeypatch.setattr(bridge_module, "request", rec)
     b = _bridge()
     b.tensors = {"w": torch.zeros(1)}
     with b.update(lease_s=0.3):
@@ -60,7 +60,7 @@ def test_the_body_runs_under_background_renewals_and_commits(monkeypatch):
 
 def test_an_exception_in_the_body_aborts_dirty_and_is_reraised(monkeypatch):
     rec = Recorder({"/hotweights/abort": ServerError("gone")})  # abort failing is logged
-    monkeypatch.setattr(bridge_module, "_request", rec)
+    monkeypatch.setattr(bridge_module, "request", rec)
     with pytest.raises(ValueError, match="step failed"):
         with _bridge().update():
             raise ValueError("step failed")

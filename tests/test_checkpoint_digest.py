@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from hotweights.checkpoint.digest import digest, stats
 from hotweights.checkpoint.source import open_dir
-from hotweights.vllm_plugin import CHECKPOINT_STATS
+from hotweights.server.env import CHECKPOINT_STATS
 from hotweights.vllm_plugin.routes import _loaded
 
 

@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import socket
 import threading
-import urllib.error
-import urllib.parse
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -20,6 +16,7 @@ import torch
 from hotweights.errors import ServerError
 from hotweights.layout.views import build_hf_model
 from hotweights.protocol import shm
+from hotweights.protocol.http import request, server_status
 from hotweights.protocol.tokens import find_token
 
 logger = logging.getLogger(__name__)
@@ -57,7 +54,7 @@ class Bridge:
                 else the token file `hotweights serve` wrote for that port).
         """
         token = find_token(url, token)
-        data = _request(url.rstrip("/"), "GET", "/hotweights/manifest", token)
+        data = request(url.rstrip("/"), "GET", "/hotweights/manifest", token)
         manifests = [shm.Manifest.from_dict(m, source=f"{url}/hotweights/manifest")
                      for m in data["manifests"]]
         if len(manifests) != 1:
@@ -225,7 +222,7 @@ class Bridge:
 
     def _post(self, route: str, *, timeout: float = 120, **body: Any) -> dict:
         body = dict(holder=self.holder, server_id=self.server_id, **body)
-        return _request(self.url, "POST", route, self._token, body, timeout=timeout)
+        return request(self.url, "POST", route, self._token, body, timeout=timeout)
 
 
 class _Renewer(threading.Thread):
@@ -266,31 +263,3 @@ def _local_model_dir(path: str, trust_remote_code: bool) -> str:
                               "that another user owns or can write; pass "
                               "bridge.model(config=DIR) for a directory you trust")
     return path
-
-
-def server_status(url: str, token: str | None = None) -> dict:
-    """GET /hotweights/status of the server at `url` (token as for `Bridge.connect`)."""
-    url = url.rstrip("/")
-    return _request(url, "GET", "/hotweights/status", find_token(url, token))
-
-
-def _request(url: str, method: str, route: str, token: str, body: dict | None = None, *,
-             timeout: float = 120) -> dict:
-    req = urllib.request.Request(
-        url + route, method=method,
-        data=None if body is None else json.dumps(body).encode(),
-        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return json.loads(resp.read())
-    except urllib.error.HTTPError as e:
-        detail = e.read().decode(errors="replace")[:500]
-        raise ServerError(f"{method} {route}: HTTP {e.code}: {detail}") from None
-    except urllib.error.URLError as e:
-        raise ServerError(f"{method} {route}: cannot reach {url}: {e.reason}") from None
-    except TimeoutError:
-        raise ServerError(f"{method} {route}: no answer from {url} within {timeout:.0f} s") \
-            from None
-    except OSError as e:  # the connection broke mid-answer (the server died)
-        raise ServerError(f"{method} {route}: the connection to {url} broke: {e}") from None

@@ -6,7 +6,7 @@ import argparse
 import json
 import time
 
-from hotweights.bridge.client import server_status
+from hotweights.protocol.http import server_status
 
 _STATES = {
     "idle": "serving",

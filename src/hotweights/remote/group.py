@@ -38,11 +38,11 @@ from typing import Any
 
 import torch
 
-from hotweights.bridge.client import _request
 from hotweights.checkpoint.digest import digest, stats
 from hotweights.checkpoint.names import reverted
 from hotweights.checkpoint.source import open_dir
 from hotweights.errors import HotweightsError, RemoteError, ServerError
+from hotweights.protocol.http import request
 from hotweights.protocol.tokens import find_token, is_loopback
 from hotweights.remote import delta, prefilter
 from hotweights.remote.channel import Channel
@@ -157,7 +157,7 @@ class RemoteGroup:
         """
         started = time.perf_counter()
         new = _weights(weights)
-        status = self._each(lambda u: _request(u, "GET", "/hotweights/status", self._tokens[u]))
+        status = self._each(lambda u: request(u, "GET", "/hotweights/status", self._tokens[u]))
         for u, st in status.items():
             if not st.get("remote"):
                 raise RemoteError(f"{u}: not started with `hotweights serve --remote`; a "
@@ -413,7 +413,7 @@ class RemoteGroup:
     def _post(self, url: str, status: dict, route: str, *, http_timeout: float | None = None,
               **body: Any) -> dict:
         body = dict(holder=self.holder, server_id=status["server_id"], **body)
-        return _request(url, "POST", route, self._tokens[url], body,
+        return request(url, "POST", route, self._tokens[url], body,
                         timeout=http_timeout or self.timeout + 60)
 
     def _each(self, fn: Callable[[str], Any], *, errors: bool = False,

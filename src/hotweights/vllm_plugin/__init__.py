@@ -11,12 +11,9 @@ from __future__ import annotations
 import logging
 import os
 
-logger = logging.getLogger(__name__)
+from hotweights.server.env import ACTIVE, REMOTE_ENGINE
 
-ACTIVE = "HOTWEIGHTS_ACTIVE"  # "1" in the environment of a vLLM hotweights started
-REMOTE = "HOTWEIGHTS_REMOTE"  # "1": `serve --remote`, updates come over the transfer engine
-CHECKPOINT_STATS = "HOTWEIGHTS_CHECKPOINT_STATS"  # remote: the shards' stats before the load
-REMOTE_ENGINE = "hotweights"  # the weight-transfer engine `register` adds to vLLM's registry
+logger = logging.getLogger(__name__)
 
 _done = False
 

@@ -16,7 +16,8 @@ def start_engine(model_dir: str | Path, **engine_args: Any):
     """A vLLM `LLM` running in this process, with the hotweights plugin loaded."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from hotweights.vllm_plugin import ACTIVE, register
+    from hotweights.server.env import ACTIVE
+    from hotweights.vllm_plugin import register
 
     os.environ[ACTIVE] = "1"  # our general plugin acts (register)
 

@@ -31,6 +31,7 @@ from hotweights.checkpoint.digest import digest, stats
 from hotweights.errors import ConfigError, ServerError
 from hotweights.protocol.tokens import remove_token
 from hotweights.remote.rendezvous import channel_id
+from hotweights.server.env import CHECKPOINT_STATS, REMOTE
 from hotweights.server.transaction import (
     Abort,
     Begin,
@@ -41,7 +42,6 @@ from hotweights.server.transaction import (
     Transaction,
     _Request,
 )
-from hotweights.vllm_plugin import CHECKPOINT_STATS, REMOTE
 from hotweights.vllm_plugin.gate import Gate, GateMiddleware
 
 logger = logging.getLogger(__name__)
