@@ -23,7 +23,8 @@ import contextlib
 import enum
 import logging
 import time
-from dataclasses import MISSING, dataclass, fields
+from collections.abc import Awaitable, Callable
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Protocol
 
 from hotweights.errors import HotweightsError
@@ -180,6 +181,70 @@ class Abort(_Request):
     dirty: bool = True  # the trainer may have written part of an update
 
 
+# -- what the transaction keeps: versions, the lease ----------------------------------------
+
+
+@dataclass
+class Versions:
+    """Which weight state one server serves: its number `n`, whether no commit vouched for it
+    (`dirty`, and why), and the numbers of the last versions served dirty."""
+
+    server_id: str
+    n: int = 0
+    dirty: bool = False
+    dirty_reason: str | None = None
+    dirty_numbers: list[int] = field(default_factory=list)  # the last _KEPT_DIRTY
+
+    @property
+    def label(self) -> str:
+        return version_label(self.n, self.server_id)
+
+    def advance(self, dirty_reason: str | None, n: int = 0) -> None:
+        """Serve version `n` (0: the next one), dirty unless `dirty_reason` is None."""
+        self.n = n or self.n + 1
+        self.dirty, self.dirty_reason = dirty_reason is not None, dirty_reason
+        if self.dirty:
+            self.dirty_numbers = [*self.dirty_numbers, self.n][-_KEPT_DIRTY:]
+
+    def dirty_labels(self) -> list[str]:
+        return [version_label(n, self.server_id) for n in self.dirty_numbers]
+
+
+class Lease:
+    """The update lease's deadline and the timer that ends it.
+
+    Args:
+        clock: wall-clock time for the deadline.
+        on_expiry: awaited with the holder when a lease runs out.
+    """
+
+    def __init__(self, clock: Callable[[], float],
+                 on_expiry: Callable[[str | None], Awaitable[None]]):
+        self.clock, self._on_expiry = clock, on_expiry
+        self.expires: float | None = None  # unix time; while draining, the drain's deadline
+        self._timer: asyncio.Task | None = None
+
+    def arm(self, holder: str | None, lease_s: float) -> None:
+        """(Re)start the timer: `on_expiry(holder)` in `lease_s` seconds."""
+        self.disarm()
+        self.expires = self.clock() + lease_s
+        self._timer = asyncio.ensure_future(self._expire_after(lease_s, holder))
+
+    def disarm(self) -> None:
+        """Stop the timer, keep the deadline; an expiry in progress runs to its end."""
+        if self._timer is not None and self._timer is not asyncio.current_task():
+            self._timer.cancel()
+        self._timer = None
+
+    def end(self) -> None:
+        self.disarm()
+        self.expires = None
+
+    async def _expire_after(self, delay: float, holder: str | None) -> None:
+        await asyncio.sleep(delay)
+        await self._on_expiry(holder)
+
+
 # -- the transaction --------------------------------------------------------------------------
 
 
@@ -195,13 +260,10 @@ class Transaction:
     def __init__(self, engine: Engine, server_id: str, *, clock=time.time):
         self.engine, self.server_id, self.clock = engine, server_id, clock
         self.state = State.IDLE
-        self.n = 0
+        self.versions = Versions(server_id)
+        self.lease = Lease(clock, self.expire)
         self.holder: str | None = None
         self.mode: str | None = None
-        self.lease_expires: float | None = None
-        self.dirty = False
-        self.dirty_reason: str | None = None
-        self.dirty_versions: list[int] = []
         self.expired: dict | None = None  # holder, at, version of the last expired lease
         self.updates = 0
         self.last_pause_s: float | None = None
@@ -209,20 +271,27 @@ class Transaction:
         self.last_update_s: float | None = None  # begin to the end of commit
         self._began = 0.0
         self._pausing: asyncio.Task | None = None
-        self._watchdog: asyncio.Task | None = None
         self._lock = asyncio.Lock()  # transitions; never held while draining
 
     @property
     def version(self) -> str:
-        return version_label(self.n, self.server_id)
+        return self.versions.label
+
+    @property
+    def n(self) -> int:
+        return self.versions.n
+
+    @property
+    def dirty(self) -> bool:
+        return self.versions.dirty
 
     def status(self) -> dict:
         return dict(
             server_id=self.server_id, version=self.version, n=self.n, state=self.state.value,
             paused=self.state in (State.DRAINING, State.PAUSED, State.COMMITTING),
-            holder=self.holder, mode=self.mode, lease_expires=self.lease_expires,
-            dirty=self.dirty, dirty_reason=self.dirty_reason,
-            dirty_versions=[version_label(n, self.server_id) for n in self.dirty_versions],
+            holder=self.holder, mode=self.mode, lease_expires=self.lease.expires,
+            dirty=self.dirty, dirty_reason=self.versions.dirty_reason,
+            dirty_versions=self.versions.dirty_labels(),
             expired=self.expired, updates=self.updates, last_pause_s=self.last_pause_s,
             last_commit_s=self.last_commit_s, last_update_s=self.last_update_s,
         )
@@ -245,12 +314,12 @@ class Transaction:
                     raise Refused(409, f"{req.holder} already began an update in mode "
                                   f"{self.mode!r}, not {req.mode!r}", holder=self.holder)
                 if self.state is State.PAUSED:  # a retry: the lease runs from now
-                    self._arm(req.lease_s)
+                    self.lease.arm(self.holder, req.lease_s)
                     return self._granted()
                 pausing = self._pausing
             else:
                 self.state, self.holder, self.mode = State.DRAINING, req.holder, req.mode
-                self.lease_expires = self.clock() + req.lease_s  # the drain's deadline
+                self.lease.expires = self.clock() + req.lease_s  # the drain's deadline
                 self._began = time.perf_counter()
                 self.engine.hold()
                 pausing = self._pausing = asyncio.ensure_future(self._pause(req))
@@ -274,12 +343,12 @@ class Transaction:
         async with self._lock:
             self.state = State.PAUSED
             self.last_pause_s = time.perf_counter() - self._began
-            self._arm(req.lease_s)
+            self.lease.arm(self.holder, req.lease_s)
 
     async def renew(self, req: Renew) -> dict:
         async with self._lock:
             self.check_lease(req, "renew")
-            self._arm(req.lease_s)
+            self.lease.arm(self.holder, req.lease_s)
             return self._granted()
 
     async def commit(self, req: Commit) -> dict:
@@ -290,7 +359,7 @@ class Transaction:
                 raise Refused(409, f"field 'n' ({req.n}) must be above the version number "
                               f"served ({self.n})", n=self.n)
             self.state = State.COMMITTING
-            self._disarm()
+            self.lease.disarm()
             started = time.perf_counter()
             failed = []
             try:  # both at once, each while paused: the engine serves them in order, at
@@ -314,7 +383,7 @@ class Transaction:
             self.last_commit_s = time.perf_counter() - started
             self.last_update_s = time.perf_counter() - self._began
             return {"version": self.version, "n": self.n, "dirty": self.dirty,
-                    "dirty_reason": self.dirty_reason}
+                    "dirty_reason": self.versions.dirty_reason}
 
     async def abort(self, req: Abort) -> dict:
         """Resume. With `dirty` (the default: the trainer may have written) the weights get
@@ -324,7 +393,7 @@ class Transaction:
             if self.state is State.DRAINING:
                 self._pausing.cancel()
             else:
-                self._disarm()
+                self.lease.disarm()
             await self._discard_quietly()
             if req.dirty:
                 await self._reset_quietly()
@@ -349,7 +418,7 @@ class Transaction:
     # -- helpers ----------------------------------------------------------------------------
 
     def _granted(self) -> dict:
-        return {"version": self.version, "n": self.n, "lease_expires": self.lease_expires,
+        return {"version": self.version, "n": self.n, "lease_expires": self.lease.expires,
                 "server_id": self.server_id}
 
     def check_server(self, server_id: str) -> None:
@@ -382,20 +451,6 @@ class Transaction:
             raise Refused(409, f"{req.holder}'s update is {self.state.value}, not paused; "
                           f"{what} after begin returned")
 
-    def _arm(self, lease_s: float) -> None:
-        self._disarm()
-        self.lease_expires = self.clock() + lease_s
-        self._watchdog = asyncio.ensure_future(self._expire_after(lease_s, self.holder))
-
-    def _disarm(self) -> None:
-        if self._watchdog is not None and self._watchdog is not asyncio.current_task():
-            self._watchdog.cancel()
-        self._watchdog = None
-
-    async def _expire_after(self, delay: float, holder: str | None) -> None:
-        await asyncio.sleep(delay)
-        await self.expire(holder)
-
     async def _discard_quietly(self) -> None:
         try:
             await self.engine.discard()
@@ -407,10 +462,7 @@ class Transaction:
             await self.engine.reset_caches()
 
     async def _new_version(self, dirty_reason: str | None, n: int = 0) -> None:
-        self.n = n or self.n + 1
-        self.dirty, self.dirty_reason = dirty_reason is not None, dirty_reason
-        if self.dirty:
-            self.dirty_versions = [*self.dirty_versions, self.n][-_KEPT_DIRTY:]
+        self.versions.advance(dirty_reason, n)
         try:  # vLLM's own label; ours (status, headers) is already right
             await self.engine.set_version(self.version)
         except Exception:
@@ -419,8 +471,8 @@ class Transaction:
 
     async def _resume(self, why: str) -> None:
         """End the update: idle, resume generation, let requests in (even if resume fails)."""
-        self._disarm()
-        self.state, self.holder, self.mode, self.lease_expires = State.IDLE, None, None, None
+        self.lease.end()
+        self.state, self.holder, self.mode = State.IDLE, None, None
         self._pausing = None
         try:  # also after a drain that failed half way: resuming an idle engine is a no-op
             await self.engine.resume()
