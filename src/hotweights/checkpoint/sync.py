@@ -38,7 +38,7 @@ import torch
 
 from hotweights.changes import blocks, writewatch
 from hotweights.changes.writewatch import WriteWatch
-from hotweights.checkpoint import clone, journal, sidecar, stage
+from hotweights.checkpoint import MODES, clone, journal, sidecar, stage
 from hotweights.checkpoint.mapped import mapped
 from hotweights.checkpoint.names import to_disk, unpack
 from hotweights.checkpoint.result import SyncResult
@@ -47,7 +47,6 @@ from hotweights.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
-MODES = ("auto", "reflink", "journal", "copy")
 WHOLE_FRACTION = 0.5  # auto: a shard with more of its bytes changed is rewritten whole
 PAGE = 4096  # a changed block is patched page by page: only the pages that differ
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from hotweights.checkpoint.sync import MODES
+from hotweights.checkpoint import MODES
 from hotweights.errors import HotweightsError
 
 

@@ -1,4 +1,5 @@
-"""Everything that imports vLLM lives here, and is imported lazily.
+"""Everything that imports vLLM lives here, and is imported lazily (no other part imports
+vLLM). May import any part but `cli`.
 
 `register` is the `vllm.general_plugins` entry point: vLLM runs it in every process
 (API server, engine core, workers) before the model loads, in every vLLM on a machine
