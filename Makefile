@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -37,6 +37,10 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/views.py
+
+# The CUDA tests, on a GPU machine: its own Python with CUDA torch (no .venv, no vLLM).
+gpu-check:
+	PYTHONPATH=src $(or $(GPU_PY),python3) -m pytest tests/gpu -m gpu -v -p no:cacheprovider
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache
