@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hotweights.changes import writewatch
+from hotweights.changes.uffd import WriteTracker
 from hotweights.changes.writewatch import PAGE, WriteWatch
 
 with WriteWatch() as _probe:
@@ -216,7 +217,7 @@ def test_the_default_watch_is_one_per_process_and_can_be_turned_off(monkeypatch)
 
 @needs_kernel
 def test_a_kernel_that_fails_the_self_test_is_not_trusted(monkeypatch):
-    monkeypatch.setattr(WriteWatch, "_scan", lambda self, *a: [])  # sees no write
+    monkeypatch.setattr(WriteTracker, "_scan", lambda self, *a: [])  # sees no write
     w = WriteWatch()
     assert "self-test: a written page does not read as written" in w.why
     assert w.written(_tensors(N)) == {}

@@ -23,12 +23,8 @@ from __future__ import annotations
 import bisect
 import ctypes
 import errno
-import fcntl
 import logging
-import mmap
 import os
-import platform
-import struct
 import threading
 import weakref
 from collections.abc import Mapping
@@ -38,35 +34,19 @@ import numpy as np
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from hotweights.changes.uffd import PAGE, WriteTracker
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["ENV", "WriteWatch", "default"]
 
-PAGE = os.sysconf("SC_PAGE_SIZE")
 MIN_BYTES = 64 << 10  # smaller tensors are hashed whole: fewer registrations (VMA splits)
-_SYSCALL = {"x86_64": 323, "aarch64": 282}  # userfaultfd(2)
-_USER_MODE_ONLY = 1  # what an unprivileged process may open (vm.unprivileged_userfaultfd=0)
-_WP_ASYNC, _WP_UNPOPULATED = 1 << 15, 1 << 14
-_REGISTER_WP, _WP = 1 << 1, 1
-_WP_MATCHING = 1  # PAGEMAP_SCAN: protect the pages it reports. Not with PM_SCAN_CHECK_WPASYNC:
-# that fails on a mapping not registered, after protecting pages it then does not report.
-_WP_ALLOWED, _WRITTEN = 1, 1 << 1  # page categories
-_REGIONS = 4096  # page regions per PAGEMAP_SCAN call (the walk resumes where it stopped)
 # A fault per page written costs about what hashing 2-3 unwritten pages saves: a tensor more
 # than a quarter written at this many syncs in a row is no longer watched.
 _DENSE = 2
 ENV = "HOTWEIGHTS_WRITE_WATCH"  # "0": syncs that are given no watch use none
 _default: WriteWatch | None = None
 _default_lock = threading.Lock()
-
-
-def _iowr(kind: int, nr: int, size: int) -> int:
-    return (3 << 30) | (size << 16) | (kind << 8) | nr
-
-
-_UFFDIO_API, _UFFDIO_REGISTER = _iowr(0xAA, 0x3F, 24), _iowr(0xAA, 0x00, 32)
-_UFFDIO_WRITEPROTECT, _PAGEMAP_SCAN = _iowr(0xAA, 0x06, 24), _iowr(ord("f"), 16, 96)
-_UFFDIO_UNREGISTER = (2 << 30) | (16 << 16) | (0xAA << 8) | 0x01  # _IOR: reads 16 bytes
 _watches: weakref.WeakSet[WriteWatch] = weakref.WeakSet()  # this process's open watches
 
 
@@ -85,16 +65,17 @@ class _Watched:
     def changed(self) -> list[tuple[int, int]]:
         """`written`, less the shared pages where its own bytes are as recorded; notes its
         bytes there now, to be recorded next (`edges_now`)."""
-        out, self.edges_now = [], dict(self.edges)
+        changed, self.edges_now = [], dict(self.edges)
         for lo, hi in self.written:
-            for (a, b), old in self.edges.items():
-                if lo < b and hi > a:
-                    now = self.edges_now[a, b] = ctypes.string_at(a, b - a)
-                    if now == old:
-                        lo, hi = (b, hi) if a == self.span[0] else (lo, a)
+            for (edge_lo, edge_hi), recorded in self.edges.items():
+                if lo < edge_hi and hi > edge_lo:
+                    now = self.edges_now[edge_lo, edge_hi] = ctypes.string_at(
+                        edge_lo, edge_hi - edge_lo)
+                    if now == recorded:  # drop the edge: the head's or the tail's
+                        lo, hi = (edge_hi, hi) if edge_lo == self.span[0] else (lo, edge_lo)
             if lo < hi:
-                out.append((lo, hi))
-        return out
+                changed.append((lo, hi))
+        return changed
 
 
 class WriteWatch:
@@ -110,11 +91,10 @@ class WriteWatch:
 
     def __init__(self) -> None:
         self._pid = os.getpid()
-        self._uffd = self._pagemap = -1
+        self._tracker = WriteTracker()
         self._why: str | None = None  # why nothing can be watched; None: not tried yet
         self._watched: dict[str, _Watched] = {}
         self._unwatchable: dict[str, tuple[int, int]] = {}  # name -> span, checked once
-        self._regions = np.zeros((_REGIONS, 3), np.uint64)
         self._turn = threading.Lock()  # held from `written` to `record`
         self._spans: list[tuple[int, int]] = []  # the watched pages, merged
         self._asked: set[str] = set()  # the names of the last `written` call
@@ -123,7 +103,9 @@ class WriteWatch:
     def why(self) -> str:
         """Empty when this process can watch writes, else the reason it cannot."""
         if self._why is None:
-            self._why = self._open()
+            self._why = self._tracker.open()
+            if not self._why:
+                _watches.add(self)
         if os.getpid() != self._pid:
             return "the watch was made in another process (before a fork)"
         return self._why
@@ -152,19 +134,21 @@ class WriteWatch:
         if self.why:
             return {}
         self._collect()
-        self._forget([n for n, w in self._watched.items() if w.storage.expired()  # freed,
-                      or n in tensors and w.span != _span(tensors[n])])  # or moved
-        out, new, anonymous, self._asked = {}, [], None, set(tensors)
-        for name, t in tensors.items():
-            span = _span(t)
-            w = self._watched.get(name)
-            if w is not None and w.hashes is None:  # protected, never recorded
-                w.edges_now = _edge_bytes(span)
-            elif w is not None:
-                changed = w.changed()
-                w.dense = w.dense + 1 if 4 * sum(b - a for a, b in changed) > t.nbytes else 0
-                if w.dense < _DENSE:
-                    out[name] = [(lo - span[0], hi - span[0]) for lo, hi in changed]
+        self._forget([name for name, watched in self._watched.items()
+                      if watched.storage.expired()  # freed,
+                      or name in tensors and watched.span != _span(tensors[name])])  # or moved
+        ranges, new, anonymous, self._asked = {}, [], None, set(tensors)
+        for name, tensor in tensors.items():
+            span = _span(tensor)
+            watched = self._watched.get(name)
+            if watched is not None and watched.hashes is None:  # protected, never recorded
+                watched.edges_now = _edge_bytes(span)
+            elif watched is not None:
+                changed = watched.changed()
+                written_all_over = 4 * sum(hi - lo for lo, hi in changed) > tensor.nbytes
+                watched.dense = watched.dense + 1 if written_all_over else 0
+                if watched.dense < _DENSE:
+                    ranges[name] = [(lo - span[0], hi - span[0]) for lo, hi in changed]
                 else:  # written all over, sync after sync: hashing costs less than the
                     logger.debug("%s: written all over at %d syncs in a row: hashed from "
                                  "now on", name, _DENSE)  # faults
@@ -172,13 +156,14 @@ class WriteWatch:
                     self._unwatchable[name] = span
             elif self._unwatchable.get(name) == span:
                 continue
-            elif _plain(name, t) and _private(name, t, anonymous := anonymous or _anonymous()):
-                new.append((name, t))
+            elif _plain(name, tensor) and _private(
+                    name, tensor, anonymous := anonymous or _anonymous()):
+                new.append((name, tensor))
             else:
                 self._unwatchable[name] = span
         self._protect(new)
-        self._spans = _merge(_pages(*w.span) for w in self._watched.values())
-        return out
+        self._spans = _merge(_pages(*watched.span) for watched in self._watched.values())
+        return ranges
 
     def _forget(self, names: list[str]) -> None:
         """Stop watching these tensors: their pages are unregistered (no more faults, and
@@ -186,44 +171,45 @@ class WriteWatch:
         the scans cover the pages of those alone."""
         if not names:
             return
-        gone = _merge(_pages(*self._watched.pop(n).span) for n in names)
-        self._spans = _merge(_pages(*w.span) for w in self._watched.values())
+        gone = _merge(_pages(*self._watched.pop(name).span) for name in names)
+        self._spans = _merge(_pages(*watched.span) for watched in self._watched.values())
         for lo, hi in _without(gone, self._spans):
             try:
-                fcntl.ioctl(self._uffd, _UFFDIO_UNREGISTER, struct.pack("QQ", lo, hi - lo))
+                self._tracker.unregister(lo, hi)
             except OSError as e:  # unmapped since: nothing registered there any more
                 logger.debug("pages %#x-%#x: not unregistered (%s)", lo, hi, e.strerror)
 
     def _tidy(self) -> None:
         """Forget the tensors that were freed, if no sync is using this watch right now."""
-        if self._uffd >= 0 and os.getpid() == self._pid and self._turn.acquire(blocking=False):
+        if (self._tracker.is_open and os.getpid() == self._pid
+                and self._turn.acquire(blocking=False)):
             try:
-                self._forget([n for n, w in self._watched.items() if w.storage.expired()])
+                self._forget([name for name, watched in self._watched.items()
+                              if watched.storage.expired()])
             finally:
                 self._turn.release()
 
     def recorded(self, name: str) -> np.ndarray | None:
         """The block hashes last `record`ed for `name`, if it is watched."""
-        w = self._watched.get(name)
-        return None if w is None else w.hashes
+        watched = self._watched.get(name)
+        return None if watched is None else watched.hashes
 
     def record(self, hashes: Mapping[str, np.ndarray]) -> None:
         """Note the block hashes just computed for watched tensors, after `written` (none:
         nothing was hashed, e.g. the sync failed): their writes count from that call on."""
         try:
-            for name, h in hashes.items():
-                if name in self._asked and (w := self._watched.get(name)) is not None:
-                    w.hashes, w.written, w.edges = h, [], w.edges_now
+            for name, block_hashes in hashes.items():
+                if name in self._asked and (watched := self._watched.get(name)) is not None:
+                    watched.hashes, watched.written = block_hashes, []
+                    watched.edges = watched.edges_now
         finally:
             if self._turn.locked():
                 self._turn.release()
 
     def close(self) -> None:
-        """Stop watching (the protections go with the file descriptor)."""
-        for fd in (self._uffd, self._pagemap):
-            if fd >= 0 and os.getpid() == self._pid:
-                os.close(fd)
-        self._uffd = self._pagemap = -1
+        """Stop watching (the protections go with the file descriptors)."""
+        if os.getpid() == self._pid:  # a forked child leaves its parent's to the parent
+            self._tracker.close()
         self._why, self._watched, self._unwatchable, self._spans = "closed", {}, {}, []
 
     def __enter__(self) -> WriteWatch:
@@ -232,128 +218,47 @@ class WriteWatch:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _open(self) -> str:
-        nr = _SYSCALL.get(platform.machine())
-        if platform.system() != "Linux" or nr is None:
-            return f"needs Linux on x86_64 or aarch64, found {platform.system()} " \
-                   f"{platform.machine()}"
-        libc = ctypes.CDLL(None, use_errno=True)
-        fd = libc.syscall(nr, os.O_CLOEXEC | os.O_NONBLOCK | _USER_MODE_ONLY)
-        if fd < 0:
-            return f"userfaultfd: {os.strerror(ctypes.get_errno())} (a seccomp profile, " \
-                   "e.g. a container's, may forbid it)"
-        try:
-            fcntl.ioctl(fd, _UFFDIO_API, bytearray(struct.pack(
-                "QQQ", 0xAA, _WP_ASYNC | _WP_UNPOPULATED, 0)))
-            pagemap = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as e:
-            os.close(fd)
-            return f"asynchronous write-protect needs Linux 6.7 or later ({e.strerror})"
-        self._uffd, self._pagemap = fd, pagemap
-        try:  # PAGEMAP_SCAN (6.7) over nothing: ENOTTY where the kernel lacks it
-            self._scan(0, 0, 0, 0, _WRITTEN)
-        except OSError as e:
-            self.close()
-            return f"PAGEMAP_SCAN needs Linux 6.7 or later ({e.strerror})"
-        try:
-            failed = self._self_test()
-        except OSError as e:
-            failed = e.strerror
-        if failed:
-            self.close()
-            return f"the kernel's write tracking failed a self-test: {failed}"
-        _watches.add(self)
-        return ""
-
-    def _self_test(self) -> str:
-        """Watch a page of its own and write it: what went wrong, or ''. An emulated or
-        broken kernel must not pass for one that tracks writes."""
-        m = mmap.mmap(-1, PAGE)
-        page = (ctypes.c_char * PAGE).from_buffer(m)
-        lo = ctypes.addressof(page)
-        hi = lo + PAGE
-        try:
-            self._register(lo, hi)
-            self._protection(lo, hi, _WP)
-            if self._scan(lo, hi, 0, _WP_ALLOWED, _WP_ALLOWED):
-                return "a registered page reads as not registered"
-            if self._scan(lo, hi, 0, 0, _WRITTEN):
-                return "a protected page reads as written"
-            page[0] = b"\x01"
-            if self._scan(lo, hi, _WP_MATCHING, 0, _WRITTEN) != [(lo, hi)]:
-                return "a written page does not read as written"
-            if self._scan(lo, hi, 0, 0, _WRITTEN):
-                return "a page protected again reads as written"
-            return ""
-        finally:
-            del page
-            m.close()  # its registration goes with the mapping
-
     def _collect(self) -> None:
         """Move what the kernel saw written since the last scan into every watched tensor,
         protecting those pages again (one call per distinct page span)."""
         hits: list[tuple[int, int]] = []
         for lo, hi in self._spans:  # pages mapped anew (not registered) read as written
-            hits += self._scan(lo, hi, 0, _WP_ALLOWED, _WP_ALLOWED)
-            hits += self._scan(lo, hi, _WP_MATCHING, 0, _WRITTEN)
+            hits += self._tracker.unregistered(lo, hi)
+            hits += self._tracker.written(lo, hi, protect=True)
         hits = _merge(hits)  # disjoint: the one starting last at or before a span covers it
         starts = [lo for lo, _ in hits]
-        for w in self._watched.values():
-            a, b = w.span
-            i, seen = max(0, bisect.bisect_right(starts, a) - 1), len(w.written)
-            while i < len(hits) and hits[i][0] < b:
-                lo, hi = hits[i]
-                if hi > a:
-                    w.written.append((max(a, lo), min(b, hi)))
-                i += 1
-            if len(w.written) > seen:
-                w.written = _merge(w.written)
+        for watched in self._watched.values():
+            start, stop = watched.span
+            hit, known = max(0, bisect.bisect_right(starts, start) - 1), len(watched.written)
+            while hit < len(hits) and hits[hit][0] < stop:
+                lo, hi = hits[hit]
+                if hi > start:
+                    watched.written.append((max(start, lo), min(stop, hi)))
+                hit += 1
+            if len(watched.written) > known:
+                watched.written = _merge(watched.written)
 
     def _protect(self, new: list[tuple[str, torch.Tensor]]) -> None:
-        for name, t in new:
-            span = _span(t)
+        for name, tensor in new:
+            span = _span(tensor)
             lo, hi = _pages(*span)
             try:
                 try:
-                    self._register(lo, hi)
+                    self._tracker.register(lo, hi)
                 except OSError as e:  # EBUSY: another watch holds pages of a freed tensor?
                     if e.errno != errno.EBUSY:
                         raise
                     for other in list(_watches):
                         if other is not self:
                             other._tidy()
-                    self._register(lo, hi)
-                self._protection(lo, hi, _WP)
+                    self._tracker.register(lo, hi)
+                self._tracker.protect(lo, hi)
             except OSError as e:
                 logger.debug("%s: cannot watch its pages (%s): hashed", name, e.strerror)
                 self._unwatchable[name] = span  # not tried again at every sync
                 continue
-            self._watched[name] = _Watched(span, StorageWeakRef(t.untyped_storage()),
+            self._watched[name] = _Watched(span, StorageWeakRef(tensor.untyped_storage()),
                                            edges_now=_edge_bytes(span))
-
-    def _register(self, lo: int, hi: int) -> None:
-        fcntl.ioctl(self._uffd, _UFFDIO_REGISTER, bytearray(struct.pack(
-            "QQQQ", lo, hi - lo, _REGISTER_WP, 0)))
-
-    def _protection(self, lo: int, hi: int, mode: int) -> None:
-        fcntl.ioctl(self._uffd, _UFFDIO_WRITEPROTECT, bytearray(struct.pack(
-            "QQQ", lo, hi - lo, mode)))
-
-    def _scan(self, lo: int, hi: int, flags: int, inverted: int, mask: int
-              ) -> list[tuple[int, int]]:
-        """The page regions of [lo, hi) whose categories, `inverted` bits flipped, hold
-        all of `mask`."""
-        out, regions = [], self._regions
-        while True:
-            arg = bytearray(struct.pack("12Q", 96, flags, lo, hi, 0, regions.ctypes.data,
-                                        _REGIONS, 0, inverted, mask, 0, mask))
-            n = fcntl.ioctl(self._pagemap, _PAGEMAP_SCAN, arg)
-            out += [(int(a), int(b)) for a, b, _ in regions[:n].tolist()]
-            walk_end = struct.unpack_from("Q", arg, 32)[0]
-            if walk_end >= hi:
-                break
-            lo = walk_end
-        return out
 
 
 def default() -> WriteWatch | None:
