@@ -31,8 +31,10 @@ RSS over the warm-up sync is printed too, for information.
 
 The last line is one JSON object: {"model_bytes", "rows_bytes_sent",
 "scattered_bytes_sent", "full_bytes_sent", "rows_s", "scattered_s", "full_s",
-"time_ratio_full_vs_rows", "time_ratio_full_vs_scattered", "trainer_extra_memory_pct"}.
-Targets: full / rows >= 10, full / scattered >= 5.
+"time_ratio_full_vs_rows", "time_ratio_full_vs_scattered", "trainer_extra_memory_pct",
+"skipped"}. Targets: full / rows >= 10, full / scattered >= 5. Where the servers cannot
+start on this machine (one dies: SIGILL, ...), the last line is {"model_bytes", "skipped":
+{"servers": reason}} and the exit status 1.
 
 Run:  .venv/bin/python benchmarks/remote_update.py [--size-mb 500] [--repeat 3]
       [--model-dir /tmp/hotweights-bench-remote/llama-500mb] [--logs DIR]
@@ -44,12 +46,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
+from _survive import Skips, reason
 from hotweights.protocol.http import request
 from hotweights.remote import delta, prefilter
 from hotweights.remote import group as group_module
@@ -156,7 +160,7 @@ def checksum(url: str) -> dict:
     return request(url, "GET", "/hotweights/checksum", TOKEN)
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size-mb", type=float, default=500, help="model size, MB (10**6 bytes)")
     ap.add_argument("--repeat", type=int, default=3, help="timed runs per scenario (best)")
@@ -207,7 +211,13 @@ def main() -> None:
         print(f"CPUs: trainer {sorted(trainer_cpus)} ({torch.get_num_threads()} torch "
               f"threads), servers {sorted(server_cpus)}")
         for url, log, proc in servers:
-            launch.wait_ready(proc, url, log=log, timeout=900)
+            try:
+                launch.wait_ready(proc, url, log=log, timeout=900)
+            except Exception as e:  # noqa: BLE001 - named with why, as the last line's JSON
+                skips = Skips()
+                skips.add("servers", reason(e, log))
+                print(json.dumps({"model_bytes": model_bytes, "skipped": skips.reasons}))
+                return 1
         urls = [u for u, _, _ in servers]
         print(f"servers: {', '.join(urls)} ready in {time.perf_counter() - t0:.0f} s "
               f"(logs: {', '.join(str(lg) for _, lg, _ in servers)})")
@@ -270,7 +280,7 @@ def main() -> None:
                "full_s": rows["full"]["s"],
                "time_ratio_full_vs_rows": rows["full"]["s"] / rows["rows"]["s"],
                "time_ratio_full_vs_scattered": rows["full"]["s"] / rows["scattered"]["s"],
-               "trainer_extra_memory_pct": 100 * extra / model_bytes}
+               "trainer_extra_memory_pct": 100 * extra / model_bytes, "skipped": {}}
 
         def target(ok: bool) -> str:
             return "met" if ok else "MISSED"
@@ -288,7 +298,8 @@ def main() -> None:
     finally:
         for _, _, proc in servers:
             launch.stop(proc)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -15,7 +15,10 @@ model. Measured per architecture:
 Every architecture runs in its own subprocess (vLLM's Transformers backend patches
 transformers classes in-process, and RSS is per process). The parent prints a table, then
 as its last line one JSON object: {"archs": {arch: {"mapped", "bytes_copied",
-"overhead_pct", "build_s"} | {"skipped": reason} | {"error": message}}}.
+"overhead_pct", "build_s"} | {"skipped": reason} | {"error": message}}}. An arch is skipped
+when this build cannot serve it here, when its engine refuses this machine
+(`UnsupportedModelError`) or when its child dies of SIGILL (a vLLM kernel this CPU cannot
+run); the other archs still run, and only errors make the exit status 1.
 
 Run:  .venv/bin/python benchmarks/views.py [--archs llama qwen3] [--size small|medium|large]
 """
@@ -26,12 +29,14 @@ import argparse
 import contextlib
 import gc
 import json
+import signal
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
+import _survive
 from hotweights.testing import tiny
 
 ARCHS = ("llama", "llama_tied", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_next",
@@ -99,12 +104,16 @@ def run_one(arch: str, size: str, workdir: Path) -> dict:
     import psutil
 
     from hotweights import build_hf_model, plan, verify_shared
+    from hotweights.errors import UnsupportedModelError
     from hotweights.layout.plan import hf_params
     from hotweights.vllm_plugin.local import hf_context, live_params, start_engine, stop_engine
 
     model_dir = build_model(arch, size, workdir)
     impl = "transformers" if arch == "transformers_backend" else "auto"
-    llm = start_engine(model_dir, model_impl=impl)
+    try:
+        llm = start_engine(model_dir, model_impl=impl)
+    except UnsupportedModelError as e:  # this machine's kernels: not this arch's fault
+        return {"skipped": f"the engine did not start here: {_survive.reason(e)}"}
     try:
         params = live_params(llm)
         weight_bytes = sum(p.numel() * p.element_size() for p in params.values())
@@ -130,16 +139,21 @@ def run_one(arch: str, size: str, workdir: Path) -> dict:
                 build_s=round(build_s, 3), weight_bytes=weight_bytes)
 
 
+def child_command(arch: str, args: argparse.Namespace) -> list[str]:
+    return [sys.executable, __file__, "--one", arch, "--size", args.size,
+            "--workdir", str(args.workdir)]
+
+
 def spawn(arch: str, args: argparse.Namespace) -> dict:
-    """Run `arch` in a child process; its result, or {"error": ...} with stderr shown."""
+    """Run `arch` in a child process; its result, {"skipped": ...} when it died of SIGILL,
+    or {"error": ...} with stderr shown."""
     try:  # here, so the child's RSS never held a build
         build_model(arch, args.size, args.workdir)
     except Exception as e:  # noqa: BLE001 - reported per arch, the others still run
         return {"error": f"building the model failed: {e}"}
-    cmd = [sys.executable, __file__, "--one", arch, "--size", args.size,
-           "--workdir", str(args.workdir)]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        proc = subprocess.run(child_command(arch, args), capture_output=True, text=True,
+                              timeout=args.timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {args.timeout} s"}
     lines = proc.stdout.strip().splitlines()
@@ -147,9 +161,11 @@ def spawn(arch: str, args: argparse.Namespace) -> dict:
         with contextlib.suppress(json.JSONDecodeError):
             return json.loads(lines[-1])
     tail = proc.stderr.strip().splitlines()[-30:]
-    print(f"--- {arch} failed (exit {proc.returncode}); stderr tail:", *tail, sep="\n",
-          file=sys.stderr)
-    return {"error": tail[-1] if tail else f"exit {proc.returncode}, no result line"}
+    died = _survive.died_of(proc.returncode)
+    print(f"--- {arch} failed ({died}); stderr tail:", *tail, sep="\n", file=sys.stderr)
+    if proc.returncode == -signal.SIGILL:
+        return {"skipped": f"the child died of {died}"}
+    return {"error": tail[-1] if tail else f"{died}, no result line"}
 
 
 def print_table(results: dict[str, dict]) -> None:
@@ -165,7 +181,7 @@ def print_table(results: dict[str, dict]) -> None:
         print(f"{arch:<22}" + "".join(f"{c:>14}" for c in cells))
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog="Each arch runs in its own subprocess; the last stdout line is JSON.",
@@ -180,7 +196,7 @@ def main() -> int:
     parser.add_argument("--timeout", type=int, default=900,
                         help="seconds allowed per arch (default: %(default)s)")
     parser.add_argument("--one", choices=ARCHS, help=argparse.SUPPRESS)  # child mode
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     if args.one:
         reason = skip_reason(args.one)
