@@ -171,130 +171,196 @@ def encode(name: str, old: torch.Tensor, new: torch.Tensor, *,
         DeltaError: names the tensor: dtype or shape differ, a non-contiguous tensor, a dtype
             without an integer view of its width (complex), `rows` for a tensor without rows.
     """
-    for who, t in (("old", old), ("also", also)) if also is not None else (("old", old),):
-        for field, x, y in (("dtype", t.dtype, new.dtype),
-                            ("shape", tuple(t.shape), tuple(new.shape))):
-            if x != y:
-                raise DeltaError(f"{name}: field '{field}' differs ({who} {x}, new {y}); leave "
-                                 f"it out of `{who}` to send it dense")
-    a, b = _flat(name, old, "old"), _flat(name, new, "new")
-    c = _flat(name, also, "also") if also is not None else None
-    shape, s, n = tuple(new.shape), new.dtype.itemsize, new.numel()
-    wide = n >= INT64_INDEX_FROM
-    isz = 8 if wide else 4
-    row = n // shape[0] if len(shape) >= 2 and n else 0
+    _check_alike(name, new, old=old, also=also)
+    old_flat, new_flat = _flat(name, old, "old"), _flat(name, new, "new")
+    also_flat = _flat(name, also, "also") if also is not None else None
+    shape, numel = tuple(new.shape), new.numel()
+    row = numel // shape[0] if len(shape) >= 2 and numel else 0  # elements per row, or 0
     if rows is not None and len(rows) and not row:
         raise DeltaError(f"{name}: `rows` given for a tensor without rows (shape {shape})")
-    if _NUMPY and all(t.device.type == "cpu" for t in (a, b, c) if t is not None):
+    flats = (old_flat, new_flat, also_flat)
+    if _NUMPY and all(flat.device.type == "cpu" for flat in flats if flat is not None):
         # numpy from here on: its small ops cost a fraction of torch's (see `_ne`)
-        a, b, c = (None if t is None else t.view(_BITS[s]).numpy() for t in (a, b, c))
+        bits = _BITS[new.dtype.itemsize]
+        flats = tuple(None if flat is None else flat.view(bits).numpy() for flat in flats)
         rows = None if rows is None else rows.cpu().numpy()
         rows_changed = np.zeros(shape[0] if row else 0, dtype=bool)
     else:
         rows_changed = torch.zeros(shape[0] if row else 0, dtype=torch.bool, device=new.device)
-    # parts: a patch's pieces, (where, nz, values, lanes); lanes None: nz are the changed
-    # elements of the chunk; else nz are its changed words, values their new words, lanes
-    # which of their elements changed: expanded (`_expand`) only if the patch is chosen (a
-    # changed row sent as rows skips it) or when those words hold half the dense size.
-    changed, count, parts, held = False, 0, [], 0
-    for where, (na, nb, nc) in _pieces(n, row, rows, a, b, c):
-        if isinstance(nb, torch.Tensor):  # non_blocking only towards an accelerator, whose
-            # stream orders the compare after the copy
-            na, nc = (None if x is None else x.to(nb.device, non_blocking=nb.device.type !=
-                                                  "cpu") for x in (na, nc))
-        w = _word(row, na, nb, nc)  # elements per compared unit: 8-byte words where they fit
-        an, bn, cn = (None if x is None else _iv(x, 8 if w > 1 else s) for x in (na, nb, nc))
-        neq, lo = _differ(an, bn, cn), where if isinstance(where, int) else 0
-        if row and len(nb) >= row:
-            per_row = row // w  # 8 flags at a time where rows allow: a quicker reduction
-            flags = (_iv(neq, 8).reshape(-1, per_row // 8) if per_row % 8 == 0 else
-                     neq.reshape(-1, per_row)).any(1)
-            if isinstance(where, int):
-                rows_changed[lo // row:lo // row + len(flags)] = flags
-            else:
-                rows_changed[where] = flags
-        elif row:
-            rows_changed[lo // row] |= neq.any()
-        if not (k := _count(neq)):  # much cheaper than nonzero
-            continue
-        changed = True
-        if parts is not None and (count + k) * (isz + s) >= n * s:
-            parts = None  # even one element per changed word costs as much as dense
-        elif parts is not None and w > 1 and (count + k * w) * (isz + s) >= n * s and (
-                count + _count(_differ(_iv(na, s), _iv(nb, s), None if nc is None
-                                       else _iv(nc, s)))) * (isz + s) >= n * s:
-            parts = None  # the changed elements, counted, cost as much as dense
-        if parts is None:
-            continue
-        nz = _nonzero(neq)
-        if w == 1:
-            part, m = (where, nz, _take(_iv(nb, s), nz), None), len(nz)
-        else:
-            words = _iv(_take(bn, nz), s)
-            lanes = _differ(_iv(_take(an, nz), s), words, None if cn is None
-                            else _iv(_take(cn, nz), s))
-            part, m = (where, nz, words, lanes), _count(lanes)
-        held += len(nz) * (nz.dtype.itemsize + 8 + w)
-        count += m
-        if count * (isz + s) >= n * s:
-            parts = None  # patches already cost as much as the dense tensor: stop keeping
-            continue
-        parts.append(part)
-        if held > n * s // 2:  # bound what the unexpanded pieces hold
-            parts, held = [_expand(p, row, isz) for p in parts], 0
-    if not changed:
+    comparison = _Comparison(numel, row, new.dtype.itemsize, rows_changed)
+    for where, chunks in _pieces(numel, row, rows, *flats):
+        comparison.add(where, *chunks)
+    if not comparison.changed:
         return Delta(name, SAME, new.dtype, shape, 0, 0)
-    costs = [(n * s, DENSE, n)]
-    if row:
-        ranges = _runs(rows_changed if isinstance(rows_changed, np.ndarray)
-                       else rows_changed.cpu().numpy())
-        nrows = int((ranges[:, 1] - ranges[:, 0]).sum())
-        costs.append((_RANGE * len(ranges) + nrows * row * s, ROWS, nrows * row))
-    if parts is not None:
-        costs.append((count * (isz + s), PATCH, count))
-    cost, kind, carried = min(costs, key=lambda c: c[0])  # the first of equal costs
-    if kind == PATCH:
-        indices, values = zip(*(_expand(p, row, isz)[1:3] for p in parts), strict=True)
-        return Delta(name, PATCH, new.dtype, shape, count, cost, indices=_cat(indices),
-                     values=_cat(values).view(new.dtype))
-    return Delta(name, kind, new.dtype, shape, carried, cost, tensor=new,
-                 ranges=ranges if kind == ROWS else None)
+    return comparison.cheapest(name, new)
 
 
-def _expand(part: tuple, row: int, isz: int) -> tuple:
-    """A patch piece (see `encode`) as its changed elements' flat indices in the tensor
-    (`isz`-byte integers) and their values: (None, indices, values, None)."""
-    where, nz, values, lanes = part
+def _check_alike(name: str, new: torch.Tensor, **others: torch.Tensor | None) -> None:
+    for role, other in others.items():
+        if other is None:
+            continue
+        for field, theirs, ours in (("dtype", other.dtype, new.dtype),
+                                    ("shape", tuple(other.shape), tuple(new.shape))):
+            if theirs != ours:
+                raise DeltaError(f"{name}: field '{field}' differs ({role} {theirs}, new "
+                                 f"{ours}); leave it out of `{role}` to send it dense")
+
+
+class _Comparison:
+    """What `encode` learns of one tensor, a chunk at a time: whether anything changed,
+    which rows did, and the patch while it costs less than the dense tensor.
+
+    The patch's pieces are (where, positions, values, lanes). With lanes None, `positions`
+    are the changed elements of the chunk at `where`; else they are its changed 8-byte
+    words, `values` their new words and `lanes` which of their elements changed: expanded
+    (`_expand`) only if the patch is chosen (a changed row sent as rows skips it) or when
+    those words hold half the dense size.
+    """
+
+    def __init__(self, numel: int, row: int, itemsize: int, rows_changed):
+        self.numel, self.row, self.itemsize = numel, row, itemsize
+        self.index_size = 8 if numel >= INT64_INDEX_FROM else 4
+        self.dense_bytes = numel * itemsize
+        self.rows_changed = rows_changed  # a flag per row along dim 0 (none without rows)
+        self.changed = False
+        self.pieces: list[tuple] | None = []  # None: the patch costs as much as dense
+        self.patched = 0  # elements the pieces carry
+        self.held = 0  # bytes the pieces not yet expanded hold
+
+    def _too_dear(self, elements: int) -> bool:
+        """Whether a patch of this many elements costs as much as the dense tensor."""
+        return elements * (self.index_size + self.itemsize) >= self.dense_bytes
+
+    def add(self, where, old_chunk, new_chunk, also_chunk) -> None:
+        """Compare one chunk of the flat tensors (`where`: see `_pieces`)."""
+        if isinstance(new_chunk, torch.Tensor):  # non_blocking only towards an accelerator,
+            # whose stream orders the compare after the copy
+            old_chunk, also_chunk = (None if chunk is None else chunk.to(
+                new_chunk.device, non_blocking=new_chunk.device.type != "cpu")
+                for chunk in (old_chunk, also_chunk))
+        # elements per compared unit: 8-byte words where they fit
+        word = _word(self.row, old_chunk, new_chunk, also_chunk)
+        old_units, new_units, also_units = (
+            None if chunk is None else _iv(chunk, 8 if word > 1 else self.itemsize)
+            for chunk in (old_chunk, new_chunk, also_chunk))
+        differs = _differ(old_units, new_units, also_units)
+        if self.row:
+            self._mark_rows(where, differs, word, len(new_chunk))
+        if not (units_changed := _count(differs)):  # much cheaper than nonzero
+            return
+        self.changed = True
+        if self.pieces is None:
+            return
+        if self._too_dear(self.patched + units_changed):
+            self.pieces = None  # even one element per changed word costs as much as dense
+            return
+        if word > 1 and self._too_dear(self.patched + units_changed * word) and \
+                self._too_dear(self.patched + _count(_differ(*(
+                    None if chunk is None else _iv(chunk, self.itemsize)
+                    for chunk in (old_chunk, new_chunk, also_chunk))))):
+            self.pieces = None  # the changed elements, counted, cost as much as dense
+            return
+        self._add_piece(where, differs, word, new_chunk, old_units, new_units, also_units)
+
+    def _mark_rows(self, where, differs, word: int, chunk_len: int) -> None:
+        row = self.row
+        first = where if isinstance(where, int) else 0
+        if chunk_len >= row:
+            per_row = row // word  # 8 flags at a time where rows allow: a quicker reduction
+            flags = (_iv(differs, 8).reshape(-1, per_row // 8) if per_row % 8 == 0 else
+                     differs.reshape(-1, per_row)).any(1)
+            if isinstance(where, int):
+                self.rows_changed[first // row:first // row + len(flags)] = flags
+            else:
+                self.rows_changed[where] = flags
+        else:  # a chunk inside one row
+            self.rows_changed[first // row] |= differs.any()
+
+    def _add_piece(self, where, differs, word: int, new_chunk,
+                   old_units, new_units, also_units) -> None:
+        positions = _nonzero(differs)
+        if word == 1:
+            piece = (where, positions, _take(_iv(new_chunk, self.itemsize), positions), None)
+            elements = len(positions)
+        else:
+            words = _iv(_take(new_units, positions), self.itemsize)
+            lanes = _differ(_iv(_take(old_units, positions), self.itemsize), words,
+                            None if also_units is None
+                            else _iv(_take(also_units, positions), self.itemsize))
+            piece, elements = (where, positions, words, lanes), _count(lanes)
+        self.held += len(positions) * (positions.dtype.itemsize + 8 + word)
+        self.patched += elements
+        if self._too_dear(self.patched):
+            self.pieces = None  # patches already cost as much as the dense tensor: stop keeping
+            return
+        self.pieces.append(piece)
+        if self.held > self.dense_bytes // 2:  # bound what the unexpanded pieces hold
+            self.pieces = [_expand(piece, self.row, self.index_size) for piece in self.pieces]
+            self.held = 0
+
+    def cheapest(self, name: str, new: torch.Tensor) -> Delta:
+        """The delta of the encoding that costs the fewest bytes (the first of equal costs:
+        dense, rows, patch)."""
+        shape, ranges = tuple(new.shape), None
+        costs = [(self.dense_bytes, DENSE, self.numel)]
+        if self.row:
+            ranges = _runs(self.rows_changed if isinstance(self.rows_changed, np.ndarray)
+                           else self.rows_changed.cpu().numpy())
+            rows_sent = int((ranges[:, 1] - ranges[:, 0]).sum())
+            costs.append((_RANGE * len(ranges) + rows_sent * self.row * self.itemsize, ROWS,
+                          rows_sent * self.row))
+        if self.pieces is not None:
+            costs.append((self.patched * (self.index_size + self.itemsize), PATCH,
+                          self.patched))
+        cost, kind, carried = min(costs, key=lambda entry: entry[0])
+        if kind == PATCH:
+            indices, values = zip(*(_expand(piece, self.row, self.index_size)[1:3]
+                                    for piece in self.pieces), strict=True)
+            return Delta(name, PATCH, new.dtype, shape, self.patched, cost,
+                         indices=_cat(indices), values=_cat(values).view(new.dtype))
+        return Delta(name, kind, new.dtype, shape, carried, cost, tensor=new,
+                     ranges=ranges if kind == ROWS else None)
+
+
+def _expand(piece: tuple, row: int, index_size: int) -> tuple:
+    """A patch piece (see `_Comparison`) as its changed elements' flat indices in the tensor
+    (`index_size`-byte integers) and their values: (None, indices, values, None)."""
+    where, positions, values, lanes = piece
     if where is None:
-        return part
-    if lanes is not None:  # the changed elements of the changed words (w a power of two)
-        w = len(lanes) // max(1, len(nz))
-        at = _nonzero(lanes)
-        values = _take(values, at)
-        nz = _take(nz, at >> (w.bit_length() - 1)) * w + (at & (w - 1))
-    flat = nz + where if isinstance(where, int) else _take(where, nz // row) * row + nz % row
-    return None, (flat.astype(_NP_BITS[isz]) if isinstance(flat, np.ndarray)
-                  else flat.to(_BITS[isz])), values, None
+        return piece
+    if lanes is not None:  # the changed elements of the changed words (word a power of two)
+        word = len(lanes) // max(1, len(positions))
+        lane_hits = _nonzero(lanes)
+        values = _take(values, lane_hits)
+        positions = (_take(positions, lane_hits >> (word.bit_length() - 1)) * word
+                     + (lane_hits & (word - 1)))
+    flat = positions + where if isinstance(where, int) else \
+        _take(where, positions // row) * row + positions % row
+    return None, (flat.astype(_NP_BITS[index_size]) if isinstance(flat, np.ndarray)
+                  else flat.to(_BITS[index_size])), values, None
 
 
-def _pieces(n: int, row: int, rows: np.ndarray | torch.Tensor | None, *ts
+def _pieces(numel: int, row: int, rows: np.ndarray | torch.Tensor | None, *flats
             ) -> Iterator[tuple[int | np.ndarray | torch.Tensor, list]]:
-    """(where, the chunk of each of `ts`, numpy arrays or tensors): `where` is the first
+    """(where, the chunk of each of `flats`, numpy arrays or tensors): `where` is the first
     flat element of a slice of `_chunks`, or, given `rows`, the row numbers (on the device of
-    `ts[1]`, the new tensor) a chunk of whole rows was gathered from."""
+    `flats[1]`, the new tensor) a chunk of whole rows was gathered from."""
     if rows is None:
-        for lo, hi in _chunks(n, row):
-            yield lo, [None if t is None else t[lo:hi] for t in ts]
+        for lo, hi in _chunks(numel, row):
+            yield lo, [None if flat is None else flat[lo:hi] for flat in flats]
         return
     step = max(1, _CHUNK // row) if row else 1
-    for i in range(0, len(rows), step):
-        r = rows[i:i + step]
-        if isinstance(r, np.ndarray):
-            yield r, [None if t is None else t.reshape(-1, row).take(r, axis=0).reshape(-1)
-                      for t in ts]
+    for first in range(0, len(rows), step):
+        gathered = rows[first:first + step]
+        if isinstance(gathered, np.ndarray):
+            yield gathered, [None if flat is None else
+                             flat.reshape(-1, row).take(gathered, axis=0).reshape(-1)
+                             for flat in flats]
         else:
-            yield r.to(ts[1].device), [None if t is None else t.view(-1, row).index_select(
-                0, r.to(t.device)).view(-1) for t in ts]
+            yield gathered.to(flats[1].device), [
+                None if flat is None else
+                flat.view(-1, row).index_select(0, gathered.to(flat.device)).view(-1)
+                for flat in flats]
 
 
 def _word(row: int, a, *more) -> int:
