@@ -12,8 +12,9 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
-# part -> the parts it may import. The trainer side (bridge, remote, checkpoint, changes,
-# layout, protocol) never imports the server side (server, vllm_plugin) or the CLI.
+# part -> the parts it may import. The trainer side (integrations, bridge, remote,
+# checkpoint, changes, layout, protocol) never imports the server side (server,
+# vllm_plugin) or the CLI.
 MAY_IMPORT = {
     "errors": set(),
     "testing": set(),
@@ -23,11 +24,13 @@ MAY_IMPORT = {
     "checkpoint": {"changes", "errors"},
     "remote": {"checkpoint", "changes", "protocol", "errors"},
     "bridge": {"checkpoint", "remote", "changes", "layout", "protocol", "errors"},
+    "integrations": {"bridge", "remote", "checkpoint", "changes", "layout", "protocol",
+                     "errors"},
     "server": {"checkpoint", "protocol", "errors"},
     "vllm_plugin": {"server", "checkpoint", "remote", "changes", "layout", "protocol",
                     "testing", "errors"},
-    "cli": {"bridge", "server", "checkpoint", "remote", "layout", "protocol", "vllm_plugin",
-            "testing", "errors"},
+    "cli": {"integrations", "bridge", "server", "checkpoint", "remote", "layout",
+            "protocol", "vllm_plugin", "testing", "errors"},
 }
 ROOT = {"hotweights", "hotweights.__main__"}  # the lazy exports and `python -m`: any part
 

@@ -220,6 +220,11 @@ class Bridge:
     def status(self) -> dict:
         return server_status(self.url, self._token)
 
+    def server_info(self) -> dict:
+        """The served model's settings (`model_config`: model, dtype, max_model_len,
+        max_logprobs, logprobs_mode), shaped like vLLM's dev-mode `/server_info`."""
+        return request(self.url, "GET", "/hotweights/server_info", self._token)
+
     def _post(self, route: str, *, timeout: float = 120, **body: Any) -> dict:
         body = dict(holder=self.holder, server_id=self.server_id, **body)
         return request(self.url, "POST", route, self._token, body, timeout=timeout)

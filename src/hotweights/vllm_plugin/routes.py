@@ -170,6 +170,18 @@ def _loaded(model: str) -> str | None:
     return found
 
 
+def _server_info(model_config) -> dict:
+    """The served model's settings, shaped like vLLM's `/server_info` (a `VllmConfig` tree,
+    only what a trainer reads), with no weight-transfer engine (no copy to sync)."""
+    return {"model_config": {
+        "model": str(model_config.model),
+        "dtype": str(model_config.dtype).removeprefix("torch."),
+        "max_model_len": model_config.max_model_len,
+        "max_logprobs": model_config.max_logprobs,
+        "logprobs_mode": str(model_config.logprobs_mode),
+    }, "weight_transfer_config": None}
+
+
 def _refuse_split_servers(args) -> None:
     for flag in ("api_server_count", "data_parallel_size"):
         if (getattr(args, flag, 1) or 1) > 1:
@@ -195,6 +207,7 @@ class HotweightsRoutes:
         self.workers = 0
         self.channel: str | None = None  # the trainer channel joined (remote servers)
         self.loaded: str | None = None  # remote: digest of the checkpoint vLLM loaded
+        self.info: dict = {}  # what /server_info answers (the served model's settings)
 
     def attach_router(self, app: FastAPI) -> None:
         if not self.server_id:
@@ -207,6 +220,7 @@ class HotweightsRoutes:
         for name in ("begin", "renew", "commit", "abort"):
             router.add_api_route(f"/{name}", getattr(self, name), methods=["POST"])
         router.add_api_route("/checksum", self.checksum, methods=["GET"])
+        router.add_api_route("/server_info", self.server_info, methods=["GET"])
         if self.remote:
             router.add_api_route("/remote/join", self.join, methods=["POST"])
             router.add_api_route("/remote/receive", self.receive, methods=["POST"])
@@ -225,6 +239,7 @@ class HotweightsRoutes:
         self.tx = Transaction(VllmEngine(engine_client, self.gate, remote=self.remote),
                               self.server_id)
         await engine_client.update_weight_version(self.tx.version)  # not "default"
+        self.info = _server_info(engine_client.model_config)
         self.metrics["version"].set_function(lambda: self.tx.n)
         self.metrics["dirty"].set_function(lambda: int(self.tx.dirty))
         if self.remote:  # updates come over the transfer engine: nothing to share
@@ -274,6 +289,13 @@ class HotweightsRoutes:
         untouched = self.tx.n == 0 and not self.tx.dirty  # still the weights it loaded
         return {**self.tx.status(), "remote": self.remote, "workers": self.workers,
                 "channel": self.channel, "checkpoint": self.loaded if untouched else None}
+
+    async def server_info(self, request: Request):
+        """The served model's settings a trainer checks (TRL reads `logprobs_mode`): what
+        vLLM's `/server_info` says in its dev mode, which `hotweights serve` never needs."""
+        if refused := self._refuse(request):
+            return refused
+        return self.info
 
     async def checksum(self, request: Request):
         """The version served and one xxh3-64 per worker over its weights (hashes them all)."""
