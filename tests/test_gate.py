@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from hotweights.vllm_plugin.gate import VERSION_HEADER, Gate, GateMiddleware
+from hotweights.protocol.version import VERSION_HEADER
+from hotweights.vllm_plugin.gate import Gate, GateMiddleware
 
 
 def _sse(*events: dict) -> list[bytes]:

@@ -17,8 +17,8 @@ import torch
 from hotweights.bridge.client import Bridge
 from hotweights.errors import LayoutError, ServerError
 from hotweights.protocol.tokens import token_path
+from hotweights.protocol.version import parse_version
 from hotweights.server import launch
-from hotweights.server.transaction import parse_version
 
 pytestmark = pytest.mark.vllm
 

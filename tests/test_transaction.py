@@ -4,6 +4,7 @@ import asyncio
 
 import pytest
 
+from hotweights.protocol.version import parse_version
 from hotweights.server.transaction import (
     Abort,
     Begin,
@@ -12,7 +13,6 @@ from hotweights.server.transaction import (
     Renew,
     State,
     Transaction,
-    parse_version,
 )
 
 SID = "s1"

@@ -17,7 +17,7 @@ from rich.progress import Progress
 
 from hotweights.cli.console import make_console
 from hotweights.errors import ConfigError
-from hotweights.server.transaction import parse_version
+from hotweights.protocol.version import VERSION_HEADER, parse_version
 
 PROMPT = "The server generates,"
 TARGET = " the trainer learns."
@@ -29,7 +29,7 @@ def _complete(url: str, model: str) -> tuple[str, int]:
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as resp:
         text = json.loads(resp.read())["choices"][0]["text"]
-        return text, parse_version(resp.headers["x-hotweights-version"])[0]
+        return text, parse_version(resp.headers[VERSION_HEADER])[0]
 
 
 def _generate(url: str, model: str, ready, done, results) -> None:

@@ -87,14 +87,6 @@ def version_label(n: int, server_id: str) -> str:
     return f"{n}@{server_id}"
 
 
-def parse_version(label: str) -> tuple[int, str]:
-    """`"7@3f9a1c2b"` -> (7, "3f9a1c2b"); a HotweightsError names a malformed label."""
-    n, at, server = label.partition("@")
-    if not (at and n.isdigit() and server):
-        raise HotweightsError(f"weight version {label!r}: expected N@SERVER, e.g. 7@3f9a1c2b")
-    return int(n), server
-
-
 # -- requests: frozen, validated; a bad field is a 400 that names it -------------------------
 
 

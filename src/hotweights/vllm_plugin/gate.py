@@ -16,7 +16,8 @@ import json
 import re
 import time
 
-VERSION_HEADER = "x-hotweights-version"
+from hotweights.protocol.version import VERSION_HEADER
+
 _MAX_REQUEST_BYTES = 1 << 20  # what we keep of a request body to name its model/choices
 _FINISHED = re.compile(rb'"finish_reason":\s*"')
 
