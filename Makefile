@@ -33,7 +33,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks examples
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/views.py

@@ -67,3 +67,18 @@ def test_demo_trains_the_served_weights_in_place(tmp_path, capsys):
     trained, served = tmp_path / "checkpoint", tmp_path / "llama"
     assert (trained / "model.safetensors").read_bytes() != (served / "model.safetensors"
                                                             ).read_bytes()
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(480)  # builds a model, starts a server, 20 GRPO steps: ~90 s here
+def test_demo_rl_teaches_the_served_model_with_grpo(tmp_path, capsys):
+    assert main(["demo", "--rl", "--workdir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    summary = out.split("GRPO: 20 steps in ")[1].splitlines()[0]
+    first, last = summary.split("reward ")[1].split(" (best")[0].split(" -> ")
+    assert float(first) <= 0.1 and float(last) >= 0.6, summary
+    assert "0 weight bytes copied" in summary and "version 20@" in summary
+    assert summary.endswith(" 0 errors") and "versions 0..20" in summary
+    assert "step 5: checkpoint" in out and "step 20: checkpoint" in out
+    reloaded = out.split("reloaded in plain transformers")[1].splitlines()[0]
+    assert float(reloaded.split("reward ")[1]) >= 0.6, reloaded

@@ -2,8 +2,10 @@
 
 import asyncio
 import json
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 httpx = pytest.importorskip("httpx")  # both come with vLLM, whose API server the routes join
 FastAPI = pytest.importorskip("fastapi").FastAPI
@@ -24,6 +26,8 @@ class StubClient:
         self.args: dict[str, tuple] = {}  # method -> its last collective_rpc args
         self.label = None
         self.prefix_reset = True
+        self.model_config = SimpleNamespace(model="/m", dtype=torch.float32, max_model_len=256,
+                                            max_logprobs=20, logprobs_mode="processed_logprobs")
 
     async def pause_generation(self, mode, clear_cache):
         self.calls.append(f"pause:{mode}")
@@ -89,6 +93,17 @@ def test_an_update_over_http():
         assert stub.label == f"1@{SID}"
         r = await client.post("/v1/completions", json={})  # the gate stamps every response
         assert r.headers["x-hotweights-version"] == f"1@{SID}"
+
+    serve(test)
+
+
+def test_server_info_answers_what_a_trainer_reads_behind_the_token():
+    async def test(client, stub):
+        assert (await client.get("/hotweights/server_info")).status_code == 401
+        r = await client.get("/hotweights/server_info", headers=AUTH)
+        assert r.json() == {"model_config": {
+            "model": "/m", "dtype": "float32", "max_model_len": 256, "max_logprobs": 20,
+            "logprobs_mode": "processed_logprobs"}, "weight_transfer_config": None}
 
     serve(test)
 

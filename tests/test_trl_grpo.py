@@ -8,6 +8,11 @@ TRL's own logprob gap between the trainer and vLLM on the sampled tokens is ~0 i
 what TRL would copy is refused by option name.
 """
 
+import contextlib
+import importlib.util
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -29,22 +34,27 @@ TOKEN = "trl-test-token"
 STEPS = 4
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """A `hotweights serve` of a tiny fp32 llama (processed logprobs, as TRL wants)."""
-    tmp = tmp_path_factory.mktemp("trl")
-    model_dir = tiny.build("llama", tmp / "llama", dtype="float32")
-    port = launch.free_port()
-    log = tmp / "server.log"
+@contextlib.contextmanager
+def _serving(tmp: Path, dtype: str) -> Iterator[str]:
+    """A `hotweights serve` of a tiny llama in `dtype` (processed logprobs, as TRL wants)."""
+    model_dir = tiny.build("llama", tmp / "llama", dtype=dtype)
+    port, log = launch.free_port(), tmp / "server.log"
     proc = launch.spawn(model_dir, port=port, token=TOKEN, log=log, vllm_args=(
-        "--dtype", "float32", "--max-model-len", "256", "--enforce-eager",
+        "--dtype", dtype, "--max-model-len", "256", "--enforce-eager",
         "--max-num-seqs", "16", "--logprobs-mode", "processed_logprobs"))
     url = f"http://127.0.0.1:{port}"
     try:
         launch.wait_ready(proc, url, log=log)
-        yield url, tmp
+        yield url
     finally:
         launch.stop(proc)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("trl")
+    with _serving(tmp, "float32") as url:
+        yield url, tmp
 
 
 def _reward(completion_ids, **_) -> list[float]:
@@ -111,3 +121,48 @@ def test_a_model_by_name_is_refused(served):
     with pytest.raises(ConfigError, match="second copy"):
         GRPOTrainer(model="some/model", bridge=bridge, reward_funcs=_reward,
                     args=_config(tmp), train_dataset=_data())
+
+
+def test_beta_and_gradient_accumulation_commit_once_per_optimizer_step(served):
+    # beta > 0: TRL loads its reference model from the model's directory (a copy of its
+    # own, by design); 2 micro-batches per optimizer step: still one version per step.
+    url, tmp = served
+    bridge = Bridge.connect(url, token=TOKEN)
+    before = parse_version(bridge.version)[0]
+    trainer = GRPOTrainer(bridge=bridge, reward_funcs=_reward, train_dataset=_data(),
+                          args=_config(tmp, beta=0.04, gradient_accumulation_steps=2,
+                                       per_device_train_batch_size=4, max_steps=2))
+    assert trainer.ref_model is not None
+    trainer.train()
+    assert parse_version(bridge.version)[0] == before + 2
+    assert outside_served(trainer.model, bridge) == []
+    logs = [entry for entry in trainer.state.log_history if "kl" in entry]
+    assert len(logs) == 2 and all(entry["kl"] >= 0 for entry in logs)
+
+
+def test_the_example_script_trains_the_served_model(served):
+    url, tmp = served
+    path = Path(__file__).resolve().parents[1] / "examples" / "grpo.py"
+    spec = importlib.util.spec_from_file_location("example_grpo", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    before = parse_version(Bridge.connect(url, token=TOKEN).version)[0]
+    trainer = example.main(url, steps=2, token=TOKEN, output_dir=str(tmp / "example"))
+    assert parse_version(trainer.bridge.version)[0] == before + 2
+
+
+@pytest.mark.timeout(400)  # a server of its own: bf16 weights
+def test_grpo_on_bf16_weights(tmp_path):
+    with _serving(tmp_path, "bfloat16") as url:
+        bridge = Bridge.connect(url, token=TOKEN)
+        model = bridge.model()
+        assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+        trainer = GRPOTrainer(model=model, bridge=bridge, reward_funcs=_reward,
+                              train_dataset=_data(), args=_config(tmp_path, bf16=True,
+                                                                  max_steps=2))
+        trainer.train()
+        assert parse_version(bridge.version)[0] == 2
+        assert outside_served(trainer.model, bridge) == []
+        gaps = [entry["sampling/sampling_logp_difference/mean"]
+                for entry in trainer.state.log_history if "reward" in entry]
+        assert len(gaps) == 2 and max(gaps) < 0.1, gaps  # bf16 kernels round differently

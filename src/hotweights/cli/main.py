@@ -85,8 +85,17 @@ def _parser() -> argparse.ArgumentParser:
         "weights without any copy or reload.",
     )
     p.add_argument("--arch", default="llama", help="tiny model architecture (default: llama)")
-    p.add_argument("--steps", type=int, default=30, help="training steps (default: 30)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="training steps (default: 30; with --rl: 20)")
     p.add_argument("--workdir", default=None, help="where to build the model (default: temp)")
+    p.add_argument("--rl", action="store_true", help="reinforcement learning instead: TRL's "
+                   "GRPOTrainer through hotweights.integrations.trl teaches the served model "
+                   "to answer in digits (reward: their share), live, while a client keeps "
+                   "generating; checkpoints on the way, reloaded in plain transformers at "
+                   "the end (needs the trl extra)")
+    p.add_argument("--checkpoint-every", type=int, default=5, metavar="K",
+                   help="with --rl: write the served weights into a checkpoint every K "
+                   "steps, only what changed (default: 5; 0: only at the end)")
     p.set_defaults(run=_run_demo)
 
     p = sub.add_parser(
@@ -184,8 +193,14 @@ def _run_layout(args: argparse.Namespace) -> int:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
+    if args.rl:
+        from hotweights.cli.demo_rl import run
+
+        args.steps = args.steps or 20
+        return run(args)
     from hotweights.cli.demo import run
 
+    args.steps = args.steps or 30
     return run(args)
 
 
