@@ -90,7 +90,7 @@ def test_grpo_trains_the_served_weights_in_place(served):
 
     # one version per optimizer step, and the steps changed what the server serves
     assert parse_version(bridge.version)[0] == before + STEPS
-    assert outside_served(trainer.model, bridge) == []
+    assert outside_served(trainer.model, bridge.tensors) == []
     assert not torch.equal(model.get_output_embeddings().weight.detach(), lm_head)
     logs = [entry for entry in trainer.state.log_history if "reward" in entry]
     assert len(logs) == STEPS
@@ -135,7 +135,7 @@ def test_beta_and_gradient_accumulation_commit_once_per_optimizer_step(served):
     assert trainer.ref_model is not None
     trainer.train()
     assert parse_version(bridge.version)[0] == before + 2
-    assert outside_served(trainer.model, bridge) == []
+    assert outside_served(trainer.model, bridge.tensors) == []
     logs = [entry for entry in trainer.state.log_history if "kl" in entry]
     assert len(logs) == 2 and all(entry["kl"] >= 0 for entry in logs)
 
@@ -162,7 +162,7 @@ def test_grpo_on_bf16_weights(tmp_path):
                                                                   max_steps=2))
         trainer.train()
         assert parse_version(bridge.version)[0] == 2
-        assert outside_served(trainer.model, bridge) == []
+        assert outside_served(trainer.model, bridge.tensors) == []
         gaps = [entry["sampling/sampling_logp_difference/mean"]
                 for entry in trainer.state.log_history if "reward" in entry]
         assert len(gaps) == 2 and max(gaps) < 0.1, gaps  # bf16 kernels round differently

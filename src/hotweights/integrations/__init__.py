@@ -1,3 +1,3 @@
-"""Integrations with RL frameworks (optional extras: `hotweights[trl]`). The trainer side:
-may import `bridge`, `remote`, `checkpoint`, `changes`, `layout`, `protocol` and `errors`;
-never `server` or `vllm_plugin`."""
+"""Integrations with RL frameworks (optional extras: `hotweights[trl]`). May import
+`bridge`, `remote`, `checkpoint`, `changes`, `layout`, `protocol`, `errors`, and
+`vllm_plugin` for colocate mode (vLLM in the trainer's process); never `server`."""

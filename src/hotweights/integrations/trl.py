@@ -1,25 +1,34 @@
-"""TRL's `GRPOTrainer` on the served weights: the policy TRL trains is the server's own copy.
+"""TRL's `GRPOTrainer` on the served weights: the policy TRL trains is vLLM's own copy.
+
+Server mode, a `hotweights serve` on this machine:
 
     from hotweights import Bridge
     from hotweights.integrations.trl import GRPOTrainer   # instead of trl's
 
-    bridge = Bridge.connect("http://127.0.0.1:8000")     # a `hotweights serve`
+    bridge = Bridge.connect("http://127.0.0.1:8000")
     trainer = GRPOTrainer(bridge=bridge, reward_funcs=reward, train_dataset=data,
                           args=GRPOConfig(use_vllm=True, vllm_mode="server", ...))
-    trainer.train()
 
-How: the model is `bridge.model()` (its parameters are views into the server's weights);
-every optimizer step runs inside `bridge.update()` (pause, write in place, commit: a new
-version, caches reset, resume); TRL's weight sync moves nothing: the `VLLMClient` TRL
-builds is `_client_for(bridge)`'s class, put in TRL's module by name while the trainer is
-built. Generation is TRL's own, through the server's OpenAI API. Each response's weight
-version is kept per sample (`trainer.sample_versions`) and logged with TRL's metrics
-(`hotweights/sample_version`, `hotweights/version_lag`: optimizer steps between the
-weights that sampled a batch and the weights it updates).
+Colocate mode, vLLM in this process (no bridge; the model is a local directory):
+
+    trainer = GRPOTrainer(model="./my-model", reward_funcs=reward, train_dataset=data,
+                          args=GRPOConfig(use_vllm=True, vllm_mode="colocate", ...))
+
+How: the model's parameters are views into vLLM's weights (`bridge.model()`, or
+`build_hf_model` over the in-process engine's parameters); every optimizer step runs
+inside an update (server: `bridge.update()`: pause, write in place, commit a new version,
+caches reset, resume; colocate: the step, then the prefix cache reset: nothing generates
+meanwhile); TRL's weight sync moves nothing (server: the `VLLMClient` TRL builds is
+`_client_for(bridge)`'s class, put in TRL's module by name while the trainer is built;
+colocate: TRL is handed the engine, and its `sync_weights` does nothing). Generation is
+TRL's own. The weight version that sampled each completion is kept
+(`trainer.sample_versions`) and logged with TRL's metrics (`hotweights/sample_version`,
+`hotweights/version_lag`: optimizer steps between the weights that sampled a batch and
+the weights it updates).
 
 What would copy, cast or re-create the shared parameters is refused before anything runs,
 naming the TRL option at fault; after TRL has set up, every trainable parameter is
-checked to still lie in the served memory.
+checked to still lie in vLLM's memory.
 """
 
 from __future__ import annotations
@@ -27,7 +36,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Iterator
+import os
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -55,12 +65,12 @@ def _client_for(bridge: Bridge) -> type[VLLMClient]:
     """TRL's `VLLMClient` for a `hotweights serve` that `bridge` trains in place."""
 
     class HotweightsClient(VLLMClient):
-        """Generation as TRL does it; weight sync moves nothing (the optimizer step wrote
-        the served tensors and committed), and the server's settings come from its own
-        authenticated route, not vLLM's dev-mode `/server_info`."""
+        """Generation as TRL does it, with each sample's weight version; no weight-transfer
+        group (the trainer writes the served tensors), and the server's settings from its
+        own authenticated route, not vLLM's dev-mode `/server_info`."""
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
-            self.sample_versions: list[str] = []  # the last generate's, one per sample
+            self.sample_versions: list[int] = []  # the last generate's, one per sample
             self._version: str | None = None  # the last completion response's header
             super().__init__(*args, **kwargs)
             self.session.hooks["response"].append(self._keep_version)
@@ -75,23 +85,13 @@ def _client_for(bridge: Bridge) -> type[VLLMClient]:
             if self._version is None:
                 raise ConfigError(f"{self.base_url}: the completion carried no "
                                   f"{VERSION_HEADER} header: is it a `hotweights serve`?")
-            self.sample_versions = [self._version] * len(out["completion_ids"])
+            n = parse_version(self._version)[0]
+            self.sample_versions = [n] * len(out["completion_ids"])
             return out
 
         def init_communicator(self, device: Any = 0) -> None:
             logger.info("hotweights: no weight-transfer group: %s serves the trainer's own "
                         "tensors", self.base_url)
-
-        def update_named_params(self, *args: Any, **kwargs: Any) -> None:
-            pass  # the optimizer step already wrote the served tensors and committed
-
-        update_named_param = update_model_params = update_named_params
-
-        def reset_prefix_cache(self) -> None:
-            pass  # the commit reset the caches
-
-        def close_communicator(self) -> None:
-            pass
 
         def get_server_info(self) -> dict:
             return bridge.server_info()
@@ -100,57 +100,138 @@ def _client_for(bridge: Bridge) -> type[VLLMClient]:
 
 
 @contextlib.contextmanager
-def _client_in_trl(client: type[VLLMClient]) -> Iterator[None]:
-    """TRL's generation module builds `client` instead of its `VLLMClient` (by name)."""
-    original = vllm_generation.VLLMClient
-    vllm_generation.VLLMClient = client
+def _in_trl(name: str, value: Any) -> Iterator[None]:
+    """TRL's generation module uses `value` for `name` (it imports both by name)."""
+    original = getattr(vllm_generation, name)
+    setattr(vllm_generation, name, value)
     try:
         yield
     finally:
-        vllm_generation.VLLMClient = original
+        setattr(vllm_generation, name, original)
 
 
-def _check_args(args: trl.GRPOConfig, bridge: Bridge, peft_config: Any) -> None:
+class _Server:
+    """The weights of a `hotweights serve` this process trains through `bridge`."""
+
+    def __init__(self, bridge: Bridge, mode: str, lease_s: float):
+        self.bridge, self.mode, self.lease_s = bridge, mode, lease_s
+        self.tensors = bridge.tensors
+
+    @property
+    def version(self) -> int:
+        return parse_version(self.bridge.version)[0]
+
+    def sample_versions(self, generation, samples: int) -> list[int]:
+        return generation.vllm_client.sample_versions
+
+    def update(self):
+        return self.bridge.update(mode=self.mode, lease_s=self.lease_s)
+
+
+class _Colocated:
+    """The weights of a vLLM engine in this process; nothing generates during a step."""
+
+    def __init__(self, llm):
+        from hotweights.vllm_plugin.local import live_params
+
+        self.llm, self.version = llm, 0
+        self.tensors = live_params(llm)
+
+    def sample_versions(self, generation, samples: int) -> list[int]:
+        return [self.version] * samples  # TRL generates between steps
+
+    @contextlib.contextmanager
+    def update(self) -> Iterator[None]:
+        yield
+        if torch.cuda.is_available():  # vLLM's streams read what the step wrote
+            torch.cuda.synchronize()
+        self.llm.reset_prefix_cache()  # cached KV came from the old weights
+        self.version += 1
+
+
+def _colocated_engine(model_dir: str, args: trl.GRPOConfig):
+    """vLLM in this process on `model_dir`, in the checkpoint's dtype (vLLM's "auto"
+    would serve a float32 checkpoint in bf16: TRL would sample another policy than it
+    trains), with hotweights' layout-keeping plugin; the HF model of views over it."""
+    from transformers import AutoConfig
+
+    from hotweights.layout.views import build_hf_model
+    from hotweights.vllm_plugin.local import hf_context, start_engine
+
+    if not os.path.isdir(model_dir):
+        raise ConfigError(f"model={model_dir!r}: colocate mode needs a local model "
+                          "directory (config and safetensors)")
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=args.trust_remote_code)
+    dtype = str(getattr(config, "dtype", None) or "auto").removeprefix("torch.")
+    llm = start_engine(
+        model_dir, dtype=dtype, logprobs_mode="processed_logprobs", seed=args.seed,
+        max_model_len=args.vllm_max_model_length,  # None: the model's own
+        max_num_seqs=args.per_device_train_batch_size * (args.steps_per_generation or 1),
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        model_impl=args.vllm_model_impl, trust_remote_code=args.trust_remote_code)
+    weights = _Colocated(llm)
+    with hf_context(llm):
+        model, _ = build_hf_model(model_dir, weights.tensors,
+                                  trust_remote_code=args.trust_remote_code)
+    return weights, model
+
+
+_REFUSED = {
+    "cast_lm_head_to_fp32": "replaces lm_head by a float32 copy, which vLLM never sees",
+    "vllm_enable_sleep_mode": "frees vLLM's weights between generations",
+    "deepspeed": "DeepSpeed partitions the parameters and steps outside the optimizer",
+    "fsdp": "FSDP re-creates the parameters as shards",
+}
+
+
+def _check_args(args: trl.GRPOConfig, bridge: Bridge | None, peft_config: Any) -> None:
     """Refuse, naming the option, a config that would copy or re-create the shared weights
-    (or generate elsewhere than the served copy); point TRL at the bridge's server."""
+    (or generate from another copy than the one trained); point TRL at the bridge's
+    server."""
     if not args.use_vllm:
-        raise ConfigError("GRPOConfig.use_vllm=False: TRL would sample from the trainer's "
-                          "model, not the server; set use_vllm=True, vllm_mode='server'")
-    if args.vllm_mode != "server":
-        raise ConfigError(f"GRPOConfig.vllm_mode={args.vllm_mode!r}: with a Bridge the "
-                          "server is a `hotweights serve`; set vllm_mode='server'")
-    url = (args.vllm_server_base_url or "").rstrip("/")
-    if url and url != bridge.url:
-        raise ConfigError(f"GRPOConfig.vllm_server_base_url={url!r}: the bridge trains "
-                          f"{bridge.url}; leave it unset or give that URL")
-    args.vllm_server_base_url = bridge.url
-    refused = {
-        "cast_lm_head_to_fp32": "replaces lm_head by a float32 copy, which the server "
-                                "never sees",
-        "vllm_enable_sleep_mode": "frees the served weights between generations",
-        "deepspeed": "DeepSpeed partitions the parameters and steps outside the optimizer",
-        "fsdp": "FSDP re-creates the parameters as shards",
-    }
-    for option, why in refused.items():
+        raise ConfigError("GRPOConfig.use_vllm=False: TRL would sample from a model of "
+                          "its own, not vLLM's; set use_vllm=True")
+    want = "server" if bridge is not None else "colocate"
+    if args.vllm_mode != want:
+        raise ConfigError(
+            f"GRPOConfig.vllm_mode={args.vllm_mode!r}: " + (
+                "with a Bridge the server is a `hotweights serve`; set vllm_mode='server'"
+                if bridge is not None else "without a Bridge, hotweights runs vLLM in this "
+                "process; set vllm_mode='colocate', or pass bridge= for a server"))
+    if bridge is not None:
+        url = (args.vllm_server_base_url or "").rstrip("/")
+        if url and url != bridge.url:
+            raise ConfigError(f"GRPOConfig.vllm_server_base_url={url!r}: the bridge trains "
+                              f"{bridge.url}; leave it unset or give that URL")
+        args.vllm_server_base_url = bridge.url
+    elif args.vllm_tensor_parallel_size != 1:
+        raise ConfigError(f"GRPOConfig.vllm_tensor_parallel_size="
+                          f"{args.vllm_tensor_parallel_size}: colocate mode trains one "
+                          "unsharded copy; use 1")
+    for option, why in _REFUSED.items():
         if getattr(args, option, None):
             raise ConfigError(f"GRPOConfig.{option}={getattr(args, option)!r}: {why}; "
-                              f"hotweights trains the served tensors in place")
-    served = {str(t.dtype) for t in bridge.tensors.values() if t.is_floating_point()}
-    if args.bf16 and served == {"torch.float32"}:
+                              f"hotweights trains vLLM's tensors in place")
+    if peft_config is not None:
+        raise ConfigError("peft_config: LoRA adapters are not vLLM's weights (vLLM would "
+                          "never see them); train the base weights, e.g. "
+                          "bridge.model(trainable=...)")
+
+
+def _warn_mixed_precision(args: trl.GRPOConfig, tensors: Mapping[str, torch.Tensor]) -> None:
+    served = {t.dtype for t in tensors.values() if t.is_floating_point()}
+    if args.bf16 and served == {torch.float32}:
         logger.warning("hotweights: GRPOConfig.bf16=True on float32 weights: the trainer "
                        "computes in bf16 (autocast) while vLLM samples in float32, so their "
                        "logprobs differ by ~1e-3; set bf16=False for an exact match")
-    if peft_config is not None:
-        raise ConfigError("peft_config: LoRA adapters are not the served weights (the "
-                          "server would never see them); train the base weights, "
-                          "e.g. bridge.model(trainable=...)")
 
 
-def outside_served(model: torch.nn.Module, bridge: Bridge) -> list[str]:
-    """The trainable parameters of `model` that do not lie in the server's memory."""
+def outside_served(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    """The trainable parameters of `model` that do not lie in the memory of `tensors`
+    (vLLM's weights)."""
     spans = sorted((t.untyped_storage().data_ptr(),
                     t.untyped_storage().data_ptr() + t.untyped_storage().nbytes())
-                   for t in bridge.tensors.values())
+                   for t in tensors.values())
     outside = []
     for name, param in model.named_parameters():
         if not param.requires_grad:
@@ -162,59 +243,76 @@ def outside_served(model: torch.nn.Module, bridge: Bridge) -> list[str]:
 
 
 class GRPOTrainer(trl.GRPOTrainer):
-    """TRL's `GRPOTrainer` training the weights a `hotweights serve` serves, in place.
+    """TRL's `GRPOTrainer` training vLLM's own weights in place.
 
     Takes what TRL's takes, plus:
-        bridge: the `Bridge` to the server (`Bridge.connect(url)`).
-        model: `bridge.model(...)` (default: `bridge.model()`); never a name or a model
-            of its own, which would be a second copy.
-        update_mode: how the server pauses for each optimizer step (`Bridge.update`):
-            "wait" (default: every response is computed with one version), "keep" or
-            "abort".
-        lease_s: the update lease (renewed while a step runs).
+        bridge: the `Bridge` to a `hotweights serve` (server mode). Without it, colocate
+            mode: vLLM runs in this process on `model`, a local model directory.
+        model: server mode: `bridge.model(...)` (default: `bridge.model()`), never a name
+            or a model of its own, which would be a second copy; colocate mode: the
+            model directory.
+        update_mode: server mode: how the server pauses for each optimizer step
+            (`Bridge.update`): "wait" (default: every response is computed with one
+            version), "keep" or "abort".
+        lease_s: server mode: the update lease (renewed while a step runs).
     """
 
-    def __init__(self, model: torch.nn.Module | None = None, reward_funcs: Any = None,
-                 args: trl.GRPOConfig | None = None, *rest: Any, bridge: Bridge,
+    def __init__(self, model: torch.nn.Module | str | None = None, reward_funcs: Any = None,
+                 args: trl.GRPOConfig | None = None, *rest: Any, bridge: Bridge | None = None,
                  update_mode: str = "wait", lease_s: float = 120.0, **kwargs: Any) -> None:
         if not trl.__version__.startswith(TESTED):
             logger.warning("hotweights: TRL %s; this integration is tested with TRL %sx",
                            trl.__version__, TESTED)
-        if model is None:
+        if bridge is not None and model is None:
             model = bridge.model()
-        elif not isinstance(model, torch.nn.Module):
+        elif bridge is not None and not isinstance(model, torch.nn.Module):
             raise ConfigError(f"model={model!r}: pass bridge.model(...) (or nothing): a "
                               "model loaded by name is a second copy the server never sees")
+        elif bridge is None and not isinstance(model, str | os.PathLike):
+            raise ConfigError(f"model={type(model).__name__}: without a bridge (colocate "
+                              "mode) pass the model's local directory: hotweights starts "
+                              "vLLM on it and builds the model on vLLM's weights")
         if args is None:
             args = trl.GRPOConfig(output_dir="hotweights-grpo", use_vllm=True,
-                                  vllm_mode="server")
+                                  vllm_mode="server" if bridge is not None else "colocate")
         _check_args(args, bridge, kwargs.get("peft_config"))
-        self.bridge, self.update_mode, self.lease_s = bridge, update_mode, lease_s
-        self.sample_versions: list[str] = []  # the version that sampled each completion
-        with _client_in_trl(_client_for(bridge)):
+        self.sample_versions: list[int] = []  # the version that sampled each completion
+        if bridge is not None:
+            self.weights = _Server(bridge, update_mode, lease_s)
+            self.bridge = bridge
+            setup = _in_trl("VLLMClient", _client_for(bridge))
+        else:
+            self.weights, model = _colocated_engine(os.fspath(model), args)
+            llm = self.weights.llm
+            setup = _in_trl("LLM", lambda *a, **k: llm)  # TRL's engine is this one
+        _warn_mixed_precision(args, self.weights.tensors)
+        with setup:
             super().__init__(model, reward_funcs, args, *rest, **kwargs)
-        if outside := outside_served(self.model, bridge):
+        if outside := outside_served(self.model, self.weights.tensors):
             raise ConfigError(
-                f"{len(outside)} trainable parameter(s) no longer lie in the served memory "
+                f"{len(outside)} trainable parameter(s) no longer lie in vLLM's memory "
                 f"after TRL's setup (e.g. {outside[0]}): TRL or accelerate copied them, and "
-                "training them would not change what the server serves. Check the "
-                "options that move, cast or wrap the model (device placement, dtype "
-                "casts, torch_compile, PEFT)")
+                "training them would not change what vLLM serves. Check the options that "
+                "move, cast or wrap the model (device placement, dtype casts, "
+                "torch_compile, PEFT)")
         self._vllm_generate = self.vllm_generation.generate
         self.vllm_generation.generate = self._generate_and_keep_versions
+        # TRL's sync copies the model into vLLM: here vLLM computes with the trained tensors
+        self.vllm_generation.sync_weights = lambda: None
 
     def _generate_and_keep_versions(self, *args: Any, **kwargs: Any) -> tuple:
         out = self._vllm_generate(*args, **kwargs)
-        self.sample_versions = list(self.vllm_generation.vllm_client.sample_versions)
+        self.sample_versions = list(self.weights.sample_versions(self.vllm_generation,
+                                                                 len(out[1])))
         if self.sample_versions:
             mode = "train" if self.model.training else "eval"
-            numbers = [parse_version(v)[0] for v in self.sample_versions]
-            self._metrics[mode]["hotweights/sample_version"].append(sum(numbers) / len(numbers))
+            self._metrics[mode]["hotweights/sample_version"].append(
+                sum(self.sample_versions) / len(self.sample_versions))
         return out
 
     def _move_model_to_device(self, model: torch.nn.Module, device: Any) -> None:
-        """Nothing to move: the views lie where the server keeps its weights, and `.to()`
-        onto another device name (`cpu:0` for `cpu`) would copy them."""
+        """Nothing to move: the views lie where vLLM keeps its weights, and `.to()` onto
+        another device name (`cpu:0` for `cpu`) would copy them."""
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         optimizer = super().create_optimizer(model)
@@ -223,16 +321,15 @@ class GRPOTrainer(trl.GRPOTrainer):
         return optimizer
 
     def _step_in_update(self, step):
-        """`step` inside the update transaction: the server pauses, the step writes its
-        tensors in place, the commit serves them as the next version."""
+        """`step` inside the update: the step writes vLLM's tensors in place, and vLLM
+        computes with them from its next request on, as the next version."""
 
         @functools.wraps(step)
         def step_in_update(*args: Any, **kwargs: Any):
             if self.sample_versions:
-                served = parse_version(self.bridge.version)[0]
-                oldest = min(parse_version(v)[0] for v in self.sample_versions)
-                self._metrics["train"]["hotweights/version_lag"].append(served - oldest)
-            with self.bridge.update(mode=self.update_mode, lease_s=self.lease_s):
+                lag = self.weights.version - min(self.sample_versions)
+                self._metrics["train"]["hotweights/version_lag"].append(lag)
+            with self.weights.update():
                 return step(*args, **kwargs)
 
         step_in_update.hotweights_update = True

@@ -1,0 +1,61 @@
+"""TRL's GRPOTrainer in colocate mode through `hotweights.integrations.trl`: vLLM runs in
+the trainer's process (CPU, fp32) and the HF model TRL trains is built on vLLM's own
+parameters: no weight sync, no second copy, and vLLM samples in the checkpoint's dtype
+(TRL's own colocate engine would serve a float32 checkpoint in bf16)."""
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+from hotweights.integrations.trl import GRPOTrainer, outside_served  # noqa: E402
+from hotweights.testing import tiny  # noqa: E402
+from test_trl_grpo import _config, _data, _reward  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+STEPS = 3
+
+
+@pytest.fixture
+def colocated(tmp_path):
+    from hotweights.vllm_plugin.local import stop_engine
+
+    trainers = []
+    yield tmp_path, trainers
+    for trainer in trainers:  # in-process engines cannot coexist: free this one
+        stop_engine(trainer.weights.llm)
+
+
+@pytest.mark.timeout(400)
+def test_grpo_trains_vllm_s_own_parameters_in_this_process(colocated):
+    tmp, trainers = colocated
+    model_dir = tiny.build("llama", tmp / "llama", dtype="float32")
+    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=_reward, train_dataset=_data(),
+                          args=_config(tmp, vllm_mode="colocate", max_steps=STEPS))
+    trainers.append(trainer)
+    live = trainer.weights.tensors
+    assert {t.dtype for t in live.values()} == {torch.float32}  # not vLLM's "auto" bf16
+    assert outside_served(trainer.model, live) == []
+    before = {name: t.detach().clone() for name, t in live.items()}
+    trainer.train()
+
+    assert outside_served(trainer.model, live) == []
+    assert trainer.weights.version == STEPS
+    changed = [name for name, t in live.items() if not torch.equal(t, before[name])]
+    assert changed, "the steps wrote vLLM's own tensors"
+    logs = [entry for entry in trainer.state.log_history if "reward" in entry]
+    assert [entry["hotweights/sample_version"] for entry in logs] == [0.0, 1.0, 2.0]
+    gaps = [entry["sampling/sampling_logp_difference/mean"] for entry in logs]
+    assert max(gaps) <= 1e-4, gaps
+
+
+def test_colocate_mode_wants_a_model_directory(tmp_path):
+    from hotweights.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="local model directory"):
+        GRPOTrainer(model=str(tmp_path / "nowhere"), reward_funcs=_reward,
+                    train_dataset=_data(), args=_config(tmp_path, vllm_mode="colocate"))
+    with pytest.raises(ConfigError, match="vllm_tensor_parallel_size"):
+        GRPOTrainer(model=str(tmp_path), reward_funcs=_reward, train_dataset=_data(),
+                    args=_config(tmp_path, vllm_mode="colocate", vllm_tensor_parallel_size=2))
