@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hotweights.errors import ConfigError
+from hotweights.errors import ConfigError, ServerError
 from hotweights.protocol.version import VERSION_HEADER, parse_version
 
 try:
@@ -83,7 +83,7 @@ def _client_for(bridge: Bridge) -> type[VLLMClient]:
             self._version = None
             out = super().generate(*args, **kwargs)
             if self._version is None:
-                raise ConfigError(f"{self.base_url}: the completion carried no "
+                raise ServerError(f"{self.base_url}: the completion carried no "
                                   f"{VERSION_HEADER} header: is it a `hotweights serve`?")
             n = parse_version(self._version)[0]
             self.sample_versions = [n] * len(out["completion_ids"])
