@@ -17,10 +17,10 @@ FAKE = Path(__file__).parent / "fixtures" / "fake_vllm_server.py"
 # `hotweights serve` with vLLM replaced by tests/fixtures/fake_vllm_server.py.
 RUNNER = """
 import sys
-from hotweights.cli.main import main as cli
+from hotweights.cli.main import main
 from hotweights.server import serve
 serve.command = lambda args, extra: [sys.executable, {fake!r}, str(args.port), {mode!r}]
-sys.exit(cli.main(sys.argv[1:]))
+sys.exit(main(sys.argv[1:]))
 """
 
 
