@@ -69,6 +69,11 @@ def test_demo_trains_the_served_weights_in_place(tmp_path, capsys):
                                                             ).read_bytes()
 
 
+def test_demo_rl_with_another_arch_is_one_line(capsys):
+    assert main(["demo", "--rl", "--arch", "qwen3"]) == 1
+    assert "error: --arch qwen3 with --rl" in capsys.readouterr().err
+
+
 @pytest.mark.vllm
 @pytest.mark.timeout(480)  # builds a model, starts a server, 20 GRPO steps: ~90 s here
 def test_demo_rl_teaches_the_served_model_with_grpo(tmp_path, capsys):

@@ -7,7 +7,7 @@ import logging
 import sys
 
 from hotweights.checkpoint import MODES
-from hotweights.errors import HotweightsError
+from hotweights.errors import ConfigError, HotweightsError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -196,6 +196,9 @@ def _run_demo(args: argparse.Namespace) -> int:
     if args.rl:
         from hotweights.cli.demo_rl import run
 
+        if args.arch != "llama":
+            raise ConfigError(f"--arch {args.arch} with --rl: the RL demo trains a tiny "
+                              "llama (float32); leave --arch out")
         args.steps = args.steps or 20
         return run(args)
     from hotweights.cli.demo import run
