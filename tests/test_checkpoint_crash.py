@@ -76,6 +76,7 @@ def _state(pid: int) -> str:
 
 class Zygote:
     def __init__(self, d: Path, states: Path, mode: str, limit: int = 0):
+        self.args = (d, states, mode, limit)
         # Binary and unbuffered: `_line` splits the lines itself, so that no line waits in
         # a reader's buffer while `select` says the pipe is empty.
         self.proc = subprocess.Popen(
@@ -104,9 +105,13 @@ class Zygote:
         self.pid = int(line)
         return self.pid
 
-    def wait(self) -> list[str]:
+    def wait(self) -> list[str] | None:
         """The child's lines until it ended. When no line came for STALL seconds, the
-        child's state goes to stderr; after LIMIT seconds, a failure that says it."""
+        child's state goes to stderr; after LIMIT seconds, a failure that says it.
+
+        None when the child is gone (reaped) and yet the zygote never said so: seen a few
+        times in full-suite runs (cause unknown: the zygote is test plumbing, not the code
+        under test); the caller replaces the zygote (`restart`)."""
         lines, started = [], time.monotonic()
         while True:
             waited = time.monotonic() - started
@@ -116,11 +121,19 @@ class Zygote:
                 state = _state(self.pid)
                 print(f"child still running after {waited:.0f} s: {state}", file=sys.stderr,
                       flush=True)
+                if state.endswith("gone from /proc"):
+                    return None
                 assert waited < LIMIT, f"the child did not end in {LIMIT} s: {state}"
             elif line.startswith("ended"):
                 return lines
             else:
                 lines.append(line)
+
+    def restart(self) -> None:
+        """A fresh zygote in place of one that went silent."""
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+        self.__init__(*self.args)
 
     def close(self) -> None:
         self.proc.stdin.close()
@@ -206,7 +219,8 @@ def test_sigkill_at_random_moments_leaves_one_whole_version(place, mode, states)
             pid = zygote.fork()
             time.sleep(rng.uniform(0, 3 * per_sync))
             os.kill(pid, signal.SIGKILL)
-            zygote.wait()
+            if zygote.wait() is None:
+                zygote.restart()
             journal.recover(d)
             seen.append(_version(d, expected))
             assert not (d / journal.STAGE_DIR).exists()
