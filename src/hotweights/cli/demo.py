@@ -11,6 +11,7 @@ import shutil
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 from rich.progress import Progress
@@ -74,6 +75,35 @@ def _stopping(client: _Client):
         client.stop()
 
 
+@contextlib.contextmanager
+def serving(console, model_dir: Path, workdir: Path,
+            *vllm_args: str) -> Iterator[tuple[str, str]]:
+    """`hotweights serve` on the demo's model in the background: (url, token) once it
+    answers; stopped at the end."""
+    from hotweights.server import launch
+
+    port, token, log = launch.free_port(), secrets.token_hex(16), workdir / "server.log"
+    url, started = f"http://127.0.0.1:{port}", time.perf_counter()
+    proc = launch.spawn(model_dir, port=port, token=token, log=log, vllm_args=vllm_args)
+    try:
+        with console.status(f"starting `hotweights serve` at {url} (log: {log})"):
+            launch.wait_ready(proc, url, log=log)
+        console.print(f"vLLM serves {model_dir} at {url} "
+                      f"({time.perf_counter() - started:.0f} s)")
+        yield url, token
+    finally:
+        with console.status("stopping the server"):
+            launch.stop(proc)
+
+
+def first_checkpoint(model_dir: Path, workdir: Path) -> Path:
+    """A copy of the served files: the step-0 checkpoint the demo syncs into."""
+    ckpt = workdir / "checkpoint"
+    shutil.rmtree(ckpt, ignore_errors=True)
+    shutil.copytree(model_dir, ckpt)
+    return ckpt
+
+
 def _p50_ms(values: list[float]) -> float:
     return 1000 * sorted(values)[len(values) // 2]
 
@@ -83,7 +113,6 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from hotweights.bridge.client import Bridge
-    from hotweights.server import launch
     from hotweights.testing import tiny
 
     if args.arch not in tiny.ARCHS:
@@ -102,15 +131,9 @@ def run(args: argparse.Namespace) -> int:
     with console.status(f"building a tiny random {args.arch} model in {workdir}"):
         model_dir = tiny.build(args.arch, workdir / args.arch)
 
-    port, token, log = launch.free_port(), secrets.token_hex(16), workdir / "server.log"
-    url, name = f"http://127.0.0.1:{port}", str(model_dir)
-    t0 = time.perf_counter()
-    proc = launch.spawn(model_dir, port=port, token=token, log=log,
-                       vllm_args=("--max-model-len", "256", "--enforce-eager"))
-    try:
-        with console.status(f"starting `hotweights serve` at {url} (log: {log})"):
-            launch.wait_ready(proc, url, log=log)
-        console.print(f"vLLM serves {model_dir} at {url} ({time.perf_counter() - t0:.0f} s)")
+    name = str(model_dir)
+    with serving(console, model_dir, workdir, "--max-model-len", "256",
+                 "--enforce-eager") as (url, token):
         text, version = _complete(url, name)
         console.print(f"before  (version {version}): [bold]{PROMPT}[/bold][cyan]{text!r}[/cyan]")
 
@@ -157,9 +180,7 @@ def run(args: argparse.Namespace) -> int:
         text, version = _complete(url, name)
         console.print(f"after   (version {version}): [bold]{PROMPT}[/bold]"
                       f"[green]{text!r}[/green]  (target {TARGET!r})")
-        ckpt = workdir / "checkpoint"  # a copy of the served files: the step-0 checkpoint
-        shutil.rmtree(ckpt, ignore_errors=True)
-        shutil.copytree(model_dir, ckpt)
+        ckpt = first_checkpoint(model_dir, workdir)
         with console.status(f"checkpointing version {bridge.version} into {ckpt}"):
             result = bridge.checkpoint(ckpt)
         size = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
@@ -167,8 +188,5 @@ def run(args: argparse.Namespace) -> int:
                       f"({result.bytes_written / size:.0%}: only what changed; "
                       f"{', '.join(sorted(set(result.writes.values()))) or 'nothing'}) "
                       f"into {ckpt} in {result.seconds:.2f} s, version {result.version}")
-    finally:
-        with console.status("stopping the server"):
-            launch.stop(proc)
     return 0
 

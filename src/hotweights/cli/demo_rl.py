@@ -11,8 +11,6 @@ loaded in plain transformers and answers in digits too.
 from __future__ import annotations
 
 import argparse
-import secrets
-import shutil
 import tempfile
 import time
 import warnings
@@ -22,7 +20,7 @@ from rich.progress import Progress
 from transformers import TrainerCallback
 
 from hotweights.cli.console import make_console
-from hotweights.cli.demo import PROMPT, _Client, _complete, _stopping
+from hotweights.cli.demo import PROMPT, _Client, _complete, _stopping, first_checkpoint, serving
 
 PROMPTS = ["The answer is", "Count with me:", "My number:", "Call me at", "It costs"]
 
@@ -43,7 +41,6 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback
 
     from hotweights.bridge.client import Bridge
-    from hotweights.server import launch
     from hotweights.testing import tiny
 
     warnings.filterwarnings("ignore", message="TRL currently supports vLLM")
@@ -56,24 +53,16 @@ def run(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="hotweights-demo-rl-"))
     with console.status(f"building a tiny random llama model (float32) in {workdir}"):
         model_dir = tiny.build("llama", workdir / "llama", dtype="float32")
-    port, token, log = launch.free_port(), secrets.token_hex(16), workdir / "server.log"
-    url, name = f"http://127.0.0.1:{port}", str(model_dir)
-    t0 = time.perf_counter()
-    proc = launch.spawn(model_dir, port=port, token=token, log=log, vllm_args=(
-        "--dtype", "float32", "--max-model-len", "256", "--enforce-eager",
-        "--max-num-seqs", "32", "--logprobs-mode", "processed_logprobs"))
-    try:
-        with console.status(f"starting `hotweights serve` at {url} (log: {log})"):
-            launch.wait_ready(proc, url, log=log)
-        console.print(f"vLLM serves {model_dir} at {url} ({time.perf_counter() - t0:.0f} s)")
+    name = str(model_dir)
+    with serving(console, model_dir, workdir, "--dtype", "float32", "--max-model-len", "256",
+                 "--enforce-eager", "--max-num-seqs", "32", "--logprobs-mode",
+                 "processed_logprobs") as (url, token):
         text, version = _complete(url, name)
         console.print(f"before  (version {version}): [bold]{PROMPT}[/bold][cyan]{text!r}[/cyan]"
                       f"  reward {digit_share(text):.2f}")
 
         bridge = Bridge.connect(url, token=token)
-        ckpt = workdir / "checkpoint"  # a copy of the served files: the step-0 checkpoint
-        shutil.rmtree(ckpt, ignore_errors=True)
-        shutil.copytree(model_dir, ckpt)
+        ckpt = first_checkpoint(model_dir, workdir)
         config = GRPOConfig(
             output_dir=str(workdir / "grpo"), use_vllm=True, vllm_mode="server",
             per_device_train_batch_size=16, num_generations=8, max_completion_length=8,
@@ -106,9 +95,6 @@ def run(args: argparse.Namespace) -> int:
             result = bridge.checkpoint(ckpt)
         console.print(f"checkpoint: {result.bytes_written:,} bytes written, version "
                       f"{result.version} ({ckpt})")
-    finally:
-        with console.status("stopping the server"):
-            launch.stop(proc)
 
     # The checkpoint is a plain Hugging Face model: it answers like the served one.
     tok = AutoTokenizer.from_pretrained(ckpt)
