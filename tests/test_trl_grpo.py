@@ -166,3 +166,20 @@ def test_grpo_on_bf16_weights(tmp_path):
         gaps = [entry["sampling/sampling_logp_difference/mean"]
                 for entry in trainer.state.log_history if "reward" in entry]
         assert len(gaps) == 2 and max(gaps) < 0.1, gaps  # bf16 kernels round differently
+
+
+def test_a_parameter_re_created_before_training_is_refused_at_the_first_step(served):
+    # What accelerate's device placement did under a launcher (RANK set: `.to("cpu:0")`
+    # copies every view): a parameter that is no longer the server's is caught before
+    # any step writes a copy, and the server is not left paused.
+    url, tmp = served
+    bridge = Bridge.connect(url, token=TOKEN)
+    before = bridge.version
+    trainer = GRPOTrainer(bridge=bridge, reward_funcs=_reward, train_dataset=_data(),
+                          args=_config(tmp, max_steps=1))
+    assert trainer.accelerator.device_placement is False
+    norm = trainer.model.model.norm
+    norm.weight = torch.nn.Parameter(norm.weight.detach().clone())
+    with pytest.raises(ConfigError, match="model.norm.weight"):
+        trainer.train()
+    assert bridge.version == before and bridge.status()["state"] == "idle"

@@ -227,19 +227,11 @@ def _warn_mixed_precision(args: trl.GRPOConfig, tensors: Mapping[str, torch.Tens
 
 
 def outside_served(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> list[str]:
-    """The trainable parameters of `model` that do not lie in the memory of `tensors`
-    (vLLM's weights)."""
-    spans = sorted((t.untyped_storage().data_ptr(),
-                    t.untyped_storage().data_ptr() + t.untyped_storage().nbytes())
-                   for t in tensors.values())
-    outside = []
-    for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        start, end = param.data_ptr(), param.data_ptr() + param.nbytes
-        if not any(lo <= start and end <= hi for lo, hi in spans):
-            outside.append(name)
-    return outside
+    """The trainable parameters of `model` that are not views of `tensors` (vLLM's
+    weights): a copy has a storage of its own."""
+    served = {(t.device, t.untyped_storage().data_ptr()) for t in tensors.values()}
+    return [name for name, param in model.named_parameters() if param.requires_grad
+            and (param.device, param.untyped_storage().data_ptr()) not in served]
 
 
 class GRPOTrainer(trl.GRPOTrainer):
@@ -288,17 +280,23 @@ class GRPOTrainer(trl.GRPOTrainer):
         _warn_mixed_precision(args, self.weights.tensors)
         with setup:
             super().__init__(model, reward_funcs, args, *rest, **kwargs)
-        if outside := outside_served(self.model, self.weights.tensors):
-            raise ConfigError(
-                f"{len(outside)} trainable parameter(s) no longer lie in vLLM's memory "
-                f"after TRL's setup (e.g. {outside[0]}): TRL or accelerate copied them, and "
-                "training them would not change what vLLM serves. Check the options that "
-                "move, cast or wrap the model (device placement, dtype casts, "
-                "torch_compile, PEFT)")
+        # accelerate's prepare would `.to(device)` the model at train(): under a launcher
+        # (RANK set) that device is `cpu:0`, and the move copies every view
+        self.accelerator.device_placement = False
+        self._check_shared("TRL's setup")
         self._vllm_generate = self.vllm_generation.generate
         self.vllm_generation.generate = self._generate_and_keep_versions
         # TRL's sync copies the model into vLLM: here vLLM computes with the trained tensors
         self.vllm_generation.sync_weights = lambda: None
+
+    def _check_shared(self, after: str) -> None:
+        if outside := outside_served(self.model, self.weights.tensors):
+            raise ConfigError(
+                f"{len(outside)} trainable parameter(s) no longer lie in vLLM's memory "
+                f"after {after} (e.g. {outside[0]}): TRL or accelerate copied them, and "
+                "training them would not change what vLLM serves. Check the options that "
+                "move, cast or wrap the model (device placement, dtype casts, "
+                "torch_compile, PEFT)")
 
     def _generate_and_keep_versions(self, *args: Any, **kwargs: Any) -> tuple:
         out = self._vllm_generate(*args, **kwargs)
@@ -326,6 +324,7 @@ class GRPOTrainer(trl.GRPOTrainer):
 
         @functools.wraps(step)
         def step_in_update(*args: Any, **kwargs: Any):
+            self._check_shared("the trainer's preparation")  # before writing a copy
             if self.sample_versions:
                 lag = self.weights.version - min(self.sample_versions)
                 self._metrics["train"]["hotweights/version_lag"].append(lag)
