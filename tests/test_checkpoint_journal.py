@@ -1,5 +1,6 @@
 """checkpoint.journal: SIGKILL at every step leaves every file all old or all new, together."""
 
+import fcntl
 import json
 import os
 import random
@@ -228,8 +229,86 @@ def test_stale_journal_is_refused(shards):
     d, _, old, new, spec = shards
     _committed(d, old, spec, new)
     os.truncate(d / NAMES[2], 100)
-    with pytest.raises(CheckpointError, match=f"{NAMES[2]}: journal .* patches offset"):
+    with pytest.raises(CheckpointError, match=f"{NAMES[2]}: not the file journal .* was "
+                       "committed for \\(size differ: 65536 then, 100 now\\)"):
         journal.apply(d)
+
+
+def _safetensors_like(d: Path, name: str, header: bytes) -> None:
+    """Give `name` a safetensors-shaped header (length, JSON), keeping its size."""
+    data = bytearray((d / name).read_bytes())
+    data[:8 + len(header)] = len(header).to_bytes(8, "little") + header
+    (d / name).write_bytes(data)
+
+
+@pytest.mark.parametrize("how", ["copied back", "other header"])
+def test_a_committed_journal_is_not_replayed_onto_another_file(shards, tmp_path, how):
+    # a checkpoint copied back after a crash (same bytes, another inode), or another
+    # checkpoint of the same size in its place: replaying would mix them, silently
+    d, _, old, new, spec = shards
+    for name in NAMES:
+        _safetensors_like(d, name, b'{"a": 1}')
+    old = {n: (d / n).read_bytes() for n in NAMES}
+    _committed(d, old, [(n, o, k) for n, o, k in spec if o >= BLOCK], new)
+    if how == "copied back":
+        shutil.copy(d / NAMES[1], tmp_path / "copy")
+        os.replace(tmp_path / "copy", d / NAMES[1])
+        match = "ino differ"
+    else:
+        _safetensors_like(d, NAMES[1], b'{"b": 2}')
+        match = "header differ"
+    before = {n: (d / n).read_bytes() for n in NAMES}
+    with pytest.raises(CheckpointError, match=f"{NAMES[1]}: not the file journal .*{match}"):
+        journal.recover(d)
+    assert {n: (d / n).read_bytes() for n in NAMES} == before  # nothing written, anywhere
+    assert (d / journal.JOURNAL_NAME).exists()  # kept for a person to look at
+
+
+def test_a_patch_into_a_safetensors_header_is_refused(shards):
+    d, _, old, new, spec = shards
+    _safetensors_like(d, NAMES[0], b'{"a": 1}' + b" " * 100)
+    with pytest.raises(CheckpointError, match="falls in the safetensors header"):
+        journal.write_journal(d, [(NAMES[0], 8, b"x")])
+    assert not (d / journal.JOURNAL_NAME).exists()
+
+
+def test_a_lost_staged_file_is_never_taken_as_moved(shards):
+    # a power loss after the commit can lose a staged entry whose directory was never
+    # fsync'd: the old file in place must not pass for the moved one
+    d, _, old, new, spec = shards
+    stage = d / journal.STAGE_DIR
+    stage.mkdir()
+    (stage / NAMES[0]).write_bytes(new[NAMES[0]])
+    journal.write_journal(d, [], moves=[NAMES[0]])
+    (stage / NAMES[0]).unlink()
+    with pytest.raises(CheckpointError, match=f"{NAMES[0]}: the staged file is lost"):
+        journal.recover(d)
+    assert (d / NAMES[0]).read_bytes() == old[NAMES[0]]
+    assert (d / journal.JOURNAL_NAME).exists()
+
+
+def test_a_move_already_done_is_recognised_by_its_identity(shards):
+    d, _, old, new, spec = shards
+    stage = d / journal.STAGE_DIR
+    stage.mkdir()
+    (stage / NAMES[0]).write_bytes(new[NAMES[0]])
+    journal.write_journal(d, [], moves=[NAMES[0]])
+    os.replace(stage / NAMES[0], d / NAMES[0])  # a replay cut short after this rename
+    assert journal.recover(d) == "replayed"
+    assert (d / NAMES[0]).read_bytes() == new[NAMES[0]]
+
+
+def test_the_stage_directory_is_fsynced_before_the_commit(shards, monkeypatch):
+    d, _, old, new, spec = shards
+    stage = d / journal.STAGE_DIR
+    stage.mkdir()
+    (stage / NAMES[0]).write_bytes(new[NAMES[0]])
+    synced = []
+    real = journal._fsync_dir
+    monkeypatch.setattr(journal, "_fsync_dir", lambda p: (synced.append(
+        (p, (d / journal.JOURNAL_NAME).exists())), real(p)))
+    journal.write_journal(d, [], moves=[NAMES[0]])
+    assert synced[0] == (str(stage), False)  # before the journal's rename
 
 
 @pytest.mark.parametrize(("patch", "match"), [
@@ -313,3 +392,26 @@ def test_a_journal_replaced_since_it_was_written_is_read_back(shards):
     with pytest.raises(CheckpointError, match="corrupt journal"):
         journal.apply(d, mine=True)
     assert _state(d, old, new) == "old"
+
+
+def test_a_child_forked_under_the_lock_does_not_keep_it(tmp_path):
+    """A child forked during a sync (a DataLoader worker) shares the lock's open file
+    description: leaving `locked` frees the lock all the same while the child lives on."""
+    with journal.locked(tmp_path):
+        pid = os.fork()
+        if pid == 0:  # the child: keeps the parent's fds until killed, never returns
+            try:
+                time.sleep(30)
+            finally:
+                os._exit(0)
+    try:
+        assert os.waitpid(pid, os.WNOHANG) == (0, 0)  # still alive
+        fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+        try:  # not blocking: a lock the child kept fails here at once, never hangs
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)

@@ -54,7 +54,7 @@ def _equal(d: Path, live) -> None:
 
 @pytest.mark.parametrize(("place", "mode", "how"), [
     ("ext4", "journal", "journal"), ("ext4", "copy", "whole"), ("xfs", "reflink", "reflink"),
-    ("xfs", "auto", "reflink"), ("ext4", "auto", "journal")], indirect=["place"])
+    ("xfs", "auto", "reflink"), ("ext4", "auto", "whole")], indirect=["place"])
 def test_each_mode_writes_the_changed_shard_only(place, mode, how):
     d = place
     live = _saved(d)
@@ -100,9 +100,74 @@ def test_auto_rewrites_a_mostly_changed_shard_whole(place):
 def test_reflink_refused_where_the_filesystem_cannot(tmp_path):
     with pytest.raises(CheckpointError, match="mode 'reflink' asked for, but .*reflink"):
         write_mode(tmp_path, "reflink")
-    assert write_mode(tmp_path, "auto")[0] == "journal"
+    assert write_mode(tmp_path, "auto")[0] == "copy"  # never in place by default
     with pytest.raises(CheckpointError, match="mode 'fast': choose one of auto, reflink"):
         sync(tmp_path, {}, mode="fast")
+
+
+@pytest.mark.parametrize(("place", "mode"), [("ext4", "auto"), ("xfs", "auto"),
+                                             ("ext4", "copy")], indirect=["place"])
+def test_a_reader_that_opened_a_shard_before_a_sync_keeps_its_bytes(place, mode):
+    # safetensors maps the file: a write in place would change tensors already loaded
+    from safetensors import safe_open
+
+    d = place
+    live = _saved(d)
+    name = "model.layers.1.mlp.down_proj.weight"
+    shard = d / _shard_of(d, name)
+    with safe_open(shard, "pt") as f:
+        before = f.get_tensor(name).clone()
+        loaded = load_file(shard)[name]
+        live[name][3] += 1.0
+        sync(d, live, mode=mode)
+        assert torch.equal(f.get_tensor(name), before)
+    assert torch.equal(loaded, before)
+    _equal(d, live)
+
+
+def _hf_cache(root: Path) -> tuple[Path, Path, dict]:
+    """Two snapshots of one repo whose shards are symlinks to the same blobs, as the
+    Hugging Face cache lays them out."""
+    model = _model()
+    model.save_pretrained(root / "saved", max_shard_size="200KB")
+    blobs = root / "blobs"
+    blobs.mkdir()
+    snaps = [root / "snapshots" / rev for rev in ("a1", "b2")]
+    for snap in snaps:
+        snap.mkdir(parents=True)
+    for f in (root / "saved").iterdir():
+        (f).rename(blobs / f.name)
+        for snap in snaps:
+            (snap / f.name).symlink_to(os.path.relpath(blobs / f.name, snap))
+    return snaps[0], snaps[1], _live(model)
+
+
+@pytest.mark.parametrize("mode", ["auto", "journal"])
+def test_a_symlinked_shard_is_replaced_never_written_through(tmp_path, mode):
+    mine, other, live = _hf_cache(tmp_path)
+    blobs = {p.name: p.read_bytes() for p in (tmp_path / "blobs").iterdir()}
+    name = "model.layers.1.mlp.down_proj.weight"
+    live[name][3] += 1.0
+    result = sync(mine, live, mode=mode)
+    shard = _shard_of(mine, name)
+    assert result.writes == {shard: "whole"}
+    assert not (mine / shard).is_symlink()  # the snapshot synced has a file of its own
+    _equal(mine, live)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "blobs").iterdir()} == blobs
+    assert torch.equal(load_file(other / shard)[name], _live(_model())[name])
+
+
+def test_a_hard_linked_shard_is_not_patched_in_place(tmp_path):
+    d = tmp_path / "model"
+    live = _saved(d)
+    name = "model.layers.1.mlp.down_proj.weight"
+    shard = d / _shard_of(d, name)
+    os.link(shard, tmp_path / "backup.safetensors")
+    backup = (tmp_path / "backup.safetensors").read_bytes()
+    live[name][3] += 1.0
+    assert sync(d, live, mode="journal").writes == {shard.name: "whole"}
+    _equal(d, live)
+    assert (tmp_path / "backup.safetensors").read_bytes() == backup
 
 
 @pytest.mark.parametrize("tie", [False, True])

@@ -49,7 +49,7 @@ def test_only_the_changed_blocks_of_the_changed_shard_are_written(saved):
     before = _stats(d)
     name = "model.layers.1.mlp.down_proj.weight"
     live[name][3] += 1.0  # one row
-    result = sync(d, live, version="1@s")
+    result = sync(d, live, version="1@s", mode="journal")  # patched: only the pages
     assert result.tensors_changed == 1 and result.shards_changed == (_shard_of(d, name),)
     assert result.bytes_compared == 0  # the sidecars said what was on disk
     row = live[name][3].numel() * 2
@@ -255,6 +255,54 @@ def test_names_missing_on_either_side_are_reported(saved):
     assert result.missing_on_disk == ("extra.weight",)
     assert result.missing_live == ("model.norm.weight",)
     assert json.loads(result.to_json())["tensors_synced"] == len(live) - 1
+
+
+@pytest.mark.parametrize("wrap", [
+    lambda n: "module." + n,                                       # DDP, DataParallel
+    lambda n: "_orig_mod." + n,                                    # torch.compile
+    lambda n: "module._orig_mod." + n,                             # both
+    lambda n: n.replace("layers.0.", "layers.0._fsdp_wrapped_module._checkpoint_"
+                        "wrapped_module.").replace("model.", "_fsdp_wrapped_module.model.", 1),
+])
+def test_a_wrapped_model_s_names_are_unwrapped(saved, wrap):
+    d, live = saved
+    sync(d, live)
+    name = "model.layers.0.mlp.up_proj.weight"
+    live[name][0] += 1
+    result = sync(d, {wrap(n): t for n, t in live.items()})
+    assert result.tensors_changed == 1 and result.missing_on_disk == ()
+    assert torch.equal(_disk(d)[name].view(torch.int16), live[name].view(torch.int16))
+
+
+def test_a_wrapped_module_is_unwrapped(saved):
+    d, live = saved
+    model = AutoModelForCausalLM.from_config(make_config("llama", 300), dtype=torch.bfloat16)
+    model.load_state_dict(live)
+    with torch.no_grad():
+        model.model.norm.weight += 1
+    compiled = torch.compile(model)  # an OptimizedModule: `_orig_mod.` before every name
+    assert next(iter(compiled.state_dict())).startswith("_orig_mod.")
+    result = sync(d, compiled)
+    assert result.tensors_changed == 1 and result.missing_on_disk == ()
+    assert torch.equal(_disk(d)["model.norm.weight"], model.model.norm.weight.detach())
+
+
+def test_live_tensors_that_mostly_match_nothing_are_refused(saved):
+    d, live = saved
+    before = {p: p.read_bytes() for p in d.iterdir() if p.is_file()}
+    renamed = {"base." + n: t for n, t in live.items()}  # an unknown wrapper's prefix
+    renamed["model.norm.weight"] = live["model.norm.weight"] + 1  # one that matches
+    with pytest.raises(CheckpointError, match=r"of \d+ live tensors have no place in the "
+                       r"checkpoint \(e.g. base\.lm_head\.weight"):
+        sync(d, renamed)
+    assert {p: p.read_bytes() for p in d.iterdir() if p.is_file()} == before
+
+
+def test_two_names_that_unwrap_to_one_are_refused(saved):
+    d, live = saved
+    twice = {**live, "_orig_mod.model.norm.weight": live["model.norm.weight"]}
+    with pytest.raises(CheckpointError, match="both name model.norm.weight"):
+        sync(d, twice)
 
 
 def test_nothing_to_save_is_a_clear_error(tmp_path):

@@ -55,7 +55,8 @@ def test_only_the_blocks_written_are_hashed_and_every_change_is_written(tmp_path
         t = live[f"model.layers.{step % 4}.w"]
         rows = torch.randint(0, t.shape[0], (3,), generator=gen)
         t[rows] += 1  # in place, as an optimizer step
-        r = sync(tmp_path, live, watch=watch, block_size=BS, version=str(step))
+        r = sync(tmp_path, live, watch=watch, block_size=BS, version=str(step),
+                 mode="journal")  # patches: only the pages written
         assert _same(tmp_path, live), step
         assert r.tensors_changed == 1
         assert small < r.bytes_hashed <= small + 3 * 2 * BS  # each row's blocks, at most
@@ -112,15 +113,45 @@ def test_cast_copies_are_not_watched(tmp_path, watch):
     assert all(watch.recorded(n) is None for n in live)
 
 
-def test_a_plain_sync_watches_unless_told_not_to(tmp_path, monkeypatch):
+def test_the_watch_is_opt_in(tmp_path, monkeypatch):
+    # DMA, RDMA and io_uring writes bypass the page tables: a plain sync hashes every byte
     live = _live()
     small, total = live["model.norm.weight"].nbytes, sum(t.nbytes for t in live.values())
-    for _ in range(3):  # first save; watched from the second
-        r = sync(tmp_path, live, block_size=BS)
+    for _ in range(3):
+        assert sync(tmp_path, live, block_size=BS).bytes_hashed in (0, total)  # 0: saved
+    for _ in range(2):  # watched from the first of these; what it saw, from the second
+        r = sync(tmp_path, live, block_size=BS, watch=True)
     assert r.bytes_hashed == small
     live["model.layers.2.w"][7] += 1
-    r = sync(tmp_path, live, block_size=BS)
+    r = sync(tmp_path, live, block_size=BS, watch=True)
     assert small < r.bytes_hashed <= small + 2 * BS and _same(tmp_path, live)
-    assert sync(tmp_path, live, block_size=BS, watch=False).bytes_hashed == total
-    monkeypatch.setenv(writewatch.ENV, "0")
     assert sync(tmp_path, live, block_size=BS).bytes_hashed == total
+    monkeypatch.setenv(writewatch.ENV, "0")  # turns even watch=True off
+    assert sync(tmp_path, live, block_size=BS, watch=True).bytes_hashed == total
+
+
+def test_memory_pinned_after_its_first_sync_is_no_longer_watched(tmp_path, watch,
+                                                                  monkeypatch):
+    # pinned (e.g. cudaHostRegister after the first sync), a device may write it by DMA,
+    # which the page tables never see: checked at every scan, then hashed
+    live = _live()
+    for _ in range(3):
+        sync(tmp_path, live, watch=watch, block_size=BS)
+    name = "model.layers.1.w"
+    assert watch.recorded(name) is not None
+    pinned = live[name].data_ptr()
+    monkeypatch.setattr(writewatch, "_pinned", lambda n, t: t.data_ptr() == pinned)
+    with torch.no_grad():  # as a DMA write would land: not through these page tables
+        live[name].view(torch.int16)[5] ^= 1  # (here it does fault; the watch must not ask)
+    r = sync(tmp_path, live, watch=watch, block_size=BS)
+    assert r.bytes_hashed >= live[name].nbytes and _same(tmp_path, live)
+    assert watch.recorded(name) is None
+
+
+def test_tensors_off_the_cpu_never_open_the_watch(monkeypatch):
+    opened = []
+    monkeypatch.setattr(writewatch.WriteTracker, "open", lambda self: opened.append(1) or "")
+    w = WriteWatch()
+    assert w.written({"w": torch.empty(4, device="meta")}) == {}
+    w.record({})
+    assert opened == []

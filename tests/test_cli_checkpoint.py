@@ -3,7 +3,10 @@
 import ctypes
 import hashlib
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -66,7 +69,8 @@ def _run(capsys, *argv) -> tuple[int, str, str]:
 def test_sync_from_writes_only_the_changed_rows(dirs, capsys):
     a, b = dirs["A"], dirs["B"]
     assert not _equal(_disk(a), _disk(b))
-    rc, out, _ = _run(capsys, "sync", "--model-dir", a, "--from", b, "--json")
+    rc, out, _ = _run(capsys, "sync", "--model-dir", a, "--from", b, "--json",
+                      "--mode", "journal")  # patched in place: only the rows' pages
     assert rc == 0
     result = json.loads(out)
     assert result["tensors_changed"] == 2 and len(result["shards_changed"]) == 2
@@ -197,7 +201,7 @@ def test_diagnose_a_clean_checkpoint(dirs, capsys):
     assert d["tensors"] == 21 and d["matched"] == 21 and d["mismatches"] == []
     assert len(d["shards"]) == len(list(a.glob("*.safetensors")))
     assert {s["sidecar"] for s in d["shards"]} == {"fresh"}
-    assert d["write_mode"] in ("journal", "reflink") and d["fs_type"] != "unknown"
+    assert d["write_mode"] in ("copy", "reflink") and d["fs_type"] != "unknown"
     assert d["journal"] is None and d["leftovers"] == [] and not d["writer_active"]
     rc, out, _ = _run(capsys, "diagnose", "--model-dir", a)
     assert rc == 0 and out.rstrip().endswith("no problems")
@@ -274,8 +278,11 @@ def test_diagnose_a_pending_journal_then_sync_finishes_it(dirs, capsys):
     journal.write_journal(a, [(Path(shard.path).name, info.begin, b"x")], meta={"version": "7"})
     rc, out, _ = _run(capsys, "diagnose", "--model-dir", a)
     assert rc == 1
-    assert ("a committed journal (version 7) is not applied yet: run hotweights sync or "
-            "serve to finish it") in out
+    assert ("a committed journal (version 7) is not applied yet, a shard may be half "
+            f"written: run hotweights recover {a} before reading the shards (a sync or "
+            "serve finishes it too)") in out
+    assert (f"  reader          run hotweights recover {a} before loading the shards: a "
+            "sync was interrupted, a shard may be half written\n") in out
     rc, _, _ = _run(capsys, "sync", "--model-dir", a, "--from", dirs["B"])
     assert rc == 0 and not (a / journal.JOURNAL_NAME).exists()
     assert _equal(_disk(a), _disk(dirs["B"]))  # the patched byte compared and put back
@@ -287,13 +294,108 @@ def test_diagnose_leftovers_and_an_empty_directory(dirs, tmp_path, capsys):
     (a / (journal.JOURNAL_NAME + ".tmp")).write_bytes(b"torn")
     rc, out, _ = _run(capsys, "diagnose", "--model-dir", a, "--json")
     d = json.loads(out)
-    assert rc == 0 and len(d["leftovers"]) == 2 and d["journal"] is None
+    assert rc == 0 and len(d["leftovers"]) == 2 and d["journal"] is None and d["interrupted"]
+    rc, out, _ = _run(capsys, "diagnose", "--model-dir", a)
+    assert rc == 0 and (f"  reader          run hotweights recover {a} before loading the "
+                        "shards: a sync was interrupted before its commit (recover removes "
+                        "what it left)\n") in out
+    assert "  leftover        .hotweights-stage/: files staged for a journal\n" in out
+    assert _run(capsys, "recover", a)[0] == 0
+    rc, out, _ = _run(capsys, "diagnose", "--model-dir", a, "--json")
+    d = json.loads(out)
+    assert rc == 0 and d["leftovers"] == [] and not d["interrupted"]
     empty = tmp_path / "empty"
     empty.mkdir()
     rc, out, _ = _run(capsys, "diagnose", "--model-dir", empty)
     assert rc == 0 and "no safetensors yet: a sync makes a first full save" in out
     rc, _, err = _run(capsys, "diagnose", "--model-dir", tmp_path / "absent")
     assert rc == 1 and err == f"error: {tmp_path / 'absent'}: not a directory\n"
+
+
+def _interrupt(a: Path, b: Path, *, commit: bool) -> list[str]:
+    """Leave in A what a sync from B cut short leaves: its changed shards, one staged
+    whole and the others patched by a journal, committed (not applied) or not."""
+    changed = sorted(p.name for p in a.glob("*.safetensors")
+                     if p.read_bytes() != (b / p.name).read_bytes())
+    assert len(changed) == 2
+    (a / journal.STAGE_DIR).mkdir()
+    shutil.copy(b / changed[0], a / journal.STAGE_DIR / changed[0])
+    patches = [_diff(a / name, b / name) for name in changed[1:]]
+    journal.write_journal(a, patches, moves=changed[:1], meta={"version": "9"})
+    if not commit:  # as if killed before the rename, the commit point
+        (a / journal.JOURNAL_NAME).rename(a / (journal.JOURNAL_NAME + ".tmp"))
+    return changed
+
+
+def _diff(old: Path, new: Path) -> tuple[str, int, bytes]:
+    """The patch from `old` to `new` (same size): the span from their first differing
+    byte to their last."""
+    x, y = old.read_bytes(), new.read_bytes()
+    diff = [i for i in range(len(x)) if x[i] != y[i]]
+    return old.name, diff[0], y[diff[0]:diff[-1] + 1]
+
+
+def _journal_files(d: Path) -> list[str]:
+    return sorted(p.name for p in d.iterdir() if p.name.startswith(".hotweights-"))
+
+
+def test_recover_replays_a_committed_sync(dirs, capsys):
+    a, b = dirs["A"], dirs["B"]
+    before = _disk(a)
+    _interrupt(a, b, commit=True)
+    assert _equal(_disk(a), before)  # committed, not a byte applied yet
+    rc, out, _ = _run(capsys, "recover", a)  # stderr: the library's warning, if shown
+    assert rc == 0
+    assert out == f"{a}: replayed an interrupted sync (version 9): the files hold what it wrote\n"
+    assert _equal(_disk(a), _disk(b)) and _journal_files(a) == []
+    rc, out, _ = _run(capsys, "recover", a)
+    assert rc == 0 and out == f"{a}: nothing to recover\n"
+
+
+def test_recover_discards_an_uncommitted_sync(dirs, capsys):
+    a, b = dirs["A"], dirs["B"]
+    before = _disk(a)
+    _interrupt(a, b, commit=False)
+    rc, out, _ = _run(capsys, "recover", a)
+    assert rc == 0
+    assert out == f"{a}: discarded an uncommitted sync: the files are as before it\n"
+    assert _equal(_disk(a), before) and _journal_files(a) == []
+
+
+def test_recover_a_clean_directory_and_a_missing_one(dirs, tmp_path, capsys):
+    a = dirs["A"]
+    files = {p.name: p.read_bytes() for p in a.iterdir()}
+    assert _run(capsys, "recover", a) == (0, f"{a}: nothing to recover\n", "")
+    assert {p.name: p.read_bytes() for p in a.iterdir()} == files
+    absent = tmp_path / "absent"
+    assert _run(capsys, "recover", absent) == (1, "", f"error: {absent}: not a directory\n")
+    assert not absent.exists()
+
+
+def test_recover_refuses_a_journal_that_no_longer_fits_its_files(dirs, capsys):
+    a, b = dirs["A"], dirs["B"]
+    patched = _interrupt(a, b, commit=True)[1]
+    os.truncate(a / patched, 1000)  # e.g. another copy of the checkpoint put back
+    rc, out, err = _run(capsys, "recover", a)
+    assert rc == 1 and out == ""
+    assert err.startswith(f"error: {a}: cannot finish the interrupted sync, its journal is "
+                          f"kept: {a / patched}: ")
+    assert (a / journal.JOURNAL_NAME).exists()  # kept for a person to look at
+
+
+def test_recover_is_a_light_command_and_a_library_function():
+    code = ("import sys\nfrom hotweights.cli.main import main\n"
+            "for argv in (['--help'], ['recover', '--help']):\n"
+            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.endswith("False\n")
+    assert "recover" in out and "finish or drop an interrupted sync" in out
+    assert "Finish what a sync into DIR cut short" in out
+    from hotweights.checkpoint import recover
+
+    assert recover is journal.recover
 
 
 def test_open_dir_maps_without_copying_and_never_writes_back(dirs):

@@ -10,12 +10,17 @@ the scan before (a page outside any registration, zeroed by `madvise`, or mapped
 as written).
 
 What it cannot see, and so never watches: memory another process may write (shared or file
-mappings: shared memory with a vLLM server), and pinned memory (a device writes it by DMA).
+mappings: shared memory with a vLLM server), and pinned memory (a device writes it by DMA),
+checked at every scan (memory pinned after its first sync is let go and hashed). Nor can
+it see other writes that bypass the page tables: RDMA into registered memory, io_uring
+fixed buffers, a driver's DMA into memory it did not pin through torch. That is why it is
+opt-in: pass `watch=True` to `checkpoint.sync` only for weights this process's CPU code
+alone writes.
 The cost is on the writer: after each scan, the first write to each 4 KiB page faults once
 (~0.4 us; `benchmarks/checkpoint_sync.py` measures it), more than hashing the page costs:
 a tensor written all over at two syncs in a row is let go (hashed from then on), and so
-are the pages of a freed tensor. `checkpoint.sync` uses the process's watch, `default()`,
-unless told otherwise.
+are the pages of a freed tensor. `checkpoint.sync(..., watch=True)` uses the process's
+watch, `default()`.
 """
 
 from __future__ import annotations
@@ -131,8 +136,8 @@ class WriteWatch:
             raise
 
     def _written(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, list[tuple[int, int]]]:
-        if self.why:
-            return {}
+        if not any(t.device.type == "cpu" for t in tensors.values()) or self.why:
+            return {}  # nothing to watch: no userfaultfd probed
         self._collect()
         self._forget([name for name, watched in self._watched.items()
                       if watched.storage.expired()  # freed,
@@ -141,7 +146,10 @@ class WriteWatch:
         for name, tensor in tensors.items():
             span = _span(tensor)
             watched = self._watched.get(name)
-            if watched is not None and watched.hashes is None:  # protected, never recorded
+            if watched is not None and _pinned(name, tensor):  # since: a device may write it
+                self._forget([name])
+                self._unwatchable[name] = span
+            elif watched is not None and watched.hashes is None:  # protected, never recorded
                 watched.edges_now = _edge_bytes(span)
             elif watched is not None:
                 changed = watched.changed()
@@ -321,10 +329,14 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
 def _plain(name: str, t: torch.Tensor) -> bool:
     if t.device.type != "cpu" or t.nbytes < MIN_BYTES or not t.is_contiguous():
         return False
+    return not _pinned(name, t)
+
+
+def _pinned(name: str, t: torch.Tensor) -> bool:
     if t.is_pinned():
         logger.debug("%s: pinned memory (DMA writes bypass the page tables): hashed", name)
-        return False
-    return True
+        return True
+    return False
 
 
 def _private(name: str, t: torch.Tensor, anonymous: tuple[list[int], list[int]]) -> bool:

@@ -1,7 +1,35 @@
 """Checkpoint sync: write only what changed to safetensors shards, never a torn file.
 
 May import `changes` and `errors`; never `remote`, `bridge`, `server` or `vllm_plugin`.
-This file stays light (no torch): the CLI reads `MODES` from it for `--help`.
+This file stays light (no torch): the CLI reads `MODES` from it for `--help`, and the
+functions below are imported on first use (PEP 562).
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 MODES = ("auto", "reflink", "journal", "copy")  # how changed shards are written (sync.py)
+
+# public function -> the module that defines it
+_EXPORTS = {
+    "recover": "hotweights.checkpoint.journal",
+}
+__all__ = ["MODES", "recover"]
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'hotweights.checkpoint' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # the next lookup does not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # what type checkers and IDEs see
+    from hotweights.checkpoint.journal import recover

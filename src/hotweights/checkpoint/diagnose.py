@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shlex
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -12,10 +13,11 @@ from pathlib import Path
 import torch
 
 from hotweights.changes import blocks
-from hotweights.checkpoint import clone, journal, sidecar
+from hotweights.checkpoint import MODES, clone, journal, sidecar
+from hotweights.checkpoint.dtypes import TORCH
 from hotweights.checkpoint.names import to_disk, unpack
 from hotweights.checkpoint.shards import read_dir
-from hotweights.checkpoint.sync import DTYPES, MODES, write_mode
+from hotweights.checkpoint.sync import write_mode
 from hotweights.errors import CheckpointError
 
 __all__ = ["Diagnosis", "Mismatch", "ShardInfo", "diagnose"]
@@ -64,6 +66,9 @@ class Diagnosis:
     model_bytes: int  # tensor bytes on disk
     journal: dict | None  # the meta of a committed journal not yet applied
     leftovers: tuple[str, ...]  # an uncommitted journal, staged files, a corrupt journal
+    # A sync was cut short here (a journal, committed or not, or staged files): a reader
+    # must run `hotweights recover DIR` (`journal.recover`) before loading the shards.
+    interrupted: bool
     writer_active: bool  # a sync holds the directory's writer lock right now
     fs_type: str
     mount: str
@@ -88,7 +93,9 @@ class Diagnosis:
             out.append(f"unreadable checkpoint: {self.error}")
         if self.journal is not None:
             out.append(f"a committed journal (version {self.journal.get('version')}) is not "
-                       "applied yet: run hotweights sync or serve to finish it")
+                       "applied yet, a shard may be half written: run hotweights recover "
+                       f"{shlex.quote(self.model_dir)} before reading the shards (a sync "
+                       "or serve finishes it too)")
         if self.write_mode is None:
             out.append(self.write_reason)
         if self.names_error:
@@ -137,8 +144,8 @@ def diagnose(model_dir: str | os.PathLike,
     except CheckpointError as e:  # mode "reflink" where there are none: a finding
         wmode, reason = None, str(e)
     kind, mount = clone.fs_type(d)
-    pending, leftovers = _journal_state(d)
-    base = dict(model_dir=str(d), journal=pending, leftovers=leftovers,
+    pending, leftovers, interrupted = _journal_state(d)
+    base = dict(model_dir=str(d), journal=pending, leftovers=leftovers, interrupted=interrupted,
                 writer_active=_writer_active(d), fs_type=kind, mount=mount, mode=mode,
                 write_mode=wmode, write_reason=reason, live=live is not None)
     try:
@@ -182,20 +189,22 @@ def _shard_info(shard, live: list[torch.Tensor] | None, block_size: int) -> Shar
                    block_size=size, unused=unused)
 
 
-def _journal_state(d: Path) -> tuple[dict | None, tuple[str, ...]]:
+def _journal_state(d: Path) -> tuple[dict | None, tuple[str, ...], bool]:
+    """The committed journal's meta, the leftovers, and whether a sync was interrupted."""
     pending = journal.pending(d)
     leftovers = []
     if (d / (journal.JOURNAL_NAME + ".tmp")).exists():
         leftovers.append(f"{journal.JOURNAL_NAME}.tmp: an uncommitted journal")
     if pending is None and (d / journal.JOURNAL_NAME).exists():
         leftovers.append(f"{journal.JOURNAL_NAME}: a corrupt or torn journal (discarded "
-                         "by the next sync; the files were never touched by it)")
+                         "by recover; the files were never touched by it)")
     if os.path.lexists(d / journal.STAGE_DIR):
         leftovers.append(f"{journal.STAGE_DIR}/: files staged for a journal")
+    interrupted = pending is not None or bool(leftovers)  # the trash is no interruption
     if os.path.lexists(d / journal.TRASH_DIR):
-        leftovers.append(f"{journal.TRASH_DIR}/: replaced shards not freed yet (the next "
-                         "sync frees them)")
-    return pending, tuple(leftovers)
+        leftovers.append(f"{journal.TRASH_DIR}/: replaced shards not freed yet (recover "
+                         "or the next sync frees them)")
+    return pending, tuple(leftovers), interrupted
 
 
 def _writer_active(d: Path) -> bool:
@@ -205,10 +214,11 @@ def _writer_active(d: Path) -> bool:
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)  # not only by closing: a fork meanwhile shares it
     except BlockingIOError:
         return True
     finally:
-        os.close(fd)  # closing releases the lock
+        os.close(fd)
     return False
 
 
@@ -228,7 +238,7 @@ def _compare(live, disk) -> tuple[dict, dict[str, list[torch.Tensor]]]:
         if tuple(t.shape) != info.shape:
             mismatches.append(Mismatch(name, where, "shape", str(list(info.shape)),
                                        str(list(t.shape))))
-        if DTYPES.get(info.dtype) != t.dtype:
+        if TORCH.get(info.dtype) != t.dtype:
             mismatches.append(Mismatch(name, where, "dtype", info.dtype,
                                        str(t.dtype).removeprefix("torch.")))
     return dict(matched=len(names.tensors), only_live=len(names.only_live),

@@ -6,6 +6,7 @@ journal, the index last: a crash leaves no partial checkpoint behind. A tensor t
 another (the same storage: `lm_head.weight` and the embedding) is written once, under the
 first of its names. Names are those `save_pretrained` writes: transformers' conversions
 (fused MoE experts split one tensor per expert) are reverted by `checkpoint.names.reverted`.
+The sidecars hash the bytes written, chunk by chunk as they are written (`_write_shard`).
 """
 
 from __future__ import annotations
@@ -13,22 +14,26 @@ from __future__ import annotations
 import copy
 import json
 import os
+import struct
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+import numpy as np
 import torch
 from huggingface_hub import split_torch_state_dict_into_shards
-from safetensors.torch import save_file
 
 from hotweights.changes import blocks
 from hotweights.checkpoint import journal, sidecar, stage
+from hotweights.checkpoint.dtypes import NAMES
 from hotweights.checkpoint.names import reverted, storage_key
 from hotweights.checkpoint.result import SyncResult
 from hotweights.checkpoint.shards import read_shard
 from hotweights.errors import CheckpointError
 
 INDEX_NAME = "model.safetensors.index.json"
+_CHUNK = 64 << 20  # bytes per copy, write and hash call
+_NONE = np.zeros(0, np.uint64)
 
 
 def save(model_dir: Path, live: Mapping[str, torch.Tensor], *, mode: str,
@@ -54,11 +59,18 @@ def save(model_dir: Path, live: Mapping[str, torch.Tensor], *, mode: str,
         raise CheckpointError(f"{model_dir}: no safetensors there and no live tensors to "
                               "save")
     split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size)
+    for filename, names in split.filename_to_tensors.items():
+        if bad := next((n for n in names if tensors[n].dtype not in NAMES), None):
+            raise CheckpointError(f"{bad} in {filename}: the live tensor is "
+                                  f"{str(tensors[bad].dtype).removeprefix('torch.')}, which "
+                                  "has no safetensors dtype; nothing was written")
     total, done = sum(t.numel() * t.element_size() for t in tensors.values()), 0
+    fingerprints = {}
     with stage.staging(model_dir, "write the first save") as area:
         area.mkdir()
         for filename, names in split.filename_to_tensors.items():
-            _save(area / filename, {n: tensors[n] for n in names})
+            fingerprints[filename] = _write_shard(area / filename,
+                                                  {n: tensors[n] for n in names}, block_size)
             done += sum(tensors[n].numel() * tensors[n].element_size() for n in names)
             progress("write", done, total)
         extra = []
@@ -79,9 +91,7 @@ def save(model_dir: Path, live: Mapping[str, torch.Tensor], *, mode: str,
         journal.write_journal(model_dir, [], moves=[*split.filename_to_tensors, *extra],
                               meta={"version": version})
     stage.commit(model_dir, after_read)
-    for filename, names in split.filename_to_tensors.items():
-        fp = blocks.fingerprint({n: tensors[n] for n in names}, block_size=block_size,
-                                coarse=True)
+    for filename, fp in fingerprints.items():
         sidecar.write(read_shard(model_dir / filename), fp, version)
     return SyncResult(
         mode=mode, version=version, tensors_synced=len(tensors), tensors_changed=len(tensors),
@@ -92,9 +102,46 @@ def save(model_dir: Path, live: Mapping[str, torch.Tensor], *, mode: str,
         first_save=True, reason="no safetensors in the directory: a first full save")
 
 
-def _save(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    save_file({n: t.cpu() for n, t in tensors.items()}, path, metadata={"format": "pt"})
-    _fsync(path)
+def _write_shard(path: Path, tensors: Mapping[str, torch.Tensor], block_size: int
+                 ) -> blocks.Fingerprints:
+    """Write `tensors` (contiguous) as the safetensors file `path`, fsync'd, and return the
+    fingerprints of the bytes written: each chunk of a tensor is copied once, and the file
+    and the hashes both take that copy. A live tensor changed meanwhile (training in
+    another thread) may leave the file behind it, never a sidecar that disagrees with the
+    file (a later sync would take the file for the live bytes and skip the change)."""
+    kind = blocks.kind_of(tensors.values())
+    # widest items first, as safetensors orders them: each tensor aligned to its item size
+    names = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+    header, pos = {"__metadata__": {"format": "pt"}}, 0
+    for n in names:
+        t = tensors[n]
+        header[n] = {"dtype": NAMES[t.dtype], "shape": list(t.shape),
+                     "data_offsets": [pos, pos + t.nbytes]}
+        pos += t.nbytes
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    raw += b" " * (-len(raw) % 8)  # padded as safetensors pads: the data 8-byte aligned
+    # whole coarse blocks per chunk: the chunks' hashes, end to end, are the tensor's
+    step = max(1, _CHUNK // (block_size * blocks.COARSE)) * block_size * blocks.COARSE
+    buf = torch.empty(min(step, pos), dtype=torch.uint8)  # the copy of a CPU chunk
+    per, coarse = {}, {}
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for n in names:
+            u8 = tensors[n].reshape(-1).view(torch.uint8)
+            parts = []
+            for lo in range(0, u8.numel(), step):
+                chunk = u8[lo:lo + step]
+                snap = (buf[:chunk.numel()].copy_(chunk) if chunk.device.type == "cpu"
+                        else chunk.clone())  # on its device: hashed there
+                parts.append(blocks.fingerprint({n: snap}, block_size=block_size, kind=kind,
+                                                coarse=True))
+                f.write(memoryview(snap.cpu().numpy()))
+            per[n] = (u8.numel(), np.concatenate([_NONE, *(p.tensors[n][1] for p in parts)]))
+            if kind == blocks.XXH3:
+                coarse[n] = np.concatenate([_NONE, *(p.coarse[n] for p in parts)])
+        f.flush()
+        os.fsync(f.fileno())
+    return blocks.Fingerprints(kind, block_size, per, coarse)
 
 
 def _text(path: Path, text: str) -> None:

@@ -4,12 +4,19 @@ One journal per directory, `DIR/.hotweights-journal`, covering every file a sync
 patched in place or replaced whole by a complete file staged in `DIR/.hotweights-stage/`:
 
     header  : magic b"HWJRNL\\r\\n", format u32, meta length u32, meta (JSON)
+    file    : b"I", name length u16, 0 u64, length u64, name (UTF-8), identity (JSON),
+              before the first patch of each file: what the journal was written against
     patch   : b"R", name length u16, offset u64, length u64, name (UTF-8), payload
-    move    : b"M", name length u16, 0 u64, 0 u64, name (UTF-8): the staged name replaces it
+    move    : b"M", name length u16, inode u64, size u64, name (UTF-8): the staged file
+              (that inode and size) replaces it
     commit  : b"C", record count u64, xxh3_64 of every byte before the commit record
 
 It is written to `DIR/.hotweights-journal.tmp`, fsync'd, renamed, and the directory
-fsync'd: the rename is the commit point (staged files are written and fsync'd before).
+fsync'd: the rename is the commit point (staged files are written and fsync'd before, and
+the stage directory too). A replay refuses a file that is not the one the journal was
+written against (another inode on the same filesystem, another size or safetensors
+header: a checkpoint copied back after a crash), before it writes anything; a staged
+file that is gone counts as moved only if the file in its place is that staged file.
 `apply` replays it (renames, pwrite, fsync each file, fsync the directory) and removes it;
 replaying twice is harmless. A replaced file is first hard-linked into
 `DIR/.hotweights-trash/`, which a background thread removes after the commit: freeing a
@@ -55,7 +62,7 @@ _finisher: threading.Thread | None = None  # the last of this process's finisher
 _finishers_lock = threading.Lock()
 _written: tuple | None = None  # (path, stat, records) of the journal this process committed
 _MAGIC = b"HWJRNL\r\n"
-_FORMAT = 1
+_FORMAT = 2  # 1: no file records, moves without identity (still replayed)
 _HEAD = struct.Struct("<8sII")
 _REC = struct.Struct("<cHQQ")
 _COMMIT = struct.Struct("<cQQ")
@@ -127,7 +134,7 @@ def _write_all(fd: int, data: bytes | memoryview, hasher: Any) -> None:
         view = view[os.write(fd, view):]
 
 
-def _check_staged(directory: str, name: str) -> bytes:
+def _check_staged(directory: str, name: str) -> tuple[bytes, os.stat_result]:
     raw = _check_name(name)
     path = os.path.join(directory, STAGE_DIR, name)
     try:
@@ -136,7 +143,37 @@ def _check_staged(directory: str, name: str) -> bytes:
         raise CheckpointError(f"{path}: no staged file to move into place") from None
     if not stat.S_ISREG(st.st_mode):
         raise CheckpointError(f"{path}: the staged file is not a regular file")
-    return raw
+    return raw, st
+
+
+def _file_identity(path: str) -> dict:
+    """What tells this file from another one of the same name: device, inode and size,
+    and for a safetensors file the digest of its header (which no patch touches)."""
+    with open(path, "rb") as f:
+        st = os.fstat(f.fileno())
+        out = {"dev": st.st_dev, "ino": st.st_ino, "size": st.st_size}
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if 0 < n <= min(st.st_size - 8, 100 << 20):  # safetensors caps its header at 100 MB
+            out["header_end"] = 8 + n
+            out["header"] = xxhash.xxh3_64_hexdigest(head + f.read(n))
+    return out
+
+
+def _check_identity(path: str, want: dict, journal: str) -> None:
+    """Refuse to replay onto `path` unless it is the file `want` describes. The inode is
+    compared on the same filesystem only (a move to another one changes it)."""
+    try:
+        have = _file_identity(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: journal {journal} patches it, and it is gone") from None
+    fields = ("size", "header") + (("ino",) if have["dev"] == want["dev"] else ())
+    if differ := [k for k in fields if have.get(k) != want.get(k)]:
+        raise CheckpointError(
+            f"{path}: not the file journal {journal} was committed for ({', '.join(differ)} "
+            f"differ: {want.get(differ[0])} then, {have.get(differ[0])} now), e.g. a copy "
+            "put back after a crash; nothing was written. Remove the journal if these files "
+            "are the ones to keep")
 
 
 def write_journal(directory: str | os.PathLike, patches: Iterable[tuple[str, int, Any]],
@@ -168,6 +205,8 @@ def write_journal(directory: str | os.PathLike, patches: Iterable[tuple[str, int
                               "run hotweights.checkpoint.journal.recover first")
     head = json.dumps(meta or {}).encode()
     moved = [_check_staged(directory, name) for name in moves]
+    if moves:  # the staged names are durable before the commit that moves them
+        _fsync_dir(os.path.join(directory, STAGE_DIR))
     sizes: dict[str, int] = {name: -1 for name in moves}  # never patched as well
     if isinstance(patches, Sequence):
         need = _HEAD.size + len(head) + _COMMIT.size
@@ -187,19 +226,32 @@ def write_journal(directory: str | os.PathLike, patches: Iterable[tuple[str, int
         hasher = xxhash.xxh3_64()
         _write_all(fd, _HEAD.pack(_MAGIC, _FORMAT, len(head)) + head, hasher)
         pos = _HEAD.size + len(head)
-        for name, raw in zip(moves, moved, strict=True):
-            _write_all(fd, _REC.pack(b"M", len(raw), 0, 0) + raw, hasher)
+        for name, (raw, st) in zip(moves, moved, strict=True):
+            _write_all(fd, _REC.pack(b"M", len(raw), st.st_ino, st.st_size) + raw, hasher)
             pos += _REC.size + len(raw)
-            records.append((b"M", name, 0, 0, pos))
+            records.append((b"M", name, st.st_ino, st.st_size, pos))
         buf = bytearray()  # small records gather here: one write per _CHUNK, not two each
+        header_ends: dict[str, int] = {}  # per patched file: where its header ends
         for name, offset, data in patches:
             raw, view = _validate(directory, name, offset, data, sizes)
+            if name not in header_ends:
+                ident = _file_identity(os.path.join(directory, name))
+                header_ends[name] = ident.get("header_end", 0)
+                payload = json.dumps(ident).encode()
+                buf += _REC.pack(b"I", len(raw), 0, len(payload)) + raw + payload
+                pos += _REC.size + len(raw)
+                records.append((b"I", name, 0, len(payload), pos))
+                pos += len(payload)
+            if offset < header_ends[name]:
+                raise CheckpointError(f"{os.path.join(directory, name)}: patch at offset "
+                                      f"{offset} falls in the safetensors header (it ends "
+                                      f"at {header_ends[name]}); patches never change it")
             written += _REC.size + len(raw) + view.nbytes
             buf += _REC.pack(b"R", len(raw), offset, view.nbytes) + raw
             pos += _REC.size + len(raw)
             records.append((b"R", name, offset, view.nbytes, pos))
             pos += view.nbytes
-            _crash_point("record", len(records) - 1)
+            _crash_point("record", len(records) - len(header_ends) - len(moves) - 1)
             if len(buf) + view.nbytes > _CHUNK:
                 _write_all(fd, buf, hasher)
                 buf.clear()
@@ -259,7 +311,7 @@ def _scan(path: str) -> tuple[dict, list[tuple[bytes, str, int, int, int]]]:
         total = os.fstat(f.fileno()).st_size
         hasher = xxhash.xxh3_64()
         magic, fmt, meta_len = _HEAD.unpack(_read_exact(f, _HEAD.size))
-        if magic != _MAGIC or fmt != _FORMAT or meta_len > total:
+        if magic != _MAGIC or fmt not in (1, _FORMAT) or meta_len > total:
             raise _Corrupt(f"not a hotweights journal of format {_FORMAT} "
                            f"(magic {magic!r}, format {fmt})")
         head = _read_exact(f, meta_len)
@@ -272,11 +324,14 @@ def _scan(path: str) -> tuple[dict, list[tuple[bytes, str, int, int, int]]]:
                 break
             rec = _read_exact(f, _REC.size)
             tag, name_len, offset, length = _REC.unpack(rec)
-            if tag not in (b"R", b"M") or (tag == b"M" and (offset or length)):
+            if tag not in (b"R", b"M", b"I")[:3 if fmt > 1 else 2] or (
+                    tag == b"M" and fmt == 1 and (offset or length)):
                 raise _Corrupt(f"bad record {tag!r} at byte {f.tell() - _REC.size}")
             raw = _read_exact(f, name_len)
             hasher.update(rec + raw)
             records.append((tag, raw.decode(errors="replace"), offset, length, f.tell()))
+            if tag == b"M":  # no payload: a move's fields are its staged file's identity
+                length = 0
             while length:
                 chunk = _read_exact(f, min(length, _CHUNK))
                 hasher.update(chunk)
@@ -298,16 +353,26 @@ def pending(directory: str | os.PathLike) -> dict | None:
         return None
 
 
-def _move(directory: str, name: str) -> None:
+def _move(directory: str, name: str, ino: int, size: int) -> None:
+    """Rename the staged `name` over its target. Gone from the stage, it was moved by an
+    earlier, interrupted replay only if the target is that staged file (`ino`, `size`;
+    0, 0: a format 1 journal, which did not say)."""
     staged, target = os.path.join(directory, STAGE_DIR, name), os.path.join(directory, name)
     if os.path.exists(staged) and os.path.exists(target):
         _keep(directory, target, name)
     try:
         os.replace(staged, target)
-    except FileNotFoundError:  # moved by an earlier, interrupted replay
-        if not os.path.exists(target):
+    except FileNotFoundError:
+        try:
+            st = os.stat(target)
+        except FileNotFoundError:
             raise CheckpointError(f"{target}: the journal moves {staged} into place, and "
                                   "neither exists") from None
+        if (ino or size) and (st.st_ino, st.st_size) != (ino, size):
+            raise CheckpointError(
+                f"{staged}: the staged file is lost (not moved: {target} is another file, "
+                f"inode {st.st_ino}, {st.st_size} bytes, not inode {ino}, {size} bytes); "
+                "the commit cannot be finished. The journal is kept") from None
 
 
 def _keep(directory: str, target: str, name: str) -> None:
@@ -349,17 +414,21 @@ def _replay(directory: str, path: str, records: list) -> tuple[list[int], bool]:
     """Move and patch the files as the journal says; (the patched files' fds, whether any
     file was moved), for `_durable`."""
     sizes: dict[str, int] = {}
-    moves = [name for tag, name, *_ in records if tag == b"M"]
+    moves = [r[1:4] for r in records if r[0] == b"M"]
     patches = [r[1:] for r in records if r[0] == b"R"]
-    for name in {*moves, *(r[0] for r in patches)}:
+    for name in {*(m[0] for m in moves), *(r[0] for r in patches)}:
         _check_name(name)
-    for name, offset, length, _ in patches:  # a committed journal may still be stale
+    with mapped(path) as data:  # a committed journal may still be for other files
+        for _, name, _, length, pos in (r for r in records if r[0] == b"I"):
+            _check_identity(os.path.join(directory, name),
+                            json.loads(bytes(data[pos:pos + length])), path)
+    for name, offset, length, _ in patches:
         if offset + length > _target_size(directory, name, sizes):
             raise CheckpointError(f"{os.path.join(directory, name)}: journal {path} patches "
                                   f"offset {offset} beyond the file's end; the file changed "
                                   "after the journal was committed")
-    for k, name in enumerate(moves):
-        _move(directory, name)
+    for k, (name, ino, size) in enumerate(moves):
+        _move(directory, name, ino, size)
         _crash_point("move", k)
     fds: dict[str, int] = {}
     try:
@@ -522,8 +591,8 @@ def locked(directory: str | os.PathLike, *, finish_first: bool = True) -> Iterat
     process's finisher threads first (False: the caller is one of them)."""
     if finish_first:  # this process's last commit first (its thread takes this lock too;
         finish()      # a finisher thread itself never waits for the others: they chain)
-    try:
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:  # O_CLOEXEC (os.open's default too): an exec'd child does not keep the fd
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as e:
         raise CheckpointError(f"{directory}: cannot open the directory: {e.strerror}") from e
     try:
@@ -534,7 +603,13 @@ def locked(directory: str | os.PathLike, *, finish_first: bool = True) -> Iterat
             fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
-        os.close(fd)
+        # An flock belongs to the open file description, which a forked child (e.g. a
+        # DataLoader worker started during a sync) shares: closing only this fd would
+        # leave the lock held until every such child exits. Unlocking frees it for all.
+        try:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
 
 
 def recover(directory: str | os.PathLike, *, lock: bool = True) -> str:

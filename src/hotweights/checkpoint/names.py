@@ -32,6 +32,22 @@ class NameMap:
     only_live: tuple[str, ...]        # live names with no place on disk, sorted
     only_disk: tuple[str, ...]        # disk names no live tensor fills, sorted
 
+    def check_placed(self, where: object) -> None:
+        """Refuse live tensors that mostly have no place in the checkpoint `where` (another
+        model's, or names changed by a wrapper not undone here): a sync of the few that
+        match would report success having left the rest out."""
+        placed = len(self.tensors) + len(self.tied)
+        if len(self.only_live) > placed:
+            raise CheckpointError(
+                f"{where}: {len(self.only_live)} of {len(self.only_live) + placed} live "
+                f"tensors have no place in the checkpoint (e.g. {_few(self.only_live)}; "
+                f"on disk, not filled: {_few(self.only_disk) or 'none'}); nothing was "
+                "written. Is it the same model, or are its names changed by a wrapper?")
+
+
+def _few(names: tuple[str, ...], n: int = 3) -> str:
+    return ", ".join(names[:n]) + (", ..." if len(names) > n else "")
+
 
 def to_disk(
     live: Mapping[str, torch.Tensor],
@@ -123,12 +139,48 @@ def reverted(
     return _revert(_Saved(model_type, model), dict(live))
 
 
+# What wrappers put into the names of the model they wrap: torch.compile (`_orig_mod`),
+# FSDP (`_fsdp_wrapped_module`, FSDP2 none), activation checkpointing
+# (`_checkpoint_wrapped_module`), anywhere in a name; DDP and DataParallel (`module`),
+# in front of every name.
+WRAPPER_PARTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+WRAPPER_PREFIX = "module."
+WRAPPERS = frozenset({"OptimizedModule", "DistributedDataParallel", "DataParallel",
+                      "FullyShardedDataParallel"})  # the classes, by name (no imports)
+
+
+def unwrapped(live: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """`live` under the names of the model inside its wrappers (`module.` of DDP in front
+    of every name, `_orig_mod.` of torch.compile, FSDP's and activation checkpointing's
+    parts anywhere): the names its checkpoint stores. Unchanged when nothing is wrapped."""
+    def strip(name: str) -> str:
+        return ".".join(part for part in name.split(".") if part not in WRAPPER_PARTS)
+
+    names = {n: strip(n) for n in live}
+    while names and all(n.startswith(WRAPPER_PREFIX) for n in names.values()):
+        names = {k: n.removeprefix(WRAPPER_PREFIX) for k, n in names.items()}
+    if all(k == n for k, n in names.items()):
+        return live
+    if len(set(names.values())) < len(names):
+        seen: dict[str, str] = {}
+        for k, n in names.items():
+            if n in seen:
+                raise CheckpointError(f"{seen[n]} and {k}: both name {n} once the wrappers' "
+                                      "parts are removed; pass the wrapped model's own "
+                                      "state dict")
+            seen[n] = k
+    return {names[k]: t for k, t in live.items()}
+
+
 def unpack(live: Mapping[str, torch.Tensor] | torch.nn.Module, config: object = None
            ) -> tuple[Mapping[str, torch.Tensor], torch.nn.Module | None, str | None]:
-    """(tensors, model, model_type) of a state dict or a transformers model; the model
-    type from `config` (a config or a dict), else the model's config."""
+    """(tensors, model, model_type) of a state dict or a transformers model, wrapped or
+    not (DDP, torch.compile, FSDP: the names and model inside); the model type from
+    `config` (a config or a dict), else the model's config."""
     model = live if isinstance(live, torch.nn.Module) else None
-    tensors = live.state_dict() if model is not None else live
+    tensors = unwrapped(live.state_dict() if model is not None else live)
+    while type(model).__name__ in WRAPPERS:  # the model it runs: its config, conversions
+        model = getattr(model, "_orig_mod", None) or model.module
     config = config if config is not None else getattr(model, "config", None)
     model_type = config.get("model_type") if isinstance(config, dict) else getattr(
         config, "model_type", None)

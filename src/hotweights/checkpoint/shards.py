@@ -14,6 +14,7 @@ import struct
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from hotweights.checkpoint.dtypes import BITS
 from hotweights.errors import CheckpointError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -23,13 +24,6 @@ MAX_HEADER = 100_000_000  # the safetensors loader refuses headers past 100 MB t
 # the same size make the same Shard (a sync reads every header every time; JSON and checks
 # cost ~1 ms per 100 tensors).
 _parsed: dict[str, tuple[bytes, int, Shard]] = {}
-
-# Bits per element of each safetensors dtype (the sub-byte ones pack whole bytes only).
-DTYPE_BITS = {
-    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8,
-    "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
-    "I32": 32, "U32": 32, "F32": 32, "I64": 64, "U64": 64, "F64": 64, "C64": 64,
-}
 
 
 @dataclass(frozen=True)
@@ -141,9 +135,9 @@ def _tensor(path: str, name: str, entry: object, base: int, data_len: int) -> Te
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     if not isinstance(dtype, str):
         raise CheckpointError(f"{where}: dtype {dtype!r} is not a string")
-    if dtype not in DTYPE_BITS:
+    if dtype not in BITS:
         raise CheckpointError(f"{where}: unknown dtype {dtype!r}; known: "
-                              f"{', '.join(DTYPE_BITS)}")
+                              f"{', '.join(BITS)}")
     if not isinstance(shape, list) or not all(
             type(d) is int and d >= 0 for d in shape):
         raise CheckpointError(f"{where}: shape {shape!r} is not a list of integers >= 0")
@@ -158,7 +152,7 @@ def _tensor(path: str, name: str, entry: object, base: int, data_len: int) -> Te
         raise CheckpointError(f"{where}: data_offsets [{begin}, {end}] past the end of the "
                               f"data section ({data_len} bytes): truncated shard or bad "
                               "offsets")
-    bits = math.prod(shape) * DTYPE_BITS[dtype]
+    bits = math.prod(shape) * BITS[dtype]
     if bits % 8 or bits // 8 != end - begin:
         raise CheckpointError(f"{where}: data_offsets [{begin}, {end}] hold {end - begin} "
                               f"bytes, but {dtype} x {list(shape)} needs {bits / 8:g}")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from hotweights.checkpoint.dtypes import TORCH
 from hotweights.checkpoint.shards import read_dir
 from hotweights.errors import CheckpointError
 
@@ -55,8 +56,6 @@ def open_dir(model_dir: str | os.PathLike) -> Tensors:
         CheckpointError: the directory holds no safetensors, a header is bad (as
             `shards.read_dir`), or a tensor's dtype has no torch equivalent here.
     """
-    from hotweights.checkpoint.sync import DTYPES
-
     disk = read_dir(model_dir)
     if disk is None:
         raise CheckpointError(f"{model_dir}: no safetensors checkpoint (neither "
@@ -64,10 +63,10 @@ def open_dir(model_dir: str | os.PathLike) -> Tensors:
     mmaps: dict[str, mmap.mmap] = {}
     tensors: dict[str, torch.Tensor] = {}
     for name, (shard, info) in disk.items():
-        dtype = DTYPES.get(info.dtype)
+        dtype = TORCH.get(info.dtype)
         if dtype is None:
             raise CheckpointError(f"{Path(shard.path).name}: tensor {name} is {info.dtype}; "
-                                  f"supported: {', '.join(DTYPES)}")
+                                  f"supported: {', '.join(TORCH)}")
         count = math.prod(info.shape)
         if count == 0:
             tensors[name] = torch.empty(info.shape, dtype=dtype)

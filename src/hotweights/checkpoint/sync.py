@@ -4,19 +4,22 @@ Every live tensor is checked against the shard headers first (dtype, shape: noth
 written if one disagrees). The changed blocks are found from each shard's sidecar
 fingerprints (`checkpoint.sidecar`), then narrowed to the 4 KiB pages that differ from the
 file (only those blocks are read); where a sidecar cannot be trusted, every page is
-compared with the file. Each changed shard is then written one of three ways, all committed by one
-journal for the whole directory (`checkpoint.journal`):
+compared with the file. Each changed shard is then written one of three ways, all
+committed by one journal for the whole directory (`checkpoint.journal`):
 
 - `reflink`: the shard is cloned (no data copied), the changed blocks are written into the
   clone, and the clone replaces the shard at commit: a reader sees one whole shard;
-- `journal`: the changed blocks go through the redo journal and are applied in place
-  (filesystems without reflinks: ext4, tmpfs);
 - whole: the shard is written anew, sequentially, and replaces the old one at commit
-  (mode `copy`, and `auto` where most of a shard changed: faster than scattered writes).
+  (mode `copy`; `auto` without reflinks, or where most of a shard changed);
+- `journal` (asked for only): the changed blocks go through the redo journal and are
+  applied in place: crash-safe, but a reader during the apply can see a torn shard, and
+  a process that mapped the file (safetensors does) sees its bytes change. A shard that
+  is a symlink or has other hard links is rewritten whole instead: a write in place would
+  change the other names too.
 
-`auto` picks reflink where the filesystem clones files, else journal, and whole rewrites
-for shards more than `WHOLE_FRACTION` changed. A directory with no safetensors gets a first
-full save (`checkpoint.first_save`).
+`auto` (the default) never writes into a file a reader may hold: reflink where the
+filesystem clones files, else whole rewrites. A directory with no safetensors gets a
+first full save (`checkpoint.first_save`).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import torch
 from hotweights.changes import blocks, writewatch
 from hotweights.changes.writewatch import WriteWatch
 from hotweights.checkpoint import MODES, clone, journal, sidecar, stage
+from hotweights.checkpoint.dtypes import TORCH
 from hotweights.checkpoint.mapped import mapped
 from hotweights.checkpoint.names import to_disk, unpack
 from hotweights.checkpoint.result import SyncResult
@@ -49,9 +53,6 @@ logger = logging.getLogger(__name__)
 
 WHOLE_FRACTION = 0.5  # auto: a shard with more of its bytes changed is rewritten whole
 PAGE = 4096  # a changed block is patched page by page: only the pages that differ
-DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
-          "F64": torch.float64, "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16,
-          "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool}
 Progress = Callable[[str, int, int], None]  # (phase "hash" | "write", bytes done, total)
 
 
@@ -66,7 +67,7 @@ def write_mode(model_dir: str | os.PathLike, mode: str = "auto") -> tuple[str, s
     if mode == "reflink" and not ok:
         raise CheckpointError(f"{model_dir}: mode 'reflink' asked for, but {why}; use "
                               "mode 'auto', 'journal' or 'copy'")
-    return ("reflink", why) if ok else ("journal", why)
+    return ("reflink", why) if ok else ("copy", f"{why}: changed shards are rewritten")
 
 
 def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.nn.Module, *,
@@ -74,7 +75,7 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
          block_size: int = blocks.DEFAULT_BLOCK_SIZE, convert_dtype: bool = False,
          max_shard_size: int | str = "50GB", progress: Progress | None = None,
          after_read: Callable[[], None] | None = None,
-         changed: Iterable[str] | None = None, watch: WriteWatch | bool = True) -> SyncResult:
+         changed: Iterable[str] | None = None, watch: WriteWatch | bool = False) -> SyncResult:
     """Make the safetensors in `model_dir` hold the `live` tensors, writing what changed.
 
     Args:
@@ -99,12 +100,16 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
             and its bytes share none with a named tensor's (a tied alias, a view). Only
             pass what you know: a change this leaves out is not written (a later sync
             without `changed` finds it). None: every tensor is hashed.
-        watch: where the kernel tracks the writes to a live tensor (this process's own
-            CPU memory, Linux 6.7+), only the blocks written since the last sync are hashed,
-            no promise asked of you (see `hotweights.changes.writewatch`). True: the process's own
-            `WriteWatch`, unless the environment sets HOTWEIGHTS_WRITE_WATCH=0; or a
-            `WriteWatch` of yours; False: every tensor is hashed. The tensors it cannot
-            watch are hashed; `changed` rules over it for the tensors it names.
+        watch: opt-in, for weights only this process's CPU code writes: the kernel
+            tracks the writes to the live tensors (this process's own CPU memory, Linux
+            6.7+) and only the blocks written since the last sync are hashed (see
+            `hotweights.changes.writewatch`). True: the process's own `WriteWatch`, unless
+            the environment sets HOTWEIGHTS_WRITE_WATCH=0; or a `WriteWatch` of yours.
+            Writes that bypass the page tables (DMA into memory pinned by another
+            library, RDMA, io_uring fixed buffers) are not seen: a change they make is not
+            written. False (default): every tensor is hashed. The tensors it cannot watch
+            (pinned, shared, off the CPU) are hashed; `changed` rules over it for the
+            tensors it names.
     Returns:
         A `SyncResult`.
     Raises:
@@ -130,6 +135,7 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
                                    block_size=block_size, max_shard_size=max_shard_size,
                                    progress=progress, after_read=after_read, started=started)
         names = to_disk(live, disk.keys(), model=model, model_type=model_type)
+        names.check_placed(model_dir)
         matched, tied = dict(names.tensors), names.tied
         for name in list(matched):
             matched[name] = _check(name, matched[name], *disk[name], convert_dtype)
@@ -181,9 +187,12 @@ def _check(name: str, t: torch.Tensor, shard: Shard, info: TensorInfo,
     if tuple(t.shape) != info.shape:
         raise CheckpointError(f"{where}: the file holds shape {list(info.shape)}, the live "
                               f"tensor {list(t.shape)}; nothing was written")
-    want = DTYPES.get(info.dtype)
+    want = TORCH.get(info.dtype)
+    if want is None:
+        raise CheckpointError(f"{where}: the file holds {info.dtype}, which has no torch "
+                              "dtype: hotweights cannot sync it; nothing was written")
     if want != t.dtype:
-        if convert and want is not None:
+        if convert:
             return t.detach().to(want).contiguous()
         raise CheckpointError(f"{where}: the file holds {info.dtype}, the live tensor is "
                               f"{str(t.dtype).removeprefix('torch.')}; nothing was written "
@@ -341,7 +350,20 @@ def _how(p: _Plan, mode: str, patch_mode: str) -> str:
     if patch_mode == "copy" or (mode == "auto" and
                                 p.changed_bytes > WHOLE_FRACTION * p.shard.size):
         return "whole"
+    if patch_mode == "journal" and (why := _shared_file(p.shard.path)):
+        logger.info("%s: %s; rewritten whole, not patched in place", p.shard.path, why)
+        return "whole"
     return patch_mode
+
+
+def _shared_file(path: str) -> str | None:
+    """Why a write in place into `path` would reach another name too (a symlink, e.g. a
+    Hugging Face cache snapshot onto its blob, or a file with other hard links)."""
+    if os.path.islink(path):
+        return f"a symlink to {os.path.realpath(path)}"
+    if (links := os.stat(path).st_nlink) > 1:
+        return f"{links - 1} other hard link(s)"
+    return None
 
 
 def _check_space(model_dir: Path, changed: list[_Plan]) -> None:

@@ -1,4 +1,4 @@
-"""`hotweights sync` and `hotweights diagnose`: a checkpoint directory, for humans."""
+"""`hotweights sync`, `diagnose` and `recover`: a checkpoint directory, for humans."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import contextlib
 import fnmatch
 import json
 import os
+import shlex
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -140,6 +141,38 @@ def run_diagnose(args: argparse.Namespace) -> int:
     return 1 if found.problems else 0
 
 
+def run_recover(args: argparse.Namespace) -> int:
+    from hotweights.checkpoint import journal
+
+    d = args.model_dir
+    if not os.path.isdir(d):
+        raise CheckpointError(f"{d}: not a directory")
+    with journal.locked(d):  # a sync running there ends first
+        meta = journal.pending(d)  # what a committed journal brings, for the line below
+        try:
+            outcome = journal.recover(d, lock=False)
+        except CheckpointError as e:  # e.g. the files were replaced since the commit
+            raise CheckpointError(f"{d}: cannot finish the interrupted sync, its journal "
+                                  f"is kept: {e}") from e
+        except OSError as e:
+            raise CheckpointError(f"{d}: cannot recover: {e}") from e
+    print(_recover_line(d, outcome, meta))
+    return 0
+
+
+def _recover_line(directory: str, outcome: str, meta: dict | None) -> str:
+    """What `recover` prints for `journal.recover`'s outcome; `meta`: the committed
+    journal's, read before it was replayed."""
+    if outcome == "replayed":
+        version = (meta or {}).get("version")
+        return (f"{directory}: replayed an interrupted sync"
+                + ("" if version is None else f" (version {version})")
+                + ": the files hold what it wrote")
+    if outcome == "discarded":
+        return f"{directory}: discarded an uncommitted sync: the files are as before it"
+    return f"{directory}: nothing to recover"
+
+
 def diagnose_rows(d) -> list[tuple[str, str]]:
     """What `diagnose` prints, line by line (key "" for a line of its own)."""
     out = [("", d.model_dir),
@@ -151,7 +184,12 @@ def diagnose_rows(d) -> list[tuple[str, str]]:
     else:
         out.append(("journal", "none pending"))
     for line in d.leftovers:
-        out.append(("leftover", f"{line}; the next sync removes it"))
+        out.append(("leftover", line))
+    if d.interrupted:
+        out.append(("reader", f"run hotweights recover {shlex.quote(d.model_dir)} before "
+                    "loading the shards: a sync was interrupted"
+                    + (", a shard may be half written" if d.journal is not None
+                       else " before its commit (recover removes what it left)")))
     if d.writer_active:
         out.append(("writer", "a sync holds the directory now"))
     if d.error:

@@ -159,18 +159,35 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--token", help="the server's access token (default: as for sync)")
     p.add_argument("--json", action="store_true", help="print the diagnosis as JSON only")
     p.set_defaults(run=_run_diagnose)
+
+    p = sub.add_parser(
+        "recover",
+        help="finish or drop an interrupted sync in a checkpoint directory, syncing nothing",
+        description="Finish what a sync into DIR cut short (a crash, a kill, a power loss) "
+        "left, and write nothing else: a committed journal is replayed, so every file it "
+        "covers holds the new version; an uncommitted one is discarded with whatever was "
+        "staged for it, so every file keeps the old version. Run it before anything other "
+        "than hotweights (transformers, safetensors, a copy) reads a directory in which a "
+        "sync may have been interrupted: hotweights diagnose says when; hotweights sync "
+        "and serve run it themselves. A sync running in DIR is waited for. Exit code 1 "
+        "when DIR is not a directory, or a committed journal no longer fits its files "
+        "(they were replaced since): the journal is then kept.",
+    )
+    p.add_argument("model_dir", metavar="DIR", help="the checkpoint directory")
+    p.set_defaults(run=_run_recover)
     return parser
 
 
 _MODES_EPILOG = (
     "Modes: reflink clones each changed shard (XFS, btrfs), patches the clone and renames "
-    "it over the shard: a reader sees each shard whole, old or new. journal (ext4, tmpfs) "
-    "patches the shards in place from a committed redo journal: a reader during those "
-    "writes may see a shard half updated. copy rewrites each changed shard whole and "
-    "renames it. auto: reflink where the filesystem has it, else journal, and a whole "
-    "rewrite for a shard mostly changed. After a crash, the next sync (or hotweights "
-    "serve) finishes a committed journal or drops an uncommitted one: every shard ends "
-    "all old or all new."
+    "it over the shard: a reader sees each shard whole, old or new. copy rewrites each "
+    "changed shard whole and renames it. auto (the default): reflink where the "
+    "filesystem has it, else copy, and a whole rewrite for a shard mostly changed: never "
+    "a write into a file a reader may hold. journal patches the shards in place from a "
+    "committed redo journal (fewer bytes on ext4): a reader during those writes may see a "
+    "shard half updated (a symlinked or hard-linked shard is rewritten whole). After a "
+    "crash, hotweights recover DIR (and the next sync, and hotweights serve) finishes a "
+    "committed journal or drops an uncommitted one: every shard ends all old or all new."
 )
 
 
@@ -217,6 +234,12 @@ def _run_diagnose(args: argparse.Namespace) -> int:
     from hotweights.cli.checkpoint import run_diagnose
 
     return run_diagnose(args)
+
+
+def _run_recover(args: argparse.Namespace) -> int:
+    from hotweights.cli.checkpoint import run_recover
+
+    return run_recover(args)
 
 
 def main(argv: list[str] | None = None) -> int:

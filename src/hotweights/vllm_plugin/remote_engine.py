@@ -38,8 +38,8 @@ from vllm.model_executor.model_loader.checkpoint_weight_patch import (
     load_checkpoint_weight_patches,
 )
 
+from hotweights.checkpoint.dtypes import TORCH
 from hotweights.checkpoint.shards import read_dir
-from hotweights.checkpoint.sync import DTYPES
 from hotweights.errors import ConfigError, HotweightsError
 from hotweights.layout.plan import plan
 from hotweights.layout.views import view_of
@@ -90,9 +90,12 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
             raise ConfigError(f"hotweights: no safetensors in {self.model_dir}; the remote engine "
                               "checks updates against the checkpoint's tensor names and shapes")
         served = self.model_config.dtype
-        return {name: torch.empty(info.shape, device="meta",
-                                  dtype=served if DTYPES.get(info.dtype, torch.int8)
-                                  .is_floating_point else DTYPES[info.dtype])
+
+        def dtype(name: str) -> torch.dtype:  # FP8 (quantized weights) is served as stored
+            stored = TORCH.get(name, torch.int8)
+            return served if stored.is_floating_point and stored.itemsize > 1 else \
+                TORCH[name]
+        return {name: torch.empty(info.shape, device="meta", dtype=dtype(info.dtype))
                 for name, (_, info) in found.items()}
 
     def init_transfer_engine(self, init_info: RemoteInit) -> None:
