@@ -72,8 +72,7 @@ from safetensors.torch import save_file
 
 from hotweights.changes import blocks, writewatch
 from hotweights.changes.writewatch import WriteWatch
-from hotweights.checkpoint import journal
-from hotweights.checkpoint.sync import sync
+from hotweights.checkpoint import journal, sync
 
 SHARDS = 4
 SEED_BLOCK = 4096

@@ -40,8 +40,8 @@ from pathlib import Path
 import torch
 
 from hotweights.changes import blocks
+from hotweights.checkpoint import sync
 from hotweights.checkpoint.source import open_dir
-from hotweights.checkpoint.sync import sync
 from hotweights.remote import delta
 from hotweights.testing import tiny
 from remote_update import HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, change, layers_for, load_weights

@@ -22,8 +22,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from hotweights.checkpoint import journal
-from hotweights.checkpoint.sync import sync
+from hotweights.checkpoint import journal, sync
 from hotweights.testing.tiny import make_config
 
 KILLS = 50
@@ -34,7 +33,7 @@ import os, sys
 import torch
 torch.set_num_threads(1)
 from safetensors.torch import load_file
-from hotweights.checkpoint.sync import sync
+from hotweights.checkpoint import sync
 d, states, mode, limit = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 a, b = load_file(f"{states}/A.safetensors"), load_file(f"{states}/B.safetensors")
 for line in sys.stdin:

@@ -9,9 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hotweights.checkpoint import dtypes
+from hotweights.checkpoint import dtypes, sync
 from hotweights.checkpoint.source import open_dir
-from hotweights.checkpoint.sync import sync
 from hotweights.errors import CheckpointError
 
 

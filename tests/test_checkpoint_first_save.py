@@ -9,9 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from hotweights.changes import blocks
-from hotweights.checkpoint import sidecar
+from hotweights.checkpoint import sidecar, sync
 from hotweights.checkpoint.shards import read_shard
-from hotweights.checkpoint.sync import sync
 
 
 def _live() -> dict[str, torch.Tensor]:

@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from conftest import remove_synced
-from hotweights.checkpoint import journal
-from hotweights.checkpoint.sync import sync, write_mode
+from hotweights.checkpoint import journal, sync
+from hotweights.checkpoint.incremental import write_mode
 from hotweights.errors import CheckpointError
 from hotweights.testing.tiny import make_config
 from test_checkpoint_sync import _disk, _shard_of, _stats

@@ -14,8 +14,8 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
+from hotweights.checkpoint import sync
 from hotweights.checkpoint.names import to_disk
-from hotweights.checkpoint.sync import sync
 from hotweights.errors import CheckpointError
 
 _TINY = dict(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

@@ -10,8 +10,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from hotweights.changes import blocks
-from hotweights.checkpoint import journal
-from hotweights.checkpoint.sync import sync
+from hotweights.checkpoint import journal, sync
 from hotweights.errors import CheckpointError
 from hotweights.testing.tiny import make_config
 

@@ -9,9 +9,8 @@ from safetensors.torch import load_file
 
 from hotweights.changes import writewatch
 from hotweights.changes.writewatch import MIN_BYTES, PAGE, WriteWatch
-from hotweights.checkpoint import journal
-from hotweights.checkpoint import sync as sync_mod
-from hotweights.checkpoint.sync import sync
+from hotweights.checkpoint import incremental as sync_mod
+from hotweights.checkpoint import journal, sync
 from hotweights.errors import CheckpointError
 
 with WriteWatch() as _probe:

@@ -15,8 +15,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from hotweights.changes import blocks
-from hotweights.checkpoint import clone, journal, sidecar
-from hotweights.checkpoint.diagnose import diagnose
+from hotweights.checkpoint import clone, diagnose, journal, sidecar
 from hotweights.checkpoint.shards import read_dir
 from hotweights.checkpoint.source import open_dir
 from hotweights.cli.main import main
@@ -396,6 +395,17 @@ def test_recover_is_a_light_command_and_a_library_function():
     from hotweights.checkpoint import recover
 
     assert recover is journal.recover
+
+
+def test_sync_recover_and_diagnose_are_functions_of_the_package():
+    import hotweights
+    import hotweights.checkpoint.incremental  # a submodule import must not shadow them
+    from hotweights import checkpoint
+    from hotweights.checkpoint import diagnose, recover, sync
+
+    assert sync is checkpoint.incremental.sync is hotweights.sync and callable(sync)
+    assert recover is journal.recover is hotweights.recover
+    assert diagnose is checkpoint.diagnosis.diagnose is hotweights.diagnose
 
 
 def test_open_dir_maps_without_copying_and_never_writes_back(dirs):

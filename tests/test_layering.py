@@ -55,7 +55,13 @@ def _imports(module: str) -> list[tuple[str, int]]:
     path = MODULES[module]
     package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
     found = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                   and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
+                   for stmt in block.body for n in ast.walk(stmt)}  # never run
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             found += [(alias.name, node.lineno) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):

@@ -21,8 +21,12 @@ _EXPORTS = {
     "RemoteGroup": "hotweights.remote.group",
     "ServerError": "hotweights.errors",
     "ViewReport": "hotweights.layout.views",
+    "SyncResult": "hotweights.checkpoint.result",
     "build_hf_model": "hotweights.layout.views",
+    "diagnose": "hotweights.checkpoint.diagnosis",
     "plan": "hotweights.layout.plan",
+    "recover": "hotweights.checkpoint.journal",
+    "sync": "hotweights.checkpoint.incremental",
     "verify_shared": "hotweights.layout.views",
 }
 __all__ = [
@@ -35,9 +39,13 @@ __all__ = [
     "RemoteError",
     "RemoteGroup",
     "ServerError",
+    "SyncResult",
     "ViewReport",
     "build_hf_model",
+    "diagnose",
     "plan",
+    "recover",
+    "sync",
     "verify_shared",
 ]
 __version__ = "0.1.0"
@@ -57,6 +65,10 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
     from hotweights.bridge.client import Bridge
+    from hotweights.checkpoint.diagnosis import diagnose
+    from hotweights.checkpoint.incremental import sync
+    from hotweights.checkpoint.journal import recover
+    from hotweights.checkpoint.result import SyncResult
     from hotweights.errors import (
         HotweightsError,
         LayoutError,

@@ -8,8 +8,7 @@ from safetensors.torch import load_file
 
 from hotweights.changes import blocks
 from hotweights.changes.blocks import TORCH, XXH3, changed, compare_bytes, fingerprint
-from hotweights.checkpoint import journal
-from hotweights.checkpoint.sync import sync
+from hotweights.checkpoint import journal, sync
 from hotweights.errors import FingerprintError
 
 pytestmark = [

@@ -102,9 +102,9 @@ class Bridge:
                 steps: the rest is not hashed, see `checkpoint.sync`).
 
         Returns:
-            The `checkpoint.sync.SyncResult`.
+            The `checkpoint.SyncResult`.
         """
-        from hotweights.checkpoint.sync import sync
+        from hotweights.checkpoint import sync
 
         model = self._model or self.model()
         if not exclusive:

@@ -10,13 +10,16 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-MODES = ("auto", "reflink", "journal", "copy")  # how changed shards are written (sync.py)
+MODES = ("auto", "reflink", "journal", "copy")  # how changed shards are written (incremental)
 
 # public function -> the module that defines it
 _EXPORTS = {
+    "SyncResult": "hotweights.checkpoint.result",
+    "diagnose": "hotweights.checkpoint.diagnosis",
     "recover": "hotweights.checkpoint.journal",
+    "sync": "hotweights.checkpoint.incremental",
 }
-__all__ = ["MODES", "recover"]
+__all__ = ["MODES", "SyncResult", "diagnose", "recover", "sync"]
 
 
 def __getattr__(name: str):
@@ -32,4 +35,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
+    from hotweights.checkpoint.diagnosis import diagnose
+    from hotweights.checkpoint.incremental import sync
     from hotweights.checkpoint.journal import recover
+    from hotweights.checkpoint.result import SyncResult

@@ -41,7 +41,7 @@ def save(model_dir: Path, live: Mapping[str, torch.Tensor], *, mode: str,
          progress: Callable[[str, int, int], None],
          after_read: Callable[[], None] | None, started: float,
          model: torch.nn.Module | None = None, model_type: str | None = None) -> SyncResult:
-    """Write `live` as a new checkpoint in `model_dir` (see `checkpoint.sync.sync`)."""
+    """Write `live` as a new checkpoint in `model_dir` (see `checkpoint.sync`)."""
     untied: dict[str, torch.Tensor] = {}
     tied: dict[str, str] = {}
     seen: dict[object, str] = {}

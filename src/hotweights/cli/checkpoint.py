@@ -50,8 +50,8 @@ def run_sync(args: argparse.Namespace) -> int:
 
 
 def _sync_from(args: argparse.Namespace, progress):
+    from hotweights.checkpoint import sync
     from hotweights.checkpoint.source import open_dir
-    from hotweights.checkpoint.sync import sync
 
     src, dst = Path(args.source), Path(args.model_dir)
     if dst.exists() and src.exists() and os.path.samefile(src, dst):
@@ -116,7 +116,7 @@ def sync_rows(result, disk: dict) -> list[tuple[str, str]]:
 
 
 def run_diagnose(args: argparse.Namespace) -> int:
-    from hotweights.checkpoint.diagnose import diagnose
+    from hotweights.checkpoint import diagnose
 
     live, source = None, None
     if args.source is not None:

@@ -15,9 +15,9 @@ import torch
 from hotweights.changes import blocks
 from hotweights.checkpoint import MODES, clone, journal, sidecar
 from hotweights.checkpoint.dtypes import TORCH
+from hotweights.checkpoint.incremental import write_mode
 from hotweights.checkpoint.names import to_disk, unpack
 from hotweights.checkpoint.shards import read_dir
-from hotweights.checkpoint.sync import write_mode
 from hotweights.errors import CheckpointError
 
 __all__ = ["Diagnosis", "Mismatch", "ShardInfo", "diagnose"]
