@@ -159,9 +159,9 @@ def remove_synced(d) -> None:
     its sweeper frees the trash, both in the directory."""
     import shutil
 
-    from hotweights.checkpoint import journal
+    from hotweights.checkpoint import finisher
 
-    journal.finish()
+    finisher.finish()
     shutil.rmtree(d)
 
 

@@ -142,57 +142,6 @@ def test_missing_dir(tmp_path):
         False, f"{tmp_path / 'nope'}: No such file or directory")
 
 
-@pytest.mark.parametrize("size", [0, 1, (8 << 20) + 4097])
-def test_copy_file(tmp_path, size):
-    data = _write(tmp_path / "a", size)
-    clone.copy_file(tmp_path / "a", tmp_path / "b")
-    assert (tmp_path / "b").read_bytes() == data
-
-
-def test_copy_file_across_filesystems(xfs, tmp_path):
-    data = _write(xfs / "a", (8 << 20) + 4097)
-    clone.copy_file(xfs / "a", tmp_path / "b")
-    assert (tmp_path / "b").read_bytes() == data
-
-
-@pytest.mark.parametrize("after", ["EXDEV", "ENOSYS", "zero"])
-def test_copy_file_falls_back_midway(tmp_path, monkeypatch, after):
-    real = os.copy_file_range
-    calls = []
-
-    def flaky(src, dst, count, *args):
-        calls.append(count)
-        if len(calls) == 1:
-            return real(src, dst, min(count, 3 << 20))
-        if after == "zero":
-            return 0
-        raise OSError(getattr(errno, after), os.strerror(getattr(errno, after)))
-
-    monkeypatch.setattr(os, "copy_file_range", flaky)
-    data = _write(tmp_path / "a", (20 << 20) + 5)
-    clone.copy_file(tmp_path / "a", tmp_path / "b")
-    assert (tmp_path / "b").read_bytes() == data
-    assert len(calls) == 2
-
-
-def test_copy_file_errors_leave_nothing(tmp_path, monkeypatch):
-    (tmp_path / "b").write_bytes(b"mine")
-    _write(tmp_path / "a", 10)
-    with pytest.raises(CheckpointError, match=r"b: cannot copy .*a: File exists"):
-        clone.copy_file(tmp_path / "a", tmp_path / "b")
-    assert (tmp_path / "b").read_bytes() == b"mine"
-    with pytest.raises(CheckpointError, match=r"nope: cannot copy to .*c: No such file"):
-        clone.copy_file(tmp_path / "nope", tmp_path / "c")
-
-    def full(*args):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    monkeypatch.setattr(os, "copy_file_range", full)
-    with pytest.raises(CheckpointError, match=r"c: cannot copy .*a: No space left on device"):
-        clone.copy_file(tmp_path / "a", tmp_path / "c")
-    assert sorted(os.listdir(tmp_path)) == ["a", "b"]
-
-
 def test_fs_type(tmp_path):
     findmnt = shutil.which("findmnt")
     if findmnt:

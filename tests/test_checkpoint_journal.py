@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hotweights.checkpoint import journal
+from hotweights.checkpoint import finisher, journal, lock, trash
 from hotweights.errors import CheckpointError
 
 SRC = str(Path(journal.__file__).resolve().parents[1])
@@ -188,21 +188,21 @@ def test_replaced_file_is_freed_after_the_commit(shards, monkeypatch):
     (stage / NAMES[0]).write_bytes(new[NAMES[0]])
     ino = (d / NAMES[0]).stat().st_ino
     freed = []
-    monkeypatch.setattr(journal, "_join_sweeper", lambda: None)  # sweep by hand, below
-    monkeypatch.setattr(journal, "_sweep", lambda d, background: freed.append(background))
+    monkeypatch.setattr(trash, "wait", lambda: None)  # sweep by hand, below
+    monkeypatch.setattr(trash, "sweep", lambda d, background: freed.append(background))
     journal.write_journal(d, [], moves=[NAMES[0]])
     assert journal.apply(d) and freed == [True]
-    kept = d / journal.TRASH_DIR / NAMES[0]
+    kept = d / trash.TRASH_DIR / NAMES[0]
     assert (d / NAMES[0]).read_bytes() == new[NAMES[0]]
     assert kept.stat().st_ino == ino and kept.read_bytes() == old[NAMES[0]]
     monkeypatch.undo()
     stage.rmdir()  # empty: what `stage.commit` removes
     assert journal.recover(d) == "none" and not kept.parent.exists()  # a leftover trash
-    journal._sweep(str(d), background=True)  # nothing to sweep: no thread
-    (d / journal.TRASH_DIR).mkdir()
-    (d / journal.TRASH_DIR / "x").write_bytes(b"x")
-    journal._sweep(str(d), background=True)
-    journal.finish()  # waits for the sweeper too
+    trash.sweep(str(d), background=True)  # nothing to sweep: no thread
+    (d / trash.TRASH_DIR).mkdir()
+    (d / trash.TRASH_DIR / "x").write_bytes(b"x")
+    trash.sweep(str(d), background=True)
+    finisher.finish()  # waits for the sweeper too
     assert sorted(os.listdir(d)) == sorted(NAMES)
 
 
@@ -397,7 +397,7 @@ def test_a_journal_replaced_since_it_was_written_is_read_back(shards):
 def test_a_child_forked_under_the_lock_does_not_keep_it(tmp_path):
     """A child forked during a sync (a DataLoader worker) shares the lock's open file
     description: leaving `locked` frees the lock all the same while the child lives on."""
-    with journal.locked(tmp_path):
+    with lock.locked(tmp_path):
         pid = os.fork()
         if pid == 0:  # the child: keeps the parent's fds until killed, never returns
             try:

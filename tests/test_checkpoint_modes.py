@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from conftest import remove_synced
-from hotweights.checkpoint import journal, sync
+from hotweights.checkpoint import finisher, journal, sync
 from hotweights.checkpoint.incremental import write_mode
 from hotweights.errors import CheckpointError
 from hotweights.testing.tiny import make_config
@@ -78,7 +78,7 @@ def test_each_mode_writes_the_changed_shard_only(place, mode, how):
         assert after[shard][0] != before[shard][0]
     reloaded = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16)
     assert torch.equal(reloaded.get_parameter(name), live[name])
-    journal.finish()  # the fsyncs and the journal's removal run in a thread after sync
+    finisher.finish()  # the fsyncs and the journal's removal run in a thread after sync
     assert not (d / journal.STAGE_DIR).exists() and not (d / journal.JOURNAL_NAME).exists()
     assert sync(d, live, mode=mode).bytes_written == 0
 

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from hotweights.changes import blocks
-from hotweights.checkpoint import journal, sync
+from hotweights.checkpoint import finisher, journal, sync
 from hotweights.errors import CheckpointError
 from hotweights.testing.tiny import make_config
 
@@ -61,7 +61,7 @@ def test_only_the_changed_blocks_of_the_changed_shard_are_written(saved):
         assert (after[shard] == stat) == (shard != _shard_of(d, name)), shard
     reloaded = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16)
     assert torch.equal(reloaded.get_parameter(name), live[name])
-    journal.finish()  # the sidecars are written once the commit is durable, in a thread
+    finisher.finish()  # the sidecars are written once the commit is durable, in a thread
     sidecar = json.loads((d / ".hotweights" / f"{_shard_of(d, name)}.blocks.json").read_text())
     assert sidecar["version"] == "1@s"
 
@@ -108,12 +108,12 @@ def test_a_sidecar_this_process_wrote_is_not_parsed_again(saved, monkeypatch):
     from hotweights.changes import blocks
     d, live = saved
     sync(d, live)
-    journal.finish()
+    finisher.finish()
     parsed, from_dict = [], blocks.Fingerprints.from_dict
     monkeypatch.setattr(blocks.Fingerprints, "from_dict",
                         lambda doc, **kw: parsed.append(kw) or from_dict(doc, **kw))
     assert sync(d, live).bytes_compared == 0 and parsed == []
-    journal.finish()
+    finisher.finish()
     one = next((d / ".hotweights").glob("*.json"))
     copy = one.with_suffix(".copy")
     copy.write_bytes(one.read_bytes())
@@ -140,7 +140,7 @@ def test_only_the_tensors_named_changed_are_hashed(saved):
 
 
 def _sidecars(d: Path) -> dict[str, dict]:
-    journal.finish()  # sidecars of a sync are written behind its commit
+    finisher.finish()  # sidecars of a sync are written behind its commit
     return {n: e for p in (d / ".hotweights").glob("*.blocks.json")
             for n, e in json.loads(p.read_text())["fingerprints"]["tensors"].items()}
 
@@ -220,7 +220,7 @@ def test_bad_changed_names_are_refused_and_nothing_is_written(saved, changed, me
 def test_a_corrupt_sidecar_is_never_trusted(saved):
     d, live = saved
     sync(d, live)
-    journal.finish()  # the sidecars are written in a thread
+    finisher.finish()  # the sidecars are written in a thread
     for sidecar in (d / ".hotweights").glob("*.json"):
         sidecar.write_text("{not json")
     name = "model.norm.weight"
@@ -355,7 +355,7 @@ def test_a_commit_whose_fsync_fails_keeps_its_journal_for_the_next_sync(
     release = _hold_the_finisher(monkeypatch, fail=True)
     sync(d, live, version="v1")
     release.set()
-    journal.finish()
+    finisher.finish()
     assert "could not make the commit durable" in caplog.text
     assert journal.pending(d) == {"version": "v1"}  # kept, whole, for a replay
     monkeypatch.undo()

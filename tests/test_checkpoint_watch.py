@@ -9,8 +9,8 @@ from safetensors.torch import load_file
 
 from hotweights.changes import writewatch
 from hotweights.changes.writewatch import MIN_BYTES, PAGE, WriteWatch
+from hotweights.checkpoint import finisher, sync
 from hotweights.checkpoint import incremental as sync_mod
-from hotweights.checkpoint import journal, sync
 from hotweights.errors import CheckpointError
 
 with WriteWatch() as _probe:
@@ -26,7 +26,7 @@ def _live(seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def _on_disk(d: Path) -> dict[str, torch.Tensor]:
-    journal.finish()
+    finisher.finish()
     return load_file(d / "model.safetensors")
 
 

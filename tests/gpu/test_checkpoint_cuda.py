@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from hotweights.changes import blocks
 from hotweights.changes.blocks import TORCH, XXH3, changed, compare_bytes, fingerprint
-from hotweights.checkpoint import journal, sync
+from hotweights.checkpoint import finisher, sync
 from hotweights.errors import FingerprintError
 
 pytestmark = [
@@ -58,7 +58,7 @@ def test_a_sync_of_cuda_tensors_writes_what_changed(tmp_path, mode):
     assert sync(tmp_path, live).bytes_compared == 0  # the sidecars hold torch fingerprints
     live["lm_head.weight"][7] += 1.0
     result = sync(tmp_path, live, mode=mode)
-    journal.finish()
+    finisher.finish()
     assert result.tensors_changed == 1 and result.bytes_compared == 0
     if mode == "journal":
         assert 0 < result.bytes_written <= blocks.DEFAULT_BLOCK_SIZE

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from hotweights.changes.spans import merge_spans
 from hotweights.changes.uffd import PAGE, WriteTracker
 
 logger = logging.getLogger(__name__)
@@ -170,7 +171,7 @@ class WriteWatch:
             else:
                 self._unwatchable[name] = span
         self._protect(new)
-        self._spans = _merge(_pages(*watched.span) for watched in self._watched.values())
+        self._spans = merge_spans(_pages(*watched.span) for watched in self._watched.values())
         return ranges
 
     def _forget(self, names: list[str]) -> None:
@@ -179,8 +180,8 @@ class WriteWatch:
         the scans cover the pages of those alone."""
         if not names:
             return
-        gone = _merge(_pages(*self._watched.pop(name).span) for name in names)
-        self._spans = _merge(_pages(*watched.span) for watched in self._watched.values())
+        gone = merge_spans(_pages(*self._watched.pop(name).span) for name in names)
+        self._spans = merge_spans(_pages(*watched.span) for watched in self._watched.values())
         for lo, hi in _without(gone, self._spans):
             try:
                 self._tracker.unregister(lo, hi)
@@ -233,7 +234,7 @@ class WriteWatch:
         for lo, hi in self._spans:  # pages mapped anew (not registered) read as written
             hits += self._tracker.unregistered(lo, hi)
             hits += self._tracker.written(lo, hi, protect=True)
-        hits = _merge(hits)  # disjoint: the one starting last at or before a span covers it
+        hits = merge_spans(hits)  # disjoint: the one starting last at or before a span covers it
         starts = [lo for lo, _ in hits]
         for watched in self._watched.values():
             start, stop = watched.span
@@ -244,7 +245,7 @@ class WriteWatch:
                     watched.written.append((max(start, lo), min(stop, hi)))
                 hit += 1
             if len(watched.written) > known:
-                watched.written = _merge(watched.written)
+                watched.written = merge_spans(watched.written)
 
     def _protect(self, new: list[tuple[str, torch.Tensor]]) -> None:
         for name, tensor in new:
@@ -294,16 +295,6 @@ def _edges(lo: int, hi: int) -> list[tuple[int, int]]:
 
 def _edge_bytes(span: tuple[int, int]) -> dict[tuple[int, int], bytes]:
     return {(a, b): ctypes.string_at(a, b - a) for a, b in _edges(*span)}
-
-
-def _merge(spans) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for lo, hi in sorted(spans):
-        if out and lo <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], hi))
-        else:
-            out.append((lo, hi))
-    return out
 
 
 def _without(spans: list[tuple[int, int]], holes: list[tuple[int, int]]
@@ -361,5 +352,5 @@ def _anonymous() -> tuple[list[int], list[int]]:
                     not path or path == "[heap]" or path.startswith("[anon:")):
                 a, b = fields[0].split("-")
                 spans.append((int(a, 16), int(b, 16)))
-    merged = _merge(spans)
+    merged = merge_spans(spans)
     return [a for a, _ in merged], [b for _, b in merged]

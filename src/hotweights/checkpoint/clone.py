@@ -1,9 +1,9 @@
-"""Whole-file copies: copy-on-write clones (Linux `FICLONE`) where the filesystem has them.
+"""Copy-on-write clones (Linux `FICLONE`), and whether a directory's filesystem has them.
 
 A reflink shares the source's blocks until one side writes, so cloning a shard, patching
 the clone and renaming it over the original writes only the changed blocks, and a reader
 sees one whole version at any moment. XFS (`mkfs.xfs -m reflink=1`) and btrfs have them;
-ext4 and tmpfs do not: there `copy_file` writes every byte.
+ext4 and tmpfs do not: there a changed shard is written anew, every byte (`stage.whole`).
 """
 
 from __future__ import annotations
@@ -17,12 +17,11 @@ import re
 
 from hotweights.errors import CheckpointError
 
-__all__ = ["copy_file", "fs_type", "reflink", "supports_reflink"]
+__all__ = ["fs_type", "reflink", "supports_reflink"]
 
 logger = logging.getLogger(__name__)
 
 FICLONE = 0x40049409  # _IOW(0x94, 9, int), linux/fs.h
-_CHUNK = 8 << 20
 # FICLONE's answers for "no reflinks here"; ENOTTY where the filesystem has no such ioctl.
 _NO_REFLINK = {errno.EOPNOTSUPP, errno.EINVAL, errno.ENOTTY}
 _probed: dict[int, tuple[bool, str]] = {}  # st_dev -> supports_reflink's answer
@@ -136,52 +135,3 @@ def fs_type(path: str | os.PathLike) -> tuple[str, str]:
             best = fields[2], mount
     return best
 
-
-def copy_file(src: str | os.PathLike, dst: str | os.PathLike) -> None:
-    """Copy `src` into a new file `dst` (copy_file_range, else reads and writes); no fsync.
-
-    Args:
-        src: the file to copy.
-        dst: the new file (mode 0o644 less the umask); it must not exist.
-
-    Raises:
-        CheckpointError: `dst` exists, or reading or writing failed; a `dst` this call
-            created is removed again.
-    """
-    src, dst = os.fspath(src), os.fspath(dst)
-    try:
-        sfd = os.open(src, os.O_RDONLY)
-    except OSError as e:
-        raise CheckpointError(f"{src}: cannot copy to {dst}: {e.strerror}") from e
-    dfd = -1
-    try:
-        dfd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        _copy_fds(sfd, dfd, os.fstat(sfd).st_size)
-    except OSError as e:
-        if dfd >= 0:
-            os.close(dfd)
-            dfd = -1
-            os.unlink(dst)
-        raise CheckpointError(f"{dst}: cannot copy {src}: {e.strerror}") from e
-    finally:
-        os.close(sfd)
-        if dfd >= 0:
-            os.close(dfd)
-
-
-def _copy_fds(sfd: int, dfd: int, size: int) -> None:
-    done = 0
-    try:
-        while done < size:
-            n = os.copy_file_range(sfd, dfd, size - done)
-            if n == 0:  # some filesystems answer 0 instead of an error: read the rest
-                break
-            done += n
-    except OSError as e:
-        if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
-            raise
-    # From the file positions copy_file_range left (it advances both); to EOF.
-    while chunk := os.read(sfd, _CHUNK):
-        view = memoryview(chunk)
-        while view:
-            view = view[os.write(dfd, view):]

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from hotweights.changes import blocks
-from hotweights.checkpoint import MODES, clone, journal, sidecar
+from hotweights.checkpoint import MODES, clone, journal, sidecar, trash
 from hotweights.checkpoint.dtypes import TORCH
 from hotweights.checkpoint.incremental import write_mode
 from hotweights.checkpoint.names import to_disk, unpack
@@ -201,8 +201,8 @@ def _journal_state(d: Path) -> tuple[dict | None, tuple[str, ...], bool]:
     if os.path.lexists(d / journal.STAGE_DIR):
         leftovers.append(f"{journal.STAGE_DIR}/: files staged for a journal")
     interrupted = pending is not None or bool(leftovers)  # the trash is no interruption
-    if os.path.lexists(d / journal.TRASH_DIR):
-        leftovers.append(f"{journal.TRASH_DIR}/: replaced shards not freed yet (recover "
+    if os.path.lexists(d / trash.TRASH_DIR):
+        leftovers.append(f"{trash.TRASH_DIR}/: replaced shards not freed yet (recover "
                          "or the next sync frees them)")
     return pending, tuple(leftovers), interrupted
 

@@ -13,6 +13,7 @@ import os
 import torch
 import xxhash
 
+from hotweights.checkpoint.fileid import FileId
 from hotweights.checkpoint.shards import read_dir
 from hotweights.checkpoint.source import open_dir
 
@@ -22,9 +23,9 @@ __all__ = ["digest", "stats"]
 def stats(model_dir: str | os.PathLike) -> dict[str, list[int]]:
     """Shard path -> [size, mtime_ns, inode]: any sync (in place or by rename) changes it."""
     found = read_dir(model_dir) or {}
-    return {p: [st.st_size, st.st_mtime_ns, st.st_ino]
+    return {p: [f.size, f.mtime_ns, f.ino]
             for p in sorted({shard.path for shard, _ in found.values()})
-            for st in [os.stat(p)]}
+            for f in [FileId.of(p)]}
 
 
 def digest(model_dir: str | os.PathLike) -> str | None:

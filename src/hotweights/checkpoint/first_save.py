@@ -28,10 +28,9 @@ from hotweights.checkpoint import journal, sidecar, stage
 from hotweights.checkpoint.dtypes import NAMES
 from hotweights.checkpoint.names import reverted, storage_key
 from hotweights.checkpoint.result import SyncResult
-from hotweights.checkpoint.shards import read_shard
+from hotweights.checkpoint.shards import INDEX_NAME, read_shard
 from hotweights.errors import CheckpointError
 
-INDEX_NAME = "model.safetensors.index.json"
 _CHUNK = 64 << 20  # bytes per copy, write and hash call
 _NONE = np.zeros(0, np.uint64)
 

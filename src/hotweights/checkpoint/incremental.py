@@ -1,11 +1,21 @@
 """`sync`: write the live weights into a safetensors directory, only what changed.
 
-Every live tensor is checked against the shard headers first (dtype, shape: nothing is
-written if one disagrees). The changed blocks are found from each shard's sidecar
-fingerprints (`checkpoint.sidecar`), then narrowed to the 4 KiB pages that differ from the
-file (only those blocks are read); where a sidecar cannot be trusted, every page is
-compared with the file. Each changed shard is then written one of three ways, all
-committed by one journal for the whole directory (`checkpoint.journal`):
+`sync` runs five stages, each taking what the one before returns:
+
+1. resolve (`_resolve`): the live names onto the shards' (`checkpoint.names`), every live
+   tensor checked against its shard's header (dtype, shape: nothing is written if one
+   disagrees), grouped per shard;
+2. what changed (`checkpoint.changed`): each shard's changed blocks from its sidecar
+   fingerprints (`checkpoint.sidecar`), a `WriteWatch`'s written pages or the `changed=`
+   names; where a sidecar cannot be trusted, every page is compared with the file;
+3. plan (`_plan`): how each changed shard is written (below); a shard patched has its
+   changed blocks narrowed to the 4 KiB pages that differ from the file (only those
+   blocks are read);
+4. write (`_write`): staged or journaled, all committed by one journal for the whole
+   directory (`checkpoint.journal`);
+5. record (`_record`): each shard's sidecar, once the commit is durable.
+
+A changed shard is written one of three ways:
 
 - `reflink`: the shard is cloned (no data copied), the changed blocks are written into the
   clone, and the clone replaces the shard at commit: a reader sees one whole shard;
@@ -36,24 +46,22 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from hotweights.changes import blocks, writewatch
+from hotweights.changes.spans import merge_spans
 from hotweights.changes.writewatch import WriteWatch
-from hotweights.checkpoint import MODES, clone, journal, sidecar, stage
+from hotweights.checkpoint import MODES, clone, journal, lock, sidecar, stage
+from hotweights.checkpoint.changed import Ranges, ShardChanges, ShardTensors, find_changes, to_pages
 from hotweights.checkpoint.dtypes import TORCH
-from hotweights.checkpoint.mapped import mapped
 from hotweights.checkpoint.names import to_disk, unpack
-from hotweights.checkpoint.result import SyncResult
+from hotweights.checkpoint.result import Progress, SyncResult
 from hotweights.checkpoint.shards import Shard, TensorInfo, read_dir
 from hotweights.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
 WHOLE_FRACTION = 0.5  # auto: a shard with more of its bytes changed is rewritten whole
-PAGE = 4096  # a changed block is patched page by page: only the pages that differ
-Progress = Callable[[str, int, int], None]  # (phase "hash" | "write", bytes done, total)
 
 
 def write_mode(model_dir: str | os.PathLike, mode: str = "auto") -> tuple[str, str]:
@@ -125,7 +133,7 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
         changed = _check_changed(live, changed)
     patch_mode, reason = write_mode(model_dir, mode) if model_dir.is_dir() else (mode, "")
     progress = progress or (lambda phase, done, total: None)
-    with journal.locked(_existing(model_dir)):
+    with lock.locked(_existing(model_dir)):
         journal.recover(model_dir, lock=False)  # an interrupted sync is finished or dropped
         disk = read_dir(model_dir)
         if disk is None:
@@ -134,41 +142,35 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
                                    model=model, model_type=model_type,
                                    block_size=block_size, max_shard_size=max_shard_size,
                                    progress=progress, after_read=after_read, started=started)
-        names = to_disk(live, disk.keys(), model=model, model_type=model_type)
-        names.check_placed(model_dir)
-        matched, tied = dict(names.tensors), names.tied
-        for name in list(matched):
-            matched[name] = _check(name, matched[name], *disk[name], convert_dtype)
-        own = _own(live, matched)
-        trusted = None if changed is None else _unchanged(live, changed, matched, own)
-        seen = {} if watch is None else watch.written({n: matched[n] for n in own})
+        # 1. resolve: the live tensors by disk name, per shard
+        resolved = _resolve(model_dir, live, disk, changed, model=model, model_type=model_type,
+                            convert_dtype=convert_dtype)
+        written = {} if watch is None else watch.written(resolved.own)  # before any hash
         hashes = {}
         try:
-            plans, hashed, compared, trusted_bytes = _plan(matched, disk, block_size,
-                                                           progress, trusted, seen, watch)
-            for p in plans:
-                if p.ranges:
-                    p.how = _how(p, mode, patch_mode)
-                    if p.how != "whole" and not p.exact:  # what the watch saw is exact
-                        p.ranges = _compare_file(p, [r for r in p.ranges if r[0] not in
-                                                     p.known]) + [r for r in p.ranges
-                                                                  if r[0] in p.known]
-            writing = [p for p in plans if p.ranges]
-            _check_space(model_dir, writing)
-            record = functools.partial(_record, plans, version)
-            written = _write(model_dir, writing, version, progress, after_read, record)
-            hashes = {n: p.fresh.tensors[n][1] for p in plans for n in p.hashed}
+            # 2. what changed: the byte ranges that may differ, per shard
+            found = find_changes(resolved.shards, block_size=block_size,
+                                 trusted=resolved.trusted, watch=watch, written=written,
+                                 progress=progress)
+            # 3. plan: the shards to write, and how
+            writes = _plan(found.shards, mode, patch_mode)
+            _check_space(model_dir, writes)
+            # 4. write, one commit; 5. record the sidecars once the commit is durable
+            record = functools.partial(_record, found.shards, {w.shard.path for w in writes},
+                                       version)
+            bytes_written = _write(model_dir, writes, version, progress, after_read, record)
+            hashes = found.hashes()
         finally:  # what the watch tells next time counts from the hashes just taken
             if watch is not None:
                 watch.record(hashes)
     return SyncResult(
-        mode=mode, version=version, tensors_synced=len(matched),
-        tensors_changed=len({n for p in writing for n, _, _ in p.ranges}),
-        shards_changed=tuple(p.name for p in writing), bytes_hashed=hashed,
-        bytes_compared=compared, bytes_written=written, bytes_trusted=trusted_bytes,
-        missing_on_disk=names.only_live, missing_live=names.only_disk,
-        seconds=time.perf_counter() - started, writes={p.name: p.how for p in writing},
-        tied=tuple(sorted(tied)), reason=reason)
+        mode=mode, version=version, tensors_synced=sum(len(s.tensors) for s in resolved.shards),
+        tensors_changed=len({n for w in writes for n, _, _ in w.ranges}),
+        shards_changed=tuple(w.name for w in writes), bytes_hashed=found.bytes_hashed,
+        bytes_compared=found.bytes_compared, bytes_written=bytes_written,
+        bytes_trusted=found.bytes_trusted, missing_on_disk=resolved.only_live,
+        missing_live=resolved.only_disk, seconds=time.perf_counter() - started,
+        writes={w.name: w.how for w in writes}, tied=resolved.tied, reason=reason)
 
 
 def _existing(model_dir: Path) -> Path:
@@ -179,6 +181,50 @@ def _existing(model_dir: Path) -> Path:
     if not model_dir.is_dir():
         raise CheckpointError(f"{model_dir}: not a directory")
     return model_dir
+
+
+def _check_changed(live: Mapping[str, torch.Tensor], changed: Iterable[str]
+                   ) -> frozenset[str]:
+    if isinstance(changed, str):
+        raise CheckpointError(f"changed={changed!r}: pass a collection of live tensor names, "
+                              "not one string")
+    changed = frozenset(changed)  # a generator is read once, here
+    if unknown := sorted(n for n in changed if n not in live):
+        raise CheckpointError(f"changed names {len(unknown)} tensor(s) the live weights do not "
+                              f"hold, e.g. {unknown[:3]}; nothing was written")
+    return changed
+
+
+# -- 1. resolve: the live tensors by disk name, per shard ---------------------------------
+
+@dataclass(frozen=True)
+class _Resolved:
+    shards: list[ShardTensors]
+    own: dict[str, torch.Tensor]  # those that are live bytes, not a conversion's or a
+    # cast's copy: what a watch can follow
+    trusted: frozenset[str] | None  # the disk names `changed=` rules out; None: no hint
+    tied: tuple[str, ...]  # live aliases of a tensor stored once, under another name
+    only_live: tuple[str, ...]  # live names with no place on disk
+    only_disk: tuple[str, ...]  # disk names no live tensor fills
+
+
+def _resolve(model_dir: Path, live: Mapping[str, torch.Tensor],
+             disk: Mapping[str, tuple[Shard, TensorInfo]], changed: frozenset[str] | None, *,
+             model: torch.nn.Module | None, model_type: str | None,
+             convert_dtype: bool) -> _Resolved:
+    names = to_disk(live, disk.keys(), model=model, model_type=model_type)
+    names.check_placed(model_dir)
+    tensors = {n: _check(n, t, *disk[n], convert_dtype) for n, t in names.tensors.items()}
+    per_shard: dict[str, ShardTensors] = {}
+    for name, t in tensors.items():
+        shard = disk[name][0]
+        per_shard.setdefault(shard.path, ShardTensors(shard, {})).tensors[name] = t
+    storages = {(t.device, t.untyped_storage().data_ptr()) for t in live.values()}
+    own = {n: t for n, t in tensors.items()
+           if (t.device, t.untyped_storage().data_ptr()) in storages}
+    return _Resolved(list(per_shard.values()), own,
+                     None if changed is None else _unchanged(live, changed, own),
+                     tuple(sorted(names.tied)), names.only_live, names.only_disk)
 
 
 def _check(name: str, t: torch.Tensor, shard: Shard, info: TensorInfo,
@@ -200,123 +246,8 @@ def _check(name: str, t: torch.Tensor, shard: Shard, info: TensorInfo,
     return t.detach().contiguous()
 
 
-@dataclass
-class _Plan:
-    shard: Shard
-    tensors: dict[str, torch.Tensor]
-    fresh: blocks.Fingerprints
-    ranges: list[tuple[str, int, int]]  # (tensor, byte range within it) that changed
-    how: str = ""
-    exact: bool = False  # ranges are the pages that differ (else: whole changed blocks)
-    hashed: tuple[str, ...] = ()  # the tensors whose fresh block hashes were taken now
-    known: frozenset[str] = frozenset()  # the tensors whose ranges are the pages written
-
-    @property
-    def name(self) -> str:
-        return Path(self.shard.path).name
-
-    @property
-    def changed_bytes(self) -> int:
-        return sum(hi - lo for _, lo, hi in self.ranges)
-
-
-def _plan(matched, disk, block_size: int, progress: Progress, trusted: set[str] | None,
-          written: Mapping[str, list[tuple[int, int]]], watch: WriteWatch | None
-          ) -> tuple[list[_Plan], int, int, int]:
-    """Per shard, its changed ranges and fresh fingerprints; the bytes hashed, compared with
-    the file and not hashed. `trusted`: the names `changed=` rules out (None: no hint; then
-    xxh3 shards are hashed coarse first, `blocks.refresh`). `written`: what `watch` saw
-    written, used where the sidecar holds the hashes it recorded."""
-    by_shard: dict[str, _Plan] = {}
-    for name, t in matched.items():
-        shard = disk[name][0]
-        by_shard.setdefault(shard.path, _Plan(shard, {}, None, [])).tensors[name] = t
-    total = sum(t.nbytes for t in matched.values())
-    done = hashed = compared = 0
-    for p in by_shard.values():
-        nbytes = sum(t.nbytes for t in p.tensors.values())
-        kind = blocks.kind_of(p.tensors.values())
-        old = sidecar.load(p.shard, block_size, kind)
-        if old is not None and set(old.tensors) >= set(p.tensors):
-            todo = {n: t for n, t in p.tensors.items() if n not in (trusted or ())}
-            if trusted is None and kind == blocks.XXH3:
-                seen = {n: r for n, r in written.items()
-                        if n in todo and _same(watch.recorded(n), old.tensors[n][1])}
-                new = blocks.refresh(old, todo, written=seen)
-            else:  # named tensors are likely changed: straight to per-block hashes
-                seen, new = {}, blocks.fingerprint(todo, block_size=block_size, kind=kind)
-            diff = blocks.changed(_subset(old, todo), new)
-            if len(todo) < len(p.tensors):
-                kept = {n: new if n in todo else old for n in p.tensors}
-                new = blocks.Fingerprints(kind, block_size, {
-                    n: fp.tensors[n] for n, fp in kept.items()}, {
-                    n: fp.coarse[n] for n, fp in kept.items() if n in fp.coarse})
-            p.fresh, p.hashed, p.known = new, tuple(todo), frozenset(seen)
-            p.ranges = [(n, int(lo), int(hi)) for n, c in diff.tensors.items() for lo, hi in
-                        (_within(c.ranges.tolist(), seen[n]) if n in seen else c.ranges)]
-            hashed += sum(t.nbytes for n, t in todo.items() if n not in seen) + sum(
-                _block_bytes(r, block_size, todo[n].nbytes) for n, r in seen.items())
-        else:
-            p.fresh = blocks.fingerprint(p.tensors, block_size=block_size, kind=kind,
-                                         coarse=True)  # for `refresh` next time
-            p.hashed = tuple(p.tensors)
-            whole = [(n, 0, t.nbytes) for n, t in p.tensors.items()]
-            p.ranges, p.exact = _compare_file(p, whole), True
-            compared += nbytes
-            hashed += nbytes
-        done += nbytes
-        progress("hash", done, total)
-    return list(by_shard.values()), hashed, compared, total - hashed
-
-
-def _check_changed(live: Mapping[str, torch.Tensor], changed: Iterable[str]
-                   ) -> frozenset[str]:
-    if isinstance(changed, str):
-        raise CheckpointError(f"changed={changed!r}: pass a collection of live tensor names, "
-                              "not one string")
-    changed = frozenset(changed)  # a generator is read once, here
-    if unknown := sorted(n for n in changed if n not in live):
-        raise CheckpointError(f"changed names {len(unknown)} tensor(s) the live weights do not "
-                              f"hold, e.g. {unknown[:3]}; nothing was written")
-    return changed
-
-
-def _within(blocks_changed: list[list[int]], pages: list[tuple[int, int]]
-            ) -> list[tuple[int, int]]:
-    """The parts of the changed blocks in the pages written (both sorted, disjoint): the
-    pages of a changed block not written since the last sync still hold the file's bytes."""
-    out, j = [], 0
-    for lo, hi in blocks_changed:
-        while j < len(pages) and pages[j][1] <= lo:
-            j += 1
-        k = j
-        while k < len(pages) and pages[k][0] < hi:
-            out.append((max(lo, pages[k][0]), min(hi, pages[k][1])))
-            k += 1
-    return out
-
-
-def _same(a: np.ndarray | None, b: np.ndarray) -> bool:
-    return a is b or np.array_equal(a, b)  # the sidecar this process wrote: the same array
-
-
-def _block_bytes(ranges: list[tuple[int, int]], block_size: int, nbytes: int) -> int:
-    """The bytes of the blocks that `ranges` touch."""
-    blocks_touched = set()
-    for lo, hi in ranges:
-        blocks_touched.update(range(lo // block_size, -(-hi // block_size)))
-    return min(nbytes, len(blocks_touched) * block_size)
-
-
-def _own(live: Mapping[str, torch.Tensor], matched: Mapping[str, torch.Tensor]) -> set[str]:
-    """The disk names whose tensors are a live tensor's own bytes, not a conversion's or
-    a cast's copy."""
-    own = {(t.device, t.untyped_storage().data_ptr()) for t in live.values()}
-    return {n for n, t in matched.items() if (t.device, t.untyped_storage().data_ptr()) in own}
-
-
 def _unchanged(live: Mapping[str, torch.Tensor], changed: Collection[str],
-               matched: Mapping[str, torch.Tensor], own: set[str]) -> set[str]:
+               own: Mapping[str, torch.Tensor]) -> frozenset[str]:
     """The disk names `changed` rules out: tensors of `own` whose bytes share none with
     a tensor named in it."""
     spans: dict[torch.device, list[tuple[int, int]]] = {}
@@ -329,29 +260,61 @@ def _unchanged(live: Mapping[str, torch.Tensor], changed: Collection[str],
                                                       zip(t.shape, t.stride(), strict=True)))))
     merged = {}  # per device: disjoint sorted spans (starts, ends)
     for device, ss in spans.items():
-        starts, ends = [], []
-        for lo, hi in sorted(ss):
-            if ends and lo <= ends[-1]:
-                ends[-1] = max(ends[-1], hi)
-            else:
-                starts.append(lo)
-                ends.append(hi)
-        merged[device] = starts, ends
+        union = merge_spans(ss)
+        merged[device] = [lo for lo, _ in union], [hi for _, hi in union]
 
     def touches(t: torch.Tensor) -> bool:
         starts, ends = merged.get(t.device, ((), ()))
         lo, i = t.data_ptr(), bisect.bisect_right(starts, t.data_ptr()) - 1
         return (i >= 0 and ends[i] > lo) or (i + 1 < len(starts)
                                              and starts[i + 1] < lo + t.nbytes)
-    return {n for n in own if not touches(matched[n])}
+    return frozenset(n for n, t in own.items() if not touches(t))
 
 
-def _how(p: _Plan, mode: str, patch_mode: str) -> str:
+# -- 2. what changed: `checkpoint.changed.find_changes` -----------------------------------
+
+
+# -- 3. plan: how each changed shard is written -------------------------------------------
+
+@dataclass(frozen=True)
+class _ShardWrite:
+    shard: Shard
+    tensors: dict[str, torch.Tensor]
+    ranges: Ranges  # the bytes that differ (a whole rewrite writes every byte)
+    how: str  # "whole" | "reflink" | "journal"
+
+    @property
+    def name(self) -> str:
+        return Path(self.shard.path).name
+
+    @property
+    def changed_bytes(self) -> int:
+        return _nbytes(self.ranges)
+
+
+def _plan(shards: list[ShardChanges], mode: str, patch_mode: str) -> list[_ShardWrite]:
+    """The shards to write, and how; a shard patched writes only the pages that differ
+    (a watch's pages are exact: not compared again)."""
+    writes = []
+    for c in shards:
+        if c.ranges:
+            how = _how(c.shard, _nbytes(c.ranges), mode, patch_mode)
+            ranges = c.ranges if how == "whole" else to_pages(c)
+            if ranges:
+                writes.append(_ShardWrite(c.shard, c.tensors, ranges, how))
+    return writes
+
+
+def _nbytes(ranges: Ranges) -> int:
+    return sum(hi - lo for _, lo, hi in ranges)
+
+
+def _how(shard: Shard, changed_bytes: int, mode: str, patch_mode: str) -> str:
     if patch_mode == "copy" or (mode == "auto" and
-                                p.changed_bytes > WHOLE_FRACTION * p.shard.size):
+                                changed_bytes > WHOLE_FRACTION * shard.size):
         return "whole"
-    if patch_mode == "journal" and (why := _shared_file(p.shard.path)):
-        logger.info("%s: %s; rewritten whole, not patched in place", p.shard.path, why)
+    if patch_mode == "journal" and (why := _shared_file(shard.path)):
+        logger.info("%s: %s; rewritten whole, not patched in place", shard.path, why)
         return "whole"
     return patch_mode
 
@@ -366,92 +329,79 @@ def _shared_file(path: str) -> str | None:
     return None
 
 
-def _check_space(model_dir: Path, changed: list[_Plan]) -> None:
-    need = sum(p.shard.size if p.how == "whole" else p.changed_bytes + 64 * len(p.ranges)
-               for p in changed)
+def _check_space(model_dir: Path, writes: list[_ShardWrite]) -> None:
+    need = sum(w.shard.size if w.how == "whole" else w.changed_bytes + 64 * len(w.ranges)
+               for w in writes)
     free = shutil.disk_usage(model_dir).free
     if need > free:
         raise CheckpointError(f"{model_dir}: this sync needs {need} bytes for its journal "
                               f"and staged shards, only {free} are free; nothing was written")
 
 
-def _record(plans: list[_Plan], version: str | None) -> None:
-    """Write every shard's sidecar, after its data (a stale sidecar is only ever
-    distrusted); a sidecar that cannot be written only costs the next sync a compare."""
-    for p in plans:
-        try:
-            shard = p.shard
-            if p.ranges:  # the same header (names, offsets) in a new file or a new mtime
-                st = os.stat(shard.path)
-                shard = replace(shard, size=st.st_size, mtime_ns=st.st_mtime_ns,
-                                inode=st.st_ino)
-            sidecar.write(shard, p.fresh, version)
-        except (OSError, CheckpointError) as e:
-            logger.warning("%s: sidecar not written (%s); the next sync compares the shard "
-                           "with the live weights", p.shard.path, e)
+# -- 4. write: staged or journaled, one commit --------------------------------------------
 
-
-def _write(model_dir: Path, changed: list[_Plan], version: str | None, progress: Progress,
-           after_read: Callable[[], None] | None, record: Callable[[], None]) -> int:
-    """Stage or journal every changed shard, then commit and apply them together; `record`
-    runs once the commit is durable, or at once if nothing changed, in the finisher thread
-    (`journal.finish`)."""
-    total = sum(p.shard.size if p.how == "whole" else p.changed_bytes for p in changed)
-    done, lock = 0, threading.Lock()
+def _write(model_dir: Path, writes: list[_ShardWrite], version: str | None,
+           progress: Progress, after_read: Callable[[], None] | None,
+           record: Callable[[], None]) -> int:
+    """Stage or journal every shard of `writes`, then commit and apply them together;
+    `record` runs once the commit is durable, or at once if nothing changed, in the
+    finisher thread (`finisher.finish`). Returns the bytes written into the shards."""
+    total = sum(w.shard.size if w.how == "whole" else w.changed_bytes for w in writes)
+    done, counted = 0, threading.Lock()
 
     def step(n: int) -> None:
         nonlocal done
-        with lock:
+        with counted:
             done += n
             progress("write", done, total)
 
-    staged = [p for p in changed if p.how != "journal"]
+    staged = [w for w in writes if w.how != "journal"]
     with stage.staging(model_dir, "stage the changed shards") as area:
         if staged:
             area.mkdir()
         with ThreadPoolExecutor(2) as pool:  # one shard's fsync overlaps the next's writes
             written = sum(f.result() for f in [
-                pool.submit(stage.whole, p.shard, p.tensors, area / p.name, step)
-                if p.how == "whole" else
-                pool.submit(stage.patched, p.shard, p.tensors, p.ranges, area / p.name, step)
-                for p in staged])
-        if changed:
-            journal.write_journal(model_dir, _patches(changed, step),
-                                  moves=[p.name for p in staged], meta={"version": version})
-    if changed:
+                pool.submit(stage.whole, w.shard, w.tensors, area / w.name, step)
+                if w.how == "whole" else
+                pool.submit(stage.patched, w.shard, w.tensors, w.ranges, area / w.name, step)
+                for w in staged])
+        if writes:
+            journal.write_journal(model_dir, _patches(writes, step),
+                                  moves=[w.name for w in staged], meta={"version": version})
+    if writes:
         stage.commit(model_dir, after_read, record)
     else:
         if after_read:
             after_read()
-        journal.later(model_dir, record)
-    return written + sum(p.changed_bytes for p in changed if p.how == "journal")
+        lock.later(model_dir, record)
+    return written + sum(w.changed_bytes for w in writes if w.how == "journal")
 
 
-def _subset(fp: blocks.Fingerprints, names) -> blocks.Fingerprints:
-    return blocks.Fingerprints(fp.kind, fp.block_size, {n: fp.tensors[n] for n in names})
-
-
-def _compare_file(p: _Plan, ranges: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
-    """The pages of `ranges` (tensor, byte range) whose bytes differ from the file's."""
-    per: dict[str, list[tuple[int, int]]] = {}
-    for name, lo, hi in ranges:  # from page starts: a block size under a page, or not a
-        per.setdefault(name, []).append((lo - lo % PAGE, hi))  # multiple of it, is fine
-    out = []
-    with mapped(p.shard.path) as view:
-        for name, spans in per.items():
-            info = p.shard.tensors[name]
-            change = blocks.compare_bytes(name, p.tensors[name], view[info.begin:info.end],
-                                          block_size=PAGE, ranges=spans)
-            out += [(name, int(a), int(b)) for a, b in change.ranges]
-    return out
-
-
-def _patches(changed: list[_Plan], step: Callable[[int], None]
+def _patches(writes: list[_ShardWrite], step: Callable[[int], None]
              ) -> Iterator[tuple[str, int, memoryview]]:
-    for p in changed:
-        if p.how != "journal":
+    for w in writes:
+        if w.how != "journal":
             continue
-        shard, where = p.name, p.shard.tensors
-        for name, lo, chunk in stage.range_chunks(p.tensors, p.ranges):
-            yield shard, where[name].begin + lo, chunk
+        for name, lo, chunk in stage.range_chunks(w.tensors, w.ranges):
+            yield w.name, w.shard.tensors[name].begin + lo, chunk
             step(chunk.nbytes)
+
+
+# -- 5. record: the sidecars --------------------------------------------------------------
+
+def _record(shards: list[ShardChanges], rewritten: Collection[str],
+            version: str | None) -> None:
+    """Write every shard's sidecar, after its data (a stale sidecar is only ever
+    distrusted); a sidecar that cannot be written only costs the next sync a compare.
+    `rewritten`: the paths of the shards just written."""
+    for c in shards:
+        try:
+            shard = c.shard
+            if shard.path in rewritten:  # the same header (names, offsets) in a new file
+                st = os.stat(shard.path)  # or with a new mtime
+                shard = replace(shard, size=st.st_size, mtime_ns=st.st_mtime_ns,
+                                inode=st.st_ino)
+            sidecar.write(shard, c.fresh, version)
+        except (OSError, CheckpointError) as e:
+            logger.warning("%s: sidecar not written (%s); the next sync compares the shard "
+                           "with the live weights", c.shard.path, e)

@@ -18,18 +18,17 @@ written against (another inode on the same filesystem, another size or safetenso
 header: a checkpoint copied back after a crash), before it writes anything; a staged
 file that is gone counts as moved only if the file in its place is that staged file.
 `apply` replays it (renames, pwrite, fsync each file, fsync the directory) and removes it;
-replaying twice is harmless. A replaced file is first hard-linked into
-`DIR/.hotweights-trash/`, which a background thread removes after the commit: freeing a
-large file's blocks is slow on some filesystems, and no reader needs to wait for it.
-`recover` finishes a committed journal, or discards an incomplete one with whatever was
-staged for it. Writers hold `locked(DIR)`.
+replaying twice is harmless; `apply(wait=False)` leaves the fsyncs and the journal's
+removal to this process's finisher thread (`finisher`). A file a move replaces is kept in
+`DIR/.hotweights-trash/` and freed after the commit (`trash`). `recover` finishes a
+committed journal, or discards an incomplete one with whatever was staged for it. Writers
+hold the directory's lock (`lock.locked`). An identity record is JSON of a `FileId`
+(`fileid`): dev, ino, size, and for a safetensors file header_end and header.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import fcntl
 import json
 import logging
 import os
@@ -37,30 +36,27 @@ import shutil
 import signal
 import stat
 import struct
-import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from typing import Any
 
 import xxhash
 
+from hotweights.checkpoint import finisher, trash
+from hotweights.checkpoint.fileid import FileId
+from hotweights.checkpoint.lock import locked
 from hotweights.checkpoint.mapped import mapped
+from hotweights.checkpoint.writes import write_all
 from hotweights.errors import CheckpointError
 
-__all__ = ["JOURNAL_NAME", "STAGE_DIR", "TRASH_DIR", "apply", "finish", "identity", "later",
-           "locked", "pending", "recover", "write_journal"]
+__all__ = ["JOURNAL_NAME", "STAGE_DIR", "apply", "pending", "recover", "write_journal"]
 
 logger = logging.getLogger(__name__)
 
 JOURNAL_NAME = ".hotweights-journal"
 _TMP_NAME = JOURNAL_NAME + ".tmp"
 STAGE_DIR = ".hotweights-stage"  # complete files waiting for their move record
-TRASH_DIR = ".hotweights-trash"  # files replaced by a move, freed after the commit
-_sweeper: threading.Thread | None = None  # the thread freeing the last commit's trash
-_finisher: threading.Thread | None = None  # the last of this process's finisher threads
-_finishers_lock = threading.Lock()
-_written: tuple | None = None  # (path, stat, records) of the journal this process committed
+_written: tuple | None = None  # (path, FileId, records) of the journal this process committed
 _MAGIC = b"HWJRNL\r\n"
 _FORMAT = 2  # 1: no file records, moves without identity (still replayed)
 _HEAD = struct.Struct("<8sII")
@@ -85,7 +81,7 @@ class _Corrupt(Exception):  # the journal is incomplete or damaged; the message 
 def _check_name(name: str) -> bytes:
     bad = (not name or name in (".", "..") or "/" in name or "\\" in name
            or "\0" in name or os.path.isabs(name) or name.startswith(JOURNAL_NAME)
-           or name in (STAGE_DIR, TRASH_DIR))
+           or name in (STAGE_DIR, trash.TRASH_DIR))
     if bad:
         raise CheckpointError(f"{name!r}: a patch target must be a plain file name in the "
                               "directory (no path separators, '..' or journal names)")
@@ -129,12 +125,10 @@ def _validate(directory: str, name: str, offset: int, data: Any,
 
 def _write_all(fd: int, data: bytes | memoryview, hasher: Any) -> None:
     hasher.update(data)
-    view = memoryview(data)
-    while view.nbytes:
-        view = view[os.write(fd, view):]
+    write_all(fd, data)
 
 
-def _check_staged(directory: str, name: str) -> tuple[bytes, os.stat_result]:
+def _check_staged(directory: str, name: str) -> tuple[bytes, FileId]:
     raw = _check_name(name)
     path = os.path.join(directory, STAGE_DIR, name)
     try:
@@ -143,20 +137,16 @@ def _check_staged(directory: str, name: str) -> tuple[bytes, os.stat_result]:
         raise CheckpointError(f"{path}: no staged file to move into place") from None
     if not stat.S_ISREG(st.st_mode):
         raise CheckpointError(f"{path}: the staged file is not a regular file")
-    return raw, st
+    return raw, FileId.of_stat(st)
 
 
-def _file_identity(path: str) -> dict:
-    """What tells this file from another one of the same name: device, inode and size,
-    and for a safetensors file the digest of its header (which no patch touches)."""
-    with open(path, "rb") as f:
-        st = os.fstat(f.fileno())
-        out = {"dev": st.st_dev, "ino": st.st_ino, "size": st.st_size}
-        head = f.read(8)
-        n = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if 0 < n <= min(st.st_size - 8, 100 << 20):  # safetensors caps its header at 100 MB
-            out["header_end"] = 8 + n
-            out["header"] = xxhash.xxh3_64_hexdigest(head + f.read(n))
+def _identity(path: str) -> dict:
+    """A file's identity record: what tells it from another of the same name (device,
+    inode, size; for a safetensors file its header, which no patch touches)."""
+    fid = FileId.of(path, header=True)
+    out = {"dev": fid.dev, "ino": fid.ino, "size": fid.size}
+    if fid.header is not None:
+        out["header_end"], out["header"] = fid.header_end, fid.header
     return out
 
 
@@ -164,7 +154,7 @@ def _check_identity(path: str, want: dict, journal: str) -> None:
     """Refuse to replay onto `path` unless it is the file `want` describes. The inode is
     compared on the same filesystem only (a move to another one changes it)."""
     try:
-        have = _file_identity(path)
+        have = _identity(path)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: journal {journal} patches it, and it is gone") from None
     fields = ("size", "header") + (("ino",) if have["dev"] == want["dev"] else ())
@@ -226,16 +216,16 @@ def write_journal(directory: str | os.PathLike, patches: Iterable[tuple[str, int
         hasher = xxhash.xxh3_64()
         _write_all(fd, _HEAD.pack(_MAGIC, _FORMAT, len(head)) + head, hasher)
         pos = _HEAD.size + len(head)
-        for name, (raw, st) in zip(moves, moved, strict=True):
-            _write_all(fd, _REC.pack(b"M", len(raw), st.st_ino, st.st_size) + raw, hasher)
+        for name, (raw, fid) in zip(moves, moved, strict=True):
+            _write_all(fd, _REC.pack(b"M", len(raw), fid.ino, fid.size) + raw, hasher)
             pos += _REC.size + len(raw)
-            records.append((b"M", name, st.st_ino, st.st_size, pos))
+            records.append((b"M", name, fid.ino, fid.size, pos))
         buf = bytearray()  # small records gather here: one write per _CHUNK, not two each
         header_ends: dict[str, int] = {}  # per patched file: where its header ends
         for name, offset, data in patches:
             raw, view = _validate(directory, name, offset, data, sizes)
             if name not in header_ends:
-                ident = _file_identity(os.path.join(directory, name))
+                ident = _identity(os.path.join(directory, name))
                 header_ends[name] = ident.get("header_end", 0)
                 payload = json.dumps(ident).encode()
                 buf += _REC.pack(b"I", len(raw), 0, len(payload)) + raw + payload
@@ -276,15 +266,9 @@ def write_journal(directory: str | os.PathLike, patches: Iterable[tuple[str, int
     os.replace(tmp, journal)
     _crash_point("after-rename")
     _fsync_dir(directory)
-    _written = (journal, identity(journal), records)
+    _written = (journal, FileId.of(journal), records)
     logger.info("%s: journal committed, %d records", journal, len(records))
     return journal
-
-
-def identity(path: str | os.PathLike) -> tuple[int, int, int, int]:
-    """A file's (device, inode, size, mtime): another file, or this one changed, differs."""
-    st = os.stat(path)
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def _records(path: str, mine: bool) -> list[tuple[bytes, str, int, int, int]]:
@@ -292,7 +276,7 @@ def _records(path: str, mine: bool) -> list[tuple[bytes, str, int, int, int]]:
     file: no re-read), else read back and verified by `_scan`."""
     global _written
     written, _written = _written, None
-    if mine and written is not None and written[:2] == (path, identity(path)):
+    if mine and written is not None and written[:2] == (path, FileId.of(path)):
         return written[2]
     return _scan(path)[1]
 
@@ -345,7 +329,7 @@ def _scan(path: str) -> tuple[dict, list[tuple[bytes, str, int, int, int]]]:
 
 def pending(directory: str | os.PathLike) -> dict | None:
     """The meta of a committed, intact journal in `directory`, or None if there is none."""
-    finish()  # a journal this process is still removing is not pending
+    finisher.finish()  # a journal this process is still removing is not pending
     path = os.path.join(os.fspath(directory), JOURNAL_NAME)
     try:
         return _scan(path)[0]
@@ -359,55 +343,20 @@ def _move(directory: str, name: str, ino: int, size: int) -> None:
     0, 0: a format 1 journal, which did not say)."""
     staged, target = os.path.join(directory, STAGE_DIR, name), os.path.join(directory, name)
     if os.path.exists(staged) and os.path.exists(target):
-        _keep(directory, target, name)
+        trash.keep(directory, target, name)
     try:
         os.replace(staged, target)
     except FileNotFoundError:
         try:
-            st = os.stat(target)
+            have = FileId.of(target)
         except FileNotFoundError:
             raise CheckpointError(f"{target}: the journal moves {staged} into place, and "
                                   "neither exists") from None
-        if (ino or size) and (st.st_ino, st.st_size) != (ino, size):
+        if (ino or size) and (have.ino, have.size) != (ino, size):
             raise CheckpointError(
                 f"{staged}: the staged file is lost (not moved: {target} is another file, "
-                f"inode {st.st_ino}, {st.st_size} bytes, not inode {ino}, {size} bytes); "
+                f"inode {have.ino}, {have.size} bytes, not inode {ino}, {size} bytes); "
                 "the commit cannot be finished. The journal is kept") from None
-
-
-def _keep(directory: str, target: str, name: str) -> None:
-    """Hard-link a file about to be replaced into the trash: the rename then only swaps
-    names, and the old blocks and cached pages (~0.2 s per 250 MB on ext4) are freed
-    later, by `_sweep`, off the commit's path."""
-    _join_sweeper()
-    trash = os.path.join(directory, TRASH_DIR)
-    try:
-        os.makedirs(trash, exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(trash, name))
-        os.link(target, os.path.join(trash, name))
-    except OSError as e:  # no hard links here: the rename frees the old file itself
-        logger.debug("%s: not kept for a later free: %s", target, e)
-
-
-def _join_sweeper() -> None:
-    if _sweeper is not None:
-        _sweeper.join()
-
-
-def _sweep(directory: str, *, background: bool) -> None:
-    """Remove the trash of `directory` (files replaced by moves), in a thread or now."""
-    global _sweeper
-    trash = os.path.join(directory, TRASH_DIR)
-    if not os.path.lexists(trash):
-        return
-    _join_sweeper()
-    if background:  # not a daemon: the interpreter waits for it; a kill leaves it to recover
-        _sweeper = threading.Thread(target=shutil.rmtree, args=(trash, True),
-                                    name="hotweights-sweep")
-        _sweeper.start()
-    else:
-        shutil.rmtree(trash, ignore_errors=True)
 
 
 def _replay(directory: str, path: str, records: list) -> tuple[list[int], bool]:
@@ -437,9 +386,7 @@ def _replay(directory: str, path: str, records: list) -> tuple[list[int], bool]:
                 if name not in fds:
                     fds[name] = os.open(os.path.join(directory, name), os.O_WRONLY)
                 view = data[pos:pos + length]
-                while view.nbytes:
-                    n = os.pwrite(fds[name], view, offset)
-                    view, offset = view[n:], offset + n
+                write_all(fds[name], view, offset)
                 view.release()
                 _crash_point("apply", k)
     except BaseException:
@@ -481,66 +428,24 @@ def _durable_later(directory: str, path: str, fds: list[int], moved: bool,
     """`_durable` in this process's finisher thread, then `then`, after which the trash is
     swept. The journal is removed under the writer lock, and only if it is still this one
     (a writer in another process may have replayed it and committed its own since)."""
-    mine = identity(path)
+    mine = FileId.of(path)
 
     def run() -> None:
         try:
             _fsync_all(fds)
             with locked(directory, finish_first=False):
-                if identity(path) == mine:  # else another writer's journal by now
+                if FileId.of(path) == mine:  # else another writer's journal by now
                     _remove(directory, path, moved)
                     if then:
                         then()
-                    _sweep(directory, background=True)
+                    trash.sweep(directory, background=True)
         except FileNotFoundError as e:  # replayed and removed by another writer, or the
             logger.info("%s: removed before this process could (%s)", path, e)  # directory
         except (OSError, CheckpointError) as e:  # the journal stays, to be replayed
             logger.error("%s: could not make the commit durable (%s); the journal is kept "
                          "and the next sync or recover replays it", path, e)
 
-    _start_finisher(run)
-
-
-def _start_finisher(run: Callable[[], None]) -> None:
-    """Run `run` in a new finisher thread, after the one before it (a writer in another
-    thread of this process may have started it): `finish` joins the last, so all."""
-    global _finisher
-    with _finishers_lock:  # writers of other directories may start theirs meanwhile
-        before = _finisher
-
-        def chained() -> None:
-            if before is not None:
-                before.join()
-            run()
-
-        t = threading.Thread(target=chained, name="hotweights-finish")
-        t.start()
-        _finisher = t  # started before `finish` can see it
-
-
-def later(directory: str | os.PathLike, fn: Callable[[], None]) -> None:
-    """Run `fn` in this process's finisher thread, under the writer lock of `directory`
-    (taken once the caller, which holds it, lets go); `finish` waits for it."""
-    def run() -> None:
-        try:
-            with locked(directory, finish_first=False):
-                fn()
-        except (OSError, CheckpointError) as e:  # e.g. the directory removed meanwhile
-            logger.info("%s: %s not run (%s)", directory, getattr(fn, "__name__", fn), e)
-
-    _start_finisher(run)
-
-
-def finish() -> None:
-    """Wait until this process's last commit is on disk, its journal removed and the files
-    it replaced freed (`sync` returns as soon as the commit is durable and the files hold
-    it; a thread fsyncs the files, removes the journal, then another frees the trash).
-    Writers and `pending` wait for it by themselves; call it before removing a directory
-    this process synced into."""
-    t = _finisher
-    if t is not None and t is not threading.current_thread():
-        t.join()
-    _join_sweeper()
+    finisher.start(run)
 
 
 def apply(directory: str | os.PathLike, *, wait: bool = True,
@@ -551,8 +456,8 @@ def apply(directory: str | os.PathLike, *, wait: bool = True,
         directory: the checkpoint directory (the caller holds its writer lock).
         wait: fsync the files and remove the journal before returning. False: return once
             the files hold the commit (a reader sees it) and leave the fsyncs and the
-            removal to a thread (`finish` waits for it); a crash before they are done
-            leaves the committed journal, which `recover` replays.
+            removal to a thread (`finisher.finish` waits for it); a crash before they are
+            done leaves the committed journal, which `recover` replays.
         then: called once the commit is durable and the journal removed, under the
             writer lock (in the thread if not `wait`); e.g. to record what the files hold.
         mine: the journal is the one this process's last `write_journal` committed, under
@@ -577,39 +482,11 @@ def apply(directory: str | os.PathLike, *, wait: bool = True,
         _durable(directory, path, fds, moved)
         if then:
             then()
-        _sweep(directory, background=True)
+        trash.sweep(directory, background=True)
     else:
         _durable_later(directory, path, fds, moved, then)
     logger.info("%s: journal applied, %d records", path, len(records))
     return True
-
-
-@contextmanager
-def locked(directory: str | os.PathLike, *, finish_first: bool = True) -> Iterator[None]:
-    """Hold the directory's writer lock (an flock on the directory itself); a second
-    writer, in this process or another, waits for the first. `finish_first`: wait for this
-    process's finisher threads first (False: the caller is one of them)."""
-    if finish_first:  # this process's last commit first (its thread takes this lock too;
-        finish()      # a finisher thread itself never waits for the others: they chain)
-    try:  # O_CLOEXEC (os.open's default too): an exec'd child does not keep the fd
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError as e:
-        raise CheckpointError(f"{directory}: cannot open the directory: {e.strerror}") from e
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            logger.info("%s: another writer holds the directory; waiting", directory)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        # An flock belongs to the open file description, which a forked child (e.g. a
-        # DataLoader worker started during a sync) shares: closing only this fd would
-        # leave the lock held until every such child exits. Unlocking frees it for all.
-        try:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        finally:
-            os.close(fd)
 
 
 def recover(directory: str | os.PathLike, *, lock: bool = True) -> str:
@@ -650,7 +527,7 @@ def recover(directory: str | os.PathLike, *, lock: bool = True) -> str:
             logger.warning("%s: replayed an interrupted journal, %d records",
                            path, len(records))
             outcome = "replayed"
-    _sweep(directory, background=False)
+    trash.sweep(directory, background=False)
     stage = os.path.join(directory, STAGE_DIR)
     if os.path.lexists(stage):  # staged for a journal that never committed
         shutil.rmtree(stage) if os.path.isdir(stage) else os.unlink(stage)

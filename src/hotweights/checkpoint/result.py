@@ -1,9 +1,12 @@
-"""`SyncResult`: what a sync or a first save did."""
+"""`SyncResult`: what a sync or a first save did; `Progress`: what it tells as it goes."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+
+Progress = Callable[[str, int, int], None]  # (phase "hash" | "write", bytes done, total)
 
 
 @dataclass(frozen=True)

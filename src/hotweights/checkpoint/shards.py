@@ -15,11 +15,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hotweights.checkpoint.dtypes import BITS
+from hotweights.checkpoint.fileid import MAX_HEADER
 from hotweights.errors import CheckpointError
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-MAX_HEADER = 100_000_000  # the safetensors loader refuses headers past 100 MB too
 # path -> (raw header, file size, Shard) as last parsed: the same header bytes in a file of
 # the same size make the same Shard (a sync reads every header every time; JSON and checks
 # cost ~1 ms per 100 tensors).

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 from hotweights.changes import blocks
-from hotweights.checkpoint import journal
+from hotweights.checkpoint.fileid import FileId
 from hotweights.checkpoint.shards import Shard
 from hotweights.errors import HotweightsError
 
@@ -23,7 +23,7 @@ FORMAT = 1
 DIR = ".hotweights"
 # path -> (the sidecar file's identity, its shard stat, its fingerprints), as this process
 # last wrote it: while the file is still that one, `load` takes them without parsing it.
-_written: dict[str, tuple[tuple, dict, blocks.Fingerprints]] = {}
+_written: dict[str, tuple[FileId, dict, blocks.Fingerprints]] = {}
 
 
 def path_of(shard_path: str | os.PathLike) -> Path:
@@ -56,7 +56,7 @@ def load(shard: Shard, block_size: int, kind: str) -> blocks.Fingerprints | None
     path = path_of(shard.path)
     mine = _written.get(str(path))
     try:
-        if mine is not None and mine[0] != journal.identity(path):
+        if mine is not None and mine[0] != FileId.of(path):
             mine = None  # not the file this process wrote
     except FileNotFoundError:
         mine = None  # gone: `state` says so below
@@ -93,4 +93,4 @@ def write(shard: Shard, fp: blocks.Fingerprints, version: str | None) -> None:
     with open(tmp, "w") as f:
         f.write(json.dumps(doc))  # json.dump to a file would take the pure-Python encoder
     os.replace(tmp, path)
-    _written[str(path)] = (journal.identity(path), doc["shard"], fp)
+    _written[str(path)] = (FileId.of(path), doc["shard"], fp)

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from hotweights.checkpoint.dtypes import TORCH
-from hotweights.checkpoint.shards import read_dir
+from hotweights.checkpoint.shards import INDEX_NAME, SINGLE_NAME, read_dir
 from hotweights.errors import CheckpointError
 
 __all__ = ["Tensors", "open_dir"]
@@ -59,7 +59,7 @@ def open_dir(model_dir: str | os.PathLike) -> Tensors:
     disk = read_dir(model_dir)
     if disk is None:
         raise CheckpointError(f"{model_dir}: no safetensors checkpoint (neither "
-                              "model.safetensors nor model.safetensors.index.json)")
+                              f"{SINGLE_NAME} nor {INDEX_NAME})")
     mmaps: dict[str, mmap.mmap] = {}
     tensors: dict[str, torch.Tensor] = {}
     for name, (shard, info) in disk.items():

@@ -25,11 +25,12 @@ import torch
 
 from hotweights.checkpoint import clone, journal
 from hotweights.checkpoint.shards import Shard
+from hotweights.checkpoint.writes import write_all
 from hotweights.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
-_CHUNK = 64 << 20  # bytes per write, and per device-to-host copy
+_CHUNK = 64 << 20  # bytes per copy_file_range, and per device-to-host copy
 _DIRECT_BUFFER = 8 << 20  # bytes per O_DIRECT write (2 shards at a time: 2 in flight)
 _ALIGN = 4096  # O_DIRECT: buffer address, file offset and length, a multiple of this
 DIRECT = True  # whole shards through O_DIRECT where the filesystem takes it
@@ -94,7 +95,7 @@ class _Buffered:
         self.fd = fd
 
     def write(self, data: memoryview) -> None:
-        _write(self.fd, data)
+        write_all(self.fd, data)
 
     def copy(self, src: int, offset: int, count: int) -> None:
         while count:
@@ -163,14 +164,6 @@ def range_chunks(tensors: Mapping[str, torch.Tensor], ranges: Sequence[tuple[str
             lo += chunk.nbytes
 
 
-def _write(fd: int, data: memoryview, offset: int | None = None) -> None:
-    while data.nbytes:
-        n = os.write(fd, data[:_CHUNK]) if offset is None else \
-            os.pwrite(fd, data[:_CHUNK], offset)
-        data = data[n:]
-        offset = None if offset is None else offset + n
-
-
 def _create(dst: Path, like: str) -> int:
     fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     os.fchmod(fd, os.stat(like).st_mode & 0o7777)
@@ -196,7 +189,7 @@ def staging(model_dir: Path, what: str) -> Iterator[Path]:
 def commit(model_dir: Path, after_read: Callable[[], None] | None,
            then: Callable[[], None] | None = None) -> None:
     """Tell the caller every live byte is read, then apply the committed journal (its
-    fsyncs and removal, then `then`, finish in a thread: `journal.finish`)."""
+    fsyncs and removal, then `then`, finish in a thread: `finisher.finish`)."""
     if after_read:
         after_read()
     journal.apply(model_dir, wait=False, then=then, mine=True)
@@ -243,7 +236,7 @@ def patched(shard: Shard, tensors: Mapping[str, torch.Tensor],
     try:
         os.fchmod(fd, os.stat(shard.path).st_mode & 0o7777)
         for name, lo, chunk in range_chunks(tensors, ranges):
-            _write(fd, chunk, shard.tensors[name].begin + lo)
+            write_all(fd, chunk, shard.tensors[name].begin + lo)
             written += chunk.nbytes
             progress(chunk.nbytes)
         os.fsync(fd)

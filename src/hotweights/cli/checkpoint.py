@@ -20,7 +20,7 @@ _LISTED = 10  # problems listed
 
 
 def run_sync(args: argparse.Namespace) -> int:
-    from hotweights.checkpoint import journal
+    from hotweights.checkpoint import finisher
     from hotweights.checkpoint.shards import read_dir
 
     if args.version is not None and args.source is None:
@@ -39,7 +39,7 @@ def run_sync(args: argparse.Namespace) -> int:
             result = bridge.checkpoint(args.model_dir, exclusive=True, mode=args.mode,
                                        convert_dtype=args.convert_dtype, progress=progress,
                                        changed=changed)
-    journal.finish()  # the command ends with the files fsync'd and the journal removed
+    finisher.finish()  # the command ends with the files fsync'd and the journal removed
     if args.json:
         print(result.to_json())
         return 0
@@ -143,11 +143,12 @@ def run_diagnose(args: argparse.Namespace) -> int:
 
 def run_recover(args: argparse.Namespace) -> int:
     from hotweights.checkpoint import journal
+    from hotweights.checkpoint.lock import locked
 
     d = args.model_dir
     if not os.path.isdir(d):
         raise CheckpointError(f"{d}: not a directory")
-    with journal.locked(d):  # a sync running there ends first
+    with locked(d):  # a sync running there ends first
         meta = journal.pending(d)  # what a committed journal brings, for the line below
         try:
             outcome = journal.recover(d, lock=False)

@@ -1,0 +1,186 @@
+"""Which bytes of each shard the live tensors change: the second stage of `sync`.
+
+Per shard, against its sidecar's fingerprints (`checkpoint.sidecar`) where they are
+fresh: the tensors `changed=` rules out keep their recorded hashes and the others are
+hashed per block; without `changed=`, a `WriteWatch`'s written pages stand for the
+tensors whose recorded hashes are the sidecar's (only the blocks they touch are hashed)
+and xxh3 hashes the rest coarse first (`blocks.refresh`). Where a sidecar cannot be
+trusted, every page is compared with the file. `to_pages` narrows changed blocks to the
+pages that differ from the file, for the shards patched rather than rewritten.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hotweights.changes import blocks
+from hotweights.changes.writewatch import WriteWatch
+from hotweights.checkpoint import sidecar
+from hotweights.checkpoint.mapped import mapped
+from hotweights.checkpoint.result import Progress
+from hotweights.checkpoint.shards import Shard
+
+PAGE = 4096  # a changed block is narrowed page by page: only the pages that differ
+Ranges = list[tuple[str, int, int]]  # (tensor, byte range [lo, hi) within it)
+
+
+@dataclass(frozen=True)
+class ShardTensors:
+    """The live tensors of one shard, by disk name: contiguous, the file's dtypes and
+    shapes."""
+
+    shard: Shard
+    tensors: dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ShardChanges:
+    """What may differ between one shard and its live tensors."""
+
+    shard: Shard
+    tensors: dict[str, torch.Tensor]
+    ranges: Ranges  # the bytes that may differ
+    pages: frozenset[str]  # tensors whose ranges are pages (compared with the file, or
+    # written as the watch saw); the others' are whole changed blocks
+    fresh: blocks.Fingerprints  # of the live tensors: the sidecar to record
+    hashed: tuple[str, ...]  # the tensors whose block hashes were taken now
+
+
+@dataclass(frozen=True)
+class Found:
+    """What `find_changes` found, over all shards."""
+
+    shards: list[ShardChanges]
+    bytes_hashed: int
+    bytes_compared: int  # with the file: no usable sidecar
+    bytes_trusted: int  # not hashed: `changed=` left them out, or the watch saw them unwritten
+
+    def hashes(self) -> dict[str, np.ndarray]:
+        """The block hashes taken now, by tensor: what a `WriteWatch` records."""
+        return {n: c.fresh.tensors[n][1] for c in self.shards for n in c.hashed}
+
+
+def find_changes(shards: list[ShardTensors], *, block_size: int,
+                 trusted: frozenset[str] | None, watch: WriteWatch | None,
+                 written: Mapping[str, list[tuple[int, int]]], progress: Progress) -> Found:
+    """What may differ in each shard.
+
+    Args:
+        shards: the live tensors, per shard.
+        block_size: bytes per fingerprinted block.
+        trusted: the disk names `changed=` rules out (None: no hint; then xxh3 shards are
+            hashed coarse first).
+        watch: the `WriteWatch` that told `written`, or None.
+        written: disk name -> the byte ranges `watch` saw written since it last recorded.
+        progress: called with ("hash", bytes done, total) after each shard.
+    """
+    total = sum(t.nbytes for s in shards for t in s.tensors.values())
+    done = hashed = compared = 0
+    found = []
+    for s in shards:
+        nbytes = sum(t.nbytes for t in s.tensors.values())
+        kind = blocks.kind_of(s.tensors.values())
+        old = sidecar.load(s.shard, block_size, kind)
+        if old is not None and set(old.tensors) >= set(s.tensors):
+            changes, n = _from_sidecar(s, old, trusted, watch, written)
+            hashed += n
+        else:
+            changes = _from_file(s, block_size, kind)
+            compared += nbytes
+            hashed += nbytes
+        found.append(changes)
+        done += nbytes
+        progress("hash", done, total)
+    return Found(found, hashed, compared, total - hashed)
+
+
+def to_pages(changes: ShardChanges) -> Ranges:
+    """`changes.ranges`, the whole changed blocks narrowed to the pages that differ from
+    the file (only those are read)."""
+    rough = [r for r in changes.ranges if r[0] not in changes.pages]
+    return (_differing(changes.shard, changes.tensors, rough) if rough else []) + [
+        r for r in changes.ranges if r[0] in changes.pages]
+
+
+def _from_sidecar(s: ShardTensors, old: blocks.Fingerprints, trusted: frozenset[str] | None,
+                  watch: WriteWatch | None, written: Mapping[str, list[tuple[int, int]]]
+                  ) -> tuple[ShardChanges, int]:
+    """The changed blocks against the sidecar's `old` fingerprints; the bytes hashed."""
+    todo = {n: t for n, t in s.tensors.items() if n not in (trusted or ())}
+    if trusted is None and old.kind == blocks.XXH3:
+        # the watch's pages stand where the sidecar holds the hashes the watch recorded
+        seen = {n: r for n, r in written.items()
+                if n in todo and _same(watch.recorded(n), old.tensors[n][1])}
+        new = blocks.refresh(old, todo, written=seen)
+    else:  # named tensors are likely changed: straight to per-block hashes
+        seen, new = {}, blocks.fingerprint(todo, block_size=old.block_size, kind=old.kind)
+    diff = blocks.changed(_subset(old, todo), new)
+    if len(todo) < len(s.tensors):  # the trusted tensors keep their recorded hashes
+        kept = {n: new if n in todo else old for n in s.tensors}
+        new = blocks.Fingerprints(old.kind, old.block_size, {
+            n: fp.tensors[n] for n, fp in kept.items()}, {
+            n: fp.coarse[n] for n, fp in kept.items() if n in fp.coarse})
+    ranges = [(n, int(lo), int(hi)) for n, c in diff.tensors.items() for lo, hi in
+              (_within(c.ranges.tolist(), seen[n]) if n in seen else c.ranges)]
+    hashed = sum(t.nbytes for n, t in todo.items() if n not in seen) + sum(
+        _block_bytes(r, old.block_size, todo[n].nbytes) for n, r in seen.items())
+    return ShardChanges(s.shard, s.tensors, ranges, frozenset(seen), new, tuple(todo)), hashed
+
+
+def _from_file(s: ShardTensors, block_size: int, kind: str) -> ShardChanges:
+    """The pages that differ from the file, and the fingerprints for the sidecar (with
+    coarse hashes, for `blocks.refresh` next time)."""
+    fresh = blocks.fingerprint(s.tensors, block_size=block_size, kind=kind, coarse=True)
+    whole = [(n, 0, t.nbytes) for n, t in s.tensors.items()]
+    return ShardChanges(s.shard, s.tensors, _differing(s.shard, s.tensors, whole),
+                        frozenset(s.tensors), fresh, tuple(s.tensors))
+
+
+def _differing(shard: Shard, tensors: Mapping[str, torch.Tensor], ranges: Ranges) -> Ranges:
+    """The pages of `ranges` whose bytes differ from the file's."""
+    per: dict[str, list[tuple[int, int]]] = {}
+    for name, lo, hi in ranges:  # from page starts: a block size under a page, or not a
+        per.setdefault(name, []).append((lo - lo % PAGE, hi))  # multiple of it, is fine
+    out = []
+    with mapped(shard.path) as view:
+        for name, spans in per.items():
+            info = shard.tensors[name]
+            change = blocks.compare_bytes(name, tensors[name], view[info.begin:info.end],
+                                          block_size=PAGE, ranges=spans)
+            out += [(name, int(a), int(b)) for a, b in change.ranges]
+    return out
+
+
+def _within(blocks_changed: list[list[int]], pages: list[tuple[int, int]]
+            ) -> list[tuple[int, int]]:
+    """The parts of the changed blocks in the pages written (both sorted, disjoint): the
+    pages of a changed block not written since the last sync still hold the file's bytes."""
+    out, j = [], 0
+    for lo, hi in blocks_changed:
+        while j < len(pages) and pages[j][1] <= lo:
+            j += 1
+        k = j
+        while k < len(pages) and pages[k][0] < hi:
+            out.append((max(lo, pages[k][0]), min(hi, pages[k][1])))
+            k += 1
+    return out
+
+
+def _same(a: np.ndarray | None, b: np.ndarray) -> bool:
+    return a is b or np.array_equal(a, b)  # the sidecar this process wrote: the same array
+
+
+def _block_bytes(ranges: list[tuple[int, int]], block_size: int, nbytes: int) -> int:
+    """The bytes of the blocks that `ranges` touch."""
+    blocks_touched = set()
+    for lo, hi in ranges:
+        blocks_touched.update(range(lo // block_size, -(-hi // block_size)))
+    return min(nbytes, len(blocks_touched) * block_size)
+
+
+def _subset(fp: blocks.Fingerprints, names) -> blocks.Fingerprints:
+    return blocks.Fingerprints(fp.kind, fp.block_size, {n: fp.tensors[n] for n in names})
