@@ -11,6 +11,7 @@ httpx = pytest.importorskip("httpx")  # both come with vLLM, whose API server th
 FastAPI = pytest.importorskip("fastapi").FastAPI
 
 from hotweights.errors import ConfigError  # noqa: E402
+from hotweights.server.env import REMOTE_ENGINE  # noqa: E402
 from hotweights.vllm_plugin.routes import HotweightsRoutes  # noqa: E402
 
 SID = "3f9a1c2b"
@@ -230,6 +231,8 @@ def test_a_remote_server_stages_on_receive_applies_on_commit_and_discards_on_abo
         assert "hotweights_share" not in stub.calls  # nothing shared: updates come remotely
         status = (await client.get("/hotweights/status", headers=AUTH)).json()
         assert status["remote"] is True and status["workers"] == 1
+        info = (await client.get("/hotweights/server_info", headers=AUTH)).json()
+        assert info["weight_transfer_config"] == {"backend": REMOTE_ENGINE}
         r = await client.post("/hotweights/remote/receive", json=body(), headers=AUTH)
         assert r.status_code == 409 and "no update in progress for h1" in r.json()["error"]
         r = await client.post("/hotweights/remote/join", json=body(master_addr="10.0.0.1"),

@@ -123,17 +123,20 @@ def test_a_model_by_name_is_refused(served):
                     args=_config(tmp), train_dataset=_data())
 
 
-def test_beta_and_gradient_accumulation_commit_once_per_optimizer_step(served):
+def test_beta_accumulation_and_checkpointing_commit_once_per_optimizer_step(served):
     # beta > 0: TRL loads its reference model from the model's directory (a copy of its
-    # own, by design); 2 micro-batches per optimizer step: still one version per step.
+    # own, by design); 2 micro-batches per optimizer step: still one version per step;
+    # gradient checkpointing recomputes the forward from the same views.
     url, tmp = served
     bridge = Bridge.connect(url, token=TOKEN)
     before = parse_version(bridge.version)[0]
     trainer = GRPOTrainer(bridge=bridge, reward_funcs=_reward, train_dataset=_data(),
                           args=_config(tmp, beta=0.04, gradient_accumulation_steps=2,
-                                       per_device_train_batch_size=4, max_steps=2))
+                                       per_device_train_batch_size=4, max_steps=2,
+                                       gradient_checkpointing=True))
     assert trainer.ref_model is not None
     trainer.train()
+    assert trainer.model.is_gradient_checkpointing  # enabled by train()
     assert parse_version(bridge.version)[0] == before + 2
     assert outside_served(trainer.model, bridge.tensors) == []
     logs = [entry for entry in trainer.state.log_history if "kl" in entry]

@@ -19,12 +19,10 @@ STEPS = 3
 
 @pytest.fixture
 def colocated(tmp_path):
-    from hotweights.vllm_plugin.local import stop_engine
-
     trainers = []
     yield tmp_path, trainers
     for trainer in trainers:  # in-process engines cannot coexist: free this one
-        stop_engine(trainer.weights.llm)
+        trainer.close()
 
 
 @pytest.mark.timeout(400)
@@ -48,6 +46,25 @@ def test_grpo_trains_vllm_s_own_parameters_in_this_process(colocated):
     assert [entry["hotweights/sample_version"] for entry in logs] == [0.0, 1.0, 2.0]
     gaps = [entry["sampling/sampling_logp_difference/mean"] for entry in logs]
     assert max(gaps) <= 1e-4, gaps
+
+
+@pytest.mark.timeout(400)
+def test_close_stops_the_engine_and_puts_the_environment_back(tmp_path):
+    import os
+
+    model_dir = tiny.build("llama", tmp_path / "llama", dtype="float32")
+    before = dict(os.environ)
+    with GRPOTrainer(model=str(model_dir), reward_funcs=_reward, train_dataset=_data(),
+                     args=_config(tmp_path, vllm_mode="colocate", max_steps=1)) as trainer:
+        llm = trainer.weights.llm
+    assert trainer.weights.llm is None and trainer.vllm_generation.llm is None
+    assert dict(os.environ) == before
+    # the engine is gone and its distributed state freed: another one starts here
+    with GRPOTrainer(model=str(model_dir), reward_funcs=_reward, train_dataset=_data(),
+                     args=_config(tmp_path, vllm_mode="colocate", max_steps=1)) as again:
+        assert again.weights.llm is not llm
+        again.train()
+        assert again.weights.version == 1
 
 
 def test_colocate_mode_wants_a_model_directory(tmp_path):

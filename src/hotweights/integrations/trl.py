@@ -273,7 +273,8 @@ class GRPOTrainer(trl.GRPOTrainer):
             self.weights = _Server(bridge, update_mode, lease_s)
             self.bridge = bridge
             setup = _in_trl("VLLMClient", _client_for(bridge))
-        else:
+        else:  # vLLM's and TRL's colocate setup set process-wide variables (RANK, ...)
+            self._environ_before = dict(os.environ)
             self.weights, model = _colocated_engine(os.fspath(model), args)
             llm = self.weights.llm
             setup = _in_trl("LLM", lambda *a, **k: llm)  # TRL's engine is this one
@@ -288,6 +289,26 @@ class GRPOTrainer(trl.GRPOTrainer):
         self.vllm_generation.generate = self._generate_and_keep_versions
         # TRL's sync copies the model into vLLM: here vLLM computes with the trained tensors
         self.vllm_generation.sync_weights = lambda: None
+
+    def close(self) -> None:
+        """Colocate mode: stop the in-process vLLM engine (its memory and distributed
+        state freed, so another can start) and put back the environment variables its
+        setup changed. The model's parameters were the engine's: do not train it after.
+        Server mode: nothing to free (the server keeps serving)."""
+        if isinstance(self.weights, _Colocated) and self.weights.llm is not None:
+            from hotweights.vllm_plugin.local import stop_engine
+
+            llm, self.weights.llm, self.vllm_generation.llm = self.weights.llm, None, None
+            stop_engine(llm)
+            for name in set(os.environ) - set(self._environ_before):
+                del os.environ[name]
+            os.environ.update(self._environ_before)
+
+    def __enter__(self) -> GRPOTrainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _check_shared(self, after: str) -> None:
         if outside := outside_served(self.model, self.weights.tensors):

@@ -31,7 +31,7 @@ from hotweights.checkpoint.digest import digest, stats
 from hotweights.errors import ConfigError, ServerError
 from hotweights.protocol.tokens import remove_token
 from hotweights.remote.rendezvous import channel_id
-from hotweights.server.env import CHECKPOINT_STATS, REMOTE
+from hotweights.server.env import CHECKPOINT_STATS, REMOTE, REMOTE_ENGINE
 from hotweights.server.transaction import (
     Abort,
     Begin,
@@ -170,16 +170,17 @@ def _loaded(model: str) -> str | None:
     return found
 
 
-def _server_info(model_config) -> dict:
+def _server_info(model_config, remote: bool) -> dict:
     """The served model's settings, shaped like vLLM's `/server_info` (a `VllmConfig` tree,
-    only what a trainer reads), with no weight-transfer engine (no copy to sync)."""
+    only what a trainer reads); the weight-transfer engine is hotweights' own on a
+    `--remote` server, none otherwise (the trainer writes the served tensors)."""
     return {"model_config": {
         "model": str(model_config.model),
         "dtype": str(model_config.dtype).removeprefix("torch."),
         "max_model_len": model_config.max_model_len,
         "max_logprobs": model_config.max_logprobs,
         "logprobs_mode": str(model_config.logprobs_mode),
-    }, "weight_transfer_config": None}
+    }, "weight_transfer_config": {"backend": REMOTE_ENGINE} if remote else None}
 
 
 def _refuse_split_servers(args) -> None:
@@ -239,7 +240,7 @@ class HotweightsRoutes:
         self.tx = Transaction(VllmEngine(engine_client, self.gate, remote=self.remote),
                               self.server_id)
         await engine_client.update_weight_version(self.tx.version)  # not "default"
-        self.info = _server_info(engine_client.model_config)
+        self.info = _server_info(engine_client.model_config, self.remote)
         self.metrics["version"].set_function(lambda: self.tx.n)
         self.metrics["dirty"].set_function(lambda: int(self.tx.dirty))
         if self.remote:  # updates come over the transfer engine: nothing to share
