@@ -184,9 +184,9 @@ def run(args: argparse.Namespace) -> int:
         with console.status(f"checkpointing version {bridge.version} into {ckpt}"):
             result = bridge.checkpoint(ckpt)
         size = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
+        hows = ", ".join(sorted(set(result.writes.values()))) or "nothing written"
         console.print(f"checkpoint: {result.bytes_written:,} of {size:,} bytes written "
-                      f"({result.bytes_written / size:.0%}: only what changed; "
-                      f"{', '.join(sorted(set(result.writes.values()))) or 'nothing'}) "
+                      f"({result.bytes_written / size:.0%}: the shards that changed, {hows}) "
                       f"into {ckpt} in {result.seconds:.2f} s, version {result.version}")
     return 0
 
