@@ -2,13 +2,14 @@
 
 One GRPO config (batch 4: one prompt, 4 generations; 8 completion tokens; beta 0; TRL's
 AdamW; importance-sampling correction on), one random Llama built here
-(`hotweights.testing.tiny`: 0.22 GB in bf16 by default, `--hidden 1536` 0.5 GB, `--small`
-3 MB), three ways to run it, each in a subprocess of its own (memory figures must not mix;
+(`hotweights.testing.tiny`: 0.5 GB in bf16 by default, `--hidden 1024` 0.22 GB, `--small`
+3 MB), four ways to run it, each in a subprocess of its own (memory figures must not mix;
 in-process vLLM engines cannot coexist), one at a time.
 
-The default size keeps the run near 10 minutes on a 2-core AVX2 CPU, where torch's bf16
-GEMMs run single-threaded and ~20x slower than fp32 (no AVX-512 BF16 or AMX): a step of
-the 0.5 GB model takes over a minute there. CPUs with bf16 units run it much faster.
+The default size takes ~30 minutes on a 2-core AVX2 CPU, where torch's bf16 GEMMs run
+single-threaded and ~20x slower than fp32 (no AVX-512 BF16 or AMX): a step of the 0.5 GB
+model takes over a minute there (`--hidden 1024`: ~10 minutes). CPUs with bf16 units run
+it much faster.
 
 - trl: TRL's colocate path, `trl.GRPOTrainer(model=DIR, args=GRPOConfig(use_vllm=True,
   vllm_mode="colocate", use_cpu=True))`: an in-process vLLM `LLM` beside the trainer's own
@@ -16,11 +17,19 @@ the 0.5 GB model takes over a minute there. CPUs with bf16 units run it much fas
   vLLM CPU repacks its linear weights, which `load_weights` cannot refill; the child runs
   with HOTWEIGHTS_ACTIVE=1, so hotweights' vLLM plugin keeps them unpacked. TRL's `LLM`
   gets `enforce_eager=True` added (as the server below has): no torch.compile start-up.
-  TRL passes it no dtype: vLLM's "auto" serves float32 weights in bf16.
+  TRL passes it no dtype: vLLM's "auto" serves float32 weights in bf16. TRL's trainer
+  loads the model in the run's dtype (`model_init_kwargs`; its own default is float32
+  master weights, which would make TRL's memory larger by more than the copy).
 - hw: hotweights colocate, `hotweights.integrations.trl.GRPOTrainer(model=DIR,
   args=GRPOConfig(use_vllm=True, vllm_mode="colocate"))`: the trainer's parameters are
   views of the in-process engine's. Where this hotweights has no colocate mode, the run
   is reported as not run, with the reason.
+- trls: TRL's server mode as far as it runs on a CPU: `trl.GRPOTrainer(model=DIR,
+  args=GRPOConfig(vllm_mode="server"))` generating from the same `hotweights serve` as hws,
+  the trainer holding its own copy; TRL's sync (`update_named_params`, every parameter)
+  copies each one into the served tensors inside one update, where TRL would broadcast it
+  over NCCL (which has no CPU backend). The memory baseline for hws: the same server
+  processes, and the second copy.
 - hws: hotweights server mode, `hotweights serve DIR --dtype D --logprobs-mode
   processed_logprobs` and `GRPOTrainer(bridge=Bridge.connect(url))`: the trainer's
   parameters are views of the server's shared memory; each optimizer step runs inside
@@ -45,22 +54,24 @@ Measured, per run:
   `training_step`) plus the optimizer step with its wrappers, so every mode's sync is in.
 - peak GB (1e9 bytes): the largest sum, sampled every 0.2 s, of the proportional set size
   (`/proc/PID/smaps_rollup` Pss) of the run's processes: the trainer's and all of its
-  descendants (hws: the server's API and engine processes). Shared pages (the served
+  descendants (trls, hws: the server's API and engine processes). Shared pages (the served
   weights in /dev/shm) count once.
 - logprob gap: TRL's `sampling/sampling_logp_difference/mean`, the trainer's logprobs of
   the sampled tokens against vLLM's.
 
 The issue's targets are printed beside the figures, never asserted: sync_speedup >= 20,
-memory saved (trl_peak - hw_peak, trl_peak - hws_peak) >= 0.9 x model_bytes,
+memory saved (trl_peak - hw_peak, trls_peak - hws_peak: each against TRL's same mode)
+>= 0.9 x model_bytes,
 hw_logprob_gap_fp32 <= 1e-4, bf16 gaps no worse than TRL's.
 
 A human table goes to stderr; the last stdout line is one JSON object: model_bytes,
 trl_sync_s, hw_sync_s, hws_sync_s, sync_speedup (trl_sync_s / hw_sync_s, or / hws_sync_s
 where hw did not run: `speedup_mode` says which), trl_sync_s_small, hw_sync_s_small,
 trl_step_s, hw_step_s, hws_step_s, trl_peak_gb, hw_peak_gb, hws_peak_gb, trl_logprob_gap,
-hw_logprob_gap, hws_logprob_gap, trl_logprob_gap_fp32, hw_logprob_gap_fp32, skipped
+hw_logprob_gap, hws_logprob_gap, trl_logprob_gap_fp32, hw_logprob_gap_fp32, trls_sync_s,
+trls_step_s, trls_peak_gb, trls_logprob_gap, skipped
 (run name -> why). A run that cannot run is named in `skipped` and its figures are null;
-the exit status is 1 only when a trl or hws run did not run.
+the exit status is 1 only when a trl, trls or hws run did not run.
 
 Run:  nice .venv/bin/python benchmarks/trl_grpo.py [--small] [--steps 4]
 """
@@ -68,6 +79,7 @@ Run:  nice .venv/bin/python benchmarks/trl_grpo.py [--small] [--steps 4]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -75,6 +87,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -85,11 +98,12 @@ GAP = "sampling/sampling_logp_difference/mean"
 PROMPTS = ["the quick brown", "a model of", "one copy of", "weights in place"]
 # (run name, mode, size, dtype); a mode's later runs follow its first
 RUNS = (("trl", "trl", "full", "bfloat16"), ("hw", "hw", "full", "bfloat16"),
-        ("hws", "hws", "full", "bfloat16"), ("trl_small", "trl", "small", "bfloat16"),
+        ("trls", "trls", "full", "bfloat16"), ("hws", "hws", "full", "bfloat16"),
+        ("trl_small", "trl", "small", "bfloat16"),
         ("hw_small", "hw", "small", "bfloat16"), ("trl_fp32", "trl", "small", "float32"),
         ("hw_fp32", "hw", "small", "float32"))
 MODE_NAMES = {"trl": "TRL colocate", "hw": "hotweights colocate",
-              "hws": "hotweights server"}
+              "trls": "TRL server (sync by copy)", "hws": "hotweights server"}
 
 
 def shape(hidden: int, layers: int) -> dict[str, int]:
@@ -220,7 +234,7 @@ def _reward(completion_ids, **_: Any) -> list[float]:
     return [sum(t < 30 for t in ids) / max(len(ids), 1) for ids in completion_ids]
 
 
-def _config(args: argparse.Namespace, vllm_mode: str):
+def _config(args: argparse.Namespace, vllm_mode: str, **more: Any):
     from trl import GRPOConfig
 
     return GRPOConfig(
@@ -230,16 +244,16 @@ def _config(args: argparse.Namespace, vllm_mode: str):
         max_steps=args.warmup + args.steps, logging_steps=1, report_to="none",
         use_cpu=True, bf16=args.dtype == "bfloat16", save_strategy="no", seed=0,
         disable_tqdm=True, beta=0.0, vllm_importance_sampling_correction=True,
-        vllm_max_model_length=256)
+        vllm_max_model_length=256, **more)
 
 
 def _train(trainer_cls: type, timers: Timers, args: argparse.Namespace, vllm_mode: str,
-           result: dict, **kwargs: Any) -> Any:
+           result: dict, config: dict | None = None, **kwargs: Any) -> Any:
     from datasets import Dataset
 
     result["stage"] = "trainer"  # a failure from here on is the mode's, not the size's
     trainer = timers.trainer_class(trainer_cls)(
-        reward_funcs=_reward, args=_config(args, vllm_mode),
+        reward_funcs=_reward, args=_config(args, vllm_mode, **(config or {})),
         train_dataset=Dataset.from_dict({"prompt": PROMPTS * 16}), **kwargs)
     result["stage"] = "train"
     timers.watch(trainer)
@@ -254,7 +268,16 @@ def _trl(timers: Timers, args: argparse.Namespace, result: dict) -> Any:
     from trl.generation import vllm_generation
 
     vllm_generation.LLM = functools.partial(vllm_generation.LLM, enforce_eager=True)
-    return _train(trl.GRPOTrainer, timers, args, "colocate", result, model=str(args.model))
+    return _train(trl.GRPOTrainer, timers, args, "colocate", result, model=str(args.model),
+                  config=_like_for_like(args))
+
+
+def _like_for_like(args: argparse.Namespace) -> dict[str, Any]:
+    """TRL loads a model by path in float32 unless told (float32 master weights: 2 bytes
+    more per parameter for the weights, the gradients and each Adam moment than the bf16
+    parameters hotweights trains): the run's dtype instead, so that memory differs by the
+    copy alone."""
+    return {"model_init_kwargs": {"dtype": args.dtype}}
 
 
 def _hw(timers: Timers, args: argparse.Namespace, result: dict) -> Any:
@@ -264,13 +287,14 @@ def _hw(timers: Timers, args: argparse.Namespace, result: dict) -> Any:
                   model=str(args.model))
 
 
-def _hws(timers: Timers, args: argparse.Namespace, result: dict) -> Any:
+@contextlib.contextmanager
+def _server(args: argparse.Namespace, result: dict) -> Iterator[Any]:
+    """A `hotweights serve` on the model, and a Bridge to it."""
     import secrets
 
     import torch
 
     from hotweights.bridge.client import Bridge
-    from hotweights.integrations import trl as integration
     from hotweights.server import launch
 
     torch.set_num_threads(1)  # beside the server's spinning OpenMP threads (module doc)
@@ -282,10 +306,44 @@ def _hws(timers: Timers, args: argparse.Namespace, result: dict) -> Any:
         "--max-num-seqs", "8", "--logprobs-mode", "processed_logprobs"))
     try:
         launch.wait_ready(proc, url, log=log, timeout=args.start_timeout)
-        return _train(integration.GRPOTrainer, timers, args, "server", result,
-                      bridge=Bridge.connect(url, token=token))
+        yield Bridge.connect(url, token=token)
     finally:
         launch.stop(proc)
+
+
+def _hws(timers: Timers, args: argparse.Namespace, result: dict) -> Any:
+    from hotweights.integrations import trl as integration
+
+    with _server(args, result) as bridge:
+        return _train(integration.GRPOTrainer, timers, args, "server", result, bridge=bridge)
+
+
+def _trls(timers: Timers, args: argparse.Namespace, result: dict) -> Any:
+    import trl
+    from trl.generation import vllm_generation
+
+    from hotweights.integrations.trl import _client_for
+
+    with _server(args, result) as bridge:
+        class CopyingClient(_client_for(bridge)):
+            """TRL's server-mode sync, every parameter sent to the server, as a copy into
+            the served tensors (NCCL, TRL's transport, has no CPU backend)."""
+
+            served: dict[str, Any] | None = None
+
+            def update_named_params(self, metadata, named_params) -> None:
+                if self.served is None:
+                    self.served = dict(bridge.model().named_parameters(remove_duplicate=False))
+                with bridge.update():
+                    for name, tensor in named_params:
+                        self.served[name].data.copy_(tensor)
+
+            def reset_prefix_cache(self) -> None:
+                """The commit reset it."""
+
+        vllm_generation.VLLMClient = CopyingClient
+        return _train(trl.GRPOTrainer, timers, args, "server", result, model=str(args.model),
+                      config={"vllm_server_base_url": bridge.url, **_like_for_like(args)})
 
 
 def child(args: argparse.Namespace) -> int:
@@ -295,7 +353,8 @@ def child(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {"stage": "setup"}
     try:
         timers = Timers()
-        trainer = {"trl": _trl, "hw": _hw, "hws": _hws}[args.child](timers, args, result)
+        runs = {"trl": _trl, "hw": _hw, "trls": _trls, "hws": _hws}
+        trainer = runs[args.child](timers, args, result)
         result.update(sync=timers.sync, inner=timers.inner, outer=timers.outer,
                       log=[{k: v for k, v in entry.items() if isinstance(v, int | float)}
                            for entry in trainer.state.log_history])
@@ -406,7 +465,9 @@ def report(runs: dict[str, dict | None], model_bytes: int,
         hws_step_s=get("hws", "step_s"), trl_peak_gb=get("trl", "peak_gb"),
         hw_peak_gb=get("hw", "peak_gb"), hws_peak_gb=get("hws", "peak_gb"),
         trl_logprob_gap=get("trl", "gap"), hw_logprob_gap=get("hw", "gap"),
-        hws_logprob_gap=get("hws", "gap"), trl_logprob_gap_fp32=get("trl_fp32", "gap"),
+        hws_logprob_gap=get("hws", "gap"), trls_sync_s=get("trls", "sync_s"),
+        trls_step_s=get("trls", "step_s"), trls_peak_gb=get("trls", "peak_gb"),
+        trls_logprob_gap=get("trls", "gap"), trl_logprob_gap_fp32=get("trl_fp32", "gap"),
         hw_logprob_gap_fp32=get("hw_fp32", "gap"), skipped=skipped)
 
 
@@ -426,9 +487,9 @@ def table(out: dict[str, Any], sizes: dict[str, str]) -> str:
             ("peak GB (PSS, all processes)", "peak_gb"),
             ("logprob gap, bf16", "logprob_gap"),
             (f"logprob gap, fp32 weights ({sizes['small']})", "logprob_gap_fp32")]
-    lines = [f"{'':<44}{'trl':>12}{'hw':>12}{'hws':>12}"]
+    lines = [f"{'':<44}" + "".join(f"{m:>12}" for m in MODE_NAMES)]
     for label, key in rows:
-        cells = "".join(f"{_fmt(out.get(f'{m}_{key}')):>12}" for m in ("trl", "hw", "hws"))
+        cells = "".join(f"{_fmt(out.get(f'{m}_{key}')):>12}" for m in MODE_NAMES)
         lines.append(f"{label:<44}{cells}")
     for m in ("trl", "hw"):
         full, small = out[f"{m}_sync_s"], out[f"{m}_sync_s_small"]
@@ -439,11 +500,11 @@ def table(out: dict[str, Any], sizes: dict[str, str]) -> str:
     speedup = out["sync_speedup"]
     lines.append(f"sync_speedup {_fmt(speedup, '.1f')} (trl / {out['speedup_mode'] or '-'}), "
                  f"target >= 20{_verdict(None if speedup is None else speedup >= 20)}")
-    for m in ("hw", "hws"):
-        saved = None if None in (out["trl_peak_gb"], out[f"{m}_peak_gb"]) \
-            else out["trl_peak_gb"] - out[f"{m}_peak_gb"]
+    for theirs, m in (("trl", "hw"), ("trls", "hws")):
+        saved = None if None in (out[f"{theirs}_peak_gb"], out[f"{m}_peak_gb"]) \
+            else out[f"{theirs}_peak_gb"] - out[f"{m}_peak_gb"]
         met = None if saved is None else saved >= 0.9 * mb
-        lines.append(f"memory saved trl - {m}: {_fmt(saved, '.3f')} GB, target >= "
+        lines.append(f"memory saved {theirs} - {m}: {_fmt(saved, '.3f')} GB, target >= "
                      f"{0.9 * mb:.3f} GB (0.9 x model){_verdict(met)}")
     gap = out["hw_logprob_gap_fp32"]
     lines.append(f"hw fp32 logprob gap {_fmt(gap, '.2e')}, target <= 1e-4"
@@ -468,9 +529,9 @@ def main(argv: list[str] | None = None) -> int:
         epilog="Runs go one at a time; the last stdout line is JSON.")
     parser.add_argument("--small", action="store_true",
                         help="a quick run: --hidden 256 --layers 2 (~4 MB of weights)")
-    parser.add_argument("--hidden", type=int, default=1024,
+    parser.add_argument("--hidden", type=int, default=1536,
                         help="hidden size of the full model, a multiple of 128 (default: "
-                        "%(default)s: 0.22 GB in bf16 with 10 layers; 1536: 0.5 GB)")
+                        "%(default)s: 0.5 GB in bf16 with 10 layers; 1024: 0.22 GB)")
     parser.add_argument("--layers", type=int, default=10,
                         help="decoder layers (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=2,
@@ -481,15 +542,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="completions per step, 4 per prompt (default: %(default)s)")
     parser.add_argument("--completion-tokens", type=int, default=8,
                         help="tokens per completion (default: %(default)s)")
-    parser.add_argument("--modes", default="trl,hw,hws",
-                        help="modes to run, of trl, hw, hws (default: %(default)s)")
+    parser.add_argument("--modes", default=",".join(MODE_NAMES),
+                        help="modes to run (default: %(default)s)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/hotweights-bench-trl-grpo"),
                         help="models (built once, reused), logs (default: %(default)s)")
     parser.add_argument("--start-timeout", type=float, default=600,
                         help="seconds allowed for a server to start (default: %(default)s)")
     parser.add_argument("--run-timeout", type=float, default=1800,
                         help="seconds allowed for one run (default: %(default)s)")
-    parser.add_argument("--child", choices=("trl", "hw", "hws"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=tuple(MODE_NAMES), help=argparse.SUPPRESS)
     parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--dtype", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -504,7 +565,8 @@ def main(argv: list[str] | None = None) -> int:
         args.hidden, args.layers = 256, 2
     modes = set(args.modes.split(","))
     if not modes or not modes <= set(MODE_NAMES):
-        parser.error(f"--modes {args.modes}: a comma-separated subset of trl,hw,hws")
+        parser.error(f"--modes {args.modes}: a comma-separated subset of "
+                     + ",".join(MODE_NAMES))
     try:
         sizes = {"full": shape(args.hidden, args.layers),
                  "small": shape(args.hidden // 2, args.layers)}

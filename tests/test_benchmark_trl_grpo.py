@@ -15,7 +15,7 @@ KEYS = {"model_bytes", "trl_sync_s", "hw_sync_s", "hws_sync_s", "sync_speedup",
         "speedup_mode", "trl_sync_s_small", "hw_sync_s_small", "trl_step_s", "hw_step_s",
         "hws_step_s", "trl_peak_gb", "hw_peak_gb", "hws_peak_gb", "trl_logprob_gap",
         "hw_logprob_gap", "hws_logprob_gap", "trl_logprob_gap_fp32", "hw_logprob_gap_fp32",
-        "skipped"}
+        "trls_sync_s", "trls_step_s", "trls_peak_gb", "trls_logprob_gap", "skipped"}
 
 
 @pytest.fixture
@@ -57,6 +57,7 @@ def test_figures_skip_the_warmup_and_add_what_wraps_the_step(bench):
 def test_report_has_the_keys_and_falls_back_to_the_server_mode(bench):
     runs = {"trl": dict(sync_s=2.0, step_s=5.0, gap=0.01, peak_gb=3.0), "hw": None,
             "hws": dict(sync_s=0.02, step_s=4.0, gap=0.005, peak_gb=2.0),
+            "trls": dict(sync_s=0.5, step_s=4.5, gap=0.01, peak_gb=2.3),
             "trl_fp32": dict(sync_s=1.0, step_s=1.0, gap=0.02, peak_gb=1.0)}
     out = bench.report(runs, 500_000_000, {"hw": "ConfigError: no colocate"})
     assert set(out) == KEYS
@@ -65,7 +66,9 @@ def test_report_has_the_keys_and_falls_back_to_the_server_mode(bench):
     assert out["trl_logprob_gap_fp32"] == 0.02
     text = bench.table(out, {"full": "500 MB bf16", "small": "125 MB bf16"})
     assert "not run: hw: ConfigError: no colocate" in text
-    assert "memory saved trl - hws: 1.000 GB, target >= 0.450 GB (0.9 x model): met" in text
+    # each hotweights mode against TRL's same mode
+    assert "memory saved trls - hws: 0.300 GB, target >= 0.450 GB (0.9 x model): NOT met" \
+        in text
     assert "target >= 20: met" in text
 
 
