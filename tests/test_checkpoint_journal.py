@@ -394,6 +394,14 @@ def test_a_journal_replaced_since_it_was_written_is_read_back(shards):
     assert _state(d, old, new) == "old"
 
 
+def test_held_says_whether_a_writer_holds_the_lock(tmp_path):
+    assert not lock.held(tmp_path)
+    with lock.locked(tmp_path):
+        assert lock.held(tmp_path)  # another open file description: a conflict
+    assert not lock.held(tmp_path)
+    assert not lock.held(tmp_path / "nowhere")
+
+
 def test_a_child_forked_under_the_lock_does_not_keep_it(tmp_path):
     """A child forked during a sync (a DataLoader worker) shares the lock's open file
     description: leaving `locked` frees the lock all the same while the child lives on."""

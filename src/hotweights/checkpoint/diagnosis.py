@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shlex
@@ -13,7 +12,7 @@ from pathlib import Path
 import torch
 
 from hotweights.changes import blocks
-from hotweights.checkpoint import MODES, clone, journal, sidecar, trash
+from hotweights.checkpoint import MODES, clone, journal, lock, sidecar, trash
 from hotweights.checkpoint.dtypes import TORCH
 from hotweights.checkpoint.incremental import write_mode
 from hotweights.checkpoint.names import to_disk, unpack
@@ -146,7 +145,7 @@ def diagnose(model_dir: str | os.PathLike,
     kind, mount = clone.fs_type(d)
     pending, leftovers, interrupted = _journal_state(d)
     base = dict(model_dir=str(d), journal=pending, leftovers=leftovers, interrupted=interrupted,
-                writer_active=_writer_active(d), fs_type=kind, mount=mount, mode=mode,
+                writer_active=lock.held(d), fs_type=kind, mount=mount, mode=mode,
                 write_mode=wmode, write_reason=reason, live=live is not None)
     try:
         disk = read_dir(d)
@@ -205,21 +204,6 @@ def _journal_state(d: Path) -> tuple[dict | None, tuple[str, ...], bool]:
         leftovers.append(f"{trash.TRASH_DIR}/: replaced shards not freed yet (recover "
                          "or the next sync frees them)")
     return pending, tuple(leftovers), interrupted
-
-
-def _writer_active(d: Path) -> bool:
-    try:
-        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        fcntl.flock(fd, fcntl.LOCK_UN)  # not only by closing: a fork meanwhile shares it
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
 
 
 def _compare(live, disk) -> tuple[dict, dict[str, list[torch.Tensor]]]:

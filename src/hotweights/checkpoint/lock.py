@@ -1,5 +1,6 @@
 """The writer lock of a checkpoint directory: one writer at a time, in this process or
-another (`locked`), and work run under it once the caller lets go (`later`)."""
+another (`locked`), whether one holds it now (`held`), and work run under it once the
+caller lets go (`later`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from contextlib import contextmanager
 from hotweights.checkpoint import finisher
 from hotweights.errors import CheckpointError
 
-__all__ = ["later", "locked"]
+__all__ = ["held", "later", "locked"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,23 @@ def locked(directory: str | os.PathLike, *, finish_first: bool = True) -> Iterat
             fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             os.close(fd)
+
+
+def held(directory: str | os.PathLike) -> bool:
+    """Whether a writer holds the directory's lock now (tried without waiting; if free,
+    taken and let go at once)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)  # not only by closing: see `locked`
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
 
 
 def later(directory: str | os.PathLike, fn: Callable[[], None]) -> None:
