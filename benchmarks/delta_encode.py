@@ -7,11 +7,15 @@ through one reused staging buffer and applied to a receiver's copy (checked bit-
 - scattered: 1 % of each tensor's elements at random (RL-like);
 - full: every element changed (dense).
 
-Each phase's time is the best of --repeat runs (the CI machine is shared and noisy). Bytes
-are on the wire (headers + buffers) against the weights' bytes. The last line is one JSON
-object: {"model_bytes", "max_bytes", then per update U in rows, scattered, full:
-"U_bytes", "U_ratio", "U_rounds", "U_encode_s", "U_pack_s", "U_apply_s", "U_gbps" (weight
-bytes / (encode + pack + apply))}.
+Each update is packed three ways, side by side: ``raw`` (the default: compact patches, raw
+values), ``xor`` (``values="xor"``) and ``xor+zstd`` (also ``compress="zstd"``, needs the
+zstd extra; skipped without it). Each phase's time is the best of --repeat runs (the CI
+machine is shared and noisy): encode (compare, shared by the three), pack (compact coding
+and compression included) and apply (decompress, decode, check, write). Bytes are on the
+wire (headers + buffers) against the weights' bytes. The last line is one JSON object:
+{"model_bytes", "max_bytes", then per update U in rows, scattered, full, and option O in
+raw, xor, xor+zstd: "U_O_bytes", "U_O_ratio", "U_O_rounds", "U_encode_s", "U_O_pack_s",
+"U_O_apply_s", "U_O_gbps" (weight bytes / (encode + pack + apply))}.
 
 Run:  .venv/bin/python benchmarks/delta_encode.py [--layers 3] [--max-mb 64] [--repeat 3]
 """
@@ -19,6 +23,7 @@ Run:  .venv/bin/python benchmarks/delta_encode.py [--layers 3] [--max-mb 64] [--
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import time
 
@@ -51,7 +56,10 @@ def changed(old: dict, how: str, g: torch.Generator) -> dict:
     return new
 
 
-def run(old: dict, new: dict, receiver: dict, max_bytes: int) -> dict:
+OPTIONS = {"raw": {}, "xor": {"values": "xor"}, "xor+zstd": {"values": "xor", "compress": "zstd"}}
+
+
+def run(old: dict, new: dict, receiver: dict, max_bytes: int, options: dict) -> dict:
     """Encode, pack and apply one update; returns its figures."""
     t0 = time.perf_counter()
     deltas = delta.encode_all(old, new)
@@ -59,7 +67,9 @@ def run(old: dict, new: dict, receiver: dict, max_bytes: int) -> dict:
     staging = torch.empty(max_bytes, dtype=torch.uint8)
     pack_s = apply_s = 0.0
     nbytes = rounds = 0
-    it = delta.pack(deltas, max_bytes=max_bytes, staging=staging)
+    t = time.perf_counter()
+    it = delta.pack(deltas, max_bytes=max_bytes, staging=staging, **options)
+    pack_s += time.perf_counter() - t  # compact patches are coded here
     while True:
         t = time.perf_counter()
         r = next(it, None)
@@ -93,22 +103,34 @@ def main() -> None:
     receiver = {n: t.clone() for n, t in old.items()}
     out, g = {"model_bytes": model_bytes, "max_bytes": max_bytes}, torch.Generator()
     g.manual_seed(1)
+    options = dict(OPTIONS)
+    if importlib.util.find_spec("zstandard") is None:
+        print("note: zstandard is not installed (the zstd extra): xor+zstd skipped")
+        del options["xor+zstd"]
     for how in ("rows", "scattered", "full"):
         new = changed(old, how, g)
-        runs = []
-        for _ in range(args.repeat):
-            for n, t in receiver.items():
-                t.copy_(old[n])
-            runs.append(run(old, new, receiver, max_bytes))
-        f = {**runs[0], **{k: min(r[k] for r in runs) for k in ("encode_s", "pack_s", "apply_s")}}
-        total = f["encode_s"] + f["pack_s"] + f["apply_s"]
-        print(f"{how:9s} {f['bytes'] / model_bytes:7.2%} of {model_bytes / 1e6:.0f} MB in "
-              f"{f['rounds']} rounds; encode {f['encode_s']:.3f} s, pack {f['pack_s']:.3f} s, "
-              f"apply {f['apply_s']:.3f} s; kinds {f['kinds']}", flush=True)
-        out.update({f"{how}_bytes": f["bytes"], f"{how}_ratio": round(f["bytes"] / model_bytes, 5),
-                    f"{how}_rounds": f["rounds"], f"{how}_encode_s": round(f["encode_s"], 4),
-                    f"{how}_pack_s": round(f["pack_s"], 4), f"{how}_apply_s": round(
-                        f["apply_s"], 4), f"{how}_gbps": round(model_bytes / total / 1e9, 3)})
+        encode_s = []
+        for label, opts in options.items():
+            runs = []
+            for _ in range(args.repeat):
+                for n, t in receiver.items():
+                    t.copy_(old[n])
+                runs.append(run(old, new, receiver, max_bytes, opts))
+            f = {**runs[0], **{k: min(r[k] for r in runs)
+                               for k in ("encode_s", "pack_s", "apply_s")}}
+            encode_s.append(f["encode_s"])
+            total = f["encode_s"] + f["pack_s"] + f["apply_s"]
+            print(f"{how:9s} {label:8s} {f['bytes'] / model_bytes:7.2%} of "
+                  f"{model_bytes / 1e6:.0f} MB in {f['rounds']} rounds; encode "
+                  f"{f['encode_s']:.3f} s, pack {f['pack_s']:.3f} s, apply {f['apply_s']:.3f} s;"
+                  f" kinds {f['kinds']}", flush=True)
+            u = f"{how}_{label}"
+            out.update({f"{u}_bytes": f["bytes"], f"{u}_ratio": round(f["bytes"] / model_bytes,
+                                                                      5),
+                        f"{u}_rounds": f["rounds"], f"{u}_pack_s": round(f["pack_s"], 4),
+                        f"{u}_apply_s": round(f["apply_s"], 4),
+                        f"{u}_gbps": round(model_bytes / total / 1e9, 3)})
+        out[f"{how}_encode_s"] = round(min(encode_s), 4)
         del new
     print(json.dumps(out))
 

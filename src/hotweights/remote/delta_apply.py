@@ -2,7 +2,9 @@
 
 `check` validates a round's header alone (names, dtypes, shapes, segment bounds); `apply`
 checks the header and the buffer's contents (indices and row ranges in range, no NaN or Inf
-in a dense float update) for the whole round before it writes anything.
+in a dense float update) for the whole round before it writes anything. A compressed round
+is decompressed, and compact patches decoded (`hotweights.remote.codec`), on the CPU while
+checked: the views of such a piece are then decoded tensors, not views of the buffer.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import numpy as np
 import torch
 
 from hotweights.errors import DeltaError
-from hotweights.remote import delta
+from hotweights.remote import codec, delta
 from hotweights.remote.delta import (
     _BITS,
     _CHUNK,
@@ -34,7 +36,9 @@ __all__ = ["apply", "check", "checked", "finite", "host", "write"]
 
 logger = logging.getLogger(__name__)
 
+_FORMATS = (1, FORMAT)  # format 1: no compact patches, no compression
 _INDEX = {"int32": torch.int32, "int64": torch.int64}
+_SIGNED = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}  # numpy dtypes torch reads
 _FEW_RUNS = 64  # row runs written one slice each; more: through one index_copy_
 
 
@@ -49,13 +53,21 @@ def _parse(header: object, targets: Mapping[str, torch.Tensor]) -> list[tuple[di
     if not isinstance(header, dict):
         raise DeltaError(f"round: header must be a JSON object, found {type(header).__name__}")
     where = f"round {header.get('round')!r}"
-    if header.get("format") != FORMAT:
-        raise DeltaError(f"{where}: field 'format' must be {FORMAT}, found "
+    if header.get("format") not in _FORMATS:
+        raise DeltaError(f"{where}: field 'format' must be one of {list(_FORMATS)}, found "
                          f"{header.get('format')!r}")
     total = header.get("nbytes")
     if type(total) is not int or total < 0 or not isinstance(header.get("entries"), list):
         raise DeltaError(f"{where}: fields 'nbytes' (an int >= 0) and 'entries' (a list) are "
                          f"needed, found {total!r} and {type(header.get('entries')).__name__}")
+    if "compress" in header:
+        if header["compress"] not in delta.COMPRESS[1:]:
+            raise DeltaError(f"{where}: field 'compress' must be one of "
+                             f"{list(delta.COMPRESS[1:])}, found {header['compress']!r}")
+        total = header.get("raw_nbytes")  # the segments are in the decompressed buffer
+        if type(total) is not int or total < 0:
+            raise DeltaError(f"{where}: field 'raw_nbytes' must be an int >= 0, found "
+                             f"{total!r}")
     out = []
     for i, e in enumerate(header["entries"]):
         name = e.get("name") if isinstance(e, dict) else None
@@ -87,6 +99,11 @@ def _parse(header: object, targets: Mapping[str, torch.Tensor]) -> list[tuple[di
             if not a <= b <= t.numel():
                 raise bad("stop", f"[{a}, {b}) is out of the {t.numel()} elements")
             want = _al((b - a) * s)
+        elif kind == PATCH and "sections" in e:  # compact
+            try:
+                want = _al(codec.check_fields(e, t.numel(), s))
+            except codec.CodecError as err:
+                raise bad(err.field, err.msg) from None
         elif kind == PATCH:
             if e.get("index_dtype") not in _INDEX:
                 raise bad("index_dtype", f"must be one of {list(_INDEX)}, found "
@@ -101,6 +118,9 @@ def _parse(header: object, targets: Mapping[str, torch.Tensor]) -> list[tuple[di
         if nb != want:
             raise bad("nbytes", f"is {nb}, its other fields make {want}")
         out.append((e, t))
+    if "compress" in header and sum(e["nbytes"] for e, _ in out) != total:
+        raise DeltaError(f"{where}: field 'raw_nbytes' is {total}, the entries make "
+                         f"{sum(e['nbytes'] for e, _ in out)}")
     return out
 
 
@@ -139,10 +159,40 @@ def host(t: torch.Tensor) -> np.ndarray | torch.Tensor:
     return t.numpy() if t.device.type == "cpu" else t
 
 
-def _views(e: dict, t: torch.Tensor, buf: torch.Tensor, nb, check_finite: bool, bad) -> tuple:
+def _decoded(e: dict, t: torch.Tensor, buf: torch.Tensor, nb, old, bad) -> tuple:
+    """(int64 indices, values) of a compact patch piece, decoded on the CPU, on `buf`'s
+    device."""
+    s, name, xor = t.dtype.itemsize, e["name"], e["values"] == codec.XOR
+    src = None if old is None else old.get(name)
+    if xor and src is None:
+        raise DeltaError(f"`{name}`: this receiver cannot decode xor values for `{name}` "
+                         "(it was given no old value for it); refused")
+    if xor and (src.dtype != t.dtype or tuple(src.shape) != tuple(t.shape)):
+        raise bad("values", f"xor against an old value of {src.dtype} {tuple(src.shape)}, "
+                  f"the target is {t.dtype} {tuple(t.shape)}")
+    data = nb[e["offset"]:e["offset"] + sum(e["sections"])]
+    data = data if isinstance(data, np.ndarray) else data.cpu().numpy()
+
+    def old_bits(idx: np.ndarray) -> np.ndarray:
+        flat = src.detach().reshape(-1)
+        got = flat.index_select(0, torch.from_numpy(idx).to(flat.device))
+        return got.view(_BITS[s]).cpu().numpy().view(codec.UINT[s])
+    try:
+        idx, bits = codec.decode(e, data, numel=t.numel(), itemsize=s,
+                                 floating=t.dtype.is_floating_point, old=old_bits)
+    except codec.CodecError as err:
+        raise bad(err.field, err.msg) from None
+    values = torch.from_numpy(bits.view(_SIGNED[s])).view(t.dtype)
+    return torch.from_numpy(idx).to(buf.device), values.to(buf.device)
+
+
+def _views(e: dict, t: torch.Tensor, buf: torch.Tensor, nb, check_finite: bool, bad,
+           old=None) -> tuple:
     # nb: the buffer's numpy view on the CPU (its index checks cost a fraction of torch's),
     # else the buffer itself
     off, s, kind = e["offset"], t.dtype.itemsize, e["kind"]
+    if kind == PATCH and "sections" in e:
+        return _decoded(e, t, buf, nb, old, bad)
     if kind == DENSE:
         v = buf[off:off + (e["stop"] - e["start"]) * s].view(t.dtype)
         if check_finite and t.dtype.is_floating_point and not finite(v):
@@ -174,27 +224,41 @@ def _views(e: dict, t: torch.Tensor, buf: torch.Tensor, nb, check_finite: bool, 
 
 
 def checked(round: Round, targets: Mapping[str, torch.Tensor], *,
-            check_finite: bool = True) -> list[tuple[dict, torch.Tensor, tuple]]:
+            check_finite: bool = True, old: Mapping[str, torch.Tensor] | None = None
+            ) -> list[tuple[dict, torch.Tensor, tuple]]:
     """Check a whole round against its targets and view its pieces, writing nothing.
 
     Args:
         round, targets, check_finite: as for `apply`; the targets may be meta tensors (only
             their dtype and shape are read).
+        old: name -> the receiver's current value of a tensor (any device), read to decode
+            ``values="xor"`` patch pieces into new values; a piece of a tensor it lacks is
+            refused.
     Returns:
         (entry, target, views) per header entry: dense ``(values,)``, patch ``(indices,
-        values)``, rows ``(ranges (k, 2) int64, rows)``; the views are of the round's buffer.
+        values)``, rows ``(ranges (k, 2) int64, rows)``; the views are of the round's buffer
+        (of its decompressed copy if compressed), or decoded tensors for a compact patch.
     Raises:
-        DeltaError: as for `apply`.
+        DeltaError: as for `apply`; and xor values for a tensor `old` does not hold.
     """
     entries, buf, h = _parse(round.header, targets), round.buffer, round.header
+    where = f"round {h.get('round')!r}"
     if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != h["nbytes"]:
-        raise DeltaError(f"round {h.get('round')!r}: field 'nbytes' is {h['nbytes']}, the "
+        raise DeltaError(f"{where}: field 'nbytes' is {h['nbytes']}, the "
                          f"buffer holds {buf.numel()} {buf.dtype} in shape {tuple(buf.shape)}")
+    if "compress" in h:
+        try:
+            raw = codec.zstd_decompress(buf.cpu().numpy().tobytes(), h["raw_nbytes"])
+        except codec.CodecError as err:
+            raise DeltaError(f"{where}: field '{err.field}' {err.msg}") from None
+        buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else \
+            torch.empty(0, dtype=torch.uint8)
+        buf = buf.to(round.buffer.device)
     out, nb = [], host(buf)
     for e, t in entries:
         def bad(field: str, msg: str, name=e["name"]) -> DeltaError:
-            return DeltaError(f"round {h.get('round')!r}: `{name}`: field '{field}' {msg}")
-        out.append((e, t, _views(e, t, buf, nb, check_finite, bad)))
+            return DeltaError(f"{where}: `{name}`: field '{field}' {msg}")
+        out.append((e, t, _views(e, t, buf, nb, check_finite, bad, old)))
     return out
 
 
@@ -230,7 +294,9 @@ def apply(round: Round, targets: Mapping[str, torch.Tensor], *,
 
     Args:
         round: a `Round` from `pack` (or rebuilt from its header JSON and buffer).
-        targets: name -> contiguous tensor; the buffer may be on another device.
+        targets: name -> contiguous tensor; the buffer may be on another device. They hold
+            the old values (a patch writes only what changed), so xor values decode
+            against them.
         check_finite: refuse NaN or Inf in a dense update of a float tensor (patches and rows
             carry exact bit patterns and are not checked).
     Returns:
@@ -239,7 +305,7 @@ def apply(round: Round, targets: Mapping[str, torch.Tensor], *,
         DeltaError: naming the tensor and the field (see `check`; also indices or row
             ranges out of range, a non-finite dense update, a buffer of the wrong length).
     """
-    staged = checked(round, targets, check_finite=check_finite)
+    staged = checked(round, targets, check_finite=check_finite, old=targets)
     names = {}
     for e, t, v in staged:  # everything checked: write
         write(e, t, v)

@@ -48,20 +48,25 @@ class Staged:
 
     Args:
         specs: HF name -> a tensor of the model's dtype and shape (a meta tensor will do).
+        old: HF name -> the tensor's current value (the live weights or views of them, any
+            device): ``values="xor"`` patch pieces are decoded against it when staged (the
+            weights do not change until the commit), so the staged pieces hold new values.
+            A round with xor values for a tensor it lacks is refused.
     Attributes:
         nbytes: bytes of round buffers held.
         rounds: rounds staged so far.
     """
 
-    def __init__(self, specs: Mapping[str, torch.Tensor]):
-        self.specs = specs
+    def __init__(self, specs: Mapping[str, torch.Tensor], *,
+                 old: Mapping[str, torch.Tensor] | None = None):
+        self.specs, self.old = specs, old
         self.nbytes = self.rounds = 0
         self._pieces: dict[str, list[tuple]] = {}  # name -> [(header entry, views)]
         self._next: dict[str, int] = {}  # per tensor: the first flat element not yet staged
 
     def __call__(self, r: Round) -> None:
         buf = r.buffer.clone()  # the channel reuses its buffer for the next round
-        for e, t, views in delta_apply.checked(Round(r.header, buf), self.specs):
+        for e, t, views in delta_apply.checked(Round(r.header, buf), self.specs, old=self.old):
             name, kind = e["name"], e["kind"]
             if kind != DENSE and t.dtype.is_floating_point and not delta_apply.finite(views[1]):
                 raise DeltaError(f"`{name}`: the {kind} values hold NaN or Inf; refused")
@@ -139,7 +144,7 @@ class Staged:
         return dense, sparse
 
     def clear(self) -> None:
-        self.__init__(self.specs)
+        self.__init__(self.specs, old=self.old)
 
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -1,0 +1,322 @@
+"""Compact, exact coding of one patch piece: sorted flat indices and their values, as bytes.
+
+At 1 % of elements changed at random, a patch's flat indices are ~100 apart and bf16 values
+carry ~2.5 bits of exponent entropy: sent as int32 indices and raw values, a changed element
+costs 6 bytes; coded here, ~2.3 bytes (raw values) or ~1 byte (XOR with the receiver's old
+values, when few bits flip). Everything is vectorised numpy; the only entropy coder is
+zlib's Huffman stage (the standard library, so every receiver has it), run over the few
+low-entropy byte streams. No torch, no transport.
+
+A piece is five byte sections, concatenated (their lengths in the header's ``sections``):
+
+0. ``low``: the low ``shift`` bits of every gap (``index[i+1] - index[i] - 1``), bit-packed;
+1. ``high``: the rest of every gap (``gap >> shift``) as one byte (255: see ``escapes``);
+2. ``escapes``: uint64 ``gap >> shift`` of the gaps whose high byte is 255, in order;
+3. ``values="raw"``: the top byte of every value (after rotating a float's bits left by one:
+   its exponent); ``values="xor"``: the bit length of every ``new ^ old``;
+4. ``values="raw"``: the other bytes of every value, little-endian; ``values="xor"``: the bits
+   below the leading one of every ``new ^ old``, bit-packed.
+
+Sections 1 and 3 are zlib-deflated (raw deflate, level 1, run-length matches only) where
+that is smaller; ``zipped`` lists which. The first index is the header's ``first``; the gaps make
+the indices strictly increasing by construction. `decode` checks every size against the
+header and the element count before it reads, so a corrupt piece raises `CodecError`
+naming the field, never reads or writes out of bounds.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+
+from hotweights.errors import DeltaError
+
+__all__ = ["UINT", "VALUES", "CodecError", "check_fields", "decode", "encode", "zstd_compress",
+           "zstd_decompress"]
+
+RAW, XOR = "raw", "xor"
+VALUES = (RAW, XOR)
+_SECTIONS = 5
+_ZIPPABLE = (1, 3)
+_ESC = 255
+UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+class CodecError(DeltaError):
+    """A piece does not decode; `field` names the header field or section at fault."""
+
+    def __init__(self, field: str, msg: str):
+        super().__init__(f"field '{field}' {msg}")
+        self.field, self.msg = field, msg
+
+
+# -- bits -------------------------------------------------------------------------------------
+
+def _pack_fixed(x: np.ndarray, width: int) -> np.ndarray:
+    """The low `width` bits of every uint64 in `x`, little-endian bit order, as bytes."""
+    if not width or not len(x):
+        return np.zeros(0, np.uint8)
+    if width % 8 == 0:  # whole bytes: the little-endian bytes of each value, no bit matrix
+        return np.ascontiguousarray(x.view(np.uint8).reshape(-1, 8)[:, :width // 8]).reshape(-1)
+    bits = ((x[:, None] >> np.arange(width, dtype=np.uint64)) & np.uint64(1)).astype(np.uint8)
+    return np.packbits(bits.reshape(-1), bitorder="little")
+
+
+def _unpack_fixed(data: np.ndarray, n: int, width: int) -> np.ndarray:
+    if not width or not n:
+        return np.zeros(n, np.uint64)
+    if width % 8 == 0:
+        out = np.zeros((n, 8), np.uint8)
+        out[:, :width // 8] = data.reshape(n, width // 8)
+        return out.view(np.uint64).reshape(-1)
+    bits = np.unpackbits(data, count=n * width, bitorder="little").reshape(n, width)
+    return (bits.astype(np.uint64) << np.arange(width, dtype=np.uint64)).sum(1, dtype=np.uint64)
+
+
+def _bit_length(x: np.ndarray) -> np.ndarray:
+    """Bits needed by each uint64 (0 for 0), as uint8: exact for all 64 bits."""
+    hi, lo = (x >> np.uint64(32)).astype(np.float64), (x & np.uint64(0xFFFFFFFF)).astype(
+        np.float64)  # each exact in a float64: frexp's exponent is the bit length
+    return np.where(hi > 0, 32 + np.frexp(hi)[1], np.frexp(lo)[1]).astype(np.uint8)
+
+
+def _pack_varying(x: np.ndarray, widths: np.ndarray) -> np.ndarray:
+    """The low widths[i] bits of each x[i], back to back, little-endian bit order."""
+    w = widths.astype(np.int64)
+    total = int(w.sum())
+    if not total:
+        return np.zeros(0, np.uint8)
+    starts = np.cumsum(w) - w
+    owner = np.repeat(np.arange(len(x)), w)
+    shift = (np.arange(total, dtype=np.int64) - starts[owner]).astype(np.uint64)
+    return np.packbits(((x[owner] >> shift) & np.uint64(1)).astype(np.uint8),
+                       bitorder="little")
+
+
+def _unpack_varying(data: np.ndarray, widths: np.ndarray) -> np.ndarray:
+    w = widths.astype(np.int64)
+    total, out = int(w.sum()), np.zeros(len(widths), np.uint64)
+    if not total:
+        return out
+    starts = np.cumsum(w) - w
+    bits = np.unpackbits(data, count=total, bitorder="little").astype(np.uint64)
+    owner = np.repeat(np.arange(len(w)), w)
+    bits <<= (np.arange(total, dtype=np.int64) - starts[owner]).astype(np.uint64)
+    some = w > 0  # reduceat over non-empty runs only (an empty one reads its neighbour)
+    out[some] = np.add.reduceat(bits, starts[some])
+    return out
+
+
+def _zip(raw: np.ndarray) -> bytes | None:
+    """Raw deflate of `raw`, or None where it is not smaller. Run-length matches only: as
+    fast as Huffman alone (~90 M bytes/s) and within 2 % of it on exponents, yet a constant
+    stream (one XOR width, one exponent) costs next to nothing."""
+    if len(raw) < 64:
+        return None
+    c = zlib.compressobj(1, zlib.DEFLATED, -15, 9, zlib.Z_RLE)
+    z = c.compress(raw) + c.flush()
+    return z if len(z) < len(raw) else None
+
+
+def _unzip(data: np.ndarray, n: int, field: str) -> np.ndarray:
+    d = zlib.decompressobj(-15)
+    try:
+        out = d.decompress(data.tobytes(), n + 1)  # at most one byte past what is expected
+    except zlib.error as e:
+        raise CodecError(field, f"does not inflate ({e})") from None
+    if len(out) != n or not d.eof or d.unconsumed_tail or d.unused_data:
+        raise CodecError(field, f"inflates to {len(out)}{'+' if not d.eof else ''} bytes, "
+                         f"expected {n}")
+    return np.frombuffer(out, np.uint8)
+
+
+# -- values -----------------------------------------------------------------------------------
+
+def _rotl(v: np.ndarray, bits: int) -> np.ndarray:
+    return (v << v.dtype.type(1)) | (v >> v.dtype.type(bits - 1))
+
+
+def _rotr(v: np.ndarray, bits: int) -> np.ndarray:
+    return (v >> v.dtype.type(1)) | (v << v.dtype.type(bits - 1))
+
+
+def _planes(v: np.ndarray, s: int) -> tuple[np.ndarray, np.ndarray]:
+    """(top byte of each value, the other bytes of each, little-endian) of unsigned `v`."""
+    b = v.view(np.uint8).reshape(-1, s)
+    return np.ascontiguousarray(b[:, s - 1]), np.ascontiguousarray(b[:, :s - 1]).reshape(-1)
+
+
+# -- the piece --------------------------------------------------------------------------------
+
+def encode(indices: np.ndarray, bits: np.ndarray, *, floating: bool,
+           old: np.ndarray | None = None) -> tuple[dict, np.ndarray]:
+    """Code one patch piece.
+
+    Args:
+        indices: its flat element indices, strictly increasing, any integer dtype.
+        bits: the new values' bit patterns, an unsigned view (uint8/16/32/64) of one per index.
+        floating: the tensor is a float one (its exponent is coded apart).
+        old: the receiver's old bit patterns at `indices` (same dtype as `bits`): values are
+            then sent as ``new ^ old``; None: raw.
+    Returns:
+        (header fields: ``count``, ``first``, ``shift``, ``values``, ``sections``,
+        ``zipped``; the piece's bytes, unpadded).
+    """
+    k, s = len(indices), bits.dtype.itemsize
+    idx = indices.astype(np.int64, copy=False)
+    gaps = (np.diff(idx) - 1).astype(np.uint64)
+    shift = max(0, int(np.log2(float(gaps.mean()) + 1)) - 1) if len(gaps) else 0
+    high = gaps >> np.uint64(shift)
+    escapes = high[high >= _ESC]
+    sections = [_pack_fixed(gaps, shift), np.minimum(high, _ESC).astype(np.uint8),
+                escapes.astype("<u8").view(np.uint8)]
+    if old is None:
+        v = _rotl(bits, 8 * s) if floating and s > 1 else bits
+        top, rest = _planes(np.ascontiguousarray(v), s)
+        sections += [top, rest]
+    else:
+        x = (bits ^ old).astype(np.uint64)
+        length = _bit_length(x)
+        sections += [length, _pack_varying(x, np.maximum(length.astype(np.int16) - 1, 0))]
+    zipped = []
+    for i in _ZIPPABLE:
+        if (z := _zip(sections[i])) is not None:
+            sections[i] = np.frombuffer(z, np.uint8)
+            zipped.append(i)
+    fields = {"count": k, "first": int(idx[0]) if k else 0, "shift": shift,
+              "values": RAW if old is None else XOR, "sections": [len(x) for x in sections],
+              "zipped": zipped}
+    return fields, np.concatenate(sections) if k else np.zeros(0, np.uint8)
+
+
+def check_fields(e: dict, numel: int, itemsize: int) -> int:
+    """Check a piece's header fields against its tensor's element count and element size;
+    return the piece's byte length (unpadded). Raises `CodecError`."""
+    k, first, shift = e.get("count"), e.get("first"), e.get("shift")
+    for field, v in (("count", k), ("first", first), ("shift", shift)):
+        if type(v) is not int or v < 0:
+            raise CodecError(field, f"must be an int >= 0, found {v!r}")
+    if k > numel or (k and first >= numel) or shift > 62:
+        raise CodecError("count", f"{k} elements from {first} (shift {shift}) do not fit the "
+                         f"{numel} elements")
+    if e.get("values") not in VALUES:
+        raise CodecError("values", f"must be one of {list(VALUES)}, found {e.get('values')!r}")
+    sections, zipped = e.get("sections"), e.get("zipped")
+    if not (isinstance(sections, list) and len(sections) == _SECTIONS and all(
+            type(n) is int and n >= 0 for n in sections)):
+        raise CodecError("sections", f"must be {_SECTIONS} ints >= 0, found {sections!r}")
+    if not (isinstance(zipped, list) and all(z in _ZIPPABLE for z in zipped)
+            and len(set(zipped)) == len(zipped)):
+        raise CodecError("zipped", f"must list some of {list(_ZIPPABLE)}, found {zipped!r}")
+    gaps, xor = max(k - 1, 0), e["values"] == XOR
+    exact = {0: (gaps * shift + 7) // 8, 1: gaps, 3: k,
+             4: None if xor else k * (itemsize - 1)}
+    for i, want in exact.items():
+        if want is not None and i not in zipped and sections[i] != want:
+            raise CodecError("sections", f"[{i}] is {sections[i]} bytes, {k} elements make "
+                             f"{want}")
+    if sections[2] % 8 or sections[2] // 8 > gaps:
+        raise CodecError("sections", f"[2] is {sections[2]} bytes: not 8 per escaped gap")
+    if xor and sections[4] > (k * 8 * itemsize + 7) // 8:
+        raise CodecError("sections", f"[4] is {sections[4]} bytes, more than {k} values hold")
+    if any(sections[i] > k + 1024 for i in zipped):  # only kept where smaller than k bytes
+        raise CodecError("sections", f"a deflated section of {sections} is too long for "
+                         f"{k} elements")
+    return sum(sections)
+
+
+def decode(e: dict, data: np.ndarray, *, numel: int, itemsize: int, floating: bool,
+           old=None) -> tuple[np.ndarray, np.ndarray]:
+    """Decode a piece whose fields passed `check_fields`.
+
+    Args:
+        e: its header fields; data: its bytes (uint8, exactly `check_fields`' length).
+        numel, itemsize, floating: its tensor's element count, element size, float or not.
+        old: for ``values="xor"``: a callable, int64 indices -> the receiver's current bit
+            patterns there (unsigned numpy of `itemsize`).
+    Returns:
+        (int64 indices, strictly increasing and inside the tensor; unsigned bit patterns).
+    Raises:
+        CodecError: naming the field; `old` missing for xor values is the caller's to check.
+    """
+    k, shift, sizes = e["count"], e["shift"], e["sections"]
+    ends = np.cumsum(sizes)
+    part = [data[int(a):int(b)] for a, b in zip(np.concatenate([[0], ends[:-1]]), ends,
+                                                strict=True)]
+    utype = UINT[itemsize]
+    if not k:
+        return np.zeros(0, np.int64), np.zeros(0, utype)
+    gaps_n = k - 1
+    high = _unzip(part[1], gaps_n, "indices") if 1 in e["zipped"] else part[1]
+    high = high.astype(np.uint64)
+    escaped = high == _ESC
+    escapes = part[2].view("<u8").astype(np.uint64)
+    if int(escaped.sum()) != len(escapes):
+        raise CodecError("indices", f"hold {int(escaped.sum())} escaped gaps, section [2] "
+                         f"{len(escapes)}")
+    if len(escapes) and int(escapes.max()) >= numel:
+        raise CodecError("indices", f"hold a gap past the {numel} elements")
+    high[escaped] = escapes
+    gaps = (high << np.uint64(shift)) | _unpack_fixed(part[0], gaps_n, shift)
+    # each gap < numel << shift is checked in floats first: the int sum cannot wrap
+    if float(high.sum(dtype=np.float64)) * 2.0 ** shift + k > 2.0 ** 62 or (
+            e["first"] + int(gaps.sum(dtype=np.uint64)) + gaps_n >= numel):
+        raise CodecError("indices", f"run past the {numel} elements")
+    idx = np.empty(k, np.int64)
+    idx[0] = e["first"]
+    np.cumsum(gaps.astype(np.int64) + 1, out=idx[1:])
+    idx[1:] += e["first"]
+    if e["values"] == RAW:
+        top = _unzip(part[3], k, "values") if 3 in e["zipped"] else part[3]
+        b = np.empty((k, itemsize), np.uint8)
+        b[:, itemsize - 1] = top
+        b[:, :itemsize - 1] = part[4].reshape(k, itemsize - 1)
+        v = b.view(utype).reshape(-1)
+        return idx, (_rotr(v, 8 * itemsize) if floating and itemsize > 1 else v)
+    length = _unzip(part[3], k, "values") if 3 in e["zipped"] else part[3]
+    if len(length) and int(length.max()) > 8 * itemsize:
+        raise CodecError("values", f"hold an xor of {int(length.max())} bits, more than "
+                         f"{8 * itemsize}")
+    widths = np.maximum(length.astype(np.int16) - 1, 0)
+    if (int(widths.sum()) + 7) // 8 != sizes[4]:
+        raise CodecError("values", f"need {(int(widths.sum()) + 7) // 8} bytes of xor bits, "
+                         f"section [4] holds {sizes[4]}")
+    x = _unpack_varying(part[4], widths)
+    lead = np.where(length > 0, np.uint64(1) << np.maximum(length.astype(np.int64) - 1, 0)
+                    .astype(np.uint64), np.uint64(0))
+    return idx, (old(idx) ^ (x | lead).astype(utype))
+
+
+# -- the round compressor ---------------------------------------------------------------------
+
+def _zstd():
+    try:
+        import zstandard
+    except ImportError:
+        raise DeltaError("compress='zstd' needs the zstandard package: install the extra "
+                         "`pip install 'hotweights[zstd]'`") from None
+    return zstandard
+
+
+def zstd_compress(raw: bytes | memoryview, level: int = 1) -> bytes:
+    """zstd frame of `raw`, its size in its header, compressed on every core (raises
+    `DeltaError` naming the extra without zstandard)."""
+    return _zstd().ZstdCompressor(level=level, threads=-1, write_content_size=True).compress(
+        raw)
+
+
+def zstd_decompress(data: bytes, n: int) -> bytes:
+    """Exactly `n` bytes from zstd frame `data`: a frame whose header does not say `n` is
+    refused before anything is allocated, one that holds more or less raises `CodecError`."""
+    zstandard = _zstd()
+    try:
+        size = zstandard.frame_content_size(data)
+        if size != n:
+            raise CodecError("raw_nbytes", f"is {n}, the buffer's zstd frame says {size}")
+        out = zstandard.ZstdDecompressor().decompress(data, max_output_size=n)
+    except zstandard.ZstdError as e:
+        raise CodecError("buffer", f"does not decompress ({e})") from None
+    if len(out) != n:
+        raise CodecError("raw_nbytes", f"is {n}, the buffer decompresses to {len(out)} bytes")
+    return out
