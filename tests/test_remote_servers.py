@@ -118,6 +118,42 @@ def test_k_updates_are_served_identically_with_one_version_number(remotes, train
     assert (ours - torch.tensor(logprobs)).abs().max() < LOAD_TOL
 
 
+def test_the_servers_serve_their_old_version_until_the_commit(remotes, trainer, monkeypatch):
+    # generation goes on while the update is encoded, sent and staged; the commit pauses
+    # only to apply it; the lease is renewed during an encode longer than the lease
+    model, group = trainer
+    before = [_checksum(s) for s in remotes[:2]]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)
+    pending = group.prepare(model, mode="keep")
+    for s in remotes[:2]:
+        st = _status(s)
+        assert st["state"] == "staging" and not st["paused"] and st["n"] == group.n
+        code, headers, _ = _http(s.url, "/v1/completions", token=None, body=dict(
+            model=s.model_dir, prompt=PROMPT, max_tokens=4, temperature=0.0))
+        assert code == 200 and headers["x-hotweights-version"] == st["version"]
+    assert [_checksum(s) for s in remotes[:2]] == before  # nothing applied yet
+    out = group.commit(pending)
+    assert set(out["paused_ms"]) == {s.url for s in remotes[:2]}
+    assert all(0 < ms < 10_000 for ms in out["paused_ms"].values()), out
+    assert [round(_status(s)["last_paused_s"] * 1e3, 3) for s in remotes[:2]] == \
+        list(out["paused_ms"].values())
+    assert _checksum(remotes[0]) == _checksum(remotes[1]) != before[0]
+    from hotweights.remote import delta
+    encode_all = delta.encode_all
+
+    def slow_encode(*args, **kwargs):
+        time.sleep(3.0)
+        return encode_all(*args, **kwargs)
+    monkeypatch.setattr(delta, "encode_all", slow_encode)
+    with torch.no_grad():
+        model.model.norm.weight[0] += 1
+    out = group.update(model, lease_s=1.5)  # renewed every 0.5 s
+    assert {_status(s)["n"] for s in remotes[:2]} == {out["version"]}
+    assert not any(_status(s)["dirty"] for s in remotes[:2])
+
+
 def test_only_what_changed_goes_on_the_wire(remotes, trainer):
     model, group = trainer
     total, g = _nbytes(model), torch.Generator().manual_seed(0)
@@ -219,7 +255,26 @@ def test_a_bridge_and_two_remotes_update_as_one_transaction(remotes, monkeypatch
     assert _checksum(local) == _checksum(far[0]) == _checksum(far[1])
     served = [_greedy(s, PROMPT, 8) for s in remotes]
     assert served[0] == served[1] == served[2]
-    # A remote refuses: the local step is undone, and every server stays where it was.
+    # By default this server commits first: a remote that refuses leaves it at the new
+    # version and the remotes at the old one, named; the next update catches them up.
+    n, old = group.n, [_checksum(s) for s in far]
+    norm = model.model.norm.weight
+    with pytest.raises(RemoteError, match=rf"{local.url} serves version {n + 1}; the remote "
+                       r"servers did not take it .*: update not applied anywhere: .*NaN"):
+        with bridge.update():
+            with torch.no_grad():
+                saved = norm[0].item()
+                norm[0] = float("nan")
+    assert _status(local)["n"] == n + 1 and not _status(local)["dirty"]
+    assert [_checksum(s) for s in far] == old and {_status(s)["n"] for s in far} == {n}
+    with bridge.update():
+        with torch.no_grad():
+            norm[0] = saved
+    assert {_status(s)["n"] for s in remotes} == {n + 2}
+    assert _checksum(local) == _checksum(far[0]) == _checksum(far[1])
+    # require="all": a remote refuses: the local step is undone, every server stays where
+    # it was.
+    group.require = "all"
     before = [(_status(s)["version"], _checksum(s)) for s in remotes]
     with pytest.raises(RemoteError, match="update not applied anywhere: .*NaN"):
         with bridge.update():
@@ -255,7 +310,7 @@ def test_a_server_killed_during_the_send_is_named_and_the_other_stays_old(
     before = (_status(survivor)["version"], _checksum(survivor))
 
     def kill_when_paused():
-        while _status(victim)["state"] != "paused":
+        while _status(victim)["state"] != "staging":
             time.sleep(0.01)
         time.sleep(0.2)
         _kill(victim)

@@ -324,3 +324,39 @@ def test_a_worker_error_on_receive_is_a_502_naming_it(monkeypatch):
                                      "1.2.3.4:5 rank 1: round 2/3 failed: the sender is gone")
 
     serve(test)
+
+
+def test_a_remote_server_stages_while_serving_and_pauses_only_to_apply(monkeypatch):
+    monkeypatch.setenv("HOTWEIGHTS_REMOTE", "1")
+
+    async def test(client, stub):
+        r = await client.post("/hotweights/begin", json=body(stage=True, mode="keep"),
+                              headers=AUTH)
+        assert r.status_code == 200
+        status = (await client.get("/hotweights/status", headers=AUTH)).json()
+        assert status["state"] == "staging" and not status["paused"]
+        await client.post("/hotweights/remote/receive", json=body(update="u", wait_s=5.0),
+                          headers=AUTH)
+        assert not any(c.startswith("pause") for c in stub.calls)  # received while serving
+        r = await client.post("/hotweights/commit", json=body(n=3), headers=AUTH)
+        assert r.status_code == 200 and r.json()["paused_s"] > 0
+        i = stub.calls.index("hotweights_remote_receive")
+        assert stub.calls[i + 1] == "pause:keep" and stub.calls[-1] == "resume"
+        assert "hotweights_remote_apply" in stub.calls[i + 2:]
+        calls = len(stub.calls)
+        await client.post("/hotweights/begin", json=body(stage=True), headers=AUTH)
+        r = await client.post("/hotweights/abort", json=body(), headers=AUTH)  # dirty=True
+        assert r.json() == {"version": f"3@{SID}", "n": 3, "dirty": False}
+        assert stub.calls[calls:] == ["hotweights_remote_discard"]  # never paused
+
+    serve(test)
+
+
+def test_stage_is_refused_on_a_local_server():
+    async def test(client, stub):
+        r = await client.post("/hotweights/begin", json=body(stage=True), headers=AUTH)
+        assert r.status_code == 400 and "field 'stage' needs a `hotweights serve --remote`" \
+            in r.json()["error"]
+        assert (await client.get("/hotweights/status", headers=AUTH)).json()["state"] == "idle"
+
+    serve(test)

@@ -89,6 +89,9 @@ async def into(state: State, tx: Transaction, engine: StubEngine, lease_s=60.0):
         task = asyncio.ensure_future(tx.begin(begin(lease_s=lease_s)))
         await settle()
         return task
+    if state is State.STAGING:
+        await tx.begin(begin(lease_s=lease_s, stage=True))
+        return None
     await tx.begin(begin(lease_s=0.01 if state is State.EXPIRED else lease_s))
     if state is State.EXPIRED:
         await asyncio.sleep(0.05)
@@ -119,6 +122,9 @@ TABLE = {
                          abort=State.IDLE),
     State.PAUSED: dict(begin_same=State.PAUSED, begin_other=409, renew=State.PAUSED,
                        commit=State.IDLE, abort=State.IDLE),
+    # begin_same is a begin without `stage`: not the update this holder began
+    State.STAGING: dict(begin_same=409, begin_other=409, renew=State.STAGING,
+                        commit=State.IDLE, abort=State.IDLE),
     # a commit holds the transaction: what arrives meanwhile runs after it, on idle
     State.COMMITTING: dict(begin_same=State.PAUSED, begin_other=State.PAUSED, renew=409,
                            commit=409, abort=409),
@@ -157,7 +163,7 @@ def test_every_route_in_every_state(state, route):
                 await pending
             except Refused as e:  # a drain aborted under its begin
                 assert (state, route) == (State.DRAINING, "abort") and e.status == 409
-        if tx.state is State.IDLE:
+        if tx.state in (State.IDLE, State.STAGING):
             assert not engine.held and not engine.paused
         elif tx.state is State.PAUSED:
             assert engine.held and engine.paused
@@ -172,7 +178,8 @@ def test_commit_serves_a_new_clean_version():
         status = tx.status()
         assert status["state"] == "paused" and status["paused"] and status["holder"] == "h1"
         out = await tx.commit(Commit("h1", SID))
-        assert out == {"version": f"1@{SID}", "n": 1, "dirty": False, "dirty_reason": None}
+        assert out == {"version": f"1@{SID}", "n": 1, "dirty": False, "dirty_reason": None,
+                       "paused_s": tx.status()["last_paused_s"]} and out["paused_s"] > 0
         assert engine.label == f"1@{SID}" and not engine.held and not engine.paused
         assert tx.status()["updates"] == 1 and tx.status()["last_update_s"] is not None
 
@@ -380,3 +387,81 @@ def test_commit_to_a_given_version_number_and_abort_discards():
         assert discards == [State.PAUSED] and tx.version == f"7@{SID}"
 
     run(test)
+
+
+class RecordingEngine(StubEngine):
+    """Also records the order of the steps an update asks for."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps = []
+
+    async def pause(self, mode):
+        self.steps.append(f"pause {mode}")
+        await super().pause(mode)
+
+    async def after_update(self):
+        self.steps.append("apply" if self.paused else "apply while serving")
+        await super().after_update()
+
+    async def discard(self):
+        self.steps.append("discard")
+        await super().discard()
+
+
+def run_recording(test):
+    engine = RecordingEngine()
+
+    async def main():
+        return await test(Transaction(engine, SID), engine)
+
+    return asyncio.run(main())
+
+
+def test_a_staged_update_pauses_only_for_its_commit():
+    async def test(tx, engine):
+        granted = await tx.begin(begin(stage=True, mode="keep"))
+        assert granted["version"] == f"0@{SID}" and granted["lease_expires"] > 0
+        status = tx.status()
+        assert status["state"] == "staging" and not status["paused"] and not engine.held
+        await tx.renew(Renew("h1", SID, lease_s=30))
+        out = await tx.commit(Commit("h1", SID, n=5))
+        assert engine.steps == ["pause keep", "apply"]
+        assert out["version"] == f"5@{SID}" and not out["dirty"] and out["paused_s"] > 0
+        assert not engine.held and not engine.paused and engine.resumes == 1
+        assert tx.status()["last_paused_s"] == out["paused_s"]
+
+    run_recording(test)
+
+
+def test_a_staged_update_aborted_or_expired_keeps_its_version_clean():
+    async def test(tx, engine):
+        await tx.begin(begin(stage=True))
+        out = await tx.abort(Abort("h1", SID, dirty=True))  # nothing was written
+        assert out == {"version": f"0@{SID}", "n": 0, "dirty": False}
+        await tx.begin(begin(stage=True, lease_s=0.01))
+        await asyncio.sleep(0.05)
+        status = tx.status()
+        assert status["state"] == "idle" and status["version"] == f"0@{SID}"
+        assert not status["dirty"] and status["expired"]["holder"] == "h1"
+        assert engine.steps == ["discard", "discard"] and engine.resumes == 0
+        with pytest.raises(Refused, match=f"expired .*; the server dropped the staged update "
+                           f"and serves version 0@{SID}$"):
+            await tx.commit(Commit("h1", SID))
+
+    run_recording(test)
+
+
+def test_a_staged_commit_whose_drain_times_out_drops_the_update():
+    async def test(tx, engine):
+        await tx.begin(begin(stage=True, lease_s=0.05))
+        engine.block["pause"] = asyncio.Event()  # a request that never finishes
+        with pytest.raises(Refused, match="did not finish within lease_s=0.05 s; the staged "
+                           "update was dropped") as e:
+            await tx.commit(Commit("h1", SID))
+        assert e.value.status == 503
+        status = tx.status()
+        assert status["state"] == "idle" and status["n"] == 0 and not status["dirty"]
+        assert engine.steps == ["pause wait", "discard"] and not engine.held
+
+    run_recording(test)

@@ -6,17 +6,17 @@ import contextlib
 import logging
 import os
 import socket
-import threading
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from hotweights.errors import ServerError
+from hotweights.errors import RemoteError, ServerError
 from hotweights.layout.views import build_hf_model
 from hotweights.protocol import shm
 from hotweights.protocol.http import request, server_status
+from hotweights.protocol.renewer import Renewer
 from hotweights.protocol.tokens import find_token
 
 logger = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ class Bridge:
         if not exclusive:
             return sync(model_dir, model, version=self.version, config=model.config, **kwargs)
         self._post("/hotweights/begin", mode="keep", lease_s=60.0)
-        renewer, released = _Renewer(self, 60.0), False
+        renewer, released = Renewer(self.renew, 60.0), False
 
         def release() -> None:
             nonlocal released
@@ -158,12 +158,17 @@ class Bridge:
             lease_s: the server resumes by itself, marking the weights dirty, if it hears
                 nothing from this trainer for this many seconds. It also bounds the drain.
 
-        With remote servers (`add_remote`), after the body every remote stages what changed;
-        only then does this server commit, and the remotes with the same version number. If
-        a remote fails before that, the body's writes are undone here (from the group's copy
-        of the old weights), every server resumes at its old version, and the error names
-        the remote. If this server's commit fails after that, the remotes commit anyway (this
-        server's weights are the new ones, written in place) and its error is raised.
+        With remote servers (`add_remote`), every server serves the new weights under one
+        version number N. By default (``RemoteGroup(require="any")``) this server commits
+        and resumes right after the body; then the remotes receive what changed (serving
+        their old version meanwhile) and commit N. If they fail, this server serves N and
+        they stay at their old version: the error names them, and the next update catches
+        them up. With ``require="all"``, every remote stages what changed first; only then
+        does this server commit, and the remotes; if a remote fails before that, the body's
+        writes are undone here (from the group's copy of the old weights), every server
+        resumes at its old version, and the error names the remote. Either way, if this
+        server's commit fails, the remotes commit anyway (this server's weights are the new
+        ones, written in place) and its error is raised.
 
         Raises:
             ServerError: the server refused (another trainer holds the lease, it restarted
@@ -177,7 +182,7 @@ class Bridge:
         except BaseException:
             self._abort(dirty=False, quiet=True)  # nothing written; no stale begin may linger
             raise
-        renewer = _Renewer(self, lease_s)
+        renewer = Renewer(self.renew, lease_s)
         try:
             with renewer:
                 yield
@@ -191,6 +196,15 @@ class Bridge:
             self.version = self._post("/hotweights/commit")["version"]
             return
         model = self._model or self.model()
+        if self.remote.require == "any":
+            n = max(self.remote.floor(), began["n"]) + 1
+            try:
+                self.version = self._post("/hotweights/commit", n=n)["version"]
+            except Exception:  # the weights here are the new ones whatever became of it
+                self._update_remotes(model, n, mode, lease_s)
+                raise
+            self._update_remotes(model, n, mode, lease_s)
+            return
         try:
             pending = self.remote.prepare(model, mode=mode, lease_s=lease_s)
         except BaseException:
@@ -206,6 +220,13 @@ class Bridge:
             self.remote.abort(pending)
             raise
         self.remote.commit(pending, n)
+
+    def _update_remotes(self, model, n: int, mode: str, lease_s: float) -> None:
+        try:
+            self.remote.update(model, mode=mode, lease_s=lease_s, n=n)
+        except RemoteError as e:
+            raise RemoteError(f"{self.url} serves version {n}; the remote servers did not "
+                              f"take it (the next update catches them up): {e}") from e
 
     def renew(self, lease_s: float = 60.0) -> None:
         """Extend the lease of the current update (`update()` does it by itself)."""
@@ -228,31 +249,6 @@ class Bridge:
     def _post(self, route: str, *, timeout: float = 120, **body: Any) -> dict:
         body = dict(holder=self.holder, server_id=self.server_id, **body)
         return request(self.url, "POST", route, self._token, body, timeout=timeout)
-
-
-class _Renewer(threading.Thread):
-    """Renews a bridge's lease every lease_s / 3 until stopped."""
-
-    def __init__(self, bridge: Bridge, lease_s: float):
-        super().__init__(daemon=True, name="hotweights-renew")
-        self.bridge, self.lease_s = bridge, lease_s
-        self.done = threading.Event()
-
-    def __enter__(self) -> _Renewer:
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.done.set()
-        self.join()
-
-    def run(self) -> None:
-        while not self.done.wait(self.lease_s / 3):
-            try:
-                self.bridge.renew(self.lease_s)
-            except ServerError as e:  # commit will say what happened
-                logger.warning("hotweights: lease renewal failed: %s", e)
-                return
 
 
 def _local_model_dir(path: str, trust_remote_code: bool) -> str:

@@ -1,10 +1,11 @@
 """Trainer side of remote servers: `RemoteGroup` sends each update, only what changed, to every
 `hotweights serve --remote`, as one transaction.
 
-One update: begin (pause) on every server; every server's workers receive the rounds into
-staging while this process broadcasts them on a `Channel` (checked there, nothing applied);
-commit on every server with one version number N, which applies the staged update. What the
-design guarantees:
+One update: begin on every server (it takes the lease and goes on serving the old version);
+every server's workers receive the rounds into staging while this process broadcasts them
+on a `Channel` (checked there, nothing applied; the lease renewed meanwhile); commit on
+every server with one version number N, which pauses generation only to apply the staged
+update, reset the caches and resume. What the design guarantees:
 
 - a server that dies, stalls or refuses during the send fails the update on every server,
   within the timeout and by name; the others abort with nothing applied: **all stay at the
@@ -43,6 +44,7 @@ from hotweights.checkpoint.names import reverted
 from hotweights.checkpoint.source import open_dir
 from hotweights.errors import HotweightsError, RemoteError, ServerError
 from hotweights.protocol.http import request
+from hotweights.protocol.renewer import Renewer
 from hotweights.protocol.tokens import find_token, is_loopback
 from hotweights.remote import delta, prefilter
 from hotweights.remote.channel import Channel
@@ -54,6 +56,7 @@ __all__ = ["Pending", "RemoteGroup"]
 logger = logging.getLogger(__name__)
 
 ROUND_BYTES = 64 << 20  # staging budget per round, on both sides
+REQUIRE = ("any", "all")
 
 
 @dataclass(frozen=True)
@@ -95,12 +98,18 @@ class RemoteGroup:
             just started, or restarted) is sent only what differs from it instead of the
             whole model; its digest is checked, so a different one costs a full sync, never
             a wrong weight.
+        require: with a local server (`Bridge.add_remote`): ``"any"`` (default), the local
+            server commits and resumes first, then the remotes receive and commit (if they
+            fail, the local server serves the new version and they stay at the old one,
+            named, until the next update catches them up); ``"all"``, the local server
+            waits until every remote has staged the update, and if one fails the trainer's
+            step is undone and every server stays at the old version.
     """
 
     def __init__(self, servers: str | Iterable[str], *, token: str | Mapping[str, str] | None =
                  None, master_addr: str | None = None, master_port: int = 0,
                  timeout: float = 60.0, max_round_bytes: int = ROUND_BYTES,
-                 checkpoint: str | os.PathLike | None = None):
+                 checkpoint: str | os.PathLike | None = None, require: str = "any"):
         self.urls = server_urls(servers)
         self._tokens = {u: find_token(u, token.get(u) if isinstance(token, Mapping) else token)
                         for u in self.urls}
@@ -112,6 +121,9 @@ class RemoteGroup:
             raise RemoteError(f"field 'max_round_bytes' must be an int >= "
                               f"{delta.MIN_ROUND_BYTES}, found {max_round_bytes!r}")
         self.max_round_bytes = max_round_bytes
+        if require not in REQUIRE:
+            raise RemoteError(f"field 'require' must be one of {REQUIRE}, found {require!r}")
+        self.require = require
         self._staging: torch.Tensor | None = None  # see _round_buffer
         self.checkpoint = checkpoint
         self._loaded: tuple[dict, str | None, dict] | None = None  # (stats, digest, tensors)
@@ -125,11 +137,12 @@ class RemoteGroup:
         self._members: tuple = ()  # ((url, server id), ...) of the channel
         self._channel_id: str | None = None
         self._ranks: dict[str, range] = {}
+        self._leased: dict = {}  # url -> status, of the servers an update in progress began
 
     # -- the update ------------------------------------------------------------------------
 
     def update(self, weights: torch.nn.Module | Mapping[str, torch.Tensor], *,
-               mode: str = "wait", lease_s: float | None = None) -> dict:
+               mode: str = "wait", lease_s: float | None = None, n: int | None = None) -> dict:
         """Send the new weights to every server, as one transaction; return what happened.
 
         Args:
@@ -137,23 +150,33 @@ class RemoteGroup:
                 ones once) or a mapping of checkpoint names to tensors.
             mode: how servers treat in-flight requests while paused ("wait", "abort",
                 "keep"), as for `Bridge.update`.
-            lease_s: how long a server waits for this trainer before it resumes by itself
-                (default: four times the timeout, at least 60 s).
+            lease_s: how long a server waits for this trainer before it drops the update by
+                itself (default: four times the timeout, at least 60 s).
+            n: the version number to serve (default: one above every server's, `floor`).
         Returns:
             ``{"version": N, "full": bool, "bytes_sent": int, "seconds": float,
-            "servers": {url: "N@SERVER"}}``.
+            "servers": {url: "N@SERVER"}, "paused_ms": {url: ms}}``: ``paused_ms`` is how
+            long each server held new requests or paused generation, by its own clock.
         Raises:
             RemoteError: naming the server that failed (see the module doc for the state
                 every server is left in).
         """
-        return self.commit(self.prepare(weights, mode=mode, lease_s=lease_s))
+        return self.commit(self.prepare(weights, mode=mode, lease_s=lease_s), n)
+
+    def floor(self) -> int:
+        """The highest version number a server serves or this group committed: an update's
+        number must be above it."""
+        status = self._each(lambda u: request(u, "GET", "/hotweights/status", self._tokens[u]))
+        return max(self.n, *(st["n"] for st in status.values()))
 
     def prepare(self, weights: torch.nn.Module | Mapping[str, torch.Tensor], *,
                 mode: str = "wait", lease_s: float | None = None) -> Pending:
-        """The first half of `update`: every server paused, holding the whole update staged.
+        """The first half of `update`: every server holding the whole update staged, still
+        serving its old version.
 
-        Follow with `commit` (or `abort`). On failure every server is back at its old
-        version with nothing applied, and the error names the server that failed.
+        Follow with `commit` (or `abort`) within the lease (`renew` extends it). On failure
+        every server is at its old version with nothing applied, and the error names the
+        server that failed.
         """
         started = time.perf_counter()
         new = _weights(weights)
@@ -177,7 +200,7 @@ class RemoteGroup:
         from_checkpoint = tuple(stale) if reference is not None else ()
         (deltas, prints), sent = self._send(
             status, lambda: self._encode(reference, new, also, bool(from_checkpoint)), mode,
-            lease_s or max(60.0, 4 * self.timeout))
+            lease_s or self._lease_s())
         return Pending(status, new, deltas, reference is None, from_checkpoint, prints, sent,
                        started, max(self.n, *(st["n"] for st in status.values())))
 
@@ -187,7 +210,7 @@ class RemoteGroup:
         n = n or pending.floor + 1
         if n <= pending.floor:
             raise RemoteError(f"version number {n} must be above {pending.floor}")
-        status = pending.status
+        status, self._leased = pending.status, {}
         committed, failed = {}, {}
         with ThreadPoolExecutor(1) as pool:  # while the servers commit
             remembered = pool.submit(self._remember, pending.new, pending.deltas, pending.full)
@@ -203,7 +226,10 @@ class RemoteGroup:
         result = {"version": n, "full": pending.full,
                   "from_checkpoint": list(pending.from_checkpoint), "bytes_sent": pending.sent,
                   "seconds": time.perf_counter() - pending.started,
-                  "servers": {u: out["version"] for u, out in committed.items()}}
+                  "servers": {u: out["version"] for u, out in committed.items()},
+                  "paused_ms": {u: None if out.get("paused_s") is None else
+                                round(out["paused_s"] * 1e3, 3)
+                                for u, out in committed.items()}}
         if failed:
             raise RemoteError(f"version {n} is served by {sorted(committed) or 'no server'}; "
                               f"the commit failed on {_named(failed)}; that server gets a "
@@ -214,9 +240,25 @@ class RemoteGroup:
         return result
 
     def abort(self, pending: Pending) -> None:
-        """Drop a prepared update everywhere: every server resumes at its old version."""
+        """Drop a prepared update everywhere: every server goes on at its old version."""
+        self._leased = {}
         self._each(lambda u: self._post(u, pending.status[u], "/hotweights/abort",
                                         dirty=False), errors=True)
+
+    def renew(self, lease_s: float | None = None) -> None:
+        """Extend the lease of the update in progress on every server that began it (the
+        update does it by itself during its encode and send; call it between `prepare`
+        and a late `commit`).
+
+        Raises:
+            RemoteError: naming each server that refused or did not answer.
+        """
+        leased = self._leased
+        self._each(lambda u: self._post(u, leased[u], "/hotweights/renew",
+                                        lease_s=lease_s or self._lease_s()), urls=list(leased))
+
+    def _lease_s(self) -> float:
+        return max(60.0, 4 * self.timeout)
 
     def restore(self, weights: torch.nn.Module | Mapping[str, torch.Tensor]) -> bool:
         """Write `reference` (what the servers hold) back into `weights`, in place: undoes a
@@ -274,49 +316,54 @@ class RemoteGroup:
 
     def _send(self, status: dict, encode: Callable[[], tuple], mode: str,
               lease_s: float) -> tuple[tuple, int]:
-        """Begin everywhere and encode meanwhile, then broadcast while every server receives;
-        on failure abort all. Returns (what `encode` returned, bytes sent) once every
-        server's workers have staged the whole update.
+        """Begin everywhere, then encode and broadcast while every server receives; on
+        failure abort all. Returns (what `encode` returned, bytes sent) once every server's
+        workers have staged the whole update.
 
-        The servers pause while this process encodes: they are other machines, and the
-        update ends sooner (on one small machine shared with them, the encode runs slower).
-        Once every server has begun, its workers are asked to receive the update meanwhile
-        too (announced on the channel: they wait for its start up to the lease), so they are
-        ready when the encode ends."""
+        A begin takes the lease without pausing (`stage`): each server goes on serving the
+        old version while this process encodes and sends, and pauses only in its commit.
+        Once the encode is done, every server's workers are asked to receive the update (on
+        threads of their own: they wait for its start on the channel up to the lease). The
+        lease is renewed every `lease_s / 3` until the send ends, however long the encode
+        and the send take."""
         pool = ThreadPoolExecutor(2 * len(self.urls) + 1)
         update = uuid.uuid4().hex
         begins, encoded = {}, None
         try:
             begins = {u: pool.submit(self._post, u, status[u], "/hotweights/begin", mode=mode,
-                                     lease_s=lease_s) for u in self.urls}
-            receiving = pool.submit(self._receive_when_begun, pool, begins, status, update,
-                                    lease_s)
-            encoded = encode()
-            receipts = receiving.result()
-            self._channel.start(update, check=lambda: _raise_failed(receipts, "receive",
-                                                                    wait=False))
-            try:
-                sent = self._channel.send(delta.pack(encoded[0], max_bytes=self.max_round_bytes,
-                                                     staging=self._round_buffer()))
-            except RemoteError as e:  # it names the rank: no need to wait for receipts
-                raise RemoteError(self._name_ranks(str(e))) from e
+                                     lease_s=lease_s, stage=True) for u in self.urls}
+            _raise_failed(begins, "begin")
+            self._leased = dict(status)
+            with Renewer(self.renew, lease_s):
+                encoded = encode()
+                receipts = self._receive(pool, status, update, lease_s)
+                self._channel.start(update, check=lambda: _raise_failed(receipts, "receive",
+                                                                        wait=False))
+                try:
+                    sent = self._channel.send(delta.pack(
+                        encoded[0], max_bytes=self.max_round_bytes,
+                        staging=self._round_buffer()))
+                except RemoteError as e:  # it names the rank: no need to wait for receipts
+                    raise RemoteError(self._name_ranks(str(e))) from e
             # every worker has staged it all (the channel's acknowledgement): a server's
             # commit waits for its own receive to answer, so this process need not
             pool.shutdown(wait=False)
             return encoded, sent
         except BaseException as e:
+            self._leased = {}
             pool.shutdown(wait=False, cancel_futures=True)
             if self._channel is not None:
                 self._channel.cancel(update)  # receivers still waiting for it give up
                 if self._channel.broken:
                     self._close()  # the survivors' receive fails at once, not at their timeout
-            began = [u for u, f in begins.items() if not f.cancelled() and f.exception() is None]
+            began = [u for u, f in begins.items() if not f.cancelled() and f.done()
+                     and f.exception() is None]
             aborted = self._each(lambda u: self._post(u, status[u], "/hotweights/abort",
                                                       dirty=False, http_timeout=self.timeout
                                                       + 30), errors=True, urls=began)
             if isinstance(e, HotweightsError) and encoded is not None:  # else: bad input, named
                 left = [u for u, out in aborted.items() if not isinstance(out, Exception)]
-                raise RemoteError(f"update not applied anywhere: {e}; servers back at their "
+                raise RemoteError(f"update not applied anywhere: {e}; servers at their "
                                   f"old version: {left}") from e
             raise
 
@@ -329,11 +376,10 @@ class RemoteGroup:
             self._staging = torch.empty(size, dtype=torch.uint8, device=device)
         return self._staging
 
-    def _receive_when_begun(self, pool: ThreadPoolExecutor, begins: dict, status: dict,
-                            update: str, lease_s: float) -> dict:
-        """Once every server has begun, ask each to receive `update` (its workers wait for
-        its start on the channel); return those requests' futures."""
-        _raise_failed(begins, "begin")
+    def _receive(self, pool: ThreadPoolExecutor, status: dict, update: str,
+                 lease_s: float) -> dict:
+        """Ask every server to receive `update` (its workers wait for its start on the
+        channel, on threads of their own); return those requests' futures."""
         return {u: pool.submit(self._post, u, status[u], "/hotweights/remote/receive",
                                update=update, wait_s=lease_s,
                                http_timeout=lease_s + self.timeout + 60) for u in self.urls}

@@ -5,6 +5,14 @@
                                |                   '--lease expires----------------> expired
                                '--abort, drain timeout, failure------------------> idle
 
+    idle/expired --begin(stage)--> staging --commit: pause, apply--> committing --> idle
+                                      '--abort, lease expires------------------------> idle
+
+`staging` (remote servers, whose weights the trainer never writes): the holder has the
+lease while generation runs on, the update's rounds arrive into staging; only the commit
+pauses (in the begin's mode), applies, resets the caches and resumes. Nothing was written
+when a staged update is aborted or its lease runs out: the version stays, not dirty.
+
 A version is `N@SERVER` (e.g. `7@3f9a1c2b`): N counts the weight states one server has
 served, SERVER is random per server start, so two weight states never share a version,
 across restarts too. Any resume that may follow a write gets a new N: a commit, an abort
@@ -41,6 +49,7 @@ class State(enum.Enum):
     IDLE = "idle"  # serving; no update
     DRAINING = "draining"  # begin: new requests held, in-flight ones finishing or aborted
     PAUSED = "paused"  # leased: the holder writes the weights
+    STAGING = "staging"  # leased, still serving: a remote server receives the update
     COMMITTING = "committing"  # hook, cache reset, version bump, resume
     EXPIRED = "expired"  # serving again after a lease expired; weights dirty
 
@@ -139,6 +148,7 @@ class _Request:
 class Begin(_Request):
     mode: str = "wait"
     lease_s: float = DEFAULT_LEASE_S
+    stage: bool = False  # lease without pausing: the commit pauses (remote servers)
 
 
 @dataclass(frozen=True)
@@ -259,6 +269,9 @@ class Transaction:
         self.expired: dict | None = None  # holder, at, version of the last expired lease
         self.updates = 0
         self.last_pause_s: float | None = None
+        self.last_paused_s: float | None = None  # new requests held or generation paused
+        self._paused_at: float | None = None
+        self._drain_s = DEFAULT_LEASE_S  # a staged update's drain bound: its begin's lease
         self.last_commit_s: float | None = None
         self.last_update_s: float | None = None  # begin to the end of commit
         self._began = 0.0
@@ -280,12 +293,13 @@ class Transaction:
     def status(self) -> dict:
         return dict(
             server_id=self.server_id, version=self.version, n=self.n, state=self.state.value,
-            paused=self.state in (State.DRAINING, State.PAUSED, State.COMMITTING),
+            paused=self._paused_at is not None,
             holder=self.holder, mode=self.mode, lease_expires=self.lease.expires,
             dirty=self.dirty, dirty_reason=self.versions.dirty_reason,
             dirty_versions=self.versions.dirty_labels(),
             expired=self.expired, updates=self.updates, last_pause_s=self.last_pause_s,
-            last_commit_s=self.last_commit_s, last_update_s=self.last_update_s,
+            last_paused_s=self.last_paused_s, last_commit_s=self.last_commit_s,
+            last_update_s=self.last_update_s,
         )
 
     # -- requests ------------------------------------------------------------------------
@@ -295,28 +309,39 @@ class Transaction:
 
         The whole drain is bounded by `lease_s`; a drain that times out, fails or is
         cancelled resumes generation. The holder's retry of a begin joins the first one.
+        With `stage`, only the lease is taken: generation goes on (see the module doc).
         """
         async with self._lock:
             self.check_server(req.server_id)
             # (a commit holds the lock to its end: never COMMITTING here)
-            if self.state in (State.DRAINING, State.PAUSED):
+            if self.state in (State.DRAINING, State.PAUSED, State.STAGING):
                 if req.holder != self.holder:
                     raise self._held()
-                if req.mode != self.mode:
+                if req.mode != self.mode or req.stage != (self.state is State.STAGING):
                     raise Refused(409, f"{req.holder} already began an update in mode "
-                                  f"{self.mode!r}, not {req.mode!r}", holder=self.holder)
-                if self.state is State.PAUSED:  # a retry: the lease runs from now
+                                  f"{self.mode!r} ({self.state.value}), not {req.mode!r}"
+                                  f"{' staged' if req.stage else ''}", holder=self.holder)
+                if self.state is not State.DRAINING:  # a retry: the lease runs from now
                     self.lease.arm(self.holder, req.lease_s)
                     return self._granted()
                 pausing = self._pausing
+            elif req.stage:
+                self.state, self.holder, self.mode = State.STAGING, req.holder, req.mode
+                self._began, self._drain_s = time.perf_counter(), req.lease_s
+                self.lease.arm(self.holder, req.lease_s)
+                return self._granted()
             else:
                 self.state, self.holder, self.mode = State.DRAINING, req.holder, req.mode
                 self.lease.expires = self.clock() + req.lease_s  # the drain's deadline
                 self._began = time.perf_counter()
-                self.engine.hold()
+                self._hold()
                 pausing = self._pausing = asyncio.ensure_future(self._pause(req))
         await asyncio.shield(pausing)  # a cancelled caller leaves the drain to its owner
         return self._granted()
+
+    def _hold(self) -> None:
+        self._paused_at = time.perf_counter()
+        self.engine.hold()
 
     async def _pause(self, req: Begin) -> None:
         try:
@@ -337,6 +362,22 @@ class Transaction:
             self.last_pause_s = time.perf_counter() - self._began
             self.lease.arm(self.holder, req.lease_s)
 
+    async def _pause_staged(self, req: Commit) -> None:
+        """Pause for a staged update's commit, in its begin's mode and within its lease;
+        if that fails, the update is dropped and generation resumes at the old version."""
+        self._hold()
+        try:
+            await asyncio.wait_for(self.engine.pause(self.mode), self._drain_s)
+        except Exception as e:
+            await self._discard_quietly()
+            await self._resume("commit's pause failed")
+            why = (f"in-flight requests did not finish within lease_s={self._drain_s} s"
+                   if isinstance(e, TimeoutError) else f"pausing failed ({e!r})")
+            raise Refused(503, f"{why}; the staged update was dropped, the server serves "
+                          f"{self.version}; update again (mode=abort or keep does not "
+                          "wait)") from None
+        self.last_pause_s = time.perf_counter() - self._paused_at
+
     async def renew(self, req: Renew) -> dict:
         async with self._lock:
             self.check_lease(req, "renew")
@@ -344,15 +385,18 @@ class Transaction:
             return self._granted()
 
     async def commit(self, req: Commit) -> dict:
-        """Post-update hook, cache reset, a new version, resume; `dirty` if a step failed."""
+        """Post-update hook, cache reset, a new version, resume; `dirty` if a step failed.
+        A staged update pauses first (a drain that fails: resumed, the update dropped)."""
         async with self._lock:
             self.check_lease(req, "commit")
             if req.n and req.n <= self.n:
                 raise Refused(409, f"field 'n' ({req.n}) must be above the version number "
                               f"served ({self.n})", n=self.n)
-            self.state = State.COMMITTING
+            staged, self.state = self.state is State.STAGING, State.COMMITTING
             self.lease.disarm()
             started = time.perf_counter()
+            if staged:
+                await self._pause_staged(req)
             failed = []
             try:  # both at once, each while paused: the engine serves them in order, at
                 # the cost of one round trip
@@ -375,11 +419,13 @@ class Transaction:
             self.last_commit_s = time.perf_counter() - started
             self.last_update_s = time.perf_counter() - self._began
             return {"version": self.version, "n": self.n, "dirty": self.dirty,
-                    "dirty_reason": self.versions.dirty_reason}
+                    "dirty_reason": self.versions.dirty_reason,
+                    "paused_s": self.last_paused_s}
 
     async def abort(self, req: Abort) -> dict:
         """Resume. With `dirty` (the default: the trainer may have written) the weights get
-        a new version marked dirty; without, the version stays."""
+        a new version marked dirty; without, the version stays. A staged update wrote
+        nothing: its version stays."""
         async with self._lock:
             self._check_holder(req)
             if self.state is State.DRAINING:
@@ -387,7 +433,7 @@ class Transaction:
             else:
                 self.lease.disarm()
             await self._discard_quietly()
-            if req.dirty:
+            if req.dirty and self.state is not State.STAGING:
                 await self._reset_quietly()
                 await self._new_version(f"update aborted by {req.holder}")
             await self._resume("aborted")
@@ -396,7 +442,15 @@ class Transaction:
     async def expire(self, holder: str) -> None:
         """The lease of `holder` ran out: resume on weights it may have half-written."""
         async with self._lock:
-            if self.holder != holder or self.state is not State.PAUSED:
+            if self.holder != holder or self.state not in (State.PAUSED, State.STAGING):
+                return
+            if self.state is State.STAGING:  # nothing written: the version stays
+                logger.warning("hotweights: lease of %s expired; its staged update dropped",
+                               holder)
+                await self._discard_quietly()
+                await self._resume("expired")
+                self.expired = dict(holder=holder, at=self.clock(), version=self.version,
+                                    staged=True)
                 return
             logger.warning("hotweights: lease of %s expired; resuming, weights marked dirty",
                            holder)
@@ -405,7 +459,8 @@ class Transaction:
             await self._new_version(f"lease of {holder} expired")
             await self._resume("expired")
             self.state = State.EXPIRED
-            self.expired = dict(holder=holder, at=self.clock(), version=self.version)
+            self.expired = dict(holder=holder, at=self.clock(), version=self.version,
+                                staged=False)
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -430,16 +485,19 @@ class Transaction:
                 raise self._held()
         elif self.expired and self.expired["holder"] == req.holder:
             raise Refused(409, f"the lease of {req.holder} expired at "
-                          f"{self.expired['at']:.0f} (unix time); the server resumed and "
-                          f"serves version {self.expired['version']}, marked dirty",
+                          f"{self.expired['at']:.0f} (unix time); the server "
+                          f"{'dropped the staged update' if self.expired['staged'] else 'resumed'}"
+                          f" and serves version {self.expired['version']}"
+                          f"{'' if self.expired['staged'] else ', marked dirty'}",
                           expired=self.expired)
         else:
             raise Refused(409, f"no update in progress for {req.holder}")
 
     def check_lease(self, req: _Request, what: str) -> None:
-        """Refuse (409) `what` unless `req`'s holder holds the paused weights."""
+        """Refuse (409) `what` unless `req`'s holder holds the paused (or staging)
+        weights."""
         self._check_holder(req)
-        if self.state is not State.PAUSED:
+        if self.state not in (State.PAUSED, State.STAGING):
             raise Refused(409, f"{req.holder}'s update is {self.state.value}, not paused; "
                           f"{what} after begin returned")
 
@@ -466,9 +524,14 @@ class Transaction:
         self.lease.end()
         self.state, self.holder, self.mode = State.IDLE, None, None
         self._pausing = None
+        if self._paused_at is None:  # a staged update that never paused
+            logger.info("hotweights: %s; serving version %s", why, self.version)
+            return
         try:  # also after a drain that failed half way: resuming an idle engine is a no-op
             await self.engine.resume()
         finally:
             self.engine.release()
+            self.last_paused_s = time.perf_counter() - self._paused_at
+            self._paused_at = None
             logger.info("hotweights: %s; serving version %s", why, self.version)
 

@@ -11,7 +11,9 @@ and ``VLLM_SERVER_DEV_MODE`` are never needed.
   or NCCL (CUDA).
 - update: receives every round of one update into a `Staged` (checked against the
   checkpoint's names, shapes and the served dtype; nothing is applied yet); the trainer's
-  `send` returns only when every worker of every server has staged all of it.
+  `send` returns only when every worker of every server has staged all of it. Our routes
+  receive on a thread of its own (`start_receiving`): vLLM runs the model on the worker's
+  main thread, which an RPC holds until it returns, so generation goes on meanwhile.
 - finish: applies what was staged, in place where a view of the live weights holds an HF
   tensor whole (`layout.plan`, the mapping the bridge trains through: tp=1, O(what
   changed)), else through ``load_checkpoint_weight_patches``, i.e. the model's own
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,6 +84,7 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
         self.channel: Channel | None = None
         self.staged: Staged | None = None
         self._hf_views: dict[str, torch.Tensor] | None = None
+        self._receiving: _Receiving | None = None
         self.model_dir = _local_dir(str(self.model_config.model))
 
     def _specs(self) -> dict[str, torch.Tensor]:
@@ -120,6 +124,22 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
         self.receive_weights(self.parse_update_info(update_info))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def start_receiving(self, update_info: dict[str, Any]) -> None:
+        """`update_weights` on a thread of its own; `received` waits for it."""
+        self._require()
+        self.received()  # the one before is over (its own waits are bounded)
+        self.staged.clear()
+        self._receiving = _Receiving(self, self.parse_update_info(update_info))
+        self._receiving.start()
+
+    def received(self) -> None:
+        """Wait for the receive started by `start_receiving`, if any; raise what it raised."""
+        receiving, self._receiving = self._receiving, None
+        if receiving is not None:
+            receiving.join()  # bounded: the channel's timeout, the update's wait
+            if receiving.error is not None:
+                raise receiving.error
 
     def receive_weights(self, update_info: RemoteUpdate) -> None:
         self._require()
@@ -173,6 +193,10 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
         self.staged.clear()
 
     def discard(self) -> None:
+        try:
+            self.received()
+        except Exception as e:  # dropped anyway
+            logger.info("hotweights: the dropped update's receive failed: %r", e)
         if self.staged is not None:
             self.staged.clear()
 
@@ -185,6 +209,23 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
         if self.channel is None:
             raise ConfigError("hotweights: this server has not joined a trainer's channel "
                               "(POST /hotweights/remote/join first)")
+
+
+class _Receiving(threading.Thread):
+    """One update's receive, off the worker's main thread; keeps what it raised."""
+
+    def __init__(self, engine: HotweightsEngine, info: RemoteUpdate):
+        super().__init__(name="hotweights-receive", daemon=True)
+        self.engine, self.info = engine, info
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.engine.receive_weights(self.info)
+            if self.engine.device.type == "cuda":
+                torch.cuda.synchronize(self.engine.device)
+        except BaseException as e:  # raised where the commit or abort waits for it
+            self.error = e
 
 
 def _vllm(p) -> CheckpointWeightPatch:

@@ -5,8 +5,11 @@ HOTWEIGHTS_TOKEN environment variable that `hotweights serve` sets; it is never 
 The routes are a thin HTTP layer over `hotweights.server.transaction.Transaction`: `begin`
 pauses generation and takes a lease, the trainer writes the shared weights in place,
 `commit` runs the workers' post-update hook, resets the caches, serves a new version and
-resumes. Bodies are parsed into the transaction's frozen request types (400 naming the
-field); refusals carry the HTTP status the transaction gives them.
+resumes. A `--remote` server's trainer begins with `stage`: the lease only, while the
+update's rounds are received (on a thread of each worker's own) and generation goes on;
+its commit pauses, applies, resets the caches and resumes. Bodies are parsed into the
+transaction's frozen request types (400 naming the field); refusals carry the HTTP status
+the transaction gives them.
 
 The plugin is inert (no routes, nothing touched) in a vLLM server that `hotweights serve`
 did not start: it acts only when HOTWEIGHTS_SERVER_ID is set.
@@ -75,8 +78,7 @@ class VllmEngine:
         self.receiving: asyncio.Task | None = None  # remote: the workers' receive in flight
 
     async def _received(self) -> BaseException | None:
-        """Wait for the receive in flight, if any; what it raised. (The trainer commits
-        once every worker has staged the update, before the receive's answer comes back.)"""
+        """Wait for the receive's start in flight, if any; what it raised."""
         task, self.receiving = self.receiving, None
         if task is None:
             return None
@@ -305,7 +307,9 @@ class HotweightsRoutes:
         while True:
             version = self.tx.version
             sums = await self.tx.engine.client.collective_rpc("hotweights_checksum")
-            if version == self.tx.version and self.tx.state.value in ("idle", "expired"):
+            # (a staged update has not touched the weights)
+            if version == self.tx.version and self.tx.state.value in ("idle", "expired",
+                                                                      "staging"):
                 return {"version": version, "checksum": list(sums)}
             await asyncio.sleep(0.05)  # an update ran meanwhile: hash again
 
@@ -329,7 +333,8 @@ class HotweightsRoutes:
         return {"workers": self.workers, "version": self.tx.version}
 
     async def receive(self, request: Request):
-        """Receive one update into staging (under the holder's lease); commit applies it."""
+        """Start receiving one update into staging (under the holder's lease), on a thread
+        of each worker's own; the commit waits for it and applies it."""
         return await self._call(request, Receive, self._receive)
 
     async def _receive(self, req: Receive) -> dict:
@@ -347,7 +352,14 @@ class HotweightsRoutes:
             raise Refused(502, f"{method} failed on a worker: {e}") from e
 
     async def begin(self, request: Request):
-        return await self._call(request, Begin, self.tx.begin)
+        return await self._call(request, Begin, self._begin)
+
+    async def _begin(self, req: Begin) -> dict:
+        if req.stage and not self.remote:
+            raise Refused(400, "field 'stage' needs a `hotweights serve --remote` server: here "
+                          "the trainer writes the served weights, which generation must not "
+                          "read meanwhile")
+        return await self.tx.begin(req)
 
     async def renew(self, request: Request):
         return await self._call(request, Renew, self.tx.renew)

@@ -61,19 +61,26 @@ class HotweightsWorker:
 
     def hotweights_remote_receive(self, update: str | None = None,
                                   wait: float | None = None) -> dict:
-        """Receive one update from the trainer's channel into the engine's staging (an
-        announced one: first wait up to `wait` s for the trainer to start it)."""
+        """Start receiving one update from the trainer's channel into the engine's staging
+        (an announced one: first wait up to `wait` s for the trainer to start it), on a
+        thread of its own: this worker goes on generating with the old weights meanwhile.
+        `hotweights_remote_apply` waits for it."""
         if not self._weight_update_active:
             self.start_weight_update()
-        self.update_weights({"update": update, "wait": wait})
-        staged = self.weight_transfer_engine.staged
-        return {"rounds": staged.rounds, "bytes": staged.nbytes}
+        self.weight_transfer_engine.start_receiving({"update": update, "wait": wait})
+        return {"receiving": True}
 
     def hotweights_remote_apply(self) -> bool:
         """Apply the staged update (see the engine), then the post-update hook; False if no
-        update was staged."""
+        update was staged. Raises what the receive raised (nothing applied)."""
         staged = self._weight_update_active
         if staged:
+            try:
+                self.weight_transfer_engine.received()
+            except BaseException:
+                self.weight_transfer_engine.discard()
+                self.finish_weight_update()  # applies nothing: the staging is empty
+                raise
             self.finish_weight_update()
         self.hotweights_after_update()
         return staged

@@ -1,0 +1,39 @@
+"""A thread that renews an update's lease every `lease_s / 3` while the trainer works."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from hotweights.errors import HotweightsError
+
+logger = logging.getLogger(__name__)
+
+
+class Renewer(threading.Thread):
+    """``with Renewer(renew, lease_s):`` calls ``renew(lease_s)`` every ``lease_s / 3`` s
+    until the block ends, so a step, an encode or a send may take as long as it needs while
+    a dead trainer still frees its servers within `lease_s`. The first failure stops it
+    (logged: what comes next, the commit, says what happened)."""
+
+    def __init__(self, renew: Callable[[float], object], lease_s: float):
+        super().__init__(daemon=True, name="hotweights-renew")
+        self.renew, self.lease_s = renew, lease_s
+        self.done = threading.Event()
+
+    def __enter__(self) -> Renewer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.join()
+
+    def run(self) -> None:
+        while not self.done.wait(self.lease_s / 3):
+            try:
+                self.renew(self.lease_s)
+            except HotweightsError as e:
+                logger.warning("hotweights: lease renewal failed: %s", e)
+                return
