@@ -98,6 +98,8 @@ class RemoteGroup:
             just started, or restarted) is sent only what differs from it instead of the
             whole model; its digest is checked, so a different one costs a full sync, never
             a wrong weight.
+        compress: None (default), or ``"zstd"``: every round compressed (the ``zstd``
+            extra), for slow links; costs encode and apply time (see docs/remote.md).
         require: with a local server (`Bridge.add_remote`): ``"any"`` (default), the local
             server commits and resumes first, then the remotes receive and commit (if they
             fail, the local server serves the new version and they stay at the old one,
@@ -109,7 +111,8 @@ class RemoteGroup:
     def __init__(self, servers: str | Iterable[str], *, token: str | Mapping[str, str] | None =
                  None, master_addr: str | None = None, master_port: int = 0,
                  timeout: float = 60.0, max_round_bytes: int = ROUND_BYTES,
-                 checkpoint: str | os.PathLike | None = None, require: str = "any"):
+                 checkpoint: str | os.PathLike | None = None, compress: str | None = None,
+                 require: str = "any"):
         self.urls = server_urls(servers)
         self._tokens = {u: find_token(u, token.get(u) if isinstance(token, Mapping) else token)
                         for u in self.urls}
@@ -124,6 +127,11 @@ class RemoteGroup:
         if require not in REQUIRE:
             raise RemoteError(f"field 'require' must be one of {REQUIRE}, found {require!r}")
         self.require = require
+        if compress not in delta.COMPRESS:
+            raise RemoteError(f"field 'compress' must be one of {list(delta.COMPRESS)}, found "
+                              f"{compress!r}")
+        self.compress = compress
+        self._xor = False  # every server of the channel decodes xor-coded values
         self._staging: torch.Tensor | None = None  # see _round_buffer
         self.checkpoint = checkpoint
         self._loaded: tuple[dict, str | None, dict] | None = None  # (stats, digest, tensors)
@@ -342,7 +350,8 @@ class RemoteGroup:
                 try:
                     sent = self._channel.send(delta.pack(
                         encoded[0], max_bytes=self.max_round_bytes,
-                        staging=self._round_buffer()))
+                        staging=self._round_buffer(), values="xor" if self._xor else "raw",
+                        compress=self.compress))
                 except RemoteError as e:  # it names the rank: no need to wait for receipts
                     raise RemoteError(self._name_ranks(str(e))) from e
             # every worker has staged it all (the channel's acknowledgement): a server's
@@ -429,6 +438,8 @@ class RemoteGroup:
             self._close()
             raise RemoteError(f"joining the channel failed on {_named(failed)}")
         self._members, self._channel_id = members, channel_id(self.master_addr, port, token)
+        # values as few bits as flipped, where every server holds every tensor whole
+        self._xor = all(out.get("xor") for out in outs.values())
         logger.info("hotweights: channel %s:%d with %s", self.master_addr, port,
                     {u: f"ranks {r.start}..{r.stop - 1}" for u, r in self._ranks.items()})
 

@@ -112,8 +112,13 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
                                world_size=init_info.world_size, token=init_info.token,
                                timeout=init_info.timeout, backend="nccl" if cuda else "gloo",
                                device=self.device if cuda else "cpu")
-        if self.staged is None:
-            self.staged = Staged(self._specs())
+        if self.staged is None:  # xor-coded values decode against the live weights' views
+            self.staged = Staged(self._specs(), old=self._views())
+
+    def decodes_xor(self) -> bool:
+        """Whether this worker holds every checkpoint tensor whole (tp=1), so it can decode
+        xor-coded values (`delta.pack(values="xor")`) against its live weights."""
+        return self.staged is not None and set(self.staged.specs) <= set(self._views())
 
     def start_weight_update(self) -> None:
         self._require()

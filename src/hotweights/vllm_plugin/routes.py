@@ -326,11 +326,12 @@ class HotweightsRoutes:
                                              "world_size", "token", "timeout")}
         self.channel = None
         await self._rpc("init_weight_transfer_engine", info)
+        xor = all(await self._rpc("hotweights_remote_decodes_xor"))
         self.channel = channel_id(req.master_addr, req.master_port, req.token)
         logger.info("hotweights: %s joined channel %s:%d as ranks %d..%d of %d", self.server_id,
                     req.master_addr, req.master_port, req.rank_offset,
                     req.rank_offset + self.workers - 1, req.world_size)
-        return {"workers": self.workers, "version": self.tx.version}
+        return {"workers": self.workers, "version": self.tx.version, "xor": xor}
 
     async def receive(self, request: Request):
         """Start receiving one update into staging (under the holder's lease), on a thread

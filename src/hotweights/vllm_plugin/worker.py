@@ -70,6 +70,10 @@ class HotweightsWorker:
         self.weight_transfer_engine.start_receiving({"update": update, "wait": wait})
         return {"receiving": True}
 
+    def hotweights_remote_decodes_xor(self) -> bool:
+        """Whether this worker can decode xor-coded values (after joining a channel)."""
+        return self.weight_transfer_engine.decodes_xor()
+
     def hotweights_remote_apply(self) -> bool:
         """Apply the staged update (see the engine), then the post-update hook; False if no
         update was staged. Raises what the receive raised (nothing applied)."""
