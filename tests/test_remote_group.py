@@ -41,7 +41,7 @@ def test_an_encode_that_sees_the_checkpoint_written_is_refused(checkpoint, monke
     new = {k: t.clone() for k, t in weights.items()}
     new["a.weight"][3] += 1
     old = group._checkpoint_for([{"checkpoint": digest(ckpt)}], new)
-    deltas, _ = group._encode(old, new, None, True)
+    deltas, _, _ = group._encode(old, new, None, True, set())
     assert [d.kind for d in deltas] == ["rows", "same"]
     encode_all = delta.encode_all
 
@@ -54,7 +54,7 @@ def test_an_encode_that_sees_the_checkpoint_written_is_refused(checkpoint, monke
     monkeypatch.setattr(delta, "encode_all", written_meanwhile)
     with pytest.raises(RemoteError, match=rf"^{ckpt} was written during the update; nothing "
                                           "was sent: update again$"):
-        group._encode(old, new, None, True)
+        group._encode(old, new, None, True, set())
 
 
 @pytest.mark.parametrize("bad", [0, 63, 4096.0, "64"])
@@ -62,3 +62,44 @@ def test_a_bad_round_budget_is_named(bad):
     with pytest.raises(RemoteError, match=r"field 'max_round_bytes' must be an int >= 64, "
                                           rf"found {bad!r}"):
         RemoteGroup(["http://127.0.0.1:1"], token="t" * 32, max_round_bytes=bad)
+
+
+def _update(group, weights, new, **kw):
+    """What `prepare` encodes and `commit` remembers, without servers: the deltas."""
+    frozen = group._frozen(weights, new)
+    deltas, prints, frozen_prints = group._encode(group.reference, new, None, False, frozen)
+    group._remember(new, deltas, group.reference is None, frozen_prints)
+    group._prefilter.prints = prints
+    return {d.name: d.kind for d in deltas}
+
+
+def test_only_the_trainable_tensors_are_copied_the_rest_fingerprinted(checkpoint, caplog):
+    _, weights = checkpoint
+    group = RemoteGroup(["http://127.0.0.1:1"], token="t" * 32, trainable=["a.*"])
+    new = {k: t.clone() for k, t in weights.items()}
+    assert _update(group, new, new) == {"a.weight": "dense", "b.weight": "dense"}  # full
+    assert group.reference.keys() == {"a.weight"} and group._frozen_prints.keys() == {
+        "b.weight"}
+    new["a.weight"][3, 4] += 1
+    assert _update(group, new, new) == {"a.weight": "patch"}  # b: its fingerprint, unread
+    assert torch.equal(group.reference["a.weight"], new["a.weight"])
+    new["b.weight"][0] += 1  # "cannot change", did: sent whole, copied from now on
+    assert _update(group, new, new) == {"a.weight": "same", "b.weight": "dense"}
+    assert "b.weight" in caplog.text and "sent whole, and copied from now on" in caplog.text
+    assert group.reference.keys() == {"a.weight", "b.weight"} and not group._frozen_prints
+    new["b.weight"][1] += 1
+    assert _update(group, new, new)["b.weight"] == "patch"
+    assert torch.equal(group.reference["b.weight"], new["b.weight"])
+
+
+def test_trainable_defaults_to_the_parameters_that_require_grad():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model[0].requires_grad_(False)
+    new = {k: p.detach() for k, p in model.named_parameters()}
+    group = RemoteGroup(["http://127.0.0.1:1"], token="t" * 32)
+    assert group._frozen(model, new) == {"0.weight", "0.bias"}
+    assert group._frozen(new, new) == set()  # a mapping: every tensor may change
+    with pytest.raises(RemoteError, match=r"field 'trainable': \['2\.\*'\] match\(es\) no "
+                       "tensor"):
+        RemoteGroup(["http://127.0.0.1:1"], token="t" * 32, trainable=["0.*", "2.*"]
+                    )._frozen(model, new)

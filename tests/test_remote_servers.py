@@ -187,6 +187,25 @@ def test_only_what_changed_goes_on_the_wire(remotes, trainer):
     _assert_serves(model, _greedy(remotes[0], PROMPT, 8))  # xor decoded to the new values
 
 
+def test_a_trainer_with_frozen_layers_keeps_a_copy_of_the_trainable_ones_only(remotes):
+    model = AutoModelForCausalLM.from_pretrained(remotes[0].model_dir, dtype=torch.bfloat16)
+    model.requires_grad_(False)
+    layer = model.model.layers[-1]
+    layer.requires_grad_(True)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    with RemoteGroup([s.url for s in remotes[:2]], token=TOKEN, timeout=10.0) as group:
+        group.update(model)
+        assert group.reference.keys() == trainable
+        copied = sum(t.nbytes for t in group.reference.values())
+        assert copied < _nbytes(model) / 2
+        with torch.no_grad():
+            layer.mlp.up_proj.weight[::7] += 0.05
+        out = group.update(model)
+        assert not out["full"] and out["bytes_sent"] < copied
+        assert _checksum(remotes[0]) == _checksum(remotes[1])
+        _assert_serves(model, _greedy(remotes[0], PROMPT, 8))
+
+
 @pytest.mark.parametrize("bad, match", [
     ("unknown", "update not applied anywhere: .* unknown tensor `model.no_such.weight`"),
     # the trainer's own encoder sees this one, before anything is sent

@@ -24,6 +24,7 @@ from it is sent (from either, when other servers hold `reference`), not the whol
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import os
 import re
@@ -37,6 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from hotweights.checkpoint.digest import digest, stats
@@ -72,6 +74,7 @@ class Pending:
     sent: int  # bytes on the wire
     started: float
     floor: int  # the version number to commit must be above this
+    frozen: prefilter.Prints  # of the tensors that cannot change, once the servers hold them
 
 
 class RemoteGroup:
@@ -98,6 +101,11 @@ class RemoteGroup:
             just started, or restarted) is sent only what differs from it instead of the
             whole model; its digest is checked, so a different one costs a full sync, never
             a wrong weight.
+        trainable: names or `fnmatch` patterns of the only tensors (checkpoint names) an
+            update may change; default: for a model, its parameters that require grad,
+            else every tensor. The group keeps a host copy (`reference`) of those only, and
+            of the rest fingerprints, checked at every update: a tensor that changed anyway
+            is sent whole (a warning names it) and copied from then on.
         compress: None (default), or ``"zstd"``: every round compressed (the ``zstd``
             extra), for slow links; costs encode and apply time (see docs/remote.md).
         require: with a local server (`Bridge.add_remote`): ``"any"`` (default), the local
@@ -111,7 +119,8 @@ class RemoteGroup:
     def __init__(self, servers: str | Iterable[str], *, token: str | Mapping[str, str] | None =
                  None, master_addr: str | None = None, master_port: int = 0,
                  timeout: float = 60.0, max_round_bytes: int = ROUND_BYTES,
-                 checkpoint: str | os.PathLike | None = None, compress: str | None = None,
+                 checkpoint: str | os.PathLike | None = None,
+                 trainable: Iterable[str] | None = None, compress: str | None = None,
                  require: str = "any"):
         self.urls = server_urls(servers)
         self._tokens = {u: find_token(u, token.get(u) if isinstance(token, Mapping) else token)
@@ -131,6 +140,9 @@ class RemoteGroup:
             raise RemoteError(f"field 'compress' must be one of {list(delta.COMPRESS)}, found "
                               f"{compress!r}")
         self.compress = compress
+        self.trainable = None if trainable is None else (
+            (trainable,) if isinstance(trainable, str) else tuple(trainable))
+        self._frozen_prints: prefilter.Prints = {}  # of what the servers hold, not copied
         self._xor = False  # every server of the channel decodes xor-coded values
         self._staging: torch.Tensor | None = None  # see _round_buffer
         self.checkpoint = checkpoint
@@ -206,11 +218,13 @@ class RemoteGroup:
             else:
                 also = ckpt  # the others hold `reference`: what differs from either is sent
         from_checkpoint = tuple(stale) if reference is not None else ()
-        (deltas, prints), sent = self._send(
-            status, lambda: self._encode(reference, new, also, bool(from_checkpoint)), mode,
-            lease_s or self._lease_s())
+        frozen = self._frozen(weights, new)
+        (deltas, prints, frozen_prints), sent = self._send(
+            status, lambda: self._encode(reference, new, also, bool(from_checkpoint), frozen),
+            mode, lease_s or self._lease_s())
         return Pending(status, new, deltas, reference is None, from_checkpoint, prints, sent,
-                       started, max(self.n, *(st["n"] for st in status.values())))
+                       started, max(self.n, *(st["n"] for st in status.values())),
+                       frozen_prints)
 
     def commit(self, pending: Pending, n: int | None = None) -> dict:
         """Commit a prepared update on every server with version number `n` (default: one
@@ -221,7 +235,10 @@ class RemoteGroup:
         status, self._leased = pending.status, {}
         committed, failed = {}, {}
         with ThreadPoolExecutor(1) as pool:  # while the servers commit
-            remembered = pool.submit(self._remember, pending.new, pending.deltas, pending.full)
+            # every server synced from the checkpoint: deltas from it, not from `reference`
+            whole = pending.full or len(pending.from_checkpoint) == len(status)
+            remembered = pool.submit(self._remember, pending.new, pending.deltas, whole,
+                                     pending.frozen)
             outs = self._each(lambda u: self._post(u, status[u], "/hotweights/commit", n=n),
                               errors=True)
             remembered.result()
@@ -283,11 +300,39 @@ class RemoteGroup:
                 live[k].copy_(r)
         return True
 
+    def _frozen(self, weights, new: dict) -> set[str]:
+        """The names of `new` an update cannot change (see `trainable`)."""
+        if self.trainable is not None:
+            if bad := [p for p in self.trainable if not fnmatch.filter(new, p)]:
+                raise RemoteError(f"field 'trainable': {bad} match(es) no tensor of the "
+                                  f"weights (e.g. {sorted(new)[:3]})")
+            return {k for k in new if not any(fnmatch.fnmatchcase(k, p)
+                                               for p in self.trainable)}
+        if isinstance(weights, torch.nn.Module):
+            if fixed := {n: p for n, p in weights.named_parameters() if not p.requires_grad}:
+                return set(reverted(fixed, model=weights)) & set(new)
+        return set()
+
     def _encode(self, reference: dict | None, new: dict, also: dict | None,
-                from_checkpoint: bool) -> tuple[list, prefilter.Prints | None]:
-        """(the deltas, the new weights' fingerprints if taken); blocks whose fingerprint did
-        not change since the last update are not compared (the checkpoint is compared
-        whole)."""
+                from_checkpoint: bool, frozen: set[str]) -> tuple:
+        """(the deltas, the new weights' fingerprints if taken, the fingerprints of the
+        tensors that cannot change); blocks whose fingerprint did not change since the last
+        update are not compared (the checkpoint is compared whole). A tensor that cannot
+        change is left out where its fingerprint says it did not (where another server
+        holds the checkpoint, it is its own old value); else it is sent."""
+        frozen = frozen - set(self.reference or ())  # copied already: as any other
+        frozen_prints = prefilter.fingerprints({k: new[k] for k in frozen})
+        if reference is self.reference and reference is not None:
+            kept = {k for k in frozen if _same(self._frozen_prints.get(k), frozen_prints[k])}
+            if moved := sorted(frozen - kept):
+                logger.warning("hotweights: %d tensor(s) that cannot change (trainable=) "
+                               "changed: %s; sent whole, and copied from now on", len(moved),
+                               moved[:5])
+            if also is None:
+                new = {k: t for k, t in new.items() if k not in kept}
+            else:
+                reference = {**reference, **{k: new[k] for k in kept}}
+            frozen_prints = {k: frozen_prints[k] for k in kept}
         rows, prints = self._prefilter.rows(new, use=reference is self.reference
                                             and also is None)
         deltas = delta.encode_all(reference, new, also=also, rows=rows)
@@ -295,7 +340,7 @@ class RemoteGroup:
             # in place (journal mode): the memory-mapped old values may have moved under us
             raise RemoteError(f"{self.checkpoint} was written during the update; nothing was "
                               "sent: update again")
-        return deltas, prints
+        return deltas, prints, frozen_prints
 
     def _checkpoint_for(self, stale: list[dict], new: dict) -> dict | None:
         """The checkpoint's tensors (memory-mapped) when every server in `stale` holds
@@ -393,12 +438,21 @@ class RemoteGroup:
                                update=update, wait_s=lease_s,
                                http_timeout=lease_s + self.timeout + 60) for u in self.urls}
 
-    def _remember(self, new: dict, deltas: list, full: bool) -> None:
-        """Make `reference` what the servers now hold: only what changed is written."""
+    def _remember(self, new: dict, deltas: list, full: bool, frozen: prefilter.Prints
+                  ) -> None:
+        """Make `reference` (and the fingerprints of the tensors not copied, `frozen`) what
+        the servers now hold: only what changed is written."""
+        self._frozen_prints = frozen
         if full or self.reference is None:
-            self.reference = {k: t.detach().to("cpu", copy=True) for k, t in new.items()}
+            self.reference = {k: t.detach().to("cpu", copy=True) for k, t in new.items()
+                              if k not in frozen}
             return
         for d in deltas:
+            if d.name in frozen:
+                continue
+            if d.name not in self.reference:  # could not change, did: copied from now on
+                self.reference[d.name] = new[d.name].detach().to("cpu", copy=True)
+                continue
             ref = self.reference[d.name]
             if d.kind == delta.PATCH:
                 ref.view(-1).index_copy_(0, d.indices.to(ref.device, torch.int64),
@@ -506,6 +560,11 @@ def _raise_failed(futures: dict, what: str, *, wait: bool = True) -> None:
 
 def _named(failed: dict[str, Exception]) -> str:
     return "; ".join(f"{u}: {e}" for u, e in failed.items())
+
+
+def _same(a: tuple | None, b: tuple) -> bool:
+    """Two `prefilter` fingerprints of one tensor say it holds the same bytes."""
+    return a is not None and a[:2] == b[:2] and np.array_equal(a[2], b[2])
 
 
 def _weights(weights: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
