@@ -103,3 +103,23 @@ def test_trainable_defaults_to_the_parameters_that_require_grad():
                        "tensor"):
         RemoteGroup(["http://127.0.0.1:1"], token="t" * 32, trainable=["0.*", "2.*"]
                     )._frozen(model, new)
+
+
+def test_servers_all_synced_from_the_checkpoint_leave_the_reference_whole(checkpoint,
+                                                                         monkeypatch):
+    # the deltas were taken against the checkpoint, not against `reference`: patching the
+    # reference with them would leave it wrong wherever it differed from the checkpoint
+    from hotweights.remote.group import Pending
+
+    ckpt, weights = checkpoint
+    group = RemoteGroup(["http://127.0.0.1:1"], token="t" * 32, checkpoint=ckpt)
+    group.reference = {k: t + 1 for k, t in weights.items()}  # what a server held before
+    new = {k: t.clone() for k, t in weights.items()}
+    new["a.weight"][0] += 1
+    deltas = delta.encode_all(weights, new)
+    monkeypatch.setattr(group, "_each", lambda fn, **kw: {
+        u: {"version": f"5@{u}"} for u in group.urls})
+    pending = Pending({u: {"server_id": "s", "n": 4} for u in group.urls}, new, deltas, False,
+                      tuple(group.urls), None, 0, 0.0, 4, {})
+    group.commit(pending)
+    assert all(torch.equal(group.reference[k], t) for k, t in new.items())
