@@ -206,6 +206,33 @@ def test_a_trainer_with_frozen_layers_keeps_a_copy_of_the_trainable_ones_only(re
         _assert_serves(model, _greedy(remotes[0], PROMPT, 8))
 
 
+def test_the_checkpoint_serves_as_the_reference_when_synced_every_update(remotes, trainer,
+                                                                         tmp_path):
+    model, _ = trainer
+    ckpt = shutil.copytree(remotes[0].model_dir, tmp_path / "ckpt")
+    with RemoteGroup([s.url for s in remotes[:2]], token=TOKEN, timeout=10.0,
+                     checkpoint=ckpt, reference="checkpoint") as group:
+        assert group.update(model)["full"]  # the servers were updated: not the checkpoint
+        assert group.reference is None and group._synced_at == group.n
+        for _ in range(2):
+            with torch.no_grad():
+                model.model.layers[0].mlp.up_proj.weight[::5] += 0.05
+            out = group.update(model)
+            assert not out["full"] and out["bytes_sent"] < _nbytes(model) / 10
+        assert _checksum(remotes[0]) == _checksum(remotes[1])
+        _assert_serves(model, _greedy(remotes[0], PROMPT, 8))
+        on_disk = load_file(ckpt / "model.safetensors")
+        assert len(on_disk.keys() & model.state_dict().keys()) == len(on_disk)
+        assert all(torch.equal(on_disk[k], p) for k, p in model.state_dict().items()
+                   if k in on_disk)
+        with pytest.raises(RemoteError, match="reference='checkpoint': `model.norm.weight` "
+                           r"is torch.float32 \(\d+,\), the checkpoint .* holds "
+                           r"torch.bfloat16"):
+            group._check_dtypes({"model.norm.weight": torch.zeros(model.config.hidden_size)})
+    with pytest.raises(RemoteError, match="field 'reference'"):
+        RemoteGroup(remotes[0].url, token=TOKEN, reference="checkpoint")
+
+
 @pytest.mark.parametrize("bad, match", [
     ("unknown", "update not applied anywhere: .* unknown tensor `model.no_such.weight`"),
     # the trainer's own encoder sees this one, before anything is sent

@@ -59,6 +59,7 @@ logger = logging.getLogger(__name__)
 
 ROUND_BYTES = 64 << 20  # staging budget per round, on both sides
 REQUIRE = ("any", "all")
+REFERENCES = ("copy", "checkpoint")
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,12 @@ class RemoteGroup:
             just started, or restarted) is sent only what differs from it instead of the
             whole model; its digest is checked, so a different one costs a full sync, never
             a wrong weight.
+        reference: where the old values the deltas are taken against live: ``"copy"``
+            (default), a host copy of what the servers hold (`reference`, 100 % of the
+            trainable tensors' bytes); ``"checkpoint"``, the `checkpoint` directory itself,
+            memory-mapped: no copy, but every committed update is synced into it
+            (`hotweights.checkpoint.sync`, beside the commits) so that it stays exactly what
+            the servers hold; a sync that fails costs a full sync at the next update.
         trainable: names or `fnmatch` patterns of the only tensors (checkpoint names) an
             update may change; default: for a model, its parameters that require grad,
             else every tensor. The group keeps a host copy (`reference`) of those only, and
@@ -119,7 +126,7 @@ class RemoteGroup:
     def __init__(self, servers: str | Iterable[str], *, token: str | Mapping[str, str] | None =
                  None, master_addr: str | None = None, master_port: int = 0,
                  timeout: float = 60.0, max_round_bytes: int = ROUND_BYTES,
-                 checkpoint: str | os.PathLike | None = None,
+                 checkpoint: str | os.PathLike | None = None, reference: str = "copy",
                  trainable: Iterable[str] | None = None, compress: str | None = None,
                  require: str = "any"):
         self.urls = server_urls(servers)
@@ -140,6 +147,11 @@ class RemoteGroup:
             raise RemoteError(f"field 'compress' must be one of {list(delta.COMPRESS)}, found "
                               f"{compress!r}")
         self.compress = compress
+        if reference not in REFERENCES or reference == "checkpoint" and checkpoint is None:
+            raise RemoteError(f"field 'reference' must be one of {REFERENCES}, 'checkpoint' "
+                              f"with checkpoint=DIR; found {reference!r}")
+        self.reference_mode = reference
+        self._synced_at: int | None = None  # reference="checkpoint": the version it holds
         self.trainable = None if trainable is None else (
             (trainable,) if isinstance(trainable, str) else tuple(trainable))
         self._frozen_prints: prefilter.Prints = {}  # of what the servers hold, not copied
@@ -205,11 +217,16 @@ class RemoteGroup:
             if not st.get("remote"):
                 raise RemoteError(f"{u}: not started with `hotweights serve --remote`; a "
                                   "local server is updated in place through Bridge")
+        held = self.reference if self.reference_mode == "copy" else \
+            self._opened() if self._synced_at == self.n else None
         stale = [u for u, st in status.items()
-                 if self.reference is None or self._held.get(u) != (st["server_id"], st["n"])]
+                 if held is None or self._held.get(u) != (st["server_id"], st["n"])]
         self._connect(status)
-        reference, also = (self.reference if len(stale) < len(self.urls) else None), None
-        if stale:
+        reference, also = (held if len(stale) < len(self.urls) else None), None
+        if stale and held is not None and held is not self.reference:
+            # every server holds the synced checkpoint, or one it reports loading (checked)
+            reference = self._checkpoint_for([status[u] for u in stale], new)
+        elif stale:
             ckpt = self._checkpoint_for([status[u] for u in stale], new)
             if ckpt is None:
                 reference = None  # a full sync: the whole model, dense, to every server
@@ -218,9 +235,15 @@ class RemoteGroup:
             else:
                 also = ckpt  # the others hold `reference`: what differs from either is sent
         from_checkpoint = tuple(stale) if reference is not None else ()
-        frozen = self._frozen(weights, new)
+        if self.reference_mode == "checkpoint":
+            if reference is None and stale:
+                self._check_dtypes(new)
+            frozen = set()  # no copies to spare
+        else:
+            frozen = self._frozen(weights, new)
         (deltas, prints, frozen_prints), sent = self._send(
-            status, lambda: self._encode(reference, new, also, bool(from_checkpoint), frozen),
+            status, lambda: self._encode(reference, new, also, reference is not None and
+                                         reference is not self.reference, frozen),
             mode, lease_s or self._lease_s())
         return Pending(status, new, deltas, reference is None, from_checkpoint, prints, sent,
                        started, max(self.n, *(st["n"] for st in status.values())),
@@ -237,8 +260,9 @@ class RemoteGroup:
         with ThreadPoolExecutor(1) as pool:  # while the servers commit
             # every server synced from the checkpoint: deltas from it, not from `reference`
             whole = pending.full or len(pending.from_checkpoint) == len(status)
-            remembered = pool.submit(self._remember, pending.new, pending.deltas, whole,
-                                     pending.frozen)
+            remembered = pool.submit(self._sync_checkpoint, pending.new, n) \
+                if self.reference_mode == "checkpoint" else \
+                pool.submit(self._remember, pending.new, pending.deltas, whole, pending.frozen)
             outs = self._each(lambda u: self._post(u, status[u], "/hotweights/commit", n=n),
                               errors=True)
             remembered.result()
@@ -322,6 +346,8 @@ class RemoteGroup:
         holds the checkpoint, it is its own old value); else it is sent."""
         frozen = frozen - set(self.reference or ())  # copied already: as any other
         frozen_prints = prefilter.fingerprints({k: new[k] for k in frozen})
+        held = reference is not None and (reference is self.reference or self._synced_at ==
+                                          self.n and reference is self._opened())
         if reference is self.reference and reference is not None:
             kept = {k for k in frozen if _same(self._frozen_prints.get(k), frozen_prints[k])}
             if moved := sorted(frozen - kept):
@@ -333,8 +359,7 @@ class RemoteGroup:
             else:
                 reference = {**reference, **{k: new[k] for k in kept}}
             frozen_prints = {k: frozen_prints[k] for k in kept}
-        rows, prints = self._prefilter.rows(new, use=reference is self.reference
-                                            and also is None)
+        rows, prints = self._prefilter.rows(new, use=held and also is None)
         deltas = delta.encode_all(reference, new, also=also, rows=rows)
         if from_checkpoint and stats(self.checkpoint) != self._loaded[0]:
             # in place (journal mode): the memory-mapped old values may have moved under us
@@ -342,14 +367,47 @@ class RemoteGroup:
                               "sent: update again")
         return deltas, prints, frozen_prints
 
+    def _opened(self) -> dict:
+        """The checkpoint's tensors, memory-mapped (opened again when its files changed)."""
+        now = stats(self.checkpoint)
+        if self._loaded is None or self._loaded[0] != now:
+            self._loaded = (now, None, open_dir(self.checkpoint))  # its digest: when needed
+        return self._loaded[2]
+
+    def _check_dtypes(self, new: dict) -> None:
+        """reference="checkpoint": refuse weights the checkpoint cannot hold bit for bit."""
+        tensors = self._opened()
+        if bad := next((k for k, t in new.items() if k not in tensors or tensors[k].dtype
+                        != t.dtype or tensors[k].shape != t.shape), None):
+            held = "nothing by that name" if bad not in tensors else \
+                f"{tensors[bad].dtype} {tuple(tensors[bad].shape)}"
+            raise RemoteError(f"reference='checkpoint': `{bad}` is {new[bad].dtype} "
+                              f"{tuple(new[bad].shape)}, the checkpoint {self.checkpoint} "
+                              f"holds {held}; it must hold every tensor in the weights' own "
+                              "dtype and shape")
+
+    def _sync_checkpoint(self, new: dict, n: int) -> None:
+        """reference="checkpoint": make the checkpoint what the servers now hold."""
+        from hotweights.checkpoint import sync
+
+        self._synced_at = None
+        try:
+            sync(self.checkpoint, new, version=str(n))
+        except Exception:
+            logger.exception("hotweights: syncing %s failed; the next update is a full sync",
+                             self.checkpoint)
+            return
+        self._synced_at = n
+
     def _checkpoint_for(self, stale: list[dict], new: dict) -> dict | None:
         """The checkpoint's tensors (memory-mapped) when every server in `stale` holds
         exactly `checkpoint` and it matches the new weights' names, dtypes and shapes."""
         if self.checkpoint is None or any(st.get("checkpoint") is None for st in stale):
             return None
         now = stats(self.checkpoint)
-        if self._loaded is None or self._loaded[0] != now:  # hashed again only when changed
-            found = digest(self.checkpoint)  # None: no safetensors there
+        if self._loaded is None or self._loaded[0] != now or self._loaded[1] is None:
+            found = digest(self.checkpoint)  # None: no safetensors there (hashed again only
+            # when changed)
             tensors = open_dir(self.checkpoint) if found is not None else {}
             if stats(self.checkpoint) != now:
                 logger.info("hotweights: %s is being written: a full sync", self.checkpoint)
