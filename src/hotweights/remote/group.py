@@ -502,14 +502,13 @@ class RemoteGroup:
         the servers now hold: only what changed is written."""
         self._frozen_prints = frozen
         if full or self.reference is None:
-            self.reference = {k: t.detach().to("cpu", copy=True) for k, t in new.items()
-                              if k not in frozen}
+            self.reference = {k: _host_copy(t) for k, t in new.items() if k not in frozen}
             return
         for d in deltas:
             if d.name in frozen:
                 continue
             if d.name not in self.reference:  # could not change, did: copied from now on
-                self.reference[d.name] = new[d.name].detach().to("cpu", copy=True)
+                self.reference[d.name] = _host_copy(new[d.name])
                 continue
             ref = self.reference[d.name]
             if d.kind == delta.PATCH:
@@ -618,6 +617,11 @@ def _raise_failed(futures: dict, what: str, *, wait: bool = True) -> None:
 
 def _named(failed: dict[str, Exception]) -> str:
     return "; ".join(f"{u}: {e}" for u, e in failed.items())
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of `t`; pinned when `t` is on a GPU (deltas and restores copy faster)."""
+    return torch.empty_like(t, device="cpu", pin_memory=t.is_cuda).copy_(t.detach())
 
 
 def _same(a: tuple | None, b: tuple) -> bool:
