@@ -367,6 +367,7 @@ def test_a_bridge_and_two_remotes_update_as_one_transaction(remotes, monkeypatch
 def test_a_server_killed_during_the_send_is_named_and_the_other_stays_old(
         remotes, trainer, tiny_model, tmp_path):
     model, group = trainer
+    group.require = "all"
     victim, survivor = remotes[1], remotes[0]
     group.max_round_bytes = 4096  # many rounds: the kill lands during the send
     before = (_status(survivor)["version"], _checksum(survivor))
@@ -399,18 +400,52 @@ def test_a_server_killed_during_the_send_is_named_and_the_other_stays_old(
     print(json.dumps(out))
 
 
+def test_a_server_that_dies_during_the_send_or_is_down_is_dropped_the_other_commits(
+        remotes, trainer, tmp_path):
+    model, group = trainer
+    victim, survivor = remotes[1], remotes[0]
+    group.max_round_bytes = 4096  # many rounds: the kill lands during the send
+
+    def kill_when_staging():
+        while _status(victim)["state"] != "staging":
+            time.sleep(0.01)
+        time.sleep(0.2)
+        _kill(victim)
+    killer = threading.Thread(target=kill_when_staging)
+    killer.start()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)
+    out = group.update(model)  # the send breaks; made again to the survivor
+    killer.join()
+    assert out["servers"].keys() == {survivor.url} and victim.url in out["dropped"]
+    assert _status(survivor)["n"] == out["version"] and not _status(survivor)["dirty"]
+    _assert_serves(model, _greedy(survivor, PROMPT, 8))
+    victim.proc.wait()
+    with torch.no_grad():
+        model.model.norm.weight[0] += 1
+    out = group.update(model)  # down at the start: dropped at once
+    assert out["servers"].keys() == {survivor.url} and "cannot reach" in out["dropped"][
+        victim.url]
+    remotes[1] = Server(victim.model_dir, tmp_path, "--remote", port=victim.port)
+    group.max_round_bytes = 64 << 20
+    out = group.update(model)  # caught up: from the checkpoint it loaded
+    assert out["from_checkpoint"] == [victim.url] and not out["dropped"]
+    assert _checksum(remotes[0]) == _checksum(remotes[1])
+    assert {_status(s)["n"] for s in remotes[:2]} == {group.n}
+
+
 def test_a_server_killed_between_send_and_commit_is_named_and_the_other_serves_new(
         remotes, trainer, tmp_path):
     model, group = trainer
     victim, survivor = remotes[1], remotes[0]
     with torch.no_grad():
         model.model.layers[0].mlp.down_proj.weight.add_(0.01)
-    pending = group.prepare(model)  # both staged the update, both paused
+    pending = group.prepare(model)  # both staged the update
     _kill(victim)
     victim.proc.wait()
-    with pytest.raises(RemoteError, match=rf"version {pending.floor + 1} is served by "
-                       rf"\['{survivor.url}'\]; the commit failed on {victim.url}"):
-        group.commit(pending)
+    out = group.commit(pending)  # require="any": named, the survivor goes on
+    assert out["servers"].keys() == {survivor.url} and victim.url in out["dropped"]
     assert _status(survivor)["n"] == group.n and _status(survivor)["state"] == "idle"
     remotes[1] = Server(victim.model_dir, tmp_path, "--remote", port=victim.port)
     out = group.update(model)  # the restarted one: what differs from the checkpoint

@@ -7,16 +7,21 @@ on a `Channel` (checked there, nothing applied; the lease renewed meanwhile); co
 every server with one version number N, which pauses generation only to apply the staged
 update, reset the caches and resume. What the design guarantees:
 
-- a server that dies, stalls or refuses during the send fails the update on every server,
-  within the timeout and by name; the others abort with nothing applied: **all stay at the
-  old version**;
+- a server that does not answer at the start of an update, or dies during the send, is
+  dropped from it (`result["dropped"]` and a warning name it; a send it broke is made again
+  to the others) and the others commit; with ``require="all"`` it fails the update on
+  every server instead, within the timeout and by name, the others aborting with nothing
+  applied: **all stay at the old version**. A server that stalls or refuses (bad input)
+  fails the update everywhere;
 - once every server has staged the whole update, each is committed; a server that dies
-  between staging and its commit is named in the error while the others serve version N:
-  **the survivors all serve the new version**. The one that failed (or restarted, or missed
-  an update) gets a full sync at the next update, and then the deltas again.
+  between staging and its commit is named while the others serve version N (an error
+  with ``require="all"``): **the survivors all serve the new version**. The one that failed
+  (or restarted, or missed an update) is caught up at the next update (from the
+  checkpoint it loaded, or whole), and then gets the deltas again.
 
 The old values the deltas are computed against are a host copy of what the servers hold
-(`reference`: one copy of the weights in this process's memory). A server that holds exactly
+(`reference`: one copy of the tensors that can change, `trainable`), or the checkpoint
+itself (`reference="checkpoint"`). A server that holds exactly
 the checkpoint it started from (it reports the checkpoint's digest until its first commit)
 is synced from it instead, when the group is given the same checkpoint: only what differs
 from it is sent (from either, when other servers hold `reference`), not the whole model.
@@ -76,6 +81,7 @@ class Pending:
     started: float
     floor: int  # the version number to commit must be above this
     frozen: prefilter.Prints  # of the tensors that cannot change, once the servers hold them
+    dropped: dict  # url -> why: servers down at the start or dead during the send
 
 
 class RemoteGroup:
@@ -115,12 +121,14 @@ class RemoteGroup:
             is sent whole (a warning names it) and copied from then on.
         compress: None (default), or ``"zstd"``: every round compressed (the ``zstd``
             extra), for slow links; costs encode and apply time (see docs/remote.md).
-        require: with a local server (`Bridge.add_remote`): ``"any"`` (default), the local
-            server commits and resumes first, then the remotes receive and commit (if they
-            fail, the local server serves the new version and they stay at the old one,
-            named, until the next update catches them up); ``"all"``, the local server
-            waits until every remote has staged the update, and if one fails the trainer's
-            step is undone and every server stays at the old version.
+        require: ``"any"`` (default): a server down at the start of an update or dead
+            during it is dropped from it (named) and the others commit; with a local server
+            (`Bridge.add_remote`) the local server commits and resumes first, then the
+            remotes receive and commit (if they fail, the local server serves the new
+            version and they stay at the old one, named, until the next update catches them
+            up). ``"all"``: one server failing fails the update on every server, and the
+            local server waits until every remote has staged the update: if one fails the
+            trainer's step is undone and every server stays at the old version.
     """
 
     def __init__(self, servers: str | Iterable[str], *, token: str | Mapping[str, str] | None =
@@ -198,7 +206,7 @@ class RemoteGroup:
     def floor(self) -> int:
         """The highest version number a server serves or this group committed: an update's
         number must be above it."""
-        status = self._each(lambda u: request(u, "GET", "/hotweights/status", self._tokens[u]))
+        status, _ = self._status(self.urls, {})
         return max(self.n, *(st["n"] for st in status.values()))
 
     def prepare(self, weights: torch.nn.Module | Mapping[str, torch.Tensor], *,
@@ -212,17 +220,46 @@ class RemoteGroup:
         """
         started = time.perf_counter()
         new = _weights(weights)
-        status = self._each(lambda u: request(u, "GET", "/hotweights/status", self._tokens[u]))
+        status, dropped = self._status(self.urls, {})
+        try:
+            return self._prepare(weights, new, status, mode, lease_s, started, dropped)
+        except RemoteError as e:
+            if self.require == "all":
+                raise
+            before = len(dropped)
+            status, dropped = self._status(list(status), dropped)  # who is gone?
+            if len(dropped) == before:
+                raise  # every server answers: not one that died (bad input, a stall)
+            logger.warning("hotweights: %s; updating the others again", e)
+            return self._prepare(weights, new, status, mode, lease_s, started, dropped)
+
+    def _status(self, urls: list[str], dropped: dict) -> tuple[dict, dict]:
+        """(url -> status of each of `urls` that answers, `dropped` plus url -> why for each
+        that does not: dropped from this update, or, with require="all", the update fails)."""
+        outs = self._each(lambda u: request(u, "GET", "/hotweights/status", self._tokens[u],
+                                            timeout=min(self.timeout, 30.0)),
+                          errors=True, urls=urls)
+        down = {u: str(e) for u, e in outs.items() if isinstance(e, Exception)}
+        if down and (self.require == "all" or len(down) == len(urls)):
+            raise RemoteError(f"no answer from {_named(down)}")
+        if down:
+            logger.warning("hotweights: %s dropped from this update (the next one catches "
+                           "them up): %s", sorted(down), _named(down))
+        status = {u: st for u, st in outs.items() if u not in down}
         for u, st in status.items():
             if not st.get("remote"):
                 raise RemoteError(f"{u}: not started with `hotweights serve --remote`; a "
                                   "local server is updated in place through Bridge")
+        return status, {**dropped, **down}
+
+    def _prepare(self, weights, new: dict, status: dict, mode: str, lease_s: float | None,
+                 started: float, dropped: dict) -> Pending:
         held = self.reference if self.reference_mode == "copy" else \
             self._opened() if self._synced_at == self.n else None
         stale = [u for u, st in status.items()
                  if held is None or self._held.get(u) != (st["server_id"], st["n"])]
         self._connect(status)
-        reference, also = (held if len(stale) < len(self.urls) else None), None
+        reference, also = (held if len(stale) < len(status) else None), None
         if stale and held is not None and held is not self.reference:
             # every server holds the synced checkpoint, or one it reports loading (checked)
             reference = self._checkpoint_for([status[u] for u in stale], new)
@@ -247,7 +284,7 @@ class RemoteGroup:
             mode, lease_s or self._lease_s())
         return Pending(status, new, deltas, reference is None, from_checkpoint, prints, sent,
                        started, max(self.n, *(st["n"] for st in status.values())),
-                       frozen_prints)
+                       frozen_prints, dropped)
 
     def commit(self, pending: Pending, n: int | None = None) -> dict:
         """Commit a prepared update on every server with version number `n` (default: one
@@ -264,7 +301,7 @@ class RemoteGroup:
                 if self.reference_mode == "checkpoint" else \
                 pool.submit(self._remember, pending.new, pending.deltas, whole, pending.frozen)
             outs = self._each(lambda u: self._post(u, status[u], "/hotweights/commit", n=n),
-                              errors=True)
+                              errors=True, urls=list(status))
             remembered.result()
         for u, out in outs.items():
             (failed if isinstance(out, Exception) else committed)[u] = out
@@ -278,11 +315,16 @@ class RemoteGroup:
                   "servers": {u: out["version"] for u, out in committed.items()},
                   "paused_ms": {u: None if out.get("paused_s") is None else
                                 round(out["paused_s"] * 1e3, 3)
-                                for u, out in committed.items()}}
-        if failed:
+                                for u, out in committed.items()},
+                  "dropped": pending.dropped}
+        if failed and (self.require == "all" or not committed):
             raise RemoteError(f"version {n} is served by {sorted(committed) or 'no server'}; "
-                              f"the commit failed on {_named(failed)}; that server gets a "
-                              "full sync at the next update")
+                              f"the commit failed on {_named(failed)}; that server is "
+                              "caught up at the next update")
+        if failed:
+            logger.warning("hotweights: version %d: the commit failed on %s; caught up at the "
+                           "next update", n, _named(failed))
+            result["dropped"] = {**pending.dropped, **{u: str(e) for u, e in failed.items()}}
         logger.info("hotweights: version %d on %d servers, %d bytes sent%s in %.2f s", n,
                     len(committed), pending.sent, " (full sync)" if pending.full else "",
                     result["seconds"])
@@ -292,7 +334,7 @@ class RemoteGroup:
         """Drop a prepared update everywhere: every server goes on at its old version."""
         self._leased = {}
         self._each(lambda u: self._post(u, pending.status[u], "/hotweights/abort",
-                                        dirty=False), errors=True)
+                                        dirty=False), errors=True, urls=list(pending.status))
 
     def renew(self, lease_s: float | None = None) -> None:
         """Extend the lease of the update in progress on every server that began it (the
@@ -437,12 +479,12 @@ class RemoteGroup:
         threads of their own: they wait for its start on the channel up to the lease). The
         lease is renewed every `lease_s / 3` until the send ends, however long the encode
         and the send take."""
-        pool = ThreadPoolExecutor(2 * len(self.urls) + 1)
+        pool = ThreadPoolExecutor(2 * len(status) + 1)
         update = uuid.uuid4().hex
         begins, encoded = {}, None
         try:
             begins = {u: pool.submit(self._post, u, status[u], "/hotweights/begin", mode=mode,
-                                     lease_s=lease_s, stage=True) for u in self.urls}
+                                     lease_s=lease_s, stage=True) for u in status}
             _raise_failed(begins, "begin")
             self._leased = dict(status)
             with Renewer(self.renew, lease_s):
@@ -494,7 +536,7 @@ class RemoteGroup:
         channel, on threads of their own); return those requests' futures."""
         return {u: pool.submit(self._post, u, status[u], "/hotweights/remote/receive",
                                update=update, wait_s=lease_s,
-                               http_timeout=lease_s + self.timeout + 60) for u in self.urls}
+                               http_timeout=lease_s + self.timeout + 60) for u in status}
 
     def _remember(self, new: dict, deltas: list, full: bool, frozen: prefilter.Prints
                   ) -> None:
@@ -524,22 +566,22 @@ class RemoteGroup:
 
     def _connect(self, status: dict) -> None:
         """(Re)build the channel when a server joined, restarted or the channel broke."""
-        members = tuple((u, status[u]["server_id"]) for u in self.urls)
+        members = tuple((u, st["server_id"]) for u, st in status.items())
         if self._channel is not None and members == self._members and all(
                 st.get("channel") == self._channel_id for st in status.values()):
             return  # nobody restarted, and nobody joined another trainer's channel since
         self._close()
         offset, self._ranks = 1, {}
-        for u in self.urls:
+        for u in status:
             self._ranks[u] = range(offset, offset + status[u]["workers"])
             offset += status[u]["workers"]
         port = self.master_port or _free_port(self.master_addr)
         token = secrets.token_hex(16)
-        with ThreadPoolExecutor(len(self.urls)) as pool:
+        with ThreadPoolExecutor(len(status)) as pool:
             joins = {u: pool.submit(self._post, u, status[u], "/hotweights/remote/join",
                                     master_addr=self.master_addr, master_port=port,
                                     rank_offset=self._ranks[u].start, world_size=offset,
-                                    token=token, timeout=self.timeout) for u in self.urls}
+                                    token=token, timeout=self.timeout) for u in status}
             try:
                 self._channel = Channel(master_addr=self.master_addr, master_port=port, rank=0,
                                         world_size=offset, token=token, timeout=self.timeout)
