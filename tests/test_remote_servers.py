@@ -68,6 +68,18 @@ def _kill(server) -> None:
     os.killpg(server.proc.pid, signal.SIGKILL)
 
 
+def _kill_during_the_send(victim) -> threading.Thread:
+    """A started thread that kills `victim` once it stages an update (join it after)."""
+    def kill_when_staging():
+        while _status(victim)["state"] != "staging":
+            time.sleep(0.01)
+        time.sleep(0.2)
+        _kill(victim)
+    killer = threading.Thread(target=kill_when_staging)
+    killer.start()
+    return killer
+
+
 def _nbytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -371,14 +383,7 @@ def test_a_server_killed_during_the_send_is_named_and_the_other_stays_old(
     victim, survivor = remotes[1], remotes[0]
     group.max_round_bytes = 4096  # many rounds: the kill lands during the send
     before = (_status(survivor)["version"], _checksum(survivor))
-
-    def kill_when_paused():
-        while _status(victim)["state"] != "staging":
-            time.sleep(0.01)
-        time.sleep(0.2)
-        _kill(victim)
-    killer = threading.Thread(target=kill_when_paused)
-    killer.start()
+    killer = _kill_during_the_send(victim)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.01)
@@ -405,14 +410,7 @@ def test_a_server_that_dies_during_the_send_or_is_down_is_dropped_the_other_comm
     model, group = trainer
     victim, survivor = remotes[1], remotes[0]
     group.max_round_bytes = 4096  # many rounds: the kill lands during the send
-
-    def kill_when_staging():
-        while _status(victim)["state"] != "staging":
-            time.sleep(0.01)
-        time.sleep(0.2)
-        _kill(victim)
-    killer = threading.Thread(target=kill_when_staging)
-    killer.start()
+    killer = _kill_during_the_send(victim)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.01)
