@@ -28,8 +28,8 @@ servers' `/hotweights/checksum` must be equal (else the run fails).
 
 Serving while updating, for each scenario's best (fastest) run (every run's is printed):
 
-- paused: the worst server's `paused_ms` of that update (how long it held new requests or
-  paused generation, by its own clock: only the commit pauses);
+- paused: the worst server's `paused_ms` of that update (how long its generation stayed
+  paused, pause to resume, by its own clock: only the commit pauses);
 - client stall: while the scenarios run, one client thread per server streams greedy
   completions in a loop (POST /v1/completions, stream, 16 prompt tokens + 64 generated,
   every request with a timeout); the longest gap between consecutive streamed chunks of a

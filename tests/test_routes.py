@@ -241,7 +241,8 @@ def test_a_remote_server_stages_on_receive_applies_on_commit_and_discards_on_abo
         join = body(master_addr="10.0.0.1", master_port=29500, rank_offset=1, world_size=3,
                     token="chan-token", timeout=5.0)
         r = await client.post("/hotweights/remote/join", json=join, headers=AUTH)
-        assert r.status_code == 200 and r.json() == {"workers": 1, "version": f"0@{SID}"}
+        assert r.status_code == 200 and r.json() == {"workers": 1, "version": f"0@{SID}",
+                                                      "xor": False}
         await client.post("/hotweights/begin", json=body(), headers=AUTH)
         r = await client.post("/hotweights/remote/join", json=join, headers=AUTH)
         assert r.status_code == 409 and "join between updates" in r.json()["error"]

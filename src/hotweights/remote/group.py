@@ -196,7 +196,7 @@ class RemoteGroup:
         Returns:
             ``{"version": N, "full": bool, "bytes_sent": int, "seconds": float,
             "servers": {url: "N@SERVER"}, "paused_ms": {url: ms}}``: ``paused_ms`` is how
-            long each server held new requests or paused generation, by its own clock.
+            long each server's generation stayed paused (pause to resume), by its own clock.
         Raises:
             RemoteError: naming the server that failed (see the module doc for the state
                 every server is left in).

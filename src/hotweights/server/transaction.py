@@ -269,8 +269,9 @@ class Transaction:
         self.expired: dict | None = None  # holder, at, version of the last expired lease
         self.updates = 0
         self.last_pause_s: float | None = None
-        self.last_paused_s: float | None = None  # new requests held or generation paused
-        self._paused_at: float | None = None
+        self.last_paused_s: float | None = None  # generation paused: pause to resume
+        self._held_at: float | None = None  # new requests held since
+        self._paused_at: float | None = None  # generation paused since
         self._drain_s = DEFAULT_LEASE_S  # a staged update's drain bound: its begin's lease
         self.last_commit_s: float | None = None
         self.last_update_s: float | None = None  # begin to the end of commit
@@ -293,7 +294,7 @@ class Transaction:
     def status(self) -> dict:
         return dict(
             server_id=self.server_id, version=self.version, n=self.n, state=self.state.value,
-            paused=self._paused_at is not None,
+            paused=self._held_at is not None,
             holder=self.holder, mode=self.mode, lease_expires=self.lease.expires,
             dirty=self.dirty, dirty_reason=self.versions.dirty_reason,
             dirty_versions=self.versions.dirty_labels(),
@@ -340,12 +341,17 @@ class Transaction:
         return self._granted()
 
     def _hold(self) -> None:
-        self._paused_at = time.perf_counter()
+        self._held_at = time.perf_counter()
         self.engine.hold()
+
+    async def _paused(self, mode: str, timeout: float) -> None:
+        """Pause generation (in-flight requests drained, aborted or frozen first)."""
+        await asyncio.wait_for(self.engine.pause(mode), timeout)
+        self._paused_at = time.perf_counter()
 
     async def _pause(self, req: Begin) -> None:
         try:
-            await asyncio.wait_for(self.engine.pause(req.mode), req.lease_s)
+            await self._paused(req.mode, req.lease_s)
         except BaseException as e:
             async with self._lock:
                 if self.holder == req.holder and self.state is State.DRAINING:
@@ -367,7 +373,7 @@ class Transaction:
         if that fails, the update is dropped and generation resumes at the old version."""
         self._hold()
         try:
-            await asyncio.wait_for(self.engine.pause(self.mode), self._drain_s)
+            await self._paused(self.mode, self._drain_s)
         except Exception as e:
             await self._discard_quietly()
             await self._resume("commit's pause failed")
@@ -376,7 +382,7 @@ class Transaction:
             raise Refused(503, f"{why}; the staged update was dropped, the server serves "
                           f"{self.version}; update again (mode=abort or keep does not "
                           "wait)") from None
-        self.last_pause_s = time.perf_counter() - self._paused_at
+        self.last_pause_s = self._paused_at - self._held_at
 
     async def renew(self, req: Renew) -> dict:
         async with self._lock:
@@ -524,14 +530,15 @@ class Transaction:
         self.lease.end()
         self.state, self.holder, self.mode = State.IDLE, None, None
         self._pausing = None
-        if self._paused_at is None:  # a staged update that never paused
+        if self._held_at is None:  # a staged update that never paused
             logger.info("hotweights: %s; serving version %s", why, self.version)
             return
         try:  # also after a drain that failed half way: resuming an idle engine is a no-op
             await self.engine.resume()
         finally:
             self.engine.release()
-            self.last_paused_s = time.perf_counter() - self._paused_at
-            self._paused_at = None
+            if self._paused_at is not None:
+                self.last_paused_s = time.perf_counter() - self._paused_at
+            self._held_at = self._paused_at = None
             logger.info("hotweights: %s; serving version %s", why, self.version)
 
