@@ -120,6 +120,6 @@ def test_servers_all_synced_from_the_checkpoint_leave_the_reference_whole(checkp
     monkeypatch.setattr(group, "_each", lambda fn, **kw: {
         u: {"version": f"5@{u}"} for u in group.urls})
     pending = Pending({u: {"server_id": "s", "n": 4} for u in group.urls}, new, deltas, False,
-                      tuple(group.urls), None, 0, 0.0, 4, {})
+                      tuple(group.urls), None, 0, 0.0, 4, {}, {})
     group.commit(pending)
     assert all(torch.equal(group.reference[k], t) for k, t in new.items())

@@ -254,6 +254,8 @@ class RemoteGroup:
 
     def _prepare(self, weights, new: dict, status: dict, mode: str, lease_s: float | None,
                  started: float, dropped: dict) -> Pending:
+        """`prepare` on the servers of `status`: the old values each holds, the encode, the
+        send."""
         held = self.reference if self.reference_mode == "copy" else \
             self._opened() if self._synced_at == self.n else None
         stale = [u for u, st in status.items()
@@ -278,10 +280,11 @@ class RemoteGroup:
             frozen = set()  # no copies to spare
         else:
             frozen = self._frozen(weights, new)
+        mapped = bool(from_checkpoint) or reference is not None and reference is not \
+            self.reference  # the checkpoint's memory map: checked for writes after
         (deltas, prints, frozen_prints), sent = self._send(
-            status, lambda: self._encode(reference, new, also, reference is not None and
-                                         reference is not self.reference, frozen),
-            mode, lease_s or self._lease_s())
+            status, lambda: self._encode(reference, new, also, mapped, frozen), mode,
+            lease_s or self._lease_s())
         return Pending(status, new, deltas, reference is None, from_checkpoint, prints, sent,
                        started, max(self.n, *(st["n"] for st in status.values())),
                        frozen_prints, dropped)
