@@ -76,6 +76,9 @@ class Staged:
                                  f"the end of the pieces staged before it; refused")
             if start < stop:
                 self._next[name] = stop
+            if kind == PATCH:  # the commit's index_copy_ (and the loader) take int64: made
+                # here, while the server still serves, not while it is paused
+                views = (views[0].to(torch.int64), views[1])
             self._pieces.setdefault(name, []).append((e, views))
         self.nbytes += buf.numel()
         self.rounds += 1
