@@ -123,3 +123,30 @@ def test_servers_all_synced_from_the_checkpoint_leave_the_reference_whole(checkp
                       tuple(group.urls), None, 0, 0.0, 4, {}, {})
     group.commit(pending)
     assert all(torch.equal(group.reference[k], t) for k, t in new.items())
+
+
+def test_the_default_master_addr_is_this_hosts_address_on_the_route_to_the_servers():
+    from hotweights.remote.group import route_address
+
+    assert RemoteGroup(["http://127.0.0.1:1"], token="t" * 32).master_addr == "127.0.0.1"
+    assert route_address("http://127.0.0.1:8000") == "127.0.0.1"  # the kernel's source
+    try:  # another host: the address this one sends to it from (no packet sent)
+        far = route_address("http://10.255.255.1:8000")
+    except RemoteError:  # a machine without a route off itself
+        far = None
+    if far is not None:
+        assert far != "127.0.1.1"
+        assert RemoteGroup(["http://10.255.255.1:8000"], token="t" * 32).master_addr == far
+    with pytest.raises(RemoteError, match=r"http://no-such-host\.invalid:8000: no route to "
+                       r"its host from here .*pass RemoteGroup\(master_addr=\)"):
+        route_address("http://no-such-host.invalid:8000")
+
+
+def test_a_receiver_that_does_not_join_names_the_interface_variables():
+    from hotweights.remote.channel import Channel
+    from hotweights.server.launch import free_port
+
+    with pytest.raises(RemoteError, match=r"did not join within 1\.0 s; can every server "
+                       r"reach 127\.0\.0\.1 .*GLOO_SOCKET_IFNAME \(CPU\) or NCCL_SOCKET_IFNAME"):
+        Channel(master_addr="127.0.0.1", master_port=free_port(), rank=0, world_size=2,
+                token="t" * 16, timeout=1.0)

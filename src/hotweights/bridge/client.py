@@ -128,15 +128,16 @@ class Bridge:
             release()
 
     def add_remote(self, servers, **kwargs: Any):
-        """Update remote servers too: every `update()` is then one transaction over this
-        server and them (one version number; all at the new weights or all at the old).
+        """Update remote servers too: every `update()` then serves one version number on
+        this server and them (see `update` for who commits when, with `require=`).
 
         Args:
             servers: a `RemoteGroup`, or what `RemoteGroup` takes (URLs, ``host:port``,
                 SLURM node lists) with `kwargs` (``token=``, ``master_addr=``,
-                ``timeout=``, ...).
+                ``timeout=``, ``checkpoint=``, ``require=``, ...).
         Returns:
-            The `RemoteGroup`. Its first update is a full sync.
+            The `RemoteGroup`. Its first update sends the whole model, unless it was given
+            ``checkpoint=`` the directory the servers loaded: then only what differs from it.
         """
         from hotweights.remote.group import RemoteGroup
 

@@ -112,7 +112,8 @@ class Channel:
             self._store = TCPStore(master_addr, master_port, None, rank == 0, timeout=td,
                                    wait_for_workers=False)
             nonce = rendezvous.prove(self._store, rank=rank, world_size=world_size, token=token,
-                                     timeout=timeout, where=self._where())
+                                     timeout=timeout, where=self._where(),
+                                     hint=rendezvous.interface_hint(master_addr))
             self._ns = f"{rendezvous.NS}/{nonce}"
             self._interval = min(1.0, timeout / 8)
             self._heartbeat = _Heartbeat(master_addr, master_port, f"{self._ns}/hb/{rank}",
@@ -154,7 +155,8 @@ class Channel:
 
     def _peer_hint(self) -> str:
         return ("a receiver did not join" if self.rank == 0 else
-                f"the sender (rank 0) at {self.addr}:{self.port} did not answer")
+                f"the sender (rank 0) at {self.addr}:{self.port} did not answer") + \
+            rendezvous.interface_hint(self.addr)
 
     def _group(self, store: PrefixStore, td: timedelta):
         if self.backend == "gloo":

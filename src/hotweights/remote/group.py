@@ -99,7 +99,8 @@ class RemoteGroup:
         token: the servers' bearer token, or a mapping URL -> token (default: as for
             `Bridge.connect`: HOTWEIGHTS_TOKEN, else the token file of a local server).
         master_addr: the address the servers reach this process at for the channel
-            (default: 127.0.0.1 when every server is local, else this host's address).
+            (default: 127.0.0.1 when every server is local, else this host's address on the
+            route to the first server, `route_address`).
         master_port: the channel's port on this process (default: a free one).
         timeout: seconds any peer may be silent in a collective before it is named.
         max_round_bytes: the staging budget per round, on both sides.
@@ -142,7 +143,7 @@ class RemoteGroup:
                         for u in self.urls}
         local = all(is_loopback(urllib.parse.urlsplit(u).hostname) for u in self.urls)
         self.master_addr = master_addr or ("127.0.0.1" if local else
-                                           socket.gethostbyname(socket.gethostname()))
+                                           route_address(self.urls[0]))
         self.master_port, self.timeout = master_port, timeout
         if type(max_round_bytes) is not int or max_round_bytes < delta.MIN_ROUND_BYTES:
             raise RemoteError(f"field 'max_round_bytes' must be an int >= "
@@ -680,6 +681,23 @@ def _weights(weights: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str,
         weights = reverted(dict(weights.named_parameters()), model=weights)
     return {k: t.detach() if t.is_contiguous() else t.detach().contiguous()
             for k, t in weights.items()}
+
+
+def route_address(url: str) -> str:
+    """This host's address on the route to the server at `url` (what the kernel would send
+    from; nothing is sent). `gethostbyname(gethostname())` is 127.0.1.1 on Debian/Ubuntu,
+    which no other machine reaches."""
+    parts = urllib.parse.urlsplit(url)
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(parts.hostname, parts.port or 80,
+                                                   type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
+            return s.getsockname()[0]
+    except OSError as e:
+        raise RemoteError(f"{url}: no route to its host from here ({e}); pass "
+                          "RemoteGroup(master_addr=) an address of this host the servers "
+                          "reach") from e
 
 
 def _free_port(addr: str) -> int:

@@ -30,7 +30,7 @@ def _proof(token: str, nonce: str, who: str) -> str:
 
 
 def prove(store: Store, *, rank: int, world_size: int, token: str, timeout: float,
-          where: str) -> str:
+          where: str, hint: str = "") -> str:
     """Prove the token both ways; every rank calls it once, right after joining the store.
 
     Args:
@@ -39,6 +39,7 @@ def prove(store: Store, *, rank: int, world_size: int, token: str, timeout: floa
         token: the shared secret.
         timeout: seconds the sender waits for every receiver's proof.
         where: names this side in errors (address, port, rank).
+        hint: added to the error when a receiver does not join (`interface_hint`).
     Returns:
         The nonce: fresh for this channel, so its keys never meet another's.
     Raises:
@@ -46,11 +47,19 @@ def prove(store: Store, *, rank: int, world_size: int, token: str, timeout: floa
             world size that differs, or a sender that does not prove the token.
     """
     if rank == 0:
-        return _sender(store, world_size, token, timeout, where)
+        return _sender(store, world_size, token, timeout, where, hint)
     return _receiver(store, rank, world_size, token, where)
 
 
-def _sender(s: Store, world_size: int, token: str, timeout: float, where: str) -> str:
+def interface_hint(addr: str) -> str:
+    """What to check when peers do not meet at `addr` (the sender's address)."""
+    return (f"; can every server reach {addr} (RemoteGroup(master_addr=...))? On hosts with "
+            "several network interfaces, set GLOO_SOCKET_IFNAME (CPU) or NCCL_SOCKET_IFNAME "
+            "(GPU) on every side to the interface the servers reach")
+
+
+def _sender(s: Store, world_size: int, token: str, timeout: float, where: str,
+            hint: str) -> str:
     nonce = secrets.token_hex(16)
     s.set(f"{NS}/world", str(world_size))
     s.set(f"{NS}/nonce", nonce)
@@ -61,7 +70,7 @@ def _sender(s: Store, world_size: int, token: str, timeout: float, where: str) -
         missing = [r for r, k in enumerate(keys, 1) if not s.check([k])]
         _refuse(s, f"missing {missing}", len(keys) - len(missing), timeout)
         raise RemoteError(f"{where}: receiver rank(s) {missing} did not join within {timeout} s"
-                          ) from e
+                          f"{hint}") from e
     bad = [r for r, k in enumerate(keys, 1)
            if not hmac.compare_digest(s.get(k).decode(), _proof(token, nonce, str(r)))]
     if bad:
