@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from hotweights import Bridge, HotweightsError, RemoteError, RemoteGroup
 from hotweights.errors import ServerError
+from hotweights.server import launch
 from test_server import LOAD_TOL, PROMPT, TOKEN, Server, _greedy, _http, _sign_step
 
 pytestmark = pytest.mark.vllm
@@ -374,6 +375,17 @@ def test_a_bridge_and_two_remotes_update_as_one_transaction(remotes, monkeypatch
     assert _checksum(local) == _checksum(far[0]) == _checksum(far[1])
     assert {_status(s)["n"] for s in remotes} == {group.n}
     group.close()
+    # No remote answers at all: this server still commits (never left paused), the error
+    # names the remote.
+    nobody = f"http://127.0.0.1:{launch.free_port()}"
+    bridge.add_remote([nobody], token=TOKEN, timeout=2.0)
+    n = _status(local)["n"]
+    with pytest.raises(RemoteError, match=rf"{local.url} serves version {n + 1}; .*no answer "
+                       rf"from {nobody}"):
+        with bridge.update():
+            _sign_step(model, 0.005)
+    status = _status(local)
+    assert status["state"] == "idle" and status["n"] == n + 1 and not status["dirty"]
 
 
 def test_a_server_killed_during_the_send_is_named_and_the_other_stays_old(
