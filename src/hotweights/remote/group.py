@@ -423,8 +423,7 @@ class RemoteGroup:
     def _check_dtypes(self, new: dict) -> None:
         """reference="checkpoint": refuse weights the checkpoint cannot hold bit for bit."""
         tensors = self._opened()
-        if bad := next((k for k, t in new.items() if k not in tensors or tensors[k].dtype
-                        != t.dtype or tensors[k].shape != t.shape), None):
+        if bad := _unlike(tensors, new):
             held = "nothing by that name" if bad not in tensors else \
                 f"{tensors[bad].dtype} {tuple(tensors[bad].shape)}"
             raise RemoteError(f"reference='checkpoint': `{bad}` is {new[bad].dtype} "
@@ -464,8 +463,7 @@ class RemoteGroup:
             logger.info("hotweights: %s differs from what the servers loaded: a full sync",
                         self.checkpoint)
             return None
-        if bad := next((k for k, t in new.items() if k not in tensors or tensors[k].dtype
-                        != t.dtype or tensors[k].shape != t.shape), None):
+        if bad := _unlike(tensors, new):
             logger.info("hotweights: %s: %s differs from the checkpoint's (dtype, shape or "
                         "missing): a full sync", self.checkpoint, bad)
             return None
@@ -668,6 +666,12 @@ def _named(failed: dict[str, Exception]) -> str:
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
     """A host copy of `t`; pinned when `t` is on a GPU (deltas and restores copy faster)."""
     return torch.empty_like(t, device="cpu", pin_memory=t.is_cuda).copy_(t.detach())
+
+
+def _unlike(held: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> str | None:
+    """The first name of `new` that `held` lacks or holds in another dtype or shape."""
+    return next((k for k, t in new.items() if k not in held or held[k].dtype != t.dtype
+                 or held[k].shape != t.shape), None)
 
 
 def _same(a: tuple | None, b: tuple) -> bool:
