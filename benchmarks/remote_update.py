@@ -43,7 +43,7 @@ Serving while updating, for each scenario's best (fastest) run (every run's is p
 
 Then one more scattered update (a fresh change) with `group.compress = "zstd"`: its bytes
 sent and its encode side (fingerprints + encode + pack, of which zstd) are printed; compress
-goes back to None. `xor` is whether the servers decode xor-coded values (`group._xor`).
+goes back to None. `xor` is whether the servers decode xor-coded values (every channel).
 
 trainer extra memory: the bytes of `group.reference` (the host copy of what the servers
 hold) plus the staging budget `max_round_bytes` (one reused round buffer), over the model's
@@ -449,7 +449,7 @@ def main() -> int:
             warm = group.update(weights, mode=args.mode)
             assert warm["full"], warm
             rss_growth = rss() - rss0
-            xor = getattr(group, "_xor", None)
+            xor = all(link.xor for link in group._links.values())
             print(f"warm-up full sync (not a scenario): {warm['seconds']:.2f} s, "
                   f"{warm['bytes_sent']:,} B sent; trainer RSS +{rss_growth / 1e6:,.0f} MB; "
                   f"xor-coded values: {xor}; mode: {args.mode}")

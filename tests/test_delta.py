@@ -336,13 +336,11 @@ WORD_DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.b
                torch.float64]  # elements per 8-byte word: 4, 4, 2, 8, 8, 1
 
 
-def _reference(old: torch.Tensor, new: torch.Tensor, also: torch.Tensor | None = None) -> tuple:
-    """(kind, nbytes, changed, changed flat indices) by brute force: an element bit compare
-    (against `old`, or `also` where given: the union); dense n*s, rows 16*runs + rows*row*s,
-    patch count*(index bytes + s); of equal costs dense, then rows, then patch."""
+def _reference(old: torch.Tensor, new: torch.Tensor) -> tuple:
+    """(kind, nbytes, changed, changed flat indices) by brute force: an element bit compare;
+    dense n*s, rows 16*runs + rows*row*s, patch count*(index bytes + s); of equal costs
+    dense, then rows, then patch."""
     diff = _bits(old) != _bits(new)
-    if also is not None:
-        diff |= _bits(also) != _bits(new)
     where = torch.nonzero(diff).view(-1)
     n, s = new.numel(), new.dtype.itemsize
     if not len(where):
@@ -528,217 +526,12 @@ def test_random_sweep_matches_brute_force(monkeypatch, both_paths):
     assert kinds == {"same", "patch", "rows", "dense"}
 
 
-# also=: some receivers of one update hold `old`, others `also` (a restarted server that loaded
-# a checkpoint): an element is sent where `new` differs from either, so both end with `new`.
-
-
-def _xor(t: torch.Tensor, index, bit: int) -> torch.Tensor:
-    """A copy of `t` with bit `bit` of the chosen flat elements flipped (bit 0 for bool)."""
-    out = t.clone()
-    _bits(out)[index] ^= 1 << (0 if t.dtype == torch.bool else bit)
-    return out
-
-
-def _apply_to(held: torch.Tensor, rounds: list[Round]) -> torch.Tensor:
-    got = {"w": held.clone()}
-    for r in rounds:
-        apply(r, got)
-    return got["w"]
-
-
-def _exact_also(old: torch.Tensor, new: torch.Tensor, also: torch.Tensor,
-                max_bytes=(64, 200, 1 << 20)):
-    """encode_all with also= agrees with `_reference`, and its rounds, applied to `old`
-    and to `also`, both give `new` bit for bit, whatever the round size."""
-    keep = (old.clone(), new.clone(), also.clone())
-    (d,) = encode_all({"w": old}, {"w": new}, also={"w": also})
-    kind, nbytes, changed, where = _reference(old, new, also)
-    assert (d.kind, d.nbytes, d.changed) == (kind, nbytes, changed)
-    if kind == "patch":
-        assert d.indices.dtype == (torch.int64 if new.numel() >= delta.INT64_INDEX_FROM
-                                   else torch.int32)
-        assert d.indices.tolist() == where.tolist()
-        assert torch.equal(_bits(d.values), _bits(new)[where])
-    for mb in max_bytes:
-        rounds = list(pack([d], max_bytes=mb))
-        for held in (old, also):
-            assert torch.equal(_bits(_apply_to(held, rounds)), _bits(new))
-    for t, k in zip((old, new, also), keep, strict=True):  # nothing read was written
-        assert torch.equal(_bits(t), _bits(k))
-    return d
-
-
-ALSO_SHAPES = [(13,), (1001,), (64,), (1,), (), (50, 7), (40, 12), (16, 64), (4, 100),
-               (3, 5, 8), (7, 1), (1, 33), (9, 24), (8, 3)]
-
-
-def test_also_union_is_exact_over_a_seeded_sweep(monkeypatch, both_paths):
-    import random
-
-    g, chunk0 = random.Random(20261124), delta._CHUNK
-    seen = set()
-    for i in range(200):
-        shape, dtype, base = _sweep_case(monkeypatch, g, ALSO_SHAPES, i, chunk0)
-        n = base.numel()
-        row = n // shape[0] if len(shape) >= 2 else 1
-
-        def some(k=4, n=n):
-            return g.sample(range(n), min(n, g.randint(1, k)))
-
-        a_how = g.choice(["same", "few", "rows", "all"])
-        if a_how == "same":
-            a_which = []
-        elif a_how == "few":
-            a_which = some()
-        elif a_how == "rows":
-            a_which = [r * row + j for r in g.sample(range(n // row), g.randint(1, n // row))
-                       for j in range(row)]
-        else:
-            a_which = list(range(n))
-        also_base = _flip(base, a_which)
-        n_how = g.choice(["old_only", "also_only", "both", "revert", "revert_some",
-                          "indep", "rows"])
-        if n_how == "old_only":  # new is what `also` holds: differs from old only
-            new_base = also_base.clone()
-        elif n_how == "also_only":  # new is old again: every element `also` changed is sent
-            new_base = base.clone()
-        elif n_how == "both":  # another bit where also differs, and a few more
-            new_base = _xor(_xor(also_base, a_which, 1), some(), 2)
-        elif n_how == "revert":  # changed old -> also, back in new; plus a few new changes
-            new_base = _xor(base, some(), 3)
-        elif n_how == "revert_some":  # new is also, some of its changes undone
-            new_base = also_base.clone()
-            back = g.sample(a_which, min(len(a_which), g.randint(0, 3)))
-            _bits(new_base)[back] = _bits(base)[back]
-        elif n_how == "indep":
-            new_base = _flip(base, some(8))
-        else:
-            r = g.randrange(n // row)
-            new_base = _xor(also_base, list(range(r * row, (r + 1) * row)), 2)
-        at = lambda t: _at(t, g.choice([0, 0, 0, 1, 2, 3, 4, 8]))  # noqa: E731
-        old, new, also = at(base), at(new_base), at(also_base)
-        d = _exact_also(old, new, also, max_bytes=(g.choice([64, 128, 200]), 1 << 20))
-        seen.add((d.kind, a_how != "same"))
-    assert {k for k, _ in seen} == {"same", "patch", "rows", "dense"}
-    assert {k for k, differs in seen if differs} >= {"patch", "rows", "dense"}
-
-
-@pytest.mark.parametrize("dtype", WORD_DTYPES)
-def test_also_named_patterns_are_exact(monkeypatch, dtype):
-    chunk0 = delta._CHUNK  # shape, storage offsets of old, new, also, _CHUNK
-    for shape, offsets, chunk in (((20, 12), (4, 8, 0), 24), ((15, 7), (0, 0, 0), chunk0),
-                                  ((203,), (1, 0, 3), 40)):
-        monkeypatch.setattr(delta, "_CHUNK", chunk)
-        base = _random(shape, dtype, seed=7)
-        n = base.numel()
-        row = n // shape[0] if len(shape) == 2 else 1
-        few = [1, n // 2, n - 1]
-        whole = list(range(3 * row, 5 * row)) if row > 1 else list(range(n - 20, n))
-        alsos = {"old": base.clone(), "few": _flip(base, few), "rows": _flip(base, whole),
-                 "all": _flip(base, slice(None))}
-        for a_name, a in alsos.items():
-            changed_a = torch.nonzero(_bits(a) != _bits(base)).view(-1)
-            news = {
-                "no_change": base.clone(),  # new == old: every element also changed is sent
-                "to_also": a.clone(),  # new == also: every element old lacks is sent
-                "both": _xor(a, changed_a, 1),  # differs from both where also changed
-                "elsewhere": _xor(base, [0, 2], 2),  # also's changes reverted, 2 new ones
-                "half_back": _xor(_flip(base, changed_a[::2]), [n - 2], 2),
-            }
-            for n_name, new in news.items():
-                old_v, new_v, also_v = (_at(t, o)
-                                        for t, o in zip((base, new, a), offsets, strict=True))
-                d = _exact_also(old_v, new_v, also_v, max_bytes=(128, 1 << 20))
-                union = (_bits(base) != _bits(new)) | (_bits(a) != _bits(new))
-                if not union.any():
-                    assert d.kind == "same", (a_name, n_name)
-                elif n_name == "no_change" and a_name == "few" and dtype.itemsize >= 2:
-                    assert d.kind == "patch" and d.indices.tolist() == few
-
-
 def _fields(d) -> tuple:
     return (d.name, d.kind, d.dtype, d.shape, d.changed, d.nbytes,
             None if d.indices is None else (d.indices.dtype, d.indices.tolist()),
             None if d.values is None else _bits(d.values).tolist(),
             None if d.ranges is None else d.ranges.tolist(),
             None if d.tensor is None else d.tensor.data_ptr())
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kind", list(CASES))
-def test_also_none_or_old_gives_the_same_delta(kind, dtype):
-    old = _random((64, 32), dtype)
-    new = _flip(old, CASES[kind])
-    want = _fields(encode("w", old, new))
-    assert want[1] == kind
-    assert _fields(encode("w", old, new, also=None)) == want
-    assert _fields(encode("w", old, new, also=old)) == want
-    assert _fields(encode("w", old, new, also=_at(old.clone(), 3))) == want  # equal, elsewhere
-    (d,) = encode_all({"w": old}, {"w": new}, also=None)
-    assert _fields(d) == want
-    (d,) = encode_all({"w": old}, {"w": new}, also={"w": old.clone()})
-    assert _fields(d) == want
-
-
-@pytest.mark.parametrize("shape,dtype,offsets,chunk,words", WORD_CASES,
-                         ids=[f"{c[0]}-{str(c[1])[6:]}-at{c[2]}-chunk{c[3]}" for c in WORD_CASES])
-def test_also_old_matches_without_also_on_word_cases(monkeypatch, shape, dtype, offsets, chunk,
-                                                     words):
-    if chunk is not None:
-        monkeypatch.setattr(delta, "_CHUNK", chunk)
-    base = _random(shape, dtype, seed=3)
-    old = _at(base, offsets[0])
-    for which in _patterns(base.numel()):
-        new = _at(_flip(base, which), offsets[1])
-        want = _fields(encode("w", old, new))
-        assert _fields(encode("w", old, new, also=old)) == want
-        assert _fields(encode("w", old, new, also=_at(base, offsets[1]))) == want
-
-
-def test_encode_all_also_missing_names_are_dense_and_extra_names_ignored():
-    old, new = _state()
-    also = {k: v.clone() for k, v in old.items() if k != "b"}  # "b" missing: dense
-    also["a"] = _flip(also["a"], [3])  # another element of "a" to send
-    also["zz"] = torch.zeros(3)  # not in new: ignored
-    ds = {d.name: d for d in encode_all(old, new, also=also)}
-    assert list(ds) == ["a", "b", "c", "d"]
-    assert (ds["b"].kind, ds["b"].changed, ds["b"].nbytes) == ("dense", 1000, 4000)
-    assert ds["a"].kind == "rows" and ds["a"].ranges.tolist() == [[0, 1], [5, 9], [100, 101]]
-    assert ds["d"].kind == "same" and ds["c"].kind == "dense"
-    # a name missing from old but present in also is dense too
-    ds2 = {d.name: d for d in encode_all({k: v for k, v in old.items() if k != "c"}, new,
-                                         also=old)}
-    assert ds2["c"].kind == "dense" and ds2["b"].kind == "patch"
-    # every receiver ends with new: one holding old, one holding also (with its own "b")
-    for mb in (64, 1000, 1 << 20):
-        rounds = list(pack(encode_all(old, new, also=also), max_bytes=mb))
-        for held in (old, {**{k: v for k, v in also.items() if k != "zz"},
-                           "b": torch.zeros(1000)}):
-            got = {k: v.clone() for k, v in held.items()}
-            for r in rounds:
-                apply(r, got)
-            assert _same_bits(got, new)
-    # old None is a full sync whatever also holds
-    assert [d.kind for d in encode_all(None, new, also=old)] == ["dense"] * 4
-
-
-def test_also_of_another_dtype_or_shape_is_refused_by_name():
-    t = torch.zeros(4, 4)
-    with pytest.raises(DeltaError, match=r"w: field 'dtype' differs \(also .*`also`"):
-        encode("w", t, t.clone(), also=t.half())
-    with pytest.raises(DeltaError, match=r"w: field 'shape' differs \(also .*`also`"):
-        encode("w", t, t.clone(), also=torch.zeros(4, 5))
-    with pytest.raises(DeltaError, match=r"w: field 'shape' differs \(also .*`also`"):
-        encode("w", t, t.clone(), also=torch.zeros(16))
-    with pytest.raises(DeltaError, match=r"w: also tensor is not contiguous"):
-        encode("w", t, t.clone(), also=torch.zeros(4, 8)[:, :4])
-    with pytest.raises(DeltaError, match=r"layer\.0: field 'dtype' differs \(also .*`also`"):
-        encode_all({"layer.0": t}, {"layer.0": t.clone()}, also={"layer.0": t.double()})
-    with pytest.raises(DeltaError, match=r"layer\.0: field 'shape' differs \(also .*`also`"):
-        encode_all({"layer.0": t}, {"layer.0": t.clone()}, also={"layer.0": t[:2]})
-    # old is still checked, and named as old
-    with pytest.raises(DeltaError, match=r"w: field 'dtype' differs \(old .*`old`"):
-        encode("w", t.half(), t.clone(), also=t)
 
 
 def test_a_dense_patch_is_expanded_on_the_way_and_stays_exact(monkeypatch):

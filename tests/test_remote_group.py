@@ -10,6 +10,7 @@ from safetensors.torch import save_file
 from hotweights import RemoteError, RemoteGroup
 from hotweights.checkpoint.digest import digest
 from hotweights.remote import delta
+from hotweights.remote.group import Pending, _Plan
 
 
 @pytest.fixture
@@ -40,8 +41,8 @@ def test_an_encode_that_sees_the_checkpoint_written_is_refused(checkpoint, monke
     group = RemoteGroup(["http://127.0.0.1:1"], token="t" * 32, checkpoint=ckpt)
     new = {k: t.clone() for k, t in weights.items()}
     new["a.weight"][3] += 1
-    old = group._checkpoint_for([{"checkpoint": digest(ckpt)}], new)
-    deltas, _, _ = group._encode(old, new, None, True, set())
+    plan = _Plan(["u"], group._checkpoint_for([{"checkpoint": digest(ckpt)}], new), False)
+    deltas = group._encode(plan, new, set(), None)
     assert [d.kind for d in deltas] == ["rows", "same"]
     encode_all = delta.encode_all
 
@@ -54,7 +55,7 @@ def test_an_encode_that_sees_the_checkpoint_written_is_refused(checkpoint, monke
     monkeypatch.setattr(delta, "encode_all", written_meanwhile)
     with pytest.raises(RemoteError, match=rf"^{ckpt} was written during the update; nothing "
                                           "was sent: update again$"):
-        group._encode(old, new, None, True, set())
+        group._encode(plan, new, set(), None)
 
 
 @pytest.mark.parametrize("bad", [0, 63, 4096.0, "64"])
@@ -66,9 +67,11 @@ def test_a_bad_round_budget_is_named(bad):
 
 def _update(group, weights, new, **kw):
     """What `prepare` encodes and `commit` remembers, without servers: the deltas."""
-    frozen = group._frozen(weights, new)
-    deltas, prints, frozen_prints = group._encode(group.reference, new, None, False, frozen)
-    group._remember(new, deltas, group.reference is None, frozen_prints)
+    plan = _Plan(["u"], group.reference, group.reference is not None)
+    kept, frozen_prints = group._kept(new, group._frozen(weights, new), plan.held)
+    rows, prints = group._prefilter.rows(new, use=plan.held)
+    deltas = group._encode(plan, new, kept, rows)
+    group._remember(new, deltas if plan.held else None, frozen_prints)
     group._prefilter.prints = prints
     return {d.name: d.kind for d in deltas}
 
@@ -105,23 +108,55 @@ def test_trainable_defaults_to_the_parameters_that_require_grad():
                     )._frozen(model, new)
 
 
+def test_servers_hold_the_delta_the_checkpoint_or_nothing_each_sent_its_own(checkpoint):
+    # up to date: the delta; restarted from the checkpoint given: what differs from it;
+    # restarted from another: the whole model. Never one encode for all (a full sync for
+    # everyone, or what differs from either)
+    ckpt, weights = checkpoint
+    urls = [f"http://127.0.0.{i}:1" for i in (1, 2, 3)]
+    group = RemoteGroup(urls, token="t" * 32, checkpoint=ckpt)
+    group.reference, group.n = {k: t + 1 for k, t in weights.items()}, 3
+    group._held = {urls[0]: ("a", 3), urls[1]: ("b", 3)}
+    status = {urls[0]: {"server_id": "a", "n": 3, "checkpoint": None},
+              urls[1]: {"server_id": "b2", "n": 0, "checkpoint": digest(ckpt)},  # restarted
+              urls[2]: {"server_id": "c", "n": 0, "checkpoint": "another"}}
+    new = {k: t.clone() for k, t in weights.items()}
+    held, loaded, whole = group._plans(status, new)
+    assert (held.urls, held.held, held.reference is group.reference) == ([urls[0]], True, True)
+    assert (loaded.urls, loaded.held, loaded.reference.keys()) == ([urls[1]], False,
+                                                                   weights.keys())
+    assert (whole.urls, whole.reference) == ([urls[2]], None)
+
+
+def test_a_server_restarted_from_the_synced_checkpoint_shares_the_delta(checkpoint):
+    # reference="checkpoint": the synced checkpoint is what every server holds, the
+    # restarted one too (its digest says so): one encode, one channel
+    ckpt, weights = checkpoint
+    urls = ["http://127.0.0.1:1", "http://127.0.0.2:1"]
+    group = RemoteGroup(urls, token="t" * 32, checkpoint=ckpt, reference="checkpoint")
+    group.n = group._synced_at = 3
+    group._held = {urls[0]: ("a", 3)}
+    status = {urls[0]: {"server_id": "a", "n": 3, "checkpoint": None},
+              urls[1]: {"server_id": "b", "n": 0, "checkpoint": digest(ckpt)}}
+    (plan,) = group._plans(status, {k: t.clone() for k, t in weights.items()})
+    assert plan.urls == urls and plan.held and plan.reference is group._opened()
+
+
 def test_servers_all_synced_from_the_checkpoint_leave_the_reference_whole(checkpoint,
                                                                          monkeypatch):
     # the deltas were taken against the checkpoint, not against `reference`: patching the
     # reference with them would leave it wrong wherever it differed from the checkpoint
-    from hotweights.remote.group import Pending
-
     ckpt, weights = checkpoint
     group = RemoteGroup(["http://127.0.0.1:1"], token="t" * 32, checkpoint=ckpt)
     group.reference = {k: t + 1 for k, t in weights.items()}  # what a server held before
     new = {k: t.clone() for k, t in weights.items()}
     new["a.weight"][0] += 1
-    deltas = delta.encode_all(weights, new)
+    status = {u: {"server_id": "s", "n": 4, "checkpoint": digest(ckpt)} for u in group.urls}
+    (plan,) = group._plans(status, new)
+    assert not plan.held
     monkeypatch.setattr(group, "_each", lambda fn, **kw: {
         u: {"version": f"5@{u}"} for u in group.urls})
-    pending = Pending({u: {"server_id": "s", "n": 4} for u in group.urls}, new, deltas, False,
-                      tuple(group.urls), None, 0, 0.0, 4, {}, {})
-    group.commit(pending)
+    group.commit(Pending(status, new, None, (), tuple(group.urls), None, 0, {}, 0.0, 4, {}, {}))
     assert all(torch.equal(group.reference[k], t) for k, t in new.items())
 
 
@@ -150,3 +185,20 @@ def test_a_receiver_that_does_not_join_names_the_interface_variables():
                        r"reach 127\.0\.0\.1 .*GLOO_SOCKET_IFNAME \(CPU\) or NCCL_SOCKET_IFNAME"):
         Channel(master_addr="127.0.0.1", master_port=free_port(), rank=0, world_size=2,
                 token="t" * 16, timeout=1.0)
+
+
+def test_the_channel_backend_follows_the_servers_devices():
+    from hotweights.remote.group import channel_backend
+
+    assert channel_backend({"http://a": {"device": "cpu"}, "http://b": {}}) == "gloo"
+    with pytest.raises(RemoteError, match=r"different kinds of device .*'http://b': 'cuda'.*"
+                       "one RemoteGroup per kind"):
+        channel_backend({"http://a": {"device": "cpu"}, "http://b": {"device": "cuda"}})
+    with pytest.raises(RemoteError, match=r"^http://a: workers on 'xpu' devices"):
+        channel_backend({"http://a": {"device": "xpu"}})
+    if torch.cuda.is_available():
+        assert channel_backend({"http://a": {"device": "cuda"}}) == "nccl"
+    else:
+        with pytest.raises(RemoteError, match=r"their channel is NCCL, which needs a CUDA "
+                           "device in this process too"):
+            channel_backend({"http://a": {"device": "cuda"}})

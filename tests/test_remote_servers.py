@@ -184,7 +184,8 @@ def test_only_what_changed_goes_on_the_wire(remotes, trainer):
         for p in model.parameters():
             flat = p.view(-1)
             flat[torch.randperm(flat.numel(), generator=g)[:max(1, flat.numel() // 100)]] += 0.01
-    assert group._xor  # tp=1 servers decode values xor-coded against their live weights
+    # tp=1 servers decode values xor-coded against their live weights
+    assert all(link.xor for link in group._links.values())
     scattered = group.update(model)["bytes_sent"] / total
     assert rows <= 0.03 and scattered <= 0.03, (rows, scattered)
     assert _checksum(remotes[0]) == _checksum(remotes[1])
@@ -439,8 +440,12 @@ def test_a_server_that_dies_during_the_send_or_is_down_is_dropped_the_other_comm
         victim.url]
     remotes[1] = Server(victim.model_dir, tmp_path, "--remote", port=victim.port)
     group.max_round_bytes = 64 << 20
-    out = group.update(model)  # caught up: from the checkpoint it loaded
-    assert out["from_checkpoint"] == [victim.url] and not out["dropped"]
+    group.checkpoint = None  # nothing to sync it from: the whole model, to it alone
+    with torch.no_grad():
+        model.model.norm.weight[1] += 1
+    out = group.update(model)
+    assert out["full"] == [victim.url] and not out["dropped"]
+    assert out["bytes"][victim.url] > _nbytes(model) > 100 * out["bytes"][survivor.url]
     assert _checksum(remotes[0]) == _checksum(remotes[1])
     assert {_status(s)["n"] for s in remotes[:2]} == {group.n}
 
@@ -458,8 +463,13 @@ def test_a_server_killed_between_send_and_commit_is_named_and_the_other_serves_n
     assert out["servers"].keys() == {survivor.url} and victim.url in out["dropped"]
     assert _status(survivor)["n"] == group.n and _status(survivor)["state"] == "idle"
     remotes[1] = Server(victim.model_dir, tmp_path, "--remote", port=victim.port)
-    out = group.update(model)  # the restarted one: what differs from the checkpoint
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[:2] += 0.01
+    out = group.update(model)  # the restarted one: what differs from the checkpoint; the
+    # survivor: only what changed since the last update
     assert out["from_checkpoint"] == [victim.url] and not out["full"]
+    assert out["bytes"][survivor.url] < _nbytes(model) / 100 < out["bytes"][victim.url]
+    assert out["bytes_sent"] == sum(out["bytes"].values())
     assert _checksum(remotes[0]) == _checksum(remotes[1])
     assert {_status(s)["n"] for s in remotes[:2]} == {group.n}
 

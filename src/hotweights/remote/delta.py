@@ -124,8 +124,8 @@ class Delta:
         ranges: ``rows`` only: int64 array (k, 2) of [start, stop) runs of changed rows.
         tensor: ``rows`` and ``dense`` only: the new tensor itself, not a copy, so pack the
             delta before that tensor changes again.
-        base: ``patch`` from `encode` without `also` only: the old tensor itself (what every
-            receiver holds), read by ``pack(values="xor")``; same caveat.
+        base: ``patch`` from `encode` only: the old tensor itself (what every receiver
+            holds), read by ``pack(values="xor")``; same caveat.
     """
     name: str
     kind: str
@@ -158,7 +158,7 @@ def dense(name: str, tensor: torch.Tensor) -> Delta:
 
 
 def encode(name: str, old: torch.Tensor, new: torch.Tensor, *,
-           also: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> Delta:
+           rows: torch.Tensor | None = None) -> Delta:
     """The cheapest exact encoding of `new` given `old`, by bytes on the wire.
 
     The two are compared as integer bit patterns a chunk of `_CHUNK` elements at a time, so
@@ -172,8 +172,6 @@ def encode(name: str, old: torch.Tensor, new: torch.Tensor, *,
         name: the tensor's name, carried by the delta and named in errors.
         old: the value the receiver holds.
         new: the value it must end with (referenced by ``rows`` and ``dense`` deltas).
-        also: another value some receivers hold instead of `old` (see `encode_all`): an
-            element is sent where `new` differs from either.
         rows: when the caller knows (`hotweights.remote.prefilter`), the only rows along dim
             0 (int64, ascending; a tensor of two dims or more, unless empty) where `new` may
             differ: only they are compared, gathered a chunk at a time.
@@ -183,18 +181,17 @@ def encode(name: str, old: torch.Tensor, new: torch.Tensor, *,
         DeltaError: names the tensor: dtype or shape differ, a non-contiguous tensor, a dtype
             without an integer view of its width (complex), `rows` for a tensor without rows.
     """
-    _check_alike(name, new, old=old, also=also)
+    _check_alike(name, new, old)
     old_flat, new_flat = _flat(name, old, "old"), _flat(name, new, "new")
-    also_flat = _flat(name, also, "also") if also is not None else None
     shape, numel = tuple(new.shape), new.numel()
     row = numel // shape[0] if len(shape) >= 2 and numel else 0  # elements per row, or 0
     if rows is not None and len(rows) and not row:
         raise DeltaError(f"{name}: `rows` given for a tensor without rows (shape {shape})")
-    flats = (old_flat, new_flat, also_flat)
-    if _NUMPY and all(flat.device.type == "cpu" for flat in flats if flat is not None):
+    flats = (old_flat, new_flat)
+    if _NUMPY and all(flat.device.type == "cpu" for flat in flats):
         # numpy from here on: its small ops cost a fraction of torch's (see `_ne`)
         bits = _BITS[new.dtype.itemsize]
-        flats = tuple(None if flat is None else flat.view(bits).numpy() for flat in flats)
+        flats = tuple(flat.view(bits).numpy() for flat in flats)
         rows = None if rows is None else rows.cpu().numpy()
         rows_changed = np.zeros(shape[0] if row else 0, dtype=bool)
     else:
@@ -205,19 +202,15 @@ def encode(name: str, old: torch.Tensor, new: torch.Tensor, *,
     if not comparison.changed:
         return Delta(name, SAME, new.dtype, shape, 0, 0)
     d = comparison.cheapest(name, new)
-    # xor needs the one old value every receiver holds: not with `also`
-    return replace(d, base=old) if d.kind == PATCH and also is None else d
+    return replace(d, base=old) if d.kind == PATCH else d  # xor-coded values read it
 
 
-def _check_alike(name: str, new: torch.Tensor, **others: torch.Tensor | None) -> None:
-    for role, other in others.items():
-        if other is None:
-            continue
-        for field, theirs, ours in (("dtype", other.dtype, new.dtype),
-                                    ("shape", tuple(other.shape), tuple(new.shape))):
-            if theirs != ours:
-                raise DeltaError(f"{name}: field '{field}' differs ({role} {theirs}, new "
-                                 f"{ours}); leave it out of `{role}` to send it dense")
+def _check_alike(name: str, new: torch.Tensor, old: torch.Tensor) -> None:
+    for field, theirs, ours in (("dtype", old.dtype, new.dtype),
+                                ("shape", tuple(old.shape), tuple(new.shape))):
+        if theirs != ours:
+            raise DeltaError(f"{name}: field '{field}' differs (old {theirs}, new {ours}); "
+                             "leave it out of `old` to send it dense")
 
 
 class _Comparison:
@@ -245,19 +238,17 @@ class _Comparison:
         """Whether a patch of this many elements costs as much as the dense tensor."""
         return elements * (self.index_size + self.itemsize) >= self.dense_bytes
 
-    def add(self, where, old_chunk, new_chunk, also_chunk) -> None:
+    def add(self, where, old_chunk, new_chunk) -> None:
         """Compare one chunk of the flat tensors (`where`: see `_pieces`)."""
         if isinstance(new_chunk, torch.Tensor):  # non_blocking only towards an accelerator,
             # whose stream orders the compare after the copy
-            old_chunk, also_chunk = (None if chunk is None else chunk.to(
-                new_chunk.device, non_blocking=new_chunk.device.type != "cpu")
-                for chunk in (old_chunk, also_chunk))
+            old_chunk = old_chunk.to(new_chunk.device,
+                                     non_blocking=new_chunk.device.type != "cpu")
         # elements per compared unit: 8-byte words where they fit
-        word = _word(self.row, old_chunk, new_chunk, also_chunk)
-        old_units, new_units, also_units = (
-            None if chunk is None else _iv(chunk, 8 if word > 1 else self.itemsize)
-            for chunk in (old_chunk, new_chunk, also_chunk))
-        differs = _differ(old_units, new_units, also_units)
+        word = _word(self.row, old_chunk, new_chunk)
+        old_units, new_units = (_iv(chunk, 8 if word > 1 else self.itemsize)
+                                for chunk in (old_chunk, new_chunk))
+        differs = _ne(old_units, new_units)
         if self.row:
             self._mark_rows(where, differs, word, len(new_chunk))
         if not (units_changed := _count(differs)):  # much cheaper than nonzero
@@ -269,12 +260,11 @@ class _Comparison:
             self.pieces = None  # even one element per changed word costs as much as dense
             return
         if word > 1 and self._too_dear(self.patched + units_changed * word) and \
-                self._too_dear(self.patched + _count(_differ(*(
-                    None if chunk is None else _iv(chunk, self.itemsize)
-                    for chunk in (old_chunk, new_chunk, also_chunk))))):
+                self._too_dear(self.patched + _count(_ne(_iv(old_chunk, self.itemsize),
+                                                         _iv(new_chunk, self.itemsize)))):
             self.pieces = None  # the changed elements, counted, cost as much as dense
             return
-        self._add_piece(where, differs, word, new_chunk, old_units, new_units, also_units)
+        self._add_piece(where, differs, word, new_chunk, old_units, new_units)
 
     def _mark_rows(self, where, differs, word: int, chunk_len: int) -> None:
         row = self.row
@@ -290,17 +280,15 @@ class _Comparison:
         else:  # a chunk inside one row
             self.rows_changed[first // row] |= differs.any()
 
-    def _add_piece(self, where, differs, word: int, new_chunk,
-                   old_units, new_units, also_units) -> None:
+    def _add_piece(self, where, differs, word: int, new_chunk, old_units, new_units
+                   ) -> None:
         positions = _nonzero(differs)
         if word == 1:
             piece = (where, positions, _take(_iv(new_chunk, self.itemsize), positions), None)
             elements = len(positions)
         else:
             words = _iv(_take(new_units, positions), self.itemsize)
-            lanes = _differ(_iv(_take(old_units, positions), self.itemsize), words,
-                            None if also_units is None
-                            else _iv(_take(also_units, positions), self.itemsize))
+            lanes = _ne(_iv(_take(old_units, positions), self.itemsize), words)
             piece, elements = (where, positions, words, lanes), _count(lanes)
         self.held += len(positions) * (positions.dtype.itemsize + 8 + word)
         self.patched += elements
@@ -361,18 +349,16 @@ def _pieces(numel: int, row: int, rows: np.ndarray | torch.Tensor | None, *flats
     `flats[1]`, the new tensor) a chunk of whole rows was gathered from."""
     if rows is None:
         for lo, hi in _chunks(numel, row):
-            yield lo, [None if flat is None else flat[lo:hi] for flat in flats]
+            yield lo, [flat[lo:hi] for flat in flats]
         return
     step = max(1, _CHUNK // row) if row else 1
     for first in range(0, len(rows), step):
         gathered = rows[first:first + step]
         if isinstance(gathered, np.ndarray):
-            yield gathered, [None if flat is None else
-                             flat.reshape(-1, row).take(gathered, axis=0).reshape(-1)
+            yield gathered, [flat.reshape(-1, row).take(gathered, axis=0).reshape(-1)
                              for flat in flats]
         else:
             yield gathered.to(flats[1].device), [
-                None if flat is None else
                 flat.view(-1, row).index_select(0, gathered.to(flat.device)).view(-1)
                 for flat in flats]
 
@@ -383,8 +369,7 @@ def _word(row: int, a, *more) -> int:
     w = 8 // a.dtype.itemsize
     ok = w > 1 and len(a) % w == 0 and (not row or len(a) < row or row % w == 0) and all(
         t.ctypes.data % 8 == 0 if isinstance(t, np.ndarray) else
-        t.storage_offset() % w == 0 and t.data_ptr() % 8 == 0 for t in (a, *more)
-        if t is not None)
+        t.storage_offset() % w == 0 and t.data_ptr() % 8 == 0 for t in (a, *more))
     return w if ok else 1
 
 
@@ -411,15 +396,6 @@ def _cat(xs) -> torch.Tensor:
     return xs[0] if len(xs) == 1 else torch.cat(xs)
 
 
-def _differ(old, new, also):
-    """Where `new` differs from `old`, or from `also` where there is one."""
-    neq = _ne(old, new)
-    if also is None:
-        return neq
-    return np.logical_or(neq, _ne(also, new), out=neq) if isinstance(neq, np.ndarray) \
-        else neq.logical_or_(_ne(also, new))
-
-
 def _ne(x, y):
     if isinstance(x, np.ndarray):
         return np.not_equal(x, y) if torch.get_num_threads() <= 2 else \
@@ -437,7 +413,6 @@ def _count(flags) -> int:
 
 
 def encode_all(old: Mapping[str, torch.Tensor] | None, new: Mapping[str, torch.Tensor], *,
-               also: Mapping[str, torch.Tensor] | None = None,
                rows: Mapping[str, torch.Tensor] | None = None) -> list[Delta]:
     """Encode every tensor of `new` against its namesake in `old` (see `encode`).
 
@@ -445,9 +420,6 @@ def encode_all(old: Mapping[str, torch.Tensor] | None, new: Mapping[str, torch.T
         old: what the receiver holds; None for a full sync. A name missing from it is sent
             dense; a name only in it is left out (the receiver keeps its value).
         new: name -> the value the receiver must end with.
-        also: what other receivers of the same update hold instead (a checkpoint that
-            restarted servers loaded): an element that differs from either is sent, so
-            every receiver ends with `new`. A name missing from it is sent dense.
         rows: name -> the only rows that may differ (see `encode`); a name missing from it
             is compared whole.
     Returns:
@@ -455,10 +427,8 @@ def encode_all(old: Mapping[str, torch.Tensor] | None, new: Mapping[str, torch.T
     Raises:
         DeltaError: as `encode`, naming the tensor.
     """
-    out = [encode(k, old[k], t, also=None if also is None else also[k],
-                  rows=None if rows is None else rows.get(k))
-           if old is not None and k in old and (also is None or k in also) else dense(k, t)
-           for k, t in new.items()]
+    out = [encode(k, old[k], t, rows=None if rows is None else rows.get(k))
+           if old is not None and k in old else dense(k, t) for k, t in new.items()]
     if logger.isEnabledFor(logging.DEBUG):
         kinds = {k: sum(d.kind == k for d in out) for k in KINDS}
         logger.debug("encoded %d tensors %s: %d payload bytes", len(out), kinds,
@@ -670,7 +640,7 @@ def pack(deltas: Iterable[Delta], *, max_bytes: int, device: torch.device | str 
             receiver can decode; ``"xor"``: ``new ^ old`` bit patterns, a few bits each when
             few bits flip, decodable only by a receiver that holds the old values
             (`delta_apply.apply`'s targets, `Staged`'s `old`). Only deltas from `encode`
-            without `also` carry their old tensor (`Delta.base`); the others go raw.
+            carry their old tensor (`Delta.base`); the others go raw.
         compress: None (default), or ``"zstd"``: each round's whole buffer is compressed
             (level 1) where that makes it smaller; needs the ``zstd`` extra (zstandard).
     Returns:

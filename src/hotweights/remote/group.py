@@ -24,12 +24,16 @@ The old values the deltas are computed against are a host copy of what the serve
 itself (`reference="checkpoint"`). A server that holds exactly
 the checkpoint it started from (it reports the checkpoint's digest until its first commit)
 is synced from it instead, when the group is given the same checkpoint: only what differs
-from it is sent (from either, when other servers hold `reference`), not the whole model.
+from it is sent, not the whole model. Servers that hold different old values (one
+restarted, or dropped from an update) are sent each their own encode on a channel of their
+own, one after the other under the same transaction: the up-to-date servers still receive
+only the delta (`result["bytes"]` per server).
 """
 
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import logging
 import os
 import re
@@ -73,15 +77,42 @@ class Pending:
 
     status: dict  # url -> the server's status when the update began
     new: dict  # name -> the new tensor
-    deltas: list
-    full: bool
+    deltas: list | None  # sent to the servers holding `reference`; None: none held it
+    full: tuple[str, ...]  # servers sent the whole model
     from_checkpoint: tuple[str, ...]  # servers sent what differs from the checkpoint
     prints: prefilter.Prints | None  # of `new` (if taken): then of what the servers hold
-    sent: int  # bytes on the wire
+    sent: int  # bytes that left this process
+    carried: dict  # url -> the bytes its channel carried
     started: float
     floor: int  # the version number to commit must be above this
     frozen: prefilter.Prints  # of the tensors that cannot change, once the servers hold them
     dropped: dict  # url -> why: servers down at the start or dead during the send
+
+
+@dataclass
+class _Plan:
+    """Servers that hold the same old values: sent one encode, on a channel of their own."""
+
+    urls: list[str]
+    reference: dict | None  # the old values they hold; None: the whole model is sent
+    held: bool  # `reference` is what this group sent last (fingerprinted: `prefilter`)
+
+
+@dataclass
+class _Link:
+    """A channel and the servers on it."""
+
+    channel: Channel
+    members: tuple  # ((url, server id), ...)
+    id: str  # `rendezvous.channel_id`, as each member's status reports it
+    ranks: dict[str, range]  # url -> its ranks on the channel
+    xor: bool  # every member decodes xor-coded values
+
+    def named(self, msg: str) -> str:
+        """`msg` with each receiver rank it names followed by the server's URL."""
+        return re.sub(r"\brank ([1-9]\d*)( \(receiver\))?", lambda m: f"{m.group(0)} = "
+                      + next((u for u, r in self.ranks.items() if int(m.group(1)) in r), "?"),
+                      msg)
 
 
 class RemoteGroup:
@@ -164,7 +195,6 @@ class RemoteGroup:
         self.trainable = None if trainable is None else (
             (trainable,) if isinstance(trainable, str) else tuple(trainable))
         self._frozen_prints: prefilter.Prints = {}  # of what the servers hold, not copied
-        self._xor = False  # every server of the channel decodes xor-coded values
         self._staging: torch.Tensor | None = None  # see _round_buffer
         self.checkpoint = checkpoint
         self._loaded: tuple[dict, str | None, dict] | None = None  # (stats, digest, tensors)
@@ -174,10 +204,7 @@ class RemoteGroup:
         self._prefilter = prefilter.Prefilter()  # fingerprints of `reference`
         self.bytes_sent = 0
         self._held: dict[str, tuple[str, int]] = {}  # url -> (server id, n) of `reference`
-        self._channel: Channel | None = None
-        self._members: tuple = ()  # ((url, server id), ...) of the channel
-        self._channel_id: str | None = None
-        self._ranks: dict[str, range] = {}
+        self._links: dict[tuple, _Link] = {}  # members -> the channel they joined
         self._leased: dict = {}  # url -> status, of the servers an update in progress began
 
     # -- the update ------------------------------------------------------------------------
@@ -195,9 +222,13 @@ class RemoteGroup:
                 itself (default: four times the timeout, at least 60 s).
             n: the version number to serve (default: one above every server's, `floor`).
         Returns:
-            ``{"version": N, "full": bool, "bytes_sent": int, "seconds": float,
-            "servers": {url: "N@SERVER"}, "paused_ms": {url: ms}}``: ``paused_ms`` is how
-            long each server's generation stayed paused (pause to resume), by its own clock.
+            ``{"version": N, "servers": {url: "N@SERVER"}, "full": [url, ...],
+            "from_checkpoint": [url, ...], "bytes_sent": int, "bytes": {url: int},
+            "seconds": float, "paused_ms": {url: ms}, "dropped": {url: why}}``: ``full``
+            the servers sent the whole model, ``from_checkpoint`` those sent what differs
+            from the checkpoint they loaded; ``bytes_sent`` what left this process, ``bytes``
+            what each server's channel carried; ``paused_ms`` how long each server's
+            generation stayed paused (pause to resume), by its own clock.
         Raises:
             RemoteError: naming the server that failed (see the module doc for the state
                 every server is left in).
@@ -207,7 +238,9 @@ class RemoteGroup:
     def floor(self) -> int:
         """The highest version number a server serves or this group committed: an update's
         number must be above it."""
-        status, _ = self._status(self.urls, {})
+        return self._floor(self._status(self.urls, {})[0])
+
+    def _floor(self, status: dict) -> int:
         return max(self.n, *(st["n"] for st in status.values()))
 
     def prepare(self, weights: torch.nn.Module | Mapping[str, torch.Tensor], *,
@@ -255,40 +288,51 @@ class RemoteGroup:
 
     def _prepare(self, weights, new: dict, status: dict, mode: str, lease_s: float | None,
                  started: float, dropped: dict) -> Pending:
-        """`prepare` on the servers of `status`: the old values each holds, the encode, the
-        send."""
-        held = self.reference if self.reference_mode == "copy" else \
-            self._opened() if self._synced_at == self.n else None
-        stale = [u for u, st in status.items()
-                 if held is None or self._held.get(u) != (st["server_id"], st["n"])]
-        self._connect(status)
-        reference, also = (held if len(stale) < len(status) else None), None
-        if stale and held is not None and held is not self.reference:
-            # every server holds the synced checkpoint, or one it reports loading (checked)
-            reference = self._checkpoint_for([status[u] for u in stale], new)
-        elif stale:
-            ckpt = self._checkpoint_for([status[u] for u in stale], new)
-            if ckpt is None:
-                reference = None  # a full sync: the whole model, dense, to every server
-            elif reference is None:
-                reference = ckpt  # every server holds the checkpoint
-            else:
-                also = ckpt  # the others hold `reference`: what differs from either is sent
-        from_checkpoint = tuple(stale) if reference is not None else ()
+        """`prepare` on the servers of `status`: who holds which old values (`_plans`), the
+        encode and the send for each set of them."""
+        plans = self._plans(status, new)
         if self.reference_mode == "checkpoint":
-            if reference is None and stale:
+            if any(p.reference is None for p in plans):
                 self._check_dtypes(new)
             frozen = set()  # no copies to spare
         else:
             frozen = self._frozen(weights, new)
-        mapped = bool(from_checkpoint) or reference is not None and reference is not \
-            self.reference  # the checkpoint's memory map: checked for writes after
-        (deltas, prints, frozen_prints), sent = self._send(
-            status, lambda: self._encode(reference, new, also, mapped, frozen), mode,
-            lease_s or self._lease_s())
-        return Pending(status, new, deltas, reference is None, from_checkpoint, prints, sent,
-                       started, max(self.n, *(st["n"] for st in status.values())),
-                       frozen_prints, dropped)
+        kept, frozen_prints = self._kept(new, frozen, any(
+            p.held and p.reference is self.reference for p in plans))
+        rows, prints = self._prefilter.rows(new, use=plans[0].held)
+        links = [self._connect({u: status[u] for u in p.urls}) for p in plans]
+        sends = self._send(status, list(zip(plans, links, strict=True)),
+                           lambda p: self._encode(p, new, kept, rows), mode,
+                           lease_s or self._lease_s())
+        done = list(zip(plans, sends, strict=True))
+        return Pending(status, new,
+                       next((d for p, (d, _) in done if p.held and p.reference is
+                             self.reference), None),
+                       tuple(u for p in plans if p.reference is None for u in p.urls),
+                       tuple(u for p in plans if p.reference is not None for u in p.urls
+                             if self._stale(u, status[u])),
+                       prints, sum(sent for _, sent in sends),
+                       {u: sent for p, (_, sent) in done for u in p.urls}, started,
+                       self._floor(status), frozen_prints, dropped)
+
+    def _stale(self, url: str, status: dict) -> bool:
+        """The server at `url` may not hold what this group last sent it."""
+        return self._held.get(url) != (status["server_id"], status["n"])
+
+    def _plans(self, status: dict, new: dict) -> list[_Plan]:
+        """The servers of `status` by the old values they hold, those holding what this
+        group sent last first: the up-to-date servers are sent only the delta, each stale
+        one (restarted, dropped from an update) what differs from the checkpoint it loaded
+        (`checkpoint`), else the whole model, each set on its own channel."""
+        held = self.reference if self.reference_mode == "copy" else \
+            self._opened() if self._synced_at == self.n else None
+        plans: dict[int, _Plan] = {}
+        for u, st in status.items():
+            ref = held if held is not None and not self._stale(u, st) else \
+                self._checkpoint_for([st], new)  # `held` itself, where the checkpoint is it
+            plans.setdefault(id(ref), _Plan([], ref, ref is not None and ref is held)
+                             ).urls.append(u)
+        return sorted(plans.values(), key=lambda p: (not p.held, p.reference is None))
 
     def commit(self, pending: Pending, n: int | None = None) -> dict:
         """Commit a prepared update on every server with version number `n` (default: one
@@ -299,11 +343,9 @@ class RemoteGroup:
         status, self._leased = pending.status, {}
         committed, failed = {}, {}
         with ThreadPoolExecutor(1) as pool:  # while the servers commit
-            # every server synced from the checkpoint: deltas from it, not from `reference`
-            whole = pending.full or len(pending.from_checkpoint) == len(status)
             remembered = pool.submit(self._sync_checkpoint, pending.new, n) \
                 if self.reference_mode == "checkpoint" else \
-                pool.submit(self._remember, pending.new, pending.deltas, whole, pending.frozen)
+                pool.submit(self._remember, pending.new, pending.deltas, pending.frozen)
             outs = self._each(lambda u: self._post(u, status[u], "/hotweights/commit", n=n),
                               errors=True, urls=list(status))
             remembered.result()
@@ -313,8 +355,9 @@ class RemoteGroup:
         self.n = n
         self._held = {u: (status[u]["server_id"], n) for u in committed}
         self.bytes_sent += pending.sent
-        result = {"version": n, "full": pending.full,
-                  "from_checkpoint": list(pending.from_checkpoint), "bytes_sent": pending.sent,
+        result = {"version": n, "full": list(pending.full),
+                  "from_checkpoint": list(pending.from_checkpoint),
+                  "bytes_sent": pending.sent, "bytes": dict(pending.carried),
                   "seconds": time.perf_counter() - pending.started,
                   "servers": {u: out["version"] for u, out in committed.items()},
                   "paused_ms": {u: None if out.get("paused_s") is None else
@@ -330,8 +373,8 @@ class RemoteGroup:
                            "next update", n, _named(failed))
             result["dropped"] = {**pending.dropped, **{u: str(e) for u, e in failed.items()}}
         logger.info("hotweights: version %d on %d servers, %d bytes sent%s in %.2f s", n,
-                    len(committed), pending.sent, " (full sync)" if pending.full else "",
-                    result["seconds"])
+                    len(committed), pending.sent, f" (the whole model to {list(pending.full)})"
+                    if pending.full else "", result["seconds"])
         return result
 
     def abort(self, pending: Pending) -> None:
@@ -383,35 +426,34 @@ class RemoteGroup:
                 return set(reverted(fixed, model=weights)) & set(new)
         return set()
 
-    def _encode(self, reference: dict | None, new: dict, also: dict | None,
-                from_checkpoint: bool, frozen: set[str]) -> tuple:
-        """(the deltas, the new weights' fingerprints if taken, the fingerprints of the
-        tensors that cannot change); blocks whose fingerprint did not change since the last
-        update are not compared (the checkpoint is compared whole). A tensor that cannot
-        change is left out where its fingerprint says it did not (where another server
-        holds the checkpoint, it is its own old value); else it is sent."""
+    def _kept(self, new: dict, frozen: set[str], held: bool) -> tuple[set[str], dict]:
+        """(the tensors that cannot change left out of the deltas to the servers holding
+        `reference`: their fingerprints say they did not change, the fingerprints of the
+        tensors that cannot change, once the servers hold them). `held`: a server holds
+        `reference`. A tensor that cannot change and did is sent whole (named)."""
         frozen = frozen - set(self.reference or ())  # copied already: as any other
         frozen_prints = prefilter.fingerprints({k: new[k] for k in frozen})
-        held = reference is not None and (reference is self.reference or self._synced_at ==
-                                          self.n and reference is self._opened())
-        if reference is self.reference and reference is not None:
-            kept = {k for k in frozen if _same(self._frozen_prints.get(k), frozen_prints[k])}
-            if moved := sorted(frozen - kept):
-                logger.warning("hotweights: %d tensor(s) that cannot change (trainable=) "
-                               "changed: %s; sent whole, and copied from now on", len(moved),
-                               moved[:5])
-            if also is None:
-                new = {k: t for k, t in new.items() if k not in kept}
-            else:
-                reference = {**reference, **{k: new[k] for k in kept}}
-            frozen_prints = {k: frozen_prints[k] for k in kept}
-        rows, prints = self._prefilter.rows(new, use=held and also is None)
-        deltas = delta.encode_all(reference, new, also=also, rows=rows)
-        if from_checkpoint and stats(self.checkpoint) != self._loaded[0]:
+        if not held:
+            return set(), frozen_prints
+        kept = {k for k in frozen if _same(self._frozen_prints.get(k), frozen_prints[k])}
+        if moved := sorted(frozen - kept):
+            logger.warning("hotweights: %d tensor(s) that cannot change (trainable=) changed: "
+                           "%s; sent whole, and copied from now on", len(moved), moved[:5])
+        return kept, {k: frozen_prints[k] for k in kept}
+
+    def _encode(self, plan: _Plan, new: dict, kept: set[str], rows: dict | None) -> list:
+        """The deltas for the servers of `plan`: against what they hold, the blocks whose
+        fingerprint did not change since the last update left uncompared where they hold
+        what this group sent (`rows`), the tensors in `kept` left out."""
+        if plan.held:
+            new = {k: t for k, t in new.items() if k not in kept}
+        deltas = delta.encode_all(plan.reference, new, rows=rows if plan.held else None)
+        if plan.reference is not None and plan.reference is not self.reference and \
+                stats(self.checkpoint) != self._loaded[0]:
             # in place (journal mode): the memory-mapped old values may have moved under us
             raise RemoteError(f"{self.checkpoint} was written during the update; nothing was "
                               "sent: update again")
-        return deltas, prints, frozen_prints
+        return deltas
 
     def _opened(self) -> dict:
         """The checkpoint's tensors, memory-mapped (opened again when its files changed)."""
@@ -453,7 +495,8 @@ class RemoteGroup:
         if self._loaded is None or self._loaded[0] != now or self._loaded[1] is None:
             found = digest(self.checkpoint)  # None: no safetensors there (hashed again only
             # when changed)
-            tensors = open_dir(self.checkpoint) if found is not None else {}
+            tensors = {} if found is None else self._loaded[2] if self._loaded is not None \
+                and self._loaded[0] == now else open_dir(self.checkpoint)  # one map: `_plans`
             if stats(self.checkpoint) != now:
                 logger.info("hotweights: %s is being written: a full sync", self.checkpoint)
                 return None
@@ -469,64 +512,68 @@ class RemoteGroup:
             return None
         return tensors
 
-    def _send(self, status: dict, encode: Callable[[], tuple], mode: str,
-              lease_s: float) -> tuple[tuple, int]:
-        """Begin everywhere, then encode and broadcast while every server receives; on
-        failure abort all. Returns (what `encode` returned, bytes sent) once every server's
-        workers have staged the whole update.
+    def _send(self, status: dict, plans: list[tuple[_Plan, _Link]],
+              encode: Callable[[_Plan], list], mode: str, lease_s: float) -> list[tuple]:
+        """Begin everywhere, then for each plan encode and broadcast on its channel while
+        its servers receive; on failure abort all. Returns (the deltas, bytes sent) for each
+        plan once every server's workers have staged the whole update.
 
         A begin takes the lease without pausing (`stage`): each server goes on serving the
         old version while this process encodes and sends, and pauses only in its commit.
-        Once the encode is done, every server's workers are asked to receive the update (on
-        threads of their own: they wait for its start on the channel up to the lease). The
-        lease is renewed every `lease_s / 3` until the send ends, however long the encode
-        and the send take."""
+        Once a plan's encode is done, its servers' workers are asked to receive the update
+        (on threads of their own: they wait for its start on the channel up to the lease).
+        The lease is renewed every `lease_s / 3` until the sends end, however long the
+        encodes and the sends take."""
         pool = ThreadPoolExecutor(2 * len(status) + 1)
-        update = uuid.uuid4().hex
-        begins, encoded = {}, None
+        begins, out, on = {}, [], None  # on: (link, update) being sent
         try:
             begins = {u: pool.submit(self._post, u, status[u], "/hotweights/begin", mode=mode,
                                      lease_s=lease_s, stage=True) for u in status}
             _raise_failed(begins, "begin")
             self._leased = dict(status)
             with Renewer(self.renew, lease_s):
-                encoded = encode()
-                receipts = self._receive(pool, status, update, lease_s)
-                self._channel.start(update, check=lambda: _raise_failed(receipts, "receive",
-                                                                        wait=False))
-                try:
-                    sent = self._channel.send(delta.pack(
-                        encoded[0], max_bytes=self.max_round_bytes,
-                        staging=self._round_buffer(), values="xor" if self._xor else "raw",
-                        compress=self.compress))
-                except RemoteError as e:  # it names the rank: no need to wait for receipts
-                    raise RemoteError(self._name_ranks(str(e))) from e
+                for plan, link in plans:
+                    deltas = encode(plan)
+                    on = (link, uuid.uuid4().hex)
+                    receipts = self._receive(pool, {u: status[u] for u in plan.urls}, on[1],
+                                             lease_s)
+                    link.channel.start(on[1], check=lambda r=receipts: _raise_failed(
+                        r, "receive", wait=False))
+                    try:
+                        sent = link.channel.send(delta.pack(
+                            deltas, max_bytes=self.max_round_bytes,
+                            staging=self._round_buffer(link.channel.device),
+                            values="xor" if link.xor else "raw", compress=self.compress))
+                    except RemoteError as e:  # it names the rank: no need to wait for receipts
+                        raise RemoteError(link.named(str(e))) from e
+                    out.append((deltas, sent))
             # every worker has staged it all (the channel's acknowledgement): a server's
             # commit waits for its own receive to answer, so this process need not
             pool.shutdown(wait=False)
-            return encoded, sent
+            return out
         except BaseException as e:
             self._leased = {}
             pool.shutdown(wait=False, cancel_futures=True)
-            if self._channel is not None:
-                self._channel.cancel(update)  # receivers still waiting for it give up
-                if self._channel.broken:
-                    self._close()  # the survivors' receive fails at once, not at their timeout
+            if on is not None:
+                on[0].channel.cancel(on[1])  # receivers still waiting for it give up
+                if on[0].channel.broken:
+                    self._drop(on[0])  # the survivors' receive fails at once, not at their
+                    # timeout
             began = [u for u, f in begins.items() if not f.cancelled() and f.done()
                      and f.exception() is None]
             aborted = self._each(lambda u: self._post(u, status[u], "/hotweights/abort",
                                                       dirty=False, http_timeout=self.timeout
                                                       + 30), errors=True, urls=began)
-            if isinstance(e, HotweightsError) and encoded is not None:  # else: bad input, named
+            if isinstance(e, HotweightsError) and on is not None:  # else: bad input, named
                 left = [u for u, out in aborted.items() if not isinstance(out, Exception)]
                 raise RemoteError(f"update not applied anywhere: {e}; servers at their "
                                   f"old version: {left}") from e
             raise
 
-    def _round_buffer(self) -> torch.Tensor:
+    def _round_buffer(self, device: torch.device) -> torch.Tensor:
         """The buffer every round is packed into, reused: its pages are touched only as far
         as the biggest round (fresh pages for every round cost a full sync ~0.3 s per GB)."""
-        size, device = self.max_round_bytes // 8 * 8, self._channel.device
+        size = self.max_round_bytes // 8 * 8
         if self._staging is None or self._staging.numel() < size or \
                 self._staging.device != device:
             self._staging = torch.empty(size, dtype=torch.uint8, device=device)
@@ -540,12 +587,12 @@ class RemoteGroup:
                                update=update, wait_s=lease_s,
                                http_timeout=lease_s + self.timeout + 60) for u in status}
 
-    def _remember(self, new: dict, deltas: list, full: bool, frozen: prefilter.Prints
-                  ) -> None:
+    def _remember(self, new: dict, deltas: list | None, frozen: prefilter.Prints) -> None:
         """Make `reference` (and the fingerprints of the tensors not copied, `frozen`) what
-        the servers now hold: only what changed is written."""
+        the servers now hold: only what changed is written (`deltas`, taken against it;
+        None: copied whole)."""
         self._frozen_prints = frozen
-        if full or self.reference is None:
+        if deltas is None or self.reference is None:
             self.reference = {k: _host_copy(t) for k, t in new.items() if k not in frozen}
             return
         for d in deltas:
@@ -566,53 +613,61 @@ class RemoteGroup:
 
     # -- the channel -----------------------------------------------------------------------
 
-    def _connect(self, status: dict) -> None:
-        """(Re)build the channel when a server joined, restarted or the channel broke."""
+    def _connect(self, status: dict) -> _Link:
+        """The channel of the servers of `status`: (re)built when one of them joined,
+        restarted, is on another channel, or the channel broke."""
         members = tuple((u, st["server_id"]) for u, st in status.items())
-        if self._channel is not None and members == self._members and all(
-                st.get("channel") == self._channel_id for st in status.values()):
-            return  # nobody restarted, and nobody joined another trainer's channel since
-        self._close()
-        offset, self._ranks = 1, {}
-        for u in status:
-            self._ranks[u] = range(offset, offset + status[u]["workers"])
-            offset += status[u]["workers"]
-        port = self.master_port or _free_port(self.master_addr)
+        link = self._links.get(members)
+        if link is not None and all(st.get("channel") == link.id for st in status.values()):
+            return link  # nobody restarted, and nobody joined another channel since
+        for old in [k for k in self._links.values() if {u for u, _ in k.members} & set(status)]:
+            self._drop(old)  # a server is on one channel at a time
+        backend = channel_backend(status)
+        offset, ranks = 1, {}
+        for u, st in status.items():
+            ranks[u] = range(offset, offset + st.get("channel_ranks", st["workers"]))
+            offset = ranks[u].stop
+        port = self._port()
         token = secrets.token_hex(16)
         with ThreadPoolExecutor(len(status)) as pool:
             joins = {u: pool.submit(self._post, u, status[u], "/hotweights/remote/join",
                                     master_addr=self.master_addr, master_port=port,
-                                    rank_offset=self._ranks[u].start, world_size=offset,
+                                    rank_offset=ranks[u].start, world_size=offset,
                                     token=token, timeout=self.timeout) for u in status}
+            channel = None
             try:
-                self._channel = Channel(master_addr=self.master_addr, master_port=port, rank=0,
-                                        world_size=offset, token=token, timeout=self.timeout)
+                channel = Channel(master_addr=self.master_addr, master_port=port, rank=0,
+                                  world_size=offset, token=token, timeout=self.timeout,
+                                  backend=backend)
             finally:
                 outs = {u: _outcome(f) for u, f in joins.items()}
         if failed := {u: e for u, e in outs.items() if isinstance(e, Exception)}:
-            self._close()
+            channel.close()
             raise RemoteError(f"joining the channel failed on {_named(failed)}")
-        self._members, self._channel_id = members, channel_id(self.master_addr, port, token)
         # values as few bits as flipped, where every server holds every tensor whole
-        self._xor = all(out.get("xor") for out in outs.values())
+        link = _Link(channel, members, channel_id(self.master_addr, port, token), ranks,
+                     all(out.get("xor") for out in outs.values()))
+        self._links[members] = link
         logger.info("hotweights: channel %s:%d with %s", self.master_addr, port,
-                    {u: f"ranks {r.start}..{r.stop - 1}" for u, r in self._ranks.items()})
+                    {u: f"ranks {r.start}..{r.stop - 1}" for u, r in ranks.items()})
+        return link
 
-    def _name_ranks(self, msg: str) -> str:
-        return re.sub(r"\brank ([1-9]\d*)( \(receiver\))?",
-                      lambda m: f"{m.group(0)} = {self._url(m)}", msg)
+    def _port(self) -> int:
+        """A port for a new channel: `master_port`, or the first above it no channel of
+        this group holds; a free one if not given."""
+        if not self.master_port:
+            return _free_port(self.master_addr)
+        held = {link.channel.port for link in self._links.values()}
+        return next(p for p in itertools.count(self.master_port) if p not in held)
 
-    def _url(self, m: re.Match) -> str:
-        return next((u for u, r in self._ranks.items() if int(m.group(1)) in r), "?")
-
-    def _close(self) -> None:
-        if self._channel is not None:
-            self._channel.close()
-        self._channel, self._members = None, ()
+    def _drop(self, link: _Link) -> None:
+        link.channel.close()
+        self._links.pop(link.members, None)
 
     def close(self) -> None:
-        """Leave the channel (the servers keep serving; the next update rebuilds it)."""
-        self._close()
+        """Leave the channels (the servers keep serving; the next update rebuilds them)."""
+        for link in list(self._links.values()):
+            self._drop(link)
 
     def __enter__(self) -> RemoteGroup:
         return self
@@ -685,6 +740,25 @@ def _weights(weights: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str,
         weights = reverted(dict(weights.named_parameters()), model=weights)
     return {k: t.detach() if t.is_contiguous() else t.detach().contiguous()
             for k, t in weights.items()}
+
+
+def channel_backend(status: Mapping[str, dict]) -> str:
+    """The backend of a channel to the servers of `status` (url -> status): NCCL where their
+    workers hold the weights on CUDA devices (this process needs one too), Gloo where on
+    the CPU."""
+    devices = {u: st.get("device", "cpu") for u, st in status.items()}
+    if len(set(devices.values())) > 1:
+        raise RemoteError(f"the servers' workers are on different kinds of device ({devices}): "
+                          "one channel carries CUDA or CPU tensors, not both; use one "
+                          "RemoteGroup per kind")
+    if (kind := next(iter(devices.values()))) not in ("cpu", "cuda"):
+        raise RemoteError(f"{next(iter(devices))}: workers on '{kind}' devices: a channel "
+                          "carries CUDA (NCCL) or CPU (Gloo) tensors only")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise RemoteError(f"the servers' workers hold the weights on CUDA devices "
+                          f"({sorted(devices)}): their channel is NCCL, which needs a CUDA "
+                          "device in this process too (none is visible here)")
+    return "nccl" if kind == "cuda" else "gloo"
 
 
 def route_address(url: str) -> str:
