@@ -208,3 +208,78 @@ def both_paths(request, monkeypatch):
 
     monkeypatch.setattr(delta, "_NUMPY", request.param == "numpy")
     return request.param
+
+
+class TLS:
+    """A test CA (`ca`: its certificate, PEM) and server certificates it signs (`leaf`)."""
+
+    def __init__(self, root):
+        from cryptography import x509
+        from cryptography.hazmat.primitives.asymmetric import ec
+
+        self.root = root
+        self._key = ec.generate_private_key(ec.SECP256R1())
+        name = x509.Name([x509.NameAttribute(x509.NameOID.COMMON_NAME, "hotweights test CA")])
+        self._name = name
+        cert = self._builder(name, self._key.public_key()).add_extension(
+            x509.BasicConstraints(ca=True, path_length=None), critical=True).add_extension(
+            x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                          content_commitment=False, key_encipherment=False,
+                          data_encipherment=False, key_agreement=False,
+                          encipher_only=False, decipher_only=False), critical=True)
+        self.ca = self._write("ca.pem", cert.sign(self._key, _sha256()))
+
+    def leaf(self, *names: str) -> tuple[str, str]:
+        """(certificate, key) paths of a server certificate for `names` (DNS names or IPs)."""
+        import ipaddress
+
+        from cryptography import x509
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+
+        def san(n):
+            try:
+                return x509.IPAddress(ipaddress.ip_address(n))
+            except ValueError:
+                return x509.DNSName(n)
+
+        key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name([x509.NameAttribute(x509.NameOID.COMMON_NAME, names[0])])
+        cert = self._builder(subject, key.public_key()).add_extension(
+            x509.SubjectAlternativeName([san(n) for n in names]), critical=False).sign(
+            self._key, _sha256())
+        stem = "-".join(names).replace(":", "_")
+        key_path = self.root / f"{stem}.key"
+        key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                               serialization.PrivateFormat.PKCS8,
+                                               serialization.NoEncryption()))
+        return self._write(f"{stem}.pem", cert), str(key_path)
+
+    def _builder(self, subject, public_key):
+        import datetime
+
+        from cryptography import x509
+
+        now = datetime.datetime.now(datetime.UTC)
+        return (x509.CertificateBuilder().subject_name(subject).issuer_name(self._name)
+                .public_key(public_key).serial_number(x509.random_serial_number())
+                .not_valid_before(now - datetime.timedelta(minutes=5))
+                .not_valid_after(now + datetime.timedelta(days=1)))
+
+    def _write(self, name, cert) -> str:
+        from cryptography.hazmat.primitives import serialization
+
+        (self.root / name).write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        return str(self.root / name)
+
+
+def _sha256():
+    from cryptography.hazmat.primitives import hashes
+
+    return hashes.SHA256()
+
+
+@pytest.fixture(scope="session")
+def tls(tmp_path_factory):
+    """A test CA: `tls.ca` (PEM path) and `tls.leaf("localhost", "127.0.0.1")` -> (cert, key)."""
+    return TLS(tmp_path_factory.mktemp("tls"))

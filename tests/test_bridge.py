@@ -17,7 +17,7 @@ class Recorder:
         self.calls: list[tuple[str, dict, float]] = []
         self.fail = fail
 
-    def __call__(self, url, method, route, token, body=None, *, timeout=120):
+    def __call__(self, url, method, route, token, body=None, *, timeout=120, cafile=None):
         self.calls.append((route, body, timeout))
         if route in self.fail:
             raise self.fail[route]
@@ -27,7 +27,7 @@ class Recorder:
 def _bridge() -> Bridge:
     b = Bridge.__new__(Bridge)  # no server: only the transaction's client side
     b.url, b._token, b.server_id, b.holder, b.version = "http://x", "t", "s", "h", "0@s"
-    b.tensors, b.remote = {}, None
+    b.tensors, b.remote, b.cafile = {}, None, None
     return b
 
 

@@ -43,9 +43,10 @@ def _http(url, route, *, token=TOKEN, body=None, method=None):
 
 class Server:
     def __init__(self, model_dir: Path, tmp: Path, *extra: str, port: int | None = None,
-                 wait: bool = True):
+                 wait: bool = True, cafile: str | None = None):
         self.port = port or launch.free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.cafile = cafile  # https: extra has --ssl-keyfile/--ssl-certfile
+        self.url = f"{'https' if cafile else 'http'}://127.0.0.1:{self.port}"
         self.model_dir = str(model_dir)
         self.log = tmp / "server.log"
         self.proc = launch.spawn(model_dir, port=self.port, token=TOKEN, log=self.log,
@@ -58,7 +59,7 @@ class Server:
         """Until it answers; stopped if it does not (starting several at once: spawn
         them all with wait=False from this thread, the servers' parent, then wait)."""
         try:
-            launch.wait_ready(self.proc, self.url, log=self.log)
+            launch.wait_ready(self.proc, self.url, log=self.log, cafile=self.cafile)
         except BaseException:
             launch.stop(self.proc)
             raise
@@ -278,6 +279,37 @@ def test_status_command_and_token_file(server, capsys, monkeypatch, tmp_path):
     assert json.loads(capsys.readouterr().out)["paused"] is False
     assert main(["status", server.url, "--token", "wrong"]) == 1
     assert "HTTP 401" in capsys.readouterr().err
+
+
+def test_tls_end_to_end(tiny_model, tmp_path, tls, capsys, monkeypatch):
+    """serve --ssl-keyfile/--ssl-certfile: the runner says https, clients check the CA."""
+    from hotweights.cli.main import main
+
+    cert, key = tls.leaf("localhost", "127.0.0.1")
+    srv = Server(tiny_model("llama"), tmp_path, "--ssl-keyfile", key, "--ssl-certfile", cert,
+                 cafile=tls.ca)
+    try:
+        deadline = time.monotonic() + 60  # the line comes once the runner's probe answers
+        while not srv.log.with_suffix(".token").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert f"at {srv.url} (token in " in srv.log.read_text()
+        monkeypatch.setenv("HOTWEIGHTS_TOKEN", TOKEN)
+        monkeypatch.delenv("HOTWEIGHTS_CA_FILE", raising=False)
+        assert main(["status", srv.url, "--cafile", tls.ca]) == 0
+        assert "weight version" in capsys.readouterr().out
+        assert main(["status", srv.url]) == 1
+        assert f"{srv.url}: TLS certificate not trusted" in capsys.readouterr().err
+        assert main(["status", srv.url.replace("https:", "http:")]) == 1
+        assert "use an https URL" in capsys.readouterr().err
+        monkeypatch.setenv("HOTWEIGHTS_CA_FILE", tls.ca)
+        assert main(["status", srv.url, "--json"]) == 0
+        version = json.loads(capsys.readouterr().out)["version"]
+        bridge = Bridge.connect(srv.url, cafile=tls.ca)
+        with bridge.update():  # the update's POSTs over https too
+            pass
+        assert bridge.status()["version"] != version
+    finally:
+        srv.stop()
 
 
 def test_metrics_expose_version_and_update_latency(server):

@@ -34,8 +34,9 @@ class Bridge:
             optimizer.step()   # writes vLLM's weights; served from the commit on
     """
 
-    def __init__(self, url: str, token: str, manifests: list[shm.Manifest], version: str):
-        self.url, self._token = url.rstrip("/"), token
+    def __init__(self, url: str, token: str, manifests: list[shm.Manifest], version: str, *,
+                 cafile: str | os.PathLike | None = None):
+        self.url, self._token, self.cafile = url.rstrip("/"), token, cafile
         self.manifests = manifests
         self.server_id = manifests[0].server_id  # every update names the server we mapped
         self.version = version  # "N@SERVER", as in every response's x-hotweights-version
@@ -45,16 +46,20 @@ class Bridge:
         self.remote = None  # a RemoteGroup updated with this server (add_remote)
 
     @classmethod
-    def connect(cls, url: str, *, token: str | None = None) -> Bridge:
+    def connect(cls, url: str, *, token: str | None = None,
+                cafile: str | os.PathLike | None = None) -> Bridge:
         """Fetch the server's manifest and map its shared weights (same machine).
 
         Args:
-            url: the server, e.g. "http://127.0.0.1:8000".
+            url: the server, e.g. "http://127.0.0.1:8000", or "https://localhost:8000"
+                for one started with --ssl-keyfile/--ssl-certfile.
             token: its access token (default: the HOTWEIGHTS_TOKEN environment variable,
                 else the token file `hotweights serve` wrote for that port).
+            cafile: for https, the CA bundle (PEM) that signed the server's certificate
+                (default: HOTWEIGHTS_CA_FILE, else the system's trust store).
         """
         token = find_token(url, token)
-        data = request(url.rstrip("/"), "GET", "/hotweights/manifest", token)
+        data = request(url.rstrip("/"), "GET", "/hotweights/manifest", token, cafile=cafile)
         manifests = [shm.Manifest.from_dict(m, source=f"{url}/hotweights/manifest")
                      for m in data["manifests"]]
         if len(manifests) != 1:
@@ -62,7 +67,7 @@ class Bridge:
         if manifests[0].server_id != data.get("server_id"):
             raise ServerError(f"{url}: manifest of server {manifests[0].server_id}, but the "
                               f"server says it is {data.get('server_id')!r}")
-        return cls(url, token, manifests, str(data["version"]))
+        return cls(url, token, manifests, str(data["version"]), cafile=cafile)
 
     def model(self, config: Any = None, **kwargs: Any) -> torch.nn.Module:
         """The HF model whose parameters are views into the server's weights.
@@ -134,13 +139,15 @@ class Bridge:
         Args:
             servers: a `RemoteGroup`, or what `RemoteGroup` takes (URLs, ``host:port``,
                 SLURM node lists) with `kwargs` (``token=``, ``master_addr=``,
-                ``timeout=``, ``checkpoint=``, ``require=``, ...).
+                ``timeout=``, ``checkpoint=``, ``require=``, ``cafile=``: default this
+                bridge's, ...).
         Returns:
             The `RemoteGroup`. Its first update sends the whole model, unless it was given
             ``checkpoint=`` the directory the servers loaded: then only what differs from it.
         """
         from hotweights.remote.group import RemoteGroup
 
+        kwargs.setdefault("cafile", self.cafile)
         self.remote = servers if isinstance(servers, RemoteGroup) else RemoteGroup(servers,
                                                                                    **kwargs)
         return self.remote
@@ -244,16 +251,18 @@ class Bridge:
             (logger.debug if quiet else logger.warning)("hotweights: abort failed: %s", e)
 
     def status(self) -> dict:
-        return server_status(self.url, self._token)
+        return server_status(self.url, self._token, cafile=self.cafile)
 
     def server_info(self) -> dict:
         """The served model's settings (`model_config`: model, dtype, max_model_len,
         max_logprobs, logprobs_mode), shaped like vLLM's dev-mode `/server_info`."""
-        return request(self.url, "GET", "/hotweights/server_info", self._token)
+        return request(self.url, "GET", "/hotweights/server_info", self._token,
+                       cafile=self.cafile)
 
     def _post(self, route: str, *, timeout: float = 120, **body: Any) -> dict:
         body = dict(holder=self.holder, server_id=self.server_id, **body)
-        return request(self.url, "POST", route, self._token, body, timeout=timeout)
+        return request(self.url, "POST", route, self._token, body, timeout=timeout,
+                       cafile=self.cafile)
 
 
 def _local_model_dir(path: str, trust_remote_code: bool) -> str:

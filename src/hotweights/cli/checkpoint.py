@@ -33,7 +33,7 @@ def run_sync(args: argparse.Namespace) -> int:
             from hotweights.bridge.client import Bridge
 
             # The lease pauses the server only while the live bytes are read.
-            bridge = Bridge.connect(args.server, token=args.token)
+            bridge = Bridge.connect(args.server, token=args.token, cafile=args.cafile)
             changed = None if args.changed is None else _expand(  # names read only for --changed
                 args.changed, bridge.model().state_dict())
             result = bridge.checkpoint(args.model_dir, exclusive=True, mode=args.mode,
@@ -127,7 +127,7 @@ def run_diagnose(args: argparse.Namespace) -> int:
         from hotweights.bridge.client import Bridge
 
         # Only names, shapes and dtypes are read: no lease, the server keeps serving.
-        live = Bridge.connect(args.server, token=args.token).model()
+        live = Bridge.connect(args.server, token=args.token, cafile=args.cafile).model()
     try:
         found = diagnose(args.model_dir, live, mode=args.mode)
     finally:

@@ -44,6 +44,12 @@ def _parser() -> argparse.ArgumentParser:
                    "machine than the trainer: no shared memory; it receives each update "
                    "(only what changed) from a hotweights.RemoteGroup over torch.distributed "
                    "(Gloo on CPU, NCCL on GPU), any TP size")
+    p.add_argument("--ssl-keyfile", "--ssl_keyfile", metavar="FILE", help="serve https "
+                   "(with --ssl-certfile): the private key (PEM, not encrypted); passed to "
+                   "vLLM, checked first")
+    p.add_argument("--ssl-certfile", "--ssl_certfile", metavar="FILE", help="serve https: "
+                   "the certificate chain (PEM); clients check it against their CA bundle "
+                   "(--cafile, HOTWEIGHTS_CA_FILE, else the system's)")
     p.set_defaults(run=_run_serve, passthrough=True)
 
     p = sub.add_parser(
@@ -57,6 +63,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="the server (default: http://127.0.0.1:8000)")
     p.add_argument("--token", help="access token (default: $HOTWEIGHTS_TOKEN, else the "
                    "token file the server wrote for its port)")
+    p.add_argument("--cafile", metavar="PEM", help="for an https server: the CA bundle that "
+                   "signed its certificate (default: $HOTWEIGHTS_CA_FILE, else the system's)")
     p.add_argument("--json", action="store_true", help="print the raw JSON")
     p.set_defaults(run=_run_status)
 
@@ -123,6 +131,8 @@ def _parser() -> argparse.ArgumentParser:
                    "recorded in the sidecars (default: none; with --server, the server's)")
     p.add_argument("--token", help="the server's access token (default: $HOTWEIGHTS_TOKEN, "
                    "else the token file the server wrote for its port)")
+    p.add_argument("--cafile", metavar="PEM", help="for an https server: the CA bundle that "
+                   "signed its certificate (default: $HOTWEIGHTS_CA_FILE, else the system's)")
     p.add_argument("--convert-dtype", action="store_true",
                    help="cast tensors to the file's dtype instead of refusing them")
     p.add_argument("--changed", action="extend", nargs="+", metavar="GLOB",
@@ -157,6 +167,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", default="auto", choices=MODES,
                    help="the write mode to check (default: auto)")
     p.add_argument("--token", help="the server's access token (default: as for sync)")
+    p.add_argument("--cafile", metavar="PEM", help="for an https server: the CA bundle that "
+                   "signed its certificate (default: $HOTWEIGHTS_CA_FILE, else the system's)")
     p.add_argument("--json", action="store_true", help="print the diagnosis as JSON only")
     p.set_defaults(run=_run_diagnose)
 

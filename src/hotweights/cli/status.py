@@ -44,7 +44,7 @@ def rows(status: dict, now: float) -> list[tuple[str, str]]:
 
 def run(args: argparse.Namespace) -> int:
     url = args.url.rstrip("/")
-    status = server_status(url, args.token)
+    status = server_status(url, args.token, cafile=args.cafile)
     if args.json:
         print(json.dumps(status))
         return 0

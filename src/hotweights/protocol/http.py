@@ -1,47 +1,129 @@
-"""HTTP to a hotweights server: one authenticated JSON request, and the status route.
+"""HTTP(S) to a hotweights server: one authenticated JSON request, and the status route.
 
 Both ends agree on this: the bridge, `RemoteGroup` and `hotweights status` speak it, the
-plugin's routes (`vllm_plugin.routes`) answer it.
+plugin's routes (`vllm_plugin.routes`) answer it. An https server's certificate and host
+name are always checked (`tls_context`); a token about to cross the network in plain http
+is warned about, once per host.
 """
 
 from __future__ import annotations
 
+import functools
+import http.client
 import json
+import logging
+import os
+import ssl
 import urllib.error
+import urllib.parse
 import urllib.request
 
-from hotweights.errors import ServerError
-from hotweights.protocol.tokens import find_token
+from hotweights.errors import ConfigError, ServerError
+from hotweights.protocol.tokens import find_token, is_loopback
+
+logger = logging.getLogger(__name__)
+
+CA_FILE_ENV = "HOTWEIGHTS_CA_FILE"
+_CA_HINT = f"pass the CA bundle that signed it: cafile= (CLI: --cafile) or {CA_FILE_ENV}"
+_NAME_MISMATCH = (62, 64)  # X509_V_ERR_HOSTNAME_MISMATCH, X509_V_ERR_IP_ADDRESS_MISMATCH
+_warned: set[str | None] = set()  # hosts told that their token travels in plain http
 
 
-def server_status(url: str, token: str | None = None) -> dict:
-    """GET /hotweights/status of the server at `url` (token as for `Bridge.connect`)."""
+def server_status(url: str, token: str | None = None, *,
+                  cafile: str | os.PathLike | None = None) -> dict:
+    """GET /hotweights/status of the server at `url` (token and cafile as for
+    `Bridge.connect`)."""
     url = url.rstrip("/")
-    return request(url, "GET", "/hotweights/status", find_token(url, token))
+    return request(url, "GET", "/hotweights/status", find_token(url, token), cafile=cafile)
 
 
 def request(url: str, method: str, route: str, token: str, body: dict | None = None, *,
-            timeout: float = 120) -> dict:
+            timeout: float = 120, cafile: str | os.PathLike | None = None) -> dict:
     """`method` `route` on the server at `url` with its bearer token; the JSON answer.
 
+    Args:
+        cafile: for an https `url`, the CA bundle (PEM) its certificate must chain to
+            (default: see `tls_context`).
+
     Every failure is a `ServerError` naming the route: an HTTP error with the server's
-    detail, an unreachable or silent server, a connection that broke mid-answer.
+    detail, an unreachable or silent server, a certificate not trusted or not naming the
+    host, a connection that broke mid-answer. A CA bundle that cannot be loaded is a
+    `ConfigError`.
     """
+    parts = urllib.parse.urlsplit(url)
+    context = tls_context(cafile) if parts.scheme == "https" else None
+    if parts.scheme == "http":
+        _warn_plain(url, parts.hostname)
     req = urllib.request.Request(
         url + route, method=method,
         data=None if body is None else json.dumps(body).encode(),
         headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
     )
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
+        with urllib.request.urlopen(req, timeout=timeout, context=context) as resp:
             return json.loads(resp.read())
     except urllib.error.HTTPError as e:
         detail = e.read().decode(errors="replace")[:500]
         raise ServerError(f"{method} {route}: HTTP {e.code}: {detail}") from None
     except urllib.error.URLError as e:
-        raise ServerError(f"{method} {route}: cannot reach {url}: {e.reason}") from None
+        raise ServerError(f"{method} {route}: {_unreachable(url, e.reason)}") from None
     except TimeoutError:
         raise ServerError(f"{method} {route}: no answer from {url} within {timeout:.0f} s") \
             from None
     except OSError as e:  # the connection broke mid-answer (the server died)
-        raise ServerError(f"{method} {route}: the connection to {url} broke: {e}") from None
+        hint = " (does it serve https? then use an https URL)" if (
+            parts.scheme == "http" and isinstance(e, http.client.RemoteDisconnected)) else ""
+        raise ServerError(f"{method} {route}: the connection to {url} broke: {e}{hint}") \
+            from None
+
+
+def tls_context(cafile: str | os.PathLike | None = None) -> ssl.SSLContext:
+    """The TLS settings of every https request: the server's certificate must chain to
+    `cafile`, else to $HOTWEIGHTS_CA_FILE, else to the system's trust store (which
+    SSL_CERT_FILE / SSL_CERT_DIR replace), and name the URL's host.
+
+    Raises:
+        ConfigError: the CA bundle cannot be read or holds no certificate.
+    """
+    if cafile is not None:
+        return _context(os.fspath(cafile), "cafile=")
+    if os.environ.get(CA_FILE_ENV):
+        return _context(os.environ[CA_FILE_ENV], f"{CA_FILE_ENV}=")
+    # Keyed by the variables OpenSSL reads: loading a trust store takes ~0.1 s.
+    return _default_context(os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+
+
+@functools.lru_cache(maxsize=8)
+def _context(cafile: str, given_as: str) -> ssl.SSLContext:
+    try:
+        return ssl.create_default_context(cafile=cafile)
+    except OSError as e:  # ssl.SSLError too: not PEM, or no certificate in it
+        raise ConfigError(f"{given_as}{cafile}: cannot load it as a CA bundle "
+                          f"({e.strerror or e}); pass a PEM file of CA certificates") from None
+
+
+@functools.lru_cache(maxsize=4)
+def _default_context(_cert_file: str | None, _cert_dir: str | None) -> ssl.SSLContext:
+    return ssl.create_default_context()
+
+
+def _unreachable(url: str, reason: object) -> str:
+    if isinstance(reason, ssl.SSLCertVerificationError):
+        if reason.verify_code in _NAME_MISMATCH:
+            return (f"{url}: its TLS certificate does not name this host "
+                    f"({reason.verify_message}); use a host name or address it lists")
+        return f"{url}: TLS certificate not trusted ({reason.verify_message}); {_CA_HINT}"
+    if isinstance(reason, ssl.SSLError):
+        return (f"{url}: TLS handshake failed ({reason}); does it serve https "
+                "(hotweights serve --ssl-keyfile/--ssl-certfile)?")
+    return f"cannot reach {url}: {reason}"
+
+
+def _warn_plain(url: str, host: str | None) -> None:
+    if host in _warned or is_loopback(host):
+        return
+    _warned.add(host)
+    logger.warning("hotweights: the bearer token goes to %s over plain http: anyone on the "
+                   "way can read it and take over the server's updates; serve with "
+                   "--ssl-keyfile/--ssl-certfile and use an https URL (docs/remote.md#tls)",
+                   url)

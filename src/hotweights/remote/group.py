@@ -161,6 +161,8 @@ class RemoteGroup:
             up). ``"all"``: one server failing fails the update on every server, and the
             local server waits until every remote has staged the update: if one fails the
             trainer's step is undone and every server stays at the old version.
+        cafile: the CA bundle that checks https servers' certificates (default:
+            HOTWEIGHTS_CA_FILE, else the system's trust store; see docs/remote.md, TLS).
     """
 
     def __init__(self, servers: str | Iterable[str], *, token: str | Mapping[str, str] | None =
@@ -168,8 +170,9 @@ class RemoteGroup:
                  timeout: float = 60.0, max_round_bytes: int = ROUND_BYTES,
                  checkpoint: str | os.PathLike | None = None, reference: str = "copy",
                  trainable: Iterable[str] | None = None, compress: str | None = None,
-                 require: str = "any"):
+                 require: str = "any", cafile: str | os.PathLike | None = None):
         self.urls = server_urls(servers)
+        self.cafile = cafile
         self._tokens = {u: find_token(u, token.get(u) if isinstance(token, Mapping) else token)
                         for u in self.urls}
         local = all(is_loopback(urllib.parse.urlsplit(u).hostname) for u in self.urls)
@@ -271,7 +274,8 @@ class RemoteGroup:
         """(url -> status of each of `urls` that answers, `dropped` plus url -> why for each
         that does not: dropped from this update, or, with require="all", the update fails)."""
         outs = self._each(lambda u: request(u, "GET", "/hotweights/status", self._tokens[u],
-                                            timeout=min(self.timeout, 30.0)),
+                                            timeout=min(self.timeout, 30.0),
+                                            cafile=self.cafile),
                           errors=True, urls=urls)
         down = {u: str(e) for u, e in outs.items() if isinstance(e, Exception)}
         if down and (self.require == "all" or len(down) == len(urls)):
@@ -681,7 +685,7 @@ class RemoteGroup:
               **body: Any) -> dict:
         body = dict(holder=self.holder, server_id=status["server_id"], **body)
         return request(url, "POST", route, self._tokens[url], body,
-                        timeout=http_timeout or self.timeout + 60)
+                       timeout=http_timeout or self.timeout + 60, cafile=self.cafile)
 
     def _each(self, fn: Callable[[str], Any], *, errors: bool = False,
               urls: list[str] | None = None) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import urllib.request
 from pathlib import Path
 
 from hotweights.errors import ServerError
+from hotweights.protocol.http import tls_context
 from hotweights.server.serve import term_with_parent
 
 
@@ -40,15 +41,20 @@ def spawn(model: str | os.PathLike, *, port: int, token: str, log: Path,
             preexec_fn=term_with_parent if sys.platform == "linux" else None)
 
 
-def wait_ready(proc: subprocess.Popen, url: str, *, log: Path, timeout: float = 200) -> None:
-    """Wait until the server answers /health; ServerError with the log's tail otherwise."""
+def wait_ready(proc: subprocess.Popen, url: str, *, log: Path, timeout: float = 200,
+               cafile: str | os.PathLike | None = None) -> None:
+    """Wait until the server answers /health; ServerError with the log's tail otherwise.
+
+    An https `url` is checked against `cafile` as every request is (`http.tls_context`).
+    """
+    context = tls_context(cafile) if url.startswith("https:") else None
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             tail = log.read_text(errors="replace")[-3000:]
             raise ServerError(f"{url}: server exited with {proc.returncode}; {log}:\n{tail}")
         try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+            with urllib.request.urlopen(url + "/health", timeout=2, context=context) as resp:
                 if resp.status == 200:
                     return
         except OSError:

@@ -8,6 +8,7 @@ import json
 import os
 import secrets
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -22,6 +23,7 @@ from hotweights.checkpoint.digest import stats as checkpoint_stats
 from hotweights.errors import ConfigError
 from hotweights.protocol import shm
 from hotweights.protocol.tokens import remove_token, token_path, write_token
+from hotweights.server import tls
 from hotweights.server.env import ACTIVE, CHECKPOINT_STATS, REMOTE, REMOTE_ENGINE
 
 WORKER = "hotweights.vllm_plugin.worker.HotweightsWorker"
@@ -92,6 +94,8 @@ def command(args: argparse.Namespace, vllm_args: list[str]) -> list[str]:
             raise ConfigError("--remote selects the hotweights weight-transfer engine; drop "
                               "--weight-transfer-config")
         extra = ["--weight-transfer-config", json.dumps({"backend": REMOTE_ENGINE})]
+    if args.ssl_keyfile is not None:  # ours to check (tls.check_files), vLLM's to serve
+        extra += ["--ssl-keyfile", args.ssl_keyfile, "--ssl-certfile", args.ssl_certfile]
     return [sys.executable, "-m", ENTRY, "--model", model, "--host", args.host, "--port",
             str(args.port), "--worker-extension-cls", WORKER, *extra, *vllm_args]
 
@@ -124,6 +128,7 @@ def refuse_unshareable(vllm_args: list[str]) -> None:
 
 def run(args: argparse.Namespace, vllm_args: list[str]) -> int:
     refuse_unshareable(vllm_args)
+    https = tls.check_files(args.ssl_keyfile, args.ssl_certfile)
     _refuse_busy_port(args.host, args.port)
     token = args.token or os.environ.get("HOTWEIGHTS_TOKEN") or secrets.token_hex(24)
     token_file = Path(args.token_file or token_path(args.port))
@@ -161,10 +166,12 @@ def run(args: argparse.Namespace, vllm_args: list[str]) -> int:
     try:
         # The token file is written once the port is ours: a second server on a busy port
         # must not replace the token of the one that answers there.
-        if _wait_answering(child[0], _probe_url(args.host, args.port), token, server_id):
+        scheme = "https" if https else "http"
+        if _wait_answering(child[0], _probe_url(scheme, args.host, args.port), token,
+                           server_id, tls.probe_context(args.ssl_certfile) if https else None):
             write_token(token_file, token)
             owned = True
-            print(f"hotweights: serving {args.model} at http://{args.host}:{args.port} "
+            print(f"hotweights: serving {args.model} at {scheme}://{args.host}:{args.port} "
                   f"(token in {token_file})", flush=True)
         code = child[0].wait()
     finally:
@@ -196,16 +203,18 @@ def _refuse_busy_port(host: str, port: int) -> None:
                           "is another server running there? Pick another --port") from None
 
 
-def _probe_url(host: str, port: int) -> str:
+def _probe_url(scheme: str, host: str, port: int) -> str:
     host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
-def _wait_answering(proc: subprocess.Popen, url: str, token: str, server_id: str) -> bool:
+def _wait_answering(proc: subprocess.Popen, url: str, token: str, server_id: str,
+                    context: ssl.SSLContext | None) -> bool:
     """Wait until our server answers at `url` (its status names our server id: not
     another server on the same port); False if it exits first."""
 
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}),
+                                         urllib.request.HTTPSHandler(context=context))
     req = urllib.request.Request(url + "/hotweights/status",
                                  headers={"Authorization": f"Bearer {token}"})
     while proc.poll() is None:
