@@ -19,8 +19,10 @@ apart, not a scenario). Then, each on the trainer's tensors in place, a fresh ch
 Each time is the whole `group.update` call (status; the fingerprints and the encode against
 `group.reference` while both servers go on serving; the broadcast to both servers' workers
 over the Gloo channel, which they stage while serving; commit on both while the reference is
-refreshed), the best of --repeat runs (the machine is shared and noisy); bytes are the bytes
-the channel sent (headers + buffers, counted once for the broadcast). Each run's phases are
+refreshed), the best of --repeat runs (the machine is shared and noisy); bytes are what each
+server received (headers + buffers: `result["bytes"]`); what left the trainer is that times
+the channel's copies (Gloo broadcasts along a binomial tree: 2 copies for 2 servers), the
+key "trainer_copies". Each run's phases are
 printed too (a route: its slowest server's request). The updates use --mode (default keep:
 the commit pauses generation and resumes the in-flight streams on the new weights; wait
 would hold the commit until every in-flight stream ends). After the last update both
@@ -62,7 +64,8 @@ The last line is one JSON object: {"model_bytes", "rows_bytes_sent",
 "scattered_bytes_sent", "full_bytes_sent", "rows_s", "scattered_s", "full_s",
 "time_ratio_full_vs_rows", "time_ratio_full_vs_scattered", "trainer_extra_memory_pct",
 "rows_paused_ms", "scattered_paused_ms", "full_paused_ms", "rows_client_stall_ms",
-"scattered_client_stall_ms", "full_client_stall_ms", "scattered_bytes_compressed", "xor",
+"scattered_client_stall_ms", "full_client_stall_ms", "scattered_bytes_compressed",
+"trainer_copies", "xor",
 "partial_trainable_extra_memory_pct", "skipped"}. Targets: full / rows >= 10, full /
 scattered >= 5, rows and scattered paused <= 100 ms (full paused and the client stalls are
 reported), partial trainable extra memory <= 20 %. Where the servers cannot start on this
@@ -449,7 +452,7 @@ def main() -> int:
             warm = group.update(weights, mode=args.mode)
             assert warm["full"], warm
             rss_growth = rss() - rss0
-            xor = all(link.xor for link in group._links.values())
+            xor = bool(group._links) and all(link.xor for link in group._links.values())
             print(f"warm-up full sync (not a scenario): {warm['seconds']:.2f} s, "
                   f"{warm['bytes_sent']:,} B sent; trainer RSS +{rss_growth / 1e6:,.0f} MB; "
                   f"xor-coded values: {xor}; mode: {args.mode}")
@@ -485,7 +488,8 @@ def main() -> int:
                                       rest=out["seconds"] - phases["send"]))
                     assert not out["full"] and len(out["servers"]) == 2, out
                     secs.append(out["seconds"])
-                    sent.append(out["bytes_sent"])
+                    sent.append(max(out["bytes"].values()))
+                    copies = out["bytes_sent"] / sent[-1]
                     paused.append(out.get("paused_ms") or {})
                 best = secs.index(min(secs))
                 rows[how] = dict(s=min(secs), bytes=sent[best], elements=n, best=best,
@@ -519,8 +523,9 @@ def main() -> int:
                 time.sleep(SETTLE_S)
             encode_s = phases.get("fingerprint", 0.0) + phases["encode"] + phases["pack"]
             print(f"(scattered, zstd) {n:,} elements changed  {zout['seconds']:.3f} s  "
-                  f"{zout['bytes_sent']:,} B sent = {zout['bytes_sent'] / model_bytes:.2%} of "
-                  f"the model ({zout['bytes_sent'] / rows['scattered']['bytes']:.0%} of "
+                  f"{max(zout['bytes'].values()):,} B to each server = "
+                  f"{max(zout['bytes'].values()) / model_bytes:.2%} of the model "
+                  f"({max(zout['bytes'].values()) / rows['scattered']['bytes']:.0%} of "
                   f"uncompressed); encode side {encode_s:.3f} s: fingerprints "
                   f"{phases.get('fingerprint', 0.0):.3f} + encode {phases['encode']:.3f} + "
                   f"pack {phases['pack']:.3f} (of which zstd {phases.get('zstd', 0.0):.3f}) s")
@@ -570,7 +575,8 @@ def main() -> int:
                "trainer_extra_memory_pct": 100 * extra / model_bytes,
                **{f"{how}_paused_ms": r["paused"] for how, r in rows.items()},
                **{f"{how}_client_stall_ms": stalls[how] for how in rows},
-               "scattered_bytes_compressed": zout["bytes_sent"],
+               "scattered_bytes_compressed": max(zout["bytes"].values()),
+               "trainer_copies": copies,
                "xor": xor,
                "partial_trainable_extra_memory_pct": partial,
                "skipped": skips.reasons}

@@ -27,15 +27,20 @@ from hotweights.remote import delta_apply
 from hotweights.errors import HotweightsError
 from hotweights.remote.channel import Channel
 sys.path.insert(0, sys.argv[1])
-from test_remote_channel import checksum, weights
+from test_remote_channel import TOKEN, checksum, weights
 port, rank, world, token, updates, mode = (int(sys.argv[2]), int(sys.argv[3]),
                                            int(sys.argv[4]), sys.argv[5], int(sys.argv[6]),
                                            sys.argv[7])
+relay = json.loads(sys.argv[9])  # {"port", "rank", "world"} of a relay channel, or null
 w = weights()
 print(json.dumps({"ready": True}), flush=True)
 try:
-    ch = Channel(master_addr="127.0.0.1", master_port=port, rank=rank, world_size=world,
-                 token=token, timeout=float(sys.argv[8]))
+    rl = relay and Channel(master_addr="127.0.0.1", master_port=relay["port"], name="relay",
+                           rank=relay["rank"], world_size=relay["world"], token=TOKEN,
+                           timeout=float(sys.argv[8]))
+    ch = rl if relay and relay["rank"] else Channel(
+        master_addr="127.0.0.1", master_port=port, rank=rank, world_size=world, token=token,
+        timeout=float(sys.argv[8]))
     for u in range(updates):
         staged = []
 
@@ -50,22 +55,25 @@ try:
             delta_apply.check(r.header, w)
             staged.append(delta_apply.Round(r.header, r.buffer.clone()))
         try:
-            ch.receive(stage, **({"update": f"u{u}", "wait": 4 * float(sys.argv[8])}
-                                 if mode == "announced" else {}))
+            ch.receive(stage, relay=rl if rl is not ch else None,
+                       **({"update": f"u{u}", "wait": 4 * float(sys.argv[8])}
+                          if mode == "announced" else {}))
         except HotweightsError as e:  # a refusal: nothing applied, the channel goes on
-            if "refused" not in str(e) and "cancelled" not in str(e):
+            if not any(x in str(e) for x in ("refused", "cancelled", "aborted")):
                 raise
             print(json.dumps({"update": u, "refused": str(e), "sum": checksum(w)}), flush=True)
             continue
         for r in staged:
             delta_apply.apply(r, w)
-        print(json.dumps({"update": u, "sum": checksum(w), "bytes": ch.bytes_received}),
-              flush=True)
+        print(json.dumps({"update": u, "sum": checksum(w), "bytes": ch.bytes_received,
+                          "relayed": rl.bytes_sent if rl and rl is not ch else 0}), flush=True)
     ch.close()
+    if rl:
+        rl.close()
 except HotweightsError as e:
     print(json.dumps({"error": str(e), "sum": checksum(w)}), flush=True)
-    if "ch" in dir():
-        ch.close()  # a broken Gloo group left to the interpreter's exit may abort it
+    for c in {globals().get("ch"), globals().get("rl")} - {None}:
+        c.close()  # a broken Gloo group left to the interpreter's exit may abort it
     sys.exit(3)
 """
 
@@ -119,10 +127,10 @@ def _port() -> int:
 
 
 def _spawn(port: int, rank: int, world: int, updates: int, *, token: str = TOKEN,
-           mode: str = "ok") -> subprocess.Popen:
+           mode: str = "ok", relay: dict | None = None) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     args = [sys.executable, "-c", RECEIVER, os.path.dirname(__file__), str(port), str(rank),
-            str(world), token, str(updates), mode, str(TIMEOUT)]
+            str(world), token, str(updates), mode, str(TIMEOUT), json.dumps(relay)]
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env)
 
@@ -321,3 +329,112 @@ def test_bad_arguments_are_named(kw, match):
             "token": TOKEN, "timeout": 1.0} | kw
     with pytest.raises(RemoteError, match=match):
         Channel(**args)
+
+
+# -- a relay: one rank per server on the sender's channel, the server's workers behind it --
+
+def _server(port: int, rank: int, world: int, updates: int, *, followers: int = 2,
+            **modes) -> list[subprocess.Popen]:
+    """A server on rank `rank` of the channel: its leader, which relays each round to
+    `followers` more processes (relay ranks 1..); modes: ``f2={"mode": "kill"}`` for relay
+    rank 2, ``lead={...}`` for the leader. Wait for them with `_ready`."""
+    relay = _port()
+    return [_spawn(port, rank, world, updates, **modes.get(f"f{r}" if r else "lead", {}),
+                   relay={"port": relay, "rank": r, "world": followers + 1})
+            for r in range(followers + 1)]
+
+
+def _ready(*procs: subprocess.Popen) -> None:
+    # the followers wait in a collective as soon as the leader built the relay: the sender
+    # must come within the timeout
+    for p in procs:
+        assert json.loads(p.stdout.readline()) == {"ready": True}, p.stderr.read()
+
+
+def test_a_relay_hands_each_round_to_the_servers_workers_and_the_sender_sends_it_once():
+    port, old = _port(), weights()
+    server, plain = _server(port, 1, 3, 2), _spawn(port, 2, 3, 2)  # and a one-worker server
+    _ready(*server, plain)
+    g = torch.Generator().manual_seed(5)
+    sums = []
+    with Channel(master_addr="127.0.0.1", master_port=port, rank=0, world_size=3,
+                 token=TOKEN, timeout=TIMEOUT) as ch:
+        for change in (_rows, _full):
+            new = change(old, g)
+            ch.send(delta.pack(delta.encode_all(old, new), max_bytes=MAX_BYTES))
+            sums.append(checksum(new))
+            old = new
+    lines = [_lines(p) for p in [*server, plain]]
+    for p, got in zip([*server, plain], lines, strict=True):
+        assert p.returncode == 0 and [x["sum"] for x in got] == sums, got
+        assert got[-1]["bytes"] == ch.bytes_sent  # the leader's from the sender, the rest relayed
+    assert lines[0][-1]["relayed"] == ch.bytes_sent  # forwarded byte for byte
+
+
+def test_a_followers_refusal_is_its_servers_and_no_one_applies_the_update():
+    port, old = _port(), weights()
+    server, plain = _server(port, 1, 3, 2, f2={"mode": "refuse"}), _spawn(port, 2, 3, 2)
+    _ready(*server, plain)
+    g = torch.Generator().manual_seed(6)
+    first, second = _full(old, g), _scattered(old, g)
+    with Channel(master_addr="127.0.0.1", master_port=port, rank=0, world_size=3,
+                 token=TOKEN, timeout=TIMEOUT) as ch:
+        with pytest.raises(RemoteError, match=r"so no receiver applies it: rank 1: RemoteError: "
+                           r"relay 127\.0\.0\.1:\d+ rank 0: receiver\(s\) refused the update, "
+                           r"so no receiver applies it: rank 2: HotweightsError: round 3 "
+                           r"refused by the test"):
+            ch.send(delta.pack(delta.encode_all(old, first), max_bytes=MAX_BYTES))
+        ch.send(delta.pack(delta.encode_all(old, second), max_bytes=MAX_BYTES))
+    lines = [_lines(p) for p in [*server, plain]]
+    for p, (refused, done) in zip([*server, plain], lines, strict=True):
+        assert p.returncode == 0 and refused["sum"] == checksum(old), refused
+        assert done["sum"] == checksum(second), done
+        assert "round 3 refused by the test" in refused["refused"]
+
+
+def test_the_senders_cancel_and_abort_reach_the_followers():
+    port, old = _port(), weights()
+    announced = {"mode": "announced"}
+    server = _server(port, 1, 2, 3, lead=announced, f1=announced, f2=announced)
+    _ready(*server)
+    new = _rows(old, torch.Generator().manual_seed(7))
+
+    def failing(rounds):
+        for i, r in enumerate(rounds):
+            if i == 2:
+                raise ValueError("the encode failed in the test")
+            yield r
+    with Channel(master_addr="127.0.0.1", master_port=port, rank=0, world_size=2,
+                 token=TOKEN, timeout=TIMEOUT) as ch:
+        ch.start("u0")
+        ch.send(delta.pack(delta.encode_all(old, new), max_bytes=MAX_BYTES // 8))
+        ch.cancel("u1")
+        ch.start("u2")
+        with pytest.raises(ValueError, match="the encode failed"):
+            ch.send(failing(delta.pack(delta.encode_all(new, old), max_bytes=MAX_BYTES // 8)))
+    for p in server:
+        done, cancelled, aborted = _lines(p)
+        assert p.returncode == 0 and done["sum"] == checksum(new), done
+        assert "the sender cancelled the update" in cancelled["refused"]
+        assert "aborted the update at round 3" in aborted["refused"]
+        assert "ValueError: the encode failed in the test" in aborted["refused"]
+        assert cancelled["sum"] == aborted["sum"] == checksum(new)
+
+
+def test_a_follower_killed_mid_update_is_named_by_the_sender_within_the_timeout():
+    port, old = _port(), weights()
+    lead, survivor, victim = server = _server(port, 1, 2, 1, f2={"mode": "kill"})
+    _ready(*server)
+    with Channel(master_addr="127.0.0.1", master_port=port, rank=0, world_size=2,
+                 token=TOKEN, timeout=TIMEOUT) as ch:
+        t = time.monotonic()
+        with pytest.raises(RemoteError, match=r"rank 1: RemoteError: relay 127\.0\.0\.1:\d+ "
+                           r"rank 0: round \d+/\d+ failed: rank 2 \(receiver\) stopped"):
+            ch.send(delta.pack(delta.encode_all(old, _full(old, None)), max_bytes=MAX_BYTES))
+        assert time.monotonic() - t < TIMEOUT + 3
+        assert not ch.broken  # the server refused: the sender's channel goes on
+    assert victim.wait(timeout=30) == -9
+    for p in (lead, survivor):
+        (line,) = _lines(p)
+        assert p.returncode == 3 and "rank 2 (receiver) stopped" in line["error"], line
+        assert line["sum"] == checksum(old)

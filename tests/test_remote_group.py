@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 from hotweights import RemoteError, RemoteGroup
 from hotweights.checkpoint.digest import digest
 from hotweights.remote import delta
-from hotweights.remote.group import Pending, _Plan
+from hotweights.remote.group import _Plan
 
 
 @pytest.fixture
@@ -142,6 +142,14 @@ def test_a_server_restarted_from_the_synced_checkpoint_shares_the_delta(checkpoi
     assert plan.urls == urls and plan.held and plan.reference is group._opened()
 
 
+def _prepared(group, status, new, monkeypatch):
+    """`prepare`'s bookkeeping without servers: each plan encoded, nothing sent."""
+    monkeypatch.setattr(group, "_connect", lambda status, backend: None)
+    monkeypatch.setattr(group, "_send", lambda status, plans, encode, mode, lease_s: [
+        (encode(plan), 0, 0) for plan, _ in plans])
+    return group._prepare(new, new, status, "wait", None, 0.0, {})
+
+
 def test_servers_all_synced_from_the_checkpoint_leave_the_reference_whole(checkpoint,
                                                                          monkeypatch):
     # the deltas were taken against the checkpoint, not against `reference`: patching the
@@ -152,12 +160,35 @@ def test_servers_all_synced_from_the_checkpoint_leave_the_reference_whole(checkp
     new = {k: t.clone() for k, t in weights.items()}
     new["a.weight"][0] += 1
     status = {u: {"server_id": "s", "n": 4, "checkpoint": digest(ckpt)} for u in group.urls}
-    (plan,) = group._plans(status, new)
-    assert not plan.held
+    pending = _prepared(group, status, new, monkeypatch)
+    assert pending.deltas is None and pending.from_checkpoint == tuple(group.urls)
     monkeypatch.setattr(group, "_each", lambda fn, **kw: {
         u: {"version": f"5@{u}"} for u in group.urls})
-    group.commit(Pending(status, new, None, (), tuple(group.urls), None, 0, {}, 0.0, 4, {}, {}))
+    group.commit(pending)
     assert all(torch.equal(group.reference[k], t) for k, t in new.items())
+    # beside a server that holds `reference`: its deltas patch the reference, not the
+    # restarted one's (taken against the checkpoint)
+    group.urls.append("http://127.0.0.2:1")
+    status = {group.urls[0]: {"server_id": "s", "n": 5, "checkpoint": None},
+              group.urls[1]: {"server_id": "t", "n": 0, "checkpoint": digest(ckpt)}}
+    new["b.weight"][3] += 1
+    pending = _prepared(group, status, new, monkeypatch)
+    assert pending.from_checkpoint == (group.urls[1],) and not pending.full
+    assert {d.name: d.kind for d in pending.deltas} == {"a.weight": "same", "b.weight": "patch"}
+    group.commit(pending)
+    assert all(torch.equal(group.reference[k], t) for k, t in new.items())
+
+
+def test_a_fixed_master_port_takes_the_next_free_ports_for_more_channels():
+    import socket
+
+    from hotweights.remote.group import _free_port
+
+    base = _free_port("127.0.0.1")
+    group = RemoteGroup(["http://127.0.0.1:1"], token="t" * 32, master_port=base)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", base))  # someone else's
+        assert group._port() > base and _free_port("127.0.0.1", group._port())
 
 
 def test_the_default_master_addr_is_this_hosts_address_on_the_route_to_the_servers():

@@ -179,14 +179,17 @@ def test_only_what_changed_goes_on_the_wire(remotes, trainer):
         for p in model.parameters():
             if p.dim() == 2:
                 p[torch.randperm(p.shape[0], generator=g)[:max(1, p.shape[0] // 100)]] += 0.01
-    rows = group.update(model)["bytes_sent"] / total
+    out = group.update(model)
+    rows = out["bytes"][remotes[0].url] / total  # what each server received
+    assert set(out["bytes"].values()) == {rows * total}
+    assert out["bytes_sent"] == 2 * rows * total  # Gloo's binomial tree: 2 copies leave
     with torch.no_grad():
         for p in model.parameters():
             flat = p.view(-1)
             flat[torch.randperm(flat.numel(), generator=g)[:max(1, flat.numel() // 100)]] += 0.01
     # tp=1 servers decode values xor-coded against their live weights
-    assert all(link.xor for link in group._links.values())
-    scattered = group.update(model)["bytes_sent"] / total
+    assert group._links and all(link.xor for link in group._links.values())
+    scattered = group.update(model)["bytes"][remotes[0].url] / total
     assert rows <= 0.03 and scattered <= 0.03, (rows, scattered)
     assert _checksum(remotes[0]) == _checksum(remotes[1])
     group.compress = "zstd"
@@ -194,7 +197,7 @@ def test_only_what_changed_goes_on_the_wire(remotes, trainer):
         for p in model.parameters():
             flat = p.view(-1)
             flat[torch.randperm(flat.numel(), generator=g)[:max(1, flat.numel() // 100)]] += 0.01
-    compressed = group.update(model)["bytes_sent"] / total
+    compressed = group.update(model)["bytes"][remotes[0].url] / total
     group.compress = None
     assert compressed <= scattered * 1.1, (compressed, scattered)
     assert _checksum(remotes[0]) == _checksum(remotes[1])
@@ -471,13 +474,20 @@ def test_a_server_killed_between_send_and_commit_is_named_and_the_other_serves_n
     assert out["bytes"][survivor.url] < _nbytes(model) / 100 < out["bytes"][victim.url]
     assert out["bytes_sent"] == sum(out["bytes"].values())
     assert _checksum(remotes[0]) == _checksum(remotes[1])
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[2:4] += 0.01
+    out = group.update(model)  # both up to date again: one encode, one channel
+    assert not out["from_checkpoint"] and len(set(out["bytes"].values())) == 1
+    assert len(group._links) == 1 and _checksum(remotes[0]) == _checksum(remotes[1])
     assert {_status(s)["n"] for s in remotes[:2]} == {group.n}
 
 
 def test_a_tensor_parallel_server_is_updated_through_the_model_loader(tiny_model, tmp_path,
                                                                       monkeypatch):
     # TP=2: each worker holds slices of the merged tensors; what no view holds whole goes
-    # through the model's own loader, which merges and slices the HF tensors
+    # through the model's own loader, which merges and slices the HF tensors. The server
+    # takes one rank of the trainer's channel: its first worker receives each byte once and
+    # hands it on to the other over the server's relay.
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         pytest.skip("a TP=2 vLLM CPU server needs 2 cores, one per worker")
@@ -487,8 +497,11 @@ def test_a_tensor_parallel_server_is_updated_through_the_model_loader(tiny_model
         model = AutoModelForCausalLM.from_pretrained(server.model_dir, dtype=torch.bfloat16)
         ids, g = torch.tensor([PROMPT]), torch.Generator().manual_seed(3)
         with RemoteGroup([server.url], token=TOKEN, timeout=10.0) as group:
-            assert group.update(model)["full"]
-            assert _status(server)["workers"] == 2
+            out = group.update(model)
+            assert out["full"]
+            sent = out["bytes_sent"]
+            assert {k: _status(server)[k] for k in ("workers", "channel_ranks")} == {
+                "workers": 2, "channel_ranks": 1}
             for step in range(3):
                 if step == 2:  # and rows, as an embedding update sends them
                     with torch.no_grad():
@@ -500,6 +513,9 @@ def test_a_tensor_parallel_server_is_updated_through_the_model_loader(tiny_model
                 _sign_step(model, 0.005)
                 out = group.update(model)
                 assert not out["full"] and out["version"] == group.n
+                sent += out["bytes_sent"]
+        assert _http(server.url, "/hotweights/remote/received")[2] == {
+            "trainer_bytes": [sent, 0], "relay_bytes": [0, sent]}  # since the server joined
         assert len(_checksum(server)) == 2
         tokens, logprobs = _greedy(server, PROMPT, 8)
         with torch.no_grad():

@@ -29,6 +29,7 @@ class StubClient:
         self.prefix_reset = True
         self.model_config = SimpleNamespace(model="/m", dtype=torch.float32, max_model_len=256,
                                             max_logprobs=20, logprobs_mode="processed_logprobs")
+        self.vllm_config = SimpleNamespace(device_config=SimpleNamespace(device_type="cpu"))
 
     async def pause_generation(self, mode, clear_cache):
         self.calls.append(f"pause:{mode}")
@@ -231,6 +232,7 @@ def test_a_remote_server_stages_on_receive_applies_on_commit_and_discards_on_abo
         assert "hotweights_share" not in stub.calls  # nothing shared: updates come remotely
         status = (await client.get("/hotweights/status", headers=AUTH)).json()
         assert status["remote"] is True and status["workers"] == 1
+        assert status["channel_ranks"] == 1 and status["device"] == "cpu"  # a Gloo channel
         info = (await client.get("/hotweights/server_info", headers=AUTH)).json()
         assert info["weight_transfer_config"] == {"backend": REMOTE_ENGINE}
         r = await client.post("/hotweights/remote/receive", json=body(), headers=AUTH)
@@ -242,7 +244,7 @@ def test_a_remote_server_stages_on_receive_applies_on_commit_and_discards_on_abo
                     token="chan-token", timeout=5.0)
         r = await client.post("/hotweights/remote/join", json=join, headers=AUTH)
         assert r.status_code == 200 and r.json() == {"workers": 1, "version": f"0@{SID}",
-                                                      "xor": False}
+                                                      "xor": False, "channel_ranks": 1}
         await client.post("/hotweights/begin", json=body(), headers=AUTH)
         r = await client.post("/hotweights/remote/join", json=join, headers=AUTH)
         assert r.status_code == 409 and "join between updates" in r.json()["error"]

@@ -14,6 +14,10 @@ up to a wait of their own, for the sender's word (`start` or `cancel`) instead o
 a collective, which times out after `timeout`; so they can be ready while the sender is
 still working out what to send. Every rank runs a heartbeat thread (its own store connection), so
 when a collective fails or times out the channel names the peer that stopped.
+
+A receiver may relay (`receive(relay=...)`): it hands each round on, as rank 0 of a channel
+of its own, to receivers behind it (a server's other workers), and acknowledges only once
+they have staged it; so the sender's channel has one rank per server.
 """
 
 from __future__ import annotations
@@ -61,6 +65,60 @@ class _Heartbeat(threading.Thread):
             self.stop.wait(self.interval)
 
 
+class _Relay:
+    """One update as a relaying receiver sends it on, as rank 0 of the relay channel: its
+    receivers wait for the word (``announced``), then read each round as it is forwarded
+    (``open``) until the acknowledgement, a cancel or an abort (``None``)."""
+
+    def __init__(self, channel: Channel | None, update: str | None):
+        self.channel, self.update, self.rounds = channel, update, 0
+        self.state = None if channel is None else "announced" if update else "open"
+
+    def ready(self) -> RemoteError | None:
+        """Wait until every relay receiver waits for the announced update; None if they do."""
+        if self.state != "announced":
+            return None
+        try:
+            self.channel._await_ready(self.update)
+        except RemoteError as e:
+            return e
+        return None
+
+    def go(self) -> None:
+        if self.state == "announced":
+            self.channel._word(self.update, b"go")
+            self.state = "open"
+
+    def send(self, meta: torch.Tensor, head: torch.Tensor, buf: torch.Tensor,
+             what: str) -> None:
+        if self.state == "open":
+            self.channel.bytes_sent += self.channel._send_parts(meta, head, buf, what)
+            self.rounds += 1
+
+    def ack(self, rounds: int) -> RemoteError | None:
+        """The relay receivers' acknowledgement: None, or their refusal or failure."""
+        if self.state != "open":
+            return None
+        self.state = None
+        try:
+            self.channel._ack(f"acknowledgement of {rounds} rounds")
+        except RemoteError as e:
+            return e
+        return None
+
+    def fail(self, why: BaseException) -> None:
+        """Tell the relay receivers the update will not come (idempotent)."""
+        state, self.state = self.state, None
+        try:
+            if state == "announced":
+                self.channel.cancel(self.update)
+            elif state == "open" and not self.channel.broken:
+                self.channel._abort(self.rounds, why)
+        except (RemoteError, RuntimeError) as e:  # they learn it from their timeout
+            logger.warning("%s: could not tell the relay's receivers: %s",
+                           self.channel._where(), e)
+
+
 class Channel:
     """One sender (rank 0) and ``world_size - 1`` receivers over a private process group.
 
@@ -73,13 +131,14 @@ class Channel:
     Attributes:
         rank, world_size: this side's place in the group.
         bytes_sent: bytes broadcast by this rank (meta, headers and buffers, once per round,
-            whatever the number of receivers); 0 on receivers.
+            whatever the number of receivers: what each receiver receives; `copies` of them
+            leave this rank); 0 on receivers.
         bytes_received: the same, counted on a receiver.
     """
 
     def __init__(self, *, master_addr: str, master_port: int, rank: int, world_size: int,
                  token: str, timeout: float = 60.0, backend: str = "gloo",
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, name: str = "channel"):
         """Rendezvous, prove the token both ways, then build the group.
 
         Args:
@@ -92,15 +151,16 @@ class Channel:
             backend: ``gloo`` (CPU tensors) or ``nccl`` (CUDA tensors).
             device: where the meta, header and staging tensors live; default CPU for gloo,
                 the current CUDA device for nccl.
+            name: what its messages call it (``relay``: a server's own workers).
         Raises:
             RemoteError: a bad argument, a peer missing or late, a rank claimed twice, a
                 token proof that does not match (each names the rank).
         """
         self._validate(rank, world_size, token, timeout, backend)
-        self.rank, self.world_size, self.backend = rank, world_size, backend
+        self.rank, self.world_size, self.backend, self.name = rank, world_size, backend, name
         self.addr, self.port, self.timeout = master_addr, master_port, timeout
-        self.device = torch.device(device if device is not None else
-                                   "cpu" if backend == "gloo" else "cuda")
+        self.device = torch.device(device if device is not None else "cpu" if backend ==
+                                   "gloo" else f"cuda:{torch.cuda.current_device()}")
         self.bytes_sent = self.bytes_received = self._steps = self._updates = 0
         self._staging: torch.Tensor | None = None
         self._told_updates: list[str] = []  # the last two updates the sender announced
@@ -146,12 +206,19 @@ class Channel:
                               f"found {backend!r}")
 
     @property
+    def copies(self) -> int:
+        """Copies of each broadcast byte that leave the sender: Gloo broadcasts along a
+        binomial tree (gloo/broadcast.cc: the root sends to ranks 1, 2, 4, ..., i.e.
+        ceil(log2(world_size)) of them, which pass it on), NCCL along a ring (one)."""
+        return (self.world_size - 1).bit_length() if self.backend == "gloo" else 1
+
+    @property
     def broken(self) -> bool:
         """A collective failed: the group is unusable; close it and open a new one."""
         return self._broken is not None
 
     def _where(self) -> str:
-        return f"channel {self.addr}:{self.port} rank {self.rank}"
+        return f"{self.name} {self.addr}:{self.port} rank {self.rank}"
 
     def _peer_hint(self) -> str:
         return ("a receiver did not join" if self.rank == 0 else
@@ -277,9 +344,8 @@ class Channel:
         while True:
             try:
                 r = next(it, None)
-            except Exception:
-                self._broadcast(torch.tensor([_ABORT, 0, i, 0], dtype=torch.int64,
-                                             device=self.device), f"abort at round {i}")
+            except Exception as e:
+                self._abort(i, e)
                 raise
             if r is None:
                 break
@@ -301,6 +367,10 @@ class Channel:
         Raises:
             RemoteError: a receiver not ready within the timeout (named by rank).
         """
+        self._await_ready(update, check)
+        self._word(update, b"go")
+
+    def _await_ready(self, update: str, check: Callable[[], None] = lambda: None) -> None:
         keys = {r: self._key("ready", update, r) for r in range(1, self.world_size)}
         deadline = time.monotonic() + self.timeout
         while not self._store.check(list(keys.values())):
@@ -310,7 +380,6 @@ class Channel:
                 raise RemoteError(f"{self._where()}: rank(s) {late} (receiver) did not start "
                                   f"receiving the update within {self.timeout} s")
             time.sleep(0.002)
-        self._word(update, b"go")
 
     def cancel(self, update: str) -> None:
         """Tell the receivers waiting for an announced update that it will not come (rank 0;
@@ -353,16 +422,26 @@ class Channel:
             buf = buf.to(self.device)
         meta = torch.tensor([len(head), buf.numel(), r.header["round"], r.header["rounds"]],
                             dtype=torch.int64, device=self.device)
-        what = f"round {r.header['round'] + 1}/{r.header['rounds']}"
+        head = torch.frombuffer(bytearray(head), dtype=torch.uint8).to(self.device)
+        return self._send_parts(meta, head, buf, f"round {r.header['round'] + 1}/"
+                                f"{r.header['rounds']}")
+
+    def _send_parts(self, meta: torch.Tensor, head: torch.Tensor, buf: torch.Tensor,
+                    what: str) -> int:
         self._broadcast(meta, what)
-        self._broadcast(torch.frombuffer(bytearray(head), dtype=torch.uint8).to(self.device),
-                        what)
+        self._broadcast(head, what)
         if buf.numel():
             self._broadcast(buf, what)
-        return _META * 8 + len(head) + buf.numel()
+        return _META * 8 + head.numel() + buf.numel()
+
+    def _abort(self, i: int, why: BaseException) -> None:
+        """Tell the receivers, waiting for round `i`'s meta, that the update is given up."""
+        self._store.set(f"{self._ns}/aborted", f"{type(why).__name__}: {why}")
+        self._broadcast(torch.tensor([_ABORT, 0, i, 0], dtype=torch.int64, device=self.device),
+                        f"abort at round {i + 1}")
 
     def receive(self, stage: Callable[[Round], None], *, update: str | None = None,
-                wait: float | None = None) -> int:
+                wait: float | None = None, relay: Channel | None = None) -> int:
         """Receive one update, handing each round to `stage` as it arrives (receivers only).
 
         `stage` checks a round and keeps what it needs: the round's buffer is a view of one
@@ -372,11 +451,19 @@ class Channel:
         update is read and dropped, and at the acknowledgement every rank learns that this
         one refused; the channel stays usable.
 
+        With a `relay` (a two-level group: one rank per server on this channel, the server's
+        other workers behind it), each round goes on to the relay's receivers as it arrives,
+        and this rank acknowledges only once they have all staged it: a refusal or failure
+        of theirs is this rank's refusal (named). If this rank fails or refuses, or the
+        sender cancels or aborts, the relay's receivers are told at once.
+
         Args:
             stage: see above.
             update: the id of an announced update: first wait, up to `wait` seconds (default
-                the timeout), for the sender to `start` it.
+                the timeout), for the sender to `start` it. The relay's receivers wait for it
+                under the same id.
             wait: see `update`.
+            relay: a channel of which this side is rank 0.
         Returns:
             The number of rounds received.
         Raises:
@@ -386,32 +473,62 @@ class Channel:
         """
         if self.rank == 0:
             raise RemoteError(f"{self._where()}: rank 0 sends; call send()")
+        if relay is not None and relay.rank != 0:
+            raise RemoteError(f"{self._where()}: a relay is sent on as its rank 0, found "
+                              f"rank {relay.rank}")
+        fwd = _Relay(relay, update)
+        try:
+            return self._receive(stage, update, self.timeout if wait is None else wait, fwd)
+        except BaseException as e:
+            fwd.fail(e)
+            raise
+
+    def _receive(self, stage: Callable[[Round], None], update: str | None, wait: float,
+                 fwd: _Relay) -> int:
+        refused = None
+
+        def refuse(e: Exception) -> None:  # read the rest, then tell everyone at the ack
+            nonlocal refused
+            refused = e
+            self._store.set(self._refusal_key(self.rank), f"{type(e).__name__}: {e}")
+            fwd.fail(e)
+
         if update is not None:
-            self._await_word(update, self.timeout if wait is None else wait)
-        i, total, refused = 0, None, None
+            if (late := fwd.ready()) is not None:
+                refuse(late)
+            self._await_word(update, wait)
+            fwd.go()
+        i, total = 0, None
         while total is None or i < total:
             meta = torch.zeros(_META, dtype=torch.int64, device=self.device)
             self._step()
             self._broadcast(meta, f"round {i + 1}")
             hlen, blen, idx, n = meta.tolist()
             if hlen == _ABORT:
+                key = f"{self._ns}/aborted"
+                why = (self._store.get(key).decode() if self._store.check([key]) else
+                       "no reason given")
                 raise RemoteError(f"{self._where()}: the sender aborted the update at round "
-                                  f"{i + 1}; nothing of it is applied")
+                                  f"{i + 1} ({why}); nothing of it is applied")
             total = n if total is None else total
             self._check_meta(hlen, blen, idx, n, i, total)
+            what = f"round {i + 1}/{total}"
             head = torch.empty(hlen, dtype=torch.uint8, device=self.device)
-            self._broadcast(head, f"round {i + 1}/{total}")
+            self._broadcast(head, what)
             buf = self._buffer(blen)
             if blen:
-                self._broadcast(buf, f"round {i + 1}/{total}")
+                self._broadcast(buf, what)
             self.bytes_received += _META * 8 + hlen + blen
             if refused is None:
                 try:
-                    stage(Round(self._header(head, blen, i), buf))
-                except Exception as e:  # read the rest, then tell everyone at the ack
-                    refused = e
-                    self._store.set(self._refusal_key(self.rank), f"{type(e).__name__}: {e}")
+                    r = Round(self._header(head, blen, i), buf)
+                    fwd.send(meta, head, buf, what)
+                    stage(r)
+                except Exception as e:
+                    refuse(e)
             i += 1
+        if refused is None and (theirs := fwd.ack(total)) is not None:
+            refuse(theirs)
         self._step()
         self._ack(f"acknowledgement of {total} rounds", refused is not None)
         if refused is not None:

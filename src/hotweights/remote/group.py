@@ -33,7 +33,6 @@ only the delta (`result["bytes"]` per server).
 from __future__ import annotations
 
 import fnmatch
-import itertools
 import logging
 import os
 import re
@@ -77,12 +76,12 @@ class Pending:
 
     status: dict  # url -> the server's status when the update began
     new: dict  # name -> the new tensor
-    deltas: list | None  # sent to the servers holding `reference`; None: none held it
+    deltas: list | None  # taken against `reference` (a copy); None: `reference` is copied whole
     full: tuple[str, ...]  # servers sent the whole model
     from_checkpoint: tuple[str, ...]  # servers sent what differs from the checkpoint
     prints: prefilter.Prints | None  # of `new` (if taken): then of what the servers hold
     sent: int  # bytes that left this process
-    carried: dict  # url -> the bytes its channel carried
+    carried: dict  # url -> the bytes it received
     started: float
     floor: int  # the version number to commit must be above this
     frozen: prefilter.Prints  # of the tensors that cannot change, once the servers hold them
@@ -109,10 +108,12 @@ class _Link:
     xor: bool  # every member decodes xor-coded values
 
     def named(self, msg: str) -> str:
-        """`msg` with each receiver rank it names followed by the server's URL."""
+        """`msg` with each receiver rank of this channel it names followed by the server's
+        URL (not the ranks of a server's own relay, which its part of `msg` names)."""
+        ours, relay, theirs = msg.partition("relay ")
         return re.sub(r"\brank ([1-9]\d*)( \(receiver\))?", lambda m: f"{m.group(0)} = "
                       + next((u for u, r in self.ranks.items() if int(m.group(1)) in r), "?"),
-                      msg)
+                      ours) + relay + theirs
 
 
 class RemoteGroup:
@@ -132,7 +133,9 @@ class RemoteGroup:
         master_addr: the address the servers reach this process at for the channel
             (default: 127.0.0.1 when every server is local, else this host's address on the
             route to the first server, `route_address`).
-        master_port: the channel's port on this process (default: a free one).
+        master_port: the channel's port on this process (default: a free one). Servers that
+            hold different old values get channels of their own (see the module doc): those
+            take the next free ports above it.
         timeout: seconds any peer may be silent in a collective before it is named.
         max_round_bytes: the staging budget per round, on both sides.
         checkpoint: a directory holding the checkpoint the servers were started from (the
@@ -229,8 +232,9 @@ class RemoteGroup:
             "from_checkpoint": [url, ...], "bytes_sent": int, "bytes": {url: int},
             "seconds": float, "paused_ms": {url: ms}, "dropped": {url: why}}``: ``full``
             the servers sent the whole model, ``from_checkpoint`` those sent what differs
-            from the checkpoint they loaded; ``bytes_sent`` what left this process, ``bytes``
-            what each server's channel carried; ``paused_ms`` how long each server's
+            from the checkpoint they loaded; ``bytes_sent`` what left this process (a
+            broadcast sends some copies: `Channel.copies`), ``bytes`` what each server
+            received; ``paused_ms`` how long each server's
             generation stayed paused (pause to resume), by its own clock.
         Raises:
             RemoteError: naming the server that failed (see the module doc for the state
@@ -303,20 +307,25 @@ class RemoteGroup:
             frozen = self._frozen(weights, new)
         kept, frozen_prints = self._kept(new, frozen, any(
             p.held and p.reference is self.reference for p in plans))
-        rows, prints = self._prefilter.rows(new, use=plans[0].held)
-        links = [self._connect({u: status[u] for u in p.urls}) for p in plans]
+        rows, prints = self._prefilter.rows({k: t for k, t in new.items() if k not in kept},
+                                            use=plans[0].held)  # kept: `frozen_prints`
+        backend = channel_backend(status)  # one kind of device for the whole group
+        for link in [k for k in self._links.values() if not {u for u, _ in k.members} &
+                     set(status)]:
+            self._drop(link)  # its servers are gone
+        links = [self._connect({u: status[u] for u in p.urls}, backend) for p in plans]
         sends = self._send(status, list(zip(plans, links, strict=True)),
                            lambda p: self._encode(p, new, kept, rows), mode,
                            lease_s or self._lease_s())
         done = list(zip(plans, sends, strict=True))
         return Pending(status, new,
-                       next((d for p, (d, _) in done if p.held and p.reference is
+                       next((d for p, (d, _, _) in done if p.held and p.reference is
                              self.reference), None),
                        tuple(u for p in plans if p.reference is None for u in p.urls),
                        tuple(u for p in plans if p.reference is not None for u in p.urls
                              if self._stale(u, status[u])),
-                       prints, sum(sent for _, sent in sends),
-                       {u: sent for p, (_, sent) in done for u in p.urls}, started,
+                       prints, sum(left for _, _, left in sends),
+                       {u: sent for p, (_, sent, _) in done for u in p.urls}, started,
                        self._floor(status), frozen_prints, dropped)
 
     def _stale(self, url: str, status: dict) -> bool:
@@ -519,8 +528,9 @@ class RemoteGroup:
     def _send(self, status: dict, plans: list[tuple[_Plan, _Link]],
               encode: Callable[[_Plan], list], mode: str, lease_s: float) -> list[tuple]:
         """Begin everywhere, then for each plan encode and broadcast on its channel while
-        its servers receive; on failure abort all. Returns (the deltas, bytes sent) for each
-        plan once every server's workers have staged the whole update.
+        its servers receive; on failure abort all. Returns (the deltas, bytes each of its
+        servers received, bytes that left this process) for each plan once every server's
+        workers have staged the whole update.
 
         A begin takes the lease without pausing (`stage`): each server goes on serving the
         old version while this process encodes and sends, and pauses only in its commit.
@@ -550,7 +560,8 @@ class RemoteGroup:
                             values="xor" if link.xor else "raw", compress=self.compress))
                     except RemoteError as e:  # it names the rank: no need to wait for receipts
                         raise RemoteError(link.named(str(e))) from e
-                    out.append((deltas, sent))
+                    out.append((deltas, sent, sent * link.channel.copies))
+                    on = None
             # every worker has staged it all (the channel's acknowledgement): a server's
             # commit waits for its own receive to answer, so this process need not
             pool.shutdown(wait=False)
@@ -558,11 +569,11 @@ class RemoteGroup:
         except BaseException as e:
             self._leased = {}
             pool.shutdown(wait=False, cancel_futures=True)
-            if on is not None:
-                on[0].channel.cancel(on[1])  # receivers still waiting for it give up
-                if on[0].channel.broken:
-                    self._drop(on[0])  # the survivors' receive fails at once, not at their
-                    # timeout
+            if on is not None:  # receivers still waiting for it give up; then the channel is
+                # left: the survivors' receive fails at once (not at their timeout) and a
+                # server whose own relay broke joins afresh at the next update
+                on[0].channel.cancel(on[1])
+                self._drop(on[0])
             began = [u for u, f in begins.items() if not f.cancelled() and f.done()
                      and f.exception() is None]
             aborted = self._each(lambda u: self._post(u, status[u], "/hotweights/abort",
@@ -617,19 +628,18 @@ class RemoteGroup:
 
     # -- the channel -----------------------------------------------------------------------
 
-    def _connect(self, status: dict) -> _Link:
+    def _connect(self, status: dict, backend: str) -> _Link:
         """The channel of the servers of `status`: (re)built when one of them joined,
-        restarted, is on another channel, or the channel broke."""
+        restarted or is on another channel (a channel whose send failed is dropped)."""
         members = tuple((u, st["server_id"]) for u, st in status.items())
         link = self._links.get(members)
         if link is not None and all(st.get("channel") == link.id for st in status.values()):
             return link  # nobody restarted, and nobody joined another channel since
         for old in [k for k in self._links.values() if {u for u, _ in k.members} & set(status)]:
             self._drop(old)  # a server is on one channel at a time
-        backend = channel_backend(status)
         offset, ranks = 1, {}
         for u, st in status.items():
-            ranks[u] = range(offset, offset + st.get("channel_ranks", st["workers"]))
+            ranks[u] = range(offset, offset + st["channel_ranks"])  # its leader: 1
             offset = ranks[u].stop
         port = self._port()
         token = secrets.token_hex(16)
@@ -657,12 +667,16 @@ class RemoteGroup:
         return link
 
     def _port(self) -> int:
-        """A port for a new channel: `master_port`, or the first above it no channel of
-        this group holds; a free one if not given."""
+        """A port for a new channel: `master_port`, else the first free one above it that
+        no channel of this group holds; any free one if not given."""
         if not self.master_port:
             return _free_port(self.master_addr)
         held = {link.channel.port for link in self._links.values()}
-        return next(p for p in itertools.count(self.master_port) if p not in held)
+        for port in range(self.master_port, min(self.master_port + 64, 65536)):
+            if port not in held and _free_port(self.master_addr, port):
+                return port
+        raise RemoteError(f"no free port in {self.master_port}..{self.master_port + 63} on "
+                          f"{self.master_addr} for a channel (master_port=)")
 
     def _drop(self, link: _Link) -> None:
         link.channel.close()
@@ -782,7 +796,11 @@ def route_address(url: str) -> str:
                           "reach") from e
 
 
-def _free_port(addr: str) -> int:
+def _free_port(addr: str, port: int = 0) -> int:
+    """`port` (any free one for 0) if it can be bound on `addr` now, else 0."""
     with socket.socket() as s:
-        s.bind((addr, 0))
+        try:
+            s.bind((addr, port))
+        except OSError:
+            return 0
         return s.getsockname()[1]

@@ -7,11 +7,15 @@ registers the name). Our authenticated routes drive it through the worker's own 
 `finish_weight_update`) and the worker extension's `hotweights_remote_*`; vLLM's RL routes
 and ``VLLM_SERVER_DEV_MODE`` are never needed.
 
-- init: joins the trainer's `Channel` as rank ``rank_offset + worker rank``, on Gloo (CPU)
-  or NCCL (CUDA).
-- update: receives every round of one update into a `Staged` (checked against the
-  checkpoint's names, shapes and the served dtype; nothing is applied yet); the trainer's
-  `send` returns only when every worker of every server has staged all of it. Our routes
+- init: the server's first worker (its leader) joins the trainer's `Channel` as rank
+  ``rank_offset``, on Gloo (CPU) or NCCL (CUDA): one rank per server, so each server
+  receives each byte once. With more than one worker (TP), every worker also joins the
+  server's relay, a `Channel` of its own on 127.0.0.1 (never vLLM's TP group, which the
+  model uses meanwhile on the main thread), the leader as its rank 0.
+- update: the leader receives every round of one update and hands it on to the relay as
+  it arrives; every worker stages it into a `Staged` (checked against the checkpoint's
+  names, shapes and the served dtype; nothing is applied yet); the trainer's `send`
+  returns only when every worker of every server has staged all of it. Our routes
   receive on a thread of its own (`start_receiving`): vLLM runs the model on the worker's
   main thread, which an RPC holds until it returns, so generation goes on meanwhile.
 - finish: applies what was staged, in place where a view of the live weights holds an HF
@@ -56,7 +60,9 @@ SPARSE_CHUNK = 1 << 24  # values per load_checkpoint_weight_patches call of spar
 
 @dataclass
 class RemoteInit(WeightTransferInitInfo):
-    """What a worker needs to join the trainer's channel (sent by our /remote/join route)."""
+    """What a worker needs to join the trainer's channel (sent by our /remote/join route):
+    the leader joins it as rank `rank_offset`; with more than one worker, every worker joins
+    the relay at 127.0.0.1:`relay_port` (with `relay_token`)."""
 
     master_addr: str
     master_port: int
@@ -64,6 +70,8 @@ class RemoteInit(WeightTransferInitInfo):
     world_size: int
     token: str
     timeout: float = 60.0
+    relay_port: int = 0
+    relay_token: str = ""
 
 
 @dataclass
@@ -81,7 +89,8 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
 
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
-        self.channel: Channel | None = None
+        self.channel: Channel | None = None  # the trainer's (the leader only)
+        self.relay: Channel | None = None  # the server's own workers' (more than one)
         self.staged: Staged | None = None
         self._hf_views: dict[str, torch.Tensor] | None = None
         self._receiving: _Receiving | None = None
@@ -105,13 +114,19 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
     def init_transfer_engine(self, init_info: RemoteInit) -> None:
         self.shutdown()
         pc = self.parallel_config
-        rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
+        index = pc.data_parallel_index * pc.world_size + pc.rank  # this worker in its server
         cuda = self.device.type == "cuda"
-        self.channel = Channel(master_addr=init_info.master_addr,
-                               master_port=init_info.master_port, rank=rank,
-                               world_size=init_info.world_size, token=init_info.token,
-                               timeout=init_info.timeout, backend="nccl" if cuda else "gloo",
-                               device=self.device if cuda else "cpu")
+        kw = {"timeout": init_info.timeout, "backend": "nccl" if cuda else "gloo",
+              "device": self.device if cuda else "cpu"}
+        if init_info.relay_port:  # first: the followers wait for the leader, not the trainer
+            self.relay = Channel(master_addr="127.0.0.1", master_port=init_info.relay_port,
+                                 rank=index, world_size=pc.world_size_across_dp,
+                                 token=init_info.relay_token, name="relay", **kw)
+        if index == 0:
+            self.channel = Channel(master_addr=init_info.master_addr,
+                                   master_port=init_info.master_port,
+                                   rank=init_info.rank_offset, world_size=init_info.world_size,
+                                   token=init_info.token, **kw)
         if self.staged is None:  # xor-coded values decode against the live weights' views
             self.staged = Staged(self._specs(), old=self._views())
 
@@ -149,8 +164,11 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
     def receive_weights(self, update_info: RemoteUpdate) -> None:
         self._require()
         self.staged.clear()
+        source, relay = ((self.channel, self.relay) if self.channel is not None else
+                         (self.relay, None))
         try:
-            self.channel.receive(self.staged, update=update_info.update, wait=update_info.wait)
+            source.receive(self.staged, update=update_info.update, wait=update_info.wait,
+                           relay=relay)
         except BaseException:
             self.staged.clear()
             raise
@@ -205,13 +223,20 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
         if self.staged is not None:
             self.staged.clear()
 
+    def received_bytes(self) -> dict[str, int]:
+        """Bytes this worker received since it joined: from the trainer (the leader) and
+        from the relay (the other workers)."""
+        return {"trainer": self.channel.bytes_received if self.channel else 0,
+                "relay": self.relay.bytes_received if self.relay else 0}
+
     def shutdown(self) -> None:
-        if self.channel is not None:
-            self.channel.close()
-            self.channel = None
+        for channel in (self.channel, self.relay):
+            if channel is not None:
+                channel.close()
+        self.channel = self.relay = None
 
     def _require(self) -> None:
-        if self.channel is None:
+        if self.channel is None and self.relay is None:
             raise ConfigError("hotweights: this server has not joined a trainer's channel "
                               "(POST /hotweights/remote/join first)")
 

@@ -24,6 +24,7 @@ import hmac
 import json
 import logging
 import os
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from hotweights.errors import ConfigError, ServerError
 from hotweights.protocol.tokens import remove_token
 from hotweights.remote.rendezvous import channel_id
 from hotweights.server.env import CHECKPOINT_STATS, REMOTE, REMOTE_ENGINE
+from hotweights.server.launch import free_port
 from hotweights.server.transaction import (
     Abort,
     Begin,
@@ -209,6 +211,7 @@ class HotweightsRoutes:
         self.manifests: list[dict] = []
         self.workers = 0
         self.channel: str | None = None  # the trainer channel joined (remote servers)
+        self.device: str | None = None  # where the workers hold the weights (cuda, cpu)
         self.loaded: str | None = None  # remote: digest of the checkpoint vLLM loaded
         self.info: dict = {}  # what /server_info answers (the served model's settings)
 
@@ -227,6 +230,7 @@ class HotweightsRoutes:
         if self.remote:
             router.add_api_route("/remote/join", self.join, methods=["POST"])
             router.add_api_route("/remote/receive", self.receive, methods=["POST"])
+            router.add_api_route("/remote/received", self.received, methods=["GET"])
         app.include_router(router)
         app.add_middleware(GateMiddleware, gate=self.gate, version=lambda: self.tx.version)
 
@@ -243,6 +247,7 @@ class HotweightsRoutes:
                               self.server_id)
         await engine_client.update_weight_version(self.tx.version)  # not "default"
         self.info = _server_info(engine_client.model_config, self.remote)
+        self.device = engine_client.vllm_config.device_config.device_type  # cuda, cpu, ...
         self.metrics["version"].set_function(lambda: self.tx.n)
         self.metrics["dirty"].set_function(lambda: int(self.tx.dirty))
         if self.remote:  # updates come over the transfer engine: nothing to share
@@ -291,7 +296,9 @@ class HotweightsRoutes:
             return refused
         untouched = self.tx.n == 0 and not self.tx.dirty  # still the weights it loaded
         return {**self.tx.status(), "remote": self.remote, "workers": self.workers,
-                "channel": self.channel, "checkpoint": self.loaded if untouched else None}
+                "channel_ranks": int(self.remote), "channel": self.channel,
+                "device": self.device,
+                "checkpoint": self.loaded if untouched else None}
 
     async def server_info(self, request: Request):
         """The served model's settings a trainer checks (TRL reads `logprobs_mode`): what
@@ -314,7 +321,12 @@ class HotweightsRoutes:
             await asyncio.sleep(0.05)  # an update ran meanwhile: hash again
 
     async def join(self, request: Request):
-        """Join a trainer's channel (`hotweights.RemoteGroup`); returns once every rank has."""
+        """Join a trainer's channel (`hotweights.RemoteGroup`); returns once every rank has.
+
+        The server takes one rank of it (`channel_ranks`), its first worker's: with more than
+        one worker, that one hands each round on to the others over a relay of their own on
+        127.0.0.1 (a fresh port and token each join), so the server receives each byte once.
+        """
         return await self._call(request, Join, self._join)
 
     async def _join(self, req: Join) -> dict:
@@ -324,14 +336,29 @@ class HotweightsRoutes:
                           holder=self.tx.holder)
         info = {k: getattr(req, k) for k in ("master_addr", "master_port", "rank_offset",
                                              "world_size", "token", "timeout")}
+        if self.workers > 1:
+            info |= {"relay_port": free_port(), "relay_token": secrets.token_hex(16)}
         self.channel = None
         await self._rpc("init_weight_transfer_engine", info)
         xor = all(await self._rpc("hotweights_remote_decodes_xor"))
         self.channel = channel_id(req.master_addr, req.master_port, req.token)
-        logger.info("hotweights: %s joined channel %s:%d as ranks %d..%d of %d", self.server_id,
-                    req.master_addr, req.master_port, req.rank_offset,
-                    req.rank_offset + self.workers - 1, req.world_size)
-        return {"workers": self.workers, "version": self.tx.version, "xor": xor}
+        logger.info("hotweights: %s joined channel %s:%d as rank %d of %d (%d worker(s))",
+                    self.server_id, req.master_addr, req.master_port, req.rank_offset,
+                    req.world_size, self.workers)
+        return {"workers": self.workers, "channel_ranks": 1, "version": self.tx.version,
+                "xor": xor}
+
+    async def received(self, request: Request):
+        """Bytes each worker received since the server joined, in worker order: from the
+        trainer (`trainer_bytes`: the first worker's) and from the relay (`relay_bytes`)."""
+        if refused := self._refuse(request):
+            return refused
+        try:
+            counts = await self._rpc("hotweights_remote_received")
+        except Refused as e:
+            return JSONResponse(e.to_dict(), status_code=e.status)
+        return {"trainer_bytes": [c["trainer"] for c in counts],
+                "relay_bytes": [c["relay"] for c in counts]}
 
     async def receive(self, request: Request):
         """Start receiving one update into staging (under the holder's lease), on a thread

@@ -70,6 +70,11 @@ class HotweightsWorker:
         self.weight_transfer_engine.start_receiving({"update": update, "wait": wait})
         return {"receiving": True}
 
+    def hotweights_remote_received(self) -> dict:
+        """Bytes this worker received since it joined the trainer's channel: ``{"trainer":
+        n, "relay": m}`` (the leader receives from the trainer, the others from the relay)."""
+        return self.weight_transfer_engine.received_bytes()
+
     def hotweights_remote_decodes_xor(self) -> bool:
         """Whether this worker can decode xor-coded values (after joining a channel)."""
         return self.weight_transfer_engine.decodes_xor()
