@@ -72,6 +72,31 @@ def test_a_server_reports_what_it_loaded_only_if_no_shard_changed_since(tmp_path
     assert _loaded(str(d)) is None
 
 
+def _hub_snapshot(hub, repo: str, ref: str, commit: str, tensors):
+    """A model as the Hugging Face cache holds it after a download (no network here)."""
+    folder = hub / f"models--{repo.replace('/', '--')}"
+    (folder / "refs").mkdir(parents=True, exist_ok=True)
+    (folder / "refs" / ref).write_text(commit)
+    return _save(folder / "snapshots" / commit, tensors)
+
+
+def test_a_server_started_from_a_hub_id_reports_the_snapshot_it_loaded(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    from hotweights.checkpoint.hub import local_dir
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    main = _hub_snapshot(tmp_path / "hub", "org/tiny", "main", "a" * 40, _tensors())
+    v2 = _hub_snapshot(tmp_path / "hub", "org/tiny", "v2", "b" * 40, _tensors(seed=3))
+    assert local_dir("org/tiny") == str(main) and local_dir("org/tiny", "v2") == str(v2)
+    assert local_dir("org/tiny", "b" * 40) == str(v2)  # a commit hash
+    assert local_dir("org/other") is None and local_dir("org/tiny", "v3") is None
+    assert local_dir(str(main)) == str(main)  # a directory: itself
+    monkeypatch.setenv(CHECKPOINT_STATS, json.dumps(stats(v2)))
+    assert _loaded("org/tiny", "v2") == digest(v2) != digest(main)
+    assert _loaded("org/tiny") is None  # main's shards are not the ones seen before the load
+
+
 @pytest.mark.parametrize("shards", [1, 3])
 def test_digest_reads_big_tensors_without_copies(tmp_path, shards):
     big = {f"t{i}": torch.full((256, 1024), float(i)) for i in range(3)}

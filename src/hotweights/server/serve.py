@@ -20,6 +20,7 @@ from typing import IO
 
 from hotweights.checkpoint import journal
 from hotweights.checkpoint.digest import stats as checkpoint_stats
+from hotweights.checkpoint.hub import local_dir
 from hotweights.errors import ConfigError
 from hotweights.protocol import shm
 from hotweights.protocol.tokens import remove_token, token_path, write_token
@@ -141,8 +142,8 @@ def run(args: argparse.Namespace, vllm_args: list[str]) -> int:
     server_id = secrets.token_hex(4)  # 8 hex digits: versions read 7@3f9a1c2b
     env = server_env(os.environ, vllm_args, token=token, server_id=server_id,
                      token_file=token_file, remote=getattr(args, "remote", False))
-    if env[REMOTE] == "1" and os.path.isdir(args.model):  # before vLLM reads the shards
-        env[CHECKPOINT_STATS] = json.dumps(checkpoint_stats(args.model))
+    if env[REMOTE] == "1" and (found := local_dir(args.model, _flag(vllm_args, "--revision"))):
+        env[CHECKPOINT_STATS] = json.dumps(checkpoint_stats(found))  # before vLLM reads them
     child: list[subprocess.Popen] = []
     received: list[int] = []
 

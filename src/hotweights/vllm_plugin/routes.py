@@ -32,6 +32,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from hotweights.checkpoint.digest import digest, stats
+from hotweights.checkpoint.hub import local_dir
 from hotweights.errors import ConfigError, ServerError
 from hotweights.protocol.tokens import remove_token
 from hotweights.remote.rendezvous import channel_id
@@ -160,11 +161,12 @@ class Join(_Request):
                 raise Refused(400, f"field {name!r} is required")
 
 
-def _loaded(model: str) -> str | None:
-    """The digest of the checkpoint vLLM loaded from `model`, if its shards are those
-    `hotweights serve` saw before the load (none written since); else None."""
+def _loaded(model: str, revision: str | None = None) -> str | None:
+    """The digest of the checkpoint vLLM loaded from `model` (a directory, or a hub id at
+    `revision` found in the local cache), if its shards are those `hotweights serve` saw
+    before the load (none written since); else None."""
     before = os.environ.get(CHECKPOINT_STATS)
-    if not before or not os.path.isdir(model):
+    if not before or not (model := local_dir(model, revision)):
         return None
     found = digest(model)
     if stats(model) != json.loads(before):
@@ -252,7 +254,8 @@ class HotweightsRoutes:
         self.metrics["dirty"].set_function(lambda: int(self.tx.dirty))
         if self.remote:  # updates come over the transfer engine: nothing to share
             self.workers = len(await engine_client.collective_rpc("hotweights_after_update"))
-            self.loaded = await asyncio.to_thread(_loaded, str(getattr(args, "model", "")))
+            self.loaded = await asyncio.to_thread(_loaded, str(getattr(args, "model", "")),
+                                                  getattr(args, "revision", None))
             logger.info("hotweights: server %s, %d worker(s) receive updates from a "
                         "trainer (--remote)", self.server_id, self.workers)
             return
