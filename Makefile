@@ -38,9 +38,15 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/views.py
 
-# The CUDA tests, on a GPU machine: its own Python with CUDA torch (no .venv, no vLLM).
+# The CUDA tests, then benchmarks/gpu_update.py (an 8 B Llama stand-in), on a GPU machine:
+# its own Python with CUDA torch (no .venv, no vLLM). The benchmark runs even when a test
+# failed; either failing fails the target. About 1.5 minutes on one H100 (docs/gpu.md).
 gpu-check:
-	PYTHONPATH=src $(or $(GPU_PY),python3) -m pytest tests/gpu -m gpu -v -p no:cacheprovider
+	PYTHONPATH=src $(or $(GPU_PY),python3) -m pytest tests/gpu -m gpu -v -p no:cacheprovider; \
+	tests=$$?; \
+	PYTHONPATH=src timeout 420 $(or $(GPU_PY),python3) benchmarks/gpu_update.py; \
+	bench=$$?; \
+	test $$tests = 0 && test $$bench = 0
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache
