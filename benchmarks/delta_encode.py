@@ -15,7 +15,10 @@ and compression included) and apply (decompress, decode, check, write). Bytes ar
 wire (headers + buffers) against the weights' bytes. The last line is one JSON object:
 {"model_bytes", "max_bytes", then per update U in rows, scattered, full, and option O in
 raw, xor, xor+zstd: "U_O_bytes", "U_O_ratio", "U_O_rounds", "U_encode_s", "U_O_pack_s",
-"U_O_apply_s", "U_O_gbps" (weight bytes / (encode + pack + apply))}.
+"U_O_apply_s", "U_O_gbps" (weight bytes / (encode + pack + apply)), and the cost of the
+keyed digest a channel puts on every round (`remote.signing`, on the full update's raw
+rounds, one side): "digest_gbps" (bytes hashed per second) and "digest_pct_of_full" (its
+time over the full update's encode + pack + apply; sender and receiver each pay it)}.
 
 Run:  .venv/bin/python benchmarks/delta_encode.py [--layers 3] [--max-mb 64] [--repeat 3]
 """
@@ -29,7 +32,7 @@ import time
 
 import torch
 
-from hotweights.remote import delta, delta_apply
+from hotweights.remote import delta, delta_apply, signing
 from hotweights.testing import tiny
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -65,7 +68,8 @@ def run(old: dict, new: dict, receiver: dict, max_bytes: int, options: dict) -> 
     deltas = delta.encode_all(old, new)
     t1 = time.perf_counter()
     staging = torch.empty(max_bytes, dtype=torch.uint8)
-    pack_s = apply_s = 0.0
+    pack_s = apply_s = digest_s = 0.0
+    key = signing.channel_key("benchmark-token", "nonce")
     nbytes = rounds = 0
     t = time.perf_counter()
     it = delta.pack(deltas, max_bytes=max_bytes, staging=staging, **options)
@@ -77,6 +81,12 @@ def run(old: dict, new: dict, receiver: dict, max_bytes: int, options: dict) -> 
         if r is None:
             break
         t = time.perf_counter()
+        head = torch.frombuffer(bytearray(r.header_bytes()), dtype=torch.uint8)
+        meta = torch.tensor([head.numel(), r.buffer.numel(), r.header["round"],
+                             r.header["rounds"]])
+        signing.round_digest(key, 0, (meta, head, r.buffer))
+        digest_s += time.perf_counter() - t
+        t = time.perf_counter()
         delta_apply.apply(r, receiver)
         apply_s += time.perf_counter() - t
         nbytes, rounds = nbytes + r.wire_bytes, rounds + 1
@@ -84,7 +94,7 @@ def run(old: dict, new: dict, receiver: dict, max_bytes: int, options: dict) -> 
         raise SystemExit("error: the receiver does not hold the new weights")
     kinds = {k: sum(d.kind == k for d in deltas) for k in delta.KINDS}
     return {"bytes": nbytes, "rounds": rounds, "encode_s": t1 - t0, "pack_s": pack_s,
-            "apply_s": apply_s, "kinds": kinds}
+            "apply_s": apply_s, "digest_s": digest_s, "kinds": kinds}
 
 
 def main() -> None:
@@ -117,7 +127,7 @@ def main() -> None:
                     t.copy_(old[n])
                 runs.append(run(old, new, receiver, max_bytes, opts))
             f = {**runs[0], **{k: min(r[k] for r in runs)
-                               for k in ("encode_s", "pack_s", "apply_s")}}
+                               for k in ("encode_s", "pack_s", "apply_s", "digest_s")}}
             encode_s.append(f["encode_s"])
             total = f["encode_s"] + f["pack_s"] + f["apply_s"]
             print(f"{how:9s} {label:8s} {f['bytes'] / model_bytes:7.2%} of "
@@ -130,6 +140,12 @@ def main() -> None:
                         f"{u}_rounds": f["rounds"], f"{u}_pack_s": round(f["pack_s"], 4),
                         f"{u}_apply_s": round(f["apply_s"], 4),
                         f"{u}_gbps": round(model_bytes / total / 1e9, 3)})
+            if u == "full_raw":
+                print(f"digest   {f['bytes'] / f['digest_s'] / 1e9:.2f} GB/s (HMAC-SHA256), "
+                      f"{f['digest_s']:.3f} s: {f['digest_s'] / total:.1%} of the full "
+                      "update's encode + pack + apply, on each side", flush=True)
+                out.update({"digest_gbps": round(f["bytes"] / f["digest_s"] / 1e9, 3),
+                            "digest_pct_of_full": round(100 * f["digest_s"] / total, 2)})
         out[f"{how}_encode_s"] = round(min(encode_s), 4)
         del new
     print(json.dumps(out))

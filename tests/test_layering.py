@@ -21,7 +21,7 @@ MAY_IMPORT = {
     "layout": {"errors"},
     "changes": {"errors"},
     "checkpoint": {"changes", "errors"},
-    "remote": {"checkpoint", "changes", "protocol", "errors"},
+    "remote": {"checkpoint", "changes", "layout", "protocol", "errors"},  # layout: TP shards
     "bridge": {"checkpoint", "remote", "changes", "layout", "protocol", "errors"},
     # colocate mode runs vLLM in the trainer's process: vllm_plugin.local starts it
     "integrations": {"bridge", "remote", "checkpoint", "changes", "layout", "protocol",

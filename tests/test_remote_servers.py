@@ -482,12 +482,11 @@ def test_a_server_killed_between_send_and_commit_is_named_and_the_other_serves_n
     assert {_status(s)["n"] for s in remotes[:2]} == {group.n}
 
 
-def test_a_tensor_parallel_server_is_updated_through_the_model_loader(tiny_model, tmp_path,
-                                                                      monkeypatch):
-    # TP=2: each worker holds slices of the merged tensors; what no view holds whole goes
-    # through the model's own loader, which merges and slices the HF tensors. The server
-    # takes one rank of the trainer's channel: its first worker receives each byte once and
-    # hands it on to the other over the server's relay.
+def test_a_tensor_parallel_server_is_updated_shard_by_shard(tiny_model, tmp_path, monkeypatch):
+    # TP=2: each worker holds slices of the merged tensors; it stages only its shard of each
+    # HF tensor and writes it straight into its slabs of them. The server takes one rank of
+    # the trainer's channel: its first worker receives each byte once and hands it on to the
+    # other over the server's relay.
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         pytest.skip("a TP=2 vLLM CPU server needs 2 cores, one per worker")
@@ -499,7 +498,13 @@ def test_a_tensor_parallel_server_is_updated_through_the_model_loader(tiny_model
         with RemoteGroup([server.url], token=TOKEN, timeout=10.0) as group:
             out = group.update(model)
             assert out["full"]
-            sent = out["bytes_sent"]
+            sent, total = out["bytes_sent"], _nbytes(model)
+            got = _http(server.url, "/hotweights/remote/received")[2]
+            staged, peak = got["staged_bytes"], got["peak_staging_bytes"]
+            # each worker: about half (its shard + the replicated norms), + one round at peak
+            assert all(0.4 * total < n < 0.6 * total for n in staged), (staged, total)
+            assert total <= sum(staged) < 1.05 * total
+            assert all(n < p <= n + sent for n, p in zip(staged, peak, strict=True))
             assert {k: _status(server)[k] for k in ("workers", "channel_ranks")} == {
                 "workers": 2, "channel_ranks": 1}
             for step in range(3):
@@ -514,7 +519,8 @@ def test_a_tensor_parallel_server_is_updated_through_the_model_loader(tiny_model
                 out = group.update(model)
                 assert not out["full"] and out["version"] == group.n
                 sent += out["bytes_sent"]
-        assert _http(server.url, "/hotweights/remote/received")[2] == {
+        got = _http(server.url, "/hotweights/remote/received")[2]
+        assert {k: got[k] for k in ("trainer_bytes", "relay_bytes")} == {
             "trainer_bytes": [sent, 0], "relay_bytes": [0, sent]}  # since the server joined
         assert len(_checksum(server)) == 2
         tokens, logprobs = _greedy(server, PROMPT, 8)

@@ -29,6 +29,7 @@ RECEIVER = textwrap.dedent('''
     import hashlib, json, sys, torch
     from hotweights.testing import tiny
     from hotweights.remote.channel import Channel
+    from hotweights.remote import shards
     from hotweights.remote.staging import Staged
     torch.cuda.set_device(1)
     w = {k: v.cuda() for k, v in tiny.llama_tensors(hidden=256, inter=688, kv=64, vocab=512,
@@ -37,9 +38,9 @@ RECEIVER = textwrap.dedent('''
     ch = Channel(master_addr="127.0.0.1", master_port=int(sys.argv[1]), rank=1, world_size=2,
                  token=sys.argv[2], timeout=30.0, backend="nccl", device="cuda:1")
     for _ in range(2):
-        staged = Staged(specs)
-        ch.receive(staged)
-        assert staged.apply_in_place(w)  # every staged tensor, in place on the GPU
+        staged = Staged(specs, shards={k: shards.whole(v) for k, v in w.items()}, pin=True)
+        ch.receive(staged)  # held in pinned host memory
+        assert staged.apply_in_place()  # every staged tensor, in place on the GPU
         h = hashlib.sha256()
         for k in sorted(w):
             h.update(w[k].view(torch.int16).cpu().numpy().tobytes())

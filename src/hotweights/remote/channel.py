@@ -5,11 +5,15 @@ The group is *stateless*: built from its own `TCPStore` and backend object (the 
 lives beside any default group of the process (vLLM's own) and never touches global state.
 
 Before any weight moves, every side proves it holds the shared token (`rendezvous.prove`):
-a peer without it, or a stranger on the port, fails every side with a `RemoteError`.
+a peer without it, or a stranger on the port, fails every side with a `RemoteError`. Rank 0's
+store listens on `master_addr` only, not on every interface.
 
 Each round goes as three broadcasts from rank 0, whatever its number of tensors: a fixed
-int64 meta tensor (header length, buffer length, round index, rounds total), the JSON header
-as uint8, then the buffer. An update may be announced: its receivers then wait in the store,
+int64 meta tensor (header length, buffer length, round index, rounds total, and the round's
+keyed digest, `signing`), the JSON header as uint8, then the buffer. A receiver refuses a
+round over its budget (`max_round_bytes`) before allocating it, and one whose digest does not
+match before anything sees it; what the ranks tell each other through the store is signed
+with the same key. An update may be announced: its receivers then wait in the store,
 up to a wait of their own, for the sender's word (`start` or `cancel`) instead of waiting in
 a collective, which times out after `timeout`; so they can be ready while the sender is
 still working out what to send. Every rank runs a heartbeat thread (its own store connection), so
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -34,7 +39,7 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore
 
 from hotweights.errors import RemoteError
-from hotweights.remote import rendezvous
+from hotweights.remote import rendezvous, signing
 from hotweights.remote.delta import Round
 
 __all__ = ["BACKENDS", "Channel"]
@@ -42,7 +47,8 @@ __all__ = ["BACKENDS", "Channel"]
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("gloo", "nccl")
-_META = 4  # int64s: header length, buffer length, round index, rounds total
+_FIELDS = 4  # int64s: header length, buffer length, round index, rounds total
+_META = _FIELDS + signing.DIGEST_BYTES // 8  # then the round's digest
 _MAX_HEADER = 1 << 26  # a header longer than this is a broken or hostile sender
 _ABORT = -1  # a meta header length telling the receivers the sender gave up the update
 
@@ -138,7 +144,8 @@ class Channel:
 
     def __init__(self, *, master_addr: str, master_port: int, rank: int, world_size: int,
                  token: str, timeout: float = 60.0, backend: str = "gloo",
-                 device: torch.device | str | None = None, name: str = "channel"):
+                 device: torch.device | str | None = None, name: str = "channel",
+                 max_round_bytes: int = 1 << 30):
         """Rendezvous, prove the token both ways, then build the group.
 
         Args:
@@ -152,11 +159,17 @@ class Channel:
             device: where the meta, header and staging tensors live; default CPU for gloo,
                 the current CUDA device for nccl.
             name: what its messages call it (``relay``: a server's own workers).
+            max_round_bytes: a receiver refuses a round whose buffer is bigger, before
+                allocating it (`RemoteGroup` tells the servers its own at join).
         Raises:
             RemoteError: a bad argument, a peer missing or late, a rank claimed twice, a
                 token proof that does not match (each names the rank).
         """
         self._validate(rank, world_size, token, timeout, backend)
+        if type(max_round_bytes) is not int or max_round_bytes < 1:
+            raise RemoteError(f"channel: field 'max_round_bytes' must be an int >= 1, found "
+                              f"{max_round_bytes!r}")
+        self.max_round_bytes = max_round_bytes
         self.rank, self.world_size, self.backend, self.name = rank, world_size, backend, name
         self.addr, self.port, self.timeout = master_addr, master_port, timeout
         self.device = torch.device(device if device is not None else "cpu" if backend ==
@@ -169,18 +182,19 @@ class Channel:
         td = timedelta(seconds=timeout)
         self._store = self._ns = None
         try:
-            self._store = TCPStore(master_addr, master_port, None, rank == 0, timeout=td,
-                                   wait_for_workers=False)
+            self._store = self._host(td) if rank == 0 else TCPStore(
+                master_addr, master_port, None, False, timeout=td)
             nonce = rendezvous.prove(self._store, rank=rank, world_size=world_size, token=token,
                                      timeout=timeout, where=self._where(),
                                      hint=rendezvous.interface_hint(master_addr))
             self._ns = f"{rendezvous.NS}/{nonce}"
+            self._mac = signing.channel_key(token, nonce)
             self._interval = min(1.0, timeout / 8)
             self._heartbeat = _Heartbeat(master_addr, master_port, f"{self._ns}/hb/{rank}",
                                          self._interval, timeout)
             self._heartbeat.start()
             self._pg = self._group(PrefixStore(f"{self._ns}/pg", self._store), td)
-        except dist.DistError as e:
+        except RuntimeError as e:  # torch.distributed's errors: the store's, Gloo's
             self.close()
             raise RemoteError(f"{self._where()}: rendezvous failed within {timeout} s: "
                               f"{self._peer_hint()} ({e})") from e
@@ -188,6 +202,25 @@ class Channel:
             self.close()
             raise
         logger.info("%s: channel ready (%s, %d ranks)", self._where(), backend, world_size)
+
+    def _host(self, td: timedelta) -> TCPStore:
+        """Rank 0's store, listening on `master_addr` only (TCPStore alone binds every
+        interface): on a socket bound here, whose descriptor the store takes over."""
+        try:
+            sock = socket.create_server((self.addr, self.port), backlog=128, family=(
+                socket.AF_INET6 if ":" in self.addr else socket.AF_INET))
+        except OSError as e:
+            raise RemoteError(f"{self._where()}: cannot listen on {self.addr}:{self.port} "
+                              f"({e}); is the port in use, and is {self.addr} an address of "
+                              "this host?") from e
+        try:
+            store = TCPStore(self.addr, self.port, None, True, timeout=td,
+                             wait_for_workers=False, master_listen_fd=sock.fileno())
+        except BaseException:
+            sock.close()
+            raise
+        sock.detach()  # the store closes it
+        return store
 
     @staticmethod
     def _validate(rank: int, world_size: int, token: str, timeout: float, backend: str) -> None:
@@ -226,6 +259,37 @@ class Channel:
             rendezvous.interface_hint(self.addr)
 
     def _group(self, store: PrefixStore, td: timedelta):
+        # Rank 0's Gloo address (key "0/0") is its own to write: one already there is
+        # someone else's, who would meet the receivers in its place (their digests refuse
+        # its rounds) and leave rank 0 waiting for them past the timeout.
+        if self.rank == 0 and self.backend == "gloo" and store.check(["0/0"]):
+            raise RemoteError(f"{self._where()}: the store was written by someone else: the "
+                              "process group's address of rank 0 was there before it "
+                              "(someone on the network reached the store's port); nothing sent")
+        if self.backend != "gloo":  # NCCL connects at the first collective, on its thread
+            return self._backend_group(store, td)
+        # Gloo's connect does not always keep to its timeout (peers that met someone else
+        # instead): wait for it on a thread, up to the timeout and a margin, then give up.
+        done: dict = {}
+        th = threading.Thread(target=self._new_group, args=(store, td, done), daemon=True,
+                              name=f"hotweights-group-{self.rank}")
+        th.start()
+        th.join(self.timeout + 5.0)
+        if th.is_alive():
+            raise RemoteError(f"{self._where()}: building the process group did not finish "
+                              f"within {self.timeout + 5.0} s: {self._peer_hint()}; or someone "
+                              "else wrote the store's process-group keys")
+        if "error" in done:
+            raise done["error"]
+        return done["pg"]
+
+    def _new_group(self, store: PrefixStore, td: timedelta, done: dict) -> None:
+        try:
+            done["pg"] = self._backend_group(store, td)
+        except BaseException as e:  # noqa: BLE001 - raised again by _group
+            done["error"] = e
+
+    def _backend_group(self, store: PrefixStore, td: timedelta):
         if self.backend == "gloo":
             from torch.distributed.distributed_c10d import ProcessGroupGloo
             pg = ProcessGroupGloo(store, self.rank, self.world_size, timeout=td)
@@ -263,7 +327,17 @@ class Channel:
                 self._store.wait([key], timedelta(seconds=2.5 * self._interval + 1.0))
             except dist.DistStoreError:  # nothing said yet: find out ourselves
                 return None
-        return self._store.get(key).decode() if self._store.check([key]) else None
+        return self._opened(key)
+
+    def _opened(self, key: str) -> str | None:
+        """The signed message under `key`; None if there is none, or a forged one (logged:
+        someone else writes to the store, so every rank finds out for itself)."""
+        if not self._store.check([key]):
+            return None
+        if (msg := signing.opened(self._mac, key, self._store.get(key))) is None:
+            logger.warning("%s: ignored %s: not signed by a member of the channel (someone "
+                           "else writes to its store)", self._where(), key)
+        return msg
 
     def _blame(self, what: str, exc: BaseException) -> RemoteError:
         """The error naming the peer that stopped; told to the others through the store."""
@@ -305,8 +379,7 @@ class Channel:
         keys = [(r, self._refusal_key(r)) for r in range(1, self.world_size)]
         self._updates += 1
         if int(t.item()) and not refused:
-            reasons = [f"rank {r}: {self._store.get(k).decode()}" for r, k in keys
-                       if self._store.check([k])]
+            reasons = [f"rank {r}: {why}" for r, k in keys if (why := self._opened(k))]
             raise RemoteError(f"{self._where()}: receiver(s) refused the update, so no receiver "
                               f"applies it: {'; '.join(reasons)}")
 
@@ -393,7 +466,10 @@ class Channel:
                 self._store.delete_key(self._key("ready", old, r))
             self._store.delete_key(self._key("word", old))
         self._told_updates = [*self._told_updates[-1:], update]
-        self._store.compare_set(self._key("word", update), "", word)
+        if (got := self._store.compare_set(self._key("word", update), "", word)) != word and \
+                word == b"go":
+            raise RemoteError(f"{self._where()}: the store was written by someone else: the "
+                              f"word for update {update} is {got[:40]!r}, not the sender's")
 
     def _key(self, what: str, update: str, rank: int | None = None) -> str:
         return f"{self._ns}/{what}/{update}" + ("" if rank is None else f"/{rank}")
@@ -421,13 +497,17 @@ class Channel:
         if buf.device != self.device:
             buf = buf.to(self.device)
         meta = torch.tensor([len(head), buf.numel(), r.header["round"], r.header["rounds"]],
-                            dtype=torch.int64, device=self.device)
-        head = torch.frombuffer(bytearray(head), dtype=torch.uint8).to(self.device)
+                            dtype=torch.int64)
+        head = torch.frombuffer(bytearray(head), dtype=torch.uint8)
         return self._send_parts(meta, head, buf, f"round {r.header['round'] + 1}/"
                                 f"{r.header['rounds']}")
 
     def _send_parts(self, meta: torch.Tensor, head: torch.Tensor, buf: torch.Tensor,
                     what: str) -> int:
+        """Broadcast a round, its meta fields (`meta[:_FIELDS]`) signed with this channel's
+        key: a relay signs again what it verified with the sender's."""
+        meta = torch.cat([meta[:_FIELDS].cpu(), self._digest(meta, head, buf)]).to(self.device)
+        head = head.to(self.device)
         self._broadcast(meta, what)
         self._broadcast(head, what)
         if buf.numel():
@@ -436,9 +516,11 @@ class Channel:
 
     def _abort(self, i: int, why: BaseException) -> None:
         """Tell the receivers, waiting for round `i`'s meta, that the update is given up."""
-        self._store.set(f"{self._ns}/aborted", f"{type(why).__name__}: {why}")
-        self._broadcast(torch.tensor([_ABORT, 0, i, 0], dtype=torch.int64, device=self.device),
-                        f"abort at round {i + 1}")
+        key = f"{self._ns}/aborted"
+        self._store.set(key, signing.sign(self._mac, key, f"{type(why).__name__}: {why}"))
+        meta = torch.zeros(_META, dtype=torch.int64, device=self.device)
+        meta[:_FIELDS] = torch.tensor([_ABORT, 0, i, 0])
+        self._broadcast(meta, f"abort at round {i + 1}")
 
     def receive(self, stage: Callable[[Round], None], *, update: str | None = None,
                 wait: float | None = None, relay: Channel | None = None) -> int:
@@ -490,7 +572,8 @@ class Channel:
         def refuse(e: Exception) -> None:  # read the rest, then tell everyone at the ack
             nonlocal refused
             refused = e
-            self._store.set(self._refusal_key(self.rank), f"{type(e).__name__}: {e}")
+            key = self._refusal_key(self.rank)
+            self._store.set(key, signing.sign(self._mac, key, f"{type(e).__name__}: {e}"))
             fwd.fail(e)
 
         if update is not None:
@@ -503,11 +586,9 @@ class Channel:
             meta = torch.zeros(_META, dtype=torch.int64, device=self.device)
             self._step()
             self._broadcast(meta, f"round {i + 1}")
-            hlen, blen, idx, n = meta.tolist()
+            hlen, blen, idx, n = meta[:_FIELDS].tolist()
             if hlen == _ABORT:
-                key = f"{self._ns}/aborted"
-                why = (self._store.get(key).decode() if self._store.check([key]) else
-                       "no reason given")
+                why = self._opened(f"{self._ns}/aborted") or "no reason given"
                 raise RemoteError(f"{self._where()}: the sender aborted the update at round "
                                   f"{i + 1} ({why}); nothing of it is applied")
             total = n if total is None else total
@@ -521,6 +602,7 @@ class Channel:
             self.bytes_received += _META * 8 + hlen + blen
             if refused is None:
                 try:
+                    self._verify(meta, head, buf, what)
                     r = Round(self._header(head, blen, i), buf)
                     fwd.send(meta, head, buf, what)
                     stage(r)
@@ -536,6 +618,19 @@ class Channel:
         logger.info("%s: received %d rounds", self._where(), total)
         return total
 
+    def _digest(self, meta: torch.Tensor, head: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+        # bound to the update: `_updates` counts the updates acknowledged, the same everywhere
+        d = signing.round_digest(self._mac, self._updates, (meta[:_FIELDS], head, buf))
+        return torch.frombuffer(bytearray(d), dtype=torch.int64)
+
+    def _verify(self, meta: torch.Tensor, head: torch.Tensor, buf: torch.Tensor,
+                what: str) -> None:
+        if not torch.equal(meta[_FIELDS:].cpu(), self._digest(meta, head, buf)):
+            raise RemoteError(f"{self._where()}: {what} is not from the "
+                              f"{'trainer' if self.name == 'channel' else self.name + ' sender'}"
+                              " (altered on the way?): its digest does not match the "
+                              "channel's key; nothing of the update is staged")
+
     def _refusal_key(self, rank: int) -> str:
         return f"{self._ns}/refused/{self._updates}/{rank}"
 
@@ -545,12 +640,21 @@ class Channel:
         self._store.set(f"{self._ns}/progress/{self.rank}", str(self._steps))
 
     def _tell(self, msg: str) -> None:
+        key = f"{self._ns}/failed"
         try:
-            self._store.compare_set(f"{self._ns}/failed", "", msg)
+            self._store.compare_set(key, "", signing.sign(self._mac, key, msg))
         except RuntimeError:
             pass
 
     def _check_meta(self, hlen: int, blen: int, idx: int, n: int, i: int, total: int) -> None:
+        if blen > self.max_round_bytes or hlen > _MAX_HEADER:  # before allocating it
+            self._broken = f"round {i + 1} over the budget"
+            msg = (f"round {i + 1}: the sender's round of {blen} buffer bytes and {hlen} "
+                   f"header bytes is over the budget agreed at join ({self.max_round_bytes} "
+                   f"buffer bytes, max_round_bytes; {_MAX_HEADER} header bytes); nothing of "
+                   "the update is staged")
+            self._tell(f"rank {self.rank} refused {msg}")
+            raise RemoteError(f"{self._where()}: {msg}")
         if not (0 < hlen <= _MAX_HEADER and blen >= 0 and idx == i and n == total >= 1):
             self._broken = f"malformed round meta {[hlen, blen, idx, n]}"
             raise RemoteError(f"{self._where()}: round {i + 1}: the sender's meta "

@@ -647,7 +647,8 @@ class RemoteGroup:
             joins = {u: pool.submit(self._post, u, status[u], "/hotweights/remote/join",
                                     master_addr=self.master_addr, master_port=port,
                                     rank_offset=ranks[u].start, world_size=offset,
-                                    token=token, timeout=self.timeout) for u in status}
+                                    token=token, timeout=self.timeout,
+                                    max_round_bytes=self.max_round_bytes) for u in status}
             channel = None
             try:
                 channel = Channel(master_addr=self.master_addr, master_port=port, rank=0,

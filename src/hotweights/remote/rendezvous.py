@@ -71,6 +71,11 @@ def _sender(s: Store, world_size: int, token: str, timeout: float, where: str,
         _refuse(s, f"missing {missing}", len(keys) - len(missing), timeout)
         raise RemoteError(f"{where}: receiver rank(s) {missing} did not join within {timeout} s"
                           f"{hint}") from e
+    if (now := s.get(f"{NS}/nonce").decode()) != nonce:  # the proofs answer another nonce
+        _refuse(s, "the store was written by someone else (nonce)", len(keys), timeout)
+        raise RemoteError(f"{where}: the store was written by someone else: the channel's "
+                          f"nonce is {now[:40]!r}, not the sender's (someone on the network "
+                          "reached the store's port); nothing sent")
     bad = [r for r, k in enumerate(keys, 1)
            if not hmac.compare_digest(s.get(k).decode(), _proof(token, nonce, str(r)))]
     if bad:
@@ -106,7 +111,7 @@ def _receiver(s: Store, rank: int, world_size: int, token: str, where: str) -> s
                           f"{verdict.removeprefix('refused:')}; nothing received")
     if not hmac.compare_digest(verdict.removeprefix("ok:"), _proof(token, nonce, "sender")):
         raise RemoteError(f"{where}: the sender did not prove the channel's token (wrong "
-                          "token?); nothing received")
+                          "token, or the store was written by someone else?); nothing received")
     return nonce
 
 

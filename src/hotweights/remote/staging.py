@@ -2,9 +2,14 @@
 
 `Staged` is the `stage` callback a receiver hands to `Channel.receive`. It checks each
 round against the model's tensor specs (HF names, dtype, shape: meta tensors are enough)
-and keeps a copy of its buffer, so nothing reaches the weights before the commit, and an
-update refused or cut off half way is dropped whole. At the commit, `patches()` turns the
-held pieces into checkpoint-coordinate patches for a loader (vLLM's
+and keeps a copy of what the worker needs of it in host memory (pinned for a CUDA worker:
+never a second copy of the update on the device), so nothing reaches the weights before
+the commit, and an update refused or cut off half way is dropped whole. Given `shards`
+(`remote.shards`: what this worker's parameters hold of each HF tensor), it keeps of each
+piece only the part of the worker's TP shard, in the shard tensor's coordinates. At the
+commit, `apply_in_place` writes those tensor by tensor into the parameters (a piece's data
+reaches the device only while it is written); `patches()` turns the pieces of the tensors
+without a shard into checkpoint-coordinate patches for a loader (vLLM's
 ``load_checkpoint_weight_patches``): one dense patch per tensor sent whole, one sparse patch
 (flat indices and values) per tensor sent as element patches or rows.
 
@@ -26,6 +31,7 @@ import torch
 from hotweights.errors import DeltaError
 from hotweights.remote import delta_apply
 from hotweights.remote.delta import DENSE, PATCH, Round, _row_index
+from hotweights.remote.shards import Shard
 
 __all__ = ["Patch", "Staged"]
 
@@ -52,21 +58,31 @@ class Staged:
             device): ``values="xor"`` patch pieces are decoded against it when staged (the
             weights do not change until the commit), so the staged pieces hold new values.
             A round with xor values for a tensor it lacks is refused.
+        shards: HF name -> what this worker holds of it and where (`remote.shards.of`);
+            only those parts are kept, and `apply_in_place` writes them. A tensor without
+            one (or with one of another shape than its spec) is kept whole, for `patches`.
+        pin: keep the staged data in pinned host memory (a CUDA worker's).
     Attributes:
-        nbytes: bytes of round buffers held.
+        nbytes: bytes of staged data held.
+        peak: the most bytes held since the last `clear`, counting the buffer of the round
+            being staged (the channel's) on top.
         rounds: rounds staged so far.
     """
 
     def __init__(self, specs: Mapping[str, torch.Tensor], *,
-                 old: Mapping[str, torch.Tensor] | None = None):
-        self.specs, self.old = specs, old
-        self.nbytes = self.rounds = 0
-        self._pieces: dict[str, list[tuple]] = {}  # name -> [(header entry, views)]
+                 old: Mapping[str, torch.Tensor] | None = None,
+                 shards: Mapping[str, Shard] | None = None, pin: bool = False):
+        self.specs, self.old, self.pin = specs, old, pin
+        self.shards = {name: s for name, s in (shards or {}).items()
+                       if name in specs and s.shape == tuple(specs[name].shape)}
+        self.nbytes = self.peak = self.rounds = 0
+        self._pieces: dict[str, list[tuple]] = {}  # name -> [(entry, host tensors)]
         self._next: dict[str, int] = {}  # per tensor: the first flat element not yet staged
 
     def __call__(self, r: Round) -> None:
-        buf = r.buffer.clone()  # the channel reuses its buffer for the next round
-        for e, t, views in delta_apply.checked(Round(r.header, buf), self.specs, old=self.old):
+        # the channel reuses its buffer for the next round: what is kept is copied
+        held, pieces = 0, []
+        for e, t, views in delta_apply.checked(r, self.specs, old=self.old):
             name, kind = e["name"], e["kind"]
             if kind != DENSE and t.dtype.is_floating_point and not delta_apply.finite(views[1]):
                 raise DeltaError(f"`{name}`: the {kind} values hold NaN or Inf; refused")
@@ -79,9 +95,20 @@ class Staged:
             if kind == PATCH:  # the commit's index_copy_ (and the loader) take int64: made
                 # here, while the server still serves, not while it is paused
                 views = (views[0].to(torch.int64), views[1])
-            self._pieces.setdefault(name, []).append((e, views))
-        self.nbytes += buf.numel()
+            shard = self.shards.get(name)
+            for ce, cv in shard.cut(e, views) if shard is not None else [(e, views)]:
+                kept = tuple(self._keep(v) for v in cv)
+                held += sum(v.nbytes for v in kept)
+                pieces.append((name, (ce, kept)))
+        for name, piece in pieces:
+            self._pieces.setdefault(name, []).append(piece)
+        self.nbytes += held
+        self.peak = max(self.peak, self.nbytes + r.buffer.nbytes)
         self.rounds += 1
+
+    def _keep(self, v: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(v.shape, dtype=v.dtype, pin_memory=self.pin)
+        return out.copy_(v)
 
     @staticmethod
     def _span(e: dict, t: torch.Tensor, views: tuple) -> tuple[int, int]:
@@ -104,27 +131,21 @@ class Staged:
                              "increase; refused")
         return int(first), int(last) + 1
 
-    def apply_in_place(self, targets: Mapping[str, torch.Tensor]) -> set[str]:
-        """Write every staged tensor that `targets` holds (contiguous, of its spec's shape
-        and dtype) straight into it: O(what changed). Returns the names written."""
-        done = set()
-        for name, pieces in self._pieces.items():
-            t, spec = targets.get(name), self.specs[name]
-            if t is None or not t.is_contiguous() or t.shape != spec.shape or \
-                    t.dtype != spec.dtype:
-                continue
-            for e, views in pieces:
-                delta_apply.write(e, t, views)
-            done.add(name)
+    def apply_in_place(self) -> set[str]:
+        """Write every staged tensor with a shard into the parameter slabs that hold it,
+        tensor by tensor: O(what changed). Returns the names written."""
+        done = self._pieces.keys() & self.shards.keys()
+        for name in done:  # each tensor's staged data freed once written
+            self.shards[name].write(self._pieces.pop(name))
         return done
 
-    def patches(self, skip: set[str] = frozenset()) -> tuple[list[Patch], list[Patch]]:
-        """(dense patches, sparse patches), one per tensor not in `skip`: dense where a
-        tensor came whole (a view of the held buffer if in one piece), else flat indices
-        and values."""
+    def patches(self) -> tuple[list[Patch], list[Patch]]:
+        """(dense patches, sparse patches), one per staged tensor without a shard: dense
+        where a tensor came whole (the held values if in one piece), else flat indices and
+        values; on the host."""
         dense, sparse = [], []
         for name, pieces in self._pieces.items():
-            if name in skip:
+            if name in self.shards:
                 continue
             spec = self.specs[name]
             shape, row = tuple(spec.shape), spec[0].numel() if spec.dim() else 1
@@ -147,7 +168,7 @@ class Staged:
         return dense, sparse
 
     def clear(self) -> None:
-        self.__init__(self.specs, old=self.old)
+        self.__init__(self.specs, old=self.old, shards=self.shards, pin=self.pin)
 
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:

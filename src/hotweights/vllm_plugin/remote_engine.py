@@ -14,21 +14,22 @@ and ``VLLM_SERVER_DEV_MODE`` are never needed.
   model uses meanwhile on the main thread), the leader as its rank 0.
 - update: the leader receives every round of one update and hands it on to the relay as
   it arrives; every worker stages it into a `Staged` (checked against the checkpoint's
-  names, shapes and the served dtype; nothing is applied yet); the trainer's `send`
+  names, shapes and the served dtype; nothing is applied yet), keeping in host memory
+  (pinned on CUDA) only what its TP shard holds (`remote.shards`); the trainer's `send`
   returns only when every worker of every server has staged all of it. Our routes
   receive on a thread of its own (`start_receiving`): vLLM runs the model on the worker's
   main thread, which an RPC holds until it returns, so generation goes on meanwhile.
-- finish: applies what was staged, in place where a view of the live weights holds an HF
-  tensor whole (`layout.plan`, the mapping the bridge trains through: tp=1, O(what
-  changed)), else through ``load_checkpoint_weight_patches``, i.e. the model's own
-  ``load_weights`` (merging qkv / gate_up / experts, slicing for TP).
+- finish: applies what was staged, tensor by tensor, straight into the parameter slabs
+  that hold each HF tensor's shard (`layout.plan` at this worker's tp_size and tp_rank:
+  O(what changed)); what the plan cannot map goes through
+  ``load_checkpoint_weight_patches``, i.e. the model's own ``load_weights`` (merging qkv /
+  gate_up / experts, slicing for TP).
 - discard: drops what was staged (an aborted update leaves the weights untouched).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,10 +47,11 @@ from vllm.model_executor.model_loader.checkpoint_weight_patch import (
 )
 
 from hotweights.checkpoint.dtypes import TORCH
+from hotweights.checkpoint.hub import local_dir
 from hotweights.checkpoint.shards import read_dir
 from hotweights.errors import ConfigError, HotweightsError
-from hotweights.layout.plan import plan
-from hotweights.layout.views import view_of
+from hotweights.layout.plan import hf_params, plan
+from hotweights.remote import shards
 from hotweights.remote.channel import Channel
 from hotweights.remote.staging import Staged
 
@@ -62,7 +64,8 @@ SPARSE_CHUNK = 1 << 24  # values per load_checkpoint_weight_patches call of spar
 class RemoteInit(WeightTransferInitInfo):
     """What a worker needs to join the trainer's channel (sent by our /remote/join route):
     the leader joins it as rank `rank_offset`; with more than one worker, every worker joins
-    the relay at 127.0.0.1:`relay_port` (with `relay_token`)."""
+    the relay at 127.0.0.1:`relay_port` (with `relay_token`). Every receiver refuses a round
+    over the trainer's `max_round_bytes`."""
 
     master_addr: str
     master_port: int
@@ -72,6 +75,7 @@ class RemoteInit(WeightTransferInitInfo):
     timeout: float = 60.0
     relay_port: int = 0
     relay_token: str = ""
+    max_round_bytes: int = 64 << 20
 
 
 @dataclass
@@ -92,9 +96,10 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
         self.channel: Channel | None = None  # the trainer's (the leader only)
         self.relay: Channel | None = None  # the server's own workers' (more than one)
         self.staged: Staged | None = None
-        self._hf_views: dict[str, torch.Tensor] | None = None
+        self.last_staged = {"staged": 0, "peak_staging": 0}  # the last update's bytes
+        self._shards: dict[str, shards.Shard] | None = None
         self._receiving: _Receiving | None = None
-        self.model_dir = _local_dir(str(self.model_config.model))
+        self.model_dir = _local_dir(self.model_config)
 
     def _specs(self) -> dict[str, torch.Tensor]:
         """HF name -> meta tensor of its shape and the served dtype, from the checkpoint."""
@@ -121,14 +126,17 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
         if init_info.relay_port:  # first: the followers wait for the leader, not the trainer
             self.relay = Channel(master_addr="127.0.0.1", master_port=init_info.relay_port,
                                  rank=index, world_size=pc.world_size_across_dp,
-                                 token=init_info.relay_token, name="relay", **kw)
+                                 token=init_info.relay_token, name="relay",
+                                 max_round_bytes=init_info.max_round_bytes, **kw)
         if index == 0:
             self.channel = Channel(master_addr=init_info.master_addr,
                                    master_port=init_info.master_port,
                                    rank=init_info.rank_offset, world_size=init_info.world_size,
-                                   token=init_info.token, **kw)
+                                   token=init_info.token,
+                                   max_round_bytes=init_info.max_round_bytes, **kw)
         if self.staged is None:  # xor-coded values decode against the live weights' views
-            self.staged = Staged(self._specs(), old=self._views())
+            self.staged = Staged(self._specs(), old=self._views(), shards=self._held(),
+                                 pin=cuda)
 
     def decodes_xor(self) -> bool:
         """Whether this worker holds every checkpoint tensor whole (tp=1), so it can decode
@@ -172,40 +180,50 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
         except BaseException:
             self.staged.clear()
             raise
-        logger.info("hotweights: staged %d rounds, %d bytes", self.staged.rounds,
-                    self.staged.nbytes)
+        self.last_staged = {"staged": self.staged.nbytes, "peak_staging": self.staged.peak}
+        logger.info("hotweights: staged %d rounds, %d bytes (peak %d)", self.staged.rounds,
+                    self.staged.nbytes, self.staged.peak)
 
-    def _views(self) -> dict[str, torch.Tensor]:
-        """HF name -> a view of the live parameter slab that holds it, where one holds it
-        whole (`layout.plan`, as the bridge maps a local server); {} where none can."""
-        if self._hf_views is None:
-            params = dict(self.model.named_parameters())
+    def _held(self) -> dict[str, shards.Shard]:
+        """HF name -> what this worker's parameters hold of it (`layout.plan` at its TP
+        rank, as the bridge maps a local server); {} where the plan cannot map the model."""
+        if self._shards is None:
+            from vllm.distributed import parallel_state
+
+            params, trust = dict(self.model.named_parameters()), \
+                self.model_config.trust_remote_code
             try:
+                shapes, ties = hf_params(str(self.model_dir), trust_remote_code=trust)
                 layout = plan(str(self.model_dir),
                               {n: tuple(p.shape) for n, p in params.items()}, strict=False,
-                              trust_remote_code=self.model_config.trust_remote_code)
-                self._hf_views = {piece.hf_name: view_of(params[vname].data, piece)
-                                  for vname, pieces in layout.pieces.items()
-                                  for piece in pieces if piece.whole}
+                              tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+                              tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+                              hf_shapes=(shapes, ties), trust_remote_code=trust)
+                self._shards = shards.of(layout, params, shapes | {
+                    alias: shapes[target] for alias, target in ties.items()})
             except HotweightsError as e:
-                logger.info("hotweights: no in-place views (%s); updates go through the "
-                            "model's loader", e)
-                self._hf_views = {}
-        return self._hf_views
+                logger.info("hotweights: no map of the weights (%s); updates go through "
+                            "the model's loader", e)
+                self._shards = {}
+        return self._shards
+
+    def _views(self) -> dict[str, torch.Tensor]:
+        """HF name -> a view of the live parameter slab that holds it whole (tp=1)."""
+        return {name: s.dests[0][0] for name, s in self._held().items() if s.whole}
 
     def finish_weight_update(self) -> None:
-        """Apply what was staged (nothing after `discard`): in place where a view of the
-        live weights holds a tensor whole (tp=1: O(what changed)), else through the
+        """Apply what was staged (nothing after `discard`): tensor by tensor into the slabs
+        of the live weights that hold each one's shard (O(what changed)), else through the
         model's loader (``load_checkpoint_weight_patches``)."""
         if self.staged is None:
             return
-        direct = self.staged.apply_in_place(self._views())
-        dense, sparse = self.staged.patches(skip=direct)
-        if dense:
-            load_checkpoint_weight_patches(self.model, map(_vllm, dense))
+        direct = self.staged.apply_in_place()
+        dense, sparse = self.staged.patches()
+        if dense:  # one tensor at a time on the device
+            load_checkpoint_weight_patches(self.model, (self._vllm(p) for p in dense))
         chunk, size = [], 0
         for p in sparse:
-            chunk.append(_vllm(p))
+            chunk.append(self._vllm(p))
             size += p.values.numel()
             if size >= SPARSE_CHUNK or p is sparse[-1]:
                 # our indices are increasing, so unique: skip vLLM's sort
@@ -223,11 +241,17 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
         if self.staged is not None:
             self.staged.clear()
 
+    def _vllm(self, p) -> CheckpointWeightPatch:
+        """A staged (host) patch as vLLM's, on this worker's device."""
+        return CheckpointWeightPatch(p.name, p.shape, p.dtype, p.values.to(self.device),
+                                     None if p.indices is None else p.indices.to(self.device))
+
     def received_bytes(self) -> dict[str, int]:
         """Bytes this worker received since it joined: from the trainer (the leader) and
-        from the relay (the other workers)."""
+        from the relay (the other workers); and the last update's staging: bytes staged
+        (`staged`) and its high-water mark (`peak_staging`, see `Staged.peak`)."""
         return {"trainer": self.channel.bytes_received if self.channel else 0,
-                "relay": self.relay.bytes_received if self.relay else 0}
+                "relay": self.relay.bytes_received if self.relay else 0, **self.last_staged}
 
     def shutdown(self) -> None:
         for channel in (self.channel, self.relay):
@@ -258,13 +282,12 @@ class _Receiving(threading.Thread):
             self.error = e
 
 
-def _vllm(p) -> CheckpointWeightPatch:
-    return CheckpointWeightPatch(*p)
-
-
-def _local_dir(model: str) -> Path:
-    if os.path.isdir(model):
-        return Path(model)
-    from huggingface_hub import snapshot_download  # a hub id vLLM has already downloaded
-
-    return Path(snapshot_download(model, local_files_only=True))
+def _local_dir(model_config) -> Path:
+    """The directory vLLM loaded the weights from: the model's, or its hub snapshot at its
+    revision (vLLM downloaded it before any worker builds this engine)."""
+    found = local_dir(str(model_config.model), model_config.revision)
+    if found is None:
+        raise ConfigError(f"hotweights: no local copy of {model_config.model} (revision "
+                          f"{model_config.revision}); the remote engine reads the "
+                          "checkpoint's tensor names and shapes from it")
+    return Path(found)

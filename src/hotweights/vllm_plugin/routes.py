@@ -153,12 +153,16 @@ class Join(_Request):
     world_size: int = 0
     token: str = ""
     timeout: float = 60.0
+    max_round_bytes: int = 64 << 20  # the trainer's budget per round (RemoteGroup's default)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in ("master_addr", "master_port", "rank_offset", "world_size", "token"):
             if not getattr(self, name):
                 raise Refused(400, f"field {name!r} is required")
+        if self.max_round_bytes < 64:  # delta.MIN_ROUND_BYTES
+            raise Refused(400, f"field 'max_round_bytes' must be >= 64, got "
+                          f"{self.max_round_bytes}")
 
 
 def _loaded(model: str, revision: str | None = None) -> str | None:
@@ -338,7 +342,8 @@ class HotweightsRoutes:
             raise Refused(409, f"an update is {self.tx.state.value}; join between updates",
                           holder=self.tx.holder)
         info = {k: getattr(req, k) for k in ("master_addr", "master_port", "rank_offset",
-                                             "world_size", "token", "timeout")}
+                                             "world_size", "token", "timeout",
+                                             "max_round_bytes")}
         if self.workers > 1:
             info |= {"relay_port": free_port(), "relay_token": secrets.token_hex(16)}
         self.channel = None
@@ -353,15 +358,17 @@ class HotweightsRoutes:
 
     async def received(self, request: Request):
         """Bytes each worker received since the server joined, in worker order: from the
-        trainer (`trainer_bytes`: the first worker's) and from the relay (`relay_bytes`)."""
+        trainer (`trainer_bytes`: the first worker's) and from the relay (`relay_bytes`);
+        and of the last update it received: the bytes it staged (`staged_bytes`: its TP
+        shard's) and their high-water mark (`peak_staging_bytes`, with one round's buffer)."""
         if refused := self._refuse(request):
             return refused
         try:
             counts = await self._rpc("hotweights_remote_received")
         except Refused as e:
             return JSONResponse(e.to_dict(), status_code=e.status)
-        return {"trainer_bytes": [c["trainer"] for c in counts],
-                "relay_bytes": [c["relay"] for c in counts]}
+        return {f"{key}_bytes": [c[key] for c in counts]
+                for key in ("trainer", "relay", "staged", "peak_staging")}
 
     async def receive(self, request: Request):
         """Start receiving one update into staging (under the holder's lease), on a thread

@@ -72,7 +72,9 @@ class HotweightsWorker:
 
     def hotweights_remote_received(self) -> dict:
         """Bytes this worker received since it joined the trainer's channel: ``{"trainer":
-        n, "relay": m}`` (the leader receives from the trainer, the others from the relay)."""
+        n, "relay": m}`` (the leader receives from the trainer, the others from the relay);
+        and of the last update it received, ``"staged"`` (bytes staged: its TP shard's) and
+        ``"peak_staging"`` (their high-water mark, with one round's buffer)."""
         return self.weight_transfer_engine.received_bytes()
 
     def hotweights_remote_decodes_xor(self) -> bool:

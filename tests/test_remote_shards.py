@@ -1,0 +1,144 @@
+"""remote.shards: a TP worker stages and writes only its shard of each HF tensor.
+
+Every check is bit-exact against the full update applied to the HF tensors, then sliced the
+way vLLM shards them (`test_layout_tp.reference_local`, which shares no code with `layout`).
+"""
+
+import math
+
+import pytest
+import torch
+
+from hotweights.layout.plan import plan
+from hotweights.remote import shards
+from hotweights.remote.delta import DENSE, PATCH, ROWS, encode_all, pack
+from hotweights.remote.shards import Shard
+from hotweights.remote.staging import Staged
+from test_delta import _flip
+from test_layout_tp import LM_HEAD, Model, hf_tensors, reference_local
+
+
+def _specs(w: dict) -> dict:
+    return {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in w.items()}
+
+
+def _changed(old: dict) -> dict:
+    """`old` with every kind of change: whole tensors, whole rows, scattered elements."""
+    new = {}
+    for i, (name, t) in enumerate(old.items()):
+        n, kind = t.numel(), i % 4
+        if kind == 0:
+            new[name] = _flip(t, slice(None))
+        elif kind == 1 and t.dim() >= 2:  # rows 1, 2 and the last
+            row = n // t.shape[0]
+            new[name] = _flip(_flip(t, slice(row, 3 * row)), slice(n - row, n))
+        elif kind == 3:
+            new[name] = t.clone()
+        else:
+            new[name] = _flip(t, sorted({0, n // 3, n // 2 + 1, n - 1}))
+    return new
+
+
+def _stage(old: dict, new: dict, held: dict, *, full: bool = False, **options) -> Staged:
+    staged = Staged(_specs(new), shards=held)
+    deltas = encode_all(None if full else old, new)
+    for r in pack(deltas, **options):
+        staged(r)
+    return staged
+
+
+def _run(m: Model, options: dict) -> None:
+    hf, ties = hf_tensors(m, seed=m.tp)
+    old = {k: v.float() for k, v in hf.items()}
+    new = _changed(old)
+    kinds = {d.kind for d in encode_all(old, new)}
+    assert {DENSE, ROWS, PATCH} <= kinds
+    shapes = {k: tuple(v.shape) for k, v in old.items()}
+    for r in range(m.tp):
+        params = reference_local(m, old, r)
+        layout = plan(m.config, {k: tuple(v.shape) for k, v in params.items()}, tp_size=m.tp,
+                      tp_rank=r, hf_shapes=(shapes, ties))
+        held = shards.of(layout, params, shapes | {a: shapes[t] for a, t in ties.items()})
+        staged = _stage(old, new, held, **options)
+        assert staged.patches() == ([], [])  # the plan maps every tensor: no loader
+        assert staged.apply_in_place() <= set(old)
+        want = reference_local(m, new, r)
+        for name, t in want.items():
+            assert torch.equal(params[name].view(torch.int32), t.view(torch.int32)), (name, r)
+
+
+MODELS = {  # (kv, heads, tp, experts, vocab, tied)
+    "kv split, qkv bias": Model(kv=2, heads=4, hd=4, hidden=16, inter=8, moe_inter=2,
+                                experts=0, vocab=150, layers=2, bias=True, tied=False, tp=2),
+    "kv replicated, experts (gate|up on dim 1: two runs)": Model(
+        kv=1, heads=4, hd=4, hidden=16, inter=4, moe_inter=4, experts=3, vocab=100, layers=1,
+        bias=False, tied=True, tp=4),
+    "ranks of vocab padding only": Model(kv=4, heads=4, hd=2, hidden=8, inter=4, moe_inter=4,
+                                         experts=0, vocab=10, layers=1, bias=False, tied=False,
+                                         tp=4),
+    "tp=1": Model(kv=2, heads=4, hd=4, hidden=16, inter=8, moe_inter=2, experts=2, vocab=70,
+                  layers=1, bias=True, tied=False, tp=1),
+}
+
+
+@pytest.mark.parametrize("options", [{"max_bytes": 1 << 20}, {"max_bytes": 96},
+                                     {"max_bytes": 200, "patches": "flat"}])
+@pytest.mark.parametrize("model", list(MODELS))
+def test_each_rank_writes_its_shard_of_the_update(model, options):
+    _run(MODELS[model], options)
+
+
+def test_a_full_sync_stages_only_the_shard_share():
+    m = MODELS["kv split, qkv bias"]
+    hf, ties = hf_tensors(m, seed=0)
+    old = {k: v.float() for k, v in hf.items()}
+    shapes = {k: tuple(v.shape) for k, v in old.items()}
+    total = sum(t.nbytes for t in old.values())
+    for r in range(m.tp):
+        params = reference_local(m, old, r)
+        layout = plan(m.config, {k: tuple(v.shape) for k, v in params.items()}, tp_size=m.tp,
+                      tp_rank=r, hf_shapes=(shapes, ties))
+        held = shards.of(layout, params, shapes)
+        staged = _stage(old, old, held, full=True, max_bytes=4096)
+        share = sum(math.prod(held[k].held) * 4 for k in old)
+        assert staged.nbytes == share < 0.6 * total
+        assert share < staged.peak <= share + 4096
+        replicated = [k for k in old if held[k].whole]
+        assert replicated and all("norm" in k for k in replicated)
+
+
+@pytest.mark.parametrize("shape,dim,runs", [
+    ((12, 5), 0, ((2, 3), (8, 4))),  # two runs on the split dim
+    ((4, 9, 3), 1, ((0, 2), (5, 3))),  # two runs on a middle dim: strided blocks
+    ((6, 10), 1, ((4, 6),)),  # one column run, to the end
+    ((6, 10), 0, ()),  # holds nothing
+])
+@pytest.mark.parametrize("max_bytes", [64, 136, 1 << 16])
+def test_cut_pieces_match_the_full_update_sliced(shape, dim, runs, max_bytes):
+    g = torch.Generator().manual_seed(len(runs) + dim)
+    old = {"t": torch.randn(shape, generator=g)}
+    new = _changed({"a": old["t"], "b": old["t"], "c": old["t"]})  # dense, rows, patch
+    for t in new.values():
+        slabs = [old["t"].narrow(dim, a, n).clone() for a, n in runs]
+        shard = Shard(shape, dim, runs, tuple((s,) for s in slabs))
+        staged = _stage(old, {"t": t}, {"t": shard}, max_bytes=max_bytes)
+        staged.apply_in_place()
+        for (a, n), s in zip(runs, slabs, strict=True):
+            assert torch.equal(s.view(torch.int32), t.narrow(dim, a, n).view(torch.int32))
+
+
+def test_a_tensor_without_a_shard_goes_to_the_loader_whole():
+    m = MODELS["kv split, qkv bias"]
+    hf, ties = hf_tensors(m, seed=0)
+    old = {k: v.float() for k, v in hf.items()}
+    new = _changed(old)
+    shapes = {k: tuple(v.shape) for k, v in old.items()}
+    params = reference_local(m, old, 1)
+    layout = plan(m.config, {k: tuple(v.shape) for k, v in params.items()}, tp_size=2,
+                  tp_rank=1, hf_shapes=(shapes, ties))
+    held = shards.of(layout, params, shapes)
+    del held[LM_HEAD]
+    staged = _stage(old, new, held, max_bytes=1 << 20)
+    dense, sparse = staged.patches()
+    assert [p.name for p in dense + sparse] == [LM_HEAD]
+    assert (dense + sparse)[0].shape == shapes[LM_HEAD]
