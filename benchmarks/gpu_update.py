@@ -17,6 +17,9 @@ The "update" is an optimizer-step stand-in: `p.add_(1e-3)` on every HF parameter
   GPU, which holds a third copy; ends when the receiver has them all. NCCL refuses two ranks
   on one GPU: with one GPU it is null and named in `skipped`.
 - speedup_vs_copy: ipc_copy_ms / update_ms; params_b: the server's parameters, billions.
+- digest_gbps: what signing a remote update costs on a GPU: GB/s of `remote.signing`'s
+  round digest over a CUDA round of the remote channel's default size (host copies + HMAC;
+  each side of a channel hashes every round once).
 
 Every figure is the best of --repeat rounds after a warm-up round. Once per method, outside
 the timing, a further round is checked on the receiving side: the server's (or receiver's)
@@ -55,7 +58,8 @@ LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32
                  num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                  vocab_size=128256, tie_word_embeddings=False, rms_norm_eps=1e-5,
                  rope_theta=500000.0, max_position_embeddings=8192)
-KEYS = ("params_b", "update_ms", "ipc_copy_ms", "nccl_bcast_ms", "speedup_vs_copy")
+KEYS = ("params_b", "update_ms", "ipc_copy_ms", "nccl_bcast_ms", "speedup_vs_copy",
+        "digest_gbps")
 DELTA = 1e-3  # the update: moves every bf16 weight below ~0.25 (they are ~ N(0, 0.02))
 TIMEOUT_S = 120  # torch.distributed: a rendezvous or collective this long has hung
 
@@ -310,6 +314,20 @@ def nccl_bcast_ms(own: dict, own_model, name: str, repeat: int, device: str) -> 
     return ms
 
 
+def digest_gbps(repeat: int, device: str) -> float:
+    """GB/s of the round digest over a round of the remote channel's default size on
+    `device`, best of `repeat` after a warm-up."""
+    import torch
+
+    from hotweights.remote import signing
+    from hotweights.remote.group import ROUND_BYTES
+
+    buf = torch.randint(0, 256, (ROUND_BYTES,), dtype=torch.uint8, device=device)
+    key = signing.channel_key("benchmark", "nonce")
+    ms = best_ms(repeat, lambda: signing.round_digest(key, 0, (buf,)), device)
+    return ROUND_BYTES / ms / 1e6
+
+
 def measure(config, *, repeat: int, device: str, skips: Skips) -> dict:
     """The figures (ms) of the three methods on `device`; None where a part failed (named
     in `skips`)."""
@@ -413,6 +431,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         ms = measure(config, repeat=args.repeat, device="cuda:0", skips=skips)
         out |= {k: None if v is None else round(v, 2) for k, v in ms.items()}
+        out["digest_gbps"] = skips.attempt("digest", digest_gbps, args.repeat, "cuda:0")
+        if out["digest_gbps"] is not None:
+            out["digest_gbps"] = round(out["digest_gbps"], 2)
+            print(f"round digest (signing) of a CUDA round: {out['digest_gbps']} GB/s",
+                  flush=True)
     if out["update_ms"] and out["ipc_copy_ms"]:
         out["speedup_vs_copy"] = round(out["ipc_copy_ms"] / out["update_ms"], 2)
     print(json.dumps(out | {"skipped": skips.reasons}))

@@ -12,7 +12,8 @@ import torch
 from hotweights import plan
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-KEYS = {"params_b", "update_ms", "ipc_copy_ms", "nccl_bcast_ms", "speedup_vs_copy", "skipped"}
+KEYS = {"params_b", "update_ms", "ipc_copy_ms", "nccl_bcast_ms", "speedup_vs_copy", "skipped",
+        "digest_gbps"}
 
 
 @pytest.fixture
@@ -60,3 +61,7 @@ def test_every_method_runs_and_is_verified_on_a_tiny_cpu_model(bench, capsys):
     assert set(ms) == {"update_ms", "ipc_copy_ms", "nccl_bcast_ms"}
     assert all(v > 0 for v in ms.values())
     assert "the server sees it" in capsys.readouterr().out
+
+
+def test_the_digest_rate_is_measured_on_the_device_given(bench):
+    assert bench.digest_gbps(1, "cpu") > 0.05

@@ -278,3 +278,33 @@ def test_round_digests_are_bound_to_the_update_and_messages_to_their_key():
     assert signing.opened(key, "ns/aborted", msg) is None  # moved to another key
     assert signing.opened(key, "ns/failed", "0" * 64 + ":rank 1 stopped") is None
     assert signing.opened(key, "ns/failed", b"\xff\xfe:x") is None
+
+
+def test_a_round_digest_covers_every_chunk_and_the_part_boundaries():
+    key = signing.channel_key(TOKEN, "n1")
+    buf = torch.randint(0, 256, (3 * signing.CHUNK + 5,), dtype=torch.uint8,
+                        generator=torch.Generator().manual_seed(0))
+    head = torch.arange(10, dtype=torch.uint8)
+    digest = signing.round_digest(key, 0, (head, buf))
+    assert signing.round_digest(key, 0, (head.clone(), buf.clone())) == digest
+    for i in (0, signing.CHUNK, 2 * signing.CHUNK + 1, buf.numel() - 1):  # any chunk, any byte
+        bad = buf.clone()
+        bad[i] ^= 1
+        assert signing.round_digest(key, 0, (head, bad)) != digest, i
+    # a byte moved from the header to the buffer: same bytes in all, other parts
+    assert signing.round_digest(key, 0, (head[:-1], torch.cat([head[-1:], buf]))) != digest
+
+
+def test_round_digests_in_a_forked_child_use_threads_of_its_own():
+    key = signing.channel_key(TOKEN, "n1")
+    buf = torch.ones(3 * signing.CHUNK, dtype=torch.uint8)
+    want = signing.round_digest(key, 0, (buf,))  # the parent's threads exist now
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: a fork keeps none of the parent's threads
+        os.write(write, signing.round_digest(key, 0, (buf,)))
+        os._exit(0)
+    os.close(write)
+    got = os.read(read, 64)
+    os.waitpid(pid, 0)
+    assert got == want
