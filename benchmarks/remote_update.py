@@ -505,6 +505,10 @@ def main() -> int:
                     " (send: after the encode, until both servers staged it, incl. "
                     "broadcast: rounds (pack inside it) and acknowledgement; rest: status + "
                     "commits, remember beside the commits; a route: its slowest request)")
+                worst_run = secs.index(max(secs))
+                if worst_run != best:
+                    print(f"{'':12}slowest run: " + ", ".join(
+                        f"{k} {v:.3f} s" for k, v in split[worst_run].items()))
                 print(f"{'':12}paused (ms, each server, by its own clock): " + "; ".join(
                     f"run {i + 1}: " + ", ".join(fmt_ms(v) for v in p.values())
                     for i, p in enumerate(paused)))

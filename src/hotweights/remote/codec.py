@@ -57,25 +57,48 @@ def _pack_fixed(x: np.ndarray, width: int) -> np.ndarray:
     """The low `width` bits of every uint64 in `x`, little-endian bit order, as bytes."""
     if not width or not len(x):
         return np.zeros(0, np.uint8)
-    if width % 8 == 0:  # whole bytes: the little-endian bytes of each value, no bit matrix
+    if width % 8 == 0:  # whole bytes: the little-endian bytes of each value
         return np.ascontiguousarray(x.view(np.uint8).reshape(-1, 8)[:, :width // 8]).reshape(-1)
-    bits = ((x[:, None] >> np.arange(width, dtype=np.uint64)) & np.uint64(1)).astype(np.uint8)
-    return np.packbits(bits.reshape(-1), bitorder="little")
+    return _write_bits(x, np.arange(0, len(x) * width, width, dtype=np.uint64),
+                       np.full(len(x), width, np.uint64))
+
+
+def _write_bits(x: np.ndarray, pos: np.ndarray, width: np.ndarray) -> np.ndarray:
+    """The low `width[i]` (< 64) bits of each `x[i]` at bit `pos[i]` (increasing, back to
+    back) of a little-endian bit stream, as bytes: each value split over the (at most two)
+    uint64 words it spans, the parts of one word summed (their bits are disjoint)."""
+    x = x & ((np.uint64(1) << width) - np.uint64(1))
+    q, r = pos >> np.uint64(6), pos & np.uint64(63)
+    words = np.zeros(int(q[-1]) + 2, np.uint64)
+    first = np.flatnonzero(np.r_[True, q[1:] != q[:-1]])  # each word's first value
+    at = q[first]
+    words[at] = np.add.reduceat(x << r, first)
+    words[at + np.uint64(1)] += np.add.reduceat((x >> np.uint64(1)) >> (np.uint64(63) - r), first)
+    return words.view(np.uint8)[:(int(pos[-1] + width[-1]) + 7) // 8].copy()
 
 
 def _unpack_fixed(data: np.ndarray, n: int, width: int) -> np.ndarray:
     if not width or not n:
         return np.zeros(n, np.uint64)
-    if width % 8 == 0:
-        out = np.zeros((n, 8), np.uint8)
-        out[:, :width // 8] = data.reshape(n, width // 8)
-        return out.view(np.uint64).reshape(-1)
-    bits = np.unpackbits(data, count=n * width, bitorder="little").reshape(n, width)
-    return (bits.astype(np.uint64) << np.arange(width, dtype=np.uint64)).sum(1, dtype=np.uint64)
+    return _read_bits(data, np.arange(0, n * width, width, dtype=np.uint64),
+                      np.full(n, width, np.uint64))
+
+
+def _read_bits(data: np.ndarray, pos: np.ndarray, width: np.ndarray) -> np.ndarray:
+    """The `width[i]` (< 64) bits at bit `pos[i]` of the little-endian bit stream `data`,
+    each from the (at most two) uint64 words it spans: a few gathers, no bit matrix."""
+    words = np.zeros(len(data) // 8 + 2, np.uint64)
+    words.view(np.uint8)[:len(data)] = data
+    q, r = pos >> np.uint64(6), pos & np.uint64(63)
+    # the next word's bits go above the first's 64 - r: shifted in two steps (never by 64)
+    out = (words[q] >> r) | ((words[q + np.uint64(1)] << np.uint64(1)) << (np.uint64(63) - r))
+    return out & ((np.uint64(1) << width) - np.uint64(1))
 
 
 def _bit_length(x: np.ndarray) -> np.ndarray:
-    """Bits needed by each uint64 (0 for 0), as uint8: exact for all 64 bits."""
+    """Bits needed by each unsigned `x` (0 for 0), as uint8: exact for all 64 bits."""
+    if x.dtype.itemsize <= 4:  # exact in a float64: frexp's exponent is the bit length
+        return np.frexp(x.astype(np.float64))[1].astype(np.uint8)
     hi, lo = (x >> np.uint64(32)).astype(np.float64), (x & np.uint64(0xFFFFFFFF)).astype(
         np.float64)  # each exact in a float64: frexp's exponent is the bit length
     return np.where(hi > 0, 32 + np.frexp(hi)[1], np.frexp(lo)[1]).astype(np.uint8)
@@ -83,29 +106,17 @@ def _bit_length(x: np.ndarray) -> np.ndarray:
 
 def _pack_varying(x: np.ndarray, widths: np.ndarray) -> np.ndarray:
     """The low widths[i] bits of each x[i], back to back, little-endian bit order."""
-    w = widths.astype(np.int64)
-    total = int(w.sum())
-    if not total:
+    w = widths.astype(np.uint64)
+    if not len(w) or not int(w.sum()):
         return np.zeros(0, np.uint8)
-    starts = np.cumsum(w) - w
-    owner = np.repeat(np.arange(len(x)), w)
-    shift = (np.arange(total, dtype=np.int64) - starts[owner]).astype(np.uint64)
-    return np.packbits(((x[owner] >> shift) & np.uint64(1)).astype(np.uint8),
-                       bitorder="little")
+    return _write_bits(x, np.cumsum(w) - w, w)
 
 
 def _unpack_varying(data: np.ndarray, widths: np.ndarray) -> np.ndarray:
-    w = widths.astype(np.int64)
-    total, out = int(w.sum()), np.zeros(len(widths), np.uint64)
-    if not total:
-        return out
-    starts = np.cumsum(w) - w
-    bits = np.unpackbits(data, count=total, bitorder="little").astype(np.uint64)
-    owner = np.repeat(np.arange(len(w)), w)
-    bits <<= (np.arange(total, dtype=np.int64) - starts[owner]).astype(np.uint64)
-    some = w > 0  # reduceat over non-empty runs only (an empty one reads its neighbour)
-    out[some] = np.add.reduceat(bits, starts[some])
-    return out
+    w = widths.astype(np.uint64)
+    if not len(w) or not int(w.sum()):
+        return np.zeros(len(widths), np.uint64)
+    return _read_bits(data, np.cumsum(w) - w, w)
 
 
 def _zip(raw: np.ndarray) -> bytes | None:
@@ -176,9 +187,10 @@ def encode(indices: np.ndarray, bits: np.ndarray, *, floating: bool,
         top, rest = _planes(np.ascontiguousarray(v), s)
         sections += [top, rest]
     else:
-        x = (bits ^ old).astype(np.uint64)
+        x = bits ^ old
         length = _bit_length(x)
-        sections += [length, _pack_varying(x, np.maximum(length.astype(np.int16) - 1, 0))]
+        widths = np.maximum(length.astype(np.int16) - 1, 0)
+        sections += [length, _pack_varying(x.astype(np.uint64), widths)]
     zipped = []
     for i in _ZIPPABLE:
         if (z := _zip(sections[i])) is not None:
