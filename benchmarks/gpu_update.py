@@ -75,23 +75,10 @@ def llama_config(layers: int | None = None, **dims):
 
 
 def vllm_shapes(config) -> dict[str, tuple[int, ...]]:
-    """vLLM's parameters of a Llama at tp=1: name -> shape (qkv and gate/up merged on dim 0,
-    the vocabulary padded to a multiple of 64)."""
-    h, inter = config.hidden_size, config.intermediate_size
-    q = config.num_attention_heads * config.head_dim
-    kv = config.num_key_value_heads * config.head_dim
-    vocab = -(-config.vocab_size // 64) * 64
-    shapes = {"model.embed_tokens.weight": (vocab, h)}
-    for i in range(config.num_hidden_layers):
-        pre = f"model.layers.{i}."
-        shapes |= {pre + "self_attn.qkv_proj.weight": (q + 2 * kv, h),
-                   pre + "self_attn.o_proj.weight": (h, q),
-                   pre + "mlp.gate_up_proj.weight": (2 * inter, h),
-                   pre + "mlp.down_proj.weight": (h, inter),
-                   pre + "input_layernorm.weight": (h,),
-                   pre + "post_attention_layernorm.weight": (h,)}
-    shapes |= {"model.norm.weight": (h,), "lm_head.weight": (vocab, h)}
-    return shapes
+    """vLLM's parameters of the stand-in at tp=1 (`tiny.vllm_llama_shapes`)."""
+    from hotweights.testing.tiny import vllm_llama_shapes
+
+    return vllm_llama_shapes(config)
 
 
 def numel(shapes: dict[str, tuple[int, ...]]) -> int:

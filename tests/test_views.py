@@ -6,26 +6,12 @@ import torch
 from hotweights import build_hf_model
 from hotweights.testing import tiny
 
-VOCAB, PADDED = 300, 320  # vLLM pads the vocabulary rows to a multiple of 64
+VOCAB = 300  # vLLM pads the vocabulary rows to a multiple of 64 (320)
 
 
 def _vllm_params(config) -> dict[str, torch.Tensor]:
-    # What a tp=1 vLLM Llama holds; tied: lm_head is embed_tokens, listed once.
-    h, q = config.hidden_size, config.num_attention_heads * config.head_dim
-    kv, inter = config.num_key_value_heads * config.head_dim, config.intermediate_size
-    shapes = {"model.embed_tokens.weight": (PADDED, h), "model.norm.weight": (h,)}
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (PADDED, h)
-    for i in range(config.num_hidden_layers):
-        pre = f"model.layers.{i}."
-        shapes |= {pre + "self_attn.qkv_proj.weight": (q + 2 * kv, h),
-                   pre + "self_attn.o_proj.weight": (h, q),
-                   pre + "mlp.gate_up_proj.weight": (2 * inter, h),
-                   pre + "mlp.down_proj.weight": (h, inter),
-                   pre + "input_layernorm.weight": (h,),
-                   pre + "post_attention_layernorm.weight": (h,)}
     torch.manual_seed(0)
-    return {n: torch.randn(s) * 0.05 for n, s in shapes.items()}
+    return {n: torch.randn(s) * 0.05 for n, s in tiny.vllm_llama_shapes(config).items()}
 
 
 @pytest.mark.parametrize("selection", [r"^lm_head\.", ["lm_head.weight"],

@@ -44,21 +44,8 @@ SERVER = textwrap.dedent('''
 ''')
 
 
-def _vllm_shapes(model_dir) -> dict[str, list[int]]:
-    config = tiny.make_config("llama", 300)
-    h, q = config.hidden_size, config.num_attention_heads * config.head_dim
-    kv = config.num_key_value_heads * config.head_dim
-    shapes = {"model.embed_tokens.weight": [320, h], "model.norm.weight": [h],
-              "lm_head.weight": [320, h]}
-    for i in range(config.num_hidden_layers):
-        pre = f"model.layers.{i}."
-        shapes |= {pre + "self_attn.qkv_proj.weight": [q + 2 * kv, h],
-                   pre + "self_attn.o_proj.weight": [h, q],
-                   pre + "mlp.gate_up_proj.weight": [2 * config.intermediate_size, h],
-                   pre + "mlp.down_proj.weight": [h, config.intermediate_size],
-                   pre + "input_layernorm.weight": [h],
-                   pre + "post_attention_layernorm.weight": [h]}
-    return shapes
+def _vllm_shapes(model_dir) -> dict[str, tuple[int, ...]]:
+    return tiny.vllm_llama_shapes(tiny.make_config("llama", 300))
 
 
 def test_trainer_trains_a_cuda_server_tensors_in_place(tmp_path):

@@ -534,9 +534,8 @@ class RemoteGroup:
 
         A begin takes the lease without pausing (`stage`): each server goes on serving the
         old version while this process encodes and sends, and pauses only in its commit.
-        Before a plan's encode, its servers' workers are asked to receive the update (on
-        threads of their own: they wait for its start on the channel up to the lease), so
-        that they are ready when it is.
+        Once a plan's encode is done, its servers' workers are asked to receive the update
+        (on threads of their own: they wait for its start on the channel up to the lease).
         The lease is renewed every `lease_s / 3` until the sends end, however long the
         encodes and the sends take."""
         pool = ThreadPoolExecutor(2 * len(status) + 1)
@@ -548,10 +547,10 @@ class RemoteGroup:
             self._leased = dict(status)
             with Renewer(self.renew, lease_s):
                 for plan, link in plans:
-                    on = (link, uuid.uuid4().hex)  # asked first: they get ready meanwhile
+                    deltas = encode(plan)
+                    on = (link, uuid.uuid4().hex)
                     receipts = self._receive(pool, {u: status[u] for u in plan.urls}, on[1],
                                              lease_s)
-                    deltas = encode(plan)
                     link.channel.start(on[1], check=lambda r=receipts: _raise_failed(
                         r, "receive", wait=False))
                     try:

@@ -150,6 +150,29 @@ def build(arch: str, out_dir: str | Path, *, dtype: str = "bfloat16", seed: int 
     return out
 
 
+def vllm_llama_shapes(config) -> dict[str, tuple[int, ...]]:
+    """What a tp=1 vLLM Llama holds, for stand-in servers: name -> shape, q/k/v and
+    gate/up merged on dim 0, the vocabulary padded to a multiple of 64; tied embeddings:
+    one tensor, `model.embed_tokens.weight`."""
+    h, inter = config.hidden_size, config.intermediate_size
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    vocab = -(-config.vocab_size // 64) * 64
+    shapes = {"model.embed_tokens.weight": (vocab, h)}
+    for i in range(config.num_hidden_layers):
+        pre = f"model.layers.{i}."
+        shapes |= {pre + "self_attn.qkv_proj.weight": (q + 2 * kv, h),
+                   pre + "self_attn.o_proj.weight": (h, q),
+                   pre + "mlp.gate_up_proj.weight": (2 * inter, h),
+                   pre + "mlp.down_proj.weight": (h, inter),
+                   pre + "input_layernorm.weight": (h,),
+                   pre + "post_attention_layernorm.weight": (h,)}
+    shapes["model.norm.weight"] = (h,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (vocab, h)
+    return shapes
+
+
 def llama_tensors(*, hidden: int, inter: int, kv: int, vocab: int, layers: int,
                   scale: float = 1.0, seed: int = 0) -> dict:
     """Random bf16 tensors with a Llama model's HF names and shapes, no model around them
