@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hotweights.errors import ConfigError, ServerError
+from hotweights.protocol.http import CA_FILE_ENV
 from hotweights.protocol.version import VERSION_HEADER, parse_version
 
 try:
@@ -88,6 +89,13 @@ def _client_for(bridge: Bridge) -> type[VLLMClient]:
             n = parse_version(self._version)[0]
             self.sample_versions = [n] * len(out["completion_ids"])
             return out
+
+        def check_server(self, *args: Any, **kwargs: Any) -> None:
+            # The bridge has reached the server already. TRL's own check uses a bare
+            # `requests.get`, blind to the bridge's CA bundle: the session gets it instead
+            # (REQUESTS_CA_BUNDLE, when set, still comes first, as requests has it).
+            if cafile := bridge.cafile or os.environ.get(CA_FILE_ENV):
+                self.session.verify = os.fspath(cafile)
 
         def init_communicator(self, device: Any = 0) -> None:
             logger.info("hotweights: no weight-transfer group: %s serves the trainer's own "

@@ -1,0 +1,62 @@
+"""TRL's client for an https `hotweights serve`: the bridge's CA bundle reaches TRL's
+`requests` session (TRL's own server check uses a bare `requests.get`, blind to it)."""
+
+import http.server
+import json
+import ssl
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("trl")
+
+from hotweights.integrations.trl import _client_for  # noqa: E402
+from hotweights.protocol.http import CA_FILE_ENV  # noqa: E402
+
+
+class _Models(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802 - the stdlib's name
+        body = json.dumps({"data": [{"id": "tiny"}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def https_url(tls):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Models)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(*tls.leaf("localhost", "127.0.0.1"))
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"https://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+@pytest.mark.parametrize("given", ["bridge", "env"])
+def test_trl_client_trusts_the_bridges_ca_bundle(https_url, tls, monkeypatch, given):
+    monkeypatch.delenv("REQUESTS_CA_BUNDLE", raising=False)
+    monkeypatch.delenv("CURL_CA_BUNDLE", raising=False)
+    if given == "env":
+        monkeypatch.setenv(CA_FILE_ENV, tls.ca)
+    bridge = SimpleNamespace(cafile=tls.ca if given == "bridge" else None)
+    client = _client_for(bridge)(base_url=https_url)
+    assert client.model == "tiny" and client.session.verify == tls.ca
+
+
+def test_without_the_ca_bundle_the_certificate_is_refused(https_url, monkeypatch):
+    for name in ("REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", CA_FILE_ENV):
+        monkeypatch.delenv(name, raising=False)
+    import requests
+    from trl.generation import vllm_client
+
+    # TRL's session retries with a backoff (a minute in all): one try is enough here
+    monkeypatch.setattr(vllm_client, "HTTPAdapter", lambda **_: requests.adapters.HTTPAdapter())
+    with pytest.raises(requests.exceptions.SSLError):
+        _client_for(SimpleNamespace(cafile=None))(base_url=https_url)
