@@ -498,6 +498,8 @@ def test_a_tensor_parallel_server_is_updated_shard_by_shard(tiny_model, tmp_path
         with RemoteGroup([server.url], token=TOKEN, timeout=10.0) as group:
             out = group.update(model)
             assert out["full"]
+            # each worker decodes xor-coded values against its own shard (`Shard.gather`)
+            assert group._links and all(link.xor for link in group._links.values())
             sent, total = out["bytes_sent"], _nbytes(model)
             got = _http(server.url, "/hotweights/remote/received")[2]
             staged, peak = got["staged_bytes"], got["peak_staging_bytes"]

@@ -142,3 +142,41 @@ def test_a_tensor_without_a_shard_goes_to_the_loader_whole():
     dense, sparse = staged.patches()
     assert [p.name for p in dense + sparse] == [LM_HEAD]
     assert (dense + sparse)[0].shape == shapes[LM_HEAD]
+
+
+@pytest.mark.parametrize("model", ["kv split, qkv bias", "ranks of vocab padding only"])
+def test_each_rank_decodes_xor_values_against_its_own_shard(model):
+    # a TP worker holds no whole tensor: xor values decode against its slabs (`gather`),
+    # 0 where it holds nothing, and those elements are cut away before anything is kept
+    m = MODELS[model]
+    hf, ties = hf_tensors(m, seed=m.tp)
+    old = {k: v.float() for k, v in hf.items()}
+    for t in old.values():
+        t.view(-1)[::7] = 1.0
+    new = _changed(old)
+    for t in new.values():  # 1.0 -> 2.0: their xor, decoded against 0, is +Inf
+        t.view(-1)[::7] = 2.0
+    shapes = {k: tuple(v.shape) for k, v in old.items()}
+    for r in range(m.tp):
+        params = reference_local(m, old, r)
+        layout = plan(m.config, {k: tuple(v.shape) for k, v in params.items()}, tp_size=m.tp,
+                      tp_rank=r, hf_shapes=(shapes, ties))
+        held = shards.of(layout, params, shapes | {a: shapes[t] for a, t in ties.items()})
+        assert all(s.gathers for s in held.values())
+        staged = Staged(_specs(new), shards=held, old=held)
+        rounds = list(pack(encode_all(old, new), max_bytes=1 << 20, values="xor"))
+        assert any(e.get("values") == "xor" for rd in rounds for e in rd.header["entries"])
+        for rd in rounds:
+            staged(rd)
+        staged.apply_in_place()
+        for name, t in reference_local(m, new, r).items():
+            assert torch.equal(params[name].view(torch.int32), t.view(torch.int32)), (name, r)
+
+
+def test_gather_reads_the_held_run_and_zero_elsewhere():
+    old = torch.arange(4 * 9, dtype=torch.float32).view(4, 9)
+    slab = old.narrow(1, 2, 3).contiguous()  # columns 2..4 held
+    shard = Shard((4, 9), 1, ((2, 3),), ((slab,),))
+    idx = torch.tensor([0, 2, 4, 5, 9 + 3, 35])
+    assert shard.gather(idx, torch.float32).tolist() == [0, 2, 4, 0, 12, 0]
+    assert Shard((4, 9), 0, ()).gather(idx, torch.float32).tolist() == [0] * 6

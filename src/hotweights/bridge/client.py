@@ -184,6 +184,12 @@ class Bridge:
                 after the update was aborted.
             RemoteError: a remote server failed (named; see above).
         """
+        floor = None
+        if self.remote is not None and self.remote.require == "any":
+            try:  # read before the pause: the remotes' versions, which N must be above
+                floor = self.remote.floor()
+            except RemoteError:  # no remote answers: this server commits all the same (the
+                floor = self.remote.n  # remotes' error follows, naming them)
         try:  # the server bounds the drain by lease_s; a client that gives up aborts
             began = self._post("/hotweights/begin", timeout=lease_s + 30, mode=mode,
                                lease_s=lease_s)
@@ -204,11 +210,7 @@ class Bridge:
             self.version = self._post("/hotweights/commit")["version"]
             return
         model = self._model or self.model()
-        if self.remote.require == "any":
-            try:
-                floor = self.remote.floor()
-            except RemoteError:  # no remote answers: this server commits all the same (the
-                floor = self.remote.n  # remotes' error follows, naming them)
+        if floor is not None:
             n = max(floor, began["n"]) + 1
             try:
                 self.version = self._post("/hotweights/commit", n=n)["version"]

@@ -167,15 +167,18 @@ def _decoded(e: dict, t: torch.Tensor, buf: torch.Tensor, nb, old, bad) -> tuple
     if xor and src is None:
         raise DeltaError(f"`{name}`: this receiver cannot decode xor values for `{name}` "
                          "(it was given no old value for it); refused")
-    if xor and (src.dtype != t.dtype or tuple(src.shape) != tuple(t.shape)):
+    if xor and (src.dtype not in (t.dtype, None) or tuple(src.shape) != tuple(t.shape)):
         raise bad("values", f"xor against an old value of {src.dtype} {tuple(src.shape)}, "
                   f"the target is {t.dtype} {tuple(t.shape)}")
     data = nb[e["offset"]:e["offset"] + sum(e["sections"])]
     data = data if isinstance(data, np.ndarray) else data.cpu().numpy()
 
     def old_bits(idx: np.ndarray) -> np.ndarray:
-        flat = src.detach().reshape(-1)
-        got = flat.index_select(0, torch.from_numpy(idx).to(flat.device))
+        if isinstance(src, torch.Tensor):
+            flat = src.detach().reshape(-1)
+            got = flat.index_select(0, torch.from_numpy(idx).to(flat.device))
+        else:  # a TP worker's `shards.Shard`: 0 where it holds none (cut away later)
+            got = src.gather(torch.from_numpy(idx), t.dtype)
         return got.view(_BITS[s]).cpu().numpy().view(codec.UINT[s])
     try:
         idx, bits = codec.decode(e, data, numel=t.numel(), itemsize=s,

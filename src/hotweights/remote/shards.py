@@ -140,6 +140,33 @@ class Shard:
         return [({"name": e["name"], "kind": ROWS}, (torch.cat(out_ranges),
                                                       torch.cat(out_rows)))]
 
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The slabs' dtype; None for a shard holding nothing."""
+        return self.dests[0][0].dtype if self.runs else None
+
+    @property
+    def gathers(self) -> bool:
+        """Whether `gather` can read this shard's old values: nothing held, or one run in one
+        contiguous slab (every split of q/k/v, o, gate/up, down and the vocabulary)."""
+        return not self.runs or (len(self.runs) == 1 and self.dests[0][0].is_contiguous())
+
+    def gather(self, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The live values at HF flat indices `idx` (int64), 0 where this worker holds none:
+        what xor-coded values decode against here (`Staged`: those elements are cut away
+        before anything is kept). Needs `gathers`."""
+        if not self.runs:
+            return torch.zeros(len(idx), dtype=dtype)
+        block, sblock, inner = self._geometry()
+        (a, n), slab = self.runs[0], self.dests[0][0].detach().reshape(-1)
+        idx = idx.to(slab.device)
+        o, rest = idx.div(block, rounding_mode="floor"), idx.remainder(block)
+        j = rest.div(inner, rounding_mode="floor") - a
+        held = (j >= 0) & (j < n)
+        at = torch.where(held, o * sblock + j * inner + rest.remainder(inner), 0)
+        return torch.where(held, slab.index_select(0, at), torch.zeros((), dtype=slab.dtype,
+                                                                       device=slab.device))
+
     def write(self, pieces: Iterable[Checked]) -> None:
         """Write cut pieces (any device) into the slabs: straight into a contiguous one,
         else through one shard-sized tensor on the slabs' device."""

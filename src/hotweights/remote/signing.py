@@ -61,10 +61,13 @@ def _sha256(chunk: torch.Tensor) -> bytes:
 
 
 def _threads() -> ThreadPoolExecutor:
-    """The digest threads; made again in a forked child (a fork keeps none of them)."""
+    """The digest threads, one per CPU this process may run on (at most 8); made again in a
+    forked child (a fork keeps none of them)."""
     global _pool
     if _pool is None or _pool[0] != os.getpid():
-        _pool = (os.getpid(), ThreadPoolExecutor(min(8, os.cpu_count() or 1),
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+            os.cpu_count() or 1
+        _pool = (os.getpid(), ThreadPoolExecutor(min(8, cpus),
                                                   thread_name_prefix="hotweights-digest"))
     return _pool[1]
 

@@ -55,9 +55,10 @@ class Staged:
     Args:
         specs: HF name -> a tensor of the model's dtype and shape (a meta tensor will do).
         old: HF name -> the tensor's current value (the live weights or views of them, any
-            device): ``values="xor"`` patch pieces are decoded against it when staged (the
-            weights do not change until the commit), so the staged pieces hold new values.
-            A round with xor values for a tensor it lacks is refused.
+            device), or the `Shard` of it that this worker holds, if it `gathers`:
+            ``values="xor"`` patch pieces are decoded against it when staged (the weights do
+            not change until the commit), so the staged pieces hold new values. A round with
+            xor values for a tensor it lacks is refused.
         shards: HF name -> what this worker holds of it and where (`remote.shards.of`);
             only those parts are kept, and `apply_in_place` writes them. A tensor without
             one (or with one of another shape than its spec) is kept whole, for `patches`.
@@ -84,8 +85,6 @@ class Staged:
         held, pieces = 0, []
         for e, t, views in delta_apply.checked(r, self.specs, old=self.old):
             name, kind = e["name"], e["kind"]
-            if kind != DENSE and t.dtype.is_floating_point and not delta_apply.finite(views[1]):
-                raise DeltaError(f"`{name}`: the {kind} values hold NaN or Inf; refused")
             start, stop = self._span(e, t, views)
             if start < self._next.get(name, 0):
                 raise DeltaError(f"`{name}`: a {kind} piece starts at element {start}, before "
@@ -97,6 +96,11 @@ class Staged:
                 views = (views[0].to(torch.int64), views[1])
             shard = self.shards.get(name)
             for ce, cv in shard.cut(e, views) if shard is not None else [(e, views)]:
+                # checked once cut: a TP worker decodes xor values it does not hold
+                # against 0 (`Shard.gather`), whatever they make
+                if kind != DENSE and t.dtype.is_floating_point and \
+                        not delta_apply.finite(cv[-1]):
+                    raise DeltaError(f"`{name}`: the {kind} values hold NaN or Inf; refused")
                 kept = tuple(self._keep(v) for v in cv)
                 held += sum(v.nbytes for v in kept)
                 pieces.append((name, (ce, kept)))

@@ -135,13 +135,14 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
                                    token=init_info.token,
                                    max_round_bytes=init_info.max_round_bytes, **kw)
         if self.staged is None:  # xor-coded values decode against the live weights' views
-            self.staged = Staged(self._specs(), old=self._views(), shards=self._held(),
+            self.staged = Staged(self._specs(), old=self._old(), shards=self._held(),
                                  pin=cuda)
 
     def decodes_xor(self) -> bool:
-        """Whether this worker holds every checkpoint tensor whole (tp=1), so it can decode
-        xor-coded values (`delta.pack(values="xor")`) against its live weights."""
-        return self.staged is not None and set(self.staged.specs) <= set(self._views())
+        """Whether this worker can read the old value of every checkpoint tensor it holds
+        part of (whole, or one run of it in one slab at TP > 1), so it can decode xor-coded
+        values (`delta.pack(values="xor")`) against its live weights."""
+        return self.staged is not None and set(self.staged.specs) <= set(self._old())
 
     def start_weight_update(self) -> None:
         self._require()
@@ -207,9 +208,12 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
                 self._shards = {}
         return self._shards
 
-    def _views(self) -> dict[str, torch.Tensor]:
-        """HF name -> a view of the live parameter slab that holds it whole (tp=1)."""
-        return {name: s.dests[0][0] for name, s in self._held().items() if s.whole}
+    def _old(self) -> dict[str, torch.Tensor | shards.Shard]:
+        """HF name -> what xor-coded values decode against: a view of the live slab that
+        holds the tensor whole (tp=1), else its shard where that `gathers` (a rank of
+        vocabulary padding only: a shard holding nothing); none for the loader's tensors."""
+        return {name: s.dests[0][0] if s.whole else s for name, s in self._held().items()
+                if s.whole or s.gathers}
 
     def finish_weight_update(self) -> None:
         """Apply what was staged (nothing after `discard`): tensor by tensor into the slabs
