@@ -1,5 +1,9 @@
+import http.server
 import importlib.util
+import json
 import os
+import ssl
+import threading
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may come from a hub
@@ -283,3 +287,42 @@ def _sha256():
 def tls(tmp_path_factory):
     """A test CA: `tls.ca` (PEM path) and `tls.leaf("localhost", "127.0.0.1")` -> (cert, key)."""
     return TLS(tmp_path_factory.mktemp("tls"))
+
+
+class _JSONHandler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802 - the stdlib's name
+        answer = self.server.answer or {"route": self.path,
+                                        "auth": self.headers.get("Authorization")}
+        body = json.dumps(answer).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def json_server():
+    """json_server(cert, key, answer=None) -> the port of a local server (https with a
+    certificate, else http) answering every GET with `answer` (JSON), else its route and
+    Authorization header."""
+    servers = []
+
+    def start(cert=None, key=None, answer=None) -> int:
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _JSONHandler)
+        server.answer = answer
+        if cert is not None:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(cert, key)
+            server.socket = context.wrap_socket(server.socket, server_side=True)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return server.server_address[1]
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()

@@ -1,51 +1,12 @@
 """protocol.http over https: a real local TLS server, certificates from a test CA."""
 
-import http.server
-import json
 import logging
-import ssl
-import threading
 
 import pytest
 
 from hotweights.errors import ConfigError, ServerError
 from hotweights.protocol import http as hw_http
 from hotweights.protocol.http import request
-
-
-class _Handler(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        body = json.dumps({"route": self.path,
-                           "auth": self.headers.get("Authorization")}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
-
-
-@pytest.fixture
-def serve():
-    """serve(cert, key) -> the port of a local server (https with a certificate, else http)."""
-    servers = []
-
-    def start(cert=None, key=None) -> int:
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-        if cert is not None:
-            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-            context.load_cert_chain(cert, key)
-            server.socket = context.wrap_socket(server.socket, server_side=True)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        servers.append(server)
-        return server.server_address[1]
-
-    yield start
-    for server in servers:
-        server.shutdown()
-        server.server_close()
 
 
 @pytest.fixture(autouse=True)
@@ -55,8 +16,8 @@ def no_ca_env(monkeypatch):
     monkeypatch.setattr(hw_http, "_warned", set())  # each test sees its own first warnings
 
 
-def test_https_with_the_ca_given_as_argument_or_variable(tls, serve, monkeypatch):
-    port = serve(*tls.leaf("localhost", "127.0.0.1"))
+def test_https_with_the_ca_given_as_argument_or_variable(tls, json_server, monkeypatch):
+    port = json_server(*tls.leaf("localhost", "127.0.0.1"))
     for url in (f"https://127.0.0.1:{port}", f"https://localhost:{port}"):
         assert request(url, "GET", "/hotweights/status", "tok", cafile=tls.ca) == {
             "route": "/hotweights/status", "auth": "Bearer tok"}
@@ -67,16 +28,16 @@ def test_https_with_the_ca_given_as_argument_or_variable(tls, serve, monkeypatch
     assert request(f"https://127.0.0.1:{port}", "GET", "/y", "tok")["route"] == "/y"
 
 
-def test_an_unknown_ca_fails_naming_the_url_and_the_option(tls, serve):
-    url = f"https://127.0.0.1:{serve(*tls.leaf('127.0.0.1'))}"
+def test_an_unknown_ca_fails_naming_the_url_and_the_option(tls, json_server):
+    url = f"https://127.0.0.1:{json_server(*tls.leaf('127.0.0.1'))}"
     with pytest.raises(ServerError, match=rf"GET /x: {url}: TLS certificate not trusted "
                        r"\(unable to get local issuer certificate\); pass the CA bundle that "
                        r"signed it: cafile= \(CLI: --cafile\) or HOTWEIGHTS_CA_FILE"):
         request(url, "GET", "/x", "tok")
 
 
-def test_a_certificate_for_another_host_fails_even_from_a_trusted_ca(tls, serve):
-    port = serve(*tls.leaf("elsewhere.example"))
+def test_a_certificate_for_another_host_fails_even_from_a_trusted_ca(tls, json_server):
+    port = json_server(*tls.leaf("elsewhere.example"))
     with pytest.raises(ServerError, match=rf"https://127.0.0.1:{port}: its TLS certificate "
                        r"does not name this host \(IP address mismatch.*\); use a host name"):
         request(f"https://127.0.0.1:{port}", "GET", "/x", "tok", cafile=tls.ca)
@@ -84,8 +45,8 @@ def test_a_certificate_for_another_host_fails_even_from_a_trusted_ca(tls, serve)
         request(f"https://localhost:{port}", "GET", "/x", "tok", cafile=tls.ca)
 
 
-def test_https_to_a_plain_http_server_says_what_is_wrong(tls, serve):
-    port = serve()
+def test_https_to_a_plain_http_server_says_what_is_wrong(tls, json_server):
+    port = json_server()
     with pytest.raises(ServerError, match=r"TLS handshake failed .*does it serve https"):
         request(f"https://127.0.0.1:{port}", "GET", "/x", "tok", cafile=tls.ca)
 
@@ -105,9 +66,9 @@ def test_a_bad_ca_bundle_is_named(tmp_path, monkeypatch, given_as):
                     cafile=path if given_as == "argument" else None)
 
 
-def test_token_over_plain_http_warns_once_per_remote_host(serve, caplog):
+def test_token_over_plain_http_warns_once_per_remote_host(json_server, caplog):
     caplog.set_level(logging.WARNING, logger="hotweights.protocol.http")
-    port = serve()
+    port = json_server()
     for host in ("127.0.0.1", "localhost"):  # loopback: never
         request(f"http://{host}:{port}", "GET", "/x", "tok")
     assert not caplog.records
@@ -122,7 +83,7 @@ def test_token_over_plain_http_warns_once_per_remote_host(serve, caplog):
     assert "10.255.255.2" in warned[1]
 
 
-def test_no_warning_over_https(tls, serve, caplog):
+def test_no_warning_over_https(tls, json_server, caplog):
     caplog.set_level(logging.WARNING, logger="hotweights.protocol.http")
     with pytest.raises(ServerError):
         request("https://10.255.255.1:9", "GET", "/x", "tok", cafile=tls.ca, timeout=0.2)

@@ -47,18 +47,24 @@ def _stage(old: dict, new: dict, held: dict, *, full: bool = False, **options) -
     return staged
 
 
+def _ranks(m: Model, old: dict, ties: dict):
+    """(rank, its vLLM parameters holding `old`, its shards) for each TP rank of `m`."""
+    shapes = {k: tuple(v.shape) for k, v in old.items()}
+    for r in range(m.tp):
+        params = reference_local(m, old, r)
+        layout = plan(m.config, {k: tuple(v.shape) for k, v in params.items()}, tp_size=m.tp,
+                      tp_rank=r, hf_shapes=(shapes, ties))
+        yield r, params, shards.of(layout, params, shapes | {a: shapes[t] for a, t in
+                                                             ties.items()})
+
+
 def _run(m: Model, options: dict) -> None:
     hf, ties = hf_tensors(m, seed=m.tp)
     old = {k: v.float() for k, v in hf.items()}
     new = _changed(old)
     kinds = {d.kind for d in encode_all(old, new)}
     assert {DENSE, ROWS, PATCH} <= kinds
-    shapes = {k: tuple(v.shape) for k, v in old.items()}
-    for r in range(m.tp):
-        params = reference_local(m, old, r)
-        layout = plan(m.config, {k: tuple(v.shape) for k, v in params.items()}, tp_size=m.tp,
-                      tp_rank=r, hf_shapes=(shapes, ties))
-        held = shards.of(layout, params, shapes | {a: shapes[t] for a, t in ties.items()})
+    for r, params, held in _ranks(m, old, ties):
         staged = _stage(old, new, held, **options)
         assert staged.patches() == ([], [])  # the plan maps every tensor: no loader
         assert staged.apply_in_place() <= set(old)
@@ -156,12 +162,7 @@ def test_each_rank_decodes_xor_values_against_its_own_shard(model):
     new = _changed(old)
     for t in new.values():  # 1.0 -> 2.0: their xor, decoded against 0, is +Inf
         t.view(-1)[::7] = 2.0
-    shapes = {k: tuple(v.shape) for k, v in old.items()}
-    for r in range(m.tp):
-        params = reference_local(m, old, r)
-        layout = plan(m.config, {k: tuple(v.shape) for k, v in params.items()}, tp_size=m.tp,
-                      tp_rank=r, hf_shapes=(shapes, ties))
-        held = shards.of(layout, params, shapes | {a: shapes[t] for a, t in ties.items()})
+    for r, params, held in _ranks(m, old, ties):
         assert all(s.gathers for s in held.values())
         staged = Staged(_specs(new), shards=held, old=held)
         rounds = list(pack(encode_all(old, new), max_bytes=1 << 20, values="xor"))

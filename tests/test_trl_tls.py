@@ -1,10 +1,6 @@
 """TRL's client for an https `hotweights serve`: the bridge's CA bundle reaches TRL's
 `requests` session (TRL's own server check uses a bare `requests.get`, blind to it)."""
 
-import http.server
-import json
-import ssl
-import threading
 from types import SimpleNamespace
 
 import pytest
@@ -15,28 +11,10 @@ from hotweights.integrations.trl import _client_for  # noqa: E402
 from hotweights.protocol.http import CA_FILE_ENV  # noqa: E402
 
 
-class _Models(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):  # noqa: N802 - the stdlib's name
-        body = json.dumps({"data": [{"id": "tiny"}]}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
-
-
 @pytest.fixture
-def https_url(tls):
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Models)
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.load_cert_chain(*tls.leaf("localhost", "127.0.0.1"))
-    server.socket = context.wrap_socket(server.socket, server_side=True)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"https://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
+def https_url(json_server, tls):
+    port = json_server(*tls.leaf("localhost", "127.0.0.1"), answer={"data": [{"id": "tiny"}]})
+    return f"https://127.0.0.1:{port}"
 
 
 @pytest.mark.parametrize("given", ["bridge", "env"])

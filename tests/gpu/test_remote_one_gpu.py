@@ -5,7 +5,6 @@ applied in place there; a TP worker's shard (strided runs of a tensor, slabs on 
 written from pinned staging; and round digests of CUDA tensors equal to the CPU ones.
 """
 
-import hashlib
 import json
 import os
 import socket
@@ -15,6 +14,7 @@ import textwrap
 
 import pytest
 import torch
+from test_remote_nccl import _sum
 
 from hotweights.remote import delta, signing
 from hotweights.remote.channel import Channel
@@ -62,13 +62,6 @@ RECEIVER = textwrap.dedent('''
                           "peak": staged.peak}), flush=True)
     ch.close()
 ''')
-
-
-def _sum(w: dict) -> str:
-    h = hashlib.sha256()
-    for k in sorted(w):
-        h.update(w[k].view(torch.int16).cpu().numpy().tobytes())
-    return h.hexdigest()
 
 
 def _free_port() -> int:
