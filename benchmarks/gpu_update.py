@@ -44,7 +44,7 @@ import argparse
 import contextlib
 import gc
 import json
-import socket
+import math
 import subprocess
 import sys
 import time
@@ -82,13 +82,7 @@ def vllm_shapes(config) -> dict[str, tuple[int, ...]]:
 
 
 def numel(shapes: dict[str, tuple[int, ...]]) -> int:
-    out = 0
-    for shape in shapes.values():
-        n = 1
-        for d in shape:
-            n *= d
-        out += n
-    return out
+    return sum(math.prod(shape) for shape in shapes.values())
 
 
 def checksum(t) -> int:
@@ -202,12 +196,6 @@ def receive_child() -> int:
     return 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def best_ms(repeat: int, step: Callable[[], None], device: str) -> float:
     """The fastest of `repeat` timed calls of `step` (+ synchronize), after a warm-up."""
     times = []
@@ -275,8 +263,10 @@ def nccl_bcast_ms(own: dict, own_model, name: str, repeat: int, device: str) -> 
     import torch
     import torch.distributed as dist
 
+    from hotweights.server.launch import free_port
+
     cuda = device.startswith("cuda")
-    port = _free_port()
+    port = free_port()
     spec = dict(shapes={n: list(t.shape) for n, t in own.items()}, port=port, rounds=1 + repeat,
                 device=f"cuda:{torch.device(device).index + 1}" if cuda else "cpu",
                 backend="nccl" if cuda else "gloo", check=[name])

@@ -4,6 +4,7 @@ import json
 import os
 import ssl
 import threading
+from pathlib import Path
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may come from a hub
@@ -326,3 +327,18 @@ def json_server():
     for server in servers:
         server.shutdown()
         server.server_close()
+
+
+@pytest.fixture
+def load_bench(monkeypatch):
+    """load_bench(name) -> the benchmark script benchmarks/<name>.py as a module (benchmarks/
+    on sys.path, as when it runs)."""
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    monkeypatch.syspath_prepend(str(bench))
+
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", bench / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    return load

@@ -1,12 +1,9 @@
 """benchmarks/checkpoint_sync.py's arithmetic, without I/O: the JSON object (keys, the
 XFS's nulls), the targets, the table, the XFS image's size and why it cannot be made."""
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 KEYS = {"model_bytes", "default_fs", "changed_bytes", "written_bytes", "speedup_vs_seed",
         "speedup_vs_full", "scattered_speedup_vs_full", "nochange_gbps", "hash_gbps",
         "nochange_vs_hash", "named_speedup_vs_seed", "named_speedup_vs_full",
@@ -17,13 +14,8 @@ KEYS = {"model_bytes", "default_fs", "changed_bytes", "written_bytes", "speedup_
 
 
 @pytest.fixture
-def bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))
-    spec = importlib.util.spec_from_file_location("bench_checkpoint_sync",
-                                                  BENCH / "checkpoint_sync.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def bench(load_bench):
+    return load_bench("checkpoint_sync")
 
 
 def rows(hotweights: float, how: str) -> dict:

@@ -2,27 +2,20 @@
 (derived, never allocated), and its three methods end to end on a tiny CPU model (the
 server's tensors in /dev/shm instead of CUDA IPC, gloo instead of NCCL)."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from hotweights import plan
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 KEYS = {"params_b", "update_ms", "ipc_copy_ms", "nccl_bcast_ms", "speedup_vs_copy", "skipped",
         "digest_gbps"}
 
 
 @pytest.fixture
-def bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))
-    spec = importlib.util.spec_from_file_location("bench_gpu_update", BENCH / "gpu_update.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def bench(load_bench):
+    return load_bench("gpu_update")
 
 
 def test_without_cuda_the_json_has_every_key_null_and_says_why(bench, monkeypatch, capsys):

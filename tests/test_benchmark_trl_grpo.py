@@ -1,16 +1,13 @@
 """benchmarks/trl_grpo.py's arithmetic, without vLLM: model shapes, per-run figures from
 raw times and TRL's log, the JSON object (keys, nulls, the speedup's fallback), PSS."""
 
-import importlib.util
 import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 KEYS = {"model_bytes", "trl_sync_s", "hw_sync_s", "hws_sync_s", "sync_speedup",
         "speedup_mode", "trl_sync_s_small", "hw_sync_s_small", "trl_step_s", "hw_step_s",
         "hws_step_s", "trl_peak_gb", "hw_peak_gb", "hws_peak_gb", "trl_logprob_gap",
@@ -19,12 +16,8 @@ KEYS = {"model_bytes", "trl_sync_s", "hw_sync_s", "hws_sync_s", "sync_speedup",
 
 
 @pytest.fixture
-def bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))
-    spec = importlib.util.spec_from_file_location("bench_trl_grpo", BENCH / "trl_grpo.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def bench(load_bench):
+    return load_bench("trl_grpo")
 
 
 def test_default_model_is_half_a_gigabyte_and_the_small_one_a_quarter(bench):

@@ -5,16 +5,12 @@ The crash is real but small: a "server" whose engine core process kills itself w
 vLLM's message and exits 1. No vLLM starts here.
 """
 
-import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 # The engine core dies of SIGILL (no core file); the server says so, as vLLM does, and exits.
 DYING_SERVER = """
@@ -31,19 +27,6 @@ SIGILL_CHILD = ("import os, resource, signal; resource.setrlimit(resource.RLIMIT
                 " os.kill(os.getpid(), signal.SIGILL)")
 
 
-@pytest.fixture
-def load(monkeypatch):
-    """Import a benchmark script by name (benchmarks/ on sys.path, as when it runs)."""
-    monkeypatch.syspath_prepend(str(BENCH))
-
-    def load(name: str):
-        spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    return load
-
-
 def figures(times: list[float], **extra) -> dict:
     return dict(times=times, idle=1.0, changed=len(times), **extra)
 
@@ -55,21 +38,21 @@ def figures(times: list[float], **extra) -> dict:
     "http://127.0.0.1:1234: server exited with -4; /tmp/x.log:",
     "Fatal Python error: Illegal instruction",
 ])
-def test_crash_names_sigill(load, text):
-    survive = load("_survive")
+def test_crash_names_sigill(load_bench, text):
+    survive = load_bench("_survive")
     assert survive.crash(text) == ("a process died of SIGILL (illegal instruction: "
                                    "a kernel this CPU cannot run)")
 
 
-def test_crash_ignores_plain_exits(load):
-    survive = load("_survive")
+def test_crash_ignores_plain_exits(load_bench):
+    survive = load_bench("_survive")
     assert survive.crash("server exited with 1; Failed core proc(s): {'EngineCore_DP0': 1}") \
         is None
     assert survive.died_of(1) == "exit 1"
 
 
-def test_update_latency_reports_the_dead_baseline(load, monkeypatch, tmp_path, capsys):
-    bench = load("update_latency")
+def test_update_latency_reports_the_dead_baseline(load_bench, monkeypatch, tmp_path, capsys):
+    bench = load_bench("update_latency")
     monkeypatch.setattr(bench, "tiny", SimpleNamespace(
         build=lambda arch, path, **kw: path.mkdir(parents=True, exist_ok=True) or path))
     monkeypatch.setattr(bench, "vllm_command",
@@ -108,9 +91,9 @@ def test_update_latency_reports_the_dead_baseline(load, monkeypatch, tmp_path, c
     assert result["speedup_vs_reload"] == 4.0 and result["trainer_overhead_pct"] == 1.0
 
 
-def test_update_latency_fails_when_hotweights_cannot_run(load, monkeypatch, tmp_path,
+def test_update_latency_fails_when_hotweights_cannot_run(load_bench, monkeypatch, tmp_path,
                                                          capsys):
-    bench = load("update_latency")
+    bench = load_bench("update_latency")
     monkeypatch.setattr(bench, "tiny", SimpleNamespace(
         build=lambda arch, path, **kw: path.mkdir(parents=True, exist_ok=True) or path))
 
@@ -129,8 +112,8 @@ def test_update_latency_fails_when_hotweights_cannot_run(load, monkeypatch, tmp_
     assert result["speedup_model"] == "dense" and result["speedup_vs_reload"] == 3.82
 
 
-def test_views_skips_an_arch_whose_child_dies_of_sigill(load, monkeypatch, tmp_path, capsys):
-    views = load("views")
+def test_views_skips_an_arch_whose_child_dies_of_sigill(load_bench, monkeypatch, tmp_path, capsys):
+    views = load_bench("views")
     monkeypatch.setattr(views, "skip_reason", lambda arch: None)
     monkeypatch.setattr(views, "build_model", lambda arch, size, workdir: workdir)
     monkeypatch.setattr(views, "child_command",
@@ -144,10 +127,10 @@ def test_views_skips_an_arch_whose_child_dies_of_sigill(load, monkeypatch, tmp_p
     assert "--- qwen3_moe failed (SIGILL" in err
 
 
-def test_remote_update_names_servers_that_cannot_start(load, monkeypatch, tmp_path, capsys):
+def test_remote_update_names_servers_that_cannot_start(load_bench, monkeypatch, tmp_path, capsys):
     import torch
 
-    bench = load("remote_update")
+    bench = load_bench("remote_update")
     weights = {"model.embed_tokens.weight": torch.zeros(4, 2, dtype=torch.bfloat16)}
 
     def spawn(model, *, port, token, log, vllm_args):

@@ -130,13 +130,20 @@ def _wait_key(store: TCPStore, key: str) -> bytes:
     return store.get(key)
 
 
-def test_a_rank_claimed_first_by_a_stranger_fails_the_channel_by_name():
+def _before_the_receivers_go() -> tuple[list, _Trainer, TCPStore]:
+    """Two receivers and a trainer of a channel whose nonce is in its store, the receivers
+    held back: (receivers, trainer, an attacker's connection to the store)."""
     port = _port()
     procs = _receivers(port, 3)
     trainer = _Trainer(port, 3)
     trainer.start()
     s = _store(port)
     _wait_key(s, f"{NS}/nonce")
+    return procs, trainer, s
+
+
+def test_a_rank_claimed_first_by_a_stranger_fails_the_channel_by_name():
+    procs, trainer, s = _before_the_receivers_go()
     s.compare_set(f"{NS}/claim/1", "", "attacker")
     s.set(f"{NS}/proof/1", "0" * 64)  # it cannot compute the real one
     _go(procs)
@@ -150,12 +157,7 @@ def test_a_rank_claimed_first_by_a_stranger_fails_the_channel_by_name():
 
 
 def test_a_nonce_overwritten_in_the_store_is_named_and_nothing_is_sent():
-    port = _port()
-    procs = _receivers(port, 3)
-    trainer = _Trainer(port, 3)
-    trainer.start()
-    s = _store(port)
-    _wait_key(s, f"{NS}/nonce")
+    procs, trainer, s = _before_the_receivers_go()
     s.set(f"{NS}/nonce", "f" * 32)  # a nonce whose proofs the attacker hopes to steer
     _go(procs)
     err = trainer.outcome()

@@ -5,7 +5,6 @@ place on its GPU. NCCL needs one GPU per rank: the test needs two devices.
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -15,6 +14,7 @@ import torch
 
 from hotweights.remote import delta
 from hotweights.remote.channel import Channel
+from hotweights.server.launch import free_port
 from hotweights.testing import tiny
 
 pytestmark = [
@@ -58,9 +58,7 @@ def _sum(w: dict) -> str:
 
 
 def test_nccl_rounds_arrive_bit_identical_and_apply_in_place_on_the_gpu():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     proc = subprocess.Popen([sys.executable, "-c", RECEIVER, str(port), TOKEN],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)

@@ -7,7 +7,6 @@ written from pinned staging; and round digests of CUDA tensors equal to the CPU 
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -20,6 +19,7 @@ from hotweights.remote import delta, signing
 from hotweights.remote.channel import Channel
 from hotweights.remote.shards import Shard
 from hotweights.remote.staging import Staged
+from hotweights.server.launch import free_port
 from hotweights.testing import tiny
 
 DEVICE = "cuda:0"  # a module constant so the same code can be tried on "cpu" without a GPU
@@ -64,14 +64,8 @@ RECEIVER = textwrap.dedent('''
 ''')
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_cuda_deltas_staged_pinned_and_applied_in_place_on_the_gpu():
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     proc = subprocess.Popen([sys.executable, "-c", RECEIVER, str(port), TOKEN, DEVICE,
                              json.dumps(SHAPES)],
