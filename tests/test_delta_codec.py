@@ -275,17 +275,18 @@ def test_bit_packing_matches_the_bit_by_bit_stream_at_every_width(seed):
     rng = np.random.default_rng(seed)
     n = int(rng.integers(1, 300))
     x = rng.integers(0, 1 << 63, n, dtype=np.uint64) << np.uint64(1) | np.uint64(seed & 1)
-    for width in (1, 3, 5, 7, 9, 13, 31, 33, 57, 62):  # fixed (whole bytes take a byte path)
+    for width in (1, 3, 5, 7, 9, 13, 31, 33, 55, 56, 57, 62):  # fixed (whole bytes: a byte path)
         packed = codec._pack_fixed(x, width)
         assert np.array_equal(packed, _bits_reference(x, np.full(n, width)))
         mask = np.uint64((1 << width) - 1)
         assert np.array_equal(codec._unpack_fixed(packed, n, width), x & mask)
     widths = rng.integers(0, 64, n)  # varying, zero widths included
     widths[rng.random(n) < 0.3] = 0
-    packed = codec._pack_varying(x, widths)
-    assert np.array_equal(packed, _bits_reference(x, widths))
-    mask = (np.uint64(1) << widths.astype(np.uint64)) - np.uint64(1)
-    assert np.array_equal(codec._unpack_varying(packed, widths), x & mask)
+    for w in (widths, widths % 57, np.full(n, 5)):  # any; grouped reads; one width
+        packed = codec._pack_varying(x, w)
+        assert np.array_equal(packed, _bits_reference(x, w))
+        mask = (np.uint64(1) << w.astype(np.uint64)) - np.uint64(1)
+        assert np.array_equal(codec._unpack_varying(packed, w), x & mask)
 
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32, np.uint64])
@@ -293,3 +294,16 @@ def test_bit_length_is_exact_at_every_size(dtype):
     top = np.iinfo(dtype).max
     x = np.array([0, 1, 2, 3, top >> 1, (top >> 1) + 1, top - 1, top], dtype)
     assert codec._bit_length(x).tolist() == [int(v).bit_length() for v in x]
+
+
+@pytest.mark.parametrize("high", [1, 3, 255])
+def test_gaps_that_would_wrap_when_shifted_are_refused(high):
+    # shift 62: a high byte of 1 makes a gap of 2**62, 3 one past int64: never read as
+    # negative indices (an escaped 255 stands for section [2]'s uint64)
+    escape = np.array([999], "<u8").view(np.uint8) if high == 255 else np.zeros(0, np.uint8)
+    data = np.concatenate([np.zeros(8, np.uint8), [high], escape, [0x7F, 0x7F], [0, 0]])
+    fields = {"count": 2, "first": 0, "shift": 62, "values": "raw",
+              "sections": [8, 1, len(escape), 2, 2], "zipped": []}
+    assert codec.check_fields(fields, 1000, 2) == len(data)
+    with pytest.raises(codec.CodecError, match="run past the 1000 elements"):
+        codec.decode(fields, data.astype(np.uint8), numel=1000, itemsize=2, floating=True)

@@ -41,6 +41,14 @@ _SECTIONS = 5
 _ZIPPABLE = (1, 3)
 _ESC = 255
 UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_GROUPED = 56  # widths up to this many bits are read with one unaligned uint64 read each,
+# and fixed ones (un)packed 8 values at a time
+_MASKS = (np.uint64(1) << np.arange(64, dtype=np.uint64)) - np.uint64(1)  # width -> its mask
+# an xor's bit length -> the bits sent below its leading one; -> that leading one, per size
+_WIDTH = np.maximum(np.arange(65) - 1, 0).astype(np.uint8)
+_BIT_LENGTH16 = np.frexp(np.arange(1 << 16, dtype=np.float64))[1].astype(np.uint8)
+_LEAD = {s: np.r_[0, np.uint64(1) << np.arange(8 * s, dtype=np.uint64)].astype(UINT[s])
+         for s in UINT}
 
 
 class CodecError(DeltaError):
@@ -59,8 +67,24 @@ def _pack_fixed(x: np.ndarray, width: int) -> np.ndarray:
         return np.zeros(0, np.uint8)
     if width % 8 == 0:  # whole bytes: the little-endian bytes of each value
         return np.ascontiguousarray(x.view(np.uint8).reshape(-1, 8)[:, :width // 8]).reshape(-1)
-    return _write_bits(x, np.arange(0, len(x) * width, width, dtype=np.uint64),
-                       np.full(len(x), width, np.uint64))
+    if width > _GROUPED:
+        return _write_bits(x, np.arange(0, len(x) * width, width, dtype=np.uint64),
+                           np.full(len(x), width, np.uint64))
+    # 8 values fill exactly `width` bytes, value j of each group at the same bit offset:
+    # each j is one strided pass over the groups, shifted into the group's uint64 words
+    n, w64 = len(x), np.uint64(width)
+    groups, nwords = -(-n // 8), -(-width // 8)
+    padded = np.zeros(groups * 8, np.uint64)
+    np.bitwise_and(x, (np.uint64(1) << w64) - np.uint64(1), out=padded[:n])
+    lanes = np.ascontiguousarray(padded.reshape(groups, 8).T)
+    words = np.zeros((nwords, groups), np.uint64)
+    for j in range(8):
+        word, bit = divmod(j * width, 64)
+        words[word] |= lanes[j] << np.uint64(bit)
+        if bit + width > 64:  # its high bits in the next word
+            words[word + 1] |= (lanes[j] >> np.uint64(1)) >> np.uint64(63 - bit)
+    out = np.ascontiguousarray(words.T).view(np.uint8).reshape(groups, 8 * nwords)[:, :width]
+    return out.reshape(-1)[:(n * width + 7) // 8].copy()
 
 
 def _write_bits(x: np.ndarray, pos: np.ndarray, width: np.ndarray) -> np.ndarray:
@@ -80,8 +104,21 @@ def _write_bits(x: np.ndarray, pos: np.ndarray, width: np.ndarray) -> np.ndarray
 def _unpack_fixed(data: np.ndarray, n: int, width: int) -> np.ndarray:
     if not width or not n:
         return np.zeros(n, np.uint64)
-    return _read_bits(data, np.arange(0, n * width, width, dtype=np.uint64),
-                      np.full(n, width, np.uint64))
+    if width > _GROUPED:
+        return _read_bits(data, np.arange(0, n * width, width, dtype=np.uint64),
+                          np.full(n, width, np.uint64))
+    # `_pack_fixed`'s groups: value j of every group through one strided (unaligned) uint64
+    # view of the bytes, at the same byte offset and bit shift in each group
+    groups = -(-n // 8)
+    padded = np.zeros(groups * width + 8, np.uint8)
+    padded[:len(data)] = data
+    lanes, mask = np.empty((8, groups), np.uint64), (np.uint64(1) << np.uint64(width)) - 1
+    for j in range(8):
+        at, bit = divmod(j * width, 8)
+        words = np.ndarray((groups,), "<u8", buffer=padded, offset=at, strides=(width,))
+        np.right_shift(words, np.uint64(bit), out=lanes[j])
+        np.bitwise_and(lanes[j], mask, out=lanes[j])
+    return lanes.T.reshape(-1)[:n]
 
 
 def _read_bits(data: np.ndarray, pos: np.ndarray, width: np.ndarray) -> np.ndarray:
@@ -97,6 +134,8 @@ def _read_bits(data: np.ndarray, pos: np.ndarray, width: np.ndarray) -> np.ndarr
 
 def _bit_length(x: np.ndarray) -> np.ndarray:
     """Bits needed by each unsigned `x` (0 for 0), as uint8: exact for all 64 bits."""
+    if x.dtype.itemsize <= 2:
+        return _BIT_LENGTH16[x]
     if x.dtype.itemsize <= 4:  # exact in a float64: frexp's exponent is the bit length
         return np.frexp(x.astype(np.float64))[1].astype(np.uint8)
     hi, lo = (x >> np.uint64(32)).astype(np.float64), (x & np.uint64(0xFFFFFFFF)).astype(
@@ -106,17 +145,31 @@ def _bit_length(x: np.ndarray) -> np.ndarray:
 
 def _pack_varying(x: np.ndarray, widths: np.ndarray) -> np.ndarray:
     """The low widths[i] bits of each x[i], back to back, little-endian bit order."""
-    w = widths.astype(np.uint64)
-    if not len(w) or not int(w.sum()):
+    if not len(widths) or not (top := int(widths.max())):
         return np.zeros(0, np.uint8)
+    x = x.astype(np.uint64, copy=False)
+    if int(widths.min()) == top:  # one width: the same stream, packed 8 at a time
+        return _pack_fixed(x, top)
+    w = widths.astype(np.uint64)
     return _write_bits(x, np.cumsum(w) - w, w)
 
 
 def _unpack_varying(data: np.ndarray, widths: np.ndarray) -> np.ndarray:
     w = widths.astype(np.uint64)
-    if not len(w) or not int(w.sum()):
+    if not len(w) or not (top := int(w.max())):
         return np.zeros(len(widths), np.uint64)
-    return _read_bits(data, np.cumsum(w) - w, w)
+    if int(w.min()) == top:
+        return _unpack_fixed(data, len(w), top)
+    pos = np.cumsum(w) - w
+    if top > _GROUPED:
+        return _read_bits(data, pos, w)
+    # each value from one unaligned uint64 read at its first byte (its bits fit: <= 56 + 7)
+    padded = np.zeros(len(data) + 8, np.uint8)
+    padded[:len(data)] = data
+    words = np.ndarray((len(data) + 1,), "<u8", buffer=padded, strides=(1,))
+    out = words[pos >> np.uint64(3)]
+    out >>= pos & np.uint64(7)
+    return out & _MASKS[w]
 
 
 def _zip(raw: np.ndarray) -> bytes | None:
@@ -189,8 +242,8 @@ def encode(indices: np.ndarray, bits: np.ndarray, *, floating: bool,
     else:
         x = bits ^ old
         length = _bit_length(x)
-        widths = np.maximum(length.astype(np.int16) - 1, 0)
-        sections += [length, _pack_varying(x.astype(np.uint64), widths)]
+        widths = _WIDTH[length]
+        sections += [length, _pack_varying(x, widths)]
     zipped = []
     for i in _ZIPPABLE:
         if (z := _zip(sections[i])) is not None:
@@ -259,26 +312,31 @@ def decode(e: dict, data: np.ndarray, *, numel: int, itemsize: int, floating: bo
     utype = UINT[itemsize]
     if not k:
         return np.zeros(0, np.int64), np.zeros(0, utype)
-    gaps_n = k - 1
+    gaps_n, first = k - 1, e["first"]
     high = _unzip(part[1], gaps_n, "indices") if 1 in e["zipped"] else part[1]
-    high = high.astype(np.uint64)
     escaped = high == _ESC
-    escapes = part[2].view("<u8").astype(np.uint64)
-    if int(escaped.sum()) != len(escapes):
-        raise CodecError("indices", f"hold {int(escaped.sum())} escaped gaps, section [2] "
+    escapes = part[2].view("<u8")
+    if (n_escaped := int(np.count_nonzero(escaped))) != len(escapes):
+        raise CodecError("indices", f"hold {n_escaped} escaped gaps, section [2] "
                          f"{len(escapes)}")
     if len(escapes) and int(escapes.max()) >= numel:
         raise CodecError("indices", f"hold a gap past the {numel} elements")
-    high[escaped] = escapes
-    gaps = (high << np.uint64(shift)) | _unpack_fixed(part[0], gaps_n, shift)
-    # each gap < numel << shift is checked in floats first: the int sum cannot wrap
-    if float(high.sum(dtype=np.float64)) * 2.0 ** shift + k > 2.0 ** 62 or (
-            e["first"] + int(gaps.sum(dtype=np.uint64)) + gaps_n >= numel):
+    wide = high.astype(np.uint64)
+    if len(escapes):
+        wide[escaped] = escapes
+    # every gap is below (max(255, numel) + 1) << shift: where k of them could pass 2**62,
+    # their sum is checked in floats first, so neither the shift nor the sum can wrap
+    if k * ((max(_ESC, numel) + 1) << shift) >= 2 ** 62 and \
+            (float(wide.sum(dtype=np.float64)) + k) * 2.0 ** shift > 2.0 ** 62:
         raise CodecError("indices", f"run past the {numel} elements")
-    idx = np.empty(k, np.int64)
-    idx[0] = e["first"]
-    np.cumsum(gaps.astype(np.int64) + 1, out=idx[1:])
-    idx[1:] += e["first"]
+    gaps = _unpack_fixed(part[0], gaps_n, shift)
+    gaps |= np.left_shift(wide, np.uint64(shift), out=wide)
+    idx = np.empty(k, np.int64)  # first, then each gap + 1, summed up
+    idx[0] = first
+    np.add(gaps.view(np.int64), 1, out=idx[1:])
+    np.cumsum(idx, out=idx)
+    if int(idx[-1]) >= numel:
+        raise CodecError("indices", f"run past the {numel} elements")
     if e["values"] == RAW:
         top = _unzip(part[3], k, "values") if 3 in e["zipped"] else part[3]
         b = np.empty((k, itemsize), np.uint8)
@@ -290,14 +348,14 @@ def decode(e: dict, data: np.ndarray, *, numel: int, itemsize: int, floating: bo
     if len(length) and int(length.max()) > 8 * itemsize:
         raise CodecError("values", f"hold an xor of {int(length.max())} bits, more than "
                          f"{8 * itemsize}")
-    widths = np.maximum(length.astype(np.int16) - 1, 0)
-    if (int(widths.sum()) + 7) // 8 != sizes[4]:
-        raise CodecError("values", f"need {(int(widths.sum()) + 7) // 8} bytes of xor bits, "
-                         f"section [4] holds {sizes[4]}")
-    x = _unpack_varying(part[4], widths)
-    lead = np.where(length > 0, np.uint64(1) << np.maximum(length.astype(np.int64) - 1, 0)
-                    .astype(np.uint64), np.uint64(0))
-    return idx, (old(idx) ^ (x | lead).astype(utype))
+    widths = _WIDTH[length]
+    if (int(widths.sum(dtype=np.uint64)) + 7) // 8 != sizes[4]:
+        raise CodecError("values", f"need {(int(widths.sum(dtype=np.uint64)) + 7) // 8} "
+                         f"bytes of xor bits, section [4] holds {sizes[4]}")
+    values = old(idx) ^ _LEAD[itemsize][length]  # the leading one of each xor is implied
+    if sizes[4]:
+        values ^= _unpack_varying(part[4], widths).astype(utype)
+    return idx, values
 
 
 # -- the round compressor ---------------------------------------------------------------------
