@@ -22,7 +22,7 @@ MAX_BYTES = 16 << 10
 # The receiver runs in a plain process: builds the same old weights, checks and applies every
 # round, prints one JSON line per update (or per error) with a checksum of its weights.
 RECEIVER = r"""
-import hashlib, json, os, signal, sys, time, torch
+import hashlib, json, os, signal, sys, threading, time, torch
 from hotweights.remote import delta_apply
 from hotweights.errors import HotweightsError
 from hotweights.remote.channel import Channel
@@ -54,12 +54,16 @@ try:
                 raise HotweightsError("round 3 refused by the test")
             delta_apply.check(r.header, w)
             staged.append(delta_apply.Round(r.header, r.buffer.clone()))
+        announced = {"update": f"u{u}", "wait": 4 * float(sys.argv[8])}
+        if mode == "armed":  # no time bound; update 1 is dropped by this side after 1 s
+            announced = {"update": f"u{u}", "wait": float("inf"), "stop": threading.Event()}
+            if u == 1:
+                threading.Timer(1.0, announced["stop"].set).start()
         try:
             ch.receive(stage, relay=rl if rl is not ch else None,
-                       **({"update": f"u{u}", "wait": 4 * float(sys.argv[8])}
-                          if mode == "announced" else {}))
+                       **(announced if mode in ("announced", "armed") else {}))
         except HotweightsError as e:  # a refusal: nothing applied, the channel goes on
-            if not any(x in str(e) for x in ("refused", "cancelled", "aborted")):
+            if not any(x in str(e) for x in ("refused", "cancelled", "aborted", "stopped")):
                 raise
             print(json.dumps({"update": u, "refused": str(e), "sum": checksum(w)}), flush=True)
             continue
@@ -301,6 +305,24 @@ def test_announced_updates_wait_past_the_timeout_and_a_cancelled_one_changes_not
                            r"receiving the update within"):
             ch.start("u4")
         assert TIMEOUT <= time.monotonic() - t < TIMEOUT + 3
+
+
+def test_an_update_awaited_without_bound_arrives_late_or_is_dropped_by_its_receiver():
+    port, old = _port(), weights()
+    procs = _receivers(port, 2, 3, r1={"mode": "armed"})
+    g = torch.Generator().manual_seed(5)
+    first, third = _rows(old, g), _scattered(old, g)
+    with Channel(master_addr="127.0.0.1", master_port=port, rank=0, world_size=2,
+                 token=TOKEN, timeout=TIMEOUT) as ch:
+        time.sleep(TIMEOUT * 1.3)  # past the timeout and any lease: still waited for
+        ch.start("u0")
+        ch.send(delta.pack(delta.encode_all(old, first), max_bytes=MAX_BYTES))
+        time.sleep(2.5)  # u1 never comes: the receiver stops waiting for it after 1 s
+        ch.start("u2")
+        ch.send(delta.pack(delta.encode_all(first, third), max_bytes=MAX_BYTES))
+        lines = _lines(procs[0])
+    assert [x.get("sum") for x in lines] == [checksum(first), checksum(first), checksum(third)]
+    assert "stopped waiting for update u1 (dropped by this side)" in lines[1]["refused"]
 
 
 def test_receivers_waiting_for_an_announced_update_learn_the_sender_is_gone():

@@ -51,7 +51,8 @@ class StubClient:
         self.calls.append(method)
         self.args[method] = args
         return [{"server_id": args[0]} if method == "hotweights_share" else
-                {"rounds": 1, "bytes": 8} if method == "hotweights_remote_receive" else None]
+                {"rounds": 1, "bytes": 8} if method == "hotweights_remote_receive" else
+                bool(args and args[0]) if method == "hotweights_remote_apply" else None]
 
 
 def serve(test, *, server_id=SID, args=None):
@@ -266,6 +267,42 @@ def test_a_remote_server_stages_on_receive_applies_on_commit_and_discards_on_abo
         r = await client.post("/hotweights/abort", json=body(dirty=False), headers=AUTH)
         assert r.json()["version"] == f"4@{SID}" and stub.calls[-2:] == [
             "hotweights_remote_discard", "resume"]
+
+    serve(test)
+
+
+def test_a_remote_commit_arms_the_next_update_whose_receive_then_needs_no_engine_request(
+        monkeypatch):
+    monkeypatch.setenv("HOTWEIGHTS_REMOTE", "1")
+
+    async def test(client, stub):
+        join = body(master_addr="10.0.0.1", master_port=29500, rank_offset=1, world_size=2,
+                    token="chan-token", timeout=5.0)
+        await client.post("/hotweights/remote/join", json=join, headers=AUTH)
+
+        async def update(n: int, update: str, next_update: str) -> int:
+            """One update; how many receive requests reached the engine."""
+            before = stub.calls.count("hotweights_remote_receive")
+            await client.post("/hotweights/begin", json=body(stage=True), headers=AUTH)
+            r = await client.post("/hotweights/remote/receive", json=body(update=update),
+                                  headers=AUTH)
+            assert r.status_code == 200
+            r = await client.post("/hotweights/commit", json=body(
+                n=n, next_update=next_update), headers=AUTH)
+            assert r.status_code == 200 and r.json()["version"] == f"{n}@{SID}"
+            assert stub.args["hotweights_remote_apply"] == (next_update or None,)
+            return stub.calls.count("hotweights_remote_receive") - before
+
+        assert await update(1, "u1", "u2") == 1  # not armed yet
+        assert await update(2, "u2", "u3") == 0  # the workers wait for u2 since commit 1
+        assert await update(3, "other", "u4") == 1  # another id: asked for (the wait dropped)
+        await client.post("/hotweights/begin", json=body(stage=True), headers=AUTH)
+        await client.post("/hotweights/abort", json=body(dirty=False), headers=AUTH)
+        assert await update(4, "u4", "") == 1  # an abort drops the armed wait
+        assert await update(5, "u5", "") == 1  # a commit without next_update arms nothing
+        r = await client.post("/hotweights/commit", json=body(next_update="x" * 201),
+                              headers=AUTH)
+        assert r.status_code == 400 and "field 'next_update'" in r.json()["error"]
 
     serve(test)
 

@@ -51,6 +51,7 @@ _FIELDS = 4  # int64s: header length, buffer length, round index, rounds total
 _META = _FIELDS + signing.DIGEST_BYTES // 8  # then the round's digest
 _MAX_HEADER = 1 << 26  # a header longer than this is a broken or hostile sender
 _ABORT = -1  # a meta header length telling the receivers the sender gave up the update
+_STOP_POLL_S = 0.5  # a receiver waiting for an announced update sees its `stop` this often
 
 
 class _Heartbeat(threading.Thread):
@@ -474,19 +475,27 @@ class Channel:
     def _key(self, what: str, update: str, rank: int | None = None) -> str:
         return f"{self._ns}/{what}/{update}" + ("" if rank is None else f"/{rank}")
 
-    def _await_word(self, update: str, wait: float) -> None:
+    def _await_word(self, update: str, wait: float, stop: threading.Event | None) -> None:
         self._store.set(self._key("ready", update, self.rank), "1")
-        key = self._key("word", update)
-        try:
-            self._store.wait([key], timedelta(seconds=wait))
-            word = self._store.get(key)
-        except dist.DistStoreError as e:
-            raise RemoteError(f"{self._where()}: the sender did not start the update within "
-                              f"{wait} s; nothing of it is applied") from e
-        except RuntimeError as e:  # the store lives in the sender
-            raise RemoteError(f"{self._where()}: the sender (rank 0) at {self.addr}:"
-                              f"{self.port} is gone ({e}); nothing of the update is applied"
-                              ) from e
+        key, deadline = self._key("word", update), time.monotonic() + wait
+        while True:  # in slices, so that `stop` is seen within one
+            try:
+                self._store.wait([key], timedelta(seconds=max(0.001, min(
+                    _STOP_POLL_S, deadline - time.monotonic()))))
+                word = self._store.get(key)
+                break
+            except dist.DistStoreError as e:
+                if stop is not None and stop.is_set():
+                    raise RemoteError(f"{self._where()}: stopped waiting for update {update} "
+                                      "(dropped by this side); nothing of it is applied"
+                                      ) from e
+                if time.monotonic() >= deadline:
+                    raise RemoteError(f"{self._where()}: the sender did not start the update "
+                                      f"within {wait} s; nothing of it is applied") from e
+            except RuntimeError as e:  # the store lives in the sender
+                raise RemoteError(f"{self._where()}: the sender (rank 0) at {self.addr}:"
+                                  f"{self.port} is gone ({e}); nothing of the update is "
+                                  "applied") from e
         if word != b"go":
             raise RemoteError(f"{self._where()}: the sender cancelled the update before "
                               "sending it; nothing of it is applied")
@@ -523,7 +532,8 @@ class Channel:
         self._broadcast(meta, f"abort at round {i + 1}")
 
     def receive(self, stage: Callable[[Round], None], *, update: str | None = None,
-                wait: float | None = None, relay: Channel | None = None) -> int:
+                wait: float | None = None, relay: Channel | None = None,
+                stop: threading.Event | None = None) -> int:
         """Receive one update, handing each round to `stage` as it arrives (receivers only).
 
         `stage` checks a round and keeps what it needs: the round's buffer is a view of one
@@ -544,8 +554,11 @@ class Channel:
             update: the id of an announced update: first wait, up to `wait` seconds (default
                 the timeout), for the sender to `start` it. The relay's receivers wait for it
                 under the same id.
-            wait: see `update`.
+            wait: see `update`; ``math.inf``: no bound (an update announced ahead, which
+                the receiver drops by setting `stop`).
             relay: a channel of which this side is rank 0.
+            stop: set it to give up waiting for the announced update (seen within
+                `_STOP_POLL_S`); an update already started is received to its end.
         Returns:
             The number of rounds received.
         Raises:
@@ -560,13 +573,14 @@ class Channel:
                               f"rank {relay.rank}")
         fwd = _Relay(relay, update)
         try:
-            return self._receive(stage, update, self.timeout if wait is None else wait, fwd)
+            return self._receive(stage, update, self.timeout if wait is None else wait, fwd,
+                                 stop)
         except BaseException as e:
             fwd.fail(e)
             raise
 
     def _receive(self, stage: Callable[[Round], None], update: str | None, wait: float,
-                 fwd: _Relay) -> int:
+                 fwd: _Relay, stop: threading.Event | None) -> int:
         refused = None
 
         def refuse(e: Exception) -> None:  # read the rest, then tell everyone at the ack
@@ -579,7 +593,7 @@ class Channel:
         if update is not None:
             if (late := fwd.ready()) is not None:
                 refuse(late)
-            self._await_word(update, wait)
+            self._await_word(update, wait, stop)
             fwd.go()
         i, total = 0, None
         while total is None or i < total:

@@ -106,6 +106,7 @@ class _Link:
     id: str  # `rendezvous.channel_id`, as each member's status reports it
     ranks: dict[str, range]  # url -> its ranks on the channel
     xor: bool  # every member decodes xor-coded values
+    next: str = ""  # the next update's id, sent with the last commit: servers wait for it
 
     def named(self, msg: str) -> str:
         """`msg` with each receiver rank of this channel it names followed by the server's
@@ -355,11 +356,16 @@ class RemoteGroup:
             raise RemoteError(f"version number {n} must be above {pending.floor}")
         status, self._leased = pending.status, {}
         committed, failed = {}, {}
+        nexts = {}  # url -> the id of its channel's next update: it waits for it from now
+        for link in self._links.values():
+            link.next = uuid.uuid4().hex
+            nexts |= {u: link.next for u, _ in link.members}
         with ThreadPoolExecutor(1) as pool:  # while the servers commit
             remembered = pool.submit(self._sync_checkpoint, pending.new, n) \
                 if self.reference_mode == "checkpoint" else \
                 pool.submit(self._remember, pending.new, pending.deltas, pending.frozen)
-            outs = self._each(lambda u: self._post(u, status[u], "/hotweights/commit", n=n),
+            outs = self._each(lambda u: self._post(u, status[u], "/hotweights/commit", n=n,
+                                                   next_update=nexts.get(u, "")),
                               errors=True, urls=list(status))
             remembered.result()
         for u, out in outs.items():
@@ -548,7 +554,7 @@ class RemoteGroup:
             with Renewer(self.renew, lease_s):
                 for plan, link in plans:
                     deltas = encode(plan)
-                    on = (link, uuid.uuid4().hex)
+                    on, link.next = (link, link.next or uuid.uuid4().hex), ""
                     receipts = self._receive(pool, {u: status[u] for u in plan.urls}, on[1],
                                              lease_s)
                     link.channel.start(on[1], check=lambda r=receipts: _raise_failed(

@@ -160,6 +160,15 @@ class Renew(_Request):
 class Commit(_Request):
     n: int = 0  # the version number to serve: 0 for the next; a trainer of many servers
     #             gives them all the same one (it must be above the current)
+    next_update: str = ""  # a remote server: the id of the trainer's next update on its
+    #                        channel, which the workers then wait for (`Receive` needs no
+    #                        engine request for it)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if len(self.next_update) > 200:
+            raise Refused(400, f"field 'next_update' must be at most 200 characters, got "
+                          f"{self.next_update[:40]!r}...")
 
 
 @dataclass(frozen=True)

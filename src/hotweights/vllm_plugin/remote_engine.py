@@ -30,6 +30,7 @@ and ``VLLM_SERVER_DEV_MODE`` are never needed.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,10 +158,27 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
     def start_receiving(self, update_info: dict[str, Any]) -> None:
         """`update_weights` on a thread of its own; `received` waits for it."""
         self._require()
-        self.received()  # the one before is over (its own waits are bounded)
+        self._drop_receiving()  # an update armed for (`arm`) that is not this one
         self.staged.clear()
         self._receiving = _Receiving(self, self.parse_update_info(update_info))
         self._receiving.start()
+
+    def arm(self, update: str) -> None:
+        """Wait for the trainer's next update, announced ahead (its id came with the
+        commit), on a thread of its own and without a time bound: that update then needs
+        no request to this engine, which vLLM would serve only between two engine steps.
+        `discard`, `start_receiving` (of another update) and a new channel drop it."""
+        self.start_receiving({"update": update, "wait": math.inf})
+
+    def _drop_receiving(self) -> None:
+        """Stop a receive still waiting for its update's start, and wait for it; what it
+        raised is logged, not raised (the update is dropped)."""
+        if self._receiving is not None:
+            self._receiving.stop.set()
+        try:
+            self.received()
+        except Exception as e:  # dropped anyway
+            logger.info("hotweights: the dropped update's receive failed: %r", e)
 
     def received(self) -> None:
         """Wait for the receive started by `start_receiving`, if any; raise what it raised."""
@@ -170,14 +188,15 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
             if receiving.error is not None:
                 raise receiving.error
 
-    def receive_weights(self, update_info: RemoteUpdate) -> None:
+    def receive_weights(self, update_info: RemoteUpdate,
+                        stop: threading.Event | None = None) -> None:
         self._require()
         self.staged.clear()
         source, relay = ((self.channel, self.relay) if self.channel is not None else
                          (self.relay, None))
         try:
             source.receive(self.staged, update=update_info.update, wait=update_info.wait,
-                           relay=relay)
+                           relay=relay, stop=stop)
         except BaseException:
             self.staged.clear()
             raise
@@ -238,10 +257,7 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
         self.staged.clear()
 
     def discard(self) -> None:
-        try:
-            self.received()
-        except Exception as e:  # dropped anyway
-            logger.info("hotweights: the dropped update's receive failed: %r", e)
+        self._drop_receiving()
         if self.staged is not None:
             self.staged.clear()
 
@@ -258,6 +274,7 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
                 "relay": self.relay.bytes_received if self.relay else 0, **self.last_staged}
 
     def shutdown(self) -> None:
+        self._drop_receiving()
         for channel in (self.channel, self.relay):
             if channel is not None:
                 channel.close()
@@ -276,10 +293,11 @@ class _Receiving(threading.Thread):
         super().__init__(name="hotweights-receive", daemon=True)
         self.engine, self.info = engine, info
         self.error: BaseException | None = None
+        self.stop = threading.Event()  # set: stop waiting for the update's start
 
     def run(self) -> None:
         try:
-            self.engine.receive_weights(self.info)
+            self.engine.receive_weights(self.info, self.stop)
             if self.engine.device.type == "cuda":
                 torch.cuda.synchronize(self.engine.device)
         except BaseException as e:  # raised where the commit or abort waits for it

@@ -79,6 +79,8 @@ class VllmEngine:
     def __init__(self, client, gate: Gate, *, remote: bool = False):
         self.client, self.gate, self.remote = client, gate, remote
         self.receiving: asyncio.Task | None = None  # remote: the workers' receive in flight
+        self.next_update = ""  # remote: the commit's `next_update`, for the workers to arm
+        self.armed = ""  # remote: the update the workers wait for since the last commit
 
     async def _received(self) -> BaseException | None:
         """Wait for the receive's start in flight, if any; what it raised."""
@@ -120,13 +122,19 @@ class VllmEngine:
 
     async def after_update(self) -> None:
         # remote: the staged update is applied first, then the hook (one round trip)
-        if self.remote and (failed := await self._received()) is not None:
+        if not self.remote:
+            await self.client.collective_rpc("hotweights_after_update")
+            return
+        next_update, self.next_update, self.armed = self.next_update, "", ""
+        if (failed := await self._received()) is not None:
             raise ServerError(f"the update's receive failed ({failed!r}): nothing staged")
-        await self.client.collective_rpc("hotweights_remote_apply" if self.remote else
-                                         "hotweights_after_update")
+        armed = await self.client.collective_rpc("hotweights_remote_apply",
+                                                 args=(next_update or None,))
+        self.armed = next_update if next_update and all(armed) else ""
 
     async def discard(self) -> None:
         if self.remote:
+            self.armed = ""
             await self._received()
             await self.client.collective_rpc("hotweights_remote_discard")
 
@@ -346,7 +354,7 @@ class HotweightsRoutes:
                                              "max_round_bytes")}
         if self.workers > 1:
             info |= {"relay_port": free_port(), "relay_token": secrets.token_hex(16)}
-        self.channel = None
+        self.channel, self.tx.engine.armed = None, ""  # a new channel drops an armed wait
         await self._rpc("init_weight_transfer_engine", info)
         xor = all(await self._rpc("hotweights_remote_decodes_xor"))
         self.channel = channel_id(req.master_addr, req.master_port, req.token)
@@ -377,6 +385,10 @@ class HotweightsRoutes:
 
     async def _receive(self, req: Receive) -> dict:
         self.tx.check_lease(req, "receive")
+        if req.update and req.update == self.tx.engine.armed:  # the workers wait for it
+            self.tx.engine.armed = ""
+            return {"receiving": True, "armed": True, "workers": self.workers}
+        self.tx.engine.armed = ""  # the workers drop that wait for this one
         task = asyncio.ensure_future(self._rpc("hotweights_remote_receive", req.update or None,
                                                req.wait_s or None))
         self.tx.engine.receiving = task  # a commit or abort waits for it
@@ -405,8 +417,14 @@ class HotweightsRoutes:
     async def abort(self, request: Request):
         return await self._call(request, Abort, self.tx.abort)
 
+    async def _commit(self, req: Commit) -> dict:
+        if req.next_update and not self.remote:
+            raise Refused(400, "field 'next_update' needs a `hotweights serve --remote` server")
+        self.tx.engine.next_update = req.next_update
+        return await self.tx.commit(req)
+
     async def commit(self, request: Request):
-        out = await self._call(request, Commit, self.tx.commit)
+        out = await self._call(request, Commit, self._commit)
         if isinstance(out, JSONResponse):
             return out
         self.metrics["commit"].observe(self.tx.last_commit_s)

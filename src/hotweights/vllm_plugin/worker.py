@@ -81,9 +81,11 @@ class HotweightsWorker:
         """Whether this worker can decode xor-coded values (after joining a channel)."""
         return self.weight_transfer_engine.decodes_xor()
 
-    def hotweights_remote_apply(self) -> bool:
-        """Apply the staged update (see the engine), then the post-update hook; False if no
-        update was staged. Raises what the receive raised (nothing applied)."""
+    def hotweights_remote_apply(self, next_update: str | None = None) -> bool:
+        """Apply the staged update (see the engine), then the post-update hook. Raises what
+        the receive raised (nothing applied). With `next_update`, then wait for that update
+        on a thread (the engine's `arm`), so that its receive needs no request to the
+        engine; returns whether it does."""
         staged = self._weight_update_active
         if staged:
             try:
@@ -94,7 +96,15 @@ class HotweightsWorker:
                 raise
             self.finish_weight_update()
         self.hotweights_after_update()
-        return staged
+        if not next_update:
+            return False
+        try:
+            self.start_weight_update()
+            self.weight_transfer_engine.arm(next_update)
+        except Exception:  # the update is applied: its receive will be requested instead
+            logger.exception("hotweights: could not wait for the next update ahead")
+            return False
+        return True
 
     def hotweights_remote_discard(self) -> None:
         """Drop a staged update, leaving the weights untouched."""
