@@ -125,7 +125,7 @@ def test_bytes_per_changed_element_at_one_percent_scattered_bf16():
 
 def test_a_patch_without_its_old_tensor_sends_raw_values_even_when_xor_is_asked():
     old, new = _state()
-    deltas = [replace(d, base=None) if d.name == "b" else d for d in encode_all(old, new)]
+    deltas = [replace(d, old_values=None) if d.name == "b" else d for d in encode_all(old, new)]
     (r,) = pack(deltas, max_bytes=1 << 20, values="xor")
     assert next(e for e in r.header["entries"] if e["name"] == "b")["values"] == "raw"
     (r,) = pack(encode_all(old, new), max_bytes=1 << 20, values="xor")

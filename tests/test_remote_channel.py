@@ -56,14 +56,15 @@ try:
             staged.append(delta_apply.Round(r.header, r.buffer.clone()))
         announced = {"update": f"u{u}", "wait": 4 * float(sys.argv[8])}
         if mode == "armed":  # no time bound; update 1 is dropped by this side after 1 s
-            announced = {"update": f"u{u}", "wait": float("inf"), "stop": threading.Event()}
+            announced["wait"] = float("inf")
             if u == 1:
-                threading.Timer(1.0, announced["stop"].set).start()
+                threading.Timer(1.0, ch.interrupt, ("u1",)).start()
         try:
             ch.receive(stage, relay=rl if rl is not ch else None,
                        **(announced if mode in ("announced", "armed") else {}))
         except HotweightsError as e:  # a refusal: nothing applied, the channel goes on
-            if not any(x in str(e) for x in ("refused", "cancelled", "aborted", "stopped")):
+            if not any(x in str(e) for x in ("refused", "cancelled", "aborted",
+                                                "stopped waiting")):
                 raise
             print(json.dumps({"update": u, "refused": str(e), "sum": checksum(w)}), flush=True)
             continue

@@ -51,7 +51,7 @@ _FIELDS = 4  # int64s: header length, buffer length, round index, rounds total
 _META = _FIELDS + signing.DIGEST_BYTES // 8  # then the round's digest
 _MAX_HEADER = 1 << 26  # a header longer than this is a broken or hostile sender
 _ABORT = -1  # a meta header length telling the receivers the sender gave up the update
-_STOP_POLL_S = 0.5  # a receiver waiting for an announced update sees its `stop` this often
+_WAIT_SLICE_S = 3600.0  # an unbounded wait for an announced update waits this long at once
 
 
 class _Heartbeat(threading.Thread):
@@ -178,6 +178,7 @@ class Channel:
         self.bytes_sent = self.bytes_received = self._steps = self._updates = 0
         self._staging: torch.Tensor | None = None
         self._told_updates: list[str] = []  # the last two updates the sender announced
+        self._interrupted: set[str] = set()  # announced updates this receiver stops awaiting
         self._pg = self._heartbeat = None
         self._broken: str | None = None
         td = timedelta(seconds=timeout)
@@ -462,43 +463,66 @@ class Channel:
             self._word(update, b"cancel")
 
     def _word(self, update: str, word: bytes) -> None:
+        receivers = range(1, self.world_size)
         for old in self._told_updates[:-1]:  # the update before last is over everywhere
-            for r in range(1, self.world_size):
+            for r in receivers:
                 self._store.delete_key(self._key("ready", old, r))
+                self._store.delete_key(self._key("wake", old, r))
             self._store.delete_key(self._key("word", old))
         self._told_updates = [*self._told_updates[-1:], update]
         if (got := self._store.compare_set(self._key("word", update), "", word)) != word and \
                 word == b"go":
             raise RemoteError(f"{self._where()}: the store was written by someone else: the "
                               f"word for update {update} is {got[:40]!r}, not the sender's")
+        self._store.multi_set([self._key("wake", update, r) for r in receivers],
+                              [word] * len(receivers))  # each receiver waits on its own
 
     def _key(self, what: str, update: str, rank: int | None = None) -> str:
         return f"{self._ns}/{what}/{update}" + ("" if rank is None else f"/{rank}")
 
-    def _await_word(self, update: str, wait: float, stop: threading.Event | None) -> None:
+    def _await_word(self, update: str, wait: float) -> None:
+        """Wait for the sender's word on `update`: it wakes each receiver through a key of
+        its own (`_word`), which `interrupt` sets too, so no wait polls."""
         self._store.set(self._key("ready", update, self.rank), "1")
-        key, deadline = self._key("word", update), time.monotonic() + wait
-        while True:  # in slices, so that `stop` is seen within one
+        key, wake = self._key("word", update), self._key("wake", update, self.rank)
+        deadline = time.monotonic() + wait
+        while True:
             try:
-                self._store.wait([key], timedelta(seconds=max(0.001, min(
-                    _STOP_POLL_S, deadline - time.monotonic()))))
-                word = self._store.get(key)
-                break
+                self._store.wait([wake], timedelta(seconds=max(0.001, min(
+                    _WAIT_SLICE_S, deadline - time.monotonic()))))
             except dist.DistStoreError as e:
-                if stop is not None and stop.is_set():
-                    raise RemoteError(f"{self._where()}: stopped waiting for update {update} "
-                                      "(dropped by this side); nothing of it is applied"
-                                      ) from e
-                if time.monotonic() >= deadline:
-                    raise RemoteError(f"{self._where()}: the sender did not start the update "
-                                      f"within {wait} s; nothing of it is applied") from e
+                if time.monotonic() < deadline:
+                    continue  # a slice of a longer wait
+                raise RemoteError(f"{self._where()}: the sender did not start the update "
+                                  f"within {wait} s; nothing of it is applied") from e
             except RuntimeError as e:  # the store lives in the sender
                 raise RemoteError(f"{self._where()}: the sender (rank 0) at {self.addr}:"
                                   f"{self.port} is gone ({e}); nothing of the update is "
                                   "applied") from e
+            if update in self._interrupted:
+                self._interrupted.discard(update)
+                raise RemoteError(f"{self._where()}: stopped waiting for update {update} "
+                                  "(dropped by this side); nothing of it is applied")
+            if self._store.check([key]):
+                word = self._store.get(key)
+                break
+            self._store.delete_key(wake)  # not the sender's: wait on
         if word != b"go":
             raise RemoteError(f"{self._where()}: the sender cancelled the update before "
                               "sending it; nothing of it is applied")
+
+    def interrupt(self, update: str) -> None:
+        """End this receiver's wait for the announced `update` (`receive` on another
+        thread): that receive raises, naming it dropped. Once the update started, nothing
+        happens. Receivers only."""
+        self._interrupted.add(update)
+        try:  # a connection of its own: the waiting thread's holds the store's lock
+            TCPStore(self.addr, self.port, None, False, timeout=timedelta(
+                seconds=min(self.timeout, 5.0))).set(self._key("wake", update, self.rank),
+                                                     "stop")
+        except RuntimeError as e:  # the sender is gone: the wait ends by itself
+            logger.info("%s: could not interrupt the wait for update %s: %s", self._where(),
+                        update, e)
 
     def _send_round(self, r: Round) -> int:
         head = r.header_bytes()
@@ -532,8 +556,7 @@ class Channel:
         self._broadcast(meta, f"abort at round {i + 1}")
 
     def receive(self, stage: Callable[[Round], None], *, update: str | None = None,
-                wait: float | None = None, relay: Channel | None = None,
-                stop: threading.Event | None = None) -> int:
+                wait: float | None = None, relay: Channel | None = None) -> int:
         """Receive one update, handing each round to `stage` as it arrives (receivers only).
 
         `stage` checks a round and keeps what it needs: the round's buffer is a view of one
@@ -555,10 +578,8 @@ class Channel:
                 the timeout), for the sender to `start` it. The relay's receivers wait for it
                 under the same id.
             wait: see `update`; ``math.inf``: no bound (an update announced ahead, which
-                the receiver drops by setting `stop`).
+                this side may drop with `interrupt`).
             relay: a channel of which this side is rank 0.
-            stop: set it to give up waiting for the announced update (seen within
-                `_STOP_POLL_S`); an update already started is received to its end.
         Returns:
             The number of rounds received.
         Raises:
@@ -573,14 +594,13 @@ class Channel:
                               f"rank {relay.rank}")
         fwd = _Relay(relay, update)
         try:
-            return self._receive(stage, update, self.timeout if wait is None else wait, fwd,
-                                 stop)
+            return self._receive(stage, update, self.timeout if wait is None else wait, fwd)
         except BaseException as e:
             fwd.fail(e)
             raise
 
     def _receive(self, stage: Callable[[Round], None], update: str | None, wait: float,
-                 fwd: _Relay, stop: threading.Event | None) -> int:
+                 fwd: _Relay) -> int:
         refused = None
 
         def refuse(e: Exception) -> None:  # read the rest, then tell everyone at the ack
@@ -593,7 +613,7 @@ class Channel:
         if update is not None:
             if (late := fwd.ready()) is not None:
                 refuse(late)
-            self._await_word(update, wait, stop)
+            self._await_word(update, wait)
             fwd.go()
         i, total = 0, None
         while total is None or i < total:

@@ -6,7 +6,7 @@ encoding of the new tensor that is cheapest on the wire:
 
 - ``same``: bit-identical, nothing sent;
 - ``patch``: sorted flat element indices (int32; int64 from `INT64_INDEX_FROM` elements)
-  and the new values in the tensor's dtype (and a reference to the old tensor, for `pack`'s
+  and the new values in the tensor's dtype (and the old ones there, for `pack`'s
   ``values="xor"``);
 - ``rows`` (tensors of two dims or more): runs of changed rows along dim 0, as int64
   (start, stop) pairs, and those rows;
@@ -28,7 +28,7 @@ import json
 import logging
 import math
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -121,11 +121,11 @@ class Delta:
             changed, for ``rows`` those of the rows sent, for ``dense`` every element.
         nbytes: payload bytes before packing (0 for ``same``).
         indices, values: ``patch`` only: sorted flat indices (int32 or int64), new values.
+        old_values: ``patch`` from `encode` only: the old values at `indices` (what every
+            receiver holds there), read by ``pack(values="xor")``.
         ranges: ``rows`` only: int64 array (k, 2) of [start, stop) runs of changed rows.
         tensor: ``rows`` and ``dense`` only: the new tensor itself, not a copy, so pack the
             delta before that tensor changes again.
-        base: ``patch`` from `encode` only: the old tensor itself (what every receiver
-            holds), read by ``pack(values="xor")``; same caveat.
     """
     name: str
     kind: str
@@ -137,7 +137,7 @@ class Delta:
     values: torch.Tensor | None = None
     ranges: np.ndarray | None = None
     tensor: torch.Tensor | None = None
-    base: torch.Tensor | None = None
+    old_values: torch.Tensor | None = None
 
 
 def dense(name: str, tensor: torch.Tensor) -> Delta:
@@ -201,8 +201,7 @@ def encode(name: str, old: torch.Tensor, new: torch.Tensor, *,
         comparison.add(where, *chunks)
     if not comparison.changed:
         return Delta(name, SAME, new.dtype, shape, 0, 0)
-    d = comparison.cheapest(name, new)
-    return replace(d, base=old) if d.kind == PATCH else d  # xor-coded values read it
+    return comparison.cheapest(name, new)
 
 
 def _check_alike(name: str, new: torch.Tensor, old: torch.Tensor) -> None:
@@ -217,9 +216,10 @@ class _Comparison:
     """What `encode` learns of one tensor, a chunk at a time: whether anything changed,
     which rows did, and the patch while it costs less than the dense tensor.
 
-    The patch's pieces are (where, positions, values, lanes). With lanes None, `positions`
-    are the changed elements of the chunk at `where`; else they are its changed 8-byte
-    words, `values` their new words and `lanes` which of their elements changed: expanded
+    The patch's pieces are (where, positions, values, lanes, olds). With lanes None,
+    `positions` are the changed elements of the chunk at `where`, `values` and `olds` their
+    new and old values; else they are its changed 8-byte words, `values` and `olds` their
+    new and old words and `lanes` which of their elements changed: expanded
     (`_expand`) only if the patch is chosen (a changed row sent as rows skips it) or when
     those words hold half the dense size.
     """
@@ -264,7 +264,7 @@ class _Comparison:
                                                          _iv(new_chunk, self.itemsize)))):
             self.pieces = None  # the changed elements, counted, cost as much as dense
             return
-        self._add_piece(where, differs, word, new_chunk, old_units, new_units)
+        self._add_piece(where, differs, word, (old_chunk, new_chunk), old_units, new_units)
 
     def _mark_rows(self, where, differs, word: int, chunk_len: int) -> None:
         row = self.row
@@ -280,17 +280,18 @@ class _Comparison:
         else:  # a chunk inside one row
             self.rows_changed[first // row] |= differs.any()
 
-    def _add_piece(self, where, differs, word: int, new_chunk, old_units, new_units
+    def _add_piece(self, where, differs, word: int, chunks: tuple, old_units, new_units
                    ) -> None:
         positions = _nonzero(differs)
         if word == 1:
-            piece = (where, positions, _take(_iv(new_chunk, self.itemsize), positions), None)
-            elements = len(positions)
+            olds, news = (_take(_iv(c, self.itemsize), positions) for c in chunks)
+            piece, elements = (where, positions, news, None, olds), len(positions)
         else:
-            words = _iv(_take(new_units, positions), self.itemsize)
-            lanes = _ne(_iv(_take(old_units, positions), self.itemsize), words)
-            piece, elements = (where, positions, words, lanes), _count(lanes)
-        self.held += len(positions) * (positions.dtype.itemsize + 8 + word)
+            olds, news = (_iv(_take(u, positions), self.itemsize)
+                          for u in (old_units, new_units))
+            lanes = _ne(olds, news)
+            piece, elements = (where, positions, news, lanes, olds), _count(lanes)
+        self.held += len(positions) * (positions.dtype.itemsize + 16 + word)
         self.patched += elements
         if self._too_dear(self.patched):
             self.pieces = None  # patches already cost as much as the dense tensor: stop keeping
@@ -316,30 +317,32 @@ class _Comparison:
                           self.patched))
         cost, kind, carried = min(costs, key=lambda entry: entry[0])
         if kind == PATCH:
-            indices, values = zip(*(_expand(piece, self.row, self.index_size)[1:3]
-                                    for piece in self.pieces), strict=True)
+            _, indices, values, _, olds = zip(*(_expand(piece, self.row, self.index_size)
+                                                for piece in self.pieces), strict=True)
             return Delta(name, PATCH, new.dtype, shape, self.patched, cost,
-                         indices=_cat(indices), values=_cat(values).view(new.dtype))
+                         indices=_cat(indices), values=_cat(values).view(new.dtype),
+                         old_values=_cat(olds).view(new.dtype))
         return Delta(name, kind, new.dtype, shape, carried, cost, tensor=new,
                      ranges=ranges if kind == ROWS else None)
 
 
 def _expand(piece: tuple, row: int, index_size: int) -> tuple:
     """A patch piece (see `_Comparison`) as its changed elements' flat indices in the tensor
-    (`index_size`-byte integers) and their values: (None, indices, values, None)."""
-    where, positions, values, lanes = piece
+    (`index_size`-byte integers), their new and old values: (None, indices, values, None,
+    olds)."""
+    where, positions, values, lanes, olds = piece
     if where is None:
         return piece
     if lanes is not None:  # the changed elements of the changed words (word a power of two)
         word = len(lanes) // max(1, len(positions))
         lane_hits = _nonzero(lanes)
-        values = _take(values, lane_hits)
+        values, olds = _take(values, lane_hits), _take(olds, lane_hits)
         positions = (_take(positions, lane_hits >> (word.bit_length() - 1)) * word
                      + (lane_hits & (word - 1)))
     flat = positions + where if isinstance(where, int) else \
         _take(where, positions // row) * row + positions % row
     return None, (flat.astype(_NP_BITS[index_size]) if isinstance(flat, np.ndarray)
-                  else flat.to(_BITS[index_size])), values, None
+                  else flat.to(_BITS[index_size])), values, None, olds
 
 
 def _pieces(numel: int, row: int, rows: np.ndarray | torch.Tensor | None, *flats
@@ -519,11 +522,8 @@ class _Plan:
         s = d.dtype.itemsize
         idx = d.indices.cpu().numpy()
         bits = d.values.view(_BITS[s]).cpu().numpy().view(codec.UINT[s])
-        old = None
-        if xor and d.base is not None:
-            base = d.base.detach().reshape(-1)
-            old = base.index_select(0, d.indices.to(base.device, torch.int64)).view(
-                _BITS[s]).cpu().numpy().view(bits.dtype)
+        old = None if not xor or d.old_values is None else \
+            d.old_values.view(_BITS[s]).cpu().numpy().view(bits.dtype)
         i, floating = 0, d.dtype.is_floating_point
         while i < d.changed:
             n = min(d.changed - i, _BLOCK)
@@ -640,7 +640,7 @@ def pack(deltas: Iterable[Delta], *, max_bytes: int, device: torch.device | str 
             receiver can decode; ``"xor"``: ``new ^ old`` bit patterns, a few bits each when
             few bits flip, decodable only by a receiver that holds the old values
             (`delta_apply.apply`'s targets, `Staged`'s `old`). Only deltas from `encode`
-            carry their old tensor (`Delta.base`); the others go raw.
+            carry the old values (`Delta.old_values`); the others go raw.
         compress: None (default), or ``"zstd"``: each round's whole buffer is compressed
             (level 1) where that makes it smaller; needs the ``zstd`` extra (zstandard).
     Returns:

@@ -85,7 +85,8 @@ class Staged:
         held, pieces = 0, []
         for e, t, views in delta_apply.checked(r, self.specs, old=self.old):
             name, kind = e["name"], e["kind"]
-            start, stop = self._span(e, t, views)
+            decoded = "sections" in e  # a compact patch: fresh tensors, not buffer views
+            start, stop = self._span(e, t, views, decoded)
             if start < self._next.get(name, 0):
                 raise DeltaError(f"`{name}`: a {kind} piece starts at element {start}, before "
                                  f"the end of the pieces staged before it; refused")
@@ -101,7 +102,7 @@ class Staged:
                 if kind != DENSE and t.dtype.is_floating_point and \
                         not delta_apply.finite(cv[-1]):
                     raise DeltaError(f"`{name}`: the {kind} values hold NaN or Inf; refused")
-                kept = tuple(self._keep(v) for v in cv)
+                kept = cv if decoded and not self.pin else tuple(self._keep(v) for v in cv)
                 held += sum(v.nbytes for v in kept)
                 pieces.append((name, (ce, kept)))
         for name, piece in pieces:
@@ -115,16 +116,17 @@ class Staged:
         return out.copy_(v)
 
     @staticmethod
-    def _span(e: dict, t: torch.Tensor, views: tuple) -> tuple[int, int]:
+    def _span(e: dict, t: torch.Tensor, views: tuple, decoded: bool) -> tuple[int, int]:
         """The flat elements [first, last + 1) a piece writes; (0, 0) if none. Indices and
-        row ranges must increase within a piece."""
+        row ranges must increase within a piece (`decoded` ones do by construction)."""
         if e["kind"] == DENSE:
             return e["start"], e["stop"]
         index = delta_apply.host(views[0])
         if not len(index):
             return 0, 0
         if e["kind"] == PATCH:
-            ok, first, last = bool((index[1:] > index[:-1]).all()), index[0], index[-1]
+            ok, first, last = decoded or bool((index[1:] > index[:-1]).all()), index[0], \
+                index[-1]
         else:
             ok = bool((index[1:, 0] >= index[:-1, 1]).all())
             row = math.prod(t.shape[1:])

@@ -173,8 +173,12 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
     def _drop_receiving(self) -> None:
         """Stop a receive still waiting for its update's start, and wait for it; what it
         raised is logged, not raised (the update is dropped)."""
-        if self._receiving is not None:
-            self._receiving.stop.set()
+        source, receiving = self.channel if self.channel is not None else self.relay, \
+            self._receiving
+        # (one that ended, its sender gone say, has nothing to interrupt)
+        if receiving is not None and receiving.is_alive() and receiving.info.update and \
+                source is not None:
+            source.interrupt(receiving.info.update)
         try:
             self.received()
         except Exception as e:  # dropped anyway
@@ -188,15 +192,14 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
             if receiving.error is not None:
                 raise receiving.error
 
-    def receive_weights(self, update_info: RemoteUpdate,
-                        stop: threading.Event | None = None) -> None:
+    def receive_weights(self, update_info: RemoteUpdate) -> None:
         self._require()
         self.staged.clear()
         source, relay = ((self.channel, self.relay) if self.channel is not None else
                          (self.relay, None))
         try:
             source.receive(self.staged, update=update_info.update, wait=update_info.wait,
-                           relay=relay, stop=stop)
+                           relay=relay)
         except BaseException:
             self.staged.clear()
             raise
@@ -293,11 +296,10 @@ class _Receiving(threading.Thread):
         super().__init__(name="hotweights-receive", daemon=True)
         self.engine, self.info = engine, info
         self.error: BaseException | None = None
-        self.stop = threading.Event()  # set: stop waiting for the update's start
 
     def run(self) -> None:
         try:
-            self.engine.receive_weights(self.info, self.stop)
+            self.engine.receive_weights(self.info)
             if self.engine.device.type == "cuda":
                 torch.cuda.synchronize(self.engine.device)
         except BaseException as e:  # raised where the commit or abort waits for it
