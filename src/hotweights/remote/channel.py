@@ -51,7 +51,8 @@ _FIELDS = 4  # int64s: header length, buffer length, round index, rounds total
 _META = _FIELDS + signing.DIGEST_BYTES // 8  # then the round's digest
 _MAX_HEADER = 1 << 26  # a header longer than this is a broken or hostile sender
 _ABORT = -1  # a meta header length telling the receivers the sender gave up the update
-_WAIT_SLICE_S = 3600.0  # an unbounded wait for an announced update waits this long at once
+_WAIT_SLICE_S = 300.0  # an unbounded wait for an announced update waits this long at once:
+# an `interrupt` whose wake cannot reach the store (a hung sender) ends it within one
 
 
 class _Heartbeat(threading.Thread):
@@ -491,10 +492,12 @@ class Channel:
                 self._store.wait([wake], timedelta(seconds=max(0.001, min(
                     _WAIT_SLICE_S, deadline - time.monotonic()))))
             except dist.DistStoreError as e:
-                if time.monotonic() < deadline:
-                    continue  # a slice of a longer wait
-                raise RemoteError(f"{self._where()}: the sender did not start the update "
-                                  f"within {wait} s; nothing of it is applied") from e
+                if update not in self._interrupted:  # (interrupted: even if its wake failed)
+                    if time.monotonic() < deadline:
+                        continue  # a slice of a longer wait
+                    raise RemoteError(f"{self._where()}: the sender did not start the "
+                                      f"update within {wait} s; nothing of it is applied"
+                                      ) from e
             except RuntimeError as e:  # the store lives in the sender
                 raise RemoteError(f"{self._where()}: the sender (rank 0) at {self.addr}:"
                                   f"{self.port} is gone ({e}); nothing of the update is "
