@@ -120,6 +120,8 @@ def test_k_updates_are_served_identically_with_one_version_number(remotes, train
         out = group.update(model)
         assert not out["full"] and out["version"] == group.n
         assert [v.split("@")[0] for v in out["servers"].values()] == [str(group.n)] * 2
+        # the workers wait for the next update already: its receive needs no engine request
+        assert all(_status(s)["armed"] for s in remotes[:2])
     served = [_greedy(s, PROMPT, 8) for s in remotes[:2]]
     assert served[0] == served[1]  # bit-identical weights, same kernels
     assert _checksum(remotes[0]) == _checksum(remotes[1])

@@ -294,12 +294,14 @@ def test_a_remote_commit_arms_the_next_update_whose_receive_then_needs_no_engine
             return stub.calls.count("hotweights_remote_receive") - before
 
         assert await update(1, "u1", "u2") == 1  # not armed yet
+        assert (await client.get("/hotweights/status", headers=AUTH)).json()["armed"]
         assert await update(2, "u2", "u3") == 0  # the workers wait for u2 since commit 1
         assert await update(3, "other", "u4") == 1  # another id: asked for (the wait dropped)
         await client.post("/hotweights/begin", json=body(stage=True), headers=AUTH)
         await client.post("/hotweights/abort", json=body(dirty=False), headers=AUTH)
         assert await update(4, "u4", "") == 1  # an abort drops the armed wait
         assert await update(5, "u5", "") == 1  # a commit without next_update arms nothing
+        assert not (await client.get("/hotweights/status", headers=AUTH)).json()["armed"]
         r = await client.post("/hotweights/commit", json=body(next_update="x" * 201),
                               headers=AUTH)
         assert r.status_code == 400 and "field 'next_update'" in r.json()["error"]
