@@ -520,10 +520,12 @@ class Channel:
         happens. Receivers only."""
         self._interrupted.add(update)
         try:  # a connection of its own: the waiting thread's holds the store's lock
+            socket.create_connection((self.addr, self.port), timeout=1.0).close()
             TCPStore(self.addr, self.port, None, False, timeout=timedelta(
                 seconds=min(self.timeout, 5.0))).set(self._key("wake", update, self.rank),
                                                      "stop")
-        except RuntimeError as e:  # the sender is gone: the wait ends by itself
+        except (OSError, RuntimeError) as e:  # the sender is gone (a TCPStore would retry
+            # until its timeout): the wait ends by itself
             logger.info("%s: could not interrupt the wait for update %s: %s", self._where(),
                         update, e)
 

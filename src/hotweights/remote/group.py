@@ -32,6 +32,7 @@ only the delta (`result["bytes"]` per server).
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import logging
 import os
@@ -686,6 +687,9 @@ class RemoteGroup:
                           f"{self.master_addr} for a channel (master_port=)")
 
     def _drop(self, link: _Link) -> None:
+        if link.next:  # its servers' workers wait for it: let them go now
+            with contextlib.suppress(RemoteError, RuntimeError):
+                link.channel.cancel(link.next)
         link.channel.close()
         self._links.pop(link.members, None)
 
