@@ -72,10 +72,10 @@ def _pack_fixed(x: np.ndarray, width: int) -> np.ndarray:
                            np.full(len(x), width, np.uint64))
     # 8 values fill exactly `width` bytes, value j of each group at the same bit offset:
     # each j is one strided pass over the groups, shifted into the group's uint64 words
-    n, w64 = len(x), np.uint64(width)
+    n = len(x)
     groups, nwords = -(-n // 8), -(-width // 8)
     padded = np.zeros(groups * 8, np.uint64)
-    np.bitwise_and(x, (np.uint64(1) << w64) - np.uint64(1), out=padded[:n])
+    np.bitwise_and(x, _MASKS[width], out=padded[:n])
     lanes = np.ascontiguousarray(padded.reshape(groups, 8).T)
     words = np.zeros((nwords, groups), np.uint64)
     for j in range(8):
@@ -91,7 +91,7 @@ def _write_bits(x: np.ndarray, pos: np.ndarray, width: np.ndarray) -> np.ndarray
     """The low `width[i]` (< 64) bits of each `x[i]` at bit `pos[i]` (increasing, back to
     back) of a little-endian bit stream, as bytes: each value split over the (at most two)
     uint64 words it spans, the parts of one word summed (their bits are disjoint)."""
-    x = x & ((np.uint64(1) << width) - np.uint64(1))
+    x = x & _MASKS[width]
     q, r = pos >> np.uint64(6), pos & np.uint64(63)
     words = np.zeros(int(q[-1]) + 2, np.uint64)
     first = np.flatnonzero(np.r_[True, q[1:] != q[:-1]])  # each word's first value
@@ -110,9 +110,8 @@ def _unpack_fixed(data: np.ndarray, n: int, width: int) -> np.ndarray:
     # `_pack_fixed`'s groups: value j of every group through one strided (unaligned) uint64
     # view of the bytes, at the same byte offset and bit shift in each group
     groups = -(-n // 8)
-    padded = np.zeros(groups * width + 8, np.uint8)
-    padded[:len(data)] = data
-    lanes, mask = np.empty((8, groups), np.uint64), (np.uint64(1) << np.uint64(width)) - 1
+    padded = _padded(data, groups * width + 8)
+    lanes, mask = np.empty((8, groups), np.uint64), _MASKS[width]
     for j in range(8):
         at, bit = divmod(j * width, 8)
         words = np.ndarray((groups,), "<u8", buffer=padded, offset=at, strides=(width,))
@@ -124,12 +123,18 @@ def _unpack_fixed(data: np.ndarray, n: int, width: int) -> np.ndarray:
 def _read_bits(data: np.ndarray, pos: np.ndarray, width: np.ndarray) -> np.ndarray:
     """The `width[i]` (< 64) bits at bit `pos[i]` of the little-endian bit stream `data`,
     each from the (at most two) uint64 words it spans: a few gathers, no bit matrix."""
-    words = np.zeros(len(data) // 8 + 2, np.uint64)
-    words.view(np.uint8)[:len(data)] = data
+    words = _padded(data, (len(data) // 8 + 2) * 8).view(np.uint64)
     q, r = pos >> np.uint64(6), pos & np.uint64(63)
     # the next word's bits go above the first's 64 - r: shifted in two steps (never by 64)
     out = (words[q] >> r) | ((words[q + np.uint64(1)] << np.uint64(1)) << (np.uint64(63) - r))
-    return out & ((np.uint64(1) << width) - np.uint64(1))
+    return out & _MASKS[width]
+
+
+def _padded(data: np.ndarray, nbytes: int) -> np.ndarray:
+    """`data`'s bytes, then zeros up to `nbytes`: room for whole-word reads past its end."""
+    out = np.zeros(nbytes, np.uint8)
+    out[:len(data)] = data
+    return out
 
 
 def _bit_length(x: np.ndarray) -> np.ndarray:
@@ -164,9 +169,8 @@ def _unpack_varying(data: np.ndarray, widths: np.ndarray) -> np.ndarray:
     if top > _GROUPED:
         return _read_bits(data, pos, w)
     # each value from one unaligned uint64 read at its first byte (its bits fit: <= 56 + 7)
-    padded = np.zeros(len(data) + 8, np.uint8)
-    padded[:len(data)] = data
-    words = np.ndarray((len(data) + 1,), "<u8", buffer=padded, strides=(1,))
+    words = np.ndarray((len(data) + 1,), "<u8", buffer=_padded(data, len(data) + 8),
+                       strides=(1,))
     out = words[pos >> np.uint64(3)]
     out >>= pos & np.uint64(7)
     return out & _MASKS[w]
@@ -349,9 +353,9 @@ def decode(e: dict, data: np.ndarray, *, numel: int, itemsize: int, floating: bo
         raise CodecError("values", f"hold an xor of {int(length.max())} bits, more than "
                          f"{8 * itemsize}")
     widths = _WIDTH[length]
-    if (int(widths.sum(dtype=np.uint64)) + 7) // 8 != sizes[4]:
-        raise CodecError("values", f"need {(int(widths.sum(dtype=np.uint64)) + 7) // 8} "
-                         f"bytes of xor bits, section [4] holds {sizes[4]}")
+    if (need := (int(widths.sum(dtype=np.uint64)) + 7) // 8) != sizes[4]:
+        raise CodecError("values", f"need {need} bytes of xor bits, section [4] holds "
+                         f"{sizes[4]}")
     values = old(idx) ^ _LEAD[itemsize][length]  # the leading one of each xor is implied
     if sizes[4]:
         values ^= _unpack_varying(part[4], widths).astype(utype)
