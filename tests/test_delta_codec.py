@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hotweights.errors import DeltaError
-from hotweights.remote import codec, delta, shards
+from hotweights.remote import codec, codec_jit, delta, shards
 from hotweights.remote.delta import Round, encode, encode_all, pack
 from hotweights.remote.delta_apply import apply, checked
 from hotweights.remote.staging import Staged
@@ -18,6 +18,16 @@ from test_delta import _flip, _random, _same_bits, _state
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8,
           torch.uint8, torch.int32, torch.int64, torch.bool]
 OPTIONS = [{}, {"values": "xor"}, {"compress": "zstd"}, {"values": "xor", "compress": "zstd"}]
+
+
+@pytest.fixture(params=["jit", "numpy"])
+def decoder(request, monkeypatch):
+    """Each test with it runs twice: patches decoded by the compiled loop, then by numpy."""
+    if request.param == "numpy":
+        monkeypatch.setattr(codec_jit, "_kernel", False)
+    elif not codec_jit.enabled():
+        pytest.skip("numba is not installed: no compiled decode")
+    return request.param
 
 
 def _sync(old: dict, new: dict, max_bytes: int = 1 << 20, **options) -> list[Round]:
@@ -34,7 +44,7 @@ def _sync(old: dict, new: dict, max_bytes: int = 1 << 20, **options) -> list[Rou
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("where", [[0], [2047], [0, 1, 2, 3], [0, 2047], [5, 6, 900, 2000],
                                    "scattered"])
-def test_compact_round_trip_is_exact(dtype, where, options):
+def test_compact_round_trip_is_exact(dtype, where, options, decoder):
     old = _random((64, 32), dtype)
     index = torch.randperm(2048, generator=torch.Generator().manual_seed(2))[:40] \
         if where == "scattered" else where
@@ -46,7 +56,7 @@ def test_compact_round_trip_is_exact(dtype, where, options):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_xor_of_values_whose_sign_and_exponent_change(dtype):
+def test_xor_of_values_whose_sign_and_exponent_change(dtype, decoder):
     old = _random((64, 64), dtype)
     new = old.clone().view(-1)
     pick = torch.arange(0, 4096, 37)
@@ -233,7 +243,7 @@ def _bad_compact():
 
 
 @pytest.mark.parametrize("case", list(_bad_compact()[1]))
-def test_corrupt_compact_piece_is_refused_by_name_and_nothing_is_written(case):
+def test_corrupt_compact_piece_is_refused_by_name_and_nothing_is_written(case, decoder):
     old, cases = _bad_compact()
     r, match = cases[case]
     targets = {k: v.clone() for k, v in old.items()}
@@ -242,7 +252,7 @@ def test_corrupt_compact_piece_is_refused_by_name_and_nothing_is_written(case):
     assert _same_bits(targets, old)
 
 
-def test_random_corruption_never_escapes_as_another_error_or_writes_out_of_bounds():
+def test_random_corruption_never_escapes_as_another_error_or_writes_out_of_bounds(decoder):
     old, new = _state()
     g = np.random.default_rng(0)
     for options in ({}, {"values": "xor"}):
@@ -297,7 +307,7 @@ def test_bit_length_is_exact_at_every_size(dtype):
 
 
 @pytest.mark.parametrize("high", [1, 3, 255])
-def test_gaps_that_would_wrap_when_shifted_are_refused(high):
+def test_gaps_that_would_wrap_when_shifted_are_refused(high, decoder):
     # shift 62: a high byte of 1 makes a gap of 2**62, 3 one past int64: never read as
     # negative indices (an escaped 255 stands for section [2]'s uint64)
     escape = np.array([999], "<u8").view(np.uint8) if high == 255 else np.zeros(0, np.uint8)
@@ -307,3 +317,41 @@ def test_gaps_that_would_wrap_when_shifted_are_refused(high):
     assert codec.check_fields(fields, 1000, 2) == len(data)
     with pytest.raises(codec.CodecError, match="run past the 1000 elements"):
         codec.decode(fields, data.astype(np.uint8), numel=1000, itemsize=2, floating=True)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_compiled_decode_gives_the_numpy_decode_bit_for_bit(seed, monkeypatch):
+    if not codec_jit.enabled():
+        pytest.skip("numba is not installed: no compiled decode")
+    rng = np.random.default_rng(seed)
+    s = [1, 2, 4, 8][seed % 4]
+    utype, numel = codec.UINT[s], int(rng.integers(2, 1 << 20))
+    k = int(rng.integers(1, min(numel, 5000)))
+    idx = np.sort(rng.choice(numel, k, replace=False))
+    if seed % 3 == 0:  # huge gaps: escapes
+        idx = np.unique(np.r_[idx[: k // 2], numel - 1 - idx[: k // 2] * 0 - rng.integers(0, 3)])
+        idx = np.unique(np.r_[0, idx])
+    old = rng.integers(0, np.iinfo(utype).max, numel, dtype=utype, endpoint=True)
+    flips = rng.integers(0, 8 * s, len(idx)).astype(np.uint64)
+    new = old[idx] ^ (np.uint64(1) << flips).astype(utype)
+    if seed % 2:  # wide xors: more than 56 bits at 8 bytes
+        new = rng.integers(0, np.iinfo(utype).max, len(idx), dtype=utype, endpoint=True)
+    for kwargs in ({"old": old[idx]}, {}):
+        for floating in (True, False):
+            fields, data = codec.encode(idx, new, floating=floating, **kwargs)
+            args = dict(numel=numel, itemsize=s, floating=floating)
+            jit = [codec.decode(fields, data, **args, old=o) for o in (old, lambda i: old[i])]
+            monkeypatch.setattr(codec_jit, "_kernel", False)
+            ref = codec.decode(fields, data, **args, old=lambda i: old[i])
+            monkeypatch.undo()
+            assert np.array_equal(ref[0], idx) and np.array_equal(ref[1], new)
+            for got in jit:
+                assert got[0].dtype == np.int64 and np.array_equal(got[0], ref[0])
+                assert got[1].dtype == utype and np.array_equal(got[1], ref[1])
+
+
+def test_the_compiled_decode_is_off_with_hotweights_jit_0(monkeypatch):
+    monkeypatch.setattr(codec_jit, "_kernel", None)
+    monkeypatch.setenv("HOTWEIGHTS_JIT", "0")
+    assert not codec_jit.enabled()
+    codec_jit.warm()  # a no-op

@@ -63,6 +63,11 @@ def test_server_env_sizes_the_kv_cache_unless_told(environ, flags, kv):
     assert env["HOTWEIGHTS_TOKEN"] == "t" and "hotweights" in env["VLLM_PLUGINS"].split(",")
 
 
+@pytest.mark.parametrize(("environ", "thp"), [({}, "1"), ({"THP_MEM_ALLOC_ENABLE": "0"}, "0")])
+def test_server_env_puts_the_weights_on_huge_pages_unless_told(environ, thp):
+    assert serve.server_env(environ, [], token="t", server_id="s")["THP_MEM_ALLOC_ENABLE"] == thp
+
+
 def test_help_says_the_memory_default(capsys):
     from hotweights.cli.main import main
 

@@ -3,8 +3,9 @@
 At 1 % of elements changed at random, a patch's flat indices are ~100 apart and bf16 values
 carry ~2.5 bits of exponent entropy: sent as int32 indices and raw values, a changed element
 costs 6 bytes; coded here, ~2.3 bytes (raw values) or ~1 byte (XOR with the receiver's old
-values, when few bits flip). Everything is vectorised numpy; the only entropy coder is
-zlib's Huffman stage (the standard library, so every receiver has it), run over the few
+values, when few bits flip). Everything is vectorised numpy (`decode` runs one compiled
+loop instead where numba is installed: `hotweights.remote.codec_jit`); the only entropy coder
+is zlib's Huffman stage (the standard library, so every receiver has it), run over the few
 low-entropy byte streams. No torch, no transport.
 
 A piece is five byte sections, concatenated (their lengths in the header's ``sections``):
@@ -31,6 +32,7 @@ import zlib
 import numpy as np
 
 from hotweights.errors import DeltaError
+from hotweights.remote import codec_jit
 
 __all__ = ["UINT", "VALUES", "CodecError", "check_fields", "decode", "encode", "zstd_compress",
            "zstd_decompress"]
@@ -302,8 +304,8 @@ def decode(e: dict, data: np.ndarray, *, numel: int, itemsize: int, floating: bo
     Args:
         e: its header fields; data: its bytes (uint8, exactly `check_fields`' length).
         numel, itemsize, floating: its tensor's element count, element size, float or not.
-        old: for ``values="xor"``: a callable, int64 indices -> the receiver's current bit
-            patterns there (unsigned numpy of `itemsize`).
+        old: for ``values="xor"``: the receiver's current bit patterns, flat (unsigned
+            numpy of `itemsize`), or a callable, int64 indices -> those at the indices.
     Returns:
         (int64 indices, strictly increasing and inside the tensor; unsigned bit patterns).
     Raises:
@@ -316,8 +318,14 @@ def decode(e: dict, data: np.ndarray, *, numel: int, itemsize: int, floating: bo
     utype = UINT[itemsize]
     if not k:
         return np.zeros(0, np.int64), np.zeros(0, utype)
-    gaps_n, first = k - 1, e["first"]
+    gaps_n, first, xor = k - 1, e["first"], e["values"] == XOR
     high = _unzip(part[1], gaps_n, "indices") if 1 in e["zipped"] else part[1]
+    third = _unzip(part[3], k, "values") if 3 in e["zipped"] else part[3]
+    got = codec_jit.decode(k, first, numel, shift, part[0], high, part[2].view("<u8"), xor,
+                           third, part[4], old, floating, UINT[itemsize])
+    if got is not None:
+        idx, values = got
+        return idx, values if not xor or isinstance(old, np.ndarray) else values ^ old(idx)
     escaped = high == _ESC
     escapes = part[2].view("<u8")
     if (n_escaped := int(np.count_nonzero(escaped))) != len(escapes):
@@ -341,14 +349,13 @@ def decode(e: dict, data: np.ndarray, *, numel: int, itemsize: int, floating: bo
     np.cumsum(idx, out=idx)
     if int(idx[-1]) >= numel:
         raise CodecError("indices", f"run past the {numel} elements")
-    if e["values"] == RAW:
-        top = _unzip(part[3], k, "values") if 3 in e["zipped"] else part[3]
+    if not xor:
         b = np.empty((k, itemsize), np.uint8)
-        b[:, itemsize - 1] = top
+        b[:, itemsize - 1] = third
         b[:, :itemsize - 1] = part[4].reshape(k, itemsize - 1)
         v = b.view(utype).reshape(-1)
         return idx, (_rotr(v, 8 * itemsize) if floating and itemsize > 1 else v)
-    length = _unzip(part[3], k, "values") if 3 in e["zipped"] else part[3]
+    length = third
     if len(length) and int(length.max()) > 8 * itemsize:
         raise CodecError("values", f"hold an xor of {int(length.max())} bits, more than "
                          f"{8 * itemsize}")
@@ -356,7 +363,8 @@ def decode(e: dict, data: np.ndarray, *, numel: int, itemsize: int, floating: bo
     if (need := (int(widths.sum(dtype=np.uint64)) + 7) // 8) != sizes[4]:
         raise CodecError("values", f"need {need} bytes of xor bits, section [4] holds "
                          f"{sizes[4]}")
-    values = old(idx) ^ _LEAD[itemsize][length]  # the leading one of each xor is implied
+    values = (old[idx] if isinstance(old, np.ndarray) else old(idx)) ^ \
+        _LEAD[itemsize][length]  # the leading one of each xor is implied
     if sizes[4]:
         values ^= _unpack_varying(part[4], widths).astype(utype)
     return idx, values

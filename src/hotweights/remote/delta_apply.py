@@ -180,6 +180,8 @@ def _decoded(e: dict, t: torch.Tensor, buf: torch.Tensor, nb, old, bad) -> tuple
         else:  # a TP worker's `shards.Shard`: 0 where it holds none (cut away later)
             got = src.gather(torch.from_numpy(idx), t.dtype)
         return got.view(_BITS[s]).cpu().numpy().view(codec.UINT[s])
+    if isinstance(src, torch.Tensor) and src.device.type == "cpu":  # read where decoded
+        old_bits = src.detach().reshape(-1).view(_BITS[s]).numpy().view(codec.UINT[s])
     try:
         idx, bits = codec.decode(e, data, numel=t.numel(), itemsize=s,
                                  floating=t.dtype.is_floating_point, old=old_bits)

@@ -1,0 +1,165 @@
+"""`codec.decode` in one compiled pass, where numba is installed (every vLLM install has it).
+
+The numpy decode makes a dozen passes over a piece (gaps unpacked, widened, shifted, summed;
+old values gathered; xor bits unpacked and applied); a scattered update's pieces cost a
+server ~65 ns per changed element that way. `decode` here reads each section once, in one
+loop: ~4x less. Same results, bit for bit (the tests decode every kind of piece both ways);
+any piece the loop finds wrong is handed back (None), and `codec.decode` then decodes it the
+numpy way, which names the field at fault: the errors stay the numpy path's, word for word.
+
+Off (the numpy path only) without numba, or with ``HOTWEIGHTS_JIT=0``. The loop is compiled
+on first use per value size (~1 s; cached on disk next to this module where writable):
+`warm` compiles ahead, e.g. when a server joins a trainer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+_ESC = 255
+_MASKS = (np.uint64(1) << np.arange(64, dtype=np.uint64)) - np.uint64(1)  # width -> its mask
+_LEAD = np.r_[0, np.uint64(1) << np.arange(64, dtype=np.uint64)].astype(np.uint64)
+_lock = threading.Lock()
+_kernel = None  # the compiled loops, once built; False: no numba (or switched off)
+
+
+def _build():
+    import numba
+
+    u64 = np.uint64
+
+    @numba.njit(nogil=True, cache=True, inline="always")
+    def bits_at(words, pos, w, masks):
+        # the `w` (< 64) bits at bit `pos` of a little-endian stream, from the two words
+        # they span (the next word's bits shifted in two steps: never by 64)
+        q, r = pos >> 6, u64(pos & 63)
+        return ((words[q] >> r) | ((words[q + 1] << u64(1)) << (u64(63) - r))) & masks[w]
+
+    @numba.njit(nogil=True, cache=True)
+    def kernel(k, first, numel, shift, low, high, escapes, xor, third, fourth, nbytes4,
+               floating, masks, lead, out):
+        # third, fourth: sections 3 and 4 (xor: bit lengths, bits; raw: top bytes, the
+        # rest). -> (0, indices) with `out` filled; (1, _) where the piece is wrong
+        s = out.itemsize
+        nbits = 8 * s
+        idx = np.empty(k, np.int64)
+        if xor:  # every width first: the bit section must hold exactly their sum
+            total = 0
+            for i in range(k):
+                n = np.int64(third[i])
+                if n > nbits:
+                    return 1, idx
+                total += max(n - 1, 0)
+            if (total + 7) // 8 != nbytes4:
+                return 1, idx
+        limit = u64(numel - 1) >> u64(shift)  # the largest high part that can still fit
+        e = gpos = xpos = 0
+        pos = first
+        sign = u64(nbits - 1)
+        for i in range(k):
+            if i:
+                g = u64(high[i - 1])
+                if g == _ESC:
+                    if e >= len(escapes):
+                        return 1, idx
+                    g = u64(escapes[e])
+                    e += 1
+                if g > limit:
+                    return 1, idx
+                pos += np.int64((g << u64(shift)) | bits_at(low, gpos, shift, masks)) + 1
+                gpos += shift
+                if pos >= numel:
+                    return 1, idx
+            idx[i] = pos
+            if xor:
+                n = np.int64(third[i])
+                w = max(n - 1, 0)
+                v = bits_at(fourth, xpos, w, masks) | lead[n]
+                xpos += w
+            else:
+                v = (u64(third[i]) << u64(nbits - 8)) | bits_at(
+                    fourth, 8 * (s - 1) * i, 8 * (s - 1), masks)
+                if floating and s > 1:  # the sign went below the exponent: back on top
+                    v = (v >> u64(1)) | ((v & u64(1)) << sign)
+            out[i] = v
+        # (the low section's length was checked against the gaps by `check_fields`)
+        return (0 if e == len(escapes) else 1), idx
+
+    @numba.njit(nogil=True, cache=True)
+    def xor_gather(out, old, idx):
+        for i in range(len(idx)):
+            out[i] ^= old[idx[i]]
+
+    return kernel, xor_gather
+
+
+def _get():
+    global _kernel
+    if _kernel is None:
+        with _lock:
+            if _kernel is None:
+                if os.environ.get("HOTWEIGHTS_JIT", "1") == "0":
+                    _kernel = False
+                else:
+                    try:
+                        _kernel = _build()
+                    except ImportError:
+                        logger.info("hotweights: numba not installed: patches decode the "
+                                    "numpy way")
+                        _kernel = False
+    return _kernel
+
+
+def enabled() -> bool:
+    """Whether `decode` compiles (numba installed, not switched off)."""
+    return bool(_get())
+
+
+def decode(k: int, first: int, numel: int, shift: int, low: np.ndarray, high: np.ndarray,
+           escapes: np.ndarray, xor: bool, third: np.ndarray, fourth: np.ndarray, old,
+           floating: bool, utype) -> tuple[np.ndarray, np.ndarray] | None:
+    """(int64 indices, bit patterns) of a piece of `k` > 0 elements from its sections
+    (`high` and `third` inflated), or None: no numba, or the piece is wrong somewhere.
+
+    `old`: the receiver's old bit patterns, flat (numpy of `utype`): xor values are applied
+    to them here; anything else: the values come back as bare xors (``old ^ new``)."""
+    built = _get()
+    if not built:
+        return None
+    kernel, xor_gather = built
+    out = np.empty(k, utype)
+    have_old = isinstance(old, np.ndarray)
+    code, idx = kernel(k, first, numel, shift, _words(low), _bytes(high),
+                       escapes.astype(np.uint64), xor, _bytes(third),
+                       _words(fourth), len(fourth), floating, _MASKS, _LEAD, out)
+    if code == 0 and xor and have_old:  # apart: a loop of only these reads keeps many in
+        # flight (inside the decode loop each one waited for memory: ~3x slower)
+        xor_gather(out, old, idx)
+    return (idx, out) if code == 0 else None
+
+
+def warm(itemsizes=(2,)) -> None:
+    """Compile the loops for values of these byte sizes now (a no-op without numba)."""
+    for s in itemsizes:
+        utype = np.dtype(f"u{s}")
+        one = np.zeros(1, np.uint8)
+        decode(1, 0, 1, 0, one[:0], one[:0], np.zeros(0, np.uint64), True, one, one[:0],
+               np.zeros(1, utype), True, utype)
+
+
+def _words(a: np.ndarray) -> np.ndarray:
+    # a bit stream as uint64 words, and a zero word past its end (`bits_at` reads two)
+    out = np.zeros((len(a) // 8 + 2) * 8, np.uint8)
+    out[:len(a)] = a
+    return out.view(np.uint64)
+
+
+def _bytes(a: np.ndarray) -> np.ndarray:
+    # one compiled signature: writable, contiguous uint8 (inflated sections are read-only)
+    return a if a.flags.writeable and a.flags.c_contiguous else a.copy()
