@@ -355,3 +355,30 @@ def test_the_compiled_decode_is_off_with_hotweights_jit_0(monkeypatch):
     monkeypatch.setenv("HOTWEIGHTS_JIT", "0")
     assert not codec_jit.enabled()
     codec_jit.warm()  # a no-op
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_compiled_encode_writes_the_numpy_bytes(seed, monkeypatch):
+    if not codec_jit.enabled():
+        pytest.skip("numba is not installed: no compiled encode")
+    rng = np.random.default_rng(seed)
+    s = [1, 2, 4, 8][seed % 4]
+    utype, numel = codec.UINT[s], int(rng.integers(2, 1 << 20))
+    idx = np.sort(rng.choice(numel, int(rng.integers(1, min(numel, 5000))), replace=False))
+    if seed % 3 == 0:  # one huge gap: escapes
+        idx = np.unique(np.r_[0, idx[: len(idx) // 2], numel - 1])
+    old = rng.integers(0, np.iinfo(utype).max, len(idx), dtype=utype, endpoint=True)
+    new = rng.integers(0, np.iinfo(utype).max, len(idx), dtype=utype, endpoint=True)
+    if seed % 2:  # few bits flip: short xors
+        new = old ^ (np.uint64(1) << rng.integers(0, 8 * s, len(idx)).astype(np.uint64)
+                     ).astype(utype)
+    for kwargs in ({"old": old}, {}):
+        for floating in (True, False):
+            for index in (idx, idx.astype(np.int32) if numel < 2 ** 31 else idx, idx[:1]):
+                got = codec.encode(index, new[:len(index)], floating=floating,
+                                   **{k: v[:len(index)] for k, v in kwargs.items()})
+                monkeypatch.setattr(codec_jit, "_kernel", False)
+                want = codec.encode(index, new[:len(index)], floating=floating,
+                                    **{k: v[:len(index)] for k, v in kwargs.items()})
+                monkeypatch.undo()
+                assert got[0] == want[0] and np.array_equal(got[1], want[1])

@@ -233,23 +233,14 @@ def encode(indices: np.ndarray, bits: np.ndarray, *, floating: bool,
         (header fields: ``count``, ``first``, ``shift``, ``values``, ``sections``,
         ``zipped``; the piece's bytes, unpadded).
     """
-    k, s = len(indices), bits.dtype.itemsize
+    k = len(indices)
     idx = indices.astype(np.int64, copy=False)
-    gaps = (np.diff(idx) - 1).astype(np.uint64)
-    shift = max(0, int(np.log2(float(gaps.mean()) + 1)) - 1) if len(gaps) else 0
-    high = gaps >> np.uint64(shift)
-    escapes = high[high >= _ESC]
-    sections = [_pack_fixed(gaps, shift), np.minimum(high, _ESC).astype(np.uint8),
-                escapes.astype("<u8").view(np.uint8)]
-    if old is None:
-        v = _rotl(bits, 8 * s) if floating and s > 1 else bits
-        top, rest = _planes(np.ascontiguousarray(v), s)
-        sections += [top, rest]
-    else:
-        x = bits ^ old
-        length = _bit_length(x)
-        widths = _WIDTH[length]
-        sections += [length, _pack_varying(x, widths)]
+    # the mean gap, exactly as numpy's mean of the gaps makes it
+    shift = max(0, int(np.log2((int(idx[-1]) - int(idx[0]) - (k - 1)) / (k - 1) + 1)) - 1) \
+        if k > 1 else 0
+    sections = codec_jit.encode(idx, bits, old, floating, shift, _BIT_LENGTH16) if k else None
+    if sections is None:
+        sections = _sections(idx, bits, old, floating, shift)
     zipped = []
     for i in _ZIPPABLE:
         if (z := _zip(sections[i])) is not None:
@@ -259,6 +250,23 @@ def encode(indices: np.ndarray, bits: np.ndarray, *, floating: bool,
               "values": RAW if old is None else XOR, "sections": [len(x) for x in sections],
               "zipped": zipped}
     return fields, np.concatenate(sections) if k else np.zeros(0, np.uint8)
+
+
+def _sections(idx: np.ndarray, bits: np.ndarray, old: np.ndarray | None, floating: bool,
+              shift: int) -> list[np.ndarray]:
+    """`encode`'s five sections, before deflate, the numpy way."""
+    s = bits.dtype.itemsize
+    gaps = (np.diff(idx) - 1).astype(np.uint64)
+    high = gaps >> np.uint64(shift)
+    escapes = high[high >= _ESC]
+    sections = [_pack_fixed(gaps, shift), np.minimum(high, _ESC).astype(np.uint8),
+                escapes.astype("<u8").view(np.uint8)]
+    if old is None:
+        v = _rotl(bits, 8 * s) if floating and s > 1 else bits
+        return [*sections, *_planes(np.ascontiguousarray(v), s)]
+    x = bits ^ old
+    length = _bit_length(x)
+    return [*sections, length, _pack_varying(x, _WIDTH[length])]
 
 
 def check_fields(e: dict, numel: int, itemsize: int) -> int:

@@ -96,7 +96,68 @@ def _build():
         for i in range(len(idx)):
             out[i] ^= old[idx[i]]
 
-    return kernel, xor_gather
+    @numba.njit(nogil=True, cache=True, inline="always")
+    def put(words, pos, v, w, masks):
+        # the low `w` (< 64) bits of `v` at bit `pos` of a zeroed little-endian stream
+        v &= masks[w]
+        q, r = pos >> 6, u64(pos & 63)
+        words[q] |= v << r
+        words[q + 1] |= (v >> u64(1)) >> (u64(63) - r)
+
+    @numba.njit(nogil=True, cache=True, inline="always")
+    def bit_length(x, table):
+        if x >> u64(32):
+            if x >> u64(48):
+                return 48 + np.int64(table[x >> u64(48)])
+            return 32 + np.int64(table[x >> u64(32)])
+        if x >> u64(16):
+            return 16 + np.int64(table[x >> u64(16)])
+        return np.int64(table[x])
+
+    @numba.njit(nogil=True, cache=True)
+    def encoder(idx, bits, old, xor, floating, shift, masks, table):
+        # -> sections 0-4 of `codec.encode`, before deflate: low bits, high bytes, escapes,
+        # (xor: bit lengths, bits below the leading one; raw: top bytes, the rest)
+        k, s = len(idx), bits.itemsize
+        nbits = 8 * s
+        low = np.zeros((k * shift) // 64 + 2, np.uint64)
+        high = np.empty(max(k - 1, 0), np.uint8)
+        escapes = np.empty(max(k - 1, 0), np.uint64)
+        third = np.empty(k, np.uint8)
+        fourth = np.zeros((k * nbits) // 64 + 2, np.uint64) if xor else \
+            np.zeros(0, np.uint64)
+        rest = np.empty(0 if xor else k * (s - 1), np.uint8)
+        e = xpos = 0
+        sign = u64(nbits - 1)
+        for i in range(k):
+            if i:
+                gap = u64(idx[i] - idx[i - 1] - 1)
+                put(low, (i - 1) * shift, gap, shift, masks)
+                h = gap >> u64(shift)
+                if h >= _ESC:
+                    escapes[e] = h
+                    e += 1
+                    h = u64(_ESC)
+                high[i - 1] = h
+            v = u64(bits[i])
+            if xor:
+                x = v ^ u64(old[i])
+                n = bit_length(x, table)
+                third[i] = n
+                if n > 1:
+                    put(fourth, xpos, x, n - 1, masks)
+                    xpos += n - 1
+            else:
+                if floating and s > 1:  # the sign below the exponent: one byte for both
+                    v = ((v << u64(1)) | (v >> sign)) & masks[nbits] if nbits < 64 else \
+                        (v << u64(1)) | (v >> sign)
+                third[i] = (v >> u64(nbits - 8)) & u64(255)
+                for b in range(s - 1):
+                    rest[i * (s - 1) + b] = (v >> u64(8 * b)) & u64(255)
+        return (low, (max(k - 1, 0) * shift + 7) // 8, high, escapes[:e], third,
+                fourth, (xpos + 7) // 8, rest)
+
+    return kernel, xor_gather, encoder
 
 
 def _get():
@@ -132,7 +193,7 @@ def decode(k: int, first: int, numel: int, shift: int, low: np.ndarray, high: np
     built = _get()
     if not built:
         return None
-    kernel, xor_gather = built
+    kernel, xor_gather, _ = built
     out = np.empty(k, utype)
     have_old = isinstance(old, np.ndarray)
     code, idx = kernel(k, first, numel, shift, _words(low), _bytes(high),
@@ -142,6 +203,21 @@ def decode(k: int, first: int, numel: int, shift: int, low: np.ndarray, high: np
         # flight (inside the decode loop each one waited for memory: ~3x slower)
         xor_gather(out, old, idx)
     return (idx, out) if code == 0 else None
+
+
+def encode(idx: np.ndarray, bits: np.ndarray, old: np.ndarray | None, floating: bool,
+           shift: int, bit_length16: np.ndarray) -> list[np.ndarray] | None:
+    """`codec.encode`'s five sections (not deflated) of a piece of > 0 elements, in one
+    pass; None without numba."""
+    built = _get()
+    if not built:
+        return None
+    xor = old is not None
+    low, nlow, high, escapes, third, fourth, nfourth, rest = built[2](
+        idx.astype(np.int64, copy=False), bits, old if xor else bits[:1], xor, floating,
+        shift, _MASKS, bit_length16)
+    return [low.view(np.uint8)[:nlow], high, escapes.astype("<u8").view(np.uint8), third,
+            fourth.view(np.uint8)[:nfourth] if xor else rest]
 
 
 def warm(itemsizes=(2,)) -> None:
