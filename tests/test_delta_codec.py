@@ -382,3 +382,14 @@ def test_compiled_encode_writes_the_numpy_bytes(seed, monkeypatch):
                                     **{k: v[:len(index)] for k, v in kwargs.items()})
                 monkeypatch.undo()
                 assert got[0] == want[0] and np.array_equal(got[1], want[1])
+
+
+def test_compiled_scatter_writes_nothing_when_an_index_is_outside():
+    if not codec_jit.enabled():
+        pytest.skip("numba is not installed")
+    flat = np.zeros(10, np.uint16)
+    assert codec_jit.scatter(flat, np.array([1, 9], np.int64), np.array([5, 6], np.uint16))
+    assert flat.tolist() == [0, 5] + [0] * 7 + [6]
+    for bad in ([2, 10], [-1, 2]):
+        assert not codec_jit.scatter(flat, np.array(bad, np.int64), np.array([7, 7], np.uint16))
+    assert flat.tolist() == [0, 5] + [0] * 7 + [6]

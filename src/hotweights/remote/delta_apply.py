@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from hotweights.errors import DeltaError
-from hotweights.remote import codec, delta
+from hotweights.remote import codec, codec_jit, delta
 from hotweights.remote.delta import (
     _BITS,
     _CHUNK,
@@ -274,6 +274,10 @@ def write(entry: dict, target: torch.Tensor, views: tuple) -> None:
         flat[entry["start"]:entry["stop"]].copy_(views[0])
     elif entry["kind"] == PATCH:
         idx, vals = views
+        if flat.device.type == idx.device.type == vals.device.type == "cpu" and \
+                idx.dtype == torch.int64 and idx.is_contiguous() and vals.is_contiguous() and \
+                codec_jit.scatter(_unsigned(flat), idx.numpy(), _unsigned(vals)):
+            return  # one compiled loop
         for lo in range(0, idx.numel(), _CHUNK):
             flat.index_copy_(0, idx[lo:lo + _CHUNK].to(target.device, torch.int64),
                              vals[lo:lo + _CHUNK].to(target.device))
@@ -287,6 +291,11 @@ def write(entry: dict, target: torch.Tensor, views: tuple) -> None:
     else:
         target.detach().index_copy_(0, _row_index(views[0].to(target.device)),
                                     views[1].to(target.device))
+
+
+def _unsigned(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's bit patterns as unsigned numpy (no copy)."""
+    return t.view(_BITS[t.dtype.itemsize]).numpy().view(codec.UINT[t.dtype.itemsize])
 
 
 def apply(round: Round, targets: Mapping[str, torch.Tensor], *,
