@@ -1,7 +1,9 @@
 """delta: exact per-tensor encodings, packing into bounded rounds, checked in-place apply."""
 
 import json
+import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -570,3 +572,40 @@ def test_row_index_lists_the_rows_of_the_runs_in_order(ranges):
     got = delta._row_index(r)
     assert got.dtype == torch.int64
     assert got.tolist() == [i for a, b in ranges for i in range(a, b)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64, torch.int8,
+                                   torch.bool])
+@pytest.mark.parametrize("shape", [(4096,), (1000, 64), (3, 1 << 21), (5000, 7), (1 << 23,)])
+@pytest.mark.parametrize("how", ["scattered", "rows", "many"])
+def test_the_compiled_compare_gives_numpys_deltas(dtype, shape, how, monkeypatch):
+    from hotweights.remote import jit
+
+    if not jit.enabled():
+        pytest.skip("numba is not installed: no compiled compare")
+    if dtype.itemsize > 2 and math.prod(shape) > 1 << 21:
+        pytest.skip("big enough in the narrow dtypes")
+    old = _random(shape, dtype, seed=math.prod(shape) % 97)
+    g = torch.Generator().manual_seed(len(shape))
+    n = old.numel()
+    if how == "scattered":
+        index = torch.randint(0, n, (max(1, n // 100),), generator=g)
+    elif how == "rows":
+        row = n // shape[0]
+        index = torch.cat([torch.arange(r * row, (r + 1) * row)
+                           for r in torch.randint(0, shape[0], (3,), generator=g).tolist()])
+    else:
+        index = torch.randint(0, n, (n // 3,), generator=g)
+    new = _flip(old, index)
+    rows = {"w": torch.arange(0, shape[0], 2)} if len(shape) >= 2 else None
+    got = encode_all({"w": old}, {"w": new}, rows=rows)
+    monkeypatch.setattr(jit, "_kernel", False)
+    want = encode_all({"w": old}, {"w": new}, rows=rows)
+    for a, b in zip(got, want, strict=True):
+        for field in ("kind", "changed", "nbytes", "dtype", "shape"):
+            assert getattr(a, field) == getattr(b, field), field
+        for field in ("indices", "values", "old_values"):
+            x, y = getattr(a, field), getattr(b, field)
+            assert (x is None) == (y is None) and (x is None or torch.equal(_bits(x), _bits(y)))
+        assert (a.ranges is None) == (b.ranges is None)
+        assert a.ranges is None or np.array_equal(a.ranges, b.ranges)

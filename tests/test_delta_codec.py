@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hotweights.errors import DeltaError
-from hotweights.remote import codec, codec_jit, delta, shards
+from hotweights.remote import codec, delta, jit, shards
 from hotweights.remote.delta import Round, encode, encode_all, pack
 from hotweights.remote.delta_apply import apply, checked
 from hotweights.remote.staging import Staged
@@ -24,8 +24,8 @@ OPTIONS = [{}, {"values": "xor"}, {"compress": "zstd"}, {"values": "xor", "compr
 def decoder(request, monkeypatch):
     """Each test with it runs twice: patches decoded by the compiled loop, then by numpy."""
     if request.param == "numpy":
-        monkeypatch.setattr(codec_jit, "_kernel", False)
-    elif not codec_jit.enabled():
+        monkeypatch.setattr(jit, "_kernel", False)
+    elif not jit.enabled():
         pytest.skip("numba is not installed: no compiled decode")
     return request.param
 
@@ -321,7 +321,7 @@ def test_gaps_that_would_wrap_when_shifted_are_refused(high, decoder):
 
 @pytest.mark.parametrize("seed", range(8))
 def test_compiled_decode_gives_the_numpy_decode_bit_for_bit(seed, monkeypatch):
-    if not codec_jit.enabled():
+    if not jit.enabled():
         pytest.skip("numba is not installed: no compiled decode")
     rng = np.random.default_rng(seed)
     s = [1, 2, 4, 8][seed % 4]
@@ -340,26 +340,26 @@ def test_compiled_decode_gives_the_numpy_decode_bit_for_bit(seed, monkeypatch):
         for floating in (True, False):
             fields, data = codec.encode(idx, new, floating=floating, **kwargs)
             args = dict(numel=numel, itemsize=s, floating=floating)
-            jit = [codec.decode(fields, data, **args, old=o) for o in (old, lambda i: old[i])]
-            monkeypatch.setattr(codec_jit, "_kernel", False)
+            compiled = [codec.decode(fields, data, **args, old=o) for o in (old, lambda i: old[i])]
+            monkeypatch.setattr(jit, "_kernel", False)
             ref = codec.decode(fields, data, **args, old=lambda i: old[i])
             monkeypatch.undo()
             assert np.array_equal(ref[0], idx) and np.array_equal(ref[1], new)
-            for got in jit:
+            for got in compiled:
                 assert got[0].dtype == np.int64 and np.array_equal(got[0], ref[0])
                 assert got[1].dtype == utype and np.array_equal(got[1], ref[1])
 
 
 def test_the_compiled_decode_is_off_with_hotweights_jit_0(monkeypatch):
-    monkeypatch.setattr(codec_jit, "_kernel", None)
+    monkeypatch.setattr(jit, "_kernel", None)
     monkeypatch.setenv("HOTWEIGHTS_JIT", "0")
-    assert not codec_jit.enabled()
-    codec_jit.warm()  # a no-op
+    assert not jit.enabled()
+    jit.warm()  # a no-op
 
 
 @pytest.mark.parametrize("seed", range(8))
 def test_compiled_encode_writes_the_numpy_bytes(seed, monkeypatch):
-    if not codec_jit.enabled():
+    if not jit.enabled():
         pytest.skip("numba is not installed: no compiled encode")
     rng = np.random.default_rng(seed)
     s = [1, 2, 4, 8][seed % 4]
@@ -377,7 +377,7 @@ def test_compiled_encode_writes_the_numpy_bytes(seed, monkeypatch):
             for index in (idx, idx.astype(np.int32) if numel < 2 ** 31 else idx, idx[:1]):
                 got = codec.encode(index, new[:len(index)], floating=floating,
                                    **{k: v[:len(index)] for k, v in kwargs.items()})
-                monkeypatch.setattr(codec_jit, "_kernel", False)
+                monkeypatch.setattr(jit, "_kernel", False)
                 want = codec.encode(index, new[:len(index)], floating=floating,
                                     **{k: v[:len(index)] for k, v in kwargs.items()})
                 monkeypatch.undo()
@@ -385,11 +385,11 @@ def test_compiled_encode_writes_the_numpy_bytes(seed, monkeypatch):
 
 
 def test_compiled_scatter_writes_nothing_when_an_index_is_outside():
-    if not codec_jit.enabled():
+    if not jit.enabled():
         pytest.skip("numba is not installed")
     flat = np.zeros(10, np.uint16)
-    assert codec_jit.scatter(flat, np.array([1, 9], np.int64), np.array([5, 6], np.uint16))
+    assert jit.scatter(flat, np.array([1, 9], np.int64), np.array([5, 6], np.uint16))
     assert flat.tolist() == [0, 5] + [0] * 7 + [6]
     for bad in ([2, 10], [-1, 2]):
-        assert not codec_jit.scatter(flat, np.array(bad, np.int64), np.array([7, 7], np.uint16))
+        assert not jit.scatter(flat, np.array(bad, np.int64), np.array([7, 7], np.uint16))
     assert flat.tolist() == [0, 5] + [0] * 7 + [6]

@@ -4,7 +4,7 @@ At 1 % of elements changed at random, a patch's flat indices are ~100 apart and 
 carry ~2.5 bits of exponent entropy: sent as int32 indices and raw values, a changed element
 costs 6 bytes; coded here, ~2.3 bytes (raw values) or ~1 byte (XOR with the receiver's old
 values, when few bits flip). Everything is vectorised numpy (`decode` runs one compiled
-loop instead where numba is installed: `hotweights.remote.codec_jit`); the only entropy coder
+loop instead where numba is installed: `hotweights.remote.jit`); the only entropy coder
 is zlib's Huffman stage (the standard library, so every receiver has it), run over the few
 low-entropy byte streams. No torch, no transport.
 
@@ -32,7 +32,7 @@ import zlib
 import numpy as np
 
 from hotweights.errors import DeltaError
-from hotweights.remote import codec_jit
+from hotweights.remote import jit
 
 __all__ = ["UINT", "VALUES", "CodecError", "check_fields", "decode", "encode", "zstd_compress",
            "zstd_decompress"]
@@ -238,7 +238,7 @@ def encode(indices: np.ndarray, bits: np.ndarray, *, floating: bool,
     # the mean gap, exactly as numpy's mean of the gaps makes it
     shift = max(0, int(np.log2((int(idx[-1]) - int(idx[0]) - (k - 1)) / (k - 1) + 1)) - 1) \
         if k > 1 else 0
-    sections = codec_jit.encode(idx, bits, old, floating, shift, _BIT_LENGTH16) if k else None
+    sections = jit.encode(idx, bits, old, floating, shift, _BIT_LENGTH16) if k else None
     if sections is None:
         sections = _sections(idx, bits, old, floating, shift)
     zipped = []
@@ -329,7 +329,7 @@ def decode(e: dict, data: np.ndarray, *, numel: int, itemsize: int, floating: bo
     gaps_n, first, xor = k - 1, e["first"], e["values"] == XOR
     high = _unzip(part[1], gaps_n, "indices") if 1 in e["zipped"] else part[1]
     third = _unzip(part[3], k, "values") if 3 in e["zipped"] else part[3]
-    got = codec_jit.decode(k, first, numel, shift, part[0], high, part[2].view("<u8"), xor,
+    got = jit.decode(k, first, numel, shift, part[0], high, part[2].view("<u8"), xor,
                            third, part[4], old, floating, UINT[itemsize])
     if got is not None:
         idx, values = got

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from hotweights.errors import DeltaError
-from hotweights.remote import codec
+from hotweights.remote import codec, jit
 
 __all__ = ["COMPRESS", "FORMAT", "INT64_INDEX_FROM", "KINDS", "MIN_ROUND_BYTES", "PATCHES",
            "VALUES", "Delta", "Round", "dense", "encode", "encode_all", "pack"]
@@ -248,10 +248,21 @@ class _Comparison:
         word = _word(self.row, old_chunk, new_chunk)
         old_units, new_units = (_iv(chunk, 8 if word > 1 else self.itemsize)
                                 for chunk in (old_chunk, new_chunk))
-        differs = _ne(old_units, new_units)
-        if self.row:
-            self._mark_rows(where, differs, word, len(new_chunk))
-        if not (units_changed := _count(differs)):  # much cheaper than nonzero
+        # numpy chunks: one compiled pass where numba is installed (~0.6x numpy's passes)
+        per_row = (self.row // word if len(new_chunk) >= self.row else len(old_units)) \
+            if self.row else 0
+        found = jit.compare(old_units, new_units, per_row, self.pieces is not None) \
+            if isinstance(old_units, np.ndarray) else None
+        if found is None:
+            differs = _ne(old_units, new_units)
+            units_changed = _count(differs)  # much cheaper than nonzero
+            if self.row:
+                self._mark_rows(where, self._row_flags(differs, per_row), len(new_chunk))
+        else:
+            units_changed, positions, olds, news, flags = found
+            if self.row:
+                self._mark_rows(where, flags, len(new_chunk))
+        if not units_changed:
             return
         self.changed = True
         if self.pieces is None:
@@ -259,36 +270,40 @@ class _Comparison:
         if self._too_dear(self.patched + units_changed):
             self.pieces = None  # even one element per changed word costs as much as dense
             return
+        if found is None:
+            positions = _nonzero(differs)
+            olds, news = _take(old_units, positions), _take(new_units, positions)
         if word > 1 and self._too_dear(self.patched + units_changed * word) and \
-                self._too_dear(self.patched + _count(_ne(_iv(old_chunk, self.itemsize),
-                                                         _iv(new_chunk, self.itemsize)))):
+                self._too_dear(self.patched + _count(_ne(_iv(olds, self.itemsize),
+                                                         _iv(news, self.itemsize)))):
             self.pieces = None  # the changed elements, counted, cost as much as dense
             return
-        self._add_piece(where, differs, word, (old_chunk, new_chunk), old_units, new_units)
+        self._add_piece(where, word, positions, olds, news)
 
-    def _mark_rows(self, where, differs, word: int, chunk_len: int) -> None:
+    @staticmethod
+    def _row_flags(differs, per_row: int):
+        """Whether each run of `per_row` units in `differs` holds a changed one."""
+        # 8 flags at a time where rows allow: a quicker reduction
+        return (_iv(differs, 8).reshape(-1, per_row // 8) if per_row % 8 == 0 else
+                differs.reshape(-1, per_row)).any(1)
+
+    def _mark_rows(self, where, flags, chunk_len: int) -> None:
         row = self.row
         first = where if isinstance(where, int) else 0
         if chunk_len >= row:
-            per_row = row // word  # 8 flags at a time where rows allow: a quicker reduction
-            flags = (_iv(differs, 8).reshape(-1, per_row // 8) if per_row % 8 == 0 else
-                     differs.reshape(-1, per_row)).any(1)
             if isinstance(where, int):
                 self.rows_changed[first // row:first // row + len(flags)] = flags
             else:
                 self.rows_changed[where] = flags
-        else:  # a chunk inside one row
-            self.rows_changed[first // row] |= differs.any()
+        else:  # a chunk inside one row: one flag
+            self.rows_changed[first // row] |= flags[0]
 
-    def _add_piece(self, where, differs, word: int, chunks: tuple, old_units, new_units
-                   ) -> None:
-        positions = _nonzero(differs)
+    def _add_piece(self, where, word: int, positions, olds, news) -> None:
+        """Keep the changed units at `positions` of a chunk, their old and new units."""
         if word == 1:
-            olds, news = (_take(_iv(c, self.itemsize), positions) for c in chunks)
             piece, elements = (where, positions, news, None, olds), len(positions)
         else:
-            olds, news = (_iv(_take(u, positions), self.itemsize)
-                          for u in (old_units, new_units))
+            olds, news = _iv(olds, self.itemsize), _iv(news, self.itemsize)
             lanes = _ne(olds, news)
             piece, elements = (where, positions, news, lanes, olds), _count(lanes)
         self.held += len(positions) * (positions.dtype.itemsize + 16 + word)

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from hotweights.errors import DeltaError
-from hotweights.remote import codec, codec_jit, delta
+from hotweights.remote import codec, delta, jit
 from hotweights.remote.delta import (
     _BITS,
     _CHUNK,
@@ -276,7 +276,7 @@ def write(entry: dict, target: torch.Tensor, views: tuple) -> None:
         idx, vals = views
         if flat.device.type == idx.device.type == vals.device.type == "cpu" and \
                 idx.dtype == torch.int64 and idx.is_contiguous() and vals.is_contiguous() and \
-                codec_jit.scatter(_unsigned(flat), idx.numpy(), _unsigned(vals)):
+                jit.scatter(_unsigned(flat), idx.numpy(), _unsigned(vals)):
             return  # one compiled loop
         for lo in range(0, idx.numel(), _CHUNK):
             flat.index_copy_(0, idx[lo:lo + _CHUNK].to(target.device, torch.int64),

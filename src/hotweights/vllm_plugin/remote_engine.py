@@ -52,7 +52,7 @@ from hotweights.checkpoint.hub import local_dir
 from hotweights.checkpoint.shards import read_dir
 from hotweights.errors import ConfigError, HotweightsError
 from hotweights.layout.plan import hf_params, plan
-from hotweights.remote import codec_jit, shards
+from hotweights.remote import jit, shards
 from hotweights.remote.channel import Channel
 from hotweights.remote.staging import Staged
 
@@ -139,7 +139,7 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
             self.staged = Staged(self._specs(), old=self._old(), shards=self._held(),
                                  pin=cuda)
             # compiled now (~1 s a value size, then cached on disk), not in the first update
-            codec_jit.warm({t.dtype.itemsize for t in self.staged.specs.values()})
+            jit.warm({t.dtype.itemsize for t in self.staged.specs.values()})
 
     def decodes_xor(self) -> bool:
         """Whether this worker can read the old value of every checkpoint tensor it holds

@@ -10,7 +10,7 @@ piece the decode loop finds wrong is handed back (None) and `codec.decode` decod
 numpy way, which names the field at fault: the errors stay the numpy path's, word for word.
 
 Off (numpy only) without numba, or with ``HOTWEIGHTS_JIT=0``. The loops are compiled on
-first use per value size (~1 s; cached on disk next to this module where writable): `warm`
+first use per value size (~1 s; numba caches them on disk where it can): `warm`
 compiles the receiving side's ahead, as a server joins a trainer.
 """
 
@@ -31,19 +31,19 @@ _lock = threading.Lock()
 _kernel = None  # the compiled loops, once built; False: no numba (or switched off)
 
 
-def _build():
+def _build(cache: bool):
     import numba
 
     u64 = np.uint64
 
-    @numba.njit(nogil=True, cache=True, inline="always")
+    @numba.njit(nogil=True, cache=cache, inline="always")
     def bits_at(words, pos, w, masks):
         # the `w` (< 64) bits at bit `pos` of a little-endian stream, from the two words
         # they span (the next word's bits shifted in two steps: never by 64)
         q, r = pos >> 6, u64(pos & 63)
         return ((words[q] >> r) | ((words[q + 1] << u64(1)) << (u64(63) - r))) & masks[w]
 
-    @numba.njit(nogil=True, cache=True)
+    @numba.njit(nogil=True, cache=cache)
     def kernel(k, first, numel, shift, low, high, escapes, xor, third, fourth, nbytes4,
                floating, masks, lead, out):
         # third, fourth: sections 3 and 4 (xor: bit lengths, bits; raw: top bytes, the
@@ -93,12 +93,12 @@ def _build():
         # (the low section's length was checked against the gaps by `check_fields`)
         return (0 if e == len(escapes) else 1), idx
 
-    @numba.njit(nogil=True, cache=True)
+    @numba.njit(nogil=True, cache=cache)
     def xor_gather(out, old, idx):
         for i in range(len(idx)):
             out[i] ^= old[idx[i]]
 
-    @numba.njit(nogil=True, cache=True, inline="always")
+    @numba.njit(nogil=True, cache=cache, inline="always")
     def put(words, pos, v, w, masks):
         # the low `w` (< 64) bits of `v` at bit `pos` of a zeroed little-endian stream
         v &= masks[w]
@@ -106,7 +106,7 @@ def _build():
         words[q] |= v << r
         words[q + 1] |= (v >> u64(1)) >> (u64(63) - r)
 
-    @numba.njit(nogil=True, cache=True, inline="always")
+    @numba.njit(nogil=True, cache=cache, inline="always")
     def bit_length(x, table):
         if x >> u64(32):
             if x >> u64(48):
@@ -116,7 +116,7 @@ def _build():
             return 16 + np.int64(table[x >> u64(16)])
         return np.int64(table[x])
 
-    @numba.njit(nogil=True, cache=True)
+    @numba.njit(nogil=True, cache=cache)
     def encoder(idx, bits, old, xor, floating, shift, masks, table):
         # -> sections 0-4 of `codec.encode`, before deflate: low bits, high bytes, escapes,
         # (xor: bit lengths, bits below the leading one; raw: top bytes, the rest)
@@ -159,7 +159,7 @@ def _build():
         return (low, (max(k - 1, 0) * shift + 7) // 8, high, escapes[:e], third,
                 fourth, (xpos + 7) // 8, rest)
 
-    @numba.njit(nogil=True, cache=True)
+    @numba.njit(nogil=True, cache=cache)
     def scatter(flat, idx, values):
         n = len(flat)
         for i in range(len(idx)):  # bounds first: nothing written if one is out
@@ -169,7 +169,37 @@ def _build():
             flat[idx[i]] = values[i]
         return True
 
-    return kernel, xor_gather, encoder, scatter
+    @numba.njit(nogil=True, cache=cache, inline="always")
+    def differing(old, new, a, b, c, per_row, collect, flags, pos, olds, news):
+        for i in range(a, b):
+            if old[i] != new[i]:
+                if per_row:
+                    flags[i // per_row] = True
+                if collect:
+                    pos[c], olds[c], news[c] = i, old[i], new[i]
+                c += 1
+        return c
+
+    @numba.njit(nogil=True, cache=cache)
+    def compare(old, new, per_row, collect):
+        n = len(new)
+        flags = np.zeros(n // per_row if per_row else 0, np.bool_)
+        m = n if collect else 0
+        pos, olds, news = np.empty(m, np.int64), np.empty(m, old.dtype), np.empty(m, new.dtype)
+        c = 0
+        whole = n - n % 4
+        for first in range(0, whole, 4):  # 4 units a step, looked into only if one differs:
+            differ = 0  # ~2x a loop of one at 1 % changed
+            for i in range(first, first + 4):
+                differ |= old[i] ^ new[i]
+            if differ:
+                c = differing(old, new, first, first + 4, c, per_row, collect, flags, pos,
+                              olds, news)
+        c = differing(old, new, whole, n, c, per_row, collect, flags, pos, olds, news)
+        k = c if collect else 0  # copies: the n-long buffers are not kept
+        return c, pos[:k].copy(), olds[:k].copy(), news[:k].copy(), flags
+
+    return kernel, xor_gather, encoder, scatter, compare
 
 
 def _get():
@@ -181,11 +211,13 @@ def _get():
                     _kernel = False
                 else:
                     try:
-                        _kernel = _build()
+                        _kernel = _build(cache=True)
                     except ImportError:
-                        logger.info("hotweights: numba not installed: patches decode the "
-                                    "numpy way")
+                        logger.info("hotweights: numba not installed: the numpy loops run")
                         _kernel = False
+                    except RuntimeError as e:  # no writable place for numba's cache
+                        logger.info("hotweights: compiled loops not cached (%s)", e)
+                        _kernel = _build(cache=False)
     return _kernel
 
 
@@ -238,6 +270,14 @@ def scatter(flat: np.ndarray, idx: np.ndarray, values: np.ndarray) -> bool:
     an index is outside `flat` (torch's index_copy_ then says which)."""
     built = _get()
     return bool(built) and built[3](flat, idx, values)
+
+
+def compare(old: np.ndarray, new: np.ndarray, per_row: int, collect: bool) -> tuple | None:
+    """Compare two arrays of one integer dtype in one pass: (how many units differ, their
+    positions (int64), old and new units if `collect` (else empty), a flag per `per_row`
+    units saying whether any of them differs (none for `per_row` 0)); None without numba."""
+    built = _get()
+    return built[4](old, new, per_row, collect) if built else None
 
 
 def warm(itemsizes=(2,)) -> None:
