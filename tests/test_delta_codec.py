@@ -24,7 +24,7 @@ OPTIONS = [{}, {"values": "xor"}, {"compress": "zstd"}, {"values": "xor", "compr
 def decoder(request, monkeypatch):
     """Each test with it runs twice: patches decoded by the compiled loop, then by numpy."""
     if request.param == "numpy":
-        monkeypatch.setattr(jit, "_kernel", False)
+        monkeypatch.setattr(jit, "_loops", False)
     elif not jit.enabled():
         pytest.skip("numba is not installed: no compiled decode")
     return request.param
@@ -341,7 +341,7 @@ def test_compiled_decode_gives_the_numpy_decode_bit_for_bit(seed, monkeypatch):
             fields, data = codec.encode(idx, new, floating=floating, **kwargs)
             args = dict(numel=numel, itemsize=s, floating=floating)
             compiled = [codec.decode(fields, data, **args, old=o) for o in (old, lambda i: old[i])]
-            monkeypatch.setattr(jit, "_kernel", False)
+            monkeypatch.setattr(jit, "_loops", False)
             ref = codec.decode(fields, data, **args, old=lambda i: old[i])
             monkeypatch.undo()
             assert np.array_equal(ref[0], idx) and np.array_equal(ref[1], new)
@@ -351,7 +351,7 @@ def test_compiled_decode_gives_the_numpy_decode_bit_for_bit(seed, monkeypatch):
 
 
 def test_the_compiled_decode_is_off_with_hotweights_jit_0(monkeypatch):
-    monkeypatch.setattr(jit, "_kernel", None)
+    monkeypatch.setattr(jit, "_loops", None)
     monkeypatch.setenv("HOTWEIGHTS_JIT", "0")
     assert not jit.enabled()
     jit.warm()  # a no-op
@@ -377,7 +377,7 @@ def test_compiled_encode_writes_the_numpy_bytes(seed, monkeypatch):
             for index in (idx, idx.astype(np.int32) if numel < 2 ** 31 else idx, idx[:1]):
                 got = codec.encode(index, new[:len(index)], floating=floating,
                                    **{k: v[:len(index)] for k, v in kwargs.items()})
-                monkeypatch.setattr(jit, "_kernel", False)
+                monkeypatch.setattr(jit, "_loops", False)
                 want = codec.encode(index, new[:len(index)], floating=floating,
                                     **{k: v[:len(index)] for k, v in kwargs.items()})
                 monkeypatch.undo()
