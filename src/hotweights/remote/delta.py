@@ -238,6 +238,13 @@ class _Comparison:
         """Whether a patch of this many elements costs as much as the dense tensor."""
         return elements * (self.index_size + self.itemsize) >= self.dense_bytes
 
+    def _affordable(self) -> int:
+        """How many more changed elements the patch can take before it costs as much as
+        the dense tensor (0 once it does)."""
+        if self.pieces is None:
+            return 0
+        return max(0, -(-self.dense_bytes // (self.index_size + self.itemsize)) - self.patched)
+
     def add(self, where, old_chunk, new_chunk) -> None:
         """Compare one chunk of the flat tensors (`where`: see `_pieces`)."""
         if isinstance(new_chunk, torch.Tensor):  # non_blocking only towards an accelerator,
@@ -251,7 +258,7 @@ class _Comparison:
         # numpy chunks: one compiled pass where numba is installed (~0.6x numpy's passes)
         per_row = (self.row // word if len(new_chunk) >= self.row else len(old_units)) \
             if self.row else 0
-        found = jit.compare(old_units, new_units, per_row, self.pieces is not None) \
+        found = jit.compare(old_units, new_units, per_row, self._affordable()) \
             if isinstance(old_units, np.ndarray) else None
         if found is None:
             differs = _ne(old_units, new_units)

@@ -99,12 +99,13 @@ def scatter(flat: np.ndarray, idx: np.ndarray, values: np.ndarray) -> bool:
     return bool(built) and built.scatter(flat, idx, values)
 
 
-def compare(old: np.ndarray, new: np.ndarray, per_row: int, collect: bool) -> tuple | None:
+def compare(old: np.ndarray, new: np.ndarray, per_row: int, limit: int) -> tuple | None:
     """Compare two arrays of one integer dtype in one pass: (how many units differ, their
-    positions (int64), old and new units if `collect` (else empty), a flag per `per_row`
-    units saying whether any of them differs (none for `per_row` 0)); None without numba."""
+    positions (int64), old units and new units where at most `limit` differ (else all three
+    empty), a flag per `per_row` units saying whether any of them differs (none for
+    `per_row` 0)); None without numba."""
     built = _get()
-    return built.compare(old, new, per_row, collect) if built else None
+    return built.compare(old, new, per_row, limit) if built else None
 
 
 def warm(itemsizes=(2,)) -> None:

@@ -149,22 +149,22 @@ def scatter(flat, idx, values):
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
-def differing(old, new, a, b, c, per_row, collect, flags, pos, olds, news):
+def differing(old, new, a, b, c, per_row, limit, flags, pos, olds, news):
     for i in range(a, b):
         if old[i] != new[i]:
             if per_row:
                 flags[i // per_row] = True
-            if collect:
+            if c < limit:
                 pos[c], olds[c], news[c] = i, old[i], new[i]
             c += 1
     return c
 
 
 @numba.njit(nogil=True, cache=True)
-def compare(old, new, per_row, collect):
+def compare(old, new, per_row, limit):
     n = len(new)
     flags = np.zeros(n // per_row if per_row else 0, np.bool_)
-    m = n if collect else 0
+    m = min(n, limit)
     pos, olds, news = np.empty(m, np.int64), np.empty(m, old.dtype), np.empty(m, new.dtype)
     c = 0
     whole = n - n % 4
@@ -173,8 +173,8 @@ def compare(old, new, per_row, collect):
         for i in range(first, first + 4):
             differ |= old[i] ^ new[i]
         if differ:
-            c = differing(old, new, first, first + 4, c, per_row, collect, flags, pos,
-                          olds, news)
-    c = differing(old, new, whole, n, c, per_row, collect, flags, pos, olds, news)
-    k = c if collect else 0  # copies: the n-long buffers are not kept
+            c = differing(old, new, first, first + 4, c, per_row, limit, flags, pos, olds,
+                          news)
+    c = differing(old, new, whole, n, c, per_row, limit, flags, pos, olds, news)
+    k = c if c <= limit else 0  # copies: the n-long buffers are not kept
     return c, pos[:k].copy(), olds[:k].copy(), news[:k].copy(), flags
