@@ -101,11 +101,15 @@ def scatter(flat: np.ndarray, idx: np.ndarray, values: np.ndarray) -> bool:
 
 def compare(old: np.ndarray, new: np.ndarray, per_row: int, limit: int) -> tuple | None:
     """Compare two arrays of one integer dtype in one pass: (how many units differ, their
-    positions (int64), old units and new units where at most `limit` differ (else all three
-    empty), a flag per `per_row` units saying whether any of them differs (none for
-    `per_row` 0)); None without numba."""
+    positions (int64), old units, new units, a flag per `per_row` units saying whether any
+    of them differs (none for `per_row` 0)); None without numba, where more than `limit`
+    units differ (the loop stops there) or where most of a sample differs: numpy's
+    vectorised compare counts those faster."""
     built = _get()
-    return built.compare(old, new, per_row, limit) if built else None
+    if not built or limit <= 0:
+        return None
+    found = built.compare(old, new, per_row, limit)
+    return found if found[0] >= 0 else None
 
 
 def warm(itemsizes=(2,)) -> None:

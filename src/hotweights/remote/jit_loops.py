@@ -152,10 +152,11 @@ def scatter(flat, idx, values):
 def differing(old, new, a, b, c, per_row, limit, flags, pos, olds, news):
     for i in range(a, b):
         if old[i] != new[i]:
+            if c == limit:
+                return -1
             if per_row:
                 flags[i // per_row] = True
-            if c < limit:
-                pos[c], olds[c], news[c] = i, old[i], new[i]
+            pos[c], olds[c], news[c] = i, old[i], new[i]
             c += 1
     return c
 
@@ -163,8 +164,14 @@ def differing(old, new, a, b, c, per_row, limit, flags, pos, olds, news):
 @numba.njit(nogil=True, cache=True)
 def compare(old, new, per_row, limit):
     n = len(new)
+    sampled = differ = 0
+    for i in range(0, n, 61):  # most units differ (a full update): numpy's vector compare
+        sampled += 1  # counts them faster than this loop finds them
+        differ += old[i] != new[i]
+    if 2 * differ > sampled:
+        return -1, np.empty(0, np.int64), old[:0].copy(), new[:0].copy(), np.empty(0, np.bool_)
     flags = np.zeros(n // per_row if per_row else 0, np.bool_)
-    m = min(n, limit)
+    m = min(n, limit)  # more differing units than that: -1, at once
     pos, olds, news = np.empty(m, np.int64), np.empty(m, old.dtype), np.empty(m, new.dtype)
     c = 0
     whole = n - n % 4
@@ -175,6 +182,9 @@ def compare(old, new, per_row, limit):
         if differ:
             c = differing(old, new, first, first + 4, c, per_row, limit, flags, pos, olds,
                           news)
-    c = differing(old, new, whole, n, c, per_row, limit, flags, pos, olds, news)
-    k = c if c <= limit else 0  # copies: the n-long buffers are not kept
+            if c < 0:
+                break
+    if c >= 0:
+        c = differing(old, new, whole, n, c, per_row, limit, flags, pos, olds, news)
+    k = max(c, 0)  # copies: the n-long buffers are not kept
     return c, pos[:k].copy(), olds[:k].copy(), news[:k].copy(), flags
