@@ -38,9 +38,13 @@ Serving while updating, for each scenario's best (fastest) run (every run's is p
   server (across its streams: a gap between two streams holds the next one's first token)
   that overlaps the update's [start, end], the worst server. Information, not a target: the
   two servers share one CPU, and a token takes tens of ms anyway (the median gap before
-  the updates is printed). While the clients run, each update is followed by 1.5 s idle
-  before the next change, so that the trainer's own work (the clients are threads of its
-  process, on its CPU) does not fall into an update's gap. --no-clients: no clients, the
+  the updates is printed). While the clients run, each update is followed, before the
+  next change, by a wait until both servers streamed again (as a training step would:
+  the step after a `keep` commit recomputes every in-flight request's KV cache, seconds on
+  the shared CPU, and an update begun meanwhile waits for it in its commit's pause: it
+  would time the update before it) and then 1.5 s idle, so that the trainer's own work
+  (the clients are threads of its process, on its CPU) does not fall into an update's
+  gap. --no-clients: no clients, the
   keys are null.
 
 Then one more scattered update (a fresh change) with `group.compress = "zstd"`: its bytes
@@ -209,6 +213,17 @@ class Streamer(threading.Thread):
             except Exception as e:  # noqa: BLE001 - counted and printed, never fatal
                 self.errors.append(repr(e))
                 self.stop.wait(1.0)
+
+
+def settle(clients: list[Streamer], since: float, timeout: float = 30.0) -> None:
+    """Wait until every client streamed a chunk after `since` (the step after a `keep`
+    commit recomputes every in-flight request's KV cache: seconds here; the next update's
+    commit would wait for it in its pause), at most `timeout` s, then SETTLE_S more."""
+    deadline = time.perf_counter() + timeout
+    while time.perf_counter() < deadline and not all(
+            c.chunks and c.chunks[-1] > since for c in clients):
+        time.sleep(0.01)
+    time.sleep(SETTLE_S)
 
 
 def start_clients(urls: list[str], model: str, vocab: int) -> list[Streamer]:
@@ -480,8 +495,8 @@ def main() -> int:
                     t0 = time.perf_counter()
                     out = group.update(weights, mode=args.mode)
                     windows.append((t0, time.perf_counter()))
-                    if clients:  # the trainer's next change (its CPU) after the stall ends
-                        time.sleep(SETTLE_S)
+                    if clients:  # the servers stream again, then the trainer's next
+                        settle(clients, windows[-1][1])  # change (its CPU) after the stall
                     # the encode (fingerprints first) runs inside send, beside the begins
                     split.append(dict(phases, send=phases["send"] - phases["encode"]
                                       - phases.get("fingerprint", 0.0),
