@@ -319,31 +319,45 @@ def test_gaps_that_would_wrap_when_shifted_are_refused(high, decoder):
         codec.decode(fields, data.astype(np.uint8), numel=1000, itemsize=2, floating=True)
 
 
-@pytest.mark.parametrize("seed", range(8))
-def test_compiled_decode_gives_the_numpy_decode_bit_for_bit(seed, monkeypatch):
+def _random_piece(seed: int):
+    """(value size, its unsigned dtype, the tensor's element count, sorted indices, old
+    values of the whole tensor, new values at the indices) of a random piece: every value
+    size; escapes (one huge gap) every third seed; wide xors (more than 56 bits at 8 bytes)
+    on even seeds, one flipped bit per value on odd ones."""
     if not jit.enabled():
-        pytest.skip("numba is not installed: no compiled decode")
+        pytest.skip("numba is not installed: nothing compiled")
     rng = np.random.default_rng(seed)
     s = [1, 2, 4, 8][seed % 4]
     utype, numel = codec.UINT[s], int(rng.integers(2, 1 << 20))
-    k = int(rng.integers(1, min(numel, 5000)))
-    idx = np.sort(rng.choice(numel, k, replace=False))
-    if seed % 3 == 0:  # huge gaps: escapes
-        idx = np.unique(np.r_[idx[: k // 2], numel - 1 - idx[: k // 2] * 0 - rng.integers(0, 3)])
-        idx = np.unique(np.r_[0, idx])
+    idx = np.sort(rng.choice(numel, int(rng.integers(1, min(numel, 5000))), replace=False))
+    if seed % 3 == 0:
+        idx = np.unique(np.r_[0, idx[: len(idx) // 2], numel - 1])
     old = rng.integers(0, np.iinfo(utype).max, numel, dtype=utype, endpoint=True)
-    flips = rng.integers(0, 8 * s, len(idx)).astype(np.uint64)
-    new = old[idx] ^ (np.uint64(1) << flips).astype(utype)
-    if seed % 2:  # wide xors: more than 56 bits at 8 bytes
-        new = rng.integers(0, np.iinfo(utype).max, len(idx), dtype=utype, endpoint=True)
+    new = rng.integers(0, np.iinfo(utype).max, len(idx), dtype=utype, endpoint=True)
+    if seed % 2:
+        new = old[idx] ^ (np.uint64(1) << rng.integers(0, 8 * s, len(idx)).astype(np.uint64)
+                          ).astype(utype)
+    return s, utype, numel, idx, old, new
+
+
+def _numpy(monkeypatch, call, *args, **kwargs):
+    """`call(*args, **kwargs)` with the compiled loops off."""
+    monkeypatch.setattr(jit, "_loops", False)
+    try:
+        return call(*args, **kwargs)
+    finally:
+        monkeypatch.undo()
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_compiled_decode_gives_the_numpy_decode_bit_for_bit(seed, monkeypatch):
+    s, utype, numel, idx, old, new = _random_piece(seed)
     for kwargs in ({"old": old[idx]}, {}):
         for floating in (True, False):
             fields, data = codec.encode(idx, new, floating=floating, **kwargs)
             args = dict(numel=numel, itemsize=s, floating=floating)
             compiled = [codec.decode(fields, data, **args, old=o) for o in (old, lambda i: old[i])]
-            monkeypatch.setattr(jit, "_loops", False)
-            ref = codec.decode(fields, data, **args, old=lambda i: old[i])
-            monkeypatch.undo()
+            ref = _numpy(monkeypatch, codec.decode, fields, data, **args, old=lambda i: old[i])
             assert np.array_equal(ref[0], idx) and np.array_equal(ref[1], new)
             for got in compiled:
                 assert got[0].dtype == np.int64 and np.array_equal(got[0], ref[0])
@@ -359,28 +373,14 @@ def test_the_compiled_decode_is_off_with_hotweights_jit_0(monkeypatch):
 
 @pytest.mark.parametrize("seed", range(8))
 def test_compiled_encode_writes_the_numpy_bytes(seed, monkeypatch):
-    if not jit.enabled():
-        pytest.skip("numba is not installed: no compiled encode")
-    rng = np.random.default_rng(seed)
-    s = [1, 2, 4, 8][seed % 4]
-    utype, numel = codec.UINT[s], int(rng.integers(2, 1 << 20))
-    idx = np.sort(rng.choice(numel, int(rng.integers(1, min(numel, 5000))), replace=False))
-    if seed % 3 == 0:  # one huge gap: escapes
-        idx = np.unique(np.r_[0, idx[: len(idx) // 2], numel - 1])
-    old = rng.integers(0, np.iinfo(utype).max, len(idx), dtype=utype, endpoint=True)
-    new = rng.integers(0, np.iinfo(utype).max, len(idx), dtype=utype, endpoint=True)
-    if seed % 2:  # few bits flip: short xors
-        new = old ^ (np.uint64(1) << rng.integers(0, 8 * s, len(idx)).astype(np.uint64)
-                     ).astype(utype)
-    for kwargs in ({"old": old}, {}):
+    _, _, numel, idx, old, new = _random_piece(seed)
+    for xor in (True, False):
         for floating in (True, False):
-            for index in (idx, idx.astype(np.int32) if numel < 2 ** 31 else idx, idx[:1]):
-                got = codec.encode(index, new[:len(index)], floating=floating,
-                                   **{k: v[:len(index)] for k, v in kwargs.items()})
-                monkeypatch.setattr(jit, "_loops", False)
-                want = codec.encode(index, new[:len(index)], floating=floating,
-                                    **{k: v[:len(index)] for k, v in kwargs.items()})
-                monkeypatch.undo()
+            for index, at in ((idx, slice(None)), (idx.astype(np.int32), slice(None)),
+                              (idx[:1], slice(1))):
+                kwargs = {"floating": floating, "old": old[idx][at] if xor else None}
+                got = codec.encode(index, new[at], **kwargs)
+                want = _numpy(monkeypatch, codec.encode, index, new[at], **kwargs)
                 assert got[0] == want[0] and np.array_equal(got[1], want[1])
 
 
