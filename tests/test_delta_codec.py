@@ -393,3 +393,15 @@ def test_compiled_scatter_writes_nothing_when_an_index_is_outside():
     for bad in ([2, 10], [-1, 2]):
         assert not jit.scatter(flat, np.array(bad, np.int64), np.array([7, 7], np.uint16))
     assert flat.tolist() == [0, 5] + [0] * 7 + [6]
+
+
+def test_numba_loaded_leaves_vllms_engine_start_alone():
+    # vLLM starts an engine by reading vars() of every object of every module that has a
+    # __dict__; llvmlite's library wrapper (numba's) answered `__dict__` with a C function
+    # wrapper: every in-process engine started after the compiled loops loaded died
+    if not jit.enabled():
+        pytest.skip("numba is not installed")
+    dispatcher = pytest.importorskip("vllm.triton_utils.dispatcher")
+    if not hasattr(dispatcher, "_rebind_kernels"):
+        pytest.skip("this vLLM does not rebind its kernels that way")
+    dispatcher._rebind_kernels([])

@@ -40,6 +40,7 @@ def _get():
                 else:
                     try:
                         from hotweights.remote import jit_loops as _loops
+                        _guard_llvmlite()
                     except ImportError:
                         logger.info("hotweights: numba not installed: the numpy loops run")
                         _loops = False
@@ -47,6 +48,29 @@ def _get():
                         logger.warning("hotweights: the compiled loops are off (%s)", e)
                         _loops = False
     return _loops
+
+
+def _guard_llvmlite() -> None:
+    """vLLM (0.32) starts an engine by walking every object of every module and reading
+    ``vars(obj)`` wherever ``hasattr(obj, "__dict__")`` (rebinding its Triton kernels).
+    llvmlite's library wrapper (numba's) answers any attribute name with a C function
+    wrapper, ``__dict__`` too, so an engine started in a process that imported numba died
+    (AttributeError: '_lib_fn_wrapper' object has no attribute 'get'). No C function is
+    named like a dunder: those names are refused."""
+    from llvmlite.binding import ffi
+
+    wrapper = ffi._lib_wrapper
+    if getattr(wrapper, "_hotweights_guarded", False):
+        return
+    lookup = wrapper.__getattr__
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return lookup(self, name)
+
+    wrapper.__getattr__ = __getattr__
+    wrapper._hotweights_guarded = True
 
 
 def enabled() -> bool:
