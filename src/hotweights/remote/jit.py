@@ -1,17 +1,20 @@
-"""The patch codec's loops, compiled, where numba is installed (every vLLM install has it).
+"""The remote path's hot loops, compiled, where numba is installed (every vLLM install has
+it; the loops themselves are in `jit_loops`).
 
 The numpy codec makes a dozen passes over a piece (gaps unpacked, widened, shifted, summed;
 old values gathered; xor bits unpacked and applied): a scattered update's pieces cost a
 server ~65 ns per changed element to decode that way. Here `decode` reads each section once,
 in one loop, and gathers the old values in a loop of its own (~25 ns in all); `encode`
-writes the five sections in one loop; `scatter` writes a patch's values (the apply, while
-generation is paused). Same results, bit for bit (the tests run every piece both ways); a
-piece the decode loop finds wrong is handed back (None) and `codec.decode` decodes it the
-numpy way, which names the field at fault: the errors stay the numpy path's, word for word.
+writes the five sections in one loop; `compare` finds a chunk's changed units, their old and
+new values and the changed rows in one pass (the trainer's `delta.encode`); `scatter` writes
+a patch's values (the apply, while generation is paused). Same results, bit for bit (the
+tests run both ways); a piece the decode loop finds wrong is handed back (None) and
+`codec.decode` decodes it the numpy way, which names the field at fault: the errors stay
+the numpy path's, word for word.
 
 Off (numpy only) without numba, or with ``HOTWEIGHTS_JIT=0``. The loops are compiled on
-first use per value size (~1 s; numba caches them on disk where it can): `warm`
-compiles the receiving side's ahead, as a server joins a trainer.
+first use per value size (~1 s; numba caches them on disk where it can): `warm` compiles
+the receiving side's ahead, as a server joins a trainer.
 """
 
 from __future__ import annotations
@@ -59,8 +62,8 @@ def _guard_llvmlite() -> None:
     named like a dunder: those names are refused."""
     from llvmlite.binding import ffi
 
-    wrapper = ffi._lib_wrapper
-    if getattr(wrapper, "_hotweights_guarded", False):
+    wrapper = getattr(ffi, "_lib_wrapper", None)  # None: another llvmlite; nothing to guard
+    if wrapper is None or getattr(wrapper, "_hotweights_guarded", False):
         return
     lookup = wrapper.__getattr__
 
@@ -92,8 +95,8 @@ def decode(k: int, first: int, numel: int, shift: int, low: np.ndarray, high: np
     out = np.empty(k, utype)
     have_old = isinstance(old, np.ndarray)
     code, idx = built.decode(k, first, numel, shift, _words(low), _bytes(high),
-                       escapes.astype(np.uint64), xor, _bytes(third),
-                       _words(fourth), len(fourth), floating, _MASKS, _LEAD, out)
+                             escapes.astype(np.uint64), xor, _bytes(third), _words(fourth),
+                             len(fourth), floating, _MASKS, _LEAD, out)
     if code == 0 and xor and have_old:  # apart: a loop of only these reads keeps many in
         # flight (inside the decode loop each one waited for memory: ~3x slower)
         built.xor_gather(out, old, idx)
