@@ -3,10 +3,10 @@
 At 1 % of elements changed at random, a patch's flat indices are ~100 apart and bf16 values
 carry ~2.5 bits of exponent entropy: sent as int32 indices and raw values, a changed element
 costs 6 bytes; coded here, ~2.3 bytes (raw values) or ~1 byte (XOR with the receiver's old
-values, when few bits flip). Everything is vectorised numpy (`decode` runs one compiled
-loop instead where numba is installed: `hotweights.remote.jit`); the only entropy coder
-is zlib's Huffman stage (the standard library, so every receiver has it), run over the few
-low-entropy byte streams. No torch, no transport.
+values, when few bits flip). Everything is vectorised numpy (`decode` and `encode` run one
+compiled loop instead where numba is installed: `hotweights.remote.jit`); the only entropy
+coder is zlib's Huffman stage (the standard library, so every receiver has it), run over
+the few low-entropy byte streams. No torch, no transport.
 
 A piece is five byte sections, concatenated (their lengths in the header's ``sections``):
 
@@ -329,8 +329,8 @@ def decode(e: dict, data: np.ndarray, *, numel: int, itemsize: int, floating: bo
     gaps_n, first, xor = k - 1, e["first"], e["values"] == XOR
     high = _unzip(part[1], gaps_n, "indices") if 1 in e["zipped"] else part[1]
     third = _unzip(part[3], k, "values") if 3 in e["zipped"] else part[3]
-    got = jit.decode(k, first, numel, shift, part[0], high, part[2].view("<u8"), xor,
-                           third, part[4], old, floating, UINT[itemsize])
+    got = jit.decode(k, first, numel, shift, part[0], high, part[2].view("<u8"), xor, third,
+                     part[4], old, floating, UINT[itemsize])
     if got is not None:
         idx, values = got
         return idx, values if not xor or isinstance(old, np.ndarray) else values ^ old(idx)
