@@ -45,12 +45,11 @@ _ESC = 255
 UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _GROUPED = 56  # widths up to this many bits are read with one unaligned uint64 read each,
 # and fixed ones (un)packed 8 values at a time
-_MASKS = (np.uint64(1) << np.arange(64, dtype=np.uint64)) - np.uint64(1)  # width -> its mask
+_MASKS = jit.MASKS  # width -> its mask
 # an xor's bit length -> the bits sent below its leading one; -> that leading one, per size
 _WIDTH = np.maximum(np.arange(65) - 1, 0).astype(np.uint8)
 _BIT_LENGTH16 = np.frexp(np.arange(1 << 16, dtype=np.float64))[1].astype(np.uint8)
-_LEAD = {s: np.r_[0, np.uint64(1) << np.arange(8 * s, dtype=np.uint64)].astype(UINT[s])
-         for s in UINT}
+_LEAD = {s: jit.LEAD[:8 * s + 1].astype(UINT[s]) for s in UINT}
 
 
 class CodecError(DeltaError):

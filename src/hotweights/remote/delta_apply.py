@@ -180,11 +180,11 @@ def _decoded(e: dict, t: torch.Tensor, buf: torch.Tensor, nb, old, bad) -> tuple
         else:  # a TP worker's `shards.Shard`: 0 where it holds none (cut away later)
             got = src.gather(torch.from_numpy(idx), t.dtype)
         return got.view(_BITS[s]).cpu().numpy().view(codec.UINT[s])
-    if isinstance(src, torch.Tensor) and src.device.type == "cpu":  # read where decoded
-        old_bits = src.detach().reshape(-1).view(_BITS[s]).numpy().view(codec.UINT[s])
+    on_cpu = isinstance(src, torch.Tensor) and src.device.type == "cpu"  # read where decoded
     try:
         idx, bits = codec.decode(e, data, numel=t.numel(), itemsize=s,
-                                 floating=t.dtype.is_floating_point, old=old_bits)
+                                 floating=t.dtype.is_floating_point,
+                                 old=_unsigned(src.detach().reshape(-1)) if on_cpu else old_bits)
     except codec.CodecError as err:
         raise bad(err.field, err.msg) from None
     values = torch.from_numpy(bits.view(_SIGNED[s])).view(t.dtype)

@@ -27,8 +27,9 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-_MASKS = (np.uint64(1) << np.arange(64, dtype=np.uint64)) - np.uint64(1)  # width -> its mask
-_LEAD = np.r_[0, np.uint64(1) << np.arange(64, dtype=np.uint64)].astype(np.uint64)
+MASKS = (np.uint64(1) << np.arange(64, dtype=np.uint64)) - np.uint64(1)  # width -> its mask
+LEAD = np.r_[0, np.uint64(1) << np.arange(64, dtype=np.uint64)].astype(np.uint64)  # an xor's
+# bit length -> its leading one (the codec's tables too: `codec` imports this module)
 _lock = threading.Lock()
 _loops = None  # the module of compiled loops once imported; False: no numba (or off)
 
@@ -96,7 +97,7 @@ def decode(k: int, first: int, numel: int, shift: int, low: np.ndarray, high: np
     have_old = isinstance(old, np.ndarray)
     code, idx = built.decode(k, first, numel, shift, _words(low), _bytes(high),
                              escapes.astype(np.uint64), xor, _bytes(third), _words(fourth),
-                             len(fourth), floating, _MASKS, _LEAD, out)
+                             len(fourth), floating, MASKS, LEAD, out)
     if code == 0 and xor and have_old:  # apart: a loop of only these reads keeps many in
         # flight (inside the decode loop each one waited for memory: ~3x slower)
         built.xor_gather(out, old, idx)
@@ -113,7 +114,7 @@ def encode(idx: np.ndarray, bits: np.ndarray, old: np.ndarray | None, floating: 
     xor = old is not None
     low, nlow, high, escapes, third, fourth, nfourth, rest = built.encode(
         idx.astype(np.int64, copy=False), bits, old if xor else bits[:1], xor, floating,
-        shift, _MASKS, bit_length16)
+        shift, MASKS, bit_length16)
     return [low.view(np.uint8)[:nlow], high, escapes.astype("<u8").view(np.uint8), third,
             fourth.view(np.uint8)[:nfourth] if xor else rest]
 

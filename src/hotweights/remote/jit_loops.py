@@ -164,11 +164,11 @@ def differing(old, new, a, b, c, per_row, limit, flags, pos, olds, news):
 @numba.njit(nogil=True, cache=True)
 def compare(old, new, per_row, limit):
     n = len(new)
-    sampled = differ = 0
+    sampled = hits = 0
     for i in range(0, n, 61):  # most units differ (a full update): numpy's vector compare
         sampled += 1  # counts them faster than this loop finds them
-        differ += old[i] != new[i]
-    if 2 * differ > sampled:
+        hits += old[i] != new[i]
+    if 2 * hits > sampled:
         return -1, np.empty(0, np.int64), old[:0].copy(), new[:0].copy(), np.empty(0, np.bool_)
     flags = np.zeros(n // per_row if per_row else 0, np.bool_)
     m = min(n, limit)  # more differing units than that: -1, at once
