@@ -48,8 +48,8 @@ Serving while updating, for each scenario's best (fastest) run (every run's is p
   keys are null.
 
 Then one more scattered update (a fresh change) with `group.compress = "zstd"`: its bytes
-sent and its encode side (fingerprints + encode + pack, of which zstd) are printed; compress
-goes back to None. `xor` is whether the servers decode xor-coded values (every channel).
+sent and its encode side (fingerprints + pack: the encode inside it, then zstd) are printed;
+compress goes back to None. `xor` is whether the servers decode xor-coded values (every channel).
 
 trainer extra memory: the bytes of `group.reference` (the host copy of what the servers
 hold) plus the staging budget `max_round_bytes` (one reused round buffer), over the model's
@@ -169,7 +169,7 @@ def time_phases(group: RemoteGroup) -> dict[str, float]:
             finally:
                 phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
         return run
-    delta.encode_all = timed("encode", delta.encode_all)  # the module `group` calls
+    delta.encode = timed("encode", delta.encode)  # each tensor's (`encode_each` calls it)
     prefilter.fingerprints = timed("fingerprint", prefilter.fingerprints)
     group._send = timed("send", group._send)
     group._remember = timed("remember", group._remember)
@@ -497,10 +497,8 @@ def main() -> int:
                     windows.append((t0, time.perf_counter()))
                     if clients:  # the servers stream again, then the trainer's next
                         settle(clients, windows[-1][1])  # change (its CPU) after the stall
-                    # the encode (fingerprints first) runs inside send, beside the begins
-                    split.append(dict(phases, send=phases["send"] - phases["encode"]
-                                      - phases.get("fingerprint", 0.0),
-                                      rest=out["seconds"] - phases["send"]))
+                    split.append(dict(phases, rest=out["seconds"] - phases["send"]
+                                      - phases.get("fingerprint", 0.0)))
                     assert not out["full"] and len(out["servers"]) == 2, out
                     secs.append(out["seconds"])
                     sent.append(max(out["bytes"].values()))
@@ -517,9 +515,11 @@ def main() -> int:
                       f"{model_bytes / min(secs) / 1e9:6.2f} GB/s of weights")
                 print(f"{'':12}best run: " + ", ".join(
                     f"{k} {v:.3f} s" for k, v in split[best].items()) +
-                    " (send: after the encode, until both servers staged it, incl. "
-                    "broadcast: rounds (pack inside it) and acknowledgement; rest: status + "
-                    "commits, remember beside the commits; a route: its slowest request)")
+                    " (send: from the begins until both servers staged it, incl. broadcast: "
+                    "rounds and acknowledgement, with pack inside it: reading the rounds, "
+                    "the encode inside that, as the servers stage the rounds before; rest: "
+                    "status + commits, remember beside the commits; a route: its slowest "
+                    "request)")
                 worst_run = secs.index(max(secs))
                 if worst_run != best:
                     print(f"{'':12}slowest run: " + ", ".join(
@@ -540,14 +540,14 @@ def main() -> int:
             zwindow = (t0, time.perf_counter())
             if clients:
                 time.sleep(SETTLE_S)
-            encode_s = phases.get("fingerprint", 0.0) + phases["encode"] + phases["pack"]
+            encode_s = phases.get("fingerprint", 0.0) + phases["pack"]
             print(f"(scattered, zstd) {n:,} elements changed  {zout['seconds']:.3f} s  "
                   f"{max(zout['bytes'].values()):,} B to each server = "
                   f"{max(zout['bytes'].values()) / model_bytes:.2%} of the model "
                   f"({max(zout['bytes'].values()) / rows['scattered']['bytes']:.0%} of "
                   f"uncompressed); encode side {encode_s:.3f} s: fingerprints "
-                  f"{phases.get('fingerprint', 0.0):.3f} + encode {phases['encode']:.3f} + "
-                  f"pack {phases['pack']:.3f} (of which zstd {phases.get('zstd', 0.0):.3f}) s")
+                  f"{phases.get('fingerprint', 0.0):.3f} + pack {phases['pack']:.3f} (of which "
+                  f"encode {phases.get('encode', 0.0):.3f}, zstd {phases.get('zstd', 0.0):.3f}) s")
 
             stalls = {how: None for how in rows}
             if clients:

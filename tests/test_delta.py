@@ -172,7 +172,7 @@ def test_split_across_rounds_gives_identical_results(max_bytes, options):
     assert _same_bits(got, new)
     assert all(r.buffer.numel() <= max_bytes for r in rounds)
     assert [r.header["round"] for r in rounds] == list(range(len(rounds)))
-    assert {r.header["rounds"] for r in rounds} == {len(rounds)}
+    assert [r.header["rounds"] for r in rounds] == [0] * (len(rounds) - 1) + [len(rounds)]
     # One staging tensor reused for every round: each applied before the next is packed.
     staging, again = torch.empty(max_bytes, dtype=torch.uint8), {k: v.clone() for k, v in
                                                                  old.items()}
@@ -180,6 +180,44 @@ def test_split_across_rounds_gives_identical_results(max_bytes, options):
         assert r.buffer.data_ptr() == staging.data_ptr()
         apply(Round(json.loads(r.header_bytes()), r.buffer), again)  # through JSON
     assert _same_bits(again, new)
+
+
+@pytest.mark.parametrize("options", [{}, {"values": "xor"}, {"patches": "flat"}])
+@pytest.mark.parametrize("cut_bytes", [1, 5000, 40000, 1 << 30])
+def test_rounds_go_while_later_tensors_are_still_encoded(cut_bytes, options):
+    old, new = _state()
+    new["e"] = old["e"] = _random((20, 16), torch.bfloat16, 1)  # unchanged, last
+    read = []
+
+    def deltas():
+        for d in delta.encode_each(old, new):
+            read.append(d.name)
+            yield d
+    got, seen, rounds = {k: v.clone() for k, v in old.items()}, [], []
+    for r in pack(deltas(), max_bytes=1 << 20, cut_bytes=cut_bytes, **options):
+        seen.append(list(read))
+        rounds.append(r.header["rounds"])
+        assert r.header["entries"]  # the last round is never an empty one
+        apply(Round(json.loads(r.header_bytes()), r.buffer), got)
+    assert _same_bits(got, new)
+    assert rounds == [0] * (len(rounds) - 1) + [len(rounds)]
+    # a round is handed out once the next tensor with a change needs a new one: "b" (4
+    # elements, 4000 bytes) begins the second round when "a" (38400 bytes) covers the cut
+    assert seen[0] == {1: ["a", "b"], 5000: ["a", "b"], 40000: ["a", "b", "c"],
+                       1 << 30: list(new)}[cut_bytes]
+    assert len(rounds) == {1: 3, 5000: 2, 40000: 2, 1 << 30: 1}[cut_bytes]
+
+
+def test_an_encode_that_fails_midway_fails_the_rounds_after_the_ones_sent():
+    old, new = _state()
+
+    def deltas():
+        yield from delta.encode_each(old, {k: new[k] for k in "ab"})
+        yield encode("w", torch.zeros(4, 4), torch.zeros(4, 5))
+    rounds = pack(deltas(), max_bytes=1 << 20, cut_bytes=1)
+    assert next(rounds).header["rounds"] == 0
+    with pytest.raises(DeltaError, match=r"w: field 'shape' differs"):
+        next(rounds)
 
 
 def test_full_sync_and_empty_update():
@@ -288,6 +326,9 @@ def test_encode_and_pack_refuse_bad_input_by_name():
         encode("w", t.t(), t.t().clone().t())
     with pytest.raises(DeltaError, match=r"w: field 'dtype' complex128 is not supported"):
         encode("w", t.to(torch.complex128), t.to(torch.complex128))
+    for rows in ([1, 4], [-1]):  # the compiled compare reads rows where they are: checked
+        with pytest.raises(DeltaError, match=r"w: `rows` holds rows outside 0\.\.3"):
+            encode("w", t, t.clone(), rows=torch.tensor(rows))
     with pytest.raises(DeltaError, match=r"pack: field 'max_bytes' must be an int >= 64"):
         pack([], max_bytes=32)
     with pytest.raises(DeltaError, match=r"pack: field 'staging'"):
@@ -298,6 +339,9 @@ def test_encode_and_pack_refuse_bad_input_by_name():
         pack([], max_bytes=128, compress="gzip")
     with pytest.raises(DeltaError, match=r"pack: field 'patches' must be one of"):
         pack([], max_bytes=128, patches="sparse")
+    with pytest.raises(DeltaError, match=r"pack: field 'cut_bytes' must be an int >= 1, "
+                       r"found 0"):
+        pack([], max_bytes=128, cut_bytes=0)
     with pytest.raises(DeltaError, match=r"pack: field 'values' 'xor' needs patches='compact'"):
         pack([], max_bytes=128, values="xor", patches="flat")
 

@@ -42,20 +42,20 @@ def test_an_encode_that_sees_the_checkpoint_written_is_refused(checkpoint, monke
     new = {k: t.clone() for k, t in weights.items()}
     new["a.weight"][3] += 1
     plan = _Plan(["u"], group._checkpoint_for([{"checkpoint": digest(ckpt)}], new), False)
-    deltas = group._encode(plan, new, set(), None)
+    deltas = list(group._encode(plan, new, set(), None))
     assert [d.kind for d in deltas] == ["rows", "same"]
-    encode_all = delta.encode_all
+    encode_each = delta.encode_each
 
     def written_meanwhile(*args, **kwargs):  # journal mode writes in place, under the map
-        out = encode_all(*args, **kwargs)
+        yield from encode_each(*args, **kwargs)
         shard = ckpt / "model.safetensors"
         st = shard.stat()
         os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
-        return out
-    monkeypatch.setattr(delta, "encode_all", written_meanwhile)
-    with pytest.raises(RemoteError, match=rf"^{ckpt} was written during the update; nothing "
-                                          "was sent: update again$"):
-        group._encode(plan, new, set(), None)
+    monkeypatch.setattr(delta, "encode_each", written_meanwhile)
+    with pytest.raises(RemoteError, match=rf"^{ckpt} was written during the update; the "
+                                          "update was given up on every server: update "
+                                          "again$"):
+        list(group._encode(plan, new, set(), None))
 
 
 @pytest.mark.parametrize("bad", [0, 63, 4096.0, "64"])
@@ -70,7 +70,7 @@ def _update(group, weights, new, **kw):
     plan = _Plan(["u"], group.reference, group.reference is not None)
     kept, frozen_prints = group._kept(new, group._frozen(weights, new), plan.held)
     rows, prints = group._prefilter.rows(new, use=plan.held)
-    deltas = group._encode(plan, new, kept, rows)
+    deltas = list(group._encode(plan, new, kept, rows))
     group._remember(new, deltas if plan.held else None, frozen_prints)
     group._prefilter.prints = prints
     return {d.name: d.kind for d in deltas}
@@ -145,8 +145,8 @@ def test_a_server_restarted_from_the_synced_checkpoint_shares_the_delta(checkpoi
 def _prepared(group, status, new, monkeypatch):
     """`prepare`'s bookkeeping without servers: each plan encoded, nothing sent."""
     monkeypatch.setattr(group, "_connect", lambda status, backend: None)
-    monkeypatch.setattr(group, "_send", lambda status, plans, encode, mode, lease_s: [
-        (encode(plan), 0, 0) for plan, _ in plans])
+    monkeypatch.setattr(group, "_send", lambda status, plans, encode, cut, mode, lease_s: [
+        (list(encode(plan)), 0, 0) for plan, _ in plans])
     return group._prepare(new, new, status, "wait", None, 0.0, {})
 
 

@@ -161,12 +161,12 @@ def test_the_servers_serve_their_old_version_until_the_commit(remotes, trainer, 
         list(out["paused_ms"].values())
     assert _checksum(remotes[0]) == _checksum(remotes[1]) != before[0]
     from hotweights.remote import delta
-    encode_all = delta.encode_all
+    encode_each = delta.encode_each
 
     def slow_encode(*args, **kwargs):
         time.sleep(3.0)
-        return encode_all(*args, **kwargs)
-    monkeypatch.setattr(delta, "encode_all", slow_encode)
+        yield from encode_each(*args, **kwargs)
+    monkeypatch.setattr(delta, "encode_each", slow_encode)
     with torch.no_grad():
         model.model.norm.weight[0] += 1
     out = group.update(model, lease_s=1.5)  # renewed every 0.5 s
@@ -283,17 +283,17 @@ def test_the_servers_wait_for_an_encode_longer_than_the_timeout(remotes, trainer
     # lease, not the collective timeout; an encode that fails lets them go at once
     model, _ = trainer
     from hotweights.remote import delta
-    encode_all = delta.encode_all
+    encode_each = delta.encode_each
     slow = {"s": 4.0, "fail": False}
 
     def slow_encode(*args, **kwargs):
         time.sleep(slow["s"])
         if slow["fail"]:
             raise RuntimeError("the encode failed")
-        return encode_all(*args, **kwargs)
+        yield from encode_each(*args, **kwargs)
     with RemoteGroup([s.url for s in remotes[:2]], token=TOKEN, timeout=3.0) as group:
         group.update(model)  # a full sync: no encode
-        monkeypatch.setattr(delta, "encode_all", slow_encode)
+        monkeypatch.setattr(delta, "encode_each", slow_encode)
         with torch.no_grad():
             model.model.norm.weight[0] += 1
         n = group.update(model)["version"]

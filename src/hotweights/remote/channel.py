@@ -9,8 +9,9 @@ a peer without it, or a stranger on the port, fails every side with a `RemoteErr
 store listens on `master_addr` only, not on every interface.
 
 Each round goes as three broadcasts from rank 0, whatever its number of tensors: a fixed
-int64 meta tensor (header length, buffer length, round index, rounds total, and the round's
-keyed digest, `signing`), the JSON header as uint8, then the buffer. A receiver refuses a
+int64 meta tensor (header length, buffer length, round index, rounds total: 0 until the last
+round, as rounds are sent while later ones are still being encoded; and the round's keyed
+digest, `signing`), the JSON header as uint8, then the buffer. A receiver refuses a
 round over its budget (`max_round_bytes`) before allocating it, and one whose digest does not
 match before anything sees it; what the ranks tell each other through the store is signed
 with the same key. An update may be announced: its receivers then wait in the store,
@@ -47,7 +48,7 @@ __all__ = ["BACKENDS", "Channel"]
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("gloo", "nccl")
-_FIELDS = 4  # int64s: header length, buffer length, round index, rounds total
+_FIELDS = 4  # int64s: header length, buffer length, round index, rounds total (or 0)
 _META = _FIELDS + signing.DIGEST_BYTES // 8  # then the round's digest
 _MAX_HEADER = 1 << 26  # a header longer than this is a broken or hostile sender
 _ABORT = -1  # a meta header length telling the receivers the sender gave up the update
@@ -537,8 +538,7 @@ class Channel:
         meta = torch.tensor([len(head), buf.numel(), r.header["round"], r.header["rounds"]],
                             dtype=torch.int64)
         head = torch.frombuffer(bytearray(head), dtype=torch.uint8)
-        return self._send_parts(meta, head, buf, f"round {r.header['round'] + 1}/"
-                                f"{r.header['rounds']}")
+        return self._send_parts(meta, head, buf, f"round {r.header['round'] + 1}")
 
     def _send_parts(self, meta: torch.Tensor, head: torch.Tensor, buf: torch.Tensor,
                     what: str) -> int:
@@ -620,19 +620,18 @@ class Channel:
                 refuse(late)
             self._await_word(update, wait)
             fwd.go()
-        i, total = 0, None
-        while total is None or i < total:
+        i, total = 0, 0  # total: known from the last round (0 on the rounds before it)
+        while not total:
             meta = torch.zeros(_META, dtype=torch.int64, device=self.device)
             self._step()
             self._broadcast(meta, f"round {i + 1}")
-            hlen, blen, idx, n = meta[:_FIELDS].tolist()
+            hlen, blen, idx, total = meta[:_FIELDS].tolist()
             if hlen == _ABORT:
                 why = self._opened(f"{self._ns}/aborted") or "no reason given"
                 raise RemoteError(f"{self._where()}: the sender aborted the update at round "
                                   f"{i + 1} ({why}); nothing of it is applied")
-            total = n if total is None else total
-            self._check_meta(hlen, blen, idx, n, i, total)
-            what = f"round {i + 1}/{total}"
+            self._check_meta(hlen, blen, idx, total, i)
+            what = f"round {i + 1}"
             head = torch.empty(hlen, dtype=torch.uint8, device=self.device)
             self._broadcast(head, what)
             buf = self._buffer(blen)
@@ -685,7 +684,7 @@ class Channel:
         except RuntimeError:
             pass
 
-    def _check_meta(self, hlen: int, blen: int, idx: int, n: int, i: int, total: int) -> None:
+    def _check_meta(self, hlen: int, blen: int, idx: int, n: int, i: int) -> None:
         if blen > self.max_round_bytes or hlen > _MAX_HEADER:  # before allocating it
             self._broken = f"round {i + 1} over the budget"
             msg = (f"round {i + 1}: the sender's round of {blen} buffer bytes and {hlen} "
@@ -694,11 +693,12 @@ class Channel:
                    "the update is staged")
             self._tell(f"rank {self.rank} refused {msg}")
             raise RemoteError(f"{self._where()}: {msg}")
-        if not (0 < hlen <= _MAX_HEADER and blen >= 0 and idx == i and n == total >= 1):
+        if not (0 < hlen <= _MAX_HEADER and blen >= 0 and idx == i and n in (0, i + 1)):
             self._broken = f"malformed round meta {[hlen, blen, idx, n]}"
             raise RemoteError(f"{self._where()}: round {i + 1}: the sender's meta "
                               f"[header length, buffer length, round, rounds] is "
-                              f"{[hlen, blen, idx, n]}, expected round {i} of {total}")
+                              f"{[hlen, blen, idx, n]}, expected round {i} and rounds 0 "
+                              f"(more follow) or {i + 1} (the last)")
 
     def _header(self, head: torch.Tensor, blen: int, i: int) -> dict:
         try:

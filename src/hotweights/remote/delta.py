@@ -193,12 +193,14 @@ def encode(name: str, old: torch.Tensor, new: torch.Tensor, *,
         bits = _BITS[new.dtype.itemsize]
         flats = tuple(flat.view(bits).numpy() for flat in flats)
         rows = None if rows is None else rows.cpu().numpy()
+        if rows is not None and len(rows) and (rows.min() < 0 or rows.max() >= shape[0]):
+            raise DeltaError(f"{name}: `rows` holds rows outside 0..{shape[0] - 1}")
         rows_changed = np.zeros(shape[0] if row else 0, dtype=bool)
     else:
         rows_changed = torch.zeros(shape[0] if row else 0, dtype=torch.bool, device=new.device)
     comparison = _Comparison(numel, row, new.dtype.itemsize, rows_changed)
     for where, chunks in _pieces(numel, row, rows, *flats):
-        comparison.add(where, *chunks)
+        comparison.add(where, *chunks, in_place=isinstance(where, np.ndarray))
     if not comparison.changed:
         return Delta(name, SAME, new.dtype, shape, 0, 0)
     return comparison.cheapest(name, new)
@@ -245,8 +247,10 @@ class _Comparison:
             return 0
         return max(0, -(-self.dense_bytes // (self.index_size + self.itemsize)) - self.patched)
 
-    def add(self, where, old_chunk, new_chunk) -> None:
-        """Compare one chunk of the flat tensors (`where`: see `_pieces`)."""
+    def add(self, where, old_chunk, new_chunk, in_place: bool = False) -> None:
+        """Compare one chunk of the flat tensors (`where`: see `_pieces`). `in_place`: the
+        chunks are the whole flat tensors (numpy) and `where` the rows to compare, read
+        where they are by the compiled loop, else gathered here."""
         if isinstance(new_chunk, torch.Tensor):  # non_blocking only towards an accelerator,
             # whose stream orders the compare after the copy
             old_chunk = old_chunk.to(new_chunk.device,
@@ -255,21 +259,26 @@ class _Comparison:
         word = _word(self.row, old_chunk, new_chunk)
         old_units, new_units = (_iv(chunk, 8 if word > 1 else self.itemsize)
                                 for chunk in (old_chunk, new_chunk))
+        chunk_len = len(where) * self.row if in_place else len(new_chunk)
         # numpy chunks: one compiled pass where numba is installed (~0.6x numpy's passes)
         # while the patch can still afford what it finds
-        per_row = (self.row // word if len(new_chunk) >= self.row else len(old_units)) \
+        per_row = (self.row // word if chunk_len >= self.row else len(old_units)) \
             if self.row else 0
-        found = jit.compare(old_units, new_units, per_row, self._affordable()) \
+        found = jit.compare(old_units, new_units, per_row, self._affordable(),
+                            rows=where if in_place else None) \
             if isinstance(old_units, np.ndarray) else None
+        if found is None and in_place:  # gathered after all
+            old_units, new_units = (units.reshape(-1, per_row).take(where, axis=0).reshape(-1)
+                                    for units in (old_units, new_units))
         if found is None:
             differs = _ne(old_units, new_units)
             units_changed = _count(differs)  # much cheaper than nonzero
             if self.row:
-                self._mark_rows(where, self._row_flags(differs, per_row), len(new_chunk))
+                self._mark_rows(where, self._row_flags(differs, per_row), chunk_len)
         else:
             units_changed, positions, olds, news, flags = found
             if self.row:
-                self._mark_rows(where, flags, len(new_chunk))
+                self._mark_rows(where, flags, chunk_len)
         if not units_changed:
             return
         self.changed = True
@@ -380,9 +389,8 @@ def _pieces(numel: int, row: int, rows: np.ndarray | torch.Tensor | None, *flats
     step = max(1, _CHUNK // row) if row else 1
     for first in range(0, len(rows), step):
         gathered = rows[first:first + step]
-        if isinstance(gathered, np.ndarray):
-            yield gathered, [flat.reshape(-1, row).take(gathered, axis=0).reshape(-1)
-                             for flat in flats]
+        if isinstance(gathered, np.ndarray):  # gathered by `_Comparison.add` if need be
+            yield gathered, list(flats)
         else:
             yield gathered.to(flats[1].device), [
                 flat.view(-1, row).index_select(0, gathered.to(flat.device)).view(-1)
@@ -453,13 +461,21 @@ def encode_all(old: Mapping[str, torch.Tensor] | None, new: Mapping[str, torch.T
     Raises:
         DeltaError: as `encode`, naming the tensor.
     """
-    out = [encode(k, old[k], t, rows=None if rows is None else rows.get(k))
-           if old is not None and k in old else dense(k, t) for k, t in new.items()]
+    out = list(encode_each(old, new, rows=rows))
     if logger.isEnabledFor(logging.DEBUG):
         kinds = {k: sum(d.kind == k for d in out) for k in KINDS}
         logger.debug("encoded %d tensors %s: %d payload bytes", len(out), kinds,
                      sum(d.nbytes for d in out))
     return out
+
+
+def encode_each(old: Mapping[str, torch.Tensor] | None, new: Mapping[str, torch.Tensor], *,
+                rows: Mapping[str, torch.Tensor] | None = None) -> Iterator[Delta]:
+    """`encode_all`, one tensor at a time, as the iterator is read: `pack` sends the first
+    rounds while the later tensors are still being compared."""
+    for k, t in new.items():
+        yield encode(k, old[k], t, rows=None if rows is None else rows.get(k)) \
+            if old is not None and k in old else dense(k, t)
 
 
 @dataclass(frozen=True, eq=False)
@@ -468,14 +484,15 @@ class Round:
 
     Attributes:
         header: ``{"format", "round", "rounds", "nbytes", "entries"}``: this round's number,
-            how many the update has, the buffer's length, and one entry per piece of a delta:
-            "name", "kind", "dtype", "shape", "offset" and "nbytes" (its 8-byte aligned
-            segment of the buffer) and, by kind: dense "start", "stop" (its flat element
-            range); patch, flat: "count", "index_dtype" (the indices, then the values, each
-            section 8-byte aligned); patch, compact: "count", "first", "shift", "values",
-            "sections", "zipped" (see `hotweights.remote.codec`); rows "nranges", "nrows" (the
-            int64 pairs, then the rows). A compressed round also has "compress" ("zstd") and
-            "raw_nbytes": the segments' offsets are in the decompressed buffer.
+            0 or, on the last round, how many the update has, the buffer's length, and one
+            entry per piece of a delta: "name", "kind", "dtype", "shape", "offset" and
+            "nbytes" (its 8-byte aligned segment of the buffer) and, by kind: dense "start",
+            "stop" (its flat element range); patch, flat: "count", "index_dtype" (the
+            indices, then the values, each section 8-byte aligned); patch, compact: "count",
+            "first", "shift", "values", "sections", "zipped" (see `hotweights.remote.codec`);
+            rows "nranges", "nrows" (the int64 pairs, then the rows). A compressed round
+            also has "compress" ("zstd") and "raw_nbytes": the segments' offsets are in the
+            decompressed buffer.
         buffer: uint8 tensor of ``header["nbytes"]`` bytes.
     """
     header: dict
@@ -640,15 +657,17 @@ def _write(p: _Piece, seg: torch.Tensor) -> None:
 
 def pack(deltas: Iterable[Delta], *, max_bytes: int, device: torch.device | str | None = None,
          staging: torch.Tensor | None = None, patches: str = "compact", values: str = "raw",
-         compress: str | None = None) -> Iterator[Round]:
+         compress: str | None = None, cut_bytes: int | None = None) -> Iterator[Round]:
     """Pack deltas into rounds, each one buffer of at most `max_bytes` and a small header.
 
-    The split is planned from sizes first (no copies), so every round's header knows how many
-    rounds the update has; buffers are filled one round at a time, as the iterator is read.
-    An update always has at least one round (an empty one when nothing changed).
+    Rounds are made as the deltas are read: a round is handed out as soon as the next one
+    has begun, so with `deltas` a generator (`encode_each`) the first rounds travel while
+    later tensors are still being encoded. The number of rounds is known only at the end:
+    every round's header says ``"rounds": 0`` but the last one's, which says how many there
+    are. An update always has at least one round (an empty one when nothing changed).
 
     Args:
-        deltas: from `encode` / `encode_all` (``same`` ones are skipped).
+        deltas: from `encode_each` / `encode_all` (``same`` ones are skipped).
         max_bytes: the staging budget: the most buffer bytes in one round (rounded down to a
             multiple of 8, at least `MIN_ROUND_BYTES`); a bigger delta is split across rounds.
         device: where buffers are allocated; default the staging tensor's device, else the
@@ -656,9 +675,9 @@ def pack(deltas: Iterable[Delta], *, max_bytes: int, device: torch.device | str 
         staging: a 1-D uint8 tensor of at least `max_bytes` reused for every round: each
             round's buffer is then a view of it, overwritten when the next round is read.
         patches: ``"compact"`` (default): patches coded by `hotweights.remote.codec`
-            (gap-coded indices; coded here, on the CPU, when `pack` is called, so their
-            sizes are known); ``"flat"``: int32/int64 indices and raw values, as a format-1
-            receiver reads them (the round is still format 2).
+            (gap-coded indices; coded here, on the CPU, as the deltas are read);
+            ``"flat"``: int32/int64 indices and raw values, as a format-1 receiver reads
+            them (the round is still format 2).
         values: compact patches' values: ``"raw"`` (default): the new values, which every
             receiver can decode; ``"xor"``: ``new ^ old`` bit patterns, a few bits each when
             few bits flip, decodable only by a receiver that holds the old values
@@ -666,11 +685,15 @@ def pack(deltas: Iterable[Delta], *, max_bytes: int, device: torch.device | str 
             carry the old values (`Delta.old_values`); the others go raw.
         compress: None (default), or ``"zstd"``: each round's whole buffer is compressed
             (level 1) where that makes it smaller; needs the ``zstd`` extra (zstandard).
+        cut_bytes: also end a round (where more changes follow) once its deltas cover this
+            many bytes of tensors, unchanged ones included: small updates then come in
+            several rounds, which the receivers stage while the rest is encoded.
     Returns:
         An iterator of `Round`.
     Raises:
-        DeltaError: a bad `max_bytes`, `staging`, `patches`, `values` or `compress`
-            (named), or zstd asked for without zstandard installed, before any round is made.
+        DeltaError: a bad `max_bytes`, `staging`, `patches`, `values`, `compress` or
+            `cut_bytes` (named), or zstd asked for without zstandard installed, before any
+            round is made; while reading, what reading `deltas` raises.
     """
     for field, got, allowed in (("patches", patches, PATCHES), ("values", values, VALUES),
                                 ("compress", compress, COMPRESS)):
@@ -681,17 +704,28 @@ def pack(deltas: Iterable[Delta], *, max_bytes: int, device: torch.device | str 
         raise DeltaError("pack: field 'values' 'xor' needs patches='compact'")
     if compress is not None:
         codec.zstd_compress(b"")  # raises now, naming the extra, if zstandard is missing
-    if type(max_bytes) is not int or max_bytes < MIN_ROUND_BYTES:
-        raise DeltaError(f"pack: field 'max_bytes' must be an int >= {MIN_ROUND_BYTES}, found "
-                         f"{max_bytes!r}")
+    for field, got, least in (("max_bytes", max_bytes, MIN_ROUND_BYTES), ("cut_bytes",
+                                                                          cut_bytes, 1)):
+        if (got is not None or field == "max_bytes") and (type(got) is not int or got < least):
+            raise DeltaError(f"pack: field '{field}' must be an int >= {least}, found {got!r}")
     cap = max_bytes // 8 * 8
     if staging is not None and not (staging.dtype == torch.uint8 and staging.dim() == 1
                                     and staging.is_contiguous() and staging.numel() >= cap):
         raise DeltaError(f"pack: field 'staging' must be a contiguous 1-D uint8 tensor of >= "
                          f"{cap} bytes, found {staging.dtype} of shape {tuple(staging.shape)}")
-    plan, first = _Plan(cap), None
+    return _rounds(deltas, _Plan(cap), patches, values, cut_bytes,
+                   _Writer(device if device is not None else None if staging is None
+                           else staging.device, staging, compress))
+
+
+def _rounds(deltas: Iterable[Delta], plan: _Plan, patches: str, values: str,
+            cut_bytes: int | None, writer: _Writer) -> Iterator[Round]:
+    covered = 0  # bytes of tensors the open round's deltas cover
     for d in deltas:
-        first = d if first is None and d.kind != SAME else first
+        if d.kind != SAME and cut_bytes is not None and covered >= cut_bytes:
+            plan.next()  # only now: the last round is never an empty one
+            covered = 0
+        covered += math.prod(d.shape) * d.dtype.itemsize
         if d.kind == DENSE:
             plan.dense(d, 0, math.prod(d.shape))
         elif d.kind == PATCH and patches == "compact":
@@ -700,18 +734,25 @@ def pack(deltas: Iterable[Delta], *, max_bytes: int, device: torch.device | str 
             plan.patch(d)
         elif d.kind == ROWS:
             plan.rows(d)
-    if device is None:
-        device = (staging.device if staging is not None else first.tensor.device
-                  if first is not None and first.tensor is not None else first.values.device
-                  if first is not None else "cpu")
-    return _rounds(plan.rounds, device, staging, compress)
+        while len(plan.rounds) > 1:  # full ones: on their way while the rest is encoded
+            yield writer.round(plan.rounds.pop(0), last=False)
+    yield writer.round(plan.rounds[0], last=True)
 
 
-def _rounds(rounds: list[list[_Piece]], device, staging, compress) -> Iterator[Round]:
-    for i, pieces in enumerate(rounds):
-        size = sum(p.nbytes for p in pieces)
+class _Writer:
+    """Fills each round's buffer (and header) from its planned pieces, in order."""
+
+    def __init__(self, device, staging: torch.Tensor | None, compress: str | None):
+        self.device, self.staging, self.compress, self.i = device, staging, compress, 0
+
+    def round(self, pieces: list[_Piece], last: bool) -> Round:
+        if self.device is None:  # the first delta's device, else the CPU
+            d = pieces[0].delta if pieces else None
+            self.device = ("cpu" if d is None else d.tensor.device if d.tensor is not None
+                           else d.values.device)
+        size, i, staging = sum(p.nbytes for p in pieces), self.i, self.staging
         buf = (staging[:size] if staging is not None
-               else torch.empty(size, dtype=torch.uint8, device=device))
+               else torch.empty(size, dtype=torch.uint8, device=self.device))
         entries, off = [], 0
         for p in pieces:
             _write(p, buf[off:off + p.nbytes])
@@ -722,14 +763,14 @@ def _rounds(rounds: list[list[_Piece]], device, staging, compress) -> Iterator[R
                             **{k: int(v) if isinstance(v, np.integer) else v
                                for k, v in p.fields.items()}})
             off += p.nbytes
-        head = {"format": FORMAT, "round": i, "rounds": len(rounds), "nbytes": size}
-        if compress is not None and size:
+        head = {"format": FORMAT, "round": i, "rounds": i + 1 if last else 0, "nbytes": size}
+        if self.compress is not None and size:
             z = codec.zstd_compress(buf.cpu().numpy().tobytes())
             if len(z) < size:
-                head |= {"nbytes": len(z), "compress": compress, "raw_nbytes": size}
+                head |= {"nbytes": len(z), "compress": self.compress, "raw_nbytes": size}
                 zt = torch.frombuffer(bytearray(z), dtype=torch.uint8)
-                buf = (staging[:len(z)].copy_(zt) if staging is not None else
-                       zt.to(device))
-        logger.debug("round %d/%d: %d pieces, %d bytes (%d on the wire)", i + 1, len(rounds),
-                     len(pieces), size, head["nbytes"])
-        yield Round({**head, "entries": entries}, buf)
+                buf = staging[:len(z)].copy_(zt) if staging is not None else zt.to(self.device)
+        logger.debug("round %d%s: %d pieces, %d bytes (%d on the wire)", i + 1,
+                     " (the last)" if last else "", len(pieces), size, head["nbytes"])
+        self.i += 1
+        return Round({**head, "entries": entries}, buf)

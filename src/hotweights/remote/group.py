@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import itertools
 import logging
 import os
 import re
@@ -42,7 +43,7 @@ import socket
 import time
 import urllib.parse
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -67,6 +68,8 @@ __all__ = ["Pending", "RemoteGroup"]
 logger = logging.getLogger(__name__)
 
 ROUND_BYTES = 64 << 20  # staging budget per round, on both sides
+_CUTS = 8  # an update with changes all over the weights goes in about this many rounds at
+# least: the servers stage each while the trainer encodes the next
 REQUIRE = ("any", "all")
 REFERENCES = ("copy", "checkpoint")
 
@@ -87,6 +90,22 @@ class Pending:
     floor: int  # the version number to commit must be above this
     frozen: prefilter.Prints  # of the tensors that cannot change, once the servers hold them
     dropped: dict  # url -> why: servers down at the start or dead during the send
+
+
+class _Encoded(list):
+    """A plan's deltas, kept as the send reads them from the encode (for after the send);
+    `failed`: what the encode raised (bad input, named), if it did."""
+
+    failed: BaseException | None = None
+
+    def read(self, deltas: Iterator[delta.Delta]) -> Iterator[delta.Delta]:
+        try:
+            for d in deltas:
+                self.append(d)
+                yield d
+        except Exception as e:
+            self.failed = e
+            raise
 
 
 @dataclass
@@ -317,7 +336,8 @@ class RemoteGroup:
             self._drop(link)  # its servers are gone
         links = [self._connect({u: status[u] for u in p.urls}, backend) for p in plans]
         sends = self._send(status, list(zip(plans, links, strict=True)),
-                           lambda p: self._encode(p, new, kept, rows), mode,
+                           lambda p: self._encode(p, new, kept, rows),
+                           -(-sum(t.nbytes for t in new.values()) // _CUTS), mode,
                            lease_s or self._lease_s())
         done = list(zip(plans, sends, strict=True))
         return Pending(status, new,
@@ -461,19 +481,20 @@ class RemoteGroup:
                            "%s; sent whole, and copied from now on", len(moved), moved[:5])
         return kept, {k: frozen_prints[k] for k in kept}
 
-    def _encode(self, plan: _Plan, new: dict, kept: set[str], rows: dict | None) -> list:
-        """The deltas for the servers of `plan`: against what they hold, the blocks whose
-        fingerprint did not change since the last update left uncompared where they hold
-        what this group sent (`rows`), the tensors in `kept` left out."""
+    def _encode(self, plan: _Plan, new: dict, kept: set[str], rows: dict | None
+                ) -> Iterator[delta.Delta]:
+        """The deltas for the servers of `plan`, one tensor at a time: against what they
+        hold, the blocks whose fingerprint did not change since the last update left
+        uncompared where they hold what this group sent (`rows`), the tensors in `kept`
+        left out."""
         if plan.held:
             new = {k: t for k, t in new.items() if k not in kept}
-        deltas = delta.encode_all(plan.reference, new, rows=rows if plan.held else None)
+        yield from delta.encode_each(plan.reference, new, rows=rows if plan.held else None)
         if plan.reference is not None and plan.reference is not self.reference and \
                 stats(self.checkpoint) != self._loaded[0]:
             # in place (journal mode): the memory-mapped old values may have moved under us
-            raise RemoteError(f"{self.checkpoint} was written during the update; nothing was "
-                              "sent: update again")
-        return deltas
+            raise RemoteError(f"{self.checkpoint} was written during the update; the update "
+                              "was given up on every server: update again")
 
     def _opened(self) -> dict:
         """The checkpoint's tensors, memory-mapped (opened again when its files changed)."""
@@ -533,7 +554,8 @@ class RemoteGroup:
         return tensors
 
     def _send(self, status: dict, plans: list[tuple[_Plan, _Link]],
-              encode: Callable[[_Plan], list], mode: str, lease_s: float) -> list[tuple]:
+              encode: Callable[[_Plan], Iterator[delta.Delta]], cut_bytes: int, mode: str,
+              lease_s: float) -> list[tuple]:
         """Begin everywhere, then for each plan encode and broadcast on its channel while
         its servers receive; on failure abort all. Returns (the deltas, bytes each of its
         servers received, bytes that left this process) for each plan once every server's
@@ -541,12 +563,14 @@ class RemoteGroup:
 
         A begin takes the lease without pausing (`stage`): each server goes on serving the
         old version while this process encodes and sends, and pauses only in its commit.
-        Once a plan's encode is done, its servers' workers are asked to receive the update
-        (on threads of their own: they wait for its start on the channel up to the lease).
-        The lease is renewed every `lease_s / 3` until the sends end, however long the
-        encodes and the sends take."""
+        A plan's servers' workers are asked to receive the update (on threads of their own:
+        they wait for its start on the channel up to the lease), then the encode runs as the
+        rounds are sent: a round goes once it is full or its deltas cover `cut_bytes` of the
+        weights, and the servers stage it while the next one is encoded. The lease is
+        renewed every `lease_s / 3` until the sends end, however long they take."""
         pool = ThreadPoolExecutor(2 * len(status) + 1)
         begins, out, on = {}, [], None  # on: (link, update) being sent
+        deltas, started = _Encoded(), False
         try:
             begins = {u: pool.submit(self._post, u, status[u], "/hotweights/begin", mode=mode,
                                      lease_s=lease_s, stage=True) for u in status}
@@ -554,18 +578,25 @@ class RemoteGroup:
             self._leased = dict(status)
             with Renewer(self.renew, lease_s):
                 for plan, link in plans:
-                    deltas = encode(plan)
-                    on, link.next = (link, link.next or uuid.uuid4().hex), ""
+                    on, link.next, started = (link, link.next or uuid.uuid4().hex), "", False
                     receipts = self._receive(pool, {u: status[u] for u in plan.urls}, on[1],
                                              lease_s)
+                    deltas = _Encoded()
+                    rounds = delta.pack(
+                        deltas.read(encode(plan)), max_bytes=self.max_round_bytes,
+                        staging=self._round_buffer(link.channel.device),
+                        values="xor" if link.xor else "raw", compress=self.compress,
+                        cut_bytes=cut_bytes)
+                    first = next(rounds)  # the receivers wait for the start in the store,
+                    # up to the lease, while it is encoded (in the collective: the timeout)
                     link.channel.start(on[1], check=lambda r=receipts: _raise_failed(
                         r, "receive", wait=False))
+                    started = True
                     try:
-                        sent = link.channel.send(delta.pack(
-                            deltas, max_bytes=self.max_round_bytes,
-                            staging=self._round_buffer(link.channel.device),
-                            values="xor" if link.xor else "raw", compress=self.compress))
+                        sent = link.channel.send(itertools.chain([first], rounds))
                     except RemoteError as e:  # it names the rank: no need to wait for receipts
+                        if e is deltas.failed:
+                            raise
                         raise RemoteError(link.named(str(e))) from e
                     out.append((deltas, sent, sent * link.channel.copies))
                     on = None
@@ -576,6 +607,11 @@ class RemoteGroup:
         except BaseException as e:
             self._leased = {}
             pool.shutdown(wait=False, cancel_futures=True)
+            if on is not None and e is deltas.failed:  # the encode's (bad input, named): the
+                # receivers learn it from the send (an abort) or from a cancel, before it
+                if not started:
+                    on[0].channel.cancel(on[1])
+                on = None  # the channel stands
             if on is not None:  # receivers still waiting for it give up; then the channel is
                 # left: the survivors' receive fails at once (not at their timeout) and a
                 # server whose own relay broke joins afresh at the next update

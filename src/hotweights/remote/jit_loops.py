@@ -149,16 +149,34 @@ def scatter(flat, idx, values):
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
-def differing(old, new, a, b, c, per_row, limit, flags, pos, olds, news):
+def differing(old, new, a, b, v, c, per_row, limit, flags, pos, olds, news):
+    # units a..b; `v` added to a unit's place gives its position in the compared chunk
     for i in range(a, b):
         if old[i] != new[i]:
             if c == limit:
                 return -1
             if per_row:
-                flags[i // per_row] = True
-            pos[c], olds[c], news[c] = i, old[i], new[i]
+                flags[(i + v) // per_row] = True
+            pos[c], olds[c], news[c] = i + v, old[i], new[i]
             c += 1
     return c
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def differing_in(old, new, a, b, v, c, per_row, limit, flags, pos, olds, news):
+    # `differing`, 4 units a step, looked into only if one differs: ~2x a loop of one at
+    # 1 % changed
+    whole = b - (b - a) % 4
+    for first in range(a, whole, 4):
+        differ = 0
+        for i in range(first, first + 4):
+            differ |= old[i] ^ new[i]
+        if differ:
+            c = differing(old, new, first, first + 4, v, c, per_row, limit, flags, pos, olds,
+                          news)
+            if c < 0:
+                return c
+    return differing(old, new, whole, b, v, c, per_row, limit, flags, pos, olds, news)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -173,18 +191,31 @@ def compare(old, new, per_row, limit):
     flags = np.zeros(n // per_row if per_row else 0, np.bool_)
     m = min(n, limit)  # more differing units than that: -1, at once
     pos, olds, news = np.empty(m, np.int64), np.empty(m, old.dtype), np.empty(m, new.dtype)
+    c = differing_in(old, new, 0, n, 0, 0, per_row, limit, flags, pos, olds, news)
+    k = max(c, 0)  # copies: the m-long buffers are not kept
+    return c, pos[:k].copy(), olds[:k].copy(), news[:k].copy(), flags
+
+
+@numba.njit(nogil=True, cache=True)
+def compare_rows(old, new, rows, per_row, limit):
+    # `compare` of the given rows of `per_row` units each, gathered, read where they are
+    n = len(rows) * per_row
+    sampled = hits = 0
+    for j in range(0, n, 61):
+        i = rows[j // per_row] * per_row + j % per_row
+        sampled += 1
+        hits += old[i] != new[i]
+    if 2 * hits > sampled:
+        return -1, np.empty(0, np.int64), old[:0].copy(), new[:0].copy(), np.empty(0, np.bool_)
+    flags = np.zeros(len(rows), np.bool_)
+    m = min(n, limit)
+    pos, olds, news = np.empty(m, np.int64), np.empty(m, old.dtype), np.empty(m, new.dtype)
     c = 0
-    whole = n - n % 4
-    for first in range(0, whole, 4):  # 4 units a step, looked into only if one differs:
-        differ = 0  # ~2x a loop of one at 1 % changed
-        for i in range(first, first + 4):
-            differ |= old[i] ^ new[i]
-        if differ:
-            c = differing(old, new, first, first + 4, c, per_row, limit, flags, pos, olds,
-                          news)
-            if c < 0:
-                break
-    if c >= 0:
-        c = differing(old, new, whole, n, c, per_row, limit, flags, pos, olds, news)
-    k = max(c, 0)  # copies: the n-long buffers are not kept
+    for r in range(len(rows)):
+        a = rows[r] * per_row
+        c = differing_in(old, new, a, a + per_row, r * per_row - a, c, per_row, limit, flags,
+                         pos, olds, news)
+        if c < 0:
+            break
+    k = max(c, 0)
     return c, pos[:k].copy(), olds[:k].copy(), news[:k].copy(), flags
