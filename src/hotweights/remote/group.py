@@ -157,7 +157,9 @@ class RemoteGroup:
         master_port: the channel's port on this process (default: a free one). Servers that
             hold different old values get channels of their own (see the module doc): those
             take the next free ports above it.
-        timeout: seconds any peer may be silent in a collective before it is named.
+        timeout: seconds any peer may be silent in a collective before it is named (the
+            servers wait for each round in one: the encode of an eighth of the weights, or
+            of one tensor, must take less; they wait for the first round up to the lease).
         max_round_bytes: the staging budget per round, on both sides.
         checkpoint: a directory holding the checkpoint the servers were started from (the
             same files). A server that reports it still holds exactly that checkpoint (it
