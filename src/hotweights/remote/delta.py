@@ -704,18 +704,20 @@ def pack(deltas: Iterable[Delta], *, max_bytes: int, device: torch.device | str 
         raise DeltaError("pack: field 'values' 'xor' needs patches='compact'")
     if compress is not None:
         codec.zstd_compress(b"")  # raises now, naming the extra, if zstandard is missing
-    for field, got, least in (("max_bytes", max_bytes, MIN_ROUND_BYTES), ("cut_bytes",
-                                                                          cut_bytes, 1)):
-        if (got is not None or field == "max_bytes") and (type(got) is not int or got < least):
-            raise DeltaError(f"pack: field '{field}' must be an int >= {least}, found {got!r}")
+    if type(max_bytes) is not int or max_bytes < MIN_ROUND_BYTES:
+        raise DeltaError(f"pack: field 'max_bytes' must be an int >= {MIN_ROUND_BYTES}, found "
+                         f"{max_bytes!r}")
+    if cut_bytes is not None and (type(cut_bytes) is not int or cut_bytes < 1):
+        raise DeltaError(f"pack: field 'cut_bytes' must be an int >= 1, found {cut_bytes!r}")
     cap = max_bytes // 8 * 8
     if staging is not None and not (staging.dtype == torch.uint8 and staging.dim() == 1
                                     and staging.is_contiguous() and staging.numel() >= cap):
         raise DeltaError(f"pack: field 'staging' must be a contiguous 1-D uint8 tensor of >= "
                          f"{cap} bytes, found {staging.dtype} of shape {tuple(staging.shape)}")
+    if device is None and staging is not None:
+        device = staging.device  # else the first delta's (`_Writer`)
     return _rounds(deltas, _Plan(cap), patches, values, cut_bytes,
-                   _Writer(device if device is not None else None if staging is None
-                           else staging.device, staging, compress))
+                   _Writer(device, staging, compress))
 
 
 def _rounds(deltas: Iterable[Delta], plan: _Plan, patches: str, values: str,

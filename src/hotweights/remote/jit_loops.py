@@ -149,7 +149,7 @@ def scatter(flat, idx, values):
 
 
 _STEP = 16  # units a step of the compare, looked into only if one of them differs: at 1 %
-# of bf16 elements changed, half the steps are (~1.4x 4 units a step)
+# of bf16 elements changed, half the steps are (~1.3x 4 units a step)
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
