@@ -100,6 +100,28 @@ def test_an_update_over_http():
     serve(test)
 
 
+def test_the_scheduler_is_paused_through_the_engine_core_where_vllm_has_it():
+    # vLLM 0.32's `pause_generation` sleeps 20 ms after pausing: the engine core's own
+    # pause is called instead, where there is one
+    class Core:
+        def __init__(self, calls: list[str]):
+            self.calls = calls
+
+        async def pause_scheduler_async(self, mode, clear_cache):
+            self.calls.append(f"core_pause:{mode}:{clear_cache}")
+
+    async def test(client, stub):
+        await client.post("/hotweights/begin", json=body(mode="keep"), headers=AUTH)
+        assert stub.calls[-1] == "pause:keep"  # the stub has no engine core
+        await client.post("/hotweights/commit", json=body(), headers=AUTH)
+        stub.engine_core = Core(stub.calls)
+        await client.post("/hotweights/begin", json=body(mode="keep"), headers=AUTH)
+        assert stub.calls[-1] == "core_pause:keep:False"
+        assert stub.calls.count("pause:keep") == 1
+
+    serve(test)
+
+
 def test_server_info_answers_what_a_trainer_reads_behind_the_token():
     async def test(client, stub):
         assert (await client.get("/hotweights/server_info")).status_code == 401

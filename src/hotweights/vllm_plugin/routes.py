@@ -101,9 +101,20 @@ class VllmEngine:
             await self.gate.idle.wait()
         elif mode == "abort":  # streams it ends get a finish reason
             self.gate.mark_aborted()
-        await self.client.pause_generation(mode=mode, clear_cache=False)
+        await self._pause_scheduler(mode)
         if mode == "abort":
             await self._abort_past_the_gate()
+
+    async def _pause_scheduler(self, mode: str) -> None:
+        # vLLM's `pause_generation` (0.32) sleeps 20 ms once the scheduler paused, "not
+        # required for correctness" (so that the last outputs are out first): every commit
+        # paid it. The version headers do not need it: a response's header is set as it
+        # starts, and a request drained or frozen by the pause was computed before it.
+        core = getattr(self.client, "engine_core", None)
+        if callable(getattr(core, "pause_scheduler_async", None)):
+            await core.pause_scheduler_async(mode=mode, clear_cache=False)
+        else:  # another vLLM
+            await self.client.pause_generation(mode=mode, clear_cache=False)
 
     async def _abort_past_the_gate(self) -> None:
         """Abort every request that has a version header, including those that reached
