@@ -145,8 +145,10 @@ def test_a_server_restarted_from_the_synced_checkpoint_shares_the_delta(checkpoi
 def _prepared(group, status, new, monkeypatch):
     """`prepare`'s bookkeeping without servers: each plan encoded, nothing sent."""
     monkeypatch.setattr(group, "_connect", lambda status, backend: None)
-    monkeypatch.setattr(group, "_send", lambda status, plans, encode, cut, mode, lease_s: [
-        (list(encode(plan)), 0, 0) for plan, _ in plans])
+    def send(status, plans, encode, cut, mode, lease_s, meanwhile):
+        meanwhile()
+        return [(list(encode(plan)), 0, 0) for plan, _ in plans]
+    monkeypatch.setattr(group, "_send", send)
     return group._prepare(new, new, status, "wait", None, 0.0, {})
 
 

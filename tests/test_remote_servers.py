@@ -258,6 +258,10 @@ def test_the_checkpoint_serves_as_the_reference_when_synced_every_update(remotes
     ("shape", "model.norm.weight: field 'shape' differs"),
     ("nan", r"update not applied anywhere: .*rank 1 = http://127.0.0.1:\d+: DeltaError: "
             "`model.norm.weight`: the patch values hold NaN or Inf; refused"),
+    # the fingerprints see this one while the begins travel (else the encode): the servers
+    # are let go
+    ("strided", r"non contiguous tensor: `model.layers.0.mlp.up_proj.weight`|"
+                r"model.layers.0.mlp.up_proj.weight: new tensor is not contiguous"),
 ])
 def test_bad_input_is_refused_by_name_and_nothing_is_applied(remotes, trainer, bad, match):
     model, group = trainer
@@ -266,9 +270,12 @@ def test_bad_input_is_refused_by_name_and_nothing_is_applied(remotes, trainer, b
         weights["model.no_such.weight"] = torch.zeros(4, dtype=torch.bfloat16)
     elif bad == "shape":
         weights["model.norm.weight"] = torch.zeros(3, dtype=torch.bfloat16)
-    else:
+    elif bad == "nan":
         weights["model.norm.weight"][0] = float("nan")
     weights["model.layers.0.mlp.up_proj.weight"] += 1  # a change that must not land either
+    if bad == "strided":
+        up = weights["model.layers.0.mlp.up_proj.weight"]
+        weights["model.layers.0.mlp.up_proj.weight"] = up.t().contiguous().t()
     before = [(_status(s)["version"], _checksum(s)) for s in remotes[:2]]
     with pytest.raises(HotweightsError, match=match):
         group.update(weights)

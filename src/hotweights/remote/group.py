@@ -44,6 +44,7 @@ import time
 import urllib.parse
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -330,18 +331,21 @@ class RemoteGroup:
             frozen = self._frozen(weights, new)
         kept, frozen_prints = self._kept(new, frozen, any(
             p.held and p.reference is self.reference for p in plans))
-        rows, prints = self._prefilter.rows({k: t for k, t in new.items() if k not in kept},
-                                            use=plans[0].held)  # kept: `frozen_prints`
+        found = []  # (rows, prints) of the fingerprints, taken while the begins travel
+
+        def fingerprint() -> None:
+            found.append(self._prefilter.rows({k: t for k, t in new.items() if k not in kept},
+                                              use=plans[0].held))  # kept: `frozen_prints`
         backend = channel_backend(status)  # one kind of device for the whole group
         for link in [k for k in self._links.values() if not {u for u, _ in k.members} &
                      set(status)]:
             self._drop(link)  # its servers are gone
         links = [self._connect({u: status[u] for u in p.urls}, backend) for p in plans]
         sends = self._send(status, list(zip(plans, links, strict=True)),
-                           lambda p: self._encode(p, new, kept, rows),
+                           lambda p: self._encode(p, new, kept, found[0][0]),
                            -(-sum(t.nbytes for t in new.values()) // _CUTS), mode,
-                           lease_s or self._lease_s())
-        done = list(zip(plans, sends, strict=True))
+                           lease_s or self._lease_s(), meanwhile=fingerprint)
+        done, prints = list(zip(plans, sends, strict=True)), found[0][1]
         return Pending(status, new,
                        next((d for p, (d, _, _) in done if p.held and p.reference is
                              self.reference), None),
@@ -557,7 +561,7 @@ class RemoteGroup:
 
     def _send(self, status: dict, plans: list[tuple[_Plan, _Link]],
               encode: Callable[[_Plan], Iterator[delta.Delta]], cut_bytes: int, mode: str,
-              lease_s: float) -> list[tuple]:
+              lease_s: float, meanwhile: Callable[[], None] = lambda: None) -> list[tuple]:
         """Begin everywhere, then for each plan encode and broadcast on its channel while
         its servers receive; on failure abort all. Returns (the deltas, bytes each of its
         servers received, bytes that left this process) for each plan once every server's
@@ -569,13 +573,15 @@ class RemoteGroup:
         they wait for its start on the channel up to the lease), then the encode runs as the
         rounds are sent: a round goes once it is full or its deltas cover `cut_bytes` of the
         weights, and the servers stage it while the next one is encoded. The lease is
-        renewed every `lease_s / 3` until the sends end, however long they take."""
+        renewed every `lease_s / 3` until the sends end, however long they take.
+        `meanwhile` runs while the begins travel."""
         pool = ThreadPoolExecutor(2 * len(status) + 1)
         begins, out, on = {}, [], None  # on: (link, update) being sent
         deltas, started = _Encoded(), False
         try:
             begins = {u: pool.submit(self._post, u, status[u], "/hotweights/begin", mode=mode,
                                      lease_s=lease_s, stage=True) for u in status}
+            meanwhile()
             _raise_failed(begins, "begin")
             self._leased = dict(status)
             with Renewer(self.renew, lease_s):
@@ -608,6 +614,7 @@ class RemoteGroup:
             return out
         except BaseException as e:
             self._leased = {}
+            futures.wait(begins.values())  # a begin still travelling (`meanwhile` failed)
             pool.shutdown(wait=False, cancel_futures=True)
             if on is not None and e is deltas.failed:  # the encode's (bad input, named): the
                 # receivers learn it from the send (an abort) or from a cancel, before it
