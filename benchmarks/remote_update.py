@@ -497,8 +497,7 @@ def main() -> int:
                     windows.append((t0, time.perf_counter()))
                     if clients:  # the servers stream again, then the trainer's next
                         settle(clients, windows[-1][1])  # change (its CPU) after the stall
-                    split.append(dict(phases, rest=out["seconds"] - phases["send"]
-                                      - phases.get("fingerprint", 0.0)))
+                    split.append(dict(phases, rest=out["seconds"] - phases["send"]))
                     assert not out["full"] and len(out["servers"]) == 2, out
                     secs.append(out["seconds"])
                     sent.append(max(out["bytes"].values()))
@@ -515,11 +514,11 @@ def main() -> int:
                       f"{model_bytes / min(secs) / 1e9:6.2f} GB/s of weights")
                 print(f"{'':12}best run: " + ", ".join(
                     f"{k} {v:.3f} s" for k, v in split[best].items()) +
-                    " (send: from the begins until both servers staged it, incl. broadcast: "
-                    "rounds and acknowledgement, with pack inside it: reading the rounds, "
-                    "the encode inside that, as the servers stage the rounds before; rest: "
-                    "status + commits, remember beside the commits; a route: its slowest "
-                    "request)")
+                    " (send: from the begins until both servers staged it, incl. the "
+                    "fingerprints, taken while the begins travel, and broadcast: rounds and "
+                    "acknowledgement, with pack inside it: reading the rounds, the encode "
+                    "inside that, as the servers stage the rounds before; rest: status + "
+                    "commits, remember beside the commits; a route: its slowest request)")
                 worst_run = secs.index(max(secs))
                 if worst_run != best:
                     print(f"{'':12}slowest run: " + ", ".join(
