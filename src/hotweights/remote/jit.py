@@ -8,10 +8,9 @@ in one loop, and gathers the old values in a loop of its own (~25 ns in all); `e
 writes the five sections in one loop; `compare` finds a chunk's changed units, their old and
 new values and the changed rows in one pass (the trainer's `delta.encode`; given rows, read
 in place rather than gathered); `scatter` writes a patch's values (the apply, while
-generation is paused). Same results, bit for bit (the
-tests run both ways); a piece the decode loop finds wrong is handed back (None) and
-`codec.decode` decodes it the numpy way, which names the field at fault: the errors stay
-the numpy path's, word for word.
+generation is paused). Same results, bit for bit (the tests run both ways); a piece the
+decode loop finds wrong is handed back (None) and `codec.decode` decodes it the numpy way,
+which names the field at fault: the errors stay the numpy path's, word for word.
 
 Off (numpy only) without numba, or with ``HOTWEIGHTS_JIT=0``. The loops are compiled on
 first use per value size (~1 s; numba caches them on disk where it can): `warm` compiles
@@ -31,6 +30,7 @@ logger = logging.getLogger(__name__)
 MASKS = (np.uint64(1) << np.arange(64, dtype=np.uint64)) - np.uint64(1)  # width -> its mask
 LEAD = np.r_[0, np.uint64(1) << np.arange(64, dtype=np.uint64)].astype(np.uint64)  # an xor's
 # bit length -> its leading one (the codec's tables too: `codec` imports this module)
+_WHOLE = np.zeros(1, np.int64)  # one run from the first unit: a whole chunk compared
 _lock = threading.Lock()
 _loops = None  # the module of compiled loops once imported; False: no numba (or off)
 
@@ -141,8 +141,8 @@ def compare(old: np.ndarray, new: np.ndarray, per_row: int, limit: int,
     built = _get()
     if not built or limit <= 0:
         return None
-    found = built.compare(old, new, per_row, limit) if rows is None else \
-        built.compare_rows(old, new, rows, per_row, limit)
+    found = built.compare(old, new, _WHOLE, len(new), per_row, limit) if rows is None else \
+        built.compare(old, new, rows * per_row, per_row, per_row, limit)
     return found if found[0] >= 0 else None
 
 

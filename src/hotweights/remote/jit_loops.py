@@ -196,42 +196,26 @@ def _sample_step(n):
 
 
 @numba.njit(nogil=True, cache=True)
-def compare(old, new, per_row, limit):
-    n = len(new)
+def compare(old, new, starts, run, per_row, limit):
+    # the runs of `run` units that begin at `starts`, compared as if gathered into one chunk
+    # (the positions and flags are that chunk's) but read where they are
+    n = len(starts) * run
     sampled = hits = 0
-    for i in range(0, n, _sample_step(n)):  # most units differ (a full update): numpy's
-        sampled += 1  # vector compare counts them faster than this loop finds them
+    for j in range(0, n, _sample_step(n)):  # most units differ (a full update): numpy's
+        i = starts[j // run] + j % run  # vector compare counts them faster than this loop
+        sampled += 1  # finds them
         hits += old[i] != new[i]
     if 2 * hits > sampled:
         return -1, np.empty(0, np.int64), old[:0].copy(), new[:0].copy(), np.empty(0, np.bool_)
     flags = np.zeros(n // per_row if per_row else 0, np.bool_)
     m = min(n, limit)  # more differing units than that: -1, at once
     pos, olds, news = np.empty(m, np.int64), np.empty(m, old.dtype), np.empty(m, new.dtype)
-    c = differing_in(old, new, 0, n, 0, 0, per_row, limit, flags, pos, olds, news)
-    k = max(c, 0)  # copies: the m-long buffers are not kept
-    return c, pos[:k].copy(), olds[:k].copy(), news[:k].copy(), flags
-
-
-@numba.njit(nogil=True, cache=True)
-def compare_rows(old, new, rows, per_row, limit):
-    # `compare` of the given rows of `per_row` units each, gathered, read where they are
-    n = len(rows) * per_row
-    sampled = hits = 0
-    for j in range(0, n, _sample_step(n)):
-        i = rows[j // per_row] * per_row + j % per_row
-        sampled += 1
-        hits += old[i] != new[i]
-    if 2 * hits > sampled:
-        return -1, np.empty(0, np.int64), old[:0].copy(), new[:0].copy(), np.empty(0, np.bool_)
-    flags = np.zeros(len(rows), np.bool_)
-    m = min(n, limit)
-    pos, olds, news = np.empty(m, np.int64), np.empty(m, old.dtype), np.empty(m, new.dtype)
     c = 0
-    for r in range(len(rows)):
-        a = rows[r] * per_row
-        c = differing_in(old, new, a, a + per_row, r * per_row - a, c, per_row, limit, flags,
-                         pos, olds, news)
+    for r in range(len(starts)):
+        a = starts[r]
+        c = differing_in(old, new, a, a + run, r * run - a, c, per_row, limit, flags, pos,
+                         olds, news)
         if c < 0:
             break
-    k = max(c, 0)
+    k = max(c, 0)  # copies: the m-long buffers are not kept
     return c, pos[:k].copy(), olds[:k].copy(), news[:k].copy(), flags
