@@ -52,16 +52,17 @@ sent and its encode side (fingerprints + pack: the encode inside it, then zstd) 
 compress goes back to None. `xor` is whether the servers decode xor-coded values (every channel).
 
 trainer extra memory: the bytes of `group.reference` (the host copy of what the servers
-hold) plus the staging budget `max_round_bytes` (one reused round buffer), over the model's
-bytes; the encoder's per-tensor temporaries are not counted. The growth of this process's
-RSS over the warm-up sync is printed too, for information.
+hold) plus twice the staging budget `max_round_bytes` (two reused round buffers: one is
+sent while the next round is packed into the other), over the model's bytes; the
+encoder's per-tensor temporaries are not counted. The growth of this process's RSS over
+the warm-up sync is printed too, for information.
 
 partial trainable extra memory: the first group closed, a second group on the same servers
 with `RemoteGroup(..., trainable=NAMES)`, NAMES the tensors of the model's last 2 layers
 (from its config): a full warm-up update, then 1 % of those layers' elements changed,
 scattered. Its extra memory is its `reference` (those layers only; fingerprints for the
-rest, printed, not counted) plus the largest round it packed (the round buffer's pages it
-touched, not `max_round_bytes`), over the model's bytes. Where `RemoteGroup` has no
+rest, printed, not counted) plus the pages it touched of its two round buffers (the largest
+round packed into each, not `max_round_bytes`), over the model's bytes. Where `RemoteGroup` has no
 `trainable` option (or that run fails), the key is null and "skipped" says why.
 
 The last line is one JSON object: {"model_bytes", "rows_bytes_sent",
@@ -365,8 +366,8 @@ def trainable_memory(urls: list[str], weights: dict, model_dir: Path, g: torch.G
                      rounds: list[int], args: argparse.Namespace) -> float:
     """A group that may change only the last 2 layers (`trainable`, the tensors' names): a
     full warm-up update, then 1 % of those layers' elements changed, scattered. Returns its
-    extra memory in percent of the model: the reference it keeps plus the largest round
-    it packed (the round buffer's pages it touched)."""
+    extra memory in percent of the model: the reference it keeps plus the pages it touched
+    of its two round buffers (the rounds go into them in turn)."""
     n_layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
     picked = range(max(0, n_layers - 2), n_layers)
     names = [k for k in weights if any(k.startswith(f"model.layers.{i}.") for i in picked)]
@@ -378,14 +379,14 @@ def trainable_memory(urls: list[str], weights: dict, model_dir: Path, g: torch.G
         out = group.update(weights, mode=args.mode)
         assert warm["full"] and not out["full"], (warm, out)
         ref = sum(t.nbytes for t in (group.reference or {}).values())
-        largest = max(rounds, default=0)
+        largest = max(rounds[0::2], default=0) + max(rounds[1::2], default=0)
         prints = sum(p[2].nbytes for p in getattr(group, "_frozen_prints", {}).values())
         pct = 100 * (ref + largest) / model_bytes
         print(f"(trainable) layers {picked.start}..{picked.stop - 1} of {n_layers}: "
               f"{len(names)} tensors, {sum(weights[k].nbytes for k in names):,} B; "
               f"{n:,} elements changed, {out['bytes_sent']:,} B sent in {len(rounds)} "
               f"round(s), {out['seconds']:.3f} s; extra memory: reference {ref:,} B + "
-              f"largest round {largest:,} B = {pct:.1f} % of the model (fingerprints of "
+              f"round buffers {largest:,} B = {pct:.1f} % of the model (fingerprints of "
               f"the rest: {prints:,} B, not counted)")
         check(urls, group, weights)
     return pct
@@ -571,7 +572,7 @@ def main() -> int:
                 clients = None
 
             ref_bytes = sum(t.nbytes for t in (group.reference or {}).values())
-            extra = ref_bytes + group.max_round_bytes
+            extra = ref_bytes + 2 * group.max_round_bytes
             check(urls, group, weights)
 
         partial = None
@@ -601,7 +602,7 @@ def main() -> int:
 
         def target(ok: bool) -> str:
             return "met" if ok else "MISSED"
-        print(f"trainer extra memory: reference {ref_bytes:,} B + staging "
+        print(f"trainer extra memory: reference {ref_bytes:,} B + staging 2 x "
               f"{group.max_round_bytes:,} B (default {ROUND_BYTES:,}) = "
               f"{out['trainer_extra_memory_pct']:.1f} % of the model")
         print("targets:")

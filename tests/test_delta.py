@@ -180,6 +180,17 @@ def test_split_across_rounds_gives_identical_results(max_bytes, options):
         assert r.buffer.data_ptr() == staging.data_ptr()
         apply(Round(json.loads(r.header_bytes()), r.buffer), again)  # through JSON
     assert _same_bits(again, new)
+    # Two, in turn: a round stays intact while the next one is packed (read ahead).
+    two, again, held = [torch.empty(max_bytes, dtype=torch.uint8) for _ in range(2)], \
+        {k: v.clone() for k, v in old.items()}, None
+    for i, r in enumerate(pack(encode_all(old, new), max_bytes=max_bytes, staging=two,
+                               **options)):
+        assert r.buffer.data_ptr() == two[i % 2].data_ptr()
+        if held is not None:
+            apply(held, again)
+        held = Round(json.loads(r.header_bytes()), r.buffer)
+    apply(held, again)
+    assert _same_bits(again, new)
 
 
 @pytest.mark.parametrize("options", [{}, {"values": "xor"}, {"patches": "flat"}])
@@ -333,6 +344,10 @@ def test_encode_and_pack_refuse_bad_input_by_name():
         pack([], max_bytes=32)
     with pytest.raises(DeltaError, match=r"pack: field 'staging'"):
         pack([], max_bytes=128, staging=torch.empty(64, dtype=torch.uint8))
+    with pytest.raises(DeltaError, match=r"pack: field 'staging' must be contiguous 1-D uint8 "
+                       r"tensors of >= 128 bytes, found torch.float32 of shape \(128,\)"):
+        pack([], max_bytes=128, staging=[torch.empty(128, dtype=torch.uint8),
+                                         torch.empty(128)])
     with pytest.raises(DeltaError, match=r"pack: field 'values' must be one of \['raw', 'xor'\]"):
         pack([], max_bytes=128, values="delta")
     with pytest.raises(DeltaError, match=r"pack: field 'compress' must be one of"):

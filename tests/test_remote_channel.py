@@ -186,6 +186,36 @@ def test_updates_arrive_bit_identical_and_only_what_changed_goes_on_the_wire():
     print("wire bytes / weight bytes:", ratios)
 
 
+def test_reading_ahead_sends_every_round_intact_and_an_encode_failing_aborts_it():
+    """`send(ahead=True)`: the next round is packed (into the other of two staging buffers)
+    while this one is broadcast; the receivers get the same update, and an encode failing
+    part way aborts it after the rounds before it went."""
+    port, old = _port(), weights()
+    procs = _receivers(port, 3, 2)
+    new = _scattered(old, torch.Generator().manual_seed(3))
+    staging = [torch.empty(MAX_BYTES // 16, dtype=torch.uint8) for _ in range(2)]
+
+    def rounds(a, b):
+        return delta.pack(delta.encode_all(a, b), max_bytes=MAX_BYTES // 16, staging=staging)
+
+    def failing(rounds):
+        for i, r in enumerate(rounds):
+            if i == 2:
+                raise ValueError("the encode failed in the test")
+            yield r
+    assert len(list(rounds(old, new))) >= 4
+    with Channel(master_addr="127.0.0.1", master_port=port, rank=0, world_size=3,
+                 token=TOKEN, timeout=TIMEOUT) as ch:
+        ch.send(rounds(old, new), ahead=True)
+        with pytest.raises(ValueError, match="the encode failed"):
+            ch.send(failing(rounds(new, old)), ahead=True)
+    for p in procs:
+        done, aborted = _lines(p)
+        assert p.returncode == 0 and done["sum"] == checksum(new), done
+        assert "aborted the update at round 3" in aborted["refused"]
+        assert aborted["sum"] == checksum(new)
+
+
 def test_a_wrong_token_fails_every_side_by_name_and_nothing_is_applied():
     port, old = _port(), weights()
     good, bad = _receivers(port, 3, 1, r2={"token": "not-the-token"})

@@ -33,6 +33,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 
 import torch
@@ -401,13 +402,17 @@ class Channel:
 
     # --- rounds -----------------------------------------------------------------------------
 
-    def send(self, rounds: Iterable[Round]) -> int:
+    def send(self, rounds: Iterable[Round], *, ahead: bool = False) -> int:
         """Broadcast one update's rounds to every receiver (rank 0 only).
 
         Args:
             rounds: from `hotweights.remote.delta.pack`, in order; their buffers on this channel's
                 device. If reading them raises, the receivers are told the update is aborted
                 and the error is raised again.
+            ahead: read (encode) the next round while this one is broadcast, on a thread of
+                its own: the receivers' pace then does not hold up the encode. A round's
+                buffer must then stay as it is until the round after the next is read (`pack`
+                with two staging buffers, or none).
         Returns:
             The bytes this update put on the wire (also added to `bytes_sent`).
         Raises:
@@ -418,16 +423,30 @@ class Channel:
         if self.rank != 0:
             raise RemoteError(f"{self._where()}: only rank 0 sends; call receive()")
         sent, i, it = 0, 0, iter(rounds)
-        while True:
-            try:
-                r = next(it, None)
-            except Exception as e:
-                self._abort(i, e)
-                raise
-            if r is None:
-                break
-            sent += self._send_round(r)
-            i += 1
+        pool = ThreadPoolExecutor(1, thread_name_prefix="hotweights-send") if ahead else None
+        pending: Future | None = None  # the round being broadcast (ahead)
+        try:
+            while True:
+                try:
+                    r = next(it, None)
+                except Exception as e:
+                    if pending is not None:
+                        sent += pending.result()  # in order: that round, then the abort
+                    self._abort(i, e)
+                    raise
+                if pending is not None:
+                    sent += pending.result()
+                    pending = None
+                if r is None:
+                    break
+                if pool is None:
+                    sent += self._send_round(r)
+                else:
+                    pending = pool.submit(self._send_round, r)
+                i += 1
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=False)
         self.bytes_sent += sent
         self._ack(f"acknowledgement of {i} rounds")
         logger.info("%s: sent %d rounds, %d bytes", self._where(), i, sent)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -656,7 +656,8 @@ def _write(p: _Piece, seg: torch.Tensor) -> None:
 
 
 def pack(deltas: Iterable[Delta], *, max_bytes: int, device: torch.device | str | None = None,
-         staging: torch.Tensor | None = None, patches: str = "compact", values: str = "raw",
+         staging: torch.Tensor | Sequence[torch.Tensor] | None = None,
+         patches: str = "compact", values: str = "raw",
          compress: str | None = None, cut_bytes: int | None = None) -> Iterator[Round]:
     """Pack deltas into rounds, each one buffer of at most `max_bytes` and a small header.
 
@@ -673,7 +674,9 @@ def pack(deltas: Iterable[Delta], *, max_bytes: int, device: torch.device | str 
         device: where buffers are allocated; default the staging tensor's device, else the
             first delta's, else the CPU.
         staging: a 1-D uint8 tensor of at least `max_bytes` reused for every round: each
-            round's buffer is then a view of it, overwritten when the next round is read.
+            round's buffer is then a view of it, overwritten when the next round is read; or
+            several such tensors, used in turn (two: a round's buffer stays as it is until
+            the round after the next is read, `Channel.send(ahead=True)`).
         patches: ``"compact"`` (default): patches coded by `hotweights.remote.codec`
             (gap-coded indices; coded here, on the CPU, as the deltas are read);
             ``"flat"``: int32/int64 indices and raw values, as a format-1 receiver reads
@@ -710,14 +713,19 @@ def pack(deltas: Iterable[Delta], *, max_bytes: int, device: torch.device | str 
     if cut_bytes is not None and (type(cut_bytes) is not int or cut_bytes < 1):
         raise DeltaError(f"pack: field 'cut_bytes' must be an int >= 1, found {cut_bytes!r}")
     cap = max_bytes // 8 * 8
-    if staging is not None and not (staging.dtype == torch.uint8 and staging.dim() == 1
-                                    and staging.is_contiguous() and staging.numel() >= cap):
-        raise DeltaError(f"pack: field 'staging' must be a contiguous 1-D uint8 tensor of >= "
-                         f"{cap} bytes, found {staging.dtype} of shape {tuple(staging.shape)}")
-    if device is None and staging is not None:
-        device = staging.device  # else the first delta's (`_Writer`)
+    buffers = (() if staging is None else (staging,) if isinstance(staging, torch.Tensor)
+               else tuple(staging))
+    for b in buffers:
+        if not (isinstance(b, torch.Tensor) and b.dtype == torch.uint8 and b.dim() == 1
+                and b.is_contiguous() and b.numel() >= cap):
+            found = f"{b.dtype} of shape {tuple(b.shape)}" if isinstance(b, torch.Tensor) \
+                else type(b).__name__
+            raise DeltaError(f"pack: field 'staging' must be contiguous 1-D uint8 tensors of "
+                             f">= {cap} bytes, found {found}")
+    if device is None and buffers:
+        device = buffers[0].device  # else the first delta's (`_Writer`)
     return _rounds(deltas, _Plan(cap), patches, values, cut_bytes,
-                   _Writer(device, staging, compress))
+                   _Writer(device, buffers, compress))
 
 
 def _rounds(deltas: Iterable[Delta], plan: _Plan, patches: str, values: str,
@@ -744,15 +752,16 @@ def _rounds(deltas: Iterable[Delta], plan: _Plan, patches: str, values: str,
 class _Writer:
     """Fills each round's buffer (and header) from its planned pieces, in order."""
 
-    def __init__(self, device, staging: torch.Tensor | None, compress: str | None):
-        self.device, self.staging, self.compress, self.i = device, staging, compress, 0
+    def __init__(self, device, buffers: tuple[torch.Tensor, ...], compress: str | None):
+        self.device, self.buffers, self.compress, self.i = device, buffers, compress, 0
 
     def round(self, pieces: list[_Piece], last: bool) -> Round:
         if self.device is None:  # the first delta's device, else the CPU
             d = pieces[0].delta if pieces else None
             self.device = ("cpu" if d is None else d.tensor.device if d.tensor is not None
                            else d.values.device)
-        size, i, staging = sum(p.nbytes for p in pieces), self.i, self.staging
+        size, i = sum(p.nbytes for p in pieces), self.i
+        staging = self.buffers[i % len(self.buffers)] if self.buffers else None
         buf = (staging[:size] if staging is not None
                else torch.empty(size, dtype=torch.uint8, device=self.device))
         entries, off = [], 0

@@ -161,7 +161,8 @@ class RemoteGroup:
         timeout: seconds any peer may be silent in a collective before it is named (the
             servers wait for each round in one: the encode of an eighth of the weights, or
             of one tensor, must take less; they wait for the first round up to the lease).
-        max_round_bytes: the staging budget per round, on both sides.
+        max_round_bytes: the staging budget per round, on both sides (this side packs the
+            rounds into two such buffers in turn: one is sent while the next is packed).
         checkpoint: a directory holding the checkpoint the servers were started from (the
             same files). A server that reports it still holds exactly that checkpoint (it
             just started, or restarted) is sent only what differs from it instead of the
@@ -225,7 +226,7 @@ class RemoteGroup:
         self.trainable = None if trainable is None else (
             (trainable,) if isinstance(trainable, str) else tuple(trainable))
         self._frozen_prints: prefilter.Prints = {}  # of what the servers hold, not copied
-        self._staging: torch.Tensor | None = None  # see _round_buffer
+        self._staging: tuple[torch.Tensor, ...] | None = None  # see _round_buffers
         self.checkpoint = checkpoint
         self._loaded: tuple[dict, str | None, dict] | None = None  # (stats, digest, tensors)
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -592,7 +593,7 @@ class RemoteGroup:
                     deltas = _Encoded()
                     rounds = delta.pack(
                         deltas.read(encode(plan)), max_bytes=self.max_round_bytes,
-                        staging=self._round_buffer(link.channel.device),
+                        staging=self._round_buffers(link.channel.device),
                         values="xor" if link.xor else "raw", compress=self.compress,
                         cut_bytes=cut_bytes)
                     first = next(rounds)  # the receivers wait for the start in the store,
@@ -601,7 +602,7 @@ class RemoteGroup:
                         r, "receive", wait=False))
                     started = True
                     try:
-                        sent = link.channel.send(itertools.chain([first], rounds))
+                        sent = link.channel.send(itertools.chain([first], rounds), ahead=True)
                     except RemoteError as e:  # it names the rank: no need to wait for receipts
                         if e is deltas.failed:
                             raise
@@ -637,13 +638,15 @@ class RemoteGroup:
                                   f"old version: {left}") from e
             raise
 
-    def _round_buffer(self, device: torch.device) -> torch.Tensor:
-        """The buffer every round is packed into, reused: its pages are touched only as far
-        as the biggest round (fresh pages for every round cost a full sync ~0.3 s per GB)."""
+    def _round_buffers(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The two buffers the rounds are packed into in turn (one is broadcast while the
+        next round is packed into the other), reused: their pages are touched only as far as
+        the biggest round (fresh pages for every round cost a full sync ~0.3 s per GB)."""
         size = self.max_round_bytes // 8 * 8
-        if self._staging is None or self._staging.numel() < size or \
-                self._staging.device != device:
-            self._staging = torch.empty(size, dtype=torch.uint8, device=device)
+        if self._staging is None or self._staging[0].numel() < size or \
+                self._staging[0].device != device:
+            self._staging = tuple(torch.empty(size, dtype=torch.uint8, device=device)
+                                  for _ in range(2))
         return self._staging
 
     def _receive(self, pool: ThreadPoolExecutor, status: dict, update: str,
