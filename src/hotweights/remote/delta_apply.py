@@ -9,9 +9,10 @@ checked: the views of such a piece are then decoded tensors, not views of the bu
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
@@ -32,7 +33,7 @@ from hotweights.remote.delta import (
     _row_index,
 )
 
-__all__ = ["apply", "check", "checked", "finite", "host", "write"]
+__all__ = ["apply", "check", "checked", "finite", "host", "write", "writer"]
 
 logger = logging.getLogger(__name__)
 
@@ -269,28 +270,44 @@ def checked(round: Round, targets: Mapping[str, torch.Tensor], *,
 
 def write(entry: dict, target: torch.Tensor, views: tuple) -> None:
     """Write one checked piece (`checked`'s entry and views) into its contiguous target."""
+    writer(entry, target, views)()
+
+
+def writer(entry: dict, target: torch.Tensor, views: tuple) -> Callable[[], None]:
+    """`write`, made ready now (the checks, the numpy views of a CPU piece and target), done
+    when called: a commit that writes many pieces then spends its time in the copies."""
     flat = target.detach().view(-1)
     if entry["kind"] == DENSE:
-        flat[entry["start"]:entry["stop"]].copy_(views[0])
-    elif entry["kind"] == PATCH:
+        return functools.partial(flat[entry["start"]:entry["stop"]].copy_, views[0])
+    if entry["kind"] == PATCH:
         idx, vals = views
         if flat.device.type == idx.device.type == vals.device.type == "cpu" and \
-                idx.dtype == torch.int64 and idx.is_contiguous() and vals.is_contiguous() and \
-                jit.scatter(_unsigned(flat), idx.numpy(), _unsigned(vals)):
-            return  # one compiled loop
-        for lo in range(0, idx.numel(), _CHUNK):
-            flat.index_copy_(0, idx[lo:lo + _CHUNK].to(target.device, torch.int64),
-                             vals[lo:lo + _CHUNK].to(target.device))
-    elif delta._NUMPY and target.device.type == views[1].device.type == "cpu" and \
+                idx.dtype == torch.int64 and idx.is_contiguous() and vals.is_contiguous() \
+                and jit.enabled():  # one compiled loop
+            args = _unsigned(flat), idx.numpy(), _unsigned(vals)
+            return lambda: jit.scatter(*args) or _index_copy(flat, idx, vals)
+        return functools.partial(_index_copy, flat, idx, vals)
+    if delta._NUMPY and target.device.type == views[1].device.type == "cpu" and \
             len(views[0]) <= _FEW_RUNS:  # numpy slice copies: a fraction of an index's cost
         bits = _BITS[target.dtype.itemsize]
-        t, rows, at = target.detach().view(bits).numpy(), views[1].view(bits).numpy(), 0
-        for a, b in host(views[0]).tolist():
-            t[a:b] = rows[at:at + b - a]
-            at += b - a
-    else:
-        target.detach().index_copy_(0, _row_index(views[0].to(target.device)),
-                                    views[1].to(target.device))
+        t, rows = target.detach().view(bits).numpy(), views[1].view(bits).numpy()
+        runs = host(views[0]).tolist()
+
+        def copy_runs() -> None:
+            at = 0
+            for a, b in runs:
+                t[a:b] = rows[at:at + b - a]
+                at += b - a
+        return copy_runs
+    return lambda: target.detach().index_copy_(0, _row_index(views[0].to(target.device)),
+                                               views[1].to(target.device))
+
+
+def _index_copy(flat: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor) -> None:
+    # bounded chunks: the indices cross to the target's device a chunk at a time
+    for lo in range(0, idx.numel(), _CHUNK):
+        flat.index_copy_(0, idx[lo:lo + _CHUNK].to(flat.device, torch.int64),
+                         vals[lo:lo + _CHUNK].to(flat.device))
 
 
 def _unsigned(t: torch.Tensor) -> np.ndarray:

@@ -167,6 +167,14 @@ class Shard:
         return torch.where(held, slab.index_select(0, at), torch.zeros((), dtype=slab.dtype,
                                                                        device=slab.device))
 
+    @property
+    def target(self) -> torch.Tensor | None:
+        """The one slab cut pieces are written straight into (one run, held by one
+        contiguous slab), else None: `write` then goes through a shard-sized tensor."""
+        if len(self.runs) == 1 and len(self.dests[0]) == 1 and self.dests[0][0].is_contiguous():
+            return self.dests[0][0]
+        return None
+
     def write(self, pieces: Iterable[Checked]) -> None:
         """Write cut pieces (any device) into the slabs: straight into a contiguous one,
         else through one shard-sized tensor on the slabs' device."""

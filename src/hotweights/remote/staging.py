@@ -78,6 +78,8 @@ class Staged:
                        if name in specs and s.shape == tuple(specs[name].shape)}
         self.nbytes = self.peak = self.rounds = 0
         self._pieces: dict[str, list[tuple]] = {}  # name -> [(entry, host tensors)]
+        self._writes: dict[str, list] = {}  # name -> its pieces' writes, made ready
+        # (`delta_apply.writer`) for a tensor whose shard writes straight into one slab
         self._next: dict[str, int] = {}  # per tensor: the first flat element not yet staged
 
     def __call__(self, r: Round) -> None:
@@ -104,9 +106,12 @@ class Staged:
                     raise DeltaError(f"`{name}`: the {kind} values hold NaN or Inf; refused")
                 kept = cv if decoded and not self.pin else tuple(self._keep(v) for v in cv)
                 held += sum(v.nbytes for v in kept)
-                pieces.append((name, (ce, kept)))
-        for name, piece in pieces:
-            self._pieces.setdefault(name, []).append(piece)
+                pieces.append((name, shard, (ce, kept)))
+        for name, shard, (e, views) in pieces:  # the round is all checked: kept
+            if (target := shard.target if shard is not None else None) is not None:
+                self._writes.setdefault(name, []).append(delta_apply.writer(e, target, views))
+            else:
+                self._pieces.setdefault(name, []).append((e, views))
         self.nbytes += held
         self.peak = max(self.peak, self.nbytes + r.buffer.nbytes)
         self.rounds += 1
@@ -140,9 +145,12 @@ class Staged:
     def apply_in_place(self) -> set[str]:
         """Write every staged tensor with a shard into the parameter slabs that hold it,
         tensor by tensor: O(what changed). Returns the names written."""
-        done = self._pieces.keys() & self.shards.keys()
+        done = self._writes.keys() | (self._pieces.keys() & self.shards.keys())
         for name in done:  # each tensor's staged data freed once written
-            self.shards[name].write(self._pieces.pop(name))
+            for write in self._writes.pop(name, ()):
+                write()
+            if name in self._pieces:
+                self.shards[name].write(self._pieces.pop(name))
         return done
 
     def patches(self) -> tuple[list[Patch], list[Patch]]:
