@@ -153,17 +153,20 @@ _STEP = 16  # units a step of the compare, looked into only if one of them diffe
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
-def differing(old, new, a, b, v, c, per_row, limit, flags, pos, olds, news):
+def differing(old, new, a, b, v, c, per_row, limit, flags, pos, olds, news, row_end):
     # units a..b (unsigned: numba then skips its checks for negative indices, ~1.5x); `v`
-    # added to a unit's place gives its position in the compared chunk
+    # added to a unit's place gives its position in the compared chunk; `row_end[0]`: the
+    # end of the row last flagged (positions only grow: one division per changed row)
     i = a
     while i < b:
         if old[i] != new[i]:
             if c == limit:
                 return -1
             at = np.int64(i) + v
-            if per_row:
-                flags[at // per_row] = True
+            if per_row and at >= row_end[0]:
+                r = at // per_row
+                flags[r] = True
+                row_end[0] = (r + 1) * per_row
             pos[c], olds[c], news[c] = at, old[i], new[i]
             c += 1
         i += np.uint64(1)
@@ -171,7 +174,7 @@ def differing(old, new, a, b, v, c, per_row, limit, flags, pos, olds, news):
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
-def differing_in(old, new, a, b, v, c, per_row, limit, flags, pos, olds, news):
+def differing_in(old, new, a, b, v, c, per_row, limit, flags, pos, olds, news, row_end):
     # `differing` of units a..b, `_STEP` at a time: a step is looked into only if one differs
     step = np.uint64(_STEP)
     first, end = np.uint64(a), np.uint64(b)
@@ -182,11 +185,12 @@ def differing_in(old, new, a, b, v, c, per_row, limit, flags, pos, olds, news):
             differ |= old[first + np.uint64(k)] ^ new[first + np.uint64(k)]
         if differ:
             c = differing(old, new, first, first + step, v, c, per_row, limit, flags, pos,
-                          olds, news)
+                          olds, news, row_end)
             if c < 0:
                 return c
         first += step
-    return differing(old, new, whole, end, v, c, per_row, limit, flags, pos, olds, news)
+    return differing(old, new, whole, end, v, c, per_row, limit, flags, pos, olds, news,
+                     row_end)
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
@@ -211,10 +215,11 @@ def compare(old, new, starts, run, per_row, limit):
     m = min(n, limit)  # more differing units than that: -1, at once
     pos, olds, news = np.empty(m, np.int64), np.empty(m, old.dtype), np.empty(m, new.dtype)
     c = 0
+    row_end = np.zeros(1, np.int64)
     for r in range(len(starts)):
         a = starts[r]
         c = differing_in(old, new, a, a + run, r * run - a, c, per_row, limit, flags, pos,
-                         olds, news)
+                         olds, news, row_end)
         if c < 0:
             break
     k = max(c, 0)  # copies: the m-long buffers are not kept
