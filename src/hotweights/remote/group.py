@@ -69,7 +69,7 @@ __all__ = ["Pending", "RemoteGroup"]
 logger = logging.getLogger(__name__)
 
 ROUND_BYTES = 64 << 20  # staging budget per round, on both sides
-_CUTS = 8  # an update with changes all over the weights goes in about this many rounds at
+_CUTS = 16  # an update with changes all over the weights goes in about this many rounds at
 # least: the servers stage each while the trainer encodes the next
 REQUIRE = ("any", "all")
 REFERENCES = ("copy", "checkpoint")
@@ -159,7 +159,7 @@ class RemoteGroup:
             hold different old values get channels of their own (see the module doc): those
             take the next free ports above it.
         timeout: seconds any peer may be silent in a collective before it is named (the
-            servers wait for each round in one: the encode of an eighth of the weights, or
+            servers wait for each round in one: the encode of a sixteenth of the weights, or
             of one tensor, must take less; they wait for the first round up to the lease).
         max_round_bytes: the staging budget per round, on both sides (this side packs the
             rounds into two such buffers in turn: one is sent while the next is packed).
