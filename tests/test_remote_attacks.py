@@ -20,7 +20,7 @@ from torch.distributed import PrefixStore, TCPStore
 
 from hotweights.errors import RemoteError
 from hotweights.remote import delta, signing
-from hotweights.remote.channel import Channel
+from hotweights.remote.channel import _FIRST, _META, Channel
 from hotweights.remote.rendezvous import NS
 
 TOKEN = "a-shared-secret-token"
@@ -227,11 +227,12 @@ def _impersonate(s: TCPStore, nonce: str) -> None:
                           timeout=timedelta(seconds=TIMEOUT))
     head = json.dumps({"format": 2, "round": 0, "rounds": 1, "nbytes": 64,
                        "entries": []}).encode()
-    meta = torch.zeros(8, dtype=torch.int64)
-    meta[:4] = torch.tensor([len(head), 64, 0, 1])  # and a digest it cannot compute
+    first = torch.zeros(_FIRST, dtype=torch.uint8)  # the meta, then the header
+    first[:32] = torch.tensor([len(head), 64, 0, 1]).view(torch.uint8)  # and zeros for the
+    first[_META * 8:_META * 8 + len(head)] = torch.frombuffer(bytearray(head),  # digest it
+                                                               dtype=torch.uint8)  # cannot make
     opts = torch.distributed.BroadcastOptions()
-    for t in (meta, torch.frombuffer(bytearray(head), dtype=torch.uint8),
-              torch.full((64,), 7, dtype=torch.uint8)):
+    for t in (first, torch.full((64,), 7, dtype=torch.uint8)):
         pg.broadcast([t], opts).wait()
     pg.allreduce([torch.zeros(1, dtype=torch.int64)]).wait()
     pg.shutdown()

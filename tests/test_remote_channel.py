@@ -12,7 +12,7 @@ import torch
 
 from hotweights.errors import RemoteError
 from hotweights.remote import delta
-from hotweights.remote.channel import Channel
+from hotweights.remote.channel import _FIRST, _INLINE, Channel
 from hotweights.testing import tiny
 
 TOKEN = "a-shared-secret-token"
@@ -25,7 +25,7 @@ RECEIVER = r"""
 import hashlib, json, os, signal, sys, threading, time, torch
 from hotweights.remote import delta_apply
 from hotweights.errors import HotweightsError
-from hotweights.remote.channel import Channel
+from hotweights.remote.channel import _FIRST, _INLINE, Channel
 sys.path.insert(0, sys.argv[1])
 from test_remote_channel import TOKEN, checksum, weights
 port, rank, world, token, updates, mode = (int(sys.argv[2]), int(sys.argv[3]),
@@ -173,7 +173,9 @@ def test_updates_arrive_bit_identical_and_only_what_changed_goes_on_the_wire():
             before = ch.bytes_sent
             assert ch.send(rounds) == ch.bytes_sent - before
             assert len(rounds) >= 2
-            ratios.append((ch.bytes_sent - before) / _nbytes(old))
+            # less each round's fixed first message (its meta and header, 4 KiB: with these
+            # 2 KiB rounds, most of a rows update's bytes)
+            ratios.append((ch.bytes_sent - before - len(rounds) * _FIRST) / _nbytes(old))
             sums.append(checksum(new))
             old = new
     for p in procs:
@@ -189,11 +191,15 @@ def test_updates_arrive_bit_identical_and_only_what_changed_goes_on_the_wire():
 def test_reading_ahead_sends_every_round_intact_and_an_encode_failing_aborts_it():
     """`send(ahead=True)`: the next round is packed (into the other of two staging buffers)
     while this one is broadcast; the receivers get the same update, and an encode failing
-    part way aborts it after the rounds before it went."""
+    part way aborts it after the rounds before it went. Then a round whose header is longer
+    than a round's first message (its rest goes in a broadcast of its own) arrives whole."""
     port, old = _port(), weights()
-    procs = _receivers(port, 3, 2)
+    procs = _receivers(port, 3, 3)
     new = _scattered(old, torch.Generator().manual_seed(3))
     staging = [torch.empty(MAX_BYTES // 16, dtype=torch.uint8) for _ in range(2)]
+    third = _scattered(new, torch.Generator().manual_seed(4))
+    (whole,) = delta.pack(delta.encode_all(new, third), max_bytes=1 << 20)
+    assert len(whole.header_bytes()) > _INLINE  # its header's rest: a broadcast of its own
 
     def rounds(a, b):
         return delta.pack(delta.encode_all(a, b), max_bytes=MAX_BYTES // 16, staging=staging)
@@ -209,11 +215,13 @@ def test_reading_ahead_sends_every_round_intact_and_an_encode_failing_aborts_it(
         ch.send(rounds(old, new), ahead=True)
         with pytest.raises(ValueError, match="the encode failed"):
             ch.send(failing(rounds(new, old)), ahead=True)
+        ch.send([whole], ahead=True)
     for p in procs:
-        done, aborted = _lines(p)
+        done, aborted, last = _lines(p)
         assert p.returncode == 0 and done["sum"] == checksum(new), done
         assert "aborted the update at round 3" in aborted["refused"]
         assert aborted["sum"] == checksum(new)
+        assert last["sum"] == checksum(third)
 
 
 def test_a_wrong_token_fails_every_side_by_name_and_nothing_is_applied():

@@ -8,10 +8,11 @@ Before any weight moves, every side proves it holds the shared token (`rendezvou
 a peer without it, or a stranger on the port, fails every side with a `RemoteError`. Rank 0's
 store listens on `master_addr` only, not on every interface.
 
-Each round goes as three broadcasts from rank 0, whatever its number of tensors: a fixed
-int64 meta tensor (header length, buffer length, round index, rounds total: 0 until the last
-round, as rounds are sent while later ones are still being encoded; and the round's keyed
-digest, `signing`), the JSON header as uint8, then the buffer. A receiver refuses a
+Each round goes as two broadcasts from rank 0, whatever its number of tensors: a fixed
+4 KiB message, the int64 meta (header length, buffer length, round index, rounds total: 0
+until the last round, as rounds are sent while later ones are still being encoded; and the
+round's keyed digest, `signing`) followed by the JSON header (a longer header's rest goes in
+a broadcast of its own), then the buffer. A receiver refuses a
 round over its budget (`max_round_bytes`) before allocating it, and one whose digest does not
 match before anything sees it; what the ranks tell each other through the store is signed
 with the same key. An update may be announced: its receivers then wait in the store,
@@ -51,6 +52,9 @@ logger = logging.getLogger(__name__)
 BACKENDS = ("gloo", "nccl")
 _FIELDS = 4  # int64s: header length, buffer length, round index, rounds total (or 0)
 _META = _FIELDS + signing.DIGEST_BYTES // 8  # then the round's digest
+_FIRST = 4096  # bytes of a round's first broadcast: its meta, then its header's first bytes
+# (zero-padded; a longer header's rest follows in a broadcast of its own)
+_INLINE = _FIRST - _META * 8
 _MAX_HEADER = 1 << 26  # a header longer than this is a broken or hostile sender
 _ABORT = -1  # a meta header length telling the receivers the sender gave up the update
 _WAIT_SLICE_S = 300.0  # an unbounded wait for an announced update waits this long at once:
@@ -563,21 +567,25 @@ class Channel:
                     what: str) -> int:
         """Broadcast a round, its meta fields (`meta[:_FIELDS]`) signed with this channel's
         key: a relay signs again what it verified with the sender's."""
-        meta = torch.cat([meta[:_FIELDS].cpu(), self._digest(meta, head, buf)]).to(self.device)
-        head = head.to(self.device)
-        self._broadcast(meta, what)
-        self._broadcast(head, what)
+        meta = torch.cat([meta[:_FIELDS].cpu(), self._digest(meta, head, buf)])
+        first = torch.zeros(_FIRST, dtype=torch.uint8)
+        first[:_META * 8] = meta.view(torch.uint8)
+        inline = min(head.numel(), _INLINE)
+        first[_META * 8:_META * 8 + inline] = head[:inline].cpu()
+        self._broadcast(first.to(self.device), what)
+        if head.numel() > _INLINE:
+            self._broadcast(head[_INLINE:].to(self.device), what)
         if buf.numel():
             self._broadcast(buf, what)
-        return _META * 8 + head.numel() + buf.numel()
+        return _FIRST + max(0, head.numel() - _INLINE) + buf.numel()
 
     def _abort(self, i: int, why: BaseException) -> None:
         """Tell the receivers, waiting for round `i`'s meta, that the update is given up."""
         key = f"{self._ns}/aborted"
         self._store.set(key, signing.sign(self._mac, key, f"{type(why).__name__}: {why}"))
-        meta = torch.zeros(_META, dtype=torch.int64, device=self.device)
-        meta[:_FIELDS] = torch.tensor([_ABORT, 0, i, 0])
-        self._broadcast(meta, f"abort at round {i + 1}")
+        first = torch.zeros(_FIRST, dtype=torch.uint8)
+        first[:_FIELDS * 8] = torch.tensor([_ABORT, 0, i, 0]).view(torch.uint8)
+        self._broadcast(first.to(self.device), f"abort at round {i + 1}")
 
     def receive(self, stage: Callable[[Round], None], *, update: str | None = None,
                 wait: float | None = None, relay: Channel | None = None) -> int:
@@ -641,9 +649,10 @@ class Channel:
             fwd.go()
         i, total = 0, 0  # total: known from the last round (0 on the rounds before it)
         while not total:
-            meta = torch.zeros(_META, dtype=torch.int64, device=self.device)
+            first = torch.zeros(_FIRST, dtype=torch.uint8, device=self.device)
             self._step()
-            self._broadcast(meta, f"round {i + 1}")
+            self._broadcast(first, f"round {i + 1}")
+            meta = first[:_META * 8].view(torch.int64)
             hlen, blen, idx, total = meta[:_FIELDS].tolist()
             if hlen == _ABORT:
                 why = self._opened(f"{self._ns}/aborted") or "no reason given"
@@ -651,12 +660,15 @@ class Channel:
                                   f"{i + 1} ({why}); nothing of it is applied")
             self._check_meta(hlen, blen, idx, total, i)
             what = f"round {i + 1}"
-            head = torch.empty(hlen, dtype=torch.uint8, device=self.device)
-            self._broadcast(head, what)
+            head = first[_META * 8:_META * 8 + min(hlen, _INLINE)]
+            if hlen > _INLINE:
+                rest = torch.empty(hlen - _INLINE, dtype=torch.uint8, device=self.device)
+                self._broadcast(rest, what)
+                head = torch.cat([head, rest])
             buf = self._buffer(blen)
             if blen:
                 self._broadcast(buf, what)
-            self.bytes_received += _META * 8 + hlen + blen
+            self.bytes_received += _FIRST + max(0, hlen - _INLINE) + blen
             if refused is None:
                 try:
                     self._verify(meta, head, buf, what)
