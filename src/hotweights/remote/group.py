@@ -70,7 +70,9 @@ logger = logging.getLogger(__name__)
 
 ROUND_BYTES = 64 << 20  # staging budget per round, on both sides
 _CUTS = 16  # an update with changes all over the weights goes in about this many rounds at
-# least: the servers stage each while the trainer encodes the next
+# least: the servers stage each while the trainer encodes the next ...
+_MIN_CUT = 1 << 20  # ... each covering this many bytes of weights at least (a round's fixed
+# costs, its collectives and its 4 KiB first message, stay small beside what it covers)
 REQUIRE = ("any", "all")
 REFERENCES = ("copy", "checkpoint")
 
@@ -159,8 +161,9 @@ class RemoteGroup:
             hold different old values get channels of their own (see the module doc): those
             take the next free ports above it.
         timeout: seconds any peer may be silent in a collective before it is named (the
-            servers wait for each round in one: the encode of a sixteenth of the weights, or
-            of one tensor, must take less; they wait for the first round up to the lease).
+            servers wait for each round in one: the encode of a sixteenth of the weights (1
+            MiB at least), or of one tensor, must take less; they wait for the first round
+            up to the lease).
         max_round_bytes: the staging budget per round, on both sides (this side packs the
             rounds into two such buffers in turn: one is sent while the next is packed).
         checkpoint: a directory holding the checkpoint the servers were started from (the
@@ -344,7 +347,8 @@ class RemoteGroup:
         links = [self._connect({u: status[u] for u in p.urls}, backend) for p in plans]
         sends = self._send(status, list(zip(plans, links, strict=True)),
                            lambda p: self._encode(p, new, kept, found[0][0]),
-                           -(-sum(t.nbytes for t in new.values()) // _CUTS), mode,
+                           max(_MIN_CUT, -(-sum(t.nbytes for t in new.values()) // _CUTS)),
+                           mode,
                            lease_s or self._lease_s(), meanwhile=fingerprint)
         done, prints = list(zip(plans, sends, strict=True)), found[0][1]
         return Pending(status, new,
