@@ -533,7 +533,12 @@ class Channel:
             if self._store.check([key]):
                 word = self._store.get(key)
                 break
-            self._store.delete_key(wake)  # not the sender's: wait on
+            self._store.delete_key(wake)  # not the sender's (a stale one): wait on, unless
+            # the sender's word came meanwhile (it writes the word before the wake: that
+            # wake may be the one just deleted)
+            if self._store.check([key]):
+                word = self._store.get(key)
+                break
         if word != b"go":
             raise RemoteError(f"{self._where()}: the sender cancelled the update before "
                               "sending it; nothing of it is applied")
