@@ -109,6 +109,23 @@ def test_xxh3_and_torch_paths_find_the_same_blocks():
     assert _ranges(old, new, XXH3, bs=4096) == _ranges(old, new, TORCH, bs=4096)
 
 
+def test_compiled_xxh3_hashes_every_block_as_xxhash_does(monkeypatch):
+    import xxhash
+
+    data = np.random.default_rng(0).integers(0, 256, 10_000, dtype=np.uint8)
+    per_call = {size: [xxhash.xxh3_64_intdigest(data[i:i + size].tobytes())
+                       for i in range(0, len(data), size)]
+                for size in (8, 64, 4096, 10_000, 1 << 20)}  # last blocks short or whole
+    if (loop := blocks._xxh3_loop()) is None:
+        pytest.skip("the compiled loops are off here (no numba)")
+    for size, want in per_call.items():
+        assert loop.hashes(data, size).tolist() == want
+        assert blocks._xxh3(memoryview(data), size).tolist() == want
+    assert blocks._xxh3(memoryview(data[:0]), 64).tolist() == []
+    monkeypatch.setattr(blocks, "_xxh3_loop", lambda: None)  # one call per block
+    assert blocks._xxh3(memoryview(data), 64).tolist() == per_call[64]
+
+
 def test_torch_hash_sees_changes_a_linear_sum_would_cancel():
     # Negating the 4th bf16 of two words flips bit 63 of both: 2**63 + 2**63 == 0 mod 2**64.
     t = torch.ones(32, dtype=torch.bfloat16)

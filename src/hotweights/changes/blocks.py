@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import binascii
 import functools
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -27,6 +28,8 @@ from hotweights.errors import FingerprintError
 
 __all__ = ["COARSE", "DEFAULT_BLOCK_SIZE", "FORMAT", "KINDS", "Changes", "Fingerprints",
            "TensorChange", "changed", "compare_bytes", "fingerprint", "kind_of", "refresh"]
+
+logger = logging.getLogger(__name__)
 
 FORMAT = 1
 XXH3, TORCH = "xxh3_64", "torch-mix64-v1"
@@ -200,10 +203,29 @@ def _b64(h: np.ndarray) -> str:
 
 
 def _xxh3(mv: memoryview, size: int) -> np.ndarray:
-    """xxh3_64 of each `size` bytes of `mv` (the last may be short): one C call each."""
+    """xxh3_64 of each `size` bytes of `mv` (the last may be short): in one compiled loop
+    where it builds (`xxh3_loop`), else one C call each from here."""
+    if loop := _xxh3_loop():
+        return loop.hashes(np.frombuffer(mv, np.uint8), size) if len(mv) else \
+            np.zeros(0, np.uint64)
     return np.fromiter(map(xxhash.xxh3_64_intdigest, map(mv.__getitem__, map(  # no frame
         slice, range(0, len(mv), size), range(size, len(mv) + size, size)))),
         np.uint64, count=-(-len(mv) // size))
+
+
+@functools.cache
+def _xxh3_loop():
+    """The `xxh3_loop` module, or None: the compiled loops are off, or it does not build."""
+    from hotweights.remote import jit
+
+    if not jit.enabled():
+        return None
+    try:
+        from hotweights.changes import xxh3_loop
+    except Exception as e:  # noqa: BLE001 - any reason: the per-block calls hash the same
+        logger.info("hotweights: xxh3 blocks hashed one call each (%s)", e)
+        return None
+    return xxh3_loop
 
 
 def _host_views(tensors: Mapping[str, torch.Tensor]) -> dict[str, memoryview]:
