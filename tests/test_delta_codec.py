@@ -213,6 +213,12 @@ def _with(r, **fields) -> Round:
     return Round(h, r.buffer)
 
 
+def _without(r, field: str) -> Round:
+    h = json.loads(r.header_bytes())
+    del next(e for e in h["entries"] if e["name"] == "b")[field]
+    return Round(h, r.buffer)
+
+
 def _bad_compact():
     old, r, b = _compact()
     sec = b["sections"]
@@ -229,7 +235,11 @@ def _bad_compact():
         "sections_len": (_with(r, sections=sec[:4]), r"`b`: field 'sections' must be 5"),
         "section_size": (_with(r, sections=[sec[0] + 1, *sec[1:]]),
                          r"`b`: field 'sections' \[0\] is"),
-        "zipped": (_with(r, zipped=[0]), r"`b`: field 'zipped' must list some of \[1, 3\]"),
+        "zipped": (_with(r, zipped=[0]), r"`b`: field 'zipped' must list some of \[3\]"),
+        "zipped_unary": (_with(r, zipped=[1]), r"`b`: field 'zipped' must list some of \[3\]"),
+        "high": (_with(r, high="bytes"), r"`b`: field 'high' must be 'unary' or absent"),
+        "bytes_high": (_without(r, "high"),
+                       r"`b`: field 'sections' \[1\] is \d+ bytes, 6 elements make 5"),
         "unzipped": (_with(r, zipped=[3]),
                      r"`b`: field 'values' (does not inflate|inflates to)"),
         "xor_bits": (_with(r, sections=[*sec[:4], sec[4] + 8], nbytes=b["nbytes"] + 8),
@@ -317,6 +327,57 @@ def test_gaps_that_would_wrap_when_shifted_are_refused(high, decoder):
     assert codec.check_fields(fields, 1000, 2) == len(data)
     with pytest.raises(codec.CodecError, match="run past the 1000 elements"):
         codec.decode(fields, data.astype(np.uint8), numel=1000, itemsize=2, floating=True)
+
+
+@pytest.mark.parametrize("unary, match", [
+    ([0b11], None),  # two gaps of 0: indices 0, 1, 2
+    ([0b1, 0b1], None),  # gaps 0 and 7
+    ([0b111], r"hold 3 unary gaps in 1 bytes, expected 2"),
+    ([0b11, 0], r"hold 2 unary gaps in 2 bytes, expected 2"),  # a byte past the last one
+    ([0b1], r"hold 1 unary gaps in 1 bytes, expected 2"),
+    ([0b1, 0, 0b100], r"a unary gap of 17 zeros, more than 16"),
+    ([0b1, 0, 0b10], r"hold 1 escaped gaps, section \[2\] 0"),  # 16 zeros: escaped
+])
+def test_unary_gaps_are_read_exactly_or_refused_by_name(unary, match, decoder):
+    fields = {"count": 3, "first": 0, "shift": 0, "high": "unary", "values": "raw",
+              "sections": [0, len(unary), 0, 3, 3], "zipped": []}
+    data = np.array([*unary, 0x7F, 0x7F, 0x7F, 0, 0, 0], np.uint8)
+    assert codec.check_fields(fields, 1000, 2) == len(data)
+    args = dict(numel=1000, itemsize=2, floating=True)
+    if match is None:
+        idx, _ = codec.decode(fields, data, **args)
+        assert idx.tolist() == ([0, 1, 2] if len(unary) == 1 else [0, 1, 9])
+        return
+    with pytest.raises(codec.CodecError, match=match):
+        codec.decode(fields, data, **args)
+
+
+def test_format_2_pieces_with_high_bytes_are_still_read(decoder):
+    rng = np.random.default_rng(0)
+    idx = np.r_[np.sort(rng.choice(50_000, 500, replace=False)), 99_999]  # one escaped
+    new = rng.integers(0, 1 << 16, len(idx), dtype=np.uint16)
+    shift = 5
+    gaps = (np.diff(idx) - 1).astype(np.uint64)
+    high = gaps >> np.uint64(shift)
+    sections = [codec._pack_fixed(gaps, shift), np.minimum(high, 255).astype(np.uint8),
+                high[high >= 255].astype("<u8").view(np.uint8),
+                *codec._planes(codec._rotl(new, 16), 2)]
+    fields = {"count": len(idx), "first": int(idx[0]), "shift": shift, "values": "raw",
+              "sections": [len(x) for x in sections], "zipped": []}
+    data = np.concatenate(sections)
+    assert codec.check_fields(fields, 100_000, 2) == len(data)
+    got = codec.decode(fields, data, numel=100_000, itemsize=2, floating=True)
+    assert np.array_equal(got[0], idx) and np.array_equal(got[1], new)
+
+
+def test_gaps_at_random_cost_about_their_entropy():
+    # 1 % of elements at random: geometric gaps of mean ~99 carry ~8.1 bits each
+    rng = np.random.default_rng(0)
+    idx = np.sort(rng.choice(1_000_000, 10_000, replace=False))
+    fields, _ = codec.encode(idx, np.zeros(len(idx), np.uint16), floating=True,
+                             old=np.zeros(len(idx), np.uint16))
+    bits = 8 * (fields["sections"][0] + fields["sections"][1] + fields["sections"][2])
+    assert fields["shift"] == 6 and bits / (len(idx) - 1) < 8.4
 
 
 def _random_piece(seed: int):

@@ -4,29 +4,35 @@ At 1 % of elements changed at random, a patch's flat indices are ~100 apart and 
 carry ~2.5 bits of exponent entropy: sent as int32 indices and raw values, a changed element
 costs 6 bytes; coded here, ~2.3 bytes (raw values) or ~1 byte (XOR with the receiver's old
 values, when few bits flip). Everything is vectorised numpy (`decode` and `encode` run one
-compiled loop instead where numba is installed: `hotweights.remote.jit`); the only entropy
-coder is zlib's Huffman stage (the standard library, so every receiver has it), run over
-the few low-entropy byte streams. No torch, no transport.
+compiled loop instead where numba is installed: `hotweights.remote.jit`). The gaps are
+Rice-coded (``shift`` low bits, the rest in unary: within a few % of their entropy where
+changes fall at random, at no cost beyond the loop); the only other entropy coder is zlib's
+Huffman stage (the standard library, so every receiver has it), run over section 3. No
+torch, no transport.
 
 A piece is five byte sections, concatenated (their lengths in the header's ``sections``):
 
 0. ``low``: the low ``shift`` bits of every gap (``index[i+1] - index[i] - 1``), bit-packed;
-1. ``high``: the rest of every gap (``gap >> shift``) as one byte (255: see ``escapes``);
-2. ``escapes``: uint64 ``gap >> shift`` of the gaps whose high byte is 255, in order;
+1. ``high``: the rest of every gap (``gap >> shift``) in unary, bit-packed: that many zero
+   bits, then a one (16 zeros and a one: see ``escapes``); the last byte padded with zeros;
+2. ``escapes``: uint64 ``gap >> shift`` of the gaps whose high part is 16 or more, in order;
 3. ``values="raw"``: the top byte of every value (after rotating a float's bits left by one:
    its exponent); ``values="xor"``: the bit length of every ``new ^ old``;
 4. ``values="raw"``: the other bytes of every value, little-endian; ``values="xor"``: the bits
    below the leading one of every ``new ^ old``, bit-packed.
 
-Sections 1 and 3 are zlib-deflated (raw deflate, level 1, run-length matches only) where
-that is smaller; ``zipped`` lists which. The first index is the header's ``first``; the gaps make
-the indices strictly increasing by construction. `decode` checks every size against the
-header and the element count before it reads, so a corrupt piece raises `CodecError`
-naming the field, never reads or writes out of bounds.
+Section 3 is zlib-deflated (raw deflate, level 1, run-length matches only) where that is
+smaller; ``zipped`` lists it. The header's ``high`` says ``"unary"``; a piece without it
+(format 2, still read) holds one byte per gap's high part in section 1 (255: escaped), which
+``zipped`` may list too. The first index is the header's ``first``; the gaps make the
+indices strictly increasing by construction. `decode` checks every size against the header
+and the element count before it reads, so a corrupt piece raises `CodecError` naming the
+field, never reads or writes out of bounds.
 """
 
 from __future__ import annotations
 
+import math
 import zlib
 
 import numpy as np
@@ -40,8 +46,10 @@ __all__ = ["UINT", "VALUES", "CodecError", "check_fields", "decode", "encode", "
 RAW, XOR = "raw", "xor"
 VALUES = (RAW, XOR)
 _SECTIONS = 5
-_ZIPPABLE = (1, 3)
-_ESC = 255
+_ZIPPABLE = (1, 3)  # (1: format 2's high bytes only)
+_ESC = 255  # format 2's escaped high byte
+UNARY = "unary"  # the header's "high": section 1 coded in unary
+_UNARY_ESC = 16  # a high part this large or larger is escaped (jit_loops' too)
 UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _GROUPED = 56  # widths up to this many bits are read with one unaligned uint64 read each,
 # and fixed ones (un)packed 8 values at a time
@@ -229,26 +237,32 @@ def encode(indices: np.ndarray, bits: np.ndarray, *, floating: bool,
         old: the receiver's old bit patterns at `indices` (same dtype as `bits`): values are
             then sent as ``new ^ old``; None: raw.
     Returns:
-        (header fields: ``count``, ``first``, ``shift``, ``values``, ``sections``,
-        ``zipped``; the piece's bytes, unpadded).
+        (header fields: ``count``, ``first``, ``shift``, ``high``, ``values``,
+        ``sections``, ``zipped``; the piece's bytes, unpadded).
     """
     k = len(indices)
     idx = indices.astype(np.int64, copy=False)
-    # the mean gap, exactly as numpy's mean of the gaps makes it
-    shift = max(0, int(np.log2((int(idx[-1]) - int(idx[0]) - (k - 1)) / (k - 1) + 1)) - 1) \
-        if k > 1 else 0
+    shift = _rice_shift((int(idx[-1]) - int(idx[0]) - (k - 1)) / (k - 1)) if k > 1 else 0
     sections = jit.encode(idx, bits, old, floating, shift, _BIT_LENGTH16) if k else None
     if sections is None:
         sections = _sections(idx, bits, old, floating, shift)
     zipped = []
-    for i in _ZIPPABLE:
-        if (z := _zip(sections[i])) is not None:
-            sections[i] = np.frombuffer(z, np.uint8)
-            zipped.append(i)
-    fields = {"count": k, "first": int(idx[0]) if k else 0, "shift": shift,
+    if (z := _zip(sections[3])) is not None:
+        sections[3] = np.frombuffer(z, np.uint8)
+        zipped.append(3)
+    fields = {"count": k, "first": int(idx[0]) if k else 0, "shift": shift, "high": UNARY,
               "values": RAW if old is None else XOR, "sections": [len(x) for x in sections],
               "zipped": zipped}
     return fields, np.concatenate(sections) if k else np.zeros(0, np.uint8)
+
+
+def _rice_shift(mean: float) -> int:
+    """The Rice parameter for gaps of this mean: the best for geometric gaps (changes at
+    random; Kiely's rule), whose unary parts then average ~1.5 bits."""
+    if mean <= 0:
+        return 0
+    return min(62, max(0, 1 + math.floor(math.log2(-math.log(0.6180339887498949)
+                                                   / math.log1p(1 / mean)))))
 
 
 def _sections(idx: np.ndarray, bits: np.ndarray, old: np.ndarray | None, floating: bool,
@@ -257,8 +271,11 @@ def _sections(idx: np.ndarray, bits: np.ndarray, old: np.ndarray | None, floatin
     s = bits.dtype.itemsize
     gaps = (np.diff(idx) - 1).astype(np.uint64)
     high = gaps >> np.uint64(shift)
-    escapes = high[high >= _ESC]
-    sections = [_pack_fixed(gaps, shift), np.minimum(high, _ESC).astype(np.uint8),
+    escapes = high[high >= _UNARY_ESC]
+    ones = np.cumsum(np.minimum(high, _UNARY_ESC) + np.uint64(1)) - np.uint64(1)
+    unary = np.zeros(int(ones[-1]) + 1 if len(ones) else 0, np.uint8)
+    unary[ones] = 1
+    sections = [_pack_fixed(gaps, shift), np.packbits(unary, bitorder="little"),
                 escapes.astype("<u8").view(np.uint8)]
     if old is None:
         v = _rotl(bits, 8 * s) if floating and s > 1 else bits
@@ -284,11 +301,17 @@ def check_fields(e: dict, numel: int, itemsize: int) -> int:
     if not (isinstance(sections, list) and len(sections) == _SECTIONS and all(
             type(n) is int and n >= 0 for n in sections)):
         raise CodecError("sections", f"must be {_SECTIONS} ints >= 0, found {sections!r}")
-    if not (isinstance(zipped, list) and all(z in _ZIPPABLE for z in zipped)
+    if e.get("high", UNARY) != UNARY:
+        raise CodecError("high", f"must be {UNARY!r} or absent, found {e.get('high')!r}")
+    unary = "high" in e
+    zippable = (3,) if unary else _ZIPPABLE
+    if not (isinstance(zipped, list) and all(z in zippable for z in zipped)
             and len(set(zipped)) == len(zipped)):
-        raise CodecError("zipped", f"must list some of {list(_ZIPPABLE)}, found {zipped!r}")
+        raise CodecError("zipped", f"must list some of {list(zippable)}, found {zipped!r}")
     gaps, xor = max(k - 1, 0), e["values"] == XOR
-    exact = {0: (gaps * shift + 7) // 8, 1: gaps, 3: k,
+    if unary and not -(-gaps // 8) <= sections[1] <= -(-gaps * (_UNARY_ESC + 1) // 8):
+        raise CodecError("sections", f"[1] is {sections[1]} bytes: not {gaps} unary gaps")
+    exact = {0: (gaps * shift + 7) // 8, 1: None if unary else gaps, 3: k,
              4: None if xor else k * (itemsize - 1)}
     for i, want in exact.items():
         if want is not None and i not in zipped and sections[i] != want:
@@ -325,22 +348,26 @@ def decode(e: dict, data: np.ndarray, *, numel: int, itemsize: int, floating: bo
     utype = UINT[itemsize]
     if not k:
         return np.zeros(0, np.int64), np.zeros(0, utype)
-    gaps_n, first, xor = k - 1, e["first"], e["values"] == XOR
+    gaps_n, first, xor, unary = k - 1, e["first"], e["values"] == XOR, "high" in e
     high = _unzip(part[1], gaps_n, "indices") if 1 in e["zipped"] else part[1]
     third = _unzip(part[3], k, "values") if 3 in e["zipped"] else part[3]
-    got = jit.decode(k, first, numel, shift, part[0], high, part[2].view("<u8"), xor, third,
-                     part[4], old, floating, UINT[itemsize])
+    got = jit.decode(k, first, numel, shift, part[0], high, unary, part[2].view("<u8"), xor,
+                     third, part[4], old, floating, UINT[itemsize])
     if got is not None:
         idx, values = got
         return idx, values if not xor or isinstance(old, np.ndarray) else values ^ old(idx)
-    escaped = high == _ESC
+    if unary:
+        wide = _unary(high, gaps_n)
+        escaped = wide == _UNARY_ESC
+    else:
+        wide = high.astype(np.uint64)
+        escaped = high == _ESC
     escapes = part[2].view("<u8")
     if (n_escaped := int(np.count_nonzero(escaped))) != len(escapes):
         raise CodecError("indices", f"hold {n_escaped} escaped gaps, section [2] "
                          f"{len(escapes)}")
     if len(escapes) and int(escapes.max()) >= numel:
         raise CodecError("indices", f"hold a gap past the {numel} elements")
-    wide = high.astype(np.uint64)
     if len(escapes):
         wide[escaped] = escapes
     # every gap is below (max(255, numel) + 1) << shift: where k of them could pass 2**62,
@@ -375,6 +402,20 @@ def decode(e: dict, data: np.ndarray, *, numel: int, itemsize: int, floating: bo
     if sizes[4]:
         values ^= _unpack_varying(part[4], widths).astype(utype)
     return idx, values
+
+
+def _unary(data: np.ndarray, n: int) -> np.ndarray:
+    """The `n` unary numbers of section 1 (uint64), checked: exactly `n` ones, the last in the
+    last byte, no number above the escape."""
+    ones = np.flatnonzero(np.unpackbits(data, bitorder="little"))
+    if len(ones) != n or (n and int(ones[-1]) // 8 != len(data) - 1):
+        raise CodecError("indices", f"hold {len(ones)} unary gaps in {len(data)} bytes, "
+                         f"expected {n}")
+    out = np.diff(ones, prepend=-1).astype(np.uint64) - np.uint64(1)
+    if n and int(out.max()) > _UNARY_ESC:
+        raise CodecError("indices", f"hold a unary gap of {int(out.max())} zeros, more than "
+                         f"{_UNARY_ESC}")
+    return out
 
 
 # -- the round compressor ---------------------------------------------------------------------

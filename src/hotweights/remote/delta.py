@@ -15,7 +15,7 @@ encoding of the new tensor that is cheapest on the wire:
 `pack` lays many deltas into a few contiguous uint8 buffers (one per round, at most
 ``max_bytes`` each; a bigger delta is split: patches by index range, rows by row range, dense
 by flat element range), each with a small JSON-able header. Patches go compact by default
-(`hotweights.remote.codec`: gap-coded indices, values with their exponents entropy-coded:
+(`hotweights.remote.codec`: Rice-coded index gaps, values with their exponents entropy-coded:
 ~2.3 bytes per changed bf16 element instead of 6); ``values="xor"`` sends ``new ^ old``
 instead, for receivers that hold the old values, and ``compress="zstd"`` compresses each
 round's buffer. The receiving side, which checks a whole round against its targets before
@@ -41,7 +41,7 @@ __all__ = ["COMPRESS", "FORMAT", "INT64_INDEX_FROM", "KINDS", "MIN_ROUND_BYTES",
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 2  # 1: patches only flat (still read)
+FORMAT = 3  # 1: patches only flat; 2: compact patches' gap highs in bytes (both still read)
 SAME, PATCH, ROWS, DENSE = "same", "patch", "rows", "dense"
 KINDS = (SAME, PATCH, ROWS, DENSE)
 PATCHES = ("compact", "flat")  # pack's patch layouts: codec-coded, or format 1's arrays
@@ -489,7 +489,8 @@ class Round:
             "nbytes" (its 8-byte aligned segment of the buffer) and, by kind: dense "start",
             "stop" (its flat element range); patch, flat: "count", "index_dtype" (the
             indices, then the values, each section 8-byte aligned); patch, compact: "count",
-            "first", "shift", "values", "sections", "zipped" (see `hotweights.remote.codec`);
+            "first", "shift", "high", "values", "sections", "zipped" (see
+            `hotweights.remote.codec`);
             rows "nranges", "nrows" (the int64 pairs, then the rows). A compressed round
             also has "compress" ("zstd") and "raw_nbytes": the segments' offsets are in the
             decompressed buffer.
@@ -680,7 +681,7 @@ def pack(deltas: Iterable[Delta], *, max_bytes: int, device: torch.device | str 
         patches: ``"compact"`` (default): patches coded by `hotweights.remote.codec`
             (gap-coded indices; coded here, on the CPU, as the deltas are read);
             ``"flat"``: int32/int64 indices and raw values, as a format-1 receiver reads
-            them (the round is still format 2).
+            them (the round is still format 3).
         values: compact patches' values: ``"raw"`` (default): the new values, which every
             receiver can decode; ``"xor"``: ``new ^ old`` bit patterns, a few bits each when
             few bits flip, decodable only by a receiver that holds the old values

@@ -37,7 +37,7 @@ __all__ = ["apply", "check", "checked", "finite", "host", "write", "writer"]
 
 logger = logging.getLogger(__name__)
 
-_FORMATS = (1, FORMAT)  # format 1: no compact patches, no compression
+_FORMATS = (1, 2, FORMAT)  # 1: no compact patches, no compression; 2: `codec`'s high bytes
 _INDEX = {"int32": torch.int32, "int64": torch.int64}
 _SIGNED = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}  # numpy dtypes torch reads
 _FEW_RUNS = 64  # row runs written one slice each; more: through one index_copy_

@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 MASKS = (np.uint64(1) << np.arange(64, dtype=np.uint64)) - np.uint64(1)  # width -> its mask
 LEAD = np.r_[0, np.uint64(1) << np.arange(64, dtype=np.uint64)].astype(np.uint64)  # an xor's
 # bit length -> its leading one (the codec's tables too: `codec` imports this module)
+_TZ16 = np.r_[16, np.log2(np.arange(1, 1 << 16) & -np.arange(1, 1 << 16))].astype(np.uint8)
+# (the trailing zeros of every 16-bit number, 16 for 0: a unary gap's length, in one read)
 _WHOLE = np.zeros(1, np.int64)  # one run from the first unit: a whole chunk compared
 _lock = threading.Lock()
 _loops = None  # the module of compiled loops once imported; False: no numba (or off)
@@ -84,10 +86,12 @@ def enabled() -> bool:
 
 
 def decode(k: int, first: int, numel: int, shift: int, low: np.ndarray, high: np.ndarray,
-           escapes: np.ndarray, xor: bool, third: np.ndarray, fourth: np.ndarray, old,
-           floating: bool, utype) -> tuple[np.ndarray, np.ndarray] | None:
+           unary: bool, escapes: np.ndarray, xor: bool, third: np.ndarray,
+           fourth: np.ndarray, old, floating: bool, utype
+           ) -> tuple[np.ndarray, np.ndarray] | None:
     """(int64 indices, bit patterns) of a piece of `k` > 0 elements from its sections
-    (`high` and `third` inflated), or None: no numba, or the piece is wrong somewhere.
+    (`high` unary bits if `unary`, else bytes; `high` and `third` inflated), or None: no
+    numba, or the piece is wrong somewhere.
 
     `old`: the receiver's old bit patterns, flat (numpy of `utype`): xor values are applied
     to them here; anything else: the values come back as bare xors (``old ^ new``)."""
@@ -96,9 +100,10 @@ def decode(k: int, first: int, numel: int, shift: int, low: np.ndarray, high: np
         return None
     out = np.empty(k, utype)
     have_old = isinstance(old, np.ndarray)
-    code, idx = built.decode(k, first, numel, shift, _words(low), _bytes(high),
+    code, idx = built.decode(k, first, numel, shift, _words(low),
+                             _words(high) if unary else _bytes(high), unary, 8 * len(high),
                              escapes.astype(np.uint64), xor, _bytes(third), _words(fourth),
-                             len(fourth), floating, MASKS, LEAD, out)
+                             len(fourth), floating, MASKS, LEAD, _TZ16, out)
     if code == 0 and xor and have_old:  # apart: a loop of only these reads keeps many in
         # flight (inside the decode loop each one waited for memory: ~3x slower)
         built.xor_gather(out, old, idx)
@@ -113,10 +118,11 @@ def encode(idx: np.ndarray, bits: np.ndarray, old: np.ndarray | None, floating: 
     if not built:
         return None
     xor = old is not None
-    low, nlow, high, escapes, third, fourth, nfourth, rest = built.encode(
+    low, nlow, high, nhigh, escapes, third, fourth, nfourth, rest = built.encode(
         idx.astype(np.int64, copy=False), bits, old if xor else bits[:1], xor, floating,
         shift, MASKS, bit_length16)
-    return [low.view(np.uint8)[:nlow], high, escapes.astype("<u8").view(np.uint8), third,
+    return [low.view(np.uint8)[:nlow], high.view(np.uint8)[:nhigh],
+            escapes.astype("<u8").view(np.uint8), third,
             fourth.view(np.uint8)[:nfourth] if xor else rest]
 
 
@@ -151,8 +157,8 @@ def warm(itemsizes=(2,)) -> None:
     for s in itemsizes:
         utype = np.dtype(f"u{s}")
         one = np.zeros(1, np.uint8)
-        decode(1, 0, 1, 0, one[:0], one[:0], np.zeros(0, np.uint64), True, one, one[:0],
-               np.zeros(1, utype), True, utype)
+        decode(1, 0, 1, 0, one[:0], one[:0], True, np.zeros(0, np.uint64), True, one,
+               one[:0], np.zeros(1, utype), True, utype)
         scatter(np.zeros(1, utype), np.zeros(1, np.int64), np.zeros(1, utype))
 
 

@@ -5,7 +5,8 @@ import numba
 import numpy as np
 
 u64 = np.uint64
-_ESC = 255  # `codec`'s escape byte
+_ESC = 255  # `codec`'s escape byte (format 2's bytes) ...
+_UNARY_ESC = 16  # ... and zeros (its unary highs)
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
@@ -17,10 +18,12 @@ def bits_at(words, pos, w, masks):
 
 
 @numba.njit(nogil=True, cache=True)
-def decode(k, first, numel, shift, low, high, escapes, xor, third, fourth, nbytes4,
-           floating, masks, lead, out):
-    # third, fourth: sections 3 and 4 (xor: bit lengths, bits; raw: top bytes, the
-    # rest). -> (0, indices) with `out` filled; (1, _) where the piece is wrong
+def decode(k, first, numel, shift, low, high, unary, nbits1, escapes, xor, third, fourth,
+           nbytes4, floating, masks, lead, tz16, out):
+    # high: section 1, bytes, or with `unary` words of `nbits1` bits (`tz16`: the trailing
+    # zeros of each 16-bit number, 16 for 0; `_UNARY_ESC` is 16 at most); third, fourth:
+    # sections 3 and 4 (xor: bit lengths, bits; raw: top bytes, the rest).
+    # -> (0, indices) with `out` filled; (1, _) where the piece is wrong
     s = out.itemsize
     nbits = 8 * s
     idx = np.empty(k, np.int64)
@@ -34,13 +37,22 @@ def decode(k, first, numel, shift, low, high, escapes, xor, third, fourth, nbyte
         if (total + 7) // 8 != nbytes4:
             return 1, idx
     limit = u64(numel - 1) >> u64(shift)  # the largest high part that can still fit
-    e = gpos = xpos = 0
+    e = gpos = xpos = hpos = 0
     pos = first
     sign = u64(nbits - 1)
     for i in range(k):
         if i:
-            g = u64(high[i - 1])
-            if g == _ESC:
+            if unary:  # zeros up to a one (past the section's bits: zeros, then none)
+                window = bits_at(high, hpos, _UNARY_ESC + 1, masks)
+                if window == 0:
+                    return 1, idx
+                g = u64(tz16[window & u64(0xFFFF)]) if window & u64(0xFFFF) else u64(16)
+                hpos += np.int64(g) + 1
+                escaped = g == _UNARY_ESC
+            else:
+                g = u64(high[i - 1])
+                escaped = g == _ESC
+            if escaped:
                 if e >= len(escapes):
                     return 1, idx
                 g = u64(escapes[e])
@@ -63,8 +75,11 @@ def decode(k, first, numel, shift, low, high, escapes, xor, third, fourth, nbyte
             if floating and s > 1:  # the sign went below the exponent: back on top
                 v = (v >> u64(1)) | ((v & u64(1)) << sign)
         out[i] = v
-    # (the low section's length was checked against the gaps by `check_fields`)
-    return (0 if e == len(escapes) else 1), idx
+    # (the low section's length was checked against the gaps by `check_fields`; the
+    # unary one ends in its last byte)
+    ends = not unary or ((hpos + 7) // 8 == (nbits1 + 7) // 8 and  # zeros after it
+                         high[hpos >> 6] >> u64(hpos & 63) == 0)
+    return (0 if e == len(escapes) and ends else 1), idx
 
 
 @numba.njit(nogil=True, cache=True)
@@ -95,29 +110,31 @@ def bit_length(x, table):
 
 @numba.njit(nogil=True, cache=True)
 def encode(idx, bits, old, xor, floating, shift, masks, table):
-    # -> sections 0-4 of `codec.encode`, before deflate: low bits, high bytes, escapes,
+    # -> sections 0-4 of `codec.encode`, before deflate: low bits, unary highs, escapes,
     # (xor: bit lengths, bits below the leading one; raw: top bytes, the rest)
     k, s = len(idx), bits.itemsize
     nbits = 8 * s
     low = np.zeros((k * shift) // 64 + 2, np.uint64)
-    high = np.empty(max(k - 1, 0), np.uint8)
+    high = np.zeros((k * (_UNARY_ESC + 1)) // 64 + 2, np.uint64)
     escapes = np.empty(max(k - 1, 0), np.uint64)
     third = np.empty(k, np.uint8)
     fourth = np.zeros((k * nbits) // 64 + 2, np.uint64) if xor else \
         np.zeros(0, np.uint64)
     rest = np.empty(0 if xor else k * (s - 1), np.uint8)
-    e = xpos = 0
+    e = xpos = hpos = 0
     sign = u64(nbits - 1)
     for i in range(k):
         if i:
             gap = u64(idx[i] - idx[i - 1] - 1)
             put(low, (i - 1) * shift, gap, shift, masks)
             h = gap >> u64(shift)
-            if h >= _ESC:
+            if h >= _UNARY_ESC:
                 escapes[e] = h
                 e += 1
-                h = u64(_ESC)
-            high[i - 1] = h
+                h = u64(_UNARY_ESC)
+            hpos += np.int64(h)  # h zeros, then a one
+            high[hpos >> 6] |= u64(1) << u64(hpos & 63)
+            hpos += 1
         v = u64(bits[i])
         if xor:
             x = v ^ u64(old[i])
@@ -133,7 +150,7 @@ def encode(idx, bits, old, xor, floating, shift, masks, table):
             third[i] = (v >> u64(nbits - 8)) & u64(255)
             for b in range(s - 1):
                 rest[i * (s - 1) + b] = (v >> u64(8 * b)) & u64(255)
-    return (low, (max(k - 1, 0) * shift + 7) // 8, high, escapes[:e], third,
+    return (low, (max(k - 1, 0) * shift + 7) // 8, high, (hpos + 7) // 8, escapes[:e], third,
             fourth, (xpos + 7) // 8, rest)
 
 
