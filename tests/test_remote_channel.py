@@ -6,9 +6,11 @@ import socket
 import subprocess
 import sys
 import time
+from datetime import timedelta
 
 import pytest
 import torch
+from torch.distributed import TCPStore
 
 from hotweights.errors import RemoteError
 from hotweights.remote import delta
@@ -362,6 +364,38 @@ def test_an_update_awaited_without_bound_arrives_late_or_is_dropped_by_its_recei
         lines = _lines(procs[0])
     assert [x.get("sum") for x in lines] == [checksum(first), checksum(first), checksum(third)]
     assert "stopped waiting for update u1 (dropped by this side)" in lines[1]["refused"]
+
+
+@pytest.mark.parametrize("race", ["interrupt", "go"])
+def test_a_wake_deleted_as_stale_does_not_hide_the_interrupt_or_word_written_meanwhile(race):
+    # The receiver drops a stale wake key (an old one); the interrupt's wake, or the sender's,
+    # landing just before that delete must still end the wait at once, not at its end.
+    store = TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=10))
+    ch = object.__new__(Channel)
+    ch.name, ch.addr, ch.port, ch.rank, ch.timeout = "test", "127.0.0.1", store.port, 1, 5.0
+    ch._ns, ch._interrupted = "t", set()
+
+    class Racing:  # the store, where the other side acts right before the first delete
+        def __getattr__(self, name):
+            return getattr(store, name)
+
+        def delete_key(self, key):
+            if race == "interrupt":
+                ch.interrupt("u")
+            else:
+                store.set(ch._key("word", "u"), "go")
+                store.set(key, "go")
+            ch._store = store
+            return store.delete_key(key)
+    ch._store = Racing()
+    store.set(ch._key("wake", "u", 1), "stale")
+    t0 = time.monotonic()
+    if race == "interrupt":
+        with pytest.raises(RemoteError, match="stopped waiting for update u"):
+            ch._await_word("u", 30.0)
+    else:
+        ch._await_word("u", 30.0)
+    assert time.monotonic() - t0 < 5
 
 
 def test_receivers_waiting_for_an_announced_update_learn_the_sender_is_gone():

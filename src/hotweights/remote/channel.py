@@ -512,6 +512,15 @@ class Channel:
         key, wake = self._key("word", update), self._key("wake", update, self.rank)
         deadline = time.monotonic() + wait
         while True:
+            # the sender writes its word and `interrupt` its mark before either sets the
+            # wake: checked first, so a wake deleted below as stale hides neither
+            if update in self._interrupted:
+                self._interrupted.discard(update)
+                raise RemoteError(f"{self._where()}: stopped waiting for update {update} "
+                                  "(dropped by this side); nothing of it is applied")
+            if self._store.check([key]):
+                word = self._store.get(key)
+                break
             try:
                 self._store.wait([wake], timedelta(seconds=max(0.001, min(
                     _WAIT_SLICE_S, deadline - time.monotonic()))))
@@ -526,19 +535,7 @@ class Channel:
                 raise RemoteError(f"{self._where()}: the sender (rank 0) at {self.addr}:"
                                   f"{self.port} is gone ({e}); nothing of the update is "
                                   "applied") from e
-            if update in self._interrupted:
-                self._interrupted.discard(update)
-                raise RemoteError(f"{self._where()}: stopped waiting for update {update} "
-                                  "(dropped by this side); nothing of it is applied")
-            if self._store.check([key]):
-                word = self._store.get(key)
-                break
-            self._store.delete_key(wake)  # not the sender's (a stale one): wait on, unless
-            # the sender's word came meanwhile (it writes the word before the wake: that
-            # wake may be the one just deleted)
-            if self._store.check([key]):
-                word = self._store.get(key)
-                break
+            self._store.delete_key(wake)  # whose it was: the checks above say
         if word != b"go":
             raise RemoteError(f"{self._where()}: the sender cancelled the update before "
                               "sending it; nothing of it is applied")
