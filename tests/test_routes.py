@@ -11,6 +11,7 @@ httpx = pytest.importorskip("httpx")  # both come with vLLM, whose API server th
 FastAPI = pytest.importorskip("fastapi").FastAPI
 
 from hotweights.errors import ConfigError  # noqa: E402
+from hotweights.remote.rendezvous import PROTOCOL  # noqa: E402
 from hotweights.server.env import REMOTE_ENGINE  # noqa: E402
 from hotweights.vllm_plugin.routes import HotweightsRoutes  # noqa: E402
 
@@ -266,6 +267,14 @@ def test_a_remote_server_stages_on_receive_applies_on_commit_and_discards_on_abo
         join = body(master_addr="10.0.0.1", master_port=29500, rank_offset=1, world_size=3,
                     token="chan-token", timeout=5.0)
         r = await client.post("/hotweights/remote/join", json=join, headers=AUTH)
+        assert r.status_code == 400 and "the trainer speaks channel protocol < 3, this " \
+            f"server {PROTOCOL}: run the same hotweights version" in r.json()["error"]
+        r = await client.post("/hotweights/remote/join", json={**join, "protocol": 2},
+                              headers=AUTH)
+        assert r.status_code == 400 and "channel protocol 2" in r.json()["error"]
+        assert "init_weight_transfer_engine" not in stub.calls  # refused before the workers
+        join["protocol"] = PROTOCOL
+        r = await client.post("/hotweights/remote/join", json=join, headers=AUTH)
         assert r.status_code == 200 and r.json() == {"workers": 1, "version": f"0@{SID}",
                                                       "xor": False, "channel_ranks": 1}
         await client.post("/hotweights/begin", json=body(), headers=AUTH)
@@ -299,7 +308,7 @@ def test_a_remote_commit_arms_the_next_update_whose_receive_then_needs_no_engine
 
     async def test(client, stub):
         join = body(master_addr="10.0.0.1", master_port=29500, rank_offset=1, world_size=2,
-                    token="chan-token", timeout=5.0)
+                    token="chan-token", timeout=5.0, protocol=PROTOCOL)
         await client.post("/hotweights/remote/join", json=join, headers=AUTH)
 
         async def update(n: int, update: str, next_update: str) -> int:

@@ -62,7 +62,7 @@ from hotweights.protocol.tokens import find_token, is_loopback
 from hotweights.remote import delta, prefilter
 from hotweights.remote.channel import Channel
 from hotweights.remote.hosts import server_urls
-from hotweights.remote.rendezvous import channel_id
+from hotweights.remote.rendezvous import PROTOCOL, channel_id
 
 __all__ = ["Pending", "RemoteGroup"]
 
@@ -707,7 +707,8 @@ class RemoteGroup:
                                     master_addr=self.master_addr, master_port=port,
                                     rank_offset=ranks[u].start, world_size=offset,
                                     token=token, timeout=self.timeout,
-                                    max_round_bytes=self.max_round_bytes) for u in status}
+                                    max_round_bytes=self.max_round_bytes,
+                                    protocol=PROTOCOL) for u in status}
             channel = None
             try:
                 channel = Channel(master_addr=self.master_addr, master_port=port, rank=0,
@@ -717,7 +718,11 @@ class RemoteGroup:
                 outs = {u: _outcome(f) for u, f in joins.items()}
         if failed := {u: e for u, e in outs.items() if isinstance(e, Exception)}:
             channel.close()
-            raise RemoteError(f"joining the channel failed on {_named(failed)}")
+            older = [u for u, e in failed.items() if "unknown field(s) ['protocol']" in str(e)]
+            raise RemoteError(f"joining the channel failed on {_named(failed)}" + (
+                f"; {older} run(s) a hotweights older than this trainer's (channel protocol "
+                f"{PROTOCOL}): run the same version on the trainer and every server"
+                if older else ""))
         # values as few bits as flipped, where every server holds every tensor whole
         link = _Link(channel, members, channel_id(self.master_addr, port, token), ranks,
                      all(out.get("xor") for out in outs.values()))

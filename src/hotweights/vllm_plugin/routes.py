@@ -35,7 +35,7 @@ from hotweights.checkpoint.digest import digest, stats
 from hotweights.checkpoint.hub import local_dir
 from hotweights.errors import ConfigError, ServerError
 from hotweights.protocol.tokens import remove_token
-from hotweights.remote.rendezvous import channel_id
+from hotweights.remote.rendezvous import PROTOCOL, channel_id
 from hotweights.server.env import CHECKPOINT_STATS, REMOTE, REMOTE_ENGINE
 from hotweights.server.launch import free_port
 from hotweights.server.transaction import (
@@ -173,6 +173,7 @@ class Join(_Request):
     token: str = ""
     timeout: float = 60.0
     max_round_bytes: int = 64 << 20  # the trainer's budget per round (RemoteGroup's default)
+    protocol: int = 0  # the trainer's `rendezvous.PROTOCOL` (0: one from before the check)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -357,6 +358,10 @@ class HotweightsRoutes:
 
     async def _join(self, req: Join) -> dict:
         self.tx.check_server(req.server_id)
+        if req.protocol != PROTOCOL:
+            raise Refused(400, f"the trainer speaks channel protocol {req.protocol or '< 3'}, "
+                          f"this server {PROTOCOL}: run the same hotweights version on the "
+                          "trainer and every server")
         if self.tx.state.value not in ("idle", "expired"):
             raise Refused(409, f"an update is {self.tx.state.value}; join between updates",
                           holder=self.tx.holder)
