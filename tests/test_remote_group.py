@@ -2,6 +2,7 @@
 serve as the old values, and the update refused when it changed under the encode."""
 
 import os
+import re
 
 import pytest
 import torch
@@ -179,6 +180,23 @@ def test_servers_all_synced_from_the_checkpoint_leave_the_reference_whole(checkp
     assert {d.name: d.kind for d in pending.deltas} == {"a.weight": "same", "b.weight": "patch"}
     group.commit(pending)
     assert all(torch.equal(group.reference[k], t) for k, t in new.items())
+
+
+def test_servers_of_another_channel_protocol_are_named_before_any_join(monkeypatch):
+    from hotweights.remote import group as group_module
+    from hotweights.remote.rendezvous import PROTOCOL
+
+    urls = ["http://127.0.0.1:1", "http://127.0.0.2:1", "http://127.0.0.3:1"]
+    answers = {urls[0]: PROTOCOL, urls[1]: PROTOCOL - 1, urls[2]: None}  # None: too old
+    monkeypatch.setattr(group_module, "request", lambda u, *a, **k: {
+        "remote": True, "n": 0, "server_id": "s",
+        **({} if answers[u] is None else {"protocol": answers[u]})})
+    group = RemoteGroup(urls, token="t" * 32)
+    monkeypatch.setattr(group, "_connect", lambda *a: pytest.fail("joined"))
+    with pytest.raises(RemoteError, match=re.escape(
+            f"channel protocol {{'{urls[1]}': {PROTOCOL - 1}, '{urls[2]}': '< 3'}} on those "
+            f"servers, {PROTOCOL} on this trainer: run the same hotweights version")):
+        group.update({"w": torch.zeros(4)})
 
 
 def test_a_fixed_master_port_takes_the_next_free_ports_for_more_channels():

@@ -257,6 +257,7 @@ def test_a_remote_server_stages_on_receive_applies_on_commit_and_discards_on_abo
         status = (await client.get("/hotweights/status", headers=AUTH)).json()
         assert status["remote"] is True and status["workers"] == 1
         assert status["channel_ranks"] == 1 and status["device"] == "cpu"  # a Gloo channel
+        assert status["protocol"] == PROTOCOL
         info = (await client.get("/hotweights/server_info", headers=AUTH)).json()
         assert info["weight_transfer_config"] == {"backend": REMOTE_ENGINE}
         r = await client.post("/hotweights/remote/receive", json=body(), headers=AUTH)

@@ -320,6 +320,11 @@ class RemoteGroup:
             if not st.get("remote"):
                 raise RemoteError(f"{u}: not started with `hotweights serve --remote`; a "
                                   "local server is updated in place through Bridge")
+        if other := {u: st.get("protocol", "< 3") for u, st in status.items()
+                     if st.get("protocol") != PROTOCOL}:
+            raise RemoteError(f"channel protocol {other} on those servers, {PROTOCOL} on this "
+                              "trainer: run the same hotweights version on the trainer and "
+                              "every server")
         return status, {**dropped, **down}
 
     def _prepare(self, weights, new: dict, status: dict, mode: str, lease_s: float | None,
@@ -718,11 +723,7 @@ class RemoteGroup:
                 outs = {u: _outcome(f) for u, f in joins.items()}
         if failed := {u: e for u, e in outs.items() if isinstance(e, Exception)}:
             channel.close()
-            older = [u for u, e in failed.items() if "unknown field(s) ['protocol']" in str(e)]
-            raise RemoteError(f"joining the channel failed on {_named(failed)}" + (
-                f"; {older} run(s) a hotweights older than this trainer's (channel protocol "
-                f"{PROTOCOL}): run the same version on the trainer and every server"
-                if older else ""))
+            raise RemoteError(f"joining the channel failed on {_named(failed)}")
         # values as few bits as flipped, where every server holds every tensor whole
         link = _Link(channel, members, channel_id(self.master_addr, port, token), ranks,
                      all(out.get("xor") for out in outs.values()))

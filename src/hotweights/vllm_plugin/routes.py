@@ -324,6 +324,7 @@ class HotweightsRoutes:
         untouched = self.tx.n == 0 and not self.tx.dirty  # still the weights it loaded
         return {**self.tx.status(), "remote": self.remote, "workers": self.workers,
                 "channel_ranks": int(self.remote), "channel": self.channel,
+                "protocol": PROTOCOL,
                 "armed": bool(self.remote and self.tx.engine.armed), "device": self.device,
                 "checkpoint": self.loaded if untouched else None}
 
