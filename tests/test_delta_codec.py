@@ -445,6 +445,20 @@ def test_compiled_encode_writes_the_numpy_bytes(seed, monkeypatch):
                 assert got[0] == want[0] and np.array_equal(got[1], want[1])
 
 
+def test_trailing_zeros_of_every_bit_position_both_ways():
+    if not jit.enabled():
+        pytest.skip("numba is not installed")
+    import numba
+
+    from hotweights.remote import jit_loops
+
+    both = numba.njit(lambda x: (jit_loops.ctz(x), jit_loops.ctz_de_bruijn(x)))
+    rng = np.random.default_rng(0)
+    for tz in range(64):
+        for x in {1 << tz, (1 << tz) | (int(rng.integers(0, 1 << 62)) << tz & (1 << 64) - 1)}:
+            assert both(np.uint64(x)) == (tz, tz)
+
+
 def test_compiled_scatter_writes_nothing_when_an_index_is_outside():
     if not jit.enabled():
         pytest.skip("numba is not installed")

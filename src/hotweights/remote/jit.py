@@ -30,8 +30,6 @@ logger = logging.getLogger(__name__)
 MASKS = (np.uint64(1) << np.arange(64, dtype=np.uint64)) - np.uint64(1)  # width -> its mask
 LEAD = np.r_[0, np.uint64(1) << np.arange(64, dtype=np.uint64)].astype(np.uint64)  # an xor's
 # bit length -> its leading one (the codec's tables too: `codec` imports this module)
-_TZ16 = np.r_[16, np.log2(np.arange(1, 1 << 16) & -np.arange(1, 1 << 16))].astype(np.uint8)
-# (the trailing zeros of every 16-bit number, 16 for 0: a unary gap's length, in one read)
 _WHOLE = np.zeros(1, np.int64)  # one run from the first unit: a whole chunk compared
 _lock = threading.Lock()
 _loops = None  # the module of compiled loops once imported; False: no numba (or off)
@@ -103,7 +101,7 @@ def decode(k: int, first: int, numel: int, shift: int, low: np.ndarray, high: np
     code, idx = built.decode(k, first, numel, shift, _words(low),
                              _words(high) if unary else _bytes(high), unary, 8 * len(high),
                              escapes.astype(np.uint64), xor, _bytes(third), _words(fourth),
-                             len(fourth), floating, MASKS, LEAD, _TZ16, out)
+                             len(fourth), floating, MASKS, LEAD, out)
     if code == 0 and xor and have_old:  # apart: a loop of only these reads keeps many in
         # flight (inside the decode loop each one waited for memory: ~3x slower)
         built.xor_gather(out, old, idx)

@@ -5,6 +5,22 @@ import numba
 import numpy as np
 
 u64 = np.uint64
+
+_DE_BRUIJN = 0x03F79D71B4CA8B09  # its 64 windows of 6 bits are 0..63, once each
+_CTZ = np.zeros(64, np.uint8)
+_CTZ[[(_DE_BRUIJN << i & (1 << 64) - 1) >> 58 for i in range(64)]] = np.arange(64)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def ctz_de_bruijn(x):
+    # the trailing zeros of x > 0: its lowest one times the sequence picks its window
+    return _CTZ[((x & (~x + u64(1))) * u64(_DE_BRUIJN)) >> u64(58)]
+
+
+try:  # the instruction itself
+    from numba.cpython.unsafe.numbers import trailing_zeros as ctz
+except ImportError:  # another numba
+    ctz = ctz_de_bruijn
 _ESC = 255  # `codec`'s escape byte (format 2's bytes) ...
 _UNARY_ESC = 16  # ... and zeros (its unary highs)
 
@@ -19,9 +35,8 @@ def bits_at(words, pos, w, masks):
 
 @numba.njit(nogil=True, cache=True)
 def decode(k, first, numel, shift, low, high, unary, nbits1, escapes, xor, third, fourth,
-           nbytes4, floating, masks, lead, tz16, out):
-    # high: section 1, bytes, or with `unary` words of `nbits1` bits (`tz16`: the trailing
-    # zeros of each 16-bit number, 16 for 0; `_UNARY_ESC` is 16 at most); third, fourth:
+           nbytes4, floating, masks, lead, out):
+    # high: section 1, bytes, or with `unary` words of `nbits1` bits; third, fourth:
     # sections 3 and 4 (xor: bit lengths, bits; raw: top bytes, the rest).
     # -> (0, indices) with `out` filled; (1, _) where the piece is wrong
     s = out.itemsize
@@ -37,16 +52,23 @@ def decode(k, first, numel, shift, low, high, unary, nbits1, escapes, xor, third
         if (total + 7) // 8 != nbytes4:
             return 1, idx
     limit = u64(numel - 1) >> u64(shift)  # the largest high part that can still fit
-    e = gpos = xpos = hpos = 0
+    e = gpos = xpos = hpos = avail = 0
+    buf = u64(0)
     pos = first
     sign = u64(nbits - 1)
     for i in range(k):
         if i:
-            if unary:  # zeros up to a one (past the section's bits: zeros, then none)
-                window = bits_at(high, hpos, _UNARY_ESC + 1, masks)
-                if window == 0:
+            if unary:  # zeros up to a one (past the section's bits: zeros, then none),
+                # from `buf`: the next `avail` bits at `hpos`, reloaded when few are left
+                if avail <= _UNARY_ESC:
+                    buf, avail = bits_at(high, hpos, 63, masks), 63
+                if buf == 0:
                     return 1, idx
-                g = u64(tz16[window & u64(0xFFFF)]) if window & u64(0xFFFF) else u64(16)
+                g = u64(ctz(buf))
+                if g > _UNARY_ESC:
+                    return 1, idx
+                buf = (buf >> g) >> u64(1)
+                avail -= np.int64(g) + 1
                 hpos += np.int64(g) + 1
                 escaped = g == _UNARY_ESC
             else:
