@@ -3,10 +3,10 @@ fingerprints (`hotweights.changes.blocks`): blocks whose hash did not change are
 
 Each tensor of two dims or more is cut into blocks of whole rows along dim 0 (about
 `BLOCK_BYTES` each, a multiple of 8 bytes); any other tensor is one block. Hashing reads the
-new weights once (xxh3 on the CPU: 0.05-0.08 s for 500 MB on one core here; torch-mix64 on
-a GPU), and `delta.encode` then reads the old and new values only in the blocks whose hash
-changed. A change is missed only if a changed block keeps its 64-bit hash: odds of 2**-64
-per changed block.
+new weights once (xxh3 on the CPU, in one compiled loop: 0.02-0.04 s for 500 MB on one core
+here; torch-mix64 on a GPU), and `delta.encode` then reads the old and new values only in the
+blocks whose hash changed. A change is missed only if a changed block keeps its 64-bit hash:
+odds of 2**-64 per changed block.
 """
 
 from __future__ import annotations
