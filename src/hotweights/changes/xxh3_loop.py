@@ -3,9 +3,9 @@
 called from a numba loop instead of once per block from Python (500 MB in 16 KiB blocks:
 ~20 ms on one core here, against ~60 ms).
 
-Imported by `blocks` only where the compiled loops are on (`hotweights.remote.jit`); an
-extension that does not export the function, or whose hashes differ from xxhash's on a probe,
-leaves it off (`hashes` returns None and the caller hashes block by block).
+Imported by `blocks` only where the compiled loops are on (`hotweights.remote.jit`). Its
+import fails (and `blocks` hashes block by block, the same hashes) where the extension does
+not export the function or its hashes differ from xxhash's on a probe.
 """
 
 from __future__ import annotations
