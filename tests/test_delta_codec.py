@@ -445,6 +445,14 @@ def test_compiled_encode_writes_the_numpy_bytes(seed, monkeypatch):
                 assert got[0] == want[0] and np.array_equal(got[1], want[1])
 
 
+def test_the_compiled_loops_escape_where_the_codec_does():
+    if not jit.enabled():
+        pytest.skip("numba is not installed")
+    from hotweights.remote import jit_loops
+
+    assert (jit_loops._ESC, jit_loops._UNARY_ESC) == (codec._ESC, codec._UNARY_ESC)
+
+
 def test_trailing_zeros_of_every_bit_position_both_ways():
     if not jit.enabled():
         pytest.skip("numba is not installed")
