@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import xxhash
 
+from hotweights.changes import compiled
 from hotweights.errors import FingerprintError
 
 __all__ = ["COARSE", "DEFAULT_BLOCK_SIZE", "FORMAT", "KINDS", "Changes", "Fingerprints",
@@ -217,9 +218,7 @@ def _xxh3(mv: memoryview, size: int) -> np.ndarray:
 @functools.cache
 def _xxh3_loop():
     """The `xxh3_loop` module, or None: the compiled loops are off, or it does not build."""
-    from hotweights.remote import jit
-
-    if not jit.enabled():
+    if not compiled.numba_ready():
         return None
     try:
         from hotweights.changes import xxh3_loop

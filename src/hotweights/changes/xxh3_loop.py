@@ -3,7 +3,7 @@
 called from a numba loop instead of once per block from Python (500 MB in 16 KiB blocks:
 ~20 ms on one core here, against ~60 ms).
 
-Imported by `blocks` only where the compiled loops are on (`hotweights.remote.jit`). Its
+Imported by `blocks` only where the compiled loops may run (`compiled.numba_ready`). Its
 import fails (and `blocks` hashes block by block, the same hashes) where the extension does
 not export the function or its hashes differ from xxhash's on a probe.
 """

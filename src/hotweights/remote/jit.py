@@ -12,18 +12,19 @@ generation is paused). Same results, bit for bit (the tests run both ways); a pi
 decode loop finds wrong is handed back (None) and `codec.decode` decodes it the numpy way,
 which names the field at fault: the errors stay the numpy path's, word for word.
 
-Off (numpy only) without numba, or with ``HOTWEIGHTS_JIT=0``. The loops are compiled on
-first use per value size (~1 s; numba caches them on disk where it can): `warm` compiles
-the receiving side's ahead, as a server joins a trainer.
+Off (numpy only) without numba, or with ``HOTWEIGHTS_JIT=0`` (`changes.compiled`). The
+loops are compiled on first use per value size (~1 s; numba caches them on disk where it
+can): `warm` compiles the receiving side's ahead, as a server joins a trainer.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 
 import numpy as np
+
+from hotweights.changes import compiled
 
 logger = logging.getLogger(__name__)
 
@@ -40,42 +41,15 @@ def _get():
     if _loops is None:
         with _lock:
             if _loops is None:
-                if os.environ.get("HOTWEIGHTS_JIT", "1") == "0":
+                if not compiled.numba_ready():
                     _loops = False
                 else:
                     try:
                         from hotweights.remote import jit_loops as _loops
-                        _guard_llvmlite()
-                    except ImportError:
-                        logger.info("hotweights: numba not installed: the numpy loops run")
-                        _loops = False
                     except RuntimeError as e:  # numba found no place for its cache
                         logger.warning("hotweights: the compiled loops are off (%s)", e)
                         _loops = False
     return _loops
-
-
-def _guard_llvmlite() -> None:
-    """vLLM (0.32) starts an engine by walking every object of every module and reading
-    ``vars(obj)`` wherever ``hasattr(obj, "__dict__")`` (rebinding its Triton kernels).
-    llvmlite's library wrapper (numba's) answers any attribute name with a C function
-    wrapper, ``__dict__`` too, so an engine started in a process that imported numba died
-    (AttributeError: '_lib_fn_wrapper' object has no attribute 'get'). No C function is
-    named like a dunder: those names are refused."""
-    from llvmlite.binding import ffi
-
-    wrapper = getattr(ffi, "_lib_wrapper", None)  # None: another llvmlite; nothing to guard
-    if wrapper is None or getattr(wrapper, "_hotweights_guarded", False):
-        return
-    lookup = wrapper.__getattr__
-
-    def __getattr__(self, name: str):
-        if name.startswith("__") and name.endswith("__"):
-            raise AttributeError(name)
-        return lookup(self, name)
-
-    wrapper.__getattr__ = __getattr__
-    wrapper._hotweights_guarded = True
 
 
 def enabled() -> bool:
