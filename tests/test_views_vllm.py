@@ -22,6 +22,11 @@ pytestmark = [pytest.mark.vllm, pytest.mark.parametrize(
 PROMPT = [1, 5, 9, 20, 33, 7, 101, 250, 64, 3]
 # vLLM's CPU attention and norm kernels round differently from HF's eager torch ops.
 LOGPROB_TOL = {"bfloat16": 0.05, "float32": 1e-3}
+# after the test's step (every layer-0 weight moved by 0.01, so the top tokens change), bf16
+# rounding differences between vLLM's CPU kernels and HF's eager ops grow: up to 0.078 nats
+# measured with qwen3_next (GDN) on an AVX-512 BF16 CPU (AMD EPYC); a missed update differs
+# by far more (other top tokens)
+STEP_TOL = {"bfloat16": 0.15, "float32": 1e-3}
 
 
 @dataclass
@@ -129,7 +134,7 @@ def test_backward_and_inplace_step_write_vllm_weights_and_nothing_else(engine):
         assert served_after != served_before
         ours = _last_logprobs(model)
         for token, logprob in served_after.items():
-            assert abs(ours[token].item() - logprob) < LOGPROB_TOL[engine.dtype], token
+            assert abs(ours[token].item() - logprob) < STEP_TOL[engine.dtype], token
     finally:
         with torch.no_grad():
             for name, tensor in engine.params.items():
