@@ -208,8 +208,7 @@ def _xxh3(mv: memoryview, size: int) -> np.ndarray:
     """xxh3_64 of each `size` bytes of `mv` (the last may be short): in one compiled loop
     where it builds (`xxh3_loop`), else one C call each from here."""
     if loop := _xxh3_loop():
-        return loop.hashes(np.frombuffer(mv, np.uint8), size) if len(mv) else \
-            np.zeros(0, np.uint64)
+        return loop.hashes(np.frombuffer(mv, np.uint8), size)
     return np.fromiter(map(xxhash.xxh3_64_intdigest, map(mv.__getitem__, map(  # no frame
         slice, range(0, len(mv), size), range(size, len(mv) + size, size)))),
         np.uint64, count=-(-len(mv) // size))
