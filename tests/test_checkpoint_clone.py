@@ -107,6 +107,28 @@ def test_reflink_across_filesystems(xfs, tmp_path):
     assert not (tmp_path / "b").exists()
 
 
+def test_extents_are_counted_where_the_filesystem_says(xfs, tmp_path):
+    _write(xfs / "a", 1 << 20)
+    os.sync()
+    assert clone.extents(xfs / "a") == 1
+    clone.reflink(xfs / "a", xfs / "b")
+    with open(xfs / "b", "r+b") as f:  # a page in the middle: the clone's extent splits
+        f.seek(512 << 10)
+        f.write(b"x" * 4096)
+        f.flush()
+        os.fsync(f.fileno())
+    assert clone.extents(xfs / "b") == 3
+    (tmp_path / "c").write_bytes(b"c" * 4096)
+    assert clone.extents(tmp_path / "c") >= 1  # ext4 (tmp_path) counts them too
+    assert clone.extents(tmp_path / "missing") is None
+    if os.path.isdir("/dev/shm"):
+        (shm := Path("/dev/shm") / f"hotweights-extents-{os.getpid()}").write_bytes(b"s")
+        try:
+            assert clone.extents(shm) is None  # tmpfs has no FIEMAP
+        finally:
+            shm.unlink()
+
+
 def test_supports_reflink_on_xfs(xfs):
     ok, reason = clone.supports_reflink(xfs)
     assert ok, reason

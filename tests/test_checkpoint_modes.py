@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from conftest import remove_synced
-from hotweights.checkpoint import finisher, journal, sync
+from hotweights.checkpoint import clone, finisher, incremental, journal, sync
 from hotweights.checkpoint.incremental import write_mode
 from hotweights.errors import CheckpointError
 from hotweights.testing.tiny import make_config
@@ -95,6 +95,25 @@ def test_auto_rewrites_a_mostly_changed_shard_whole(place):
     result = sync(d, live)
     assert result.writes == {shard: "whole"}
     _equal(d, live)
+
+
+@pytest.mark.parametrize("place", ["xfs"], indirect=True)
+def test_a_shard_split_into_many_extents_is_rewritten_whole(place, monkeypatch):
+    d = place
+    d.mkdir(exist_ok=True)
+    live = {"w": torch.zeros(1 << 21, dtype=torch.bfloat16)}  # 4 MiB: 64 blocks
+    save_file(live, d / "model.safetensors")
+    sync(d, live)
+    live["w"][::1 << 17] += 1.0  # one page in every 4th block: each patch splits an extent
+    assert sync(d, live).writes == {"model.safetensors": "reflink"}
+    split = clone.extents(d / "model.safetensors")
+    assert split > 16
+    monkeypatch.setattr(incremental, "FRAGMENTS_MIN", 2)
+    monkeypatch.setattr(incremental, "FRAGMENT_BYTES", 1 << 62)  # over 2 extents: too many
+    live["w"][::1 << 17] += 1.0
+    assert sync(d, live).writes == {"model.safetensors": "whole"}
+    assert clone.extents(d / "model.safetensors") < split
+    assert torch.equal(load_file(d / "model.safetensors")["w"], live["w"])
 
 
 def test_reflink_refused_where_the_filesystem_cannot(tmp_path):

@@ -490,6 +490,9 @@ class _Inline:
     def map(self, fn, *iterables):
         return list(map(fn, *iterables))
 
+    def shutdown(self, wait=True, cancel_futures=False):
+        pass
+
 
 class _InlineThread:
     def __init__(self, target, args=(), name=None):

@@ -95,7 +95,7 @@ def test_a_failed_watched_sync_loses_no_write(tmp_path, watch, monkeypatch):
     def full(*args):
         raise CheckpointError("disk full (test)")
     with monkeypatch.context() as m:
-        m.setattr(sync_mod, "_check_space", full)
+        m.setattr(sync_mod._Stager, "_room", full)
         with pytest.raises(CheckpointError, match="disk full"):
             sync(tmp_path, live, watch=watch)
     r = sync(tmp_path, live, watch=watch)

@@ -11,7 +11,7 @@ pages that differ from the file, for the shards patched rather than rewritten.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,7 +66,8 @@ class Found:
 
 def find_changes(shards: list[ShardTensors], *, block_size: int,
                  trusted: frozenset[str] | None, watch: WriteWatch | None,
-                 written: Mapping[str, list[tuple[int, int]]], progress: Progress) -> Found:
+                 written: Mapping[str, list[tuple[int, int]]], progress: Progress,
+                 then: Callable[[ShardChanges], None] = lambda changes: None) -> Found:
     """What may differ in each shard.
 
     Args:
@@ -77,6 +78,8 @@ def find_changes(shards: list[ShardTensors], *, block_size: int,
         watch: the `WriteWatch` that told `written`, or None.
         written: disk name -> the byte ranges `watch` saw written since it last recorded.
         progress: called with ("hash", bytes done, total) after each shard.
+        then: called with each shard's changes as soon as they are found (`sync` stages
+            that shard while the next one is hashed).
     """
     total = sum(t.nbytes for s in shards for t in s.tensors.values())
     done = hashed = compared = 0
@@ -93,6 +96,7 @@ def find_changes(shards: list[ShardTensors], *, block_size: int,
             compared += nbytes
             hashed += nbytes
         found.append(changes)
+        then(changes)
         done += nbytes
         progress("hash", done, total)
     return Found(found, hashed, compared, total - hashed)

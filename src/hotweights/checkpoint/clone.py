@@ -4,6 +4,8 @@ A reflink shares the source's blocks until one side writes, so cloning a shard, 
 the clone and renaming it over the original writes only the changed blocks, and a reader
 sees one whole version at any moment. XFS (`mkfs.xfs -m reflink=1`) and btrfs have them;
 ext4 and tmpfs do not: there a changed shard is written anew, every byte (`stage.whole`).
+Each patch splits the clone's extents around the blocks it writes, and a clone costs time
+per extent of its source, so `extents` tells `sync` when a shard is better written anew.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ import fcntl
 import logging
 import os
 import re
+import struct
 
 from hotweights.errors import CheckpointError
 
-__all__ = ["fs_type", "reflink", "supports_reflink"]
+__all__ = ["extents", "fs_type", "reflink", "supports_reflink"]
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +28,10 @@ FICLONE = 0x40049409  # _IOW(0x94, 9, int), linux/fs.h
 # FICLONE's answers for "no reflinks here"; ENOTTY where the filesystem has no such ioctl.
 _NO_REFLINK = {errno.EOPNOTSUPP, errno.EINVAL, errno.ENOTTY}
 _probed: dict[int, tuple[bool, str]] = {}  # st_dev -> supports_reflink's answer
+FS_IOC_FIEMAP = 0xC020660B  # _IOWR('f', 11, struct fiemap), linux/fs.h
+# struct fiemap without its extent array: fm_start, fm_length, fm_flags,
+# fm_mapped_extents, fm_extent_count (0: only count them), fm_reserved
+_FIEMAP = struct.Struct("=QQIIII")
 
 
 def _clone(src: str, dst: str) -> None:
@@ -70,6 +77,23 @@ def reflink(src: str | os.PathLike, dst: str | os.PathLike) -> None:
             why = f"the filesystem of {where} does not support reflinks "
         raise CheckpointError(f"{dst}: cannot clone {src}: {why}(FICLONE: {e.strerror})"
                               ) from e
+
+
+def extents(path: str | os.PathLike) -> int | None:
+    """How many extents the data of the file at `path` lies in (FIEMAP, counted, not
+    listed); None where the filesystem does not say (tmpfs) or the file cannot be read."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        buf = bytearray(_FIEMAP.pack(0, 2**64 - 1, 0, 0, 0, 0))
+        fcntl.ioctl(fd, FS_IOC_FIEMAP, buf)
+        return _FIEMAP.unpack(buf)[3]
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def supports_reflink(directory: str | os.PathLike) -> tuple[bool, str]:

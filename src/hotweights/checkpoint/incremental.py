@@ -1,6 +1,8 @@
 """`sync`: write the live weights into a safetensors directory, only what changed.
 
-`sync` runs five stages, each taking what the one before returns:
+`sync` runs five stages, each taking what the one before returns (2 to 4 per shard: a
+shard is planned and staged as soon as its changes are found, while the next one is
+hashed):
 
 1. resolve (`_resolve`): the live names onto the shards' (`checkpoint.names`), every live
    tensor checked against its shard's header (dtype, shape: nothing is written if one
@@ -8,11 +10,11 @@
 2. what changed (`checkpoint.changed`): each shard's changed blocks from its sidecar
    fingerprints (`checkpoint.sidecar`), a `WriteWatch`'s written pages or the `changed=`
    names; where a sidecar cannot be trusted, every page is compared with the file;
-3. plan (`_plan`): how each changed shard is written (below); a shard patched has its
-   changed blocks narrowed to the 4 KiB pages that differ from the file (only those
+3. plan (`_Stager.add`): how each changed shard is written (below); a shard patched has
+   its changed blocks narrowed to the 4 KiB pages that differ from the file (only those
    blocks are read);
-4. write (`_write`): staged or journaled, all committed by one journal for the whole
-   directory (`checkpoint.journal`);
+4. write (`_Stager`, `_journal`, `_commit`): staged or journaled, all committed by one
+   journal for the whole directory (`checkpoint.journal`);
 5. record (`_record`): each shard's sidecar, once the commit is durable.
 
 A changed shard is written one of three ways:
@@ -35,6 +37,7 @@ first full save (`checkpoint.first_save`).
 from __future__ import annotations
 
 import bisect
+import ctypes
 import functools
 import logging
 import os
@@ -42,7 +45,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -62,6 +65,12 @@ from hotweights.errors import CheckpointError
 logger = logging.getLogger(__name__)
 
 WHOLE_FRACTION = 0.5  # auto: a shard with more of its bytes changed is rewritten whole
+# A shard cloned and patched again and again lies in ever more extents (each patched page
+# splits one), and a clone costs time per extent of its source (~25 us on XFS): one in
+# more extents than one per FRAGMENT_BYTES (and FRAGMENTS_MIN) is rewritten whole instead,
+# which leaves it in a few long extents again.
+FRAGMENT_BYTES = 64 << 10
+FRAGMENTS_MIN = 1024
 
 
 def write_mode(model_dir: str | os.PathLike, mode: str = "auto") -> tuple[str, str]:
@@ -148,17 +157,18 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
         written = {} if watch is None else watch.written(resolved.own)  # before any hash
         hashes = {}
         try:
-            # 2. what changed: the byte ranges that may differ, per shard
-            found = find_changes(resolved.shards, block_size=block_size,
-                                 trusted=resolved.trusted, watch=watch, written=written,
-                                 progress=progress)
-            # 3. plan: the shards to write, and how
-            writes = _plan(found.shards, mode, patch_mode)
-            _check_space(model_dir, writes)
-            # 4. write, one commit; 5. record the sidecars once the commit is durable
-            record = functools.partial(_record, found.shards, {w.shard.path for w in writes},
-                                       version)
-            bytes_written = _write(model_dir, writes, version, progress, after_read, record)
+            with stage.staging(model_dir, "stage the changed shards") as area, \
+                    _Stager(model_dir, area, mode, patch_mode, progress) as stager:
+                # 2. what changed, per shard; 3. each changed shard planned and 4. staged
+                # as soon as it is found, while the next one is hashed
+                found = find_changes(resolved.shards, block_size=block_size,
+                                     trusted=resolved.trusted, watch=watch, written=written,
+                                     progress=progress, then=stager.add)
+                writes, bytes_written = stager.wait()
+                _journal(model_dir, writes, version, stager.step)
+            # 4. one commit; 5. record the sidecars once the commit is durable
+            _commit(model_dir, writes, after_read, functools.partial(
+                _record, found.shards, {w.shard.path for w in writes}, version))
             hashes = found.hashes()
         finally:  # what the watch tells next time counts from the hashes just taken
             if watch is not None:
@@ -292,19 +302,6 @@ class _ShardWrite:
         return _nbytes(self.ranges)
 
 
-def _plan(shards: list[ShardChanges], mode: str, patch_mode: str) -> list[_ShardWrite]:
-    """The shards to write, and how; a shard patched writes only the pages that differ
-    (a watch's pages are exact: not compared again)."""
-    writes = []
-    for c in shards:
-        if c.ranges:
-            how = _how(c.shard, _nbytes(c.ranges), mode, patch_mode)
-            ranges = c.ranges if how == "whole" else to_pages(c)
-            if ranges:
-                writes.append(_ShardWrite(c.shard, c.tensors, ranges, how))
-    return writes
-
-
 def _nbytes(ranges: Ranges) -> int:
     return sum(hi - lo for _, lo, hi in ranges)
 
@@ -315,6 +312,11 @@ def _how(shard: Shard, changed_bytes: int, mode: str, patch_mode: str) -> str:
         return "whole"
     if patch_mode == "journal" and (why := _shared_file(shard.path)):
         logger.info("%s: %s; rewritten whole, not patched in place", shard.path, why)
+        return "whole"
+    if patch_mode == "reflink" and (n := clone.extents(shard.path) or 0) > max(
+            FRAGMENTS_MIN, shard.size // FRAGMENT_BYTES):
+        logger.info("%s lies in %d extents (its earlier patches split them): rewritten "
+                    "whole, not cloned", shard.path, n)
         return "whole"
     return patch_mode
 
@@ -329,52 +331,119 @@ def _shared_file(path: str) -> str | None:
     return None
 
 
-def _check_space(model_dir: Path, writes: list[_ShardWrite]) -> None:
-    need = sum(w.shard.size if w.how == "whole" else w.changed_bytes + 64 * len(w.ranges)
-               for w in writes)
-    free = shutil.disk_usage(model_dir).free
-    if need > free:
-        raise CheckpointError(f"{model_dir}: this sync needs {need} bytes for its journal "
-                              f"and staged shards, only {free} are free; nothing was written")
-
-
 # -- 4. write: staged or journaled, one commit --------------------------------------------
 
-def _write(model_dir: Path, writes: list[_ShardWrite], version: str | None,
-           progress: Progress, after_read: Callable[[], None] | None,
-           record: Callable[[], None]) -> int:
-    """Stage or journal every shard of `writes`, then commit and apply them together;
-    `record` runs once the commit is durable, or at once if nothing changed, in the
-    finisher thread (`finisher.finish`). Returns the bytes written into the shards."""
-    total = sum(w.shard.size if w.how == "whole" else w.changed_bytes for w in writes)
-    done, counted = 0, threading.Lock()
+class _Stager:
+    """Plans each changed shard (`add`) and stages it in a worker thread: narrowed to the
+    pages that differ from the file where it is patched, then cloned and patched, or
+    written whole, and fsync'd. Two workers: one shard's fsync overlaps the next one's
+    writes, and both overlap the hashing of the shards after them."""
 
-    def step(n: int) -> None:
-        nonlocal done
-        with counted:
-            done += n
-            progress("write", done, total)
+    def __init__(self, model_dir: Path, area: Path, mode: str, patch_mode: str,
+                 progress: Progress):
+        self.model_dir, self.area, self.mode, self.patch_mode = model_dir, area, mode, patch_mode
+        self.progress, self.free, self.need = progress, shutil.disk_usage(model_dir).free, 0
+        self.journaled = self.total = self.done = 0
+        self.counted = threading.Lock()
+        self.pool = ThreadPoolExecutor(2)
+        self.jobs: list[Future[tuple[_ShardWrite | None, int]]] = []
 
-    staged = [w for w in writes if w.how != "journal"]
-    with stage.staging(model_dir, "stage the changed shards") as area:
-        if staged:
-            area.mkdir()
-        with ThreadPoolExecutor(2) as pool:  # one shard's fsync overlaps the next's writes
-            written = sum(f.result() for f in [
-                pool.submit(stage.whole, w.shard, w.tensors, area / w.name, step)
-                if w.how == "whole" else
-                pool.submit(stage.patched, w.shard, w.tensors, w.ranges, area / w.name, step)
-                for w in staged])
-        if writes:
-            journal.write_journal(model_dir, _patches(writes, step),
-                                  moves=[w.name for w in staged], meta={"version": version})
+    def __enter__(self) -> _Stager:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.pool.shutdown(cancel_futures=True)  # waits for the running jobs: the stage
+        # area is removed after them
+
+    def add(self, c: ShardChanges) -> None:
+        if not c.ranges:
+            return
+        how = _how(c.shard, _nbytes(c.ranges), self.mode, self.patch_mode)
+        self._room(c.shard.size if how == "whole" else _nbytes(c.ranges) + 64 * len(c.ranges),
+                   how == "journal")
+        if how != "journal" and not self.area.exists():
+            self.area.mkdir()
+        self.jobs.append(self.pool.submit(self._stage, c, how))
+
+    def _room(self, need: int, journaled: bool) -> None:
+        """Count `need` more bytes for this sync (`journaled`: in the journal, written at
+        the end), or raise if they do not fit. Where the free space measured first says
+        no, it is measured again once the shards before are staged and the filesystem's
+        deferred frees are done (XFS frees a deleted file's blocks in the background: the
+        shards the last sync replaced may still count as used)."""
+        if self.need + need > self.free:
+            for job in self.jobs:  # staged: their bytes are used now, not to come
+                job.result()
+            _syncfs(self.model_dir)
+            self.free, self.need = shutil.disk_usage(self.model_dir).free, self.journaled
+            if self.need + need > self.free:
+                raise CheckpointError(f"{self.model_dir}: this sync needs at least "
+                                      f"{self.need + need} more bytes for its journal and "
+                                      f"staged shards, only {self.free} are free; nothing "
+                                      "was written")
+        self.need += need
+        self.journaled += need if journaled else 0
+
+    def _stage(self, c: ShardChanges, how: str) -> tuple[_ShardWrite | None, int]:
+        """The shard's write (None: no page differs from the file) and the bytes it writes
+        into the shard."""
+        ranges = c.ranges if how == "whole" else to_pages(c)
+        if not ranges:
+            return None, 0
+        w = _ShardWrite(c.shard, c.tensors, ranges, how)
+        with self.counted:
+            self.total += w.shard.size if how == "whole" else w.changed_bytes
+        dst = self.area / w.name
+        if how == "whole":
+            return w, stage.whole(w.shard, w.tensors, dst, self.step)
+        if how == "reflink":
+            return w, stage.patched(w.shard, w.tensors, w.ranges, dst, self.step)
+        return w, w.changed_bytes  # journaled: `_journal`
+
+    def step(self, n: int) -> None:
+        with self.counted:
+            self.done += n
+            self.progress("write", self.done, self.total)
+
+    def wait(self) -> tuple[list[_ShardWrite], int]:
+        """The shards to write (staged, or to journal) and the bytes they write, once
+        every staging job is done."""
+        done = [f.result() for f in self.jobs]
+        writes = [w for w, _ in done if w is not None]
+        if self.area.exists() and all(w.how == "journal" for w in writes):
+            self.area.rmdir()  # each shard it was made for matched its file after all
+        return writes, sum(n for _, n in done)
+
+
+def _syncfs(directory: Path) -> None:
+    """syncfs(2) on the filesystem of `directory`: its writes and its deferred frees done."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        if ctypes.CDLL(None, use_errno=True).syncfs(fd):
+            logger.debug("%s: syncfs failed: %s", directory, os.strerror(ctypes.get_errno()))
+    finally:
+        os.close(fd)
+
+
+def _journal(model_dir: Path, writes: list[_ShardWrite], version: str | None,
+             step: Callable[[int], None]) -> None:
+    """The commit's journal: the staged shards' moves, the journaled shards' patches."""
+    if writes:
+        journal.write_journal(model_dir, _patches(writes, step),
+                              moves=[w.name for w in writes if w.how != "journal"],
+                              meta={"version": version})
+
+
+def _commit(model_dir: Path, writes: list[_ShardWrite], after_read: Callable[[], None] | None,
+            record: Callable[[], None]) -> None:
+    """Apply the journal; `record` runs once the commit is durable, or at once if nothing
+    changed, in the finisher thread (`finisher.finish`)."""
     if writes:
         stage.commit(model_dir, after_read, record)
     else:
         if after_read:
             after_read()
         lock.later(model_dir, record)
-    return written + sum(w.changed_bytes for w in writes if w.how == "journal")
 
 
 def _patches(writes: list[_ShardWrite], step: Callable[[int], None]
