@@ -246,8 +246,17 @@ def test_constructor_validates_arrays():
         Fingerprints(XXH3, BS, {"w": (100, np.zeros(2, dtype=np.int64))})
 
 
+@pytest.fixture(params=["compiled", "numpy"])
+def compare_path(request, monkeypatch):
+    """`compare_bytes` through its compiled loop, then through numpy's calls per range."""
+    if request.param == "numpy":
+        monkeypatch.setattr(blocks, "_compare_loop", lambda: None)
+    elif blocks._compare_loop() is None:
+        pytest.skip("no compiled loops here (numba missing or HOTWEIGHTS_JIT=0)")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_compare_bytes_agrees_with_fingerprints(dtype):
+def test_compare_bytes_agrees_with_fingerprints(dtype, compare_path):
     g = torch.Generator().manual_seed(1)
     disk_t = (torch.randn(1234, generator=g) * 100).to(dtype)
     disk = _u8(disk_t).numpy().tobytes()  # what a file read gives: plain bytes
@@ -262,7 +271,7 @@ def test_compare_bytes_agrees_with_fingerprints(dtype):
         assert got.blocks == -(-nbytes // BS)
 
 
-def test_compare_bytes_chunks(monkeypatch):
+def test_compare_bytes_chunks(monkeypatch, compare_path):
     monkeypatch.setattr(blocks, "_CHUNK", 3 * BS)  # several chunks, the last one partial
     t = torch.arange(1000, dtype=torch.int8)
     live = _flip(t, 0, 190, 191, 192, 999)
@@ -271,7 +280,7 @@ def test_compare_bytes_chunks(monkeypatch):
     assert want == [[0, 64], [128, 256], [960, 1000]]
 
 
-def test_compare_bytes_only_the_ranges_asked(monkeypatch):
+def test_compare_bytes_only_the_ranges_asked(monkeypatch, compare_path):
     monkeypatch.setattr(blocks, "_CHUNK", 3 * BS)  # a range spanning chunks
     t = torch.arange(1000, dtype=torch.int8)
     live = _flip(t, 0, 70, 400, 999)
@@ -283,6 +292,7 @@ def test_compare_bytes_only_the_ranges_asked(monkeypatch):
         compare_bytes("w", live, _u8(t).numpy(), block_size=BS, ranges=[(10, 64)])
     with pytest.raises(FingerprintError, match=r"w: range \[960, 1064\)"):
         compare_bytes("w", live, _u8(t).numpy(), block_size=BS, ranges=[(960, 1064)])
+    assert compare_bytes("w", live, _u8(t).numpy(), block_size=BS, ranges=[]).blocks_changed == 0
 
 
 def test_compare_bytes_errors():
@@ -292,7 +302,7 @@ def test_compare_bytes_errors():
         compare_bytes("w", torch.zeros(4, 4).t(), b"\0" * 64, block_size=BS)
 
 
-def test_compare_bytes_zero_elements():
+def test_compare_bytes_zero_elements(compare_path):
     tc = compare_bytes("e", torch.zeros(0), b"", block_size=BS)
     assert tc.blocks == 0 and tc.ranges.shape == (0, 2)
 

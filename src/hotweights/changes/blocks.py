@@ -227,6 +227,20 @@ def _xxh3_loop():
     return xxh3_loop
 
 
+@functools.cache
+def _compare_loop():
+    """The `compare_loop` module, or None: the compiled loops are off, or it does not
+    build."""
+    if not compiled.numba_ready():
+        return None
+    try:
+        from hotweights.changes import compare_loop
+    except Exception as e:  # noqa: BLE001 - any reason: numpy compares the same
+        logger.info("hotweights: blocks compared with numpy (%s)", e)
+        return None
+    return compare_loop
+
+
 def _host_views(tensors: Mapping[str, torch.Tensor]) -> dict[str, memoryview]:
     flat = {name: _bytes_of(name, t) for name, t in tensors.items()}
     if off := next((n for n, u8 in flat.items() if u8.device.type != "cpu"), None):
@@ -402,7 +416,8 @@ def changed(old: Fingerprints, new: Fingerprints) -> Changes:
 def compare_bytes(name: str, live: torch.Tensor, disk: object, *,
                   block_size: int = DEFAULT_BLOCK_SIZE,
                   ranges: Iterable[tuple[int, int]] | None = None) -> TensorChange:
-    """Compare a live tensor with its bytes from a file, per block, vectorised (no sidecar).
+    """Compare a live tensor with its bytes from a file, per block (no sidecar): in one
+    compiled loop over the ranges for a CPU tensor (`compare_loop`), else vectorised.
 
     Args:
         name: the tensor, named in the result and in errors.
@@ -424,11 +439,17 @@ def compare_bytes(name: str, live: torch.Tensor, disk: object, *,
         raise FingerprintError(f"{name}: live tensor has {n} bytes, the file {on_disk.size}")
     step, dirty = max(1, _CHUNK // block_size) * block_size, np.zeros(-(-n // block_size), bool)
     host = u8.numpy() if u8.device.type == "cpu" else None  # one view, not one per range
+    spans = np.array([(0, n)] if ranges is None else list(ranges), np.int64).reshape(-1, 2)
+    starts, stops = spans[:, 0], spans[:, 1]
+    if len(bad := np.flatnonzero((starts % block_size != 0) | (starts < 0) | (starts > stops)
+                                 | (stops > n))):
+        raise FingerprintError(f"{name}: range [{starts[bad[0]]}, {stops[bad[0]]}) is not "
+                               f"block-aligned within its {n} bytes (block size {block_size})")
+    if host is not None and (loop := _compare_loop()):
+        loop.dirty_blocks(host, on_disk, spans, block_size, dirty)
+        return _change(name, n, block_size, dirty)
     words = block_size // 8
-    for lo, hi in [(0, n)] if ranges is None else ranges:
-        if lo % block_size or not 0 <= lo <= hi <= n:
-            raise FingerprintError(f"{name}: range [{lo}, {hi}) is not block-aligned within "
-                                   f"its {n} bytes (block size {block_size})")
+    for lo, hi in spans.tolist():
         for at in range(lo, hi, step):
             end = min(hi, at + step)
             a = host[at:end] if host is not None else u8[at:end].cpu().numpy()
