@@ -11,6 +11,7 @@ stays untouched (a reader sees it whole) until the journal's move record replace
 
 from __future__ import annotations
 
+import bisect
 import errno
 import fcntl
 import logging
@@ -21,8 +22,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from hotweights.changes.spans import merge_spans
 from hotweights.checkpoint import clone, journal
 from hotweights.checkpoint.shards import Shard
 from hotweights.checkpoint.writes import write_all
@@ -230,16 +233,46 @@ def patched(shard: Shard, tensors: Mapping[str, torch.Tensor],
             ranges: Sequence[tuple[str, int, int]], dst: Path,
             progress: Callable[[int], None]) -> int:
     """Clone `shard` at `dst` (reflink) and write the changed `ranges` (tensor name, byte
-    range within it) from the live `tensors`; fsync. Returns the bytes written."""
+    range within it) from the live `tensors`, as whole pages of the file (`_page_runs`);
+    fsync. Returns the bytes written."""
     clone.reflink(shard.path, dst)
-    fd, written = os.open(dst, os.O_WRONLY), 0
+    src, fd, written = os.open(shard.path, os.O_RDONLY), os.open(dst, os.O_WRONLY), 0
     try:
-        os.fchmod(fd, os.stat(shard.path).st_mode & 0o7777)
-        for name, lo, chunk in range_chunks(tensors, ranges):
-            write_all(fd, chunk, shard.tensors[name].begin + lo)
-            written += chunk.nbytes
-            progress(chunk.nbytes)
+        os.fchmod(fd, os.fstat(src).st_mode & 0o7777)
+        for at, data in _page_runs(shard, tensors, ranges, src):
+            write_all(fd, data, at)
+            written += len(data)
+            progress(len(data))
         os.fsync(fd)
     finally:
+        os.close(src)
         os.close(fd)
     return written
+
+
+def _page_runs(shard: Shard, tensors: Mapping[str, torch.Tensor],
+               ranges: Sequence[tuple[str, int, int]], src: int
+               ) -> Iterator[tuple[int, np.ndarray]]:
+    """(file offset, bytes): the file's pages that `ranges` touch, in runs, each the old
+    file's bytes (read from `src`, the cached source of the clone) with the live bytes of
+    the ranges' tensors over them. A write of part of a page makes the kernel read the rest
+    of it first, one page at a time (a clone has no cached pages of its own: ~0.1 ms a
+    write here), and a tensor seldom starts on a page."""
+    spans = [(shard.tensors[n].begin + lo, shard.tensors[n].begin + hi) for n, lo, hi in ranges]
+    runs = merge_spans((lo - lo % _ALIGN, min(shard.size, -(-hi // _ALIGN) * _ALIGN))
+                       for lo, hi in spans)
+    live = sorted((shard.tensors[n].begin, shard.tensors[n].end, n)
+                  for n in dict.fromkeys(n for n, _, _ in ranges))
+    begins = [b for b, _, _ in live]
+    views = {n: raw(tensors[n]) for _, _, n in live}
+    for a, b in runs:
+        data = np.frombuffer(bytearray(os.pread(src, b - a, a)), np.uint8)
+        i = max(0, bisect.bisect_right(begins, a) - 1)
+        while i < len(live) and live[i][0] < b:
+            begin, end, name = live[i]
+            lo, hi = max(a, begin), min(b, end)
+            if lo < hi:
+                part = views[name][lo - begin:hi - begin]
+                data[lo - a:hi - a] = (part if part.device.type == "cpu" else part.cpu()).numpy()
+            i += 1
+        yield a, data
