@@ -22,13 +22,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from hotweights.changes.spans import merge_spans
 from hotweights.checkpoint import clone, journal
 from hotweights.checkpoint.shards import Shard
-from hotweights.checkpoint.writes import write_all
+from hotweights.checkpoint.writes import pwritev_all, write_all
 from hotweights.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -239,10 +238,10 @@ def patched(shard: Shard, tensors: Mapping[str, torch.Tensor],
     src, fd, written = os.open(shard.path, os.O_RDONLY), os.open(dst, os.O_WRONLY), 0
     try:
         os.fchmod(fd, os.fstat(src).st_mode & 0o7777)
-        for at, data in _page_runs(shard, tensors, ranges, src):
-            write_all(fd, data, at)
-            written += len(data)
-            progress(len(data))
+        for at, parts in _page_runs(shard, tensors, ranges, src):
+            n = pwritev_all(fd, parts, at)
+            written += n
+            progress(n)
         os.fsync(fd)
     finally:
         os.close(src)
@@ -252,12 +251,13 @@ def patched(shard: Shard, tensors: Mapping[str, torch.Tensor],
 
 def _page_runs(shard: Shard, tensors: Mapping[str, torch.Tensor],
                ranges: Sequence[tuple[str, int, int]], src: int
-               ) -> Iterator[tuple[int, np.ndarray]]:
-    """(file offset, bytes): the file's pages that `ranges` touch, in runs, each the old
-    file's bytes (read from `src`, the cached source of the clone) with the live bytes of
-    the ranges' tensors over them. A write of part of a page makes the kernel read the rest
-    of it first, one page at a time (a clone has no cached pages of its own: ~0.1 ms a
-    write here), and a tensor seldom starts on a page."""
+               ) -> Iterator[tuple[int, list[bytes | memoryview]]]:
+    """(file offset, buffers): the file's pages that `ranges` touch, in runs, as the live
+    bytes of the ranges' tensors (no copy for a CPU tensor) and, between them, the old
+    file's bytes (read from `src`, the cached source of the clone): one write of whole
+    pages each. A write of part of a page makes the kernel read the rest of it first, one
+    page at a time (a clone has no cached pages of its own: ~0.1 ms a write here), and a
+    tensor seldom starts on a page."""
     spans = [(shard.tensors[n].begin + lo, shard.tensors[n].begin + hi) for n, lo, hi in ranges]
     runs = merge_spans((lo - lo % _ALIGN, min(shard.size, -(-hi // _ALIGN) * _ALIGN))
                        for lo, hi in spans)
@@ -266,13 +266,19 @@ def _page_runs(shard: Shard, tensors: Mapping[str, torch.Tensor],
     begins = [b for b, _, _ in live]
     views = {n: raw(tensors[n]) for _, _, n in live}
     for a, b in runs:
-        data = np.frombuffer(bytearray(os.pread(src, b - a, a)), np.uint8)
-        i = max(0, bisect.bisect_right(begins, a) - 1)
+        parts: list[bytes | memoryview] = []
+        at, i = a, max(0, bisect.bisect_right(begins, a) - 1)
         while i < len(live) and live[i][0] < b:
             begin, end, name = live[i]
             lo, hi = max(a, begin), min(b, end)
             if lo < hi:
+                if lo > at:
+                    parts.append(os.pread(src, lo - at, at))
                 part = views[name][lo - begin:hi - begin]
-                data[lo - a:hi - a] = (part if part.device.type == "cpu" else part.cpu()).numpy()
+                parts.append(memoryview((part if part.device.type == "cpu" else part.cpu()
+                                         ).numpy()))
+                at = hi
             i += 1
-        yield a, data
+        if b > at:
+            parts.append(os.pread(src, b - at, at))
+        yield a, parts
