@@ -1,4 +1,5 @@
-"""write_all, pwritev_all: every byte written, however few bytes each write takes."""
+"""write_all, pwritev_all: every byte written, however few bytes each write takes; the
+whole-page runs a clone is patched with."""
 
 import os
 
@@ -46,3 +47,38 @@ def test_pwritev_all_writes_the_parts_back_to_back(tmp_path, monkeypatch, iov_ma
     monkeypatch.undo()
     assert path.read_bytes() == b"\0\0abc" + bytes(range(5)) + b"xy"
     assert calls == [4 if iov_max > 4 else 1]
+
+
+def test_a_clone_is_patched_in_whole_pages_of_the_file(tmp_path, monkeypatch):
+    """`stage._page_runs`: the pages the changed ranges touch, each run whole pages (the old
+    file's bytes around the changed tensors' live bytes, a tensor not on a page boundary),
+    split at `_CHUNK`; written over the old file they make it hold the live tensors."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from hotweights.checkpoint import stage
+    from hotweights.checkpoint.shards import read_dir
+
+    old = {"a": torch.arange(3, dtype=torch.int8), "b": torch.arange(100000, dtype=torch.int16),
+           "c": torch.ones(5000)}
+    save_file(old, tmp_path / "model.safetensors")
+    shard = read_dir(tmp_path)["b"][0]
+    live = {k: v.clone() for k, v in old.items()}
+    live["b"][10:30000] += 1
+    live["c"][100] = 7
+    live["a"][0] = 9  # not in the ranges: its bytes stay the file's
+    monkeypatch.setattr(stage, "_CHUNK", 8192)
+    out = bytearray((tmp_path / "model.safetensors").read_bytes())
+    src = os.open(shard.path, os.O_RDONLY)
+    try:
+        for at, parts in stage._page_runs(shard, live, [("b", 20, 60000), ("c", 400, 404)], src):
+            data = b"".join(parts)
+            assert at % 4096 == 0 and 0 < len(data) <= 8192
+            assert len(data) % 4096 == 0 or at + len(data) == shard.size
+            out[at:at + len(data)] = data
+    finally:
+        os.close(src)
+    (tmp_path / "new.safetensors").write_bytes(out)
+    got = load_file(tmp_path / "new.safetensors")
+    assert torch.equal(got["b"], live["b"]) and torch.equal(got["c"], live["c"])
+    assert torch.equal(got["a"], old["a"])

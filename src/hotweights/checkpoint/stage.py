@@ -259,8 +259,10 @@ def _page_runs(shard: Shard, tensors: Mapping[str, torch.Tensor],
     page at a time (a clone has no cached pages of its own: ~0.1 ms a write here), and a
     tensor seldom starts on a page."""
     spans = [(shard.tensors[n].begin + lo, shard.tensors[n].begin + hi) for n, lo, hi in ranges]
-    runs = merge_spans((lo - lo % _ALIGN, min(shard.size, -(-hi // _ALIGN) * _ALIGN))
-                       for lo, hi in spans)
+    pages = merge_spans((lo - lo % _ALIGN, min(shard.size, -(-hi // _ALIGN) * _ALIGN))
+                        for lo, hi in spans)
+    runs = [(a, min(hi, a + _CHUNK)) for lo, hi in pages  # at most _CHUNK: a CUDA
+            for a in range(lo, hi, _CHUNK)]  # tensor's bytes reach the host a run at a time
     live = sorted((shard.tensors[n].begin, shard.tensors[n].end, n)
                   for n in dict.fromkeys(n for n, _, _ in ranges))
     begins = [b for b, _, _ in live]
