@@ -6,12 +6,13 @@ import argparse
 import contextlib
 import json
 import multiprocessing
+import queue
 import secrets
 import shutil
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from rich.progress import Progress
@@ -33,9 +34,9 @@ def _complete(url: str, model: str) -> tuple[str, int]:
         return text, parse_version(resp.headers[VERSION_HEADER])[0]
 
 
-def _generate(url: str, model: str, ready, done, results) -> None:
+def _generate(url: str, model: str, ready, done, last, results) -> None:
     versions, errors = [], []
-    while not done.is_set():
+    while not done.is_set() and not 0 <= last.value <= (versions[-1] if versions else -1):
         try:
             versions.append(_complete(url, model)[1])
         except OSError as e:
@@ -51,8 +52,9 @@ class _Client:
     def __init__(self, url: str, model: str):
         ctx = multiprocessing.get_context("spawn")
         self.ready, self.done, self.results = ctx.Event(), ctx.Event(), ctx.Queue()
-        self.proc = ctx.Process(target=_generate, daemon=True,
-                                args=(url, model, self.ready, self.done, self.results))
+        self.last = ctx.Value("q", -1)  # the version to see served before it stops
+        self.proc = ctx.Process(target=_generate, daemon=True, args=(
+            url, model, self.ready, self.done, self.last, self.results))
         self.versions: list[int] = []
         self.errors: list[str] = []
 
@@ -60,7 +62,15 @@ class _Client:
         self.proc.start()
         self.ready.wait(timeout=120)  # its first answer: it generates from now on
 
-    def stop(self) -> None:
+    def stop(self, last: int | None = None) -> None:
+        """Stop generating; with `last`, once a completion came from that version (30 s at
+        most): the summary then spans every version the trainer made."""
+        if last is not None and self.proc.is_alive():
+            self.last.value = last
+            with contextlib.suppress(queue.Empty):
+                self.versions, self.errors = self.results.get(timeout=30)
+                self.proc.join(timeout=30)
+                return
         self.done.set()
         if self.proc.is_alive() or not self.results.empty():
             self.versions, self.errors = self.results.get(timeout=120)
@@ -68,11 +78,15 @@ class _Client:
 
 
 @contextlib.contextmanager
-def _stopping(client: _Client):
+def _stopping(client: _Client, last: Callable[[], int] | None = None):
+    """Stop `client` after the block: once it saw the version `last()` says, unless the
+    block raised."""
     try:
         yield
-    finally:
+    except BaseException:
         client.stop()
+        raise
+    client.stop(last() if last else None)
 
 
 @contextlib.contextmanager
@@ -155,7 +169,8 @@ def run(args: argparse.Namespace) -> int:
         client = _Client(url, name)
         client.start()
         update_s, pause_s, commit_s = [], [], []
-        with Progress(console=console, transient=True) as progress, _stopping(client):
+        with Progress(console=console, transient=True) as progress, \
+                _stopping(client, last=lambda: parse_version(bridge.version)[0]):
             task = progress.add_task("training the served weights in place", total=args.steps)
             for _ in range(args.steps):
                 loss = model(input_ids=ids, labels=labels).loss

@@ -21,6 +21,7 @@ from transformers import TrainerCallback
 
 from hotweights.cli.console import make_console
 from hotweights.cli.demo import PROMPT, _Client, _complete, _stopping, first_checkpoint, serving
+from hotweights.protocol.version import parse_version
 
 PROMPTS = ["The answer is", "Count with me:", "My number:", "Call me at", "It costs"]
 
@@ -78,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         client = _Client(url, name)
         client.start()
         t = time.perf_counter()
-        with progress, _stopping(client):
+        with progress, _stopping(client, last=lambda: parse_version(bridge.version)[0]):
             trainer.train()
         rewards = progress.rewards
         console.print(
