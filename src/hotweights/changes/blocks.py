@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import binascii
 import functools
+import importlib
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -215,30 +216,20 @@ def _xxh3(mv: memoryview, size: int) -> np.ndarray:
 
 
 @functools.cache
-def _xxh3_loop():
-    """The `xxh3_loop` module, or None: the compiled loops are off, or it does not build."""
+def _compiled(module: str, without: str):
+    """The compiled loops' module `hotweights.changes.<module>`, or None: they are off, or
+    it does not build (`without` says what runs instead: the same results)."""
     if not compiled.numba_ready():
         return None
     try:
-        from hotweights.changes import xxh3_loop
-    except Exception as e:  # noqa: BLE001 - any reason: the per-block calls hash the same
-        logger.info("hotweights: xxh3 blocks hashed one call each (%s)", e)
+        return importlib.import_module(f"hotweights.changes.{module}")
+    except Exception as e:  # noqa: BLE001 - any reason: the Python path gives the same
+        logger.info("hotweights: %s (%s)", without, e)
         return None
-    return xxh3_loop
 
 
-@functools.cache
-def _compare_loop():
-    """The `compare_loop` module, or None: the compiled loops are off, or it does not
-    build."""
-    if not compiled.numba_ready():
-        return None
-    try:
-        from hotweights.changes import compare_loop
-    except Exception as e:  # noqa: BLE001 - any reason: numpy compares the same
-        logger.info("hotweights: blocks compared with numpy (%s)", e)
-        return None
-    return compare_loop
+_xxh3_loop = functools.partial(_compiled, "xxh3_loop", "xxh3 blocks hashed one call each")
+_compare_loop = functools.partial(_compiled, "compare_loop", "blocks compared with numpy")
 
 
 def _host_views(tensors: Mapping[str, torch.Tensor]) -> dict[str, memoryview]:

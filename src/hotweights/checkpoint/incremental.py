@@ -358,8 +358,9 @@ class _Stager:
     def add(self, c: ShardChanges) -> None:
         if not c.ranges:
             return
-        how = _how(c.shard, _nbytes(c.ranges), self.mode, self.patch_mode)
-        self._room(c.shard.size if how == "whole" else _nbytes(c.ranges) + 64 * len(c.ranges),
+        changed = _nbytes(c.ranges)
+        how = _how(c.shard, changed, self.mode, self.patch_mode)
+        self._room(c.shard.size if how == "whole" else changed + 64 * len(c.ranges),
                    how == "journal")
         if how != "journal" and not self.area.exists():
             self.area.mkdir()

@@ -276,9 +276,7 @@ def _page_runs(shard: Shard, tensors: Mapping[str, torch.Tensor],
             if lo < hi:
                 if lo > at:
                     parts.append(os.pread(src, lo - at, at))
-                part = views[name][lo - begin:hi - begin]
-                parts.append(memoryview((part if part.device.type == "cpu" else part.cpu()
-                                         ).numpy()))
+                parts += host_chunks(views[name][lo - begin:hi - begin])
                 at = hi
             i += 1
         if b > at:
