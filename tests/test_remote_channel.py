@@ -533,3 +533,23 @@ def test_a_follower_killed_mid_update_is_named_by_the_sender_within_the_timeout(
         (line,) = _lines(p)
         assert p.returncode == 3 and "rank 2 (receiver) stopped" in line["error"], line
         assert line["sum"] == checksum(old)
+
+
+@pytest.mark.parametrize("end", ["interrupt", "timeout", "cancel"])
+def test_a_receiver_that_stops_waiting_withdraws_its_ready_key(end):
+    # A wait that ends without the update (dropped by this side, timed out, cancelled)
+    # takes back its `ready` key: were the id reused, `start` must wait for this rank's
+    # next receive, not pass at once and leave a failed one to the collective's timeout.
+    store = TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=10))
+    ch = object.__new__(Channel)
+    ch.name, ch.addr, ch.port, ch.rank, ch.timeout = "test", "127.0.0.1", store.port, 1, 5.0
+    ch._ns, ch._interrupted, ch._store = "t", set(), store
+    if end == "interrupt":
+        ch._interrupted.add("u")
+    elif end == "cancel":
+        store.set(ch._key("word", "u"), "cancel")
+    with pytest.raises(RemoteError, match={"interrupt": "stopped waiting for update u",
+                                           "timeout": "did not start the update within",
+                                           "cancel": "cancelled the update"}[end]):
+        ch._await_word("u", 0.2)
+    assert not store.check([ch._key("ready", "u", 1)])

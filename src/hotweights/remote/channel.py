@@ -28,6 +28,7 @@ they have staged it; so the sender's channel has one rank per server.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socket
@@ -508,7 +509,20 @@ class Channel:
     def _await_word(self, update: str, wait: float) -> None:
         """Wait for the sender's word on `update`: it wakes each receiver through a key of
         its own (`_word`), which `interrupt` sets too, so no wait polls."""
-        self._store.set(self._key("ready", update, self.rank), "1")
+        ready = self._key("ready", update, self.rank)
+        self._store.set(ready, "1")
+        try:
+            if self._word_for(update, wait) != b"go":
+                raise RemoteError(f"{self._where()}: the sender cancelled the update before "
+                                  "sending it; nothing of it is applied")
+        except RemoteError:
+            # no longer waiting: a `start` of this id (the sender may reuse it for the
+            # next update) must wait for this rank's next receive, not pass on this key
+            with contextlib.suppress(RuntimeError):
+                self._store.delete_key(ready)
+            raise
+
+    def _word_for(self, update: str, wait: float) -> bytes:
         key, wake = self._key("word", update), self._key("wake", update, self.rank)
         deadline = time.monotonic() + wait
         while True:
@@ -536,9 +550,7 @@ class Channel:
                                   f"{self.port} is gone ({e}); nothing of the update is "
                                   "applied") from e
             self._store.delete_key(wake)  # whose it was: the checks above say
-        if word != b"go":
-            raise RemoteError(f"{self._where()}: the sender cancelled the update before "
-                              "sending it; nothing of it is applied")
+        return word
 
     def interrupt(self, update: str) -> None:
         """End this receiver's wait for the announced `update` (`receive` on another
