@@ -264,8 +264,8 @@ class _Comparison:
         # while the patch can still afford what it finds
         per_row = (self.row // word if chunk_len >= self.row else len(old_units)) \
             if self.row else 0
-        found = jit.compare(old_units, new_units, per_row, self._affordable(),
-                            rows=where if in_place else None) \
+        found = jit.compare(old_units, new_units, _NP_BITS[self.itemsize], per_row,
+                            self._affordable(), rows=where if in_place else None) \
             if isinstance(old_units, np.ndarray) else None
         if found is None and in_place:  # gathered after all
             old_units, new_units = (units.reshape(-1, per_row).take(where, axis=0).reshape(-1)
@@ -277,6 +277,7 @@ class _Comparison:
                 self._mark_rows(where, self._row_flags(differs, per_row), chunk_len)
         else:
             units_changed, positions, olds, news, flags = found
+            word = 1  # the loop reports elements
             if self.row:
                 self._mark_rows(where, flags, chunk_len)
         if not units_changed:

@@ -5,16 +5,18 @@ The numpy codec makes a dozen passes over a piece (gaps unpacked, widened, shift
 old values gathered; xor bits unpacked and applied): a scattered update's pieces cost a
 server ~65 ns per changed element to decode that way. Here `decode` reads each section once,
 in one loop, and gathers the old values in a loop of its own (~25 ns in all); `encode`
-writes the five sections in one loop; `compare` finds a chunk's changed units, their old and
-new values and the changed rows in one pass (the trainer's `delta.encode`; given rows, read
-in place rather than gathered); `scatter` writes a patch's values (the apply, while
-generation is paused). Same results, bit for bit (the tests run both ways); a piece the
-decode loop finds wrong is handed back (None) and `codec.decode` decodes it the numpy way,
-which names the field at fault: the errors stay the numpy path's, word for word.
+writes the five sections in one loop; `compare` finds a chunk's changed elements, their old
+and new values and the changed rows in one pass, 8-byte words at a time (the trainer's
+`delta.encode`; given rows, read in place rather than gathered); `scatter` writes a patch's
+values (the apply, while generation is paused). Same results, bit for bit (the tests run
+both ways); a piece the decode loop finds wrong is handed back (None) and `codec.decode`
+decodes it the numpy way, which names the field at fault: the errors stay the numpy path's,
+word for word.
 
 Off (numpy only) without numba, or with ``HOTWEIGHTS_JIT=0`` (`changes.compiled`). The
-loops are compiled on first use per value size (~1 s; numba caches them on disk where it
-can): `warm` compiles the receiving side's ahead, as a server joins a trainer.
+loops are compiled on first use per value size (~1 s, the compare ~4 s; numba caches them
+on disk where it can): `warm` compiles the receiving side's ahead, as a server joins a
+trainer.
 """
 
 from __future__ import annotations
@@ -106,21 +108,24 @@ def scatter(flat: np.ndarray, idx: np.ndarray, values: np.ndarray) -> bool:
     return bool(built) and built.scatter(flat, idx, values)
 
 
-def compare(old: np.ndarray, new: np.ndarray, per_row: int, limit: int,
+def compare(old: np.ndarray, new: np.ndarray, element: np.dtype, per_row: int, limit: int,
             rows: np.ndarray | None = None) -> tuple | None:
-    """Compare two arrays of one integer dtype in one pass: (how many units differ, their
-    positions (int64), old units, new units, a flag per `per_row` units saying whether any
-    of them differs (none for `per_row` 0)); None without numba, where more than `limit`
-    units differ (the loop stops there) or where most of a sample differs: numpy's
-    vectorised compare counts those faster.
+    """Compare two arrays of one integer dtype, each unit `element`s packed (an 8-byte word
+    of four bf16, say), in one pass: (how many elements differ, their places (int64, in
+    elements), old and new bit patterns (of `element`), a flag per `per_row` units saying
+    whether any of them differs (none for `per_row` 0)); None without numba, where more than
+    `limit` elements differ (the loop stops there) or where most of a sample of units
+    differs: numpy's vectorised compare counts those faster.
 
     `rows` (int64): compare only these rows of `per_row` units, as if gathered into one
-    chunk (the positions are in that chunk), but read where they are: no copies."""
+    chunk (the places are in that chunk), but read where they are: no copies."""
     built = _get()
     if not built or limit <= 0:
         return None
-    found = built.compare(old, new, _WHOLE, len(new), per_row, limit) if rows is None else \
-        built.compare(old, new, rows * per_row, per_row, per_row, limit)
+    sample = np.zeros(0, element)
+    loop = getattr(built, f"compare{old.itemsize // sample.itemsize}")
+    found = loop(old, new, _WHOLE, len(new), per_row, limit, sample) if rows is None else \
+        loop(old, new, rows * per_row, per_row, per_row, limit, sample)
     return found if found[0] >= 0 else None
 
 

@@ -187,49 +187,112 @@ def scatter(flat, idx, values):
     return True
 
 
+_BLOCK = 1024  # steps between two checks of the limit
 _STEP = 16  # units a step of the compare, looked into only if one of them differs: at 1 %
 # of bf16 elements changed, half the steps are (~1.3x 4 units a step)
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
-def differing(old, new, a, b, v, c, per_row, limit, flags, pos, olds, news, row_end):
-    # units a..b (unsigned: numba then skips its checks for negative indices, ~1.5x); `v`
-    # added to a unit's place gives its position in the compared chunk; `row_end[0]`: the
-    # end of the row last flagged (positions only grow: one division per changed row)
-    i = a
-    while i < b:
-        if old[i] != new[i]:
-            if c == limit:
-                return -1
-            at = np.int64(i) + v
-            if per_row and at >= row_end[0]:
-                r = at // per_row
-                flags[r] = True
-                row_end[0] = (r + 1) * per_row
-            pos[c], olds[c], news[c] = at, old[i], new[i]
-            c += 1
-        i += np.uint64(1)
+def flag_row(at, per_row, flags, row_end):
+    # `row_end[0]`: the end of the row last flagged (places only grow: one division per
+    # changed row)
+    if per_row and at >= row_end[0]:
+        r = at // per_row
+        flags[r] = True
+        row_end[0] = (r + 1) * per_row
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def changed_elements(m, at, old, new, v, c, per_row, limit, flags, pos, olds, news, row_end,
+                     lanes):
+    # the elements of the mask `m` (bit k * lanes + j: element j of unit at + k), counted
+    # on from `c`; those past `limit` counted only
+    bits = 64 // lanes if lanes > 1 else 0
+    while m:
+        e = u64(ctz(m))
+        m &= m - u64(1)
+        i = at + e // u64(lanes)
+        place = np.int64(i) + v
+        flag_row(place, per_row, flags, row_end)
+        if c < limit:
+            pos[c] = place * lanes + np.int64(e % u64(lanes))
+            if lanes == 1:
+                olds[c], news[c] = old[i], new[i]
+            else:
+                shift, mask = (e % u64(lanes)) * u64(bits), ~u64(0) >> u64(64 - bits)
+                olds[c], news[c] = (u64(old[i]) >> shift) & mask, (u64(new[i]) >> shift) & mask
+        c += 1
     return c
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
-def differing_in(old, new, a, b, v, c, per_row, limit, flags, pos, olds, news, row_end):
-    # `differing` of units a..b, `_STEP` at a time: a step is looked into only if one differs
-    step = np.uint64(_STEP)
-    first, end = np.uint64(a), np.uint64(b)
-    whole = end - (end - first) % step
-    while first < whole:
-        differ = old[first] ^ new[first]
-        for k in range(1, _STEP):
-            differ |= old[first + np.uint64(k)] ^ new[first + np.uint64(k)]
-        if differ:
-            c = differing(old, new, first, first + step, v, c, per_row, limit, flags, pos,
-                          olds, news, row_end)
-            if c < 0:
-                return c
-        first += step
-    return differing(old, new, whole, end, v, c, per_row, limit, flags, pos, olds, news,
-                     row_end)
+def unit_mask(old, new, i, lanes):
+    # bit j: element j of unit i differs
+    x = old[i] ^ new[i]
+    if lanes == 1:
+        return u64(x != 0)
+    bits, m = 64 // lanes, u64(0)
+    for j in range(lanes):
+        m |= u64(((u64(x) >> u64(bits * j)) & (~u64(0) >> u64(64 - bits))) != u64(0)) << u64(j)
+    return m
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def differing_in(old, new, a, b, v, c, per_row, limit, flags, pos, olds, news, row_end,
+                 lanes):
+    # units a..b (unsigned: numba then skips its checks for negative indices, ~1.5x), each
+    # `lanes` elements (a literal at every call: the loops unroll); `v` added to a unit's
+    # place gives its place in the compared chunk. A step of units at a time (up to 64
+    # elements), looked into only if one differs: a mask of its changed elements, then
+    # only those (no branch per unit or element). The limit is checked once per block of
+    # steps: a check per step makes the loop ~2x slower.
+    step = min(_STEP, 64 // lanes)
+    first, end = u64(a), u64(b)
+    whole = end - (end - first) % u64(step)
+    while first < whole and c <= limit:
+        block = min(whole, first + u64(_BLOCK * step))
+        while first < block:
+            differ = old[first] ^ new[first]
+            for k in range(1, step):
+                differ |= old[first + u64(k)] ^ new[first + u64(k)]
+            if differ:
+                m = u64(0)
+                for k in range(step):
+                    m |= unit_mask(old, new, first + u64(k), lanes) << u64(k * lanes)
+                c = changed_elements(m, first, old, new, v, c, per_row, limit, flags, pos,
+                                     olds, news, row_end, lanes)
+            first += u64(step)
+    while first < end and c <= limit:  # the last units, one at a time
+        c = changed_elements(unit_mask(old, new, first, lanes), first, old, new, v, c,
+                             per_row, limit, flags, pos, olds, news, row_end, lanes)
+        first += u64(1)
+    return c if c <= limit else -1
+
+
+# `differing_in` per element count, each compiled on its own: inlined into the loop over
+# the runs, its loop runs ~2x slower
+@numba.njit(nogil=True, cache=True)
+def scan1(old, new, a, b, v, c, per_row, limit, flags, pos, olds, news, row_end):
+    return differing_in(old, new, a, b, v, c, per_row, limit, flags, pos, olds, news,
+                        row_end, 1)
+
+
+@numba.njit(nogil=True, cache=True)
+def scan2(old, new, a, b, v, c, per_row, limit, flags, pos, olds, news, row_end):
+    return differing_in(old, new, a, b, v, c, per_row, limit, flags, pos, olds, news,
+                        row_end, 2)
+
+
+@numba.njit(nogil=True, cache=True)
+def scan4(old, new, a, b, v, c, per_row, limit, flags, pos, olds, news, row_end):
+    return differing_in(old, new, a, b, v, c, per_row, limit, flags, pos, olds, news,
+                        row_end, 4)
+
+
+@numba.njit(nogil=True, cache=True)
+def scan8(old, new, a, b, v, c, per_row, limit, flags, pos, olds, news, row_end):
+    return differing_in(old, new, a, b, v, c, per_row, limit, flags, pos, olds, news,
+                        row_end, 8)
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
@@ -238,10 +301,12 @@ def _sample_step(n):
     return max(61, n // 4096) | 1
 
 
-@numba.njit(nogil=True, cache=True)
-def compare(old, new, starts, run, per_row, limit):
+@numba.njit(nogil=True, cache=True, inline="always")
+def compare(old, new, starts, run, per_row, limit, element, lanes, scan):
     # the runs of `run` units that begin at `starts`, compared as if gathered into one chunk
-    # (the positions and flags are that chunk's) but read where they are
+    # (the places and flags are that chunk's) but read where they are; each unit holds
+    # `lanes` elements of `element`'s dtype, reported one by one, by `scan` (`compare1` ..
+    # `compare8` below: the literal and its loop)
     n = len(starts) * run
     sampled = hits = 0
     for j in range(0, n, _sample_step(n)):  # most units differ (a full update): numpy's
@@ -249,17 +314,39 @@ def compare(old, new, starts, run, per_row, limit):
         sampled += 1  # finds them
         hits += old[i] != new[i]
     if 2 * hits > sampled:
-        return -1, np.empty(0, np.int64), old[:0].copy(), new[:0].copy(), np.empty(0, np.bool_)
+        return -1, np.empty(0, np.int64), element[:0].copy(), element[:0].copy(), \
+            np.empty(0, np.bool_)
     flags = np.zeros(n // per_row if per_row else 0, np.bool_)
-    m = min(n, limit)  # more differing units than that: -1, at once
-    pos, olds, news = np.empty(m, np.int64), np.empty(m, old.dtype), np.empty(m, new.dtype)
+    m = min(n * lanes, limit)  # more changed elements than that: -1, at once
+    pos, olds, news = np.empty(m, np.int64), np.empty(m, element.dtype), \
+        np.empty(m, element.dtype)
     c = 0
     row_end = np.zeros(1, np.int64)
     for r in range(len(starts)):
         a = starts[r]
-        c = differing_in(old, new, a, a + run, r * run - a, c, per_row, limit, flags, pos,
-                         olds, news, row_end)
+        c = scan(old, new, a, a + run, r * run - a, c, per_row, limit, flags, pos, olds, news,
+                 row_end)
         if c < 0:
             break
     k = max(c, 0)  # copies: the m-long buffers are not kept
     return c, pos[:k].copy(), olds[:k].copy(), news[:k].copy(), flags
+
+
+@numba.njit(nogil=True, cache=True)
+def compare1(old, new, starts, run, per_row, limit, element):
+    return compare(old, new, starts, run, per_row, limit, element, 1, scan1)
+
+
+@numba.njit(nogil=True, cache=True)
+def compare2(old, new, starts, run, per_row, limit, element):
+    return compare(old, new, starts, run, per_row, limit, element, 2, scan2)
+
+
+@numba.njit(nogil=True, cache=True)
+def compare4(old, new, starts, run, per_row, limit, element):
+    return compare(old, new, starts, run, per_row, limit, element, 4, scan4)
+
+
+@numba.njit(nogil=True, cache=True)
+def compare8(old, new, starts, run, per_row, limit, element):
+    return compare(old, new, starts, run, per_row, limit, element, 8, scan8)
