@@ -69,6 +69,23 @@ def test_xor_of_values_whose_sign_and_exponent_change(dtype, decoder):
         _sync({"w": old}, {"w": new}, **options)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8])
+def test_xor_values_decoded_without_old_values_are_the_xors(dtype, decoder):
+    # what a receiver applying them in place at its commit keeps (`Staged`'s bare xors)
+    old = _random((64, 32), dtype)
+    new = _flip(old, torch.randperm(2048, generator=torch.Generator().manual_seed(5))[:300])
+    (r,) = pack(encode_all({"w": old}, {"w": new}), max_bytes=1 << 20, values="xor")
+    (e,) = r.header["entries"]
+    data = r.buffer.numpy()[e["offset"]:e["offset"] + sum(e["sections"])]
+    idx, xors = codec.decode(e, data, numel=old.numel(), itemsize=old.element_size(),
+                             floating=dtype.is_floating_point)
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[old.element_size()]
+    bits = {1: np.uint8, 2: np.uint16, 4: np.uint32}[old.element_size()]
+    was, now = (t.reshape(-1).view(ints).numpy().view(bits) for t in (old, new))
+    assert np.array_equal(idx, np.flatnonzero(was != now))
+    assert np.array_equal(xors, was[idx] ^ now[idx])
+
+
 def test_int64_indices_and_huge_gaps_in_the_codec():
     numel = 1 << 40  # no tensor: the codec reads only the element count
     idx = np.array([0, 1, 3, 1 << 20, (1 << 39) + 5, numel - 2, numel - 1], np.int64)
@@ -475,7 +492,10 @@ def test_compiled_scatter_writes_nothing_when_an_index_is_outside():
     assert flat.tolist() == [0, 5] + [0] * 7 + [6]
     for bad in ([2, 10], [-1, 2]):
         assert not jit.scatter(flat, np.array(bad, np.int64), np.array([7, 7], np.uint16))
+        assert not jit.xor_scatter(flat, np.array(bad, np.int64), np.array([7, 7], np.uint16))
     assert flat.tolist() == [0, 5] + [0] * 7 + [6]
+    assert jit.xor_scatter(flat, np.array([1, 9], np.int64), np.array([5, 3], np.uint16))
+    assert flat.tolist() == [0, 0] + [0] * 7 + [5]
 
 
 def test_numba_loaded_leaves_vllms_engine_start_alone():

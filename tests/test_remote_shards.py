@@ -150,10 +150,18 @@ def test_a_tensor_without_a_shard_goes_to_the_loader_whole():
     assert (dense + sparse)[0].shape == shapes[LM_HEAD]
 
 
+@pytest.mark.parametrize("compiled", [True, False])
 @pytest.mark.parametrize("model", ["kv split, qkv bias", "ranks of vocab padding only"])
-def test_each_rank_decodes_xor_values_against_its_own_shard(model):
-    # a TP worker holds no whole tensor: xor values decode against its slabs (`gather`),
-    # 0 where it holds nothing, and those elements are cut away before anything is kept
+def test_each_rank_applies_xor_values_to_its_own_shard(model, compiled, monkeypatch):
+    # a TP worker holds no whole tensor: xor values are cut to its slabs and applied to
+    # them at the commit; without the compiled loops they decode against its slabs when
+    # staged (`gather`), 0 where it holds nothing, and those elements are cut away before
+    # anything is kept
+    from hotweights.remote import jit
+    if not compiled:
+        monkeypatch.setattr(jit, "_loops", False)
+    elif not jit.enabled():
+        pytest.skip("numba is not installed: no compiled loops")
     m = MODELS[model]
     hf, ties = hf_tensors(m, seed=m.tp)
     old = {k: v.float() for k, v in hf.items()}

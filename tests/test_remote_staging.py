@@ -65,6 +65,42 @@ def test_nan_in_patch_values_is_refused_by_name():
         Staged(_specs(old))(_round(old, new))
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("max_bytes", [64, 200, 1 << 20])
+def test_xor_values_stay_xors_until_the_commit_applies_them(compiled, max_bytes, monkeypatch):
+    # A tensor written in place on the CPU keeps its xor values as xors (no old value read
+    # while staging); the commit applies them. Without the compiled loops, or for a
+    # tensor through the loader, they are decoded against the old values when staged.
+    from hotweights.remote import jit
+    if not compiled:
+        monkeypatch.setattr(jit, "_loops", False)
+    elif not jit.enabled():
+        pytest.skip("numba is not installed: no compiled loops")
+    old, new = _state()
+    new["b"] = new["b"].clone()
+    new["b"][9] = float("nan")  # not seen by the staging of a bare xor: the sender checks
+    live = {k: v.clone() for k, v in old.items() if k != "a"}  # "a" through the loader
+    # compiled: no old values given, none needed (the xors of "b" are not decoded)
+    staged = Staged(_specs(old), old=None if compiled else old,
+                    shards={k: shards.whole(v) for k, v in live.items()})
+    rounds = list(pack(encode_all(old, new), max_bytes=max_bytes, values="xor"))
+    assert any(e.get("values") == "xor" and e["name"] == "b" for r in rounds
+               for e in r.header["entries"])
+    if not compiled:
+        with pytest.raises(DeltaError, match="`b`: the patch values hold NaN or Inf"):
+            for r in rounds:
+                staged(r)
+        return
+    for r in rounds:
+        staged(r)
+    assert _same_bits(live, {k: old[k] for k in live})  # nothing written before the commit
+    assert staged.apply_in_place() == {"b", "c"}
+    assert _same_bits(live, {k: new[k] for k in live})
+    merged = live | {"a": old["a"].clone()}
+    _load(merged, staged.patches())
+    assert _same_bits(merged, new)
+
+
 def test_unknown_name_and_shape_mismatch_are_refused_before_anything_is_held():
     old, new = _state()
     specs = _specs(old)

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from hotweights.errors import RemoteError, ServerError
+from hotweights.errors import HotweightsError, RemoteError, ServerError
 from hotweights.layout.views import build_hf_model
 from hotweights.protocol import shm
 from hotweights.protocol.http import request, server_status
@@ -238,7 +238,7 @@ class Bridge:
     def _update_remotes(self, model, n: int, mode: str, lease_s: float) -> None:
         try:
             self.remote.update(model, mode=mode, lease_s=lease_s, n=n)
-        except RemoteError as e:
+        except HotweightsError as e:  # refused or failed (named), here or there
             raise RemoteError(f"{self.url} serves version {n}; the remote servers did not "
                               f"take it (the next update catches them up): {e}") from e
 

@@ -335,7 +335,9 @@ def decode(e: dict, data: np.ndarray, *, numel: int, itemsize: int, floating: bo
         e: its header fields; data: its bytes (uint8, exactly `check_fields`' length).
         numel, itemsize, floating: its tensor's element count, element size, float or not.
         old: for ``values="xor"``: the receiver's current bit patterns, flat (unsigned
-            numpy of `itemsize`), or a callable, int64 indices -> those at the indices.
+            numpy of `itemsize`), or a callable, int64 indices -> those at the indices; or
+            None: the values come back as the xors themselves (``old ^ new``), for a
+            receiver that applies them in place at its commit.
     Returns:
         (int64 indices, strictly increasing and inside the tensor; unsigned bit patterns).
     Raises:
@@ -355,7 +357,8 @@ def decode(e: dict, data: np.ndarray, *, numel: int, itemsize: int, floating: bo
                      third, part[4], old, floating, UINT[itemsize])
     if got is not None:
         idx, values = got
-        return idx, values if not xor or isinstance(old, np.ndarray) else values ^ old(idx)
+        return idx, values if not xor or old is None or isinstance(old, np.ndarray) else \
+            values ^ old(idx)
     if unary:
         wide = _unary(high, gaps_n)
         escaped = wide == _UNARY_ESC
@@ -397,8 +400,9 @@ def decode(e: dict, data: np.ndarray, *, numel: int, itemsize: int, floating: bo
     if (need := (int(widths.sum(dtype=np.uint64)) + 7) // 8) != sizes[4]:
         raise CodecError("values", f"need {need} bytes of xor bits, section [4] holds "
                          f"{sizes[4]}")
-    values = (old[idx] if isinstance(old, np.ndarray) else old(idx)) ^ \
-        _LEAD[itemsize][length]  # the leading one of each xor is implied
+    values = _LEAD[itemsize][length]  # the leading one of each xor is implied
+    if old is not None:
+        values = values ^ (old[idx] if isinstance(old, np.ndarray) else old(idx))
     if sizes[4]:
         values ^= _unpack_varying(part[4], widths).astype(utype)
     return idx, values

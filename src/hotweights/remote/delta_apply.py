@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 import numpy as np
 import torch
@@ -160,15 +160,19 @@ def host(t: torch.Tensor) -> np.ndarray | torch.Tensor:
     return t.numpy() if t.device.type == "cpu" else t
 
 
-def _decoded(e: dict, t: torch.Tensor, buf: torch.Tensor, nb, old, bad) -> tuple:
+def _decoded(e: dict, t: torch.Tensor, buf: torch.Tensor, nb, old, bad,
+             bare: Collection[str] = ()) -> tuple:
     """(int64 indices, values) of a compact patch piece, decoded on the CPU, on `buf`'s
-    device."""
+    device; xor values of a tensor in `bare` come as the xors themselves."""
     s, name, xor = t.dtype.itemsize, e["name"], e["values"] == codec.XOR
     src = None if old is None else old.get(name)
-    if xor and src is None:
+    if xor and name in bare:
+        src = None
+    elif xor and src is None:
         raise DeltaError(f"`{name}`: this receiver cannot decode xor values for `{name}` "
                          "(it was given no old value for it); refused")
-    if xor and (src.dtype not in (t.dtype, None) or tuple(src.shape) != tuple(t.shape)):
+    if xor and src is not None and (src.dtype not in (t.dtype, None) or
+                                    tuple(src.shape) != tuple(t.shape)):
         raise bad("values", f"xor against an old value of {src.dtype} {tuple(src.shape)}, "
                   f"the target is {t.dtype} {tuple(t.shape)}")
     data = nb[e["offset"]:e["offset"] + sum(e["sections"])]
@@ -185,7 +189,8 @@ def _decoded(e: dict, t: torch.Tensor, buf: torch.Tensor, nb, old, bad) -> tuple
     try:
         idx, bits = codec.decode(e, data, numel=t.numel(), itemsize=s,
                                  floating=t.dtype.is_floating_point,
-                                 old=_unsigned(src.detach().reshape(-1)) if on_cpu else old_bits)
+                                 old=None if src is None else _unsigned(
+                                     src.detach().reshape(-1)) if on_cpu else old_bits)
     except codec.CodecError as err:
         raise bad(err.field, err.msg) from None
     values = torch.from_numpy(bits.view(_SIGNED[s])).view(t.dtype)
@@ -193,12 +198,12 @@ def _decoded(e: dict, t: torch.Tensor, buf: torch.Tensor, nb, old, bad) -> tuple
 
 
 def _views(e: dict, t: torch.Tensor, buf: torch.Tensor, nb, check_finite: bool, bad,
-           old=None) -> tuple:
+           old=None, bare: Collection[str] = ()) -> tuple:
     # nb: the buffer's numpy view on the CPU (its index checks cost a fraction of torch's),
     # else the buffer itself
     off, s, kind = e["offset"], t.dtype.itemsize, e["kind"]
     if kind == PATCH and "sections" in e:
-        return _decoded(e, t, buf, nb, old, bad)
+        return _decoded(e, t, buf, nb, old, bad, bare)
     if kind == DENSE:
         v = buf[off:off + (e["stop"] - e["start"]) * s].view(t.dtype)
         if check_finite and t.dtype.is_floating_point and not finite(v):
@@ -230,8 +235,8 @@ def _views(e: dict, t: torch.Tensor, buf: torch.Tensor, nb, check_finite: bool, 
 
 
 def checked(round: Round, targets: Mapping[str, torch.Tensor], *,
-            check_finite: bool = True, old: Mapping[str, torch.Tensor] | None = None
-            ) -> list[tuple[dict, torch.Tensor, tuple]]:
+            check_finite: bool = True, old: Mapping[str, torch.Tensor] | None = None,
+            bare: Collection[str] = ()) -> list[tuple[dict, torch.Tensor, tuple]]:
     """Check a whole round against its targets and view its pieces, writing nothing.
 
     Args:
@@ -240,6 +245,9 @@ def checked(round: Round, targets: Mapping[str, torch.Tensor], *,
         old: name -> the receiver's current value of a tensor (any device), read to decode
             ``values="xor"`` patch pieces into new values; a piece of a tensor it lacks is
             refused.
+        bare: names whose ``values="xor"`` patch pieces keep the xors themselves (``old ^
+            new`` bit patterns: a `writer` of an entry marked ``"xor"`` applies them in
+            place), `old` unread.
     Returns:
         (entry, target, views) per header entry: dense ``(values,)``, patch ``(indices,
         values)``, rows ``(ranges (k, 2) int64, rows)``; the views are of the round's buffer
@@ -264,7 +272,7 @@ def checked(round: Round, targets: Mapping[str, torch.Tensor], *,
     for e, t in entries:
         def bad(field: str, msg: str, name=e["name"]) -> DeltaError:
             return DeltaError(f"{where}: `{name}`: field '{field}' {msg}")
-        out.append((e, t, _views(e, t, buf, nb, check_finite, bad, old)))
+        out.append((e, t, _views(e, t, buf, nb, check_finite, bad, old, bare)))
     return out
 
 
@@ -281,9 +289,13 @@ def writer(entry: dict, target: torch.Tensor, views: tuple) -> Callable[[], None
         return functools.partial(flat[entry["start"]:entry["stop"]].copy_, views[0])
     if entry["kind"] == PATCH:
         idx, vals = views
-        if flat.device.type == idx.device.type == vals.device.type == "cpu" and \
-                idx.dtype == torch.int64 and idx.is_contiguous() and vals.is_contiguous() \
-                and jit.enabled():  # one compiled loop
+        if entry.get("xor"):  # bare xors (`checked`'s `bare`): applied to the old values
+            if not _compiled(target, idx, vals):
+                raise DeltaError(f"`{entry['name']}`: xor values need a CPU target and the "
+                                 "compiled loops")
+            args = _unsigned(flat), idx.numpy(), _unsigned(vals)
+            return lambda: jit.xor_scatter(*args) or _index_xor(flat, idx, vals)
+        if _compiled(target, idx, vals):  # one compiled loop
             args = _unsigned(flat), idx.numpy(), _unsigned(vals)
             return lambda: jit.scatter(*args) or _index_copy(flat, idx, vals)
         return functools.partial(_index_copy, flat, idx, vals)
@@ -301,6 +313,20 @@ def writer(entry: dict, target: torch.Tensor, views: tuple) -> Callable[[], None
         return copy_runs
     return lambda: target.detach().index_copy_(0, _row_index(views[0].to(target.device)),
                                                views[1].to(target.device))
+
+
+def _compiled(target: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor) -> bool:
+    """Whether a patch can be written into `target` by a compiled loop (CPU, contiguous
+    int64 indices and values)."""
+    return target.device.type == idx.device.type == vals.device.type == "cpu" and \
+        idx.dtype == torch.int64 and idx.is_contiguous() and vals.is_contiguous() and \
+        jit.enabled()
+
+
+def _index_xor(flat: torch.Tensor, idx: torch.Tensor, xors: torch.Tensor) -> None:
+    # where the compiled loop refused (an index out of `flat`): torch's index_put_ names it
+    bits = _BITS[flat.dtype.itemsize]
+    flat.view(bits).index_put_((idx,), flat.view(bits)[idx] ^ xors.view(bits))
 
 
 def _index_copy(flat: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor) -> None:

@@ -55,11 +55,11 @@ import torch
 from hotweights.checkpoint.digest import digest, stats
 from hotweights.checkpoint.names import reverted
 from hotweights.checkpoint.source import open_dir
-from hotweights.errors import HotweightsError, RemoteError, ServerError
+from hotweights.errors import DeltaError, HotweightsError, RemoteError, ServerError
 from hotweights.protocol.http import request
 from hotweights.protocol.renewer import Renewer
 from hotweights.protocol.tokens import find_token, is_loopback
-from hotweights.remote import delta, prefilter
+from hotweights.remote import delta, delta_apply, prefilter
 from hotweights.remote.channel import Channel
 from hotweights.remote.hosts import server_urls
 from hotweights.remote.rendezvous import PROTOCOL, channel_id
@@ -502,10 +502,16 @@ class RemoteGroup:
         """The deltas for the servers of `plan`, one tensor at a time: against what they
         hold, the blocks whose fingerprint did not change since the last update left
         uncompared where they hold what this group sent (`rows`), the tensors in `kept`
-        left out."""
+        left out. Patch values that hold NaN or Inf are refused here: the servers check
+        everything else they stage, but xor-coded values only become values in their
+        commit."""
         if plan.held:
             new = {k: t for k, t in new.items() if k not in kept}
-        yield from delta.encode_each(plan.reference, new, rows=rows if plan.held else None)
+        for d in delta.encode_each(plan.reference, new, rows=rows if plan.held else None):
+            if d.kind == delta.PATCH and d.dtype.is_floating_point and \
+                    not delta_apply.finite(d.values):
+                raise DeltaError(f"`{d.name}`: the patch values hold NaN or Inf; refused")
+            yield d
         if plan.reference is not None and plan.reference is not self.reference and \
                 stats(self.checkpoint) != self._loaded[0]:
             # in place (journal mode): the memory-mapped old values may have moved under us

@@ -8,7 +8,8 @@ in one loop, and gathers the old values in a loop of its own (~25 ns in all); `e
 writes the five sections in one loop; `compare` finds a chunk's changed elements, their old
 and new values and the changed rows in one pass, 8-byte words at a time (the trainer's
 `delta.encode`; given rows, read in place rather than gathered); `scatter` writes a patch's
-values (the apply, while generation is paused). Same results, bit for bit (the tests run
+values, `xor_scatter` applies its xors to the old values (the apply, while generation is
+paused). Same results, bit for bit (the tests run
 both ways); a piece the decode loop finds wrong is handed back (None) and `codec.decode`
 decodes it the numpy way, which names the field at fault: the errors stay the numpy path's,
 word for word.
@@ -108,6 +109,14 @@ def scatter(flat: np.ndarray, idx: np.ndarray, values: np.ndarray) -> bool:
     return bool(built) and built.scatter(flat, idx, values)
 
 
+def xor_scatter(flat: np.ndarray, idx: np.ndarray, xors: np.ndarray) -> bool:
+    """``flat[idx] ^= xors`` (int64 indices, bit patterns of `flat`'s dtype) in one loop,
+    reading each old value only here (a staged xor update's apply). False, nothing
+    written, without numba or where an index is outside `flat`."""
+    built = _get()
+    return bool(built) and built.xor_scatter(flat, idx, xors)
+
+
 def compare(old: np.ndarray, new: np.ndarray, element: np.dtype, per_row: int, limit: int,
             rows: np.ndarray | None = None) -> tuple | None:
     """Compare two arrays of one integer dtype, each unit `element`s packed (an 8-byte word
@@ -137,6 +146,7 @@ def warm(itemsizes=(2,)) -> None:
         decode(1, 0, 1, 0, one[:0], one[:0], True, np.zeros(0, np.uint64), True, one,
                one[:0], np.zeros(1, utype), True, utype)
         scatter(np.zeros(1, utype), np.zeros(1, np.int64), np.zeros(1, utype))
+        xor_scatter(np.zeros(1, utype), np.zeros(1, np.int64), np.zeros(1, utype))
 
 
 def _words(a: np.ndarray) -> np.ndarray:

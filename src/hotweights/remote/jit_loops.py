@@ -187,6 +187,17 @@ def scatter(flat, idx, values):
     return True
 
 
+@numba.njit(nogil=True, cache=True)
+def xor_scatter(flat, idx, xors):
+    n = len(flat)
+    for i in range(len(idx)):  # bounds first: nothing written if one is out
+        if idx[i] < 0 or idx[i] >= n:
+            return False
+    for i in range(len(idx)):
+        flat[idx[i]] ^= xors[i]
+    return True
+
+
 _BLOCK = 1024  # steps between two checks of the limit
 _STEP = 16  # units a step of the compare, looked into only if one of them differs: at 1 %
 # of bf16 elements changed, half the steps are (~1.3x 4 units a step)

@@ -13,10 +13,17 @@ without a shard into checkpoint-coordinate patches for a loader (vLLM's
 ``load_checkpoint_weight_patches``): one dense patch per tensor sent whole, one sparse patch
 (flat indices and values) per tensor sent as element patches or rows.
 
+Xor-coded patch values (``values="xor"``) of a tensor with a shard on the CPU stay xors
+(``old ^ new``) and are applied at the commit, ``flat[idx] ^= xor`` in one compiled loop:
+each old value is read once, there, not gathered at staging too (a scattered update's
+staging on a server: ~25 ms less per 2.5 M changed elements). The others are decoded
+against `old` as they are staged.
+
 Besides `delta_apply.checked`, a staged update is refused, naming the tensor, when a float
 value is NaN or Inf (NaN marks "unchanged" in vLLM's sparse loader), or a tensor's pieces
 (of any kind: `pack` may split rows into dense element ranges) do not come in increasing,
-non-overlapping flat order.
+non-overlapping flat order. Xors kept as xors are not checked here (their new values exist
+only at the commit): the sender checks the values it xor-codes (`RemoteGroup`).
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ from typing import NamedTuple
 import torch
 
 from hotweights.errors import DeltaError
-from hotweights.remote import delta_apply
+from hotweights.remote import delta_apply, jit
+from hotweights.remote.codec import XOR
 from hotweights.remote.delta import DENSE, PATCH, Round, _row_index
 from hotweights.remote.shards import Shard
 
@@ -56,9 +64,10 @@ class Staged:
         specs: HF name -> a tensor of the model's dtype and shape (a meta tensor will do).
         old: HF name -> the tensor's current value (the live weights or views of them, any
             device), or the `Shard` of it that this worker holds, if it `gathers`:
-            ``values="xor"`` patch pieces are decoded against it when staged (the weights do
-            not change until the commit), so the staged pieces hold new values. A round with
-            xor values for a tensor it lacks is refused.
+            ``values="xor"`` patch pieces of a tensor without a CPU shard (or staged into
+            pinned memory) are decoded against it when staged (the weights do not change
+            until the commit), so the staged pieces hold new values. A round with such xor
+            values for a tensor it lacks is refused.
         shards: HF name -> what this worker holds of it and where (`remote.shards.of`);
             only those parts are kept, and `apply_in_place` writes them. A tensor without
             one (or with one of another shape than its spec) is kept whole, for `patches`.
@@ -76,6 +85,9 @@ class Staged:
         self.specs, self.old, self.pin = specs, old, pin
         self.shards = {name: s for name, s in (shards or {}).items()
                        if name in specs and s.shape == tuple(specs[name].shape)}
+        # the tensors whose xor values stay xors until the commit applies them in place
+        self._bare = frozenset(name for name, s in self.shards.items() if not pin and (
+            not s.runs or s.dests[0][0].device.type == "cpu")) if jit.enabled() else ()
         self.nbytes = self.peak = self.rounds = 0
         self._pieces: dict[str, list[tuple]] = {}  # name -> [(entry, host tensors)]
         self._writes: dict[str, list] = {}  # name -> its pieces' writes, made ready
@@ -85,9 +97,10 @@ class Staged:
     def __call__(self, r: Round) -> None:
         # the channel reuses its buffer for the next round: what is kept is copied
         held, pieces = 0, []
-        for e, t, views in delta_apply.checked(r, self.specs, old=self.old):
+        for e, t, views in delta_apply.checked(r, self.specs, old=self.old, bare=self._bare):
             name, kind = e["name"], e["kind"]
             decoded = "sections" in e  # a compact patch: fresh tensors, not buffer views
+            bare = decoded and e["values"] == XOR and name in self._bare
             start, stop = self._span(e, t, views, decoded)
             if start < self._next.get(name, 0):
                 raise DeltaError(f"`{name}`: a {kind} piece starts at element {start}, before "
@@ -101,7 +114,9 @@ class Staged:
             for ce, cv in shard.cut(e, views) if shard is not None else [(e, views)]:
                 # checked once cut: a TP worker decodes xor values it does not hold
                 # against 0 (`Shard.gather`), whatever they make
-                if kind != DENSE and t.dtype.is_floating_point and \
+                if bare:
+                    ce = {**ce, "xor": True}  # applied to the old values by the commit
+                elif kind != DENSE and t.dtype.is_floating_point and \
                         not delta_apply.finite(cv[-1]):
                     raise DeltaError(f"`{name}`: the {kind} values hold NaN or Inf; refused")
                 kept = cv if decoded and not self.pin else tuple(self._keep(v) for v in cv)
