@@ -498,6 +498,20 @@ def test_compiled_scatter_writes_nothing_when_an_index_is_outside():
     assert flat.tolist() == [0, 0] + [0] * 7 + [5]
 
 
+def test_a_staged_xor_piece_outside_its_tensor_writes_nothing_and_is_named():
+    from hotweights.remote.delta_apply import writer
+    if not jit.enabled():
+        pytest.skip("numba is not installed")
+    target = torch.ones(8, dtype=torch.bfloat16)
+    entry = {"name": "w", "kind": "patch", "xor": True}
+    xors = torch.tensor([1, 1], dtype=torch.int16).view(torch.bfloat16)
+    writer(entry, target, (torch.tensor([0, 7]), xors))()
+    assert target.view(torch.int16).tolist() == [16256 ^ 1] + [16256] * 6 + [16256 ^ 1]
+    with pytest.raises(DeltaError, match="`w`: a patch index is outside the tensor"):
+        writer(entry, target, (torch.tensor([1, 8]), xors))()
+    assert target.view(torch.int16).tolist() == [16256 ^ 1] + [16256] * 6 + [16256 ^ 1]
+
+
 def test_numba_loaded_leaves_vllms_engine_start_alone():
     # vLLM starts an engine by reading vars() of every object of every module that has a
     # __dict__; llvmlite's library wrapper (numba's) answered `__dict__` with a C function

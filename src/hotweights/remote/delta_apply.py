@@ -294,7 +294,12 @@ def writer(entry: dict, target: torch.Tensor, views: tuple) -> Callable[[], None
                 raise DeltaError(f"`{entry['name']}`: xor values need a CPU target and the "
                                  "compiled loops")
             args = _unsigned(flat), idx.numpy(), _unsigned(vals)
-            return lambda: jit.xor_scatter(*args) or _index_xor(flat, idx, vals)
+
+            def xors() -> None:
+                if not jit.xor_scatter(*args):
+                    raise DeltaError(f"`{entry['name']}`: a patch index is outside the "
+                                     "tensor; nothing of the piece was written")
+            return xors
         if _compiled(target, idx, vals):  # one compiled loop
             args = _unsigned(flat), idx.numpy(), _unsigned(vals)
             return lambda: jit.scatter(*args) or _index_copy(flat, idx, vals)
@@ -321,12 +326,6 @@ def _compiled(target: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor) -> bo
     return target.device.type == idx.device.type == vals.device.type == "cpu" and \
         idx.dtype == torch.int64 and idx.is_contiguous() and vals.is_contiguous() and \
         jit.enabled()
-
-
-def _index_xor(flat: torch.Tensor, idx: torch.Tensor, xors: torch.Tensor) -> None:
-    # where the compiled loop refused (an index out of `flat`): torch's index_put_ names it
-    bits = _BITS[flat.dtype.itemsize]
-    flat.view(bits).index_put_((idx,), flat.view(bits)[idx] ^ xors.view(bits))
 
 
 def _index_copy(flat: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor) -> None:
