@@ -289,19 +289,21 @@ def writer(entry: dict, target: torch.Tensor, views: tuple) -> Callable[[], None
         return functools.partial(flat[entry["start"]:entry["stop"]].copy_, views[0])
     if entry["kind"] == PATCH:
         idx, vals = views
+        compiled = flat.device.type == idx.device.type == vals.device.type == "cpu" and \
+            idx.dtype == torch.int64 and idx.is_contiguous() and vals.is_contiguous() and \
+            jit.enabled()  # one compiled loop
+        args = (_unsigned(flat), idx.numpy(), _unsigned(vals)) if compiled else ()
         if entry.get("xor"):  # bare xors (`checked`'s `bare`): applied to the old values
-            if not _compiled(target, idx, vals):
+            if not compiled:
                 raise DeltaError(f"`{entry['name']}`: xor values need a CPU target and the "
                                  "compiled loops")
-            args = _unsigned(flat), idx.numpy(), _unsigned(vals)
 
             def xors() -> None:
                 if not jit.xor_scatter(*args):
                     raise DeltaError(f"`{entry['name']}`: a patch index is outside the "
                                      "tensor; nothing of the piece was written")
             return xors
-        if _compiled(target, idx, vals):  # one compiled loop
-            args = _unsigned(flat), idx.numpy(), _unsigned(vals)
+        if compiled:
             return lambda: jit.scatter(*args) or _index_copy(flat, idx, vals)
         return functools.partial(_index_copy, flat, idx, vals)
     if delta._NUMPY and target.device.type == views[1].device.type == "cpu" and \
@@ -318,14 +320,6 @@ def writer(entry: dict, target: torch.Tensor, views: tuple) -> Callable[[], None
         return copy_runs
     return lambda: target.detach().index_copy_(0, _row_index(views[0].to(target.device)),
                                                views[1].to(target.device))
-
-
-def _compiled(target: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor) -> bool:
-    """Whether a patch can be written into `target` by a compiled loop (CPU, contiguous
-    int64 indices and values)."""
-    return target.device.type == idx.device.type == vals.device.type == "cpu" and \
-        idx.dtype == torch.int64 and idx.is_contiguous() and vals.is_contiguous() and \
-        jit.enabled()
 
 
 def _index_copy(flat: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor) -> None:

@@ -9,10 +9,9 @@ writes the five sections in one loop; `compare` finds a chunk's changed elements
 and new values and the changed rows in one pass, 8-byte words at a time (the trainer's
 `delta.encode`; given rows, read in place rather than gathered); `scatter` writes a patch's
 values, `xor_scatter` applies its xors to the old values (the apply, while generation is
-paused). Same results, bit for bit (the tests run
-both ways); a piece the decode loop finds wrong is handed back (None) and `codec.decode`
-decodes it the numpy way, which names the field at fault: the errors stay the numpy path's,
-word for word.
+paused). Same results, bit for bit (the tests run both ways); a piece the decode loop finds
+wrong is handed back (None) and `codec.decode` decodes it the numpy way, which names the
+field at fault: the errors stay the numpy path's, word for word.
 
 Off (numpy only) without numba, or with ``HOTWEIGHTS_JIT=0`` (`changes.compiled`). The
 loops are compiled on first use per value size (~1 s, the compare ~4 s; numba caches them

@@ -176,12 +176,20 @@ def encode(idx, bits, old, xor, floating, shift, masks, table):
             fourth, (xpos + 7) // 8, rest)
 
 
-@numba.njit(nogil=True, cache=True)
-def scatter(flat, idx, values):
+@numba.njit(nogil=True, cache=True, inline="always")
+def within(flat, idx):
+    # every index inside `flat`: checked before a scatter writes anything
     n = len(flat)
-    for i in range(len(idx)):  # bounds first: nothing written if one is out
+    for i in range(len(idx)):
         if idx[i] < 0 or idx[i] >= n:
             return False
+    return True
+
+
+@numba.njit(nogil=True, cache=True)
+def scatter(flat, idx, values):
+    if not within(flat, idx):
+        return False
     for i in range(len(idx)):
         flat[idx[i]] = values[i]
     return True
@@ -189,10 +197,8 @@ def scatter(flat, idx, values):
 
 @numba.njit(nogil=True, cache=True)
 def xor_scatter(flat, idx, xors):
-    n = len(flat)
-    for i in range(len(idx)):  # bounds first: nothing written if one is out
-        if idx[i] < 0 or idx[i] >= n:
-            return False
+    if not within(flat, idx):
+        return False
     for i in range(len(idx)):
         flat[idx[i]] ^= xors[i]
     return True
