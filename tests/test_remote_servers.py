@@ -18,7 +18,17 @@ from hotweights import Bridge, HotweightsError, RemoteError, RemoteGroup
 from hotweights.errors import FingerprintError, ServerError
 from hotweights.remote.channel import _FIRST
 from hotweights.server import launch
-from test_server import LOAD_TOL, PROMPT, TOKEN, Server, _greedy, _http, _sign_step
+from test_server import (
+    LOAD_TOL,
+    PROMPT,
+    TOKEN,
+    Server,
+    _greedy,
+    _http,
+    _sign_step,
+    _StreamingClient,
+    assert_served_as_claimed,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -174,6 +184,72 @@ def test_the_servers_serve_their_old_version_until_the_commit(remotes, trainer, 
     out = group.update(model, lease_s=1.5)  # renewed every 0.5 s
     assert {_status(s)["n"] for s in remotes[:2]} == {out["version"]}
     assert not any(_status(s)["dirty"] for s in remotes[:2])
+
+
+def test_the_servers_start_the_commits_pause_as_a_small_last_round_goes_out(
+        remotes, trainer, monkeypatch):
+    # the engine step in flight ends while the last round travels, not in the commit; a
+    # large last round (its staging would keep the servers paused) gets no such hint
+    from hotweights.remote import group as group_module
+    model, group = trainer
+    posted, post = [], group._post
+
+    def recorded(url, status, route, **body):
+        posted.append((url, route, body.get("pause", False)))
+        return post(url, status, route, **body)
+    monkeypatch.setattr(group, "_post", recorded)
+    for ahead in (True, False):
+        monkeypatch.setattr(group_module, "_AHEAD_BYTES", (4 << 20) if ahead else 0)
+        posted.clear()
+        with torch.no_grad():
+            model.model.norm.weight[0] += 1
+        out = group.update(model, mode="keep")
+        for s in remotes[:2]:
+            routes = [(route, pause) for url, route, pause in posted if url == s.url]
+            assert (("/hotweights/renew", True) in routes) is ahead, routes
+            if ahead:  # the hint before the commit
+                assert routes.index(("/hotweights/renew", True)) < \
+                    routes.index(("/hotweights/commit", False)), routes
+            st = _status(s)
+            assert st["n"] == out["version"] and not st["paused"] and not st["dirty"]
+            assert 0 < out["paused_ms"][s.url] < 10_000
+        assert _checksum(remotes[0]) == _checksum(remotes[1])
+    _assert_serves(model, _greedy(remotes[0], PROMPT, 8))
+
+
+@pytest.mark.parametrize("mode", ["wait", "abort"])
+def test_updates_under_load_keep_every_response_on_the_version_it_names(remotes, trainer,
+                                                                        mode):
+    # clients stream from a remote server while it is updated: each response was computed
+    # with the weights of the version its header names (the commit's pause, begun early by
+    # the last round's hint while requests are in flight, drains or aborts them first)
+    model, group = trainer
+    server, norm = remotes[0], model.model.norm.weight
+    base = norm.detach().clone()
+    snapshots = {group.n: base}
+    clients = [_StreamingClient(server.url, server.model_dir, PROMPT[: 3 + i])
+               for i in range(4)]
+    for client in clients:
+        client.start()
+    try:
+        for k in range(6):
+            time.sleep(0.05)
+            with torch.no_grad():  # neighbouring versions differ 4x in their logits' scale
+                norm.copy_(base * (2.0 if k % 2 == 0 else 0.5))
+            snapshots[group.update(model, mode=mode)["version"]] = norm.detach().clone()
+    finally:
+        for client in clients:
+            client.stop.set()
+        for client in clients:
+            client.join(timeout=120)
+    responses = [r for c in clients for r in c.responses]
+    assert [e for c in clients for e in c.errors] == []
+    assert len({r["version"] for r in responses}) > 1, "no update happened under load"
+    assert {r["finish"] for r in responses} <= {"length", "stop"} | (
+        {"abort"} if mode == "abort" else set())
+    assert_served_as_claimed(model, norm, clients, snapshots)
+    with torch.no_grad():
+        norm.copy_(snapshots[group.n])
 
 
 def test_only_what_changed_goes_on_the_wire(remotes, trainer):

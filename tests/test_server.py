@@ -448,9 +448,18 @@ def test_updates_under_load_are_consistent(server, mode):
         assert any(r["finish"] == "abort" for r in responses)
     if mode == "keep":  # frozen requests resume on the new weights (no single version)
         return
+    assert_served_as_claimed(model, norm, clients, snapshots)
+    with torch.no_grad():
+        norm.copy_(snapshots[parse_version(bridge.version)[0]])
+
+
+def assert_served_as_claimed(model, param, clients, snapshots: dict) -> None:
+    """Each streamed response's tokens fit the weights of the version its header names (with
+    `param` set to `snapshots[N]`) within LOAD_TOL, and no neighbouring version fits better.
+    The clients must be stopped (`model` may be the server's own weights)."""
 
     def error(response: dict, prompt: list[int], version: int) -> float:
-        norm.copy_(snapshots[version])  # the clients are stopped: the server is idle
+        param.copy_(snapshots[version])
         ids = torch.tensor([prompt + response["tokens"]])
         logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
         ours = torch.log_softmax(logits, -1).gather(
@@ -469,7 +478,6 @@ def test_updates_under_load_are_consistent(server, mode):
                 for other in (version - 1, version + 1):  # and no neighbour fits better
                     if other in snapshots:
                         assert claimed < error(response, client.prompt, other), (version, other)
-        norm.copy_(snapshots[parse_version(bridge.version)[0]])
 
 
 def test_custom_remote_code_model_through_the_transformers_backend(custom_model, tmp_path):

@@ -23,6 +23,7 @@ class StubEngine:
 
     def __init__(self):
         self.held = self.paused = False
+        self.requests = True  # in flight: a pause waits for the engine step
         self.label = None
         self.resumes = 0
         self.block: dict[str, asyncio.Event] = {}  # step -> released when set
@@ -39,6 +40,9 @@ class StubEngine:
 
     def release(self):
         self.held = False
+
+    def busy(self):
+        return self.requests
 
     async def pause(self, mode):
         await self._step("pause")
@@ -463,5 +467,77 @@ def test_a_staged_commit_whose_drain_times_out_drops_the_update():
         status = tx.status()
         assert status["state"] == "idle" and status["n"] == 0 and not status["dirty"]
         assert engine.steps == ["pause wait", "discard"] and not engine.held
+
+    run_recording(test)
+
+
+def test_a_renew_with_pause_starts_a_staged_commits_pause_ahead_of_it():
+    async def test(tx, engine):
+        await tx.begin(begin(stage=True, mode="keep"))
+        engine.block["pause"] = asyncio.Event()  # the engine step in flight
+        await tx.renew(Renew("h1", SID, lease_s=30, pause=True))
+        await settle()
+        assert engine.steps == ["pause keep"] and engine.held and not engine.paused
+        assert tx.status()["state"] == "staging" and tx.status()["paused"]
+        await tx.renew(Renew("h1", SID, lease_s=30, pause=True))  # a second hint: no-op
+        committing = asyncio.ensure_future(tx.commit(Commit("h1", SID)))
+        await settle()
+        assert not committing.done()  # the commit waits for the pause the renew started
+        engine.block["pause"].set()
+        out = await committing
+        assert engine.steps == ["pause keep", "apply"]  # paused once, applied while paused
+        assert out["version"] == f"1@{SID}" and not out["dirty"] and out["paused_s"] > 0
+        assert not engine.held and not engine.paused and engine.resumes == 1
+
+    run_recording(test)
+
+
+@pytest.mark.parametrize("end", ["abort", "expire"])
+def test_a_staged_update_paused_ahead_then_aborted_or_expired_resumes_clean(end):
+    async def test(tx, engine):
+        await tx.begin(begin(stage=True, lease_s=30 if end == "abort" else 0.05))
+        await tx.renew(Renew("h1", SID, lease_s=30 if end == "abort" else 0.05, pause=True))
+        await settle()
+        assert engine.paused and engine.held
+        if end == "abort":
+            out = await tx.abort(Abort("h1", SID, dirty=True))
+            assert out == {"version": f"0@{SID}", "n": 0, "dirty": False}
+        else:
+            await asyncio.sleep(0.15)
+        status = tx.status()
+        assert status["state"] == "idle" and status["version"] == f"0@{SID}"
+        assert not status["dirty"] and not status["paused"]
+        assert engine.steps == ["pause wait", "discard"] and engine.resumes == 1
+        assert not engine.held and not engine.paused
+
+    run_recording(test)
+
+
+def test_a_pause_ahead_that_times_out_is_reported_by_the_commit():
+    async def test(tx, engine):
+        await tx.begin(begin(stage=True, lease_s=0.05))  # the drain's bound
+        engine.block["pause"] = asyncio.Event()  # a request that never finishes
+        await tx.renew(Renew("h1", SID, lease_s=30, pause=True))
+        await asyncio.sleep(0.1)
+        with pytest.raises(Refused, match="did not finish within lease_s=0.05 s; the staged "
+                           "update was dropped") as e:
+            await tx.commit(Commit("h1", SID))
+        assert e.value.status == 503 and not engine.held
+        assert engine.steps == ["pause wait", "discard"] and tx.status()["n"] == 0
+
+    run_recording(test)
+
+
+@pytest.mark.parametrize("staged", [True, False])
+def test_a_renew_with_pause_on_an_idle_engine_or_outside_staging_changes_nothing(staged):
+    async def test(tx, engine):
+        engine.requests = not staged  # idle: the commit's pause takes no wait
+        await tx.begin(begin(stage=staged))  # else paused by its begin
+        await tx.renew(Renew("h1", SID, lease_s=30, pause=True))
+        await settle()
+        assert engine.steps == ([] if staged else ["pause wait"])
+        assert tx.status()["paused"] is not staged
+        await tx.commit(Commit("h1", SID))
+        assert engine.steps == ["pause wait", "apply"]
 
     run_recording(test)

@@ -73,6 +73,9 @@ _CUTS = 16  # an update with changes all over the weights goes in about this man
 # least: the servers stage each while the trainer encodes the next ...
 _MIN_CUT = 1 << 20  # ... each covering this many bytes of weights at least (a round's fixed
 # costs, its collectives and its 4 KiB first message, stay small beside what it covers)
+_AHEAD_BYTES = 4 << 20  # a last round up to this size (uncompressed) is staged in about an
+# engine step: the servers start their commit's pause as it goes out (a larger one would
+# keep them paused while they stage it)
 REQUIRE = ("any", "all")
 REFERENCES = ("copy", "checkpoint")
 
@@ -588,11 +591,14 @@ class RemoteGroup:
         A plan's servers' workers are asked to receive the update (on threads of their own:
         they wait for its start on the channel up to the lease), then the encode runs as the
         rounds are sent: a round goes once it is full or its deltas cover `cut_bytes` of the
-        weights, and the servers stage it while the next one is encoded. The lease is
-        renewed every `lease_s / 3` until the sends end, however long they take.
-        `meanwhile` runs while the begins travel."""
+        weights, and the servers stage it while the next one is encoded. Once the last
+        plan's last round is on its way, if it is small (`_AHEAD_BYTES`), every server is
+        told to start its commit's pause (a renew with `pause`): the engine step in flight
+        ends while that round travels and is staged, not in the commit. The lease is renewed
+        every `lease_s / 3` until the sends end, however long they take. `meanwhile` runs
+        while the begins travel."""
         pool = ThreadPoolExecutor(2 * len(status) + 1)
-        begins, out, on = {}, [], None  # on: (link, update) being sent
+        begins, out, on, hints = {}, [], None, []  # on: (link, update) being sent
         deltas, started = _Encoded(), False
         try:
             begins = {u: pool.submit(self._post, u, status[u], "/hotweights/begin", mode=mode,
@@ -600,8 +606,14 @@ class RemoteGroup:
             meanwhile()
             _raise_failed(begins, "begin")
             self._leased = dict(status)
+            def pause_ahead(last: delta.Round) -> None:  # a server that fails it pauses
+                # in its commit
+                if last.header.get("raw_nbytes", last.header["nbytes"]) <= _AHEAD_BYTES:
+                    hints.extend(pool.submit(self._post, u, status[u], "/hotweights/renew",
+                                             lease_s=lease_s, pause=True) for u in status)
+
             with Renewer(self.renew, lease_s):
-                for plan, link in plans:
+                for i, (plan, link) in enumerate(plans):
                     on, link.next, started = (link, link.next or uuid.uuid4().hex), "", False
                     receipts = self._receive(pool, {u: status[u] for u in plan.urls}, on[1],
                                              lease_s)
@@ -611,6 +623,8 @@ class RemoteGroup:
                         staging=self._round_buffers(link.channel.device),
                         values="xor" if link.xor else "raw", compress=self.compress,
                         cut_bytes=cut_bytes)
+                    if i == len(plans) - 1:
+                        rounds = _then_last(rounds, pause_ahead)
                     first = next(rounds)  # the receivers wait for the start in the store,
                     # up to the lease, while it is encoded (in the collective: the timeout)
                     link.channel.start(on[1], check=lambda r=receipts: _raise_failed(
@@ -625,12 +639,15 @@ class RemoteGroup:
                     out.append((deltas, sent, sent * link.channel.copies))
                     on = None
             # every worker has staged it all (the channel's acknowledgement): a server's
-            # commit waits for its own receive to answer, so this process need not
+            # commit waits for its own receive to answer, so this process need not; a late
+            # pause must not reach the server's next update
+            futures.wait(hints)
             pool.shutdown(wait=False)
             return out
         except BaseException as e:
             self._leased = {}
-            futures.wait(begins.values())  # a begin still travelling (`meanwhile` failed)
+            futures.wait([*begins.values(), *hints])  # a begin still travelling (`meanwhile`
+            # failed), a pause that must not reach the server's next update
             pool.shutdown(wait=False, cancel_futures=True)
             if on is not None and e is deltas.failed:  # the encode's (bad input, named): the
                 # receivers learn it from the send (an abort) or from a cancel, before it
@@ -790,6 +807,15 @@ class RemoteGroup:
                                       if isinstance(e, Exception)}):
             raise RemoteError(_named(failed))
         return outs
+
+
+def _then_last(items: Iterator, then: Callable[[Any], None]) -> Iterator:
+    """`items`, then `then(the last item)` once they are exhausted (if there was one)."""
+    last = none = object()
+    for last in items:
+        yield last
+    if last is not none:
+        then(last)
 
 
 def _outcome(future) -> Any:

@@ -10,8 +10,12 @@
 
 `staging` (remote servers, whose weights the trainer never writes): the holder has the
 lease while generation runs on, the update's rounds arrive into staging; only the commit
-pauses (in the begin's mode), applies, resets the caches and resumes. Nothing was written
-when a staged update is aborted or its lease runs out: the version stays, not dirty.
+pauses (in the begin's mode), applies, resets the caches and resumes. A renew with `pause`
+(the trainer's "the last round is on its way") starts that pause early while requests are
+in flight, so that the wait for the engine step in flight overlaps the end of the transfer
+instead of the commit. Nothing
+was written when a staged update is aborted or its lease runs out: the version stays, not
+dirty.
 
 A version is `N@SERVER` (e.g. `7@3f9a1c2b`): N counts the weight states one server has
 served, SERVER is random per server start, so two weight states never share a version,
@@ -78,6 +82,9 @@ class Engine(Protocol):
         """Pause generation (mode wait/abort/keep); return once the weights are idle."""
 
     async def resume(self) -> None: ...
+
+    def busy(self) -> bool:
+        """Whether requests are in flight (a pause then waits for the engine step)."""
 
     async def after_update(self) -> None:
         """Apply what was staged (remote servers), then the workers' post-update hook;
@@ -154,6 +161,8 @@ class Begin(_Request):
 @dataclass(frozen=True)
 class Renew(_Request):
     lease_s: float = DEFAULT_LEASE_S
+    pause: bool = False  # a staged update: start the commit's pause now (its last round is
+    #                      on its way), so that the commit need not wait for the step in flight
 
 
 @dataclass(frozen=True)
@@ -377,13 +386,21 @@ class Transaction:
             self.last_pause_s = time.perf_counter() - self._began
             self.lease.arm(self.holder, req.lease_s)
 
-    async def _pause_staged(self, req: Commit) -> None:
-        """Pause for a staged update's commit, in its begin's mode and within its lease;
-        if that fails, the update is dropped and generation resumes at the old version."""
+    async def _pause_ahead(self) -> Exception | None:
+        """Pause for a staged update's commit, in its begin's mode and bounded by its
+        lease; what failed, for the commit to report."""
         self._hold()
         try:
             await self._paused(self.mode, self._drain_s)
         except Exception as e:
+            return e
+        return None
+
+    async def _pause_staged(self) -> None:
+        """Pause for a staged update's commit (or finish the pause a renew started); if that
+        fails, the update is dropped and generation resumes at the old version."""
+        pausing = self._pausing or asyncio.ensure_future(self._pause_ahead())
+        if (e := await pausing) is not None:
             await self._discard_quietly()
             await self._resume("commit's pause failed")
             why = (f"in-flight requests did not finish within lease_s={self._drain_s} s"
@@ -397,6 +414,9 @@ class Transaction:
         async with self._lock:
             self.check_lease(req, "renew")
             self.lease.arm(self.holder, req.lease_s)
+            if req.pause and self.state is State.STAGING and self._pausing is None \
+                    and self.engine.busy():  # idle, the commit's pause takes no wait
+                self._pausing = asyncio.ensure_future(self._pause_ahead())
             return self._granted()
 
     async def commit(self, req: Commit) -> dict:
@@ -411,7 +431,7 @@ class Transaction:
             self.lease.disarm()
             started = time.perf_counter()
             if staged:
-                await self._pause_staged(req)
+                await self._pause_staged()
             failed = []
             try:  # both at once, each while paused: the engine serves them in order, at
                 # the cost of one round trip
@@ -443,9 +463,9 @@ class Transaction:
         nothing: its version stays."""
         async with self._lock:
             self._check_holder(req)
-            if self.state is State.DRAINING:
+            if self._pausing is not None:  # a drain, or a staged update's early pause
                 self._pausing.cancel()
-            else:
+            if self.state is not State.DRAINING:
                 self.lease.disarm()
             await self._discard_quietly()
             if req.dirty and self.state is not State.STAGING:
@@ -462,6 +482,8 @@ class Transaction:
             if self.state is State.STAGING:  # nothing written: the version stays
                 logger.warning("hotweights: lease of %s expired; its staged update dropped",
                                holder)
+                if self._pausing is not None:
+                    self._pausing.cancel()
                 await self._discard_quietly()
                 await self._resume("expired")
                 self.expired = dict(holder=holder, at=self.clock(), version=self.version,

@@ -131,6 +131,9 @@ class VllmEngine:
     async def resume(self) -> None:
         await self.client.resume_generation()
 
+    def busy(self) -> bool:
+        return not self.gate.idle.is_set()
+
     async def after_update(self) -> None:
         # remote: the staged update is applied first, then the hook (one round trip)
         if not self.remote:
