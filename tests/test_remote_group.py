@@ -202,17 +202,17 @@ def test_servers_of_another_channel_protocol_are_named_before_any_join(monkeypat
 def test_a_fixed_master_port_takes_the_next_free_ports_for_more_channels():
     import socket
 
-    from hotweights.remote.group import _free_port
+    from hotweights.remote.hosts import free_port
 
-    base = _free_port("127.0.0.1")
+    base = free_port("127.0.0.1")
     group = RemoteGroup(["http://127.0.0.1:1"], token="t" * 32, master_port=base)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", base))  # someone else's
-        assert group._port() > base and _free_port("127.0.0.1", group._port())
+        assert group._port() > base and free_port("127.0.0.1", group._port())
 
 
 def test_the_default_master_addr_is_this_hosts_address_on_the_route_to_the_servers():
-    from hotweights.remote.group import route_address
+    from hotweights.remote.hosts import route_address
 
     assert RemoteGroup(["http://127.0.0.1:1"], token="t" * 32).master_addr == "127.0.0.1"
     assert route_address("http://127.0.0.1:8000") == "127.0.0.1"  # the kernel's source
@@ -239,7 +239,7 @@ def test_a_receiver_that_does_not_join_names_the_interface_variables():
 
 
 def test_the_channel_backend_follows_the_servers_devices():
-    from hotweights.remote.group import channel_backend
+    from hotweights.remote.hosts import channel_backend
 
     assert channel_backend({"http://a": {"device": "cpu"}, "http://b": {}}) == "gloo"
     with pytest.raises(RemoteError, match=r"different kinds of device .*'http://b': 'cuda'.*"

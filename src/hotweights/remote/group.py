@@ -61,7 +61,7 @@ from hotweights.protocol.renewer import Renewer
 from hotweights.protocol.tokens import find_token, is_loopback
 from hotweights.remote import delta, delta_apply, prefilter
 from hotweights.remote.channel import Channel
-from hotweights.remote.hosts import server_urls
+from hotweights.remote.hosts import channel_backend, free_port, route_address, server_urls
 from hotweights.remote.rendezvous import PROTOCOL, channel_id
 
 __all__ = ["Pending", "RemoteGroup"]
@@ -759,10 +759,10 @@ class RemoteGroup:
         """A port for a new channel: `master_port`, else the first free one above it that
         no channel of this group holds; any free one if not given."""
         if not self.master_port:
-            return _free_port(self.master_addr)
+            return free_port(self.master_addr)
         held = {link.channel.port for link in self._links.values()}
         for port in range(self.master_port, min(self.master_port + 64, 65536)):
-            if port not in held and _free_port(self.master_addr, port):
+            if port not in held and free_port(self.master_addr, port):
                 return port
         raise RemoteError(f"no free port in {self.master_port}..{self.master_port + 63} on "
                           f"{self.master_addr} for a channel (master_port=)")
@@ -859,49 +859,3 @@ def _weights(weights: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str,
         weights = reverted(dict(weights.named_parameters()), model=weights)
     return {k: t.detach() if t.is_contiguous() else t.detach().contiguous()
             for k, t in weights.items()}
-
-
-def channel_backend(status: Mapping[str, dict]) -> str:
-    """The backend of a channel to the servers of `status` (url -> status): NCCL where their
-    workers hold the weights on CUDA devices (this process needs one too), Gloo where on
-    the CPU."""
-    devices = {u: st.get("device", "cpu") for u, st in status.items()}
-    if len(set(devices.values())) > 1:
-        raise RemoteError(f"the servers' workers are on different kinds of device ({devices}): "
-                          "one channel carries CUDA or CPU tensors, not both; use one "
-                          "RemoteGroup per kind")
-    if (kind := next(iter(devices.values()))) not in ("cpu", "cuda"):
-        raise RemoteError(f"{next(iter(devices))}: workers on '{kind}' devices: a channel "
-                          "carries CUDA (NCCL) or CPU (Gloo) tensors only")
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise RemoteError(f"the servers' workers hold the weights on CUDA devices "
-                          f"({sorted(devices)}): their channel is NCCL, which needs a CUDA "
-                          "device in this process too (none is visible here)")
-    return "nccl" if kind == "cuda" else "gloo"
-
-
-def route_address(url: str) -> str:
-    """This host's address on the route to the server at `url` (what the kernel would send
-    from; nothing is sent). `gethostbyname(gethostname())` is 127.0.1.1 on Debian/Ubuntu,
-    which no other machine reaches."""
-    parts = urllib.parse.urlsplit(url)
-    try:
-        family, _, _, _, addr = socket.getaddrinfo(parts.hostname, parts.port or 80,
-                                                   type=socket.SOCK_DGRAM)[0]
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.connect(addr)
-            return s.getsockname()[0]
-    except OSError as e:
-        raise RemoteError(f"{url}: no route to its host from here ({e}); pass "
-                          "RemoteGroup(master_addr=) an address of this host the servers "
-                          "reach") from e
-
-
-def _free_port(addr: str, port: int = 0) -> int:
-    """`port` (any free one for 0) if it can be bound on `addr` now, else 0."""
-    with socket.socket() as s:
-        try:
-            s.bind((addr, port))
-        except OSError:
-            return 0
-        return s.getsockname()[1]

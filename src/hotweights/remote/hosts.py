@@ -1,11 +1,17 @@
-"""Server lists: URLs, ``host:port`` lists and SLURM node lists, to base URLs."""
+"""Where the servers and the trainer's channel are: server lists (URLs, ``host:port`` lists
+and SLURM node lists) to base URLs, this host's address on the route to them, free
+ports, the channel's backend."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+import socket
+import urllib.parse
+from collections.abc import Iterable, Mapping
 
-from hotweights.errors import ConfigError
+import torch
+
+from hotweights.errors import ConfigError, RemoteError
 
 DEFAULT_PORT = 8000
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
@@ -67,3 +73,49 @@ def server_urls(servers: str | Iterable[str], port: int = DEFAULT_PORT) -> list[
     if dupes := sorted({u for u in urls if urls.count(u) > 1}):
         raise ConfigError(f"servers named twice: {', '.join(dupes)}")
     return urls
+
+
+def channel_backend(status: Mapping[str, dict]) -> str:
+    """The backend of a channel to the servers of `status` (url -> status): NCCL where their
+    workers hold the weights on CUDA devices (this process needs one too), Gloo where on
+    the CPU."""
+    devices = {u: st.get("device", "cpu") for u, st in status.items()}
+    if len(set(devices.values())) > 1:
+        raise RemoteError(f"the servers' workers are on different kinds of device ({devices}): "
+                          "one channel carries CUDA or CPU tensors, not both; use one "
+                          "RemoteGroup per kind")
+    if (kind := next(iter(devices.values()))) not in ("cpu", "cuda"):
+        raise RemoteError(f"{next(iter(devices))}: workers on '{kind}' devices: a channel "
+                          "carries CUDA (NCCL) or CPU (Gloo) tensors only")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise RemoteError(f"the servers' workers hold the weights on CUDA devices "
+                          f"({sorted(devices)}): their channel is NCCL, which needs a CUDA "
+                          "device in this process too (none is visible here)")
+    return "nccl" if kind == "cuda" else "gloo"
+
+
+def route_address(url: str) -> str:
+    """This host's address on the route to the server at `url` (what the kernel would send
+    from; nothing is sent). `gethostbyname(gethostname())` is 127.0.1.1 on Debian/Ubuntu,
+    which no other machine reaches."""
+    parts = urllib.parse.urlsplit(url)
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(parts.hostname, parts.port or 80,
+                                                   type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
+            return s.getsockname()[0]
+    except OSError as e:
+        raise RemoteError(f"{url}: no route to its host from here ({e}); pass "
+                          "RemoteGroup(master_addr=) an address of this host the servers "
+                          "reach") from e
+
+
+def free_port(addr: str, port: int = 0) -> int:
+    """`port` (any free one for 0) if it can be bound on `addr` now, else 0."""
+    with socket.socket() as s:
+        try:
+            s.bind((addr, port))
+        except OSError:
+            return 0
+        return s.getsockname()[1]
