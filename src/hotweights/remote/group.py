@@ -76,6 +76,7 @@ _MIN_CUT = 1 << 20  # ... each covering this many bytes of weights at least (a r
 _AHEAD_BYTES = 4 << 20  # a last round up to this size (uncompressed) is staged in about an
 # engine step: the servers start their commit's pause as it goes out (a larger one would
 # keep them paused while they stage it)
+_HINT_S = 5.0  # how long that hint may take (the update waits for its answers)
 REQUIRE = ("any", "all")
 REFERENCES = ("copy", "checkpoint")
 
@@ -606,11 +607,13 @@ class RemoteGroup:
             meanwhile()
             _raise_failed(begins, "begin")
             self._leased = dict(status)
-            def pause_ahead(last: delta.Round) -> None:  # a server that fails it pauses
-                # in its commit
+
+            def pause_ahead(last: delta.Round) -> None:  # a server that does not answer it
+                # (in _HINT_S) pauses in its commit
                 if last.header.get("raw_nbytes", last.header["nbytes"]) <= _AHEAD_BYTES:
                     hints.extend(pool.submit(self._post, u, status[u], "/hotweights/renew",
-                                             lease_s=lease_s, pause=True) for u in status)
+                                             http_timeout=_HINT_S, lease_s=lease_s,
+                                             pause=True) for u in status)
 
             with Renewer(self.renew, lease_s):
                 for i, (plan, link) in enumerate(plans):

@@ -13,9 +13,8 @@ lease while generation runs on, the update's rounds arrive into staging; only th
 pauses (in the begin's mode), applies, resets the caches and resumes. A renew with `pause`
 (the trainer's "the last round is on its way") starts that pause early while requests are
 in flight, so that the wait for the engine step in flight overlaps the end of the transfer
-instead of the commit. Nothing
-was written when a staged update is aborted or its lease runs out: the version stays, not
-dirty.
+instead of the commit. Nothing was written when a staged update is aborted or its lease
+runs out: the version stays, not dirty.
 
 A version is `N@SERVER` (e.g. `7@3f9a1c2b`): N counts the weight states one server has
 served, SERVER is random per server start, so two weight states never share a version,
@@ -386,7 +385,7 @@ class Transaction:
             self.last_pause_s = time.perf_counter() - self._began
             self.lease.arm(self.holder, req.lease_s)
 
-    async def _pause_ahead(self) -> Exception | None:
+    async def _pause_for_commit(self) -> Exception | None:
         """Pause for a staged update's commit, in its begin's mode and bounded by its
         lease; what failed, for the commit to report."""
         self._hold()
@@ -399,7 +398,7 @@ class Transaction:
     async def _pause_staged(self) -> None:
         """Pause for a staged update's commit (or finish the pause a renew started); if that
         fails, the update is dropped and generation resumes at the old version."""
-        pausing = self._pausing or asyncio.ensure_future(self._pause_ahead())
+        pausing = self._pausing or asyncio.ensure_future(self._pause_for_commit())
         if (e := await pausing) is not None:
             await self._discard_quietly()
             await self._resume("commit's pause failed")
@@ -416,7 +415,7 @@ class Transaction:
             self.lease.arm(self.holder, req.lease_s)
             if req.pause and self.state is State.STAGING and self._pausing is None \
                     and self.engine.busy():  # idle, the commit's pause takes no wait
-                self._pausing = asyncio.ensure_future(self._pause_ahead())
+                self._pausing = asyncio.ensure_future(self._pause_for_commit())
             return self._granted()
 
     async def commit(self, req: Commit) -> dict:
