@@ -26,8 +26,9 @@ from test_server import (
     _greedy,
     _http,
     _sign_step,
-    _StreamingClient,
     assert_served_as_claimed,
+    assert_streams_ended_well,
+    streaming,
 )
 
 pytestmark = pytest.mark.vllm
@@ -227,26 +228,13 @@ def test_updates_under_load_keep_every_response_on_the_version_it_names(remotes,
     server, norm = remotes[0], model.model.norm.weight
     base = norm.detach().clone()
     snapshots = {group.n: base}
-    clients = [_StreamingClient(server.url, server.model_dir, PROMPT[: 3 + i])
-               for i in range(4)]
-    for client in clients:
-        client.start()
-    try:
+    with streaming(server, 4) as clients:
         for k in range(6):
             time.sleep(0.05)
             with torch.no_grad():  # neighbouring versions differ 4x in their logits' scale
                 norm.copy_(base * (2.0 if k % 2 == 0 else 0.5))
             snapshots[group.update(model, mode=mode)["version"]] = norm.detach().clone()
-    finally:
-        for client in clients:
-            client.stop.set()
-        for client in clients:
-            client.join(timeout=120)
-    responses = [r for c in clients for r in c.responses]
-    assert [e for c in clients for e in c.errors] == []
-    assert len({r["version"] for r in responses}) > 1, "no update happened under load"
-    assert {r["finish"] for r in responses} <= {"length", "stop"} | (
-        {"abort"} if mode == "abort" else set())
+    assert_streams_ended_well(clients, mode)
     assert_served_as_claimed(model, norm, clients, snapshots)
     with torch.no_grad():
         norm.copy_(snapshots[group.n])

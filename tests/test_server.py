@@ -1,5 +1,6 @@
 """`hotweights serve` + `Bridge`: a real vLLM CPU API server, trained in place over HTTP."""
 
+import contextlib
 import json
 import os
 import signal
@@ -415,6 +416,33 @@ class _StreamingClient(threading.Thread):
                 self.errors.append(repr(e))
 
 
+@contextlib.contextmanager
+def streaming(server: Server, n: int):
+    """`n` clients streaming from `server` (prompts of 3.. tokens) while the body runs."""
+    clients = [_StreamingClient(server.url, server.model_dir, PROMPT[: 3 + i])
+               for i in range(n)]
+    for client in clients:
+        client.start()
+    try:
+        yield clients
+    finally:
+        for client in clients:
+            client.stop.set()
+        for client in clients:
+            client.join(timeout=120)
+
+
+def assert_streams_ended_well(clients, mode: str) -> list[dict]:
+    """No client saw an error, the responses span versions, each ended as `mode` lets it;
+    the responses."""
+    responses = [r for c in clients for r in c.responses]
+    assert [e for c in clients for e in c.errors] == []
+    assert len({r["version"] for r in responses}) > 1, "no update happened under load"
+    finished = {"length", "stop"} | ({"abort"} if mode == "abort" else set())
+    assert {r["finish"] for r in responses} <= finished  # aborted streams say so
+    return responses
+
+
 @pytest.mark.parametrize("mode", ["wait", "abort", "keep"])
 def test_updates_under_load_are_consistent(server, mode):
     bridge = Bridge.connect(server.url, token=TOKEN)
@@ -422,11 +450,7 @@ def test_updates_under_load_are_consistent(server, mode):
     norm = model.get_parameter("model.norm.weight")
     base = norm.detach().clone()
     snapshots = {parse_version(bridge.version)[0]: base}
-    clients = [_StreamingClient(server.url, server.model_dir, PROMPT[: 3 + i])
-               for i in range(8)]
-    for client in clients:
-        client.start()
-    try:
+    with streaming(server, 8) as clients:
         for _ in range(20):
             time.sleep(0.05)
             with bridge.update(mode=mode):
@@ -434,16 +458,7 @@ def test_updates_under_load_are_consistent(server, mode):
                     norm.copy_(base * (2.0 if parse_version(bridge.version)[0] % 2 == 0
                                        else 0.5))
             snapshots[parse_version(bridge.version)[0]] = norm.detach().clone()
-    finally:
-        for client in clients:
-            client.stop.set()
-        for client in clients:
-            client.join(timeout=120)
-    responses = [r for c in clients for r in c.responses]
-    assert [e for c in clients for e in c.errors] == []
-    assert len({r["version"] for r in responses}) > 1, "no update happened under load"
-    finished = {"length", "stop"} | ({"abort"} if mode == "abort" else set())
-    assert {r["finish"] for r in responses} <= finished  # aborted streams say so
+    responses = assert_streams_ended_well(clients, mode)
     if mode == "abort":
         assert any(r["finish"] == "abort" for r in responses)
     if mode == "keep":  # frozen requests resume on the new weights (no single version)
