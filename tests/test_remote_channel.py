@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import pytest
@@ -35,6 +36,25 @@ port, rank, world, token, updates, mode = (int(sys.argv[2]), int(sys.argv[3]),
                                            sys.argv[7])
 relay = json.loads(sys.argv[9])  # {"port", "rank", "world"} of a relay channel, or null
 w = weights()
+
+
+class LateAck:  # a process group whose allreduce fails once it has ended
+    def __init__(self, pg):
+        self.pg = pg
+
+    def __getattr__(self, name):
+        return getattr(self.pg, name)
+
+    def allreduce(self, tensors):
+        work = self.pg.allreduce(tensors)
+
+        class Work:
+            def wait(self):
+                work.wait()
+                raise RuntimeError("Connection closed by peer (the test)")
+        return Work()
+
+
 print(json.dumps({"ready": True}), flush=True)
 try:
     rl = relay and Channel(master_addr="127.0.0.1", master_port=relay["port"], name="relay",
@@ -56,6 +76,9 @@ try:
                 raise HotweightsError("round 3 refused by the test")
             delta_apply.check(r.header, w)
             staged.append(delta_apply.Round(r.header, r.buffer.clone()))
+        if mode == "late_ack" and u == updates - 1:  # its acknowledgement ends, then fails
+            # here, as when another receiver dies while this one is still exchanging with it
+            ch._pg = LateAck(ch._pg)
         announced = {"update": f"u{u}", "wait": 4 * float(sys.argv[8])}
         if mode == "armed":  # no time bound; update 1 is dropped by this side after 1 s
             announced["wait"] = float("inf")
@@ -73,7 +96,8 @@ try:
         for r in staged:
             delta_apply.apply(r, w)
         print(json.dumps({"update": u, "sum": checksum(w), "bytes": ch.bytes_received,
-                          "relayed": rl.bytes_sent if rl and rl is not ch else 0}), flush=True)
+                          "relayed": rl.bytes_sent if rl and rl is not ch else 0,
+                          "broken": ch.broken}), flush=True)
     ch.close()
     if rl:
         rl.close()
@@ -319,6 +343,50 @@ def test_a_refusal_by_one_receiver_is_applied_by_none_and_the_channel_goes_on():
         assert done["sum"] == checksum(second), done
     assert "rank 2: HotweightsError: round 3" in told["refused"]
     assert own["refused"] == "round 3 refused by the test"
+
+
+@pytest.mark.parametrize("refused", [False, True])
+def test_a_receiver_whose_acknowledgement_fails_after_the_senders_ended_takes_its_verdict(
+        refused):
+    # The sender's allreduce can end while a receiver still exchanges with another that
+    # then dies: that receiver's fails, though every rank had staged (or refused) it all.
+    # It takes the sender's sum from the store: the update stands (or is refused) there as
+    # everywhere else, and the broken channel refuses the next update before its ready key.
+    port, old = _port(), weights()
+    procs = _receivers(port, 3, 1, r1={"mode": "late_ack"},
+                       r2={"mode": "refuse" if refused else "ok"})
+    new = _full(old, torch.Generator().manual_seed(8))
+    with Channel(master_addr="127.0.0.1", master_port=port, rank=0, world_size=3,
+                 token=TOKEN, timeout=TIMEOUT) as ch:
+        t0 = time.monotonic()
+        if refused:
+            with pytest.raises(RemoteError, match="rank 2: HotweightsError: round 3 refused"):
+                ch.send(delta.pack(delta.encode_all(old, new), max_bytes=MAX_BYTES))
+        else:
+            ch.send(delta.pack(delta.encode_all(old, new), max_bytes=MAX_BYTES))
+        (late,), (other,) = [_lines(p) for p in procs]
+        assert time.monotonic() - t0 < TIMEOUT  # taken from the store, not a timeout
+        assert not ch.broken
+    assert all(p.returncode == 0 for p in procs), (late, other)
+    if refused:
+        assert "rank 2: HotweightsError: round 3 refused" in late["refused"]
+        assert late["sum"] == other["sum"] == checksum(old)
+    else:
+        assert late["sum"] == other["sum"] == checksum(new)
+        assert late["broken"] and not other["broken"]
+
+
+def test_a_broken_channel_refuses_a_receive_before_the_sender_waits_for_it():
+    port = _port()
+    with ThreadPoolExecutor(1) as pool:
+        receiver = pool.submit(Channel, master_addr="127.0.0.1", master_port=port, rank=1,
+                               world_size=2, token=TOKEN, timeout=TIMEOUT)
+        with Channel(master_addr="127.0.0.1", master_port=port, rank=0, world_size=2,
+                     token=TOKEN, timeout=TIMEOUT) as ch, receiver.result() as rx:
+            rx._broken = "acknowledgement of 1 rounds failed after the sender's had ended"
+            with pytest.raises(RemoteError, match=r"rank 1: the channel is broken \(ack"):
+                rx.receive(lambda r: None, update="u1")
+            assert not ch._store.check([ch._key("ready", "u1", 1)])
 
 
 def test_announced_updates_wait_past_the_timeout_and_a_cancelled_one_changes_nothing():

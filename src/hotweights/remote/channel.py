@@ -383,9 +383,30 @@ class Channel:
 
         Each rank adds 1 if it refused the update: a non-zero sum fails it on every rank,
         naming the receivers that refused and why.
+
+        The sender's sum is the verdict: once its allreduce has ended, every rank has
+        added its part, yet a receiver may still be exchanging with another one when that
+        one dies. So the sender writes the sum to the store (`_verdict_key`), and a
+        receiver whose allreduce fails takes it from there if it is written (the channel
+        is then broken): the update it staged is applied as everywhere else, not lost
+        because a peer died after the sender's acknowledgement.
         """
         t = torch.tensor([int(refused)], dtype=torch.int64, device=self.device)
-        self._collective(lambda: self._pg.allreduce([t]).wait(), what)
+        key = self._verdict_key(self._updates)
+
+        def verdict(exc: RuntimeError) -> bool:
+            if self.rank == 0 or (total := self._verdict(key)) is None:
+                return False
+            t.fill_(total)
+            self._broken = f"{what} failed after the sender's had ended ({exc})"
+            logger.warning("%s: %s; the update stands (the sender's verdict), the channel "
+                           "is broken", self._where(), self._broken)
+            return True
+        self._collective(lambda: self._pg.allreduce([t]).wait(), what, verdict)
+        if self.rank == 0:
+            with contextlib.suppress(RuntimeError):  # (a receiver then fails by itself)
+                self._store.set(key, signing.sign(self._mac, key, str(int(t.item()))))
+                self._store.delete_key(self._verdict_key(self._updates - 1))
         keys = [(r, self._refusal_key(r)) for r in range(1, self.world_size)]
         self._updates += 1
         if int(t.item()) and not refused:
@@ -393,13 +414,39 @@ class Channel:
             raise RemoteError(f"{self._where()}: receiver(s) refused the update, so no receiver "
                               f"applies it: {'; '.join(reasons)}")
 
-    def _collective(self, op, what: str) -> None:
+    def _verdict_key(self, update: int) -> str:
+        return f"{self._ns}/acked/{update}"
+
+    def _verdict(self, key: str) -> int | None:
+        """The sender's sum of the acknowledgement under `key` (receivers), waiting for it
+        as long as a peer's failure takes to be told; None once the sender told one, or if
+        it wrote none (or the store is gone with it)."""
+        failed, deadline = f"{self._ns}/failed", time.monotonic() + 2.5 * self._interval + 1.0
+        try:
+            while not self._store.check([key]):
+                if self._store.check([failed]) or time.monotonic() > deadline:
+                    return None
+                time.sleep(0.01)
+        except RuntimeError:
+            return None
+        msg = self._opened(key)
+        return None if msg is None else int(msg)
+
+    def _check_open(self) -> None:
         if self._broken is not None:
             raise RemoteError(f"{self._where()}: the channel is broken ({self._broken}); "
                               "close it and open a new one")
+
+    def _collective(self, op, what: str,
+                    recover: Callable[[RuntimeError], bool] = lambda e: False) -> None:
+        """Run `op`; if it fails, mark the channel broken and raise the error naming the
+        peer at fault, unless `recover(error)` says the failure changes nothing."""
+        self._check_open()
         try:
             op()
         except RuntimeError as e:
+            if recover(e):
+                return
             err = self._blame(what, e)
             self._broken = str(err)
             logger.error("%s", err)
@@ -638,6 +685,7 @@ class Channel:
         if relay is not None and relay.rank != 0:
             raise RemoteError(f"{self._where()}: a relay is sent on as its rank 0, found "
                               f"rank {relay.rank}")
+        self._check_open()  # before its ready key: the sender must not wait for it
         fwd = _Relay(relay, update)
         try:
             return self._receive(stage, update, self.timeout if wait is None else wait, fwd)

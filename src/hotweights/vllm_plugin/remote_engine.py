@@ -50,7 +50,7 @@ from vllm.model_executor.model_loader.checkpoint_weight_patch import (
 from hotweights.checkpoint.dtypes import TORCH
 from hotweights.checkpoint.hub import local_dir
 from hotweights.checkpoint.shards import read_dir
-from hotweights.errors import ConfigError, HotweightsError
+from hotweights.errors import ConfigError, HotweightsError, RemoteError
 from hotweights.layout.plan import hf_params, plan
 from hotweights.remote import jit, shards
 from hotweights.remote.channel import Channel
@@ -170,6 +170,10 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
         commit), on a thread of its own and without a time bound: that update then needs
         no request to this engine, which vLLM would serve only between two engine steps.
         `discard`, `start_receiving` (of another update) and a new channel drop it."""
+        source = self.channel if self.channel is not None else self.relay
+        if source is not None and source.broken:  # its receive would fail at once
+            raise RemoteError(f"hotweights: not waiting for update {update}: the channel is "
+                              "broken; the trainer opens a new one")
         self.start_receiving({"update": update, "wait": math.inf})
 
     def _drop_receiving(self) -> None:
