@@ -2,7 +2,7 @@
 
 `RemoteGroup` must know what the servers hold to send only what changed. Three options,
 measured side by side in one run on the same model and the same changes (no servers needed:
-what goes on the wire is what `delta.pack` / the block ranges would put there):
+what goes on the wire is what `packing.pack` / the block ranges would put there):
 
 - **snapshot** (the default, `RemoteGroup.reference`): a host copy of what the servers
   hold. Exact element deltas. Extra memory: one copy of the weights, in this process.
@@ -42,7 +42,7 @@ import torch
 from hotweights.changes import blocks
 from hotweights.checkpoint import sync
 from hotweights.checkpoint.source import open_dir
-from hotweights.remote import delta
+from hotweights.remote import delta, packing
 from hotweights.testing import tiny
 from remote_update import HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, change, layers_for, load_weights
 
@@ -50,8 +50,8 @@ ROUND = 64 << 20
 
 
 def wire(deltas: list) -> int:
-    """Bytes `delta.pack` puts on the wire (headers and buffers)."""
-    return sum(r.wire_bytes for r in delta.pack(deltas, max_bytes=ROUND))
+    """Bytes `packing.pack` puts on the wire (headers and buffers)."""
+    return sum(r.wire_bytes for r in packing.pack(deltas, max_bytes=ROUND))
 
 
 def diff(old: blocks.Fingerprints, weights: dict) -> blocks.Changes:

@@ -101,7 +101,7 @@ from safetensors.torch import load_file
 
 from _survive import Skips, reason
 from hotweights.protocol.http import request
-from hotweights.remote import codec, delta, prefilter
+from hotweights.remote import codec, delta, packing, prefilter
 from hotweights.remote import group as group_module
 from hotweights.remote.channel import Channel
 from hotweights.remote.group import ROUND_BYTES, RemoteGroup
@@ -285,10 +285,10 @@ def idle_gap_ms(chunks: list[float], stopped: float, windows: list[tuple[float, 
 
 
 def time_rounds(rounds: list[int], phases: dict[str, float]) -> None:
-    """Wrap `delta.pack`: each round's staging bytes (its raw size: what the round buffer
+    """Wrap `packing.pack`: each round's staging bytes (its raw size: what the round buffer
     holds before any compression) go into `rounds`, the time spent packing (and
     compressing) into phases["pack"], and compressing alone into phases["zstd"]."""
-    pack, compress = delta.pack, codec.zstd_compress
+    pack, compress = packing.pack, codec.zstd_compress
 
     def timed_pack(*a, **k):
         it = pack(*a, **k)  # checks its arguments now, as the original does
@@ -312,8 +312,8 @@ def time_rounds(rounds: list[int], phases: dict[str, float]) -> None:
             return compress(*a, **k)
         finally:
             phases["zstd"] = phases.get("zstd", 0.0) + time.perf_counter() - t0
-    delta.pack = timed_pack  # the module `group` calls
-    codec.zstd_compress = timed_compress  # the module `delta` calls
+    packing.pack = timed_pack  # the module `group` calls
+    codec.zstd_compress = timed_compress  # the module `rounds` calls
 
 
 def split_cpus(server_cpus: int) -> tuple[set[int], set[int]]:
@@ -468,7 +468,7 @@ def main() -> int:
             warm = group.update(weights, mode=args.mode)
             assert warm["full"], warm
             rss_growth = rss() - rss0
-            xor = bool(group._links) and all(link.xor for link in group._links.values())
+            xor = bool(group.links) and all(link.xor for link in group.links)
             print(f"warm-up full sync (not a scenario): {warm['seconds']:.2f} s, "
                   f"{warm['bytes_sent']:,} B sent; trainer RSS +{rss_growth / 1e6:,.0f} MB; "
                   f"xor-coded values: {xor}; mode: {args.mode}")

@@ -9,8 +9,9 @@ import torch
 
 from hotweights.errors import DeltaError
 from hotweights.remote import delta
-from hotweights.remote.delta import Round, encode, encode_all, pack
+from hotweights.remote.delta import encode, encode_all
 from hotweights.remote.delta_apply import apply, check
+from hotweights.remote.packing import Round, pack
 from hotweights.testing import tiny
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8,

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from hotweights.errors import DeltaError
-from hotweights.remote import codec, delta, jit, shards
-from hotweights.remote.delta import Round, encode, encode_all, pack
+from hotweights.remote import codec, delta, jit, packing, shards
+from hotweights.remote.delta import encode, encode_all
 from hotweights.remote.delta_apply import apply, checked
+from hotweights.remote.packing import Round, pack
 from hotweights.remote.staging import Staged
 from test_delta import _flip, _random, _same_bits, _state
 
@@ -112,7 +113,7 @@ def test_int64_index_tensor_round_trip(monkeypatch):
 
 @pytest.mark.parametrize("max_bytes", [64, 100, 200, 300])
 def test_compact_pieces_split_across_small_rounds(monkeypatch, max_bytes):
-    monkeypatch.setattr(delta, "_BLOCK", 50)  # several pieces per tensor, split again by room
+    monkeypatch.setattr(packing, "_BLOCK", 50)  # several pieces per tensor, split again by room
     old = _random((64, 64), torch.bfloat16)
     g = torch.Generator().manual_seed(3)
     new = _flip(old, torch.randperm(4096, generator=g)[:300])

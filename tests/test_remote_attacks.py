@@ -19,7 +19,7 @@ import torch
 from torch.distributed import PrefixStore, TCPStore
 
 from hotweights.errors import RemoteError
-from hotweights.remote import delta, signing
+from hotweights.remote import delta, packing, signing
 from hotweights.remote.channel import _FIRST, _META, Channel
 from hotweights.remote.rendezvous import NS
 
@@ -87,9 +87,9 @@ def _outcome(p: subprocess.Popen) -> dict:
     return lines[-1] if lines else {"killed": p.returncode}
 
 
-def _rounds(update: int = 0) -> list[delta.Round]:
+def _rounds(update: int = 0) -> list[packing.Round]:
     old = torch.zeros(4096, dtype=torch.float32)
-    return list(delta.pack(delta.encode_all({"w": old}, {"w": old + 1 + update}),
+    return list(packing.pack(delta.encode_all({"w": old}, {"w": old + 1 + update}),
                            max_bytes=4096))
 
 

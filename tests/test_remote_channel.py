@@ -15,7 +15,9 @@ from torch.distributed import TCPStore
 
 from hotweights.errors import RemoteError
 from hotweights.remote import delta
+from hotweights.remote.announce import Announcements
 from hotweights.remote.channel import _FIRST, _INLINE, Channel
+from hotweights.remote.packing import pack
 from hotweights.testing import tiny
 
 TOKEN = "a-shared-secret-token"
@@ -195,7 +197,7 @@ def test_updates_arrive_bit_identical_and_only_what_changed_goes_on_the_wire():
                  token=TOKEN, timeout=TIMEOUT) as ch:
         for change, kib in ((_rows, 2), (_scattered, 8), (_full, 64)):  # several rounds each
             new = change(old, g)
-            rounds = list(delta.pack(delta.encode_all(old, new), max_bytes=kib << 10))
+            rounds = list(pack(delta.encode_all(old, new), max_bytes=kib << 10))
             before = ch.bytes_sent
             assert ch.send(rounds) == ch.bytes_sent - before
             assert len(rounds) >= 2
@@ -224,11 +226,11 @@ def test_reading_ahead_sends_every_round_intact_and_an_encode_failing_aborts_it(
     new = _scattered(old, torch.Generator().manual_seed(3))
     staging = [torch.empty(MAX_BYTES // 16, dtype=torch.uint8) for _ in range(2)]
     third = _scattered(new, torch.Generator().manual_seed(4))
-    (whole,) = delta.pack(delta.encode_all(new, third), max_bytes=1 << 20)
+    (whole,) = pack(delta.encode_all(new, third), max_bytes=1 << 20)
     assert len(whole.header_bytes()) > _INLINE  # its header's rest: a broadcast of its own
 
     def rounds(a, b):
-        return delta.pack(delta.encode_all(a, b), max_bytes=MAX_BYTES // 16, staging=staging)
+        return pack(delta.encode_all(a, b), max_bytes=MAX_BYTES // 16, staging=staging)
 
     def failing(rounds):
         for i, r in enumerate(rounds):
@@ -272,11 +274,11 @@ def test_a_receiver_killed_mid_send_is_named_by_the_sender_within_the_timeout():
                  token=TOKEN, timeout=TIMEOUT) as ch:
         t = time.monotonic()
         with pytest.raises(RemoteError, match=r"rank 2 \(receiver\) stopped") as e:
-            ch.send(delta.pack(delta.encode_all(old, new), max_bytes=MAX_BYTES))
+            ch.send(pack(delta.encode_all(old, new), max_bytes=MAX_BYTES))
         assert time.monotonic() - t < TIMEOUT + 3
         print(f"{time.monotonic() - t:.1f} s:", e.value)
         with pytest.raises(RemoteError, match="the channel is broken"):
-            ch.send(delta.pack(delta.encode_all(old, new), max_bytes=MAX_BYTES))
+            ch.send(pack(delta.encode_all(old, new), max_bytes=MAX_BYTES))
     assert victim.wait(timeout=30) == -9
     (line,) = _lines(survivor)
     assert survivor.returncode == 3 and "rank 2 (receiver) stopped" in line["error"], line
@@ -291,7 +293,7 @@ def test_a_stalled_receiver_is_named_by_the_sender_within_the_timeout():
                      token=TOKEN, timeout=TIMEOUT) as ch:
             t = time.monotonic()
             with pytest.raises(RemoteError, match=r"rank 2 \(receiver\) stalled behind") as e:
-                ch.send(delta.pack(delta.encode_all(old, new), max_bytes=MAX_BYTES))
+                ch.send(pack(delta.encode_all(old, new), max_bytes=MAX_BYTES))
             assert time.monotonic() - t < TIMEOUT + 5, e.value
             print(f"{time.monotonic() - t:.1f} s:", e.value)
         (line,) = _lines(survivor)
@@ -319,7 +321,7 @@ def test_a_stranger_on_the_port_does_not_disturb_the_update():
     th.start()
     with Channel(master_addr="127.0.0.1", master_port=port, rank=0, world_size=3,
                  token=TOKEN, timeout=TIMEOUT) as ch:
-        ch.send(delta.pack(delta.encode_all(old, new), max_bytes=MAX_BYTES))
+        ch.send(pack(delta.encode_all(old, new), max_bytes=MAX_BYTES))
     th.join()
     for p in procs:
         (line,) = _lines(p)
@@ -335,8 +337,8 @@ def test_a_refusal_by_one_receiver_is_applied_by_none_and_the_channel_goes_on():
                  token=TOKEN, timeout=TIMEOUT) as ch:
         with pytest.raises(RemoteError, match=r"refused the update, so no receiver applies "
                            r"it: rank 2: HotweightsError: round 3 refused by the test"):
-            ch.send(delta.pack(delta.encode_all(old, first), max_bytes=MAX_BYTES))
-        ch.send(delta.pack(delta.encode_all(old, second), max_bytes=MAX_BYTES))
+            ch.send(pack(delta.encode_all(old, first), max_bytes=MAX_BYTES))
+        ch.send(pack(delta.encode_all(old, second), max_bytes=MAX_BYTES))
     (told, _), (own, _) = lines = [_lines(p) for p in procs]
     for p, (refused, done) in zip(procs, lines, strict=True):
         assert p.returncode == 0 and refused["sum"] == checksum(old), refused
@@ -361,9 +363,9 @@ def test_a_receiver_whose_acknowledgement_fails_after_the_senders_ended_takes_it
         t0 = time.monotonic()
         if refused:
             with pytest.raises(RemoteError, match="rank 2: HotweightsError: round 3 refused"):
-                ch.send(delta.pack(delta.encode_all(old, new), max_bytes=MAX_BYTES))
+                ch.send(pack(delta.encode_all(old, new), max_bytes=MAX_BYTES))
         else:
-            ch.send(delta.pack(delta.encode_all(old, new), max_bytes=MAX_BYTES))
+            ch.send(pack(delta.encode_all(old, new), max_bytes=MAX_BYTES))
         (late,), (other,) = [_lines(p) for p in procs]
         assert time.monotonic() - t0 < TIMEOUT  # taken from the store, not a timeout
         assert not ch.broken
@@ -386,7 +388,7 @@ def test_a_broken_channel_refuses_a_receive_before_the_sender_waits_for_it():
             rx._broken = "acknowledgement of 1 rounds failed after the sender's had ended"
             with pytest.raises(RemoteError, match=r"rank 1: the channel is broken \(ack"):
                 rx.receive(lambda r: None, update="u1")
-            assert not ch._store.check([ch._key("ready", "u1", 1)])
+            assert not ch._store.check([ch.announced.key("ready", "u1", 1)])
 
 
 def test_announced_updates_wait_past_the_timeout_and_a_cancelled_one_changes_nothing():
@@ -398,12 +400,12 @@ def test_announced_updates_wait_past_the_timeout_and_a_cancelled_one_changes_not
                  token=TOKEN, timeout=TIMEOUT) as ch:
         time.sleep(TIMEOUT * 1.3)  # the sender works out its update for longer than the timeout
         ch.start("u0")
-        ch.send(delta.pack(delta.encode_all(old, first), max_bytes=MAX_BYTES))
+        ch.send(pack(delta.encode_all(old, first), max_bytes=MAX_BYTES))
         ch.cancel("u1")
         ch.cancel("u1")  # twice is harmless
         ch.start("u2")
         ch.cancel("u2")  # too late: started
-        ch.send(delta.pack(delta.encode_all(first, third), max_bytes=MAX_BYTES))
+        ch.send(pack(delta.encode_all(first, third), max_bytes=MAX_BYTES))
         for p in procs:
             assert [x.get("sum") for x in _lines(p)] == [checksum(first), checksum(first),
                                                          checksum(third)]
@@ -425,10 +427,10 @@ def test_an_update_awaited_without_bound_arrives_late_or_is_dropped_by_its_recei
                  token=TOKEN, timeout=TIMEOUT) as ch:
         time.sleep(TIMEOUT * 1.3)  # past the timeout and any lease: still waited for
         ch.start("u0")
-        ch.send(delta.pack(delta.encode_all(old, first), max_bytes=MAX_BYTES))
+        ch.send(pack(delta.encode_all(old, first), max_bytes=MAX_BYTES))
         time.sleep(2.5)  # u1 never comes: the receiver stops waiting for it after 1 s
         ch.start("u2")
-        ch.send(delta.pack(delta.encode_all(first, third), max_bytes=MAX_BYTES))
+        ch.send(pack(delta.encode_all(first, third), max_bytes=MAX_BYTES))
         lines = _lines(procs[0])
     assert [x.get("sum") for x in lines] == [checksum(first), checksum(first), checksum(third)]
     assert "stopped waiting for update u1 (dropped by this side)" in lines[1]["refused"]
@@ -439,9 +441,6 @@ def test_a_wake_deleted_as_stale_does_not_hide_the_interrupt_or_word_written_mea
     # The receiver drops a stale wake key (an old one); the interrupt's wake, or the sender's,
     # landing just before that delete must still end the wait at once, not at its end.
     store = TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=10))
-    ch = object.__new__(Channel)
-    ch.name, ch.addr, ch.port, ch.rank, ch.timeout = "test", "127.0.0.1", store.port, 1, 5.0
-    ch._ns, ch._interrupted = "t", set()
 
     class Racing:  # the store, where the other side acts right before the first delete
         def __getattr__(self, name):
@@ -449,20 +448,21 @@ def test_a_wake_deleted_as_stale_does_not_hide_the_interrupt_or_word_written_mea
 
         def delete_key(self, key):
             if race == "interrupt":
-                ch.interrupt("u")
+                rx.interrupt("u")
             else:
-                store.set(ch._key("word", "u"), "go")
+                store.set(rx.key("word", "u"), "go")
                 store.set(key, "go")
-            ch._store = store
+            rx.store = store
             return store.delete_key(key)
-    ch._store = Racing()
-    store.set(ch._key("wake", "u", 1), "stale")
+    rx = Announcements(Racing(), "t", rank=1, world_size=2, addr="127.0.0.1", port=store.port,
+                       timeout=5.0, where="test")
+    store.set(rx.key("wake", "u", 1), "stale")
     t0 = time.monotonic()
     if race == "interrupt":
         with pytest.raises(RemoteError, match="stopped waiting for update u"):
-            ch._await_word("u", 30.0)
+            rx.await_word("u", 30.0)
     else:
-        ch._await_word("u", 30.0)
+        rx.await_word("u", 30.0)
     assert time.monotonic() - t0 < 5
 
 
@@ -524,7 +524,7 @@ def test_a_relay_hands_each_round_to_the_servers_workers_and_the_sender_sends_it
                  token=TOKEN, timeout=TIMEOUT) as ch:
         for change in (_rows, _full):
             new = change(old, g)
-            ch.send(delta.pack(delta.encode_all(old, new), max_bytes=MAX_BYTES))
+            ch.send(pack(delta.encode_all(old, new), max_bytes=MAX_BYTES))
             sums.append(checksum(new))
             old = new
     lines = [_lines(p) for p in [*server, plain]]
@@ -546,8 +546,8 @@ def test_a_followers_refusal_is_its_servers_and_no_one_applies_the_update():
                            r"relay 127\.0\.0\.1:\d+ rank 0: receiver\(s\) refused the update, "
                            r"so no receiver applies it: rank 2: HotweightsError: round 3 "
                            r"refused by the test"):
-            ch.send(delta.pack(delta.encode_all(old, first), max_bytes=MAX_BYTES))
-        ch.send(delta.pack(delta.encode_all(old, second), max_bytes=MAX_BYTES))
+            ch.send(pack(delta.encode_all(old, first), max_bytes=MAX_BYTES))
+        ch.send(pack(delta.encode_all(old, second), max_bytes=MAX_BYTES))
     lines = [_lines(p) for p in [*server, plain]]
     for p, (refused, done) in zip([*server, plain], lines, strict=True):
         assert p.returncode == 0 and refused["sum"] == checksum(old), refused
@@ -570,11 +570,11 @@ def test_the_senders_cancel_and_abort_reach_the_followers():
     with Channel(master_addr="127.0.0.1", master_port=port, rank=0, world_size=2,
                  token=TOKEN, timeout=TIMEOUT) as ch:
         ch.start("u0")
-        ch.send(delta.pack(delta.encode_all(old, new), max_bytes=MAX_BYTES // 8))
+        ch.send(pack(delta.encode_all(old, new), max_bytes=MAX_BYTES // 8))
         ch.cancel("u1")
         ch.start("u2")
         with pytest.raises(ValueError, match="the encode failed"):
-            ch.send(failing(delta.pack(delta.encode_all(new, old), max_bytes=MAX_BYTES // 8)))
+            ch.send(failing(pack(delta.encode_all(new, old), max_bytes=MAX_BYTES // 8)))
     for p in server:
         done, cancelled, aborted = _lines(p)
         assert p.returncode == 0 and done["sum"] == checksum(new), done
@@ -593,7 +593,7 @@ def test_a_follower_killed_mid_update_is_named_by_the_sender_within_the_timeout(
         t = time.monotonic()
         with pytest.raises(RemoteError, match=r"rank 1: RemoteError: relay 127\.0\.0\.1:\d+ "
                            r"rank 0: round \d+ failed: rank 2 \(receiver\) stopped"):
-            ch.send(delta.pack(delta.encode_all(old, _full(old, None)), max_bytes=MAX_BYTES))
+            ch.send(pack(delta.encode_all(old, _full(old, None)), max_bytes=MAX_BYTES))
         assert time.monotonic() - t < TIMEOUT + 3
         assert not ch.broken  # the server refused: the sender's channel goes on
     assert victim.wait(timeout=30) == -9
@@ -609,15 +609,14 @@ def test_a_receiver_that_stops_waiting_withdraws_its_ready_key(end):
     # takes back its `ready` key: were the id reused, `start` must wait for this rank's
     # next receive, not pass at once and leave a failed one to the collective's timeout.
     store = TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=10))
-    ch = object.__new__(Channel)
-    ch.name, ch.addr, ch.port, ch.rank, ch.timeout = "test", "127.0.0.1", store.port, 1, 5.0
-    ch._ns, ch._interrupted, ch._store = "t", set(), store
+    rx = Announcements(store, "t", rank=1, world_size=2, addr="127.0.0.1", port=store.port,
+                       timeout=5.0, where="test")
     if end == "interrupt":
-        ch._interrupted.add("u")
+        rx._interrupted.add("u")
     elif end == "cancel":
-        store.set(ch._key("word", "u"), "cancel")
+        store.set(rx.key("word", "u"), "cancel")
     with pytest.raises(RemoteError, match={"interrupt": "stopped waiting for update u",
                                            "timeout": "did not start the update within",
                                            "cancel": "cancelled the update"}[end]):
-        ch._await_word("u", 0.2)
-    assert not store.check([ch._key("ready", "u", 1)])
+        rx.await_word("u", 0.2)
+    assert not store.check([rx.key("ready", "u", 1)])

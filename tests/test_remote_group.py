@@ -145,7 +145,7 @@ def test_a_server_restarted_from_the_synced_checkpoint_shares_the_delta(checkpoi
 
 def _prepared(group, status, new, monkeypatch):
     """`prepare`'s bookkeeping without servers: each plan encoded, nothing sent."""
-    monkeypatch.setattr(group, "_connect", lambda status, backend: None)
+    monkeypatch.setattr(group.links, "connect", lambda status, backend: None)
     def send(status, plans, encode, cut, mode, lease_s, meanwhile):
         meanwhile()
         return [(list(encode(plan)), 0, 0) for plan, _ in plans]
@@ -192,7 +192,7 @@ def test_servers_of_another_channel_protocol_are_named_before_any_join(monkeypat
         "remote": True, "n": 0, "server_id": "s",
         **({} if answers[u] is None else {"protocol": answers[u]})})
     group = RemoteGroup(urls, token="t" * 32)
-    monkeypatch.setattr(group, "_connect", lambda *a: pytest.fail("joined"))
+    monkeypatch.setattr(group.links, "connect", lambda *a: pytest.fail("joined"))
     with pytest.raises(RemoteError, match=re.escape(
             f"channel protocol {{'{urls[1]}': {PROTOCOL - 1}, '{urls[2]}': '< 3'}} on those "
             f"servers, {PROTOCOL} on this trainer: run the same hotweights version")):
@@ -208,7 +208,7 @@ def test_a_fixed_master_port_takes_the_next_free_ports_for_more_channels():
     group = RemoteGroup(["http://127.0.0.1:1"], token="t" * 32, master_port=base)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", base))  # someone else's
-        assert group._port() > base and free_port("127.0.0.1", group._port())
+        assert group.links.port() > base and free_port("127.0.0.1", group.links.port())
 
 
 def test_the_default_master_addr_is_this_hosts_address_on_the_route_to_the_servers():

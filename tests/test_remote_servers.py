@@ -256,7 +256,7 @@ def test_only_what_changed_goes_on_the_wire(remotes, trainer):
             flat = p.view(-1)
             flat[torch.randperm(flat.numel(), generator=g)[:max(1, flat.numel() // 100)]] += 0.01
     # tp=1 servers decode values xor-coded against their live weights
-    assert group._links and all(link.xor for link in group._links.values())
+    assert group.links and all(link.xor for link in group.links)
     scattered = group.update(model)["bytes"][remotes[0].url] / total
     assert rows <= 0.03 and scattered <= 0.03, (rows, scattered)
     assert _checksum(remotes[0]) == _checksum(remotes[1])
@@ -557,7 +557,7 @@ def test_a_server_killed_between_send_and_commit_is_named_and_the_other_serves_n
         model.model.layers[1].mlp.up_proj.weight[2:4] += 0.01
     out = group.update(model)  # both up to date again: one encode, one channel
     assert not out["from_checkpoint"] and len(set(out["bytes"].values())) == 1
-    assert len(group._links) == 1 and _checksum(remotes[0]) == _checksum(remotes[1])
+    assert len(group.links) == 1 and _checksum(remotes[0]) == _checksum(remotes[1])
     assert {_status(s)["n"] for s in remotes[:2]} == {group.n}
 
 
@@ -578,7 +578,7 @@ def test_a_tensor_parallel_server_is_updated_shard_by_shard(tiny_model, tmp_path
             out = group.update(model)
             assert out["full"]
             # each worker decodes xor-coded values against its own shard (`Shard.gather`)
-            assert group._links and all(link.xor for link in group._links.values())
+            assert group.links and all(link.xor for link in group.links)
             sent, total = out["bytes_sent"], _nbytes(model)
             got = _http(server.url, "/hotweights/remote/received")[2]
             staged, peak = got["staged_bytes"], got["peak_staging_bytes"]

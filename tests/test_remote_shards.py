@@ -11,7 +11,8 @@ import torch
 
 from hotweights.layout.plan import plan
 from hotweights.remote import shards
-from hotweights.remote.delta import DENSE, PATCH, ROWS, encode_all, pack
+from hotweights.remote.delta import DENSE, PATCH, ROWS, encode_all
+from hotweights.remote.packing import pack
 from hotweights.remote.shards import Shard
 from hotweights.remote.staging import Staged
 from test_delta import _flip

@@ -7,7 +7,8 @@ import torch
 
 from hotweights.errors import DeltaError
 from hotweights.remote import shards
-from hotweights.remote.delta import Round, encode_all, pack
+from hotweights.remote.delta import encode_all
+from hotweights.remote.packing import Round, pack
 from hotweights.remote.staging import Staged
 from test_delta import _same_bits, _state
 

@@ -12,7 +12,7 @@ import textwrap
 import pytest
 import torch
 
-from hotweights.remote import delta
+from hotweights.remote import delta, packing
 from hotweights.remote.channel import Channel
 from hotweights.server.launch import free_port
 from hotweights.testing import tiny
@@ -78,7 +78,7 @@ def test_nccl_rounds_arrive_bit_identical_and_apply_in_place_on_the_gpu():
                            generator=g)] += 0.5
     with Channel(master_addr="127.0.0.1", master_port=port, rank=0, world_size=2, token=TOKEN,
                  timeout=30.0, backend="nccl", device="cuda:0") as ch:
-        sent = [ch.send(delta.pack(delta.encode_all(a, b), max_bytes=1 << 20))
+        sent = [ch.send(packing.pack(delta.encode_all(a, b), max_bytes=1 << 20))
                 for a, b in ((old, rows), (rows, scattered))]
     out, err = proc.communicate(timeout=120)
     lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]

@@ -15,7 +15,7 @@ import pytest
 import torch
 from test_remote_nccl import _sum
 
-from hotweights.remote import delta, signing
+from hotweights.remote import delta, packing, signing
 from hotweights.remote.channel import Channel
 from hotweights.remote.shards import Shard
 from hotweights.remote.staging import Staged
@@ -85,7 +85,7 @@ def test_cuda_deltas_staged_pinned_and_applied_in_place_on_the_gpu():
     try:
         with Channel(master_addr="127.0.0.1", master_port=port, rank=0, world_size=2,
                      token=TOKEN, timeout=30.0, backend="gloo") as ch:
-            sent = [ch.send(delta.pack(delta.encode_all(a, b), max_bytes=1 << 20))
+            sent = [ch.send(packing.pack(delta.encode_all(a, b), max_bytes=1 << 20))
                     for a, b in ((old, rows), (rows, scattered))]
         out, err = proc.communicate(timeout=120)
     finally:
@@ -124,7 +124,7 @@ def test_a_shard_on_the_gpu_is_written_from_pinned_staging(dim, runs):
         staged = Staged(spec, shards={"t": Shard(tuple(old.shape), dim, runs,
                                                   tuple((s,) for s in slabs))},
                         pin=DEVICE.startswith("cuda"))
-        for r in delta.pack(delta.encode_all({"t": old}, {"t": want}), max_bytes=64):
+        for r in packing.pack(delta.encode_all({"t": old}, {"t": want}), max_bytes=64):
             staged(r)
         assert staged.apply_in_place() == {"t"}
         for (a, n), s, addr in zip(runs, slabs, addrs, strict=True):

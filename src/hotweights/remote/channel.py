@@ -18,8 +18,9 @@ match before anything sees it; what the ranks tell each other through the store 
 with the same key. An update may be announced: its receivers then wait in the store,
 up to a wait of their own, for the sender's word (`start` or `cancel`) instead of waiting in
 a collective, which times out after `timeout`; so they can be ready while the sender is
-still working out what to send. Every rank runs a heartbeat thread (its own store connection), so
-when a collective fails or times out the channel names the peer that stopped.
+still working out what to send (`remote.announce`). Every rank runs a heartbeat thread (its
+own store connection), so when a collective fails or times out the channel names the peer
+that stopped (`remote.peers`).
 
 A receiver may relay (`receive(relay=...)`): it hands each round on, as rank 0 of a channel
 of its own, to receivers behind it (a server's other workers), and acknowledges only once
@@ -33,7 +34,6 @@ import json
 import logging
 import socket
 import threading
-import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
@@ -44,7 +44,9 @@ from torch.distributed import PrefixStore, TCPStore
 
 from hotweights.errors import RemoteError
 from hotweights.remote import rendezvous, signing
-from hotweights.remote.delta import Round
+from hotweights.remote.announce import Announcements
+from hotweights.remote.packing import Round
+from hotweights.remote.peers import Peers
 
 __all__ = ["BACKENDS", "Channel"]
 
@@ -58,26 +60,6 @@ _FIRST = 4096  # bytes of a round's first broadcast: its meta, then its header's
 _INLINE = _FIRST - _META * 8
 _MAX_HEADER = 1 << 26  # a header longer than this is a broken or hostile sender
 _ABORT = -1  # a meta header length telling the receivers the sender gave up the update
-_WAIT_SLICE_S = 300.0  # an unbounded wait for an announced update waits this long at once:
-# an `interrupt` whose wake cannot reach the store (a hung sender) ends it within one
-
-
-class _Heartbeat(threading.Thread):
-    """Bumps this rank's counter in the store every `interval` s, on its own connection."""
-
-    def __init__(self, addr: str, port: int, key: str, interval: float, timeout: float):
-        super().__init__(name=f"hotweights-heartbeat-{key}", daemon=True)
-        self.store = TCPStore(addr, port, None, False, timeout=timedelta(seconds=timeout))
-        self.key, self.interval, self.stop = key, interval, threading.Event()
-
-    def run(self) -> None:
-        n = 0
-        while not self.stop.is_set():
-            try:
-                self.store.set(self.key, str(n := n + 1))
-            except RuntimeError:  # the store (the sender) is gone: the channel reports it
-                return
-            self.stop.wait(self.interval)
 
 
 class _Relay:
@@ -94,14 +76,14 @@ class _Relay:
         if self.state != "announced":
             return None
         try:
-            self.channel._await_ready(self.update)
+            self.channel.announced.await_ready(self.update)
         except RemoteError as e:
             return e
         return None
 
     def go(self) -> None:
         if self.state == "announced":
-            self.channel._word(self.update, b"go")
+            self.channel.announced.word(self.update, b"go")
             self.state = "open"
 
     def send(self, meta: torch.Tensor, head: torch.Tensor, buf: torch.Tensor,
@@ -139,7 +121,7 @@ class Channel:
 
     Example:
         sender: ``Channel(master_addr=a, master_port=p, rank=0, world_size=3, token=t)
-        .send(delta.pack(deltas, max_bytes=m))``; each receiver:
+        .send(packing.pack(deltas, max_bytes=m))``; each receiver:
         ``Channel(..., rank=i, ...).receive(stage)``, where ``stage(round)`` checks a round
         and keeps a copy; apply the copies once `receive` returns.
 
@@ -183,11 +165,10 @@ class Channel:
         self.addr, self.port, self.timeout = master_addr, master_port, timeout
         self.device = torch.device(device if device is not None else "cpu" if backend ==
                                    "gloo" else f"cuda:{torch.cuda.current_device()}")
-        self.bytes_sent = self.bytes_received = self._steps = self._updates = 0
+        self.bytes_sent = self.bytes_received = self._updates = 0
         self._staging: torch.Tensor | None = None
-        self._told_updates: list[str] = []  # the last two updates the sender announced
-        self._interrupted: set[str] = set()  # announced updates this receiver stops awaiting
-        self._pg = self._heartbeat = None
+        self._pg = self._peers = None
+        self.announced: Announcements | None = None  # (after the rendezvous)
         self._broken: str | None = None
         td = timedelta(seconds=timeout)
         self._store = self._ns = None
@@ -199,10 +180,10 @@ class Channel:
                                      hint=rendezvous.interface_hint(master_addr))
             self._ns = f"{rendezvous.NS}/{nonce}"
             self._mac = signing.channel_key(token, nonce)
-            self._interval = min(1.0, timeout / 8)
-            self._heartbeat = _Heartbeat(master_addr, master_port, f"{self._ns}/hb/{rank}",
-                                         self._interval, timeout)
-            self._heartbeat.start()
+            at = {"rank": rank, "world_size": world_size, "addr": master_addr,
+                  "port": master_port, "timeout": timeout, "where": self._where()}
+            self.announced = Announcements(self._store, self._ns, **at)
+            self._peers = Peers(self._store, self._ns, self._mac, **at)
             self._pg = self._group(PrefixStore(f"{self._ns}/pg", self._store), td)
         except RuntimeError as e:  # torch.distributed's errors: the store's, Gloo's
             self.close()
@@ -313,66 +294,6 @@ class Channel:
 
     # --- failures ---------------------------------------------------------------------------
 
-    def _beats(self) -> dict[int, bytes | None]:
-        out = {}
-        for r in range(self.world_size):
-            if r != self.rank:
-                k = f"{self._ns}/hb/{r}"
-                out[r] = self._store.get(k) if self._store.check([k]) else None
-        return out
-
-    def _behind(self) -> list[int]:
-        got = {}
-        for r in range(1, self.world_size):
-            k = f"{self._ns}/progress/{r}"
-            got[r] = int(self._store.get(k)) if self._store.check([k]) else -1
-        low = min(got.values())
-        return [r for r, v in got.items() if v == low and low < max(got.values())]
-
-    def _told(self) -> str | None:
-        # What another rank found: a receiver waits a little for the sender's verdict.
-        key = f"{self._ns}/failed"
-        if self.rank != 0:
-            try:
-                self._store.wait([key], timedelta(seconds=2.5 * self._interval + 1.0))
-            except dist.DistStoreError:  # nothing said yet: find out ourselves
-                return None
-        return self._opened(key)
-
-    def _opened(self, key: str) -> str | None:
-        """The signed message under `key`; None if there is none, or a forged one (logged:
-        someone else writes to the store, so every rank finds out for itself)."""
-        if not self._store.check([key]):
-            return None
-        if (msg := signing.opened(self._mac, key, self._store.get(key))) is None:
-            logger.warning("%s: ignored %s: not signed by a member of the channel (someone "
-                           "else writes to its store)", self._where(), key)
-        return msg
-
-    def _blame(self, what: str, exc: BaseException) -> RemoteError:
-        """The error naming the peer that stopped; told to the others through the store."""
-        try:
-            if (msg := self._told()) is not None:
-                return RemoteError(f"{self._where()}: {what} failed: {msg}")
-            before = self._beats()
-            time.sleep(min(2.5 * self._interval, self.timeout))
-            after = self._beats()
-            dead = [r for r in before if before[r] == after[r]]
-            behind = [] if dead else self._behind()
-        except RuntimeError:  # the store lives in the sender: it is gone
-            return RemoteError(f"{self._where()}: {what} failed: the sender (rank 0) at "
-                               f"{self.addr}:{self.port} is gone ({exc})")
-        if dead:
-            who = (", ".join(f"rank {r} ({'sender' if r == 0 else 'receiver'})" for r in dead)
-                   + f" stopped (no heartbeat for {2.5 * self._interval:.1f} s)")
-        elif behind:
-            who = ", ".join(f"rank {r} (receiver)" for r in behind) + " stalled behind the others"
-        else:
-            who = "no peer stopped or fell behind; a peer is slow or unreachable"
-        msg = f"{who}; reported by rank {self.rank} ({exc})"
-        self._tell(msg)
-        return RemoteError(f"{self._where()}: {what} failed: {msg}")
-
     def _broadcast(self, t: torch.Tensor, what: str) -> None:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
@@ -395,9 +316,9 @@ class Channel:
         key = self._verdict_key(self._updates)
 
         def verdict(exc: RuntimeError) -> bool:
-            if self.rank == 0 or (total := self._verdict(key)) is None:
+            if self.rank == 0 or (total := self._peers.awaited(key)) is None:
                 return False
-            t.fill_(total)
+            t.fill_(int(total))
             self._broken = f"{what} failed after the sender's had ended ({exc})"
             logger.warning("%s: %s; the update stands (the sender's verdict), the channel "
                            "is broken", self._where(), self._broken)
@@ -405,32 +326,17 @@ class Channel:
         self._collective(lambda: self._pg.allreduce([t]).wait(), what, verdict)
         if self.rank == 0:
             with contextlib.suppress(RuntimeError):  # (a receiver then fails by itself)
-                self._store.set(key, signing.sign(self._mac, key, str(int(t.item()))))
+                self._peers.say(key, str(int(t.item())))
                 self._store.delete_key(self._verdict_key(self._updates - 1))
         keys = [(r, self._refusal_key(r)) for r in range(1, self.world_size)]
         self._updates += 1
         if int(t.item()) and not refused:
-            reasons = [f"rank {r}: {why}" for r, k in keys if (why := self._opened(k))]
+            reasons = [f"rank {r}: {why}" for r, k in keys if (why := self._peers.opened(k))]
             raise RemoteError(f"{self._where()}: receiver(s) refused the update, so no receiver "
                               f"applies it: {'; '.join(reasons)}")
 
     def _verdict_key(self, update: int) -> str:
         return f"{self._ns}/acked/{update}"
-
-    def _verdict(self, key: str) -> int | None:
-        """The sender's sum of the acknowledgement under `key` (receivers), waiting for it
-        as long as a peer's failure takes to be told; None once the sender told one, or if
-        it wrote none (or the store is gone with it)."""
-        failed, deadline = f"{self._ns}/failed", time.monotonic() + 2.5 * self._interval + 1.0
-        try:
-            while not self._store.check([key]):
-                if self._store.check([failed]) or time.monotonic() > deadline:
-                    return None
-                time.sleep(0.01)
-        except RuntimeError:
-            return None
-        msg = self._opened(key)
-        return None if msg is None else int(msg)
 
     def _check_open(self) -> None:
         if self._broken is not None:
@@ -447,7 +353,7 @@ class Channel:
         except RuntimeError as e:
             if recover(e):
                 return
-            err = self._blame(what, e)
+            err = self._peers.blame(what, e)
             self._broken = str(err)
             logger.error("%s", err)
             raise err from e
@@ -458,7 +364,7 @@ class Channel:
         """Broadcast one update's rounds to every receiver (rank 0 only).
 
         Args:
-            rounds: from `hotweights.remote.delta.pack`, in order; their buffers on this channel's
+            rounds: from `hotweights.remote.packing.pack`, in order; their buffers on this channel's
                 device. If reading them raises, the receivers are told the update is aborted
                 and the error is raised again.
             ahead: read (encode) the next round while this one is broadcast, on a thread of
@@ -515,104 +421,20 @@ class Channel:
         Raises:
             RemoteError: a receiver not ready within the timeout (named by rank).
         """
-        self._await_ready(update, check)
-        self._word(update, b"go")
-
-    def _await_ready(self, update: str, check: Callable[[], None] = lambda: None) -> None:
-        keys = {r: self._key("ready", update, r) for r in range(1, self.world_size)}
-        deadline = time.monotonic() + self.timeout
-        while not self._store.check(list(keys.values())):
-            check()
-            if time.monotonic() > deadline:
-                late = [r for r, k in keys.items() if not self._store.check([k])]
-                raise RemoteError(f"{self._where()}: rank(s) {late} (receiver) did not start "
-                                  f"receiving the update within {self.timeout} s")
-            time.sleep(0.002)
+        self.announced.await_ready(update, check)
+        self.announced.word(update, b"go")
 
     def cancel(self, update: str) -> None:
         """Tell the receivers waiting for an announced update that it will not come (rank 0;
         nothing happens if it was started)."""
         if self._store is not None and self._broken is None:
-            self._word(update, b"cancel")
-
-    def _word(self, update: str, word: bytes) -> None:
-        receivers = range(1, self.world_size)
-        for old in self._told_updates[:-1]:  # the update before last is over everywhere
-            for r in receivers:
-                self._store.delete_key(self._key("ready", old, r))
-                self._store.delete_key(self._key("wake", old, r))
-            self._store.delete_key(self._key("word", old))
-        self._told_updates = [*self._told_updates[-1:], update]
-        if (got := self._store.compare_set(self._key("word", update), "", word)) != word and \
-                word == b"go":
-            raise RemoteError(f"{self._where()}: the store was written by someone else: the "
-                              f"word for update {update} is {got[:40]!r}, not the sender's")
-        self._store.multi_set([self._key("wake", update, r) for r in receivers],
-                              [word] * len(receivers))  # each receiver waits on its own
-
-    def _key(self, what: str, update: str, rank: int | None = None) -> str:
-        return f"{self._ns}/{what}/{update}" + ("" if rank is None else f"/{rank}")
-
-    def _await_word(self, update: str, wait: float) -> None:
-        """Wait for the sender's word on `update`: it wakes each receiver through a key of
-        its own (`_word`), which `interrupt` sets too, so no wait polls."""
-        ready = self._key("ready", update, self.rank)
-        self._store.set(ready, "1")
-        try:
-            if self._word_for(update, wait) != b"go":
-                raise RemoteError(f"{self._where()}: the sender cancelled the update before "
-                                  "sending it; nothing of it is applied")
-        except RemoteError:
-            # no longer waiting: a `start` of this id (the sender may reuse it for the
-            # next update) must wait for this rank's next receive, not pass on this key
-            with contextlib.suppress(RuntimeError):
-                self._store.delete_key(ready)
-            raise
-
-    def _word_for(self, update: str, wait: float) -> bytes:
-        key, wake = self._key("word", update), self._key("wake", update, self.rank)
-        deadline = time.monotonic() + wait
-        while True:
-            # the sender writes its word and `interrupt` its mark before either sets the
-            # wake: checked first, so a wake deleted below as stale hides neither
-            if update in self._interrupted:
-                self._interrupted.discard(update)
-                raise RemoteError(f"{self._where()}: stopped waiting for update {update} "
-                                  "(dropped by this side); nothing of it is applied")
-            if self._store.check([key]):
-                word = self._store.get(key)
-                break
-            try:
-                self._store.wait([wake], timedelta(seconds=max(0.001, min(
-                    _WAIT_SLICE_S, deadline - time.monotonic()))))
-            except dist.DistStoreError as e:
-                if update not in self._interrupted:  # (interrupted: even if its wake failed)
-                    if time.monotonic() < deadline:
-                        continue  # a slice of a longer wait
-                    raise RemoteError(f"{self._where()}: the sender did not start the "
-                                      f"update within {wait} s; nothing of it is applied"
-                                      ) from e
-            except RuntimeError as e:  # the store lives in the sender
-                raise RemoteError(f"{self._where()}: the sender (rank 0) at {self.addr}:"
-                                  f"{self.port} is gone ({e}); nothing of the update is "
-                                  "applied") from e
-            self._store.delete_key(wake)  # whose it was: the checks above say
-        return word
+            self.announced.word(update, b"cancel")
 
     def interrupt(self, update: str) -> None:
         """End this receiver's wait for the announced `update` (`receive` on another
         thread): that receive raises, naming it dropped. Once the update started, nothing
         happens. Receivers only."""
-        self._interrupted.add(update)
-        try:  # a connection of its own: the waiting thread's holds the store's lock
-            socket.create_connection((self.addr, self.port), timeout=1.0).close()
-            TCPStore(self.addr, self.port, None, False, timeout=timedelta(
-                seconds=min(self.timeout, 5.0))).set(self._key("wake", update, self.rank),
-                                                     "stop")
-        except (OSError, RuntimeError) as e:  # the sender is gone (a TCPStore would retry
-            # until its timeout): the wait ends by itself
-            logger.info("%s: could not interrupt the wait for update %s: %s", self._where(),
-                        update, e)
+        self.announced.interrupt(update)
 
     def _send_round(self, r: Round) -> int:
         head = r.header_bytes()
@@ -643,7 +465,7 @@ class Channel:
     def _abort(self, i: int, why: BaseException) -> None:
         """Tell the receivers, waiting for round `i`'s meta, that the update is given up."""
         key = f"{self._ns}/aborted"
-        self._store.set(key, signing.sign(self._mac, key, f"{type(why).__name__}: {why}"))
+        self._peers.say(key, f"{type(why).__name__}: {why}")
         first = torch.zeros(_FIRST, dtype=torch.uint8)
         first[:_FIELDS * 8] = torch.tensor([_ABORT, 0, i, 0]).view(torch.uint8)
         self._broadcast(first.to(self.device), f"abort at round {i + 1}")
@@ -701,23 +523,23 @@ class Channel:
             nonlocal refused
             refused = e
             key = self._refusal_key(self.rank)
-            self._store.set(key, signing.sign(self._mac, key, f"{type(e).__name__}: {e}"))
+            self._peers.say(key, f"{type(e).__name__}: {e}")
             fwd.fail(e)
 
         if update is not None:
             if (late := fwd.ready()) is not None:
                 refuse(late)
-            self._await_word(update, wait)
+            self.announced.await_word(update, wait)
             fwd.go()
         i, total = 0, 0  # total: known from the last round (0 on the rounds before it)
         while not total:
             first = torch.zeros(_FIRST, dtype=torch.uint8, device=self.device)
-            self._step()
+            self._peers.step()
             self._broadcast(first, f"round {i + 1}")
             meta = first[:_META * 8].view(torch.int64)
             hlen, blen, idx, total = meta[:_FIELDS].tolist()
             if hlen == _ABORT:
-                why = self._opened(f"{self._ns}/aborted") or "no reason given"
+                why = self._peers.opened(f"{self._ns}/aborted") or "no reason given"
                 raise RemoteError(f"{self._where()}: the sender aborted the update at round "
                                   f"{i + 1} ({why}); nothing of it is applied")
             self._check_meta(hlen, blen, idx, total, i)
@@ -742,7 +564,7 @@ class Channel:
             i += 1
         if refused is None and (theirs := fwd.ack(total)) is not None:
             refuse(theirs)
-        self._step()
+        self._peers.step()
         self._ack(f"acknowledgement of {total} rounds", refused is not None)
         if refused is not None:
             raise refused
@@ -765,18 +587,6 @@ class Channel:
     def _refusal_key(self, rank: int) -> str:
         return f"{self._ns}/refused/{self._updates}/{rank}"
 
-    def _step(self) -> None:
-        # Receivers record each step they enter (a round, the ack): a stalled one lags.
-        self._steps += 1
-        self._store.set(f"{self._ns}/progress/{self.rank}", str(self._steps))
-
-    def _tell(self, msg: str) -> None:
-        key = f"{self._ns}/failed"
-        try:
-            self._store.compare_set(key, "", signing.sign(self._mac, key, msg))
-        except RuntimeError:
-            pass
-
     def _check_meta(self, hlen: int, blen: int, idx: int, n: int, i: int) -> None:
         if blen > self.max_round_bytes or hlen > _MAX_HEADER:  # before allocating it
             self._broken = f"round {i + 1} over the budget"
@@ -784,7 +594,7 @@ class Channel:
                    f"header bytes is over the budget agreed at join ({self.max_round_bytes} "
                    f"buffer bytes, max_round_bytes; {_MAX_HEADER} header bytes); nothing of "
                    "the update is staged")
-            self._tell(f"rank {self.rank} refused {msg}")
+            self._peers.tell(f"rank {self.rank} refused {msg}")
             raise RemoteError(f"{self._where()}: {msg}")
         if not (0 < hlen <= _MAX_HEADER and blen >= 0 and idx == i and n in (0, i + 1)):
             self._broken = f"malformed round meta {[hlen, blen, idx, n]}"
@@ -811,9 +621,11 @@ class Channel:
 
     def close(self) -> None:
         """Stop the heartbeat and destroy the group and the store connection (idempotent)."""
-        if self._heartbeat is not None:
-            self._heartbeat.stop.set()
-            self._heartbeat = None
+        if self._peers is not None:
+            self._peers.close()
+            self._peers = None
+        if self.announced is not None:  # (the last reference to the store: rank 0's
+            self.announced.store = None  # listens until it goes)
         if self._pg is not None:
             try:
                 self._pg.shutdown()

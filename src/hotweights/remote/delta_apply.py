@@ -1,4 +1,4 @@
-"""The receiving side of `remote.delta`: check a round against its targets, apply it in place.
+"""The receiving side of `remote.packing`: check a round against its targets, apply it in place.
 
 `check` validates a round's header alone (names, dtypes, shapes, segment bounds); `apply`
 checks the header and the buffer's contents (indices and row ranges in range, no NaN or Inf
@@ -18,20 +18,18 @@ import numpy as np
 import torch
 
 from hotweights.errors import DeltaError
-from hotweights.remote import codec, delta, jit
+from hotweights.remote import codec, delta, jit, packing
 from hotweights.remote.delta import (
     _BITS,
     _CHUNK,
     _RANGE,
     DENSE,
-    FORMAT,
     PATCH,
     ROWS,
-    Round,
-    _al,
     _dtype_name,
     _row_index,
 )
+from hotweights.remote.packing import FORMAT, Round, _al
 
 __all__ = ["apply", "check", "checked", "finite", "host", "write", "writer"]
 
@@ -62,9 +60,9 @@ def _parse(header: object, targets: Mapping[str, torch.Tensor]) -> list[tuple[di
         raise DeltaError(f"{where}: fields 'nbytes' (an int >= 0) and 'entries' (a list) are "
                          f"needed, found {total!r} and {type(header.get('entries')).__name__}")
     if "compress" in header:
-        if header["compress"] not in delta.COMPRESS[1:]:
+        if header["compress"] not in packing.COMPRESS[1:]:
             raise DeltaError(f"{where}: field 'compress' must be one of "
-                             f"{list(delta.COMPRESS[1:])}, found {header['compress']!r}")
+                             f"{list(packing.COMPRESS[1:])}, found {header['compress']!r}")
         total = header.get("raw_nbytes")  # the segments are in the decompressed buffer
         if type(total) is not int or total < 0:
             raise DeltaError(f"{where}: field 'raw_nbytes' must be an int >= 0, found "

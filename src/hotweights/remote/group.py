@@ -32,13 +32,10 @@ only the delta (`result["bytes"]` per server).
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import itertools
 import logging
 import os
-import re
-import secrets
 import socket
 import time
 import urllib.parse
@@ -55,14 +52,14 @@ import torch
 from hotweights.checkpoint.digest import digest, stats
 from hotweights.checkpoint.names import reverted
 from hotweights.checkpoint.source import open_dir
-from hotweights.errors import DeltaError, HotweightsError, RemoteError, ServerError
+from hotweights.errors import DeltaError, HotweightsError, RemoteError
 from hotweights.protocol.http import request
 from hotweights.protocol.renewer import Renewer
 from hotweights.protocol.tokens import find_token, is_loopback
-from hotweights.remote import delta, delta_apply, prefilter
-from hotweights.remote.channel import Channel
-from hotweights.remote.hosts import channel_backend, free_port, route_address, server_urls
-from hotweights.remote.rendezvous import PROTOCOL, channel_id
+from hotweights.remote import delta, delta_apply, packing, prefilter
+from hotweights.remote.hosts import channel_backend, route_address, server_urls
+from hotweights.remote.links import Link, Links, named, outcome
+from hotweights.remote.rendezvous import PROTOCOL
 
 __all__ = ["Pending", "RemoteGroup"]
 
@@ -122,26 +119,6 @@ class _Plan:
     urls: list[str]
     reference: dict | None  # the old values they hold; None: the whole model is sent
     held: bool  # `reference` is what this group sent last (fingerprinted: `prefilter`)
-
-
-@dataclass
-class _Link:
-    """A channel and the servers on it."""
-
-    channel: Channel
-    members: tuple  # ((url, server id), ...)
-    id: str  # `rendezvous.channel_id`, as each member's status reports it
-    ranks: dict[str, range]  # url -> its ranks on the channel
-    xor: bool  # every member decodes xor-coded values
-    next: str = ""  # the next update's id, sent with the last commit: servers wait for it
-
-    def named(self, msg: str) -> str:
-        """`msg` with each receiver rank of this channel it names followed by the server's
-        URL (not the ranks of a server's own relay, which its part of `msg` names)."""
-        ours, relay, theirs = msg.partition("relay ")
-        return re.sub(r"\brank ([1-9]\d*)( \(receiver\))?", lambda m: f"{m.group(0)} = "
-                      + next((u for u, r in self.ranks.items() if int(m.group(1)) in r), "?"),
-                      ours) + relay + theirs
 
 
 class RemoteGroup:
@@ -214,15 +191,15 @@ class RemoteGroup:
         self.master_addr = master_addr or ("127.0.0.1" if local else
                                            route_address(self.urls[0]))
         self.master_port, self.timeout = master_port, timeout
-        if type(max_round_bytes) is not int or max_round_bytes < delta.MIN_ROUND_BYTES:
+        if type(max_round_bytes) is not int or max_round_bytes < packing.MIN_ROUND_BYTES:
             raise RemoteError(f"field 'max_round_bytes' must be an int >= "
-                              f"{delta.MIN_ROUND_BYTES}, found {max_round_bytes!r}")
+                              f"{packing.MIN_ROUND_BYTES}, found {max_round_bytes!r}")
         self.max_round_bytes = max_round_bytes
         if require not in REQUIRE:
             raise RemoteError(f"field 'require' must be one of {REQUIRE}, found {require!r}")
         self.require = require
-        if compress not in delta.COMPRESS:
-            raise RemoteError(f"field 'compress' must be one of {list(delta.COMPRESS)}, found "
+        if compress not in packing.COMPRESS:
+            raise RemoteError(f"field 'compress' must be one of {list(packing.COMPRESS)}, found "
                               f"{compress!r}")
         self.compress = compress
         if reference not in REFERENCES or reference == "checkpoint" and checkpoint is None:
@@ -242,7 +219,8 @@ class RemoteGroup:
         self._prefilter = prefilter.Prefilter()  # fingerprints of `reference`
         self.bytes_sent = 0
         self._held: dict[str, tuple[str, int]] = {}  # url -> (server id, n) of `reference`
-        self._links: dict[tuple, _Link] = {}  # members -> the channel they joined
+        self.links = Links(master_addr=self.master_addr, master_port=master_port,
+                           timeout=timeout, max_round_bytes=max_round_bytes, post=self._post)
         self._leased: dict = {}  # url -> status, of the servers an update in progress began
 
     # -- the update ------------------------------------------------------------------------
@@ -315,10 +293,10 @@ class RemoteGroup:
                           errors=True, urls=urls)
         down = {u: str(e) for u, e in outs.items() if isinstance(e, Exception)}
         if down and (self.require == "all" or len(down) == len(urls)):
-            raise RemoteError(f"no answer from {_named(down)}")
+            raise RemoteError(f"no answer from {named(down)}")
         if down:
             logger.warning("hotweights: %s dropped from this update (the next one catches "
-                           "them up): %s", sorted(down), _named(down))
+                           "them up): %s", sorted(down), named(down))
         status = {u: st for u, st in outs.items() if u not in down}
         for u, st in status.items():
             if not st.get("remote"):
@@ -350,10 +328,8 @@ class RemoteGroup:
             found.append(self._prefilter.rows({k: t for k, t in new.items() if k not in kept},
                                               use=plans[0].held))  # kept: `frozen_prints`
         backend = channel_backend(status)  # one kind of device for the whole group
-        for link in [k for k in self._links.values() if not {u for u, _ in k.members} &
-                     set(status)]:
-            self._drop(link)  # its servers are gone
-        links = [self._connect({u: status[u] for u in p.urls}, backend) for p in plans]
+        self.links.drop_gone(status)
+        links = [self.links.connect({u: status[u] for u in p.urls}, backend) for p in plans]
         sends = self._send(status, list(zip(plans, links, strict=True)),
                            lambda p: self._encode(p, new, kept, found[0][0]),
                            max(_MIN_CUT, -(-sum(t.nbytes for t in new.values()) // _CUTS)),
@@ -398,7 +374,7 @@ class RemoteGroup:
         status, self._leased = pending.status, {}
         committed, failed = {}, {}
         nexts = {}  # url -> the id of its channel's next update: it waits for it from now
-        for link in self._links.values():
+        for link in self.links:
             link.next = uuid.uuid4().hex
             nexts |= {u: link.next for u, _ in link.members}
         with ThreadPoolExecutor(1) as pool:  # while the servers commit
@@ -426,11 +402,11 @@ class RemoteGroup:
                   "dropped": pending.dropped}
         if failed and (self.require == "all" or not committed):
             raise RemoteError(f"version {n} is served by {sorted(committed) or 'no server'}; "
-                              f"the commit failed on {_named(failed)}; that server is "
+                              f"the commit failed on {named(failed)}; that server is "
                               "caught up at the next update")
         if failed:
             logger.warning("hotweights: version %d: the commit failed on %s; caught up at the "
-                           "next update", n, _named(failed))
+                           "next update", n, named(failed))
             result["dropped"] = {**pending.dropped, **{u: str(e) for u, e in failed.items()}}
         logger.info("hotweights: version %d on %d servers, %d bytes sent%s in %.2f s", n,
                     len(committed), pending.sent, f" (the whole model to {list(pending.full)})"
@@ -579,7 +555,7 @@ class RemoteGroup:
             return None
         return tensors
 
-    def _send(self, status: dict, plans: list[tuple[_Plan, _Link]],
+    def _send(self, status: dict, plans: list[tuple[_Plan, Link]],
               encode: Callable[[_Plan], Iterator[delta.Delta]], cut_bytes: int, mode: str,
               lease_s: float, meanwhile: Callable[[], None] = lambda: None) -> list[tuple]:
         """Begin everywhere, then for each plan encode and broadcast on its channel while
@@ -608,7 +584,7 @@ class RemoteGroup:
             _raise_failed(begins, "begin")
             self._leased = dict(status)
 
-            def pause_ahead(last: delta.Round) -> None:  # a server that does not answer it
+            def pause_ahead(last: packing.Round) -> None:  # a server that does not answer it
                 # (in _HINT_S) pauses in its commit
                 if last.header.get("raw_nbytes", last.header["nbytes"]) <= _AHEAD_BYTES:
                     hints.extend(pool.submit(self._post, u, status[u], "/hotweights/renew",
@@ -621,7 +597,7 @@ class RemoteGroup:
                     receipts = self._receive(pool, {u: status[u] for u in plan.urls}, on[1],
                                              lease_s)
                     deltas = _Encoded()
-                    rounds = delta.pack(
+                    rounds = packing.pack(
                         deltas.read(encode(plan)), max_bytes=self.max_round_bytes,
                         staging=self._round_buffers(link.channel.device),
                         values="xor" if link.xor else "raw", compress=self.compress,
@@ -661,7 +637,7 @@ class RemoteGroup:
                 # left: the survivors' receive fails at once (not at their timeout) and a
                 # server whose own relay broke joins afresh at the next update
                 on[0].channel.cancel(on[1])
-                self._drop(on[0])
+                self.links.drop(on[0])
             began = [u for u, f in begins.items() if not f.cancelled() and f.done()
                      and f.exception() is None]
             aborted = self._each(lambda u: self._post(u, status[u], "/hotweights/abort",
@@ -716,71 +692,9 @@ class RemoteGroup:
             elif d.kind == delta.DENSE:
                 ref.copy_(d.tensor)
 
-    # -- the channel -----------------------------------------------------------------------
-
-    def _connect(self, status: dict, backend: str) -> _Link:
-        """The channel of the servers of `status`: (re)built when one of them joined,
-        restarted or is on another channel (a channel whose send failed is dropped)."""
-        members = tuple((u, st["server_id"]) for u, st in status.items())
-        link = self._links.get(members)
-        if link is not None and all(st.get("channel") == link.id for st in status.values()):
-            return link  # nobody restarted, and nobody joined another channel since
-        for old in [k for k in self._links.values() if {u for u, _ in k.members} & set(status)]:
-            self._drop(old)  # a server is on one channel at a time
-        offset, ranks = 1, {}
-        for u, st in status.items():
-            ranks[u] = range(offset, offset + st["channel_ranks"])  # its leader: 1
-            offset = ranks[u].stop
-        port = self._port()
-        token = secrets.token_hex(16)
-        with ThreadPoolExecutor(len(status)) as pool:
-            joins = {u: pool.submit(self._post, u, status[u], "/hotweights/remote/join",
-                                    master_addr=self.master_addr, master_port=port,
-                                    rank_offset=ranks[u].start, world_size=offset,
-                                    token=token, timeout=self.timeout,
-                                    max_round_bytes=self.max_round_bytes,
-                                    protocol=PROTOCOL) for u in status}
-            channel = None
-            try:
-                channel = Channel(master_addr=self.master_addr, master_port=port, rank=0,
-                                  world_size=offset, token=token, timeout=self.timeout,
-                                  backend=backend)
-            finally:
-                outs = {u: _outcome(f) for u, f in joins.items()}
-        if failed := {u: e for u, e in outs.items() if isinstance(e, Exception)}:
-            channel.close()
-            raise RemoteError(f"joining the channel failed on {_named(failed)}")
-        # values as few bits as flipped, where every server holds every tensor whole
-        link = _Link(channel, members, channel_id(self.master_addr, port, token), ranks,
-                     all(out.get("xor") for out in outs.values()))
-        self._links[members] = link
-        logger.info("hotweights: channel %s:%d with %s", self.master_addr, port,
-                    {u: f"ranks {r.start}..{r.stop - 1}" for u, r in ranks.items()})
-        return link
-
-    def _port(self) -> int:
-        """A port for a new channel: `master_port`, else the first free one above it that
-        no channel of this group holds; any free one if not given."""
-        if not self.master_port:
-            return free_port(self.master_addr)
-        held = {link.channel.port for link in self._links.values()}
-        for port in range(self.master_port, min(self.master_port + 64, 65536)):
-            if port not in held and free_port(self.master_addr, port):
-                return port
-        raise RemoteError(f"no free port in {self.master_port}..{self.master_port + 63} on "
-                          f"{self.master_addr} for a channel (master_port=)")
-
-    def _drop(self, link: _Link) -> None:
-        if link.next:  # its servers' workers wait for it: let them go now
-            with contextlib.suppress(RemoteError, RuntimeError):
-                link.channel.cancel(link.next)
-        link.channel.close()
-        self._links.pop(link.members, None)
-
     def close(self) -> None:
         """Leave the channels (the servers keep serving; the next update rebuilds them)."""
-        for link in list(self._links.values()):
-            self._drop(link)
+        self.links.close()
 
     def __enter__(self) -> RemoteGroup:
         return self
@@ -805,10 +719,10 @@ class RemoteGroup:
             return {}
         with ThreadPoolExecutor(len(urls)) as pool:
             futures = {u: pool.submit(fn, u) for u in urls}
-            outs = {u: _outcome(f) for u, f in futures.items()}
+            outs = {u: outcome(f) for u, f in futures.items()}
         if not errors and (failed := {u: e for u, e in outs.items()
                                       if isinstance(e, Exception)}):
-            raise RemoteError(_named(failed))
+            raise RemoteError(named(failed))
         return outs
 
 
@@ -821,23 +735,12 @@ def _then_last(items: Iterator, then: Callable[[Any], None]) -> Iterator:
         then(last)
 
 
-def _outcome(future) -> Any:
-    try:
-        return future.result()
-    except ServerError as e:
-        return e
-
-
 def _raise_failed(futures: dict, what: str, *, wait: bool = True) -> None:
     """RemoteError naming every server whose request (`futures`: url -> future) for `what`
     failed. Without `wait`, only the requests done count."""
-    outs = {u: _outcome(f) for u, f in futures.items() if wait or f.done()}
+    outs = {u: outcome(f) for u, f in futures.items() if wait or f.done()}
     if failed := {u: e for u, e in outs.items() if isinstance(e, Exception)}:
-        raise RemoteError(f"{what} failed on {_named(failed)}")
-
-
-def _named(failed: dict[str, Exception]) -> str:
-    return "; ".join(f"{u}: {e}" for u, e in failed.items())
+        raise RemoteError(f"{what} failed on {named(failed)}")
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,8 @@ import torch
 from hotweights.errors import DeltaError
 from hotweights.remote import delta_apply, jit
 from hotweights.remote.codec import XOR
-from hotweights.remote.delta import DENSE, PATCH, Round, _row_index
+from hotweights.remote.delta import DENSE, PATCH, _row_index
+from hotweights.remote.packing import Round
 from hotweights.remote.shards import Shard
 
 __all__ = ["Patch", "Staged"]

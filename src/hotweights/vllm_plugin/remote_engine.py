@@ -144,7 +144,7 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
     def decodes_xor(self) -> bool:
         """Whether this worker can read the old value of every checkpoint tensor it holds
         part of (whole, or one run of it in one slab at TP > 1), so it can decode xor-coded
-        values (`delta.pack(values="xor")`) against its live weights."""
+        values (`packing.pack(values="xor")`) against its live weights."""
         return self.staged is not None and set(self.staged.specs) <= set(self._old())
 
     def start_weight_update(self) -> None:

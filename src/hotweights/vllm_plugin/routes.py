@@ -183,7 +183,7 @@ class Join(_Request):
         for name in ("master_addr", "master_port", "rank_offset", "world_size", "token"):
             if not getattr(self, name):
                 raise Refused(400, f"field {name!r} is required")
-        if self.max_round_bytes < 64:  # delta.MIN_ROUND_BYTES
+        if self.max_round_bytes < 64:  # packing.MIN_ROUND_BYTES
             raise Refused(400, f"field 'max_round_bytes' must be >= 64, got "
                           f"{self.max_round_bytes}")
 
