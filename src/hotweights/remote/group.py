@@ -190,7 +190,7 @@ class RemoteGroup:
         local = all(is_loopback(urllib.parse.urlsplit(u).hostname) for u in self.urls)
         self.master_addr = master_addr or ("127.0.0.1" if local else
                                            route_address(self.urls[0]))
-        self.master_port, self.timeout = master_port, timeout
+        self.timeout = timeout
         if type(max_round_bytes) is not int or max_round_bytes < packing.MIN_ROUND_BYTES:
             raise RemoteError(f"field 'max_round_bytes' must be an int >= "
                               f"{packing.MIN_ROUND_BYTES}, found {max_round_bytes!r}")
