@@ -135,12 +135,12 @@ def test_a_server_restarted_from_the_synced_checkpoint_shares_the_delta(checkpoi
     ckpt, weights = checkpoint
     urls = ["http://127.0.0.1:1", "http://127.0.0.2:1"]
     group = RemoteGroup(urls, token="t" * 32, checkpoint=ckpt, reference="checkpoint")
-    group.n = group._synced_at = 3
+    group.n = group.checkpoint.synced_at = 3
     group._held = {urls[0]: ("a", 3)}
     status = {urls[0]: {"server_id": "a", "n": 3, "checkpoint": None},
               urls[1]: {"server_id": "b", "n": 0, "checkpoint": digest(ckpt)}}
     (plan,) = group._plans(status, {k: t.clone() for k, t in weights.items()})
-    assert plan.urls == urls and plan.held and plan.reference is group._opened()
+    assert plan.urls == urls and plan.held and plan.reference is group.checkpoint.tensors()
 
 
 def _prepared(group, status, new, monkeypatch):

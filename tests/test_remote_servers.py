@@ -298,7 +298,7 @@ def test_the_checkpoint_serves_as_the_reference_when_synced_every_update(remotes
     with RemoteGroup([s.url for s in remotes[:2]], token=TOKEN, timeout=10.0,
                      checkpoint=ckpt, reference="checkpoint") as group:
         assert group.update(model)["full"]  # the servers were updated: not the checkpoint
-        assert group.reference is None and group._synced_at == group.n
+        assert group.reference is None and group.checkpoint.synced_at == group.n
         for _ in range(2):
             with torch.no_grad():
                 model.model.layers[0].mlp.up_proj.weight[::5] += 0.05
@@ -313,7 +313,8 @@ def test_the_checkpoint_serves_as_the_reference_when_synced_every_update(remotes
         with pytest.raises(RemoteError, match="reference='checkpoint': `model.norm.weight` "
                            r"is torch.float32 \(\d+,\), the checkpoint .* holds "
                            r"torch.bfloat16"):
-            group._check_dtypes({"model.norm.weight": torch.zeros(model.config.hidden_size)})
+            group.checkpoint.check_dtypes({"model.norm.weight": torch.zeros(
+                model.config.hidden_size)})
     with pytest.raises(RemoteError, match="field 'reference'"):
         RemoteGroup(remotes[0].url, token=TOKEN, reference="checkpoint")
 

@@ -513,6 +513,28 @@ def test_a_staged_update_paused_ahead_then_aborted_or_expired_resumes_clean(end)
     run_recording(test)
 
 
+@pytest.mark.parametrize("end", ["commit", "abort"])
+def test_in_abort_mode_a_pause_ahead_freezes_the_requests_and_only_the_commit_ends_them(end):
+    # the update may still fail after the hint (a worker refuses its last round): the
+    # requests in flight must not have been ended for it
+    async def test(tx, engine):
+        await tx.begin(begin(stage=True, mode="abort"))
+        await tx.renew(Renew("h1", SID, lease_s=30, pause=True))
+        await settle()
+        assert engine.steps == ["pause keep"] and engine.paused
+        if end == "commit":
+            out = await tx.commit(Commit("h1", SID))
+            assert engine.steps == ["pause keep", "pause abort", "apply"]
+            assert out["version"] == f"1@{SID}" and not out["dirty"] and out["paused_s"] > 0
+        else:
+            await tx.abort(Abort("h1", SID, dirty=False))
+            assert engine.steps == ["pause keep", "discard"]
+            assert tx.status()["version"] == f"0@{SID}" and not tx.status()["dirty"]
+        assert not engine.held and not engine.paused and engine.resumes == 1
+
+    run_recording(test)
+
+
 def test_a_pause_ahead_that_times_out_is_reported_by_the_commit():
     async def test(tx, engine):
         await tx.begin(begin(stage=True, lease_s=0.05))  # the drain's bound

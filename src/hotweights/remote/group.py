@@ -49,9 +49,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hotweights.checkpoint.digest import digest, stats
 from hotweights.checkpoint.names import reverted
-from hotweights.checkpoint.source import open_dir
 from hotweights.errors import DeltaError, HotweightsError, RemoteError
 from hotweights.protocol.http import request
 from hotweights.protocol.renewer import Renewer
@@ -59,6 +57,7 @@ from hotweights.protocol.tokens import find_token, is_loopback
 from hotweights.remote import delta, delta_apply, packing, prefilter
 from hotweights.remote.hosts import channel_backend, route_address, server_urls
 from hotweights.remote.links import Link, Links, named, outcome
+from hotweights.remote.loaded import LoadedCheckpoint
 from hotweights.remote.rendezvous import PROTOCOL
 
 __all__ = ["Pending", "RemoteGroup"]
@@ -206,13 +205,11 @@ class RemoteGroup:
             raise RemoteError(f"field 'reference' must be one of {REFERENCES}, 'checkpoint' "
                               f"with checkpoint=DIR; found {reference!r}")
         self.reference_mode = reference
-        self._synced_at: int | None = None  # reference="checkpoint": the version it holds
         self.trainable = None if trainable is None else (
             (trainable,) if isinstance(trainable, str) else tuple(trainable))
         self._frozen_prints: prefilter.Prints = {}  # of what the servers hold, not copied
         self._staging: tuple[torch.Tensor, ...] | None = None  # see _round_buffers
-        self.checkpoint = checkpoint
-        self._loaded: tuple[dict, str | None, dict] | None = None  # (stats, digest, tensors)
+        self.checkpoint = None if checkpoint is None else LoadedCheckpoint(checkpoint)
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.n = 0  # the version number every server served at the last update
         self.reference: dict[str, torch.Tensor] | None = None  # what the servers hold
@@ -316,7 +313,7 @@ class RemoteGroup:
         plans = self._plans(status, new)
         if self.reference_mode == "checkpoint":
             if any(p.reference is None for p in plans):
-                self._check_dtypes(new)
+                self.checkpoint.check_dtypes(new)
             frozen = set()  # no copies to spare
         else:
             frozen = self._frozen(weights, new)
@@ -356,7 +353,7 @@ class RemoteGroup:
         one (restarted, dropped from an update) what differs from the checkpoint it loaded
         (`checkpoint`), else the whole model, each set on its own channel."""
         held = self.reference if self.reference_mode == "copy" else \
-            self._opened() if self._synced_at == self.n else None
+            self.checkpoint.tensors() if self.checkpoint.synced_at == self.n else None
         plans: dict[int, _Plan] = {}
         for u, st in status.items():
             ref = held if held is not None and not self._stale(u, st) else \
@@ -378,7 +375,7 @@ class RemoteGroup:
             link.next = uuid.uuid4().hex
             nexts |= {u: link.next for u, _ in link.members}
         with ThreadPoolExecutor(1) as pool:  # while the servers commit
-            remembered = pool.submit(self._sync_checkpoint, pending.new, n) \
+            remembered = pool.submit(self.checkpoint.sync, pending.new, n) \
                 if self.reference_mode == "checkpoint" else \
                 pool.submit(self._remember, pending.new, pending.deltas, pending.frozen)
             outs = self._each(lambda u: self._post(u, status[u], "/hotweights/commit", n=n,
@@ -493,67 +490,14 @@ class RemoteGroup:
                 raise DeltaError(f"`{d.name}`: the patch values hold NaN or Inf; refused")
             yield d
         if plan.reference is not None and plan.reference is not self.reference and \
-                stats(self.checkpoint) != self._loaded[0]:
+                self.checkpoint.written():
             # in place (journal mode): the memory-mapped old values may have moved under us
-            raise RemoteError(f"{self.checkpoint} was written during the update; the update "
+            raise RemoteError(f"{self.checkpoint.path} was written during the update; the update "
                               "was given up on every server: update again")
 
-    def _opened(self) -> dict:
-        """The checkpoint's tensors, memory-mapped (opened again when its files changed)."""
-        now = stats(self.checkpoint)
-        if self._loaded is None or self._loaded[0] != now:
-            self._loaded = (now, None, open_dir(self.checkpoint))  # its digest: when needed
-        return self._loaded[2]
-
-    def _check_dtypes(self, new: dict) -> None:
-        """reference="checkpoint": refuse weights the checkpoint cannot hold bit for bit."""
-        tensors = self._opened()
-        if bad := _unlike(tensors, new):
-            held = "nothing by that name" if bad not in tensors else \
-                f"{tensors[bad].dtype} {tuple(tensors[bad].shape)}"
-            raise RemoteError(f"reference='checkpoint': `{bad}` is {new[bad].dtype} "
-                              f"{tuple(new[bad].shape)}, the checkpoint {self.checkpoint} "
-                              f"holds {held}; it must hold every tensor in the weights' own "
-                              "dtype and shape")
-
-    def _sync_checkpoint(self, new: dict, n: int) -> None:
-        """reference="checkpoint": make the checkpoint what the servers now hold."""
-        from hotweights.checkpoint import sync
-
-        self._synced_at = None
-        try:
-            sync(self.checkpoint, new, version=str(n))
-        except Exception:
-            logger.exception("hotweights: syncing %s failed; the next update is a full sync",
-                             self.checkpoint)
-            return
-        self._synced_at = n
-
     def _checkpoint_for(self, stale: list[dict], new: dict) -> dict | None:
-        """The checkpoint's tensors (memory-mapped) when every server in `stale` holds
-        exactly `checkpoint` and it matches the new weights' names, dtypes and shapes."""
-        if self.checkpoint is None or any(st.get("checkpoint") is None for st in stale):
-            return None
-        now = stats(self.checkpoint)
-        if self._loaded is None or self._loaded[0] != now or self._loaded[1] is None:
-            found = digest(self.checkpoint)  # None: no safetensors there (hashed again only
-            # when changed)
-            tensors = {} if found is None else self._loaded[2] if self._loaded is not None \
-                and self._loaded[0] == now else open_dir(self.checkpoint)  # one map: `_plans`
-            if stats(self.checkpoint) != now:
-                logger.info("hotweights: %s is being written: a full sync", self.checkpoint)
-                return None
-            self._loaded = (now, found, tensors)
-        _, found, tensors = self._loaded
-        if any(st["checkpoint"] != found for st in stale):
-            logger.info("hotweights: %s differs from what the servers loaded: a full sync",
-                        self.checkpoint)
-            return None
-        if bad := _unlike(tensors, new):
-            logger.info("hotweights: %s: %s differs from the checkpoint's (dtype, shape or "
-                        "missing): a full sync", self.checkpoint, bad)
-            return None
-        return tensors
+        """The checkpoint's tensors, where every server of `stale` holds it (`held_by`)."""
+        return None if self.checkpoint is None else self.checkpoint.held_by(stale, new)
 
     def _send(self, status: dict, plans: list[tuple[_Plan, Link]],
               encode: Callable[[_Plan], Iterator[delta.Delta]], cut_bytes: int, mode: str,
@@ -746,12 +690,6 @@ def _raise_failed(futures: dict, what: str, *, wait: bool = True) -> None:
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
     """A host copy of `t`; pinned when `t` is on a GPU (deltas and restores copy faster)."""
     return torch.empty_like(t, device="cpu", pin_memory=t.is_cuda).copy_(t.detach())
-
-
-def _unlike(held: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> str | None:
-    """The first name of `new` that `held` lacks or holds in another dtype or shape."""
-    return next((k for k, t in new.items() if k not in held or held[k].dtype != t.dtype
-                 or held[k].shape != t.shape), None)
 
 
 def _same(a: tuple | None, b: tuple) -> bool:

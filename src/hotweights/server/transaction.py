@@ -43,6 +43,9 @@ from hotweights.errors import HotweightsError
 logger = logging.getLogger(__name__)
 
 MODES = ("wait", "abort", "keep")
+_AHEAD = {"abort": "keep"}  # a pause begun ahead of a staged commit (a renew's hint) in
+# abort mode freezes the requests in flight: the commit ends them, an update that fails
+# before it does not
 MAX_LEASE_S = 24 * 3600.0
 DEFAULT_LEASE_S = 60.0
 _KEPT_DIRTY = 100  # dirty versions remembered
@@ -385,12 +388,12 @@ class Transaction:
             self.last_pause_s = time.perf_counter() - self._began
             self.lease.arm(self.holder, req.lease_s)
 
-    async def _pause_for_commit(self) -> Exception | None:
-        """Pause for a staged update's commit, in its begin's mode and bounded by its
-        lease; what failed, for the commit to report."""
+    async def _pause_for_commit(self, mode: str) -> Exception | None:
+        """Pause for a staged update's commit, in `mode` and bounded by its lease; what
+        failed, for the commit to report."""
         self._hold()
         try:
-            await self._paused(self.mode, self._drain_s)
+            await self._paused(mode, self._drain_s)
         except Exception as e:
             return e
         return None
@@ -398,8 +401,14 @@ class Transaction:
     async def _pause_staged(self) -> None:
         """Pause for a staged update's commit (or finish the pause a renew started); if that
         fails, the update is dropped and generation resumes at the old version."""
-        pausing = self._pausing or asyncio.ensure_future(self._pause_for_commit())
-        if (e := await pausing) is not None:
+        ahead = self._pausing is not None
+        pausing = self._pausing or asyncio.ensure_future(self._pause_for_commit(self.mode))
+        if (e := await pausing) is None and ahead and self.mode in _AHEAD:
+            try:  # the requests frozen ahead end now (still paused: `_paused_at` stays)
+                await asyncio.wait_for(self.engine.pause(self.mode), self._drain_s)
+            except Exception as err:
+                e = err
+        if e is not None:
             await self._discard_quietly()
             await self._resume("commit's pause failed")
             why = (f"in-flight requests did not finish within lease_s={self._drain_s} s"
@@ -415,7 +424,8 @@ class Transaction:
             self.lease.arm(self.holder, req.lease_s)
             if req.pause and self.state is State.STAGING and self._pausing is None \
                     and self.engine.busy():  # idle, the commit's pause takes no wait
-                self._pausing = asyncio.ensure_future(self._pause_for_commit())
+                self._pausing = asyncio.ensure_future(self._pause_for_commit(
+                    _AHEAD.get(self.mode, self.mode)))
             return self._granted()
 
     async def commit(self, req: Commit) -> dict:
