@@ -22,6 +22,7 @@ from hotweights.remote import codec, delta, jit, packing
 from hotweights.remote.delta import (
     _BITS,
     _CHUNK,
+    _NP_BITS,
     _RANGE,
     DENSE,
     PATCH,
@@ -37,7 +38,6 @@ logger = logging.getLogger(__name__)
 
 _FORMATS = (1, 2, FORMAT)  # 1: no compact patches, no compression; 2: `codec`'s high bytes
 _INDEX = {"int32": torch.int32, "int64": torch.int64}
-_SIGNED = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}  # numpy dtypes torch reads
 _FEW_RUNS = 64  # row runs written one slice each; more: through one index_copy_
 
 
@@ -191,7 +191,7 @@ def _decoded(e: dict, t: torch.Tensor, buf: torch.Tensor, nb, old, bad,
                                      src.detach().reshape(-1)) if on_cpu else old_bits)
     except codec.CodecError as err:
         raise bad(err.field, err.msg) from None
-    values = torch.from_numpy(bits.view(_SIGNED[s])).view(t.dtype)
+    values = torch.from_numpy(bits.view(_NP_BITS[s])).view(t.dtype)
     return torch.from_numpy(idx).to(buf.device), values.to(buf.device)
 
 
