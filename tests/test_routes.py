@@ -28,6 +28,7 @@ class StubClient:
         self.args: dict[str, tuple] = {}  # method -> its last collective_rpc args
         self.label = None
         self.prefix_reset = True
+        self.broken = False  # what the workers' apply says of their channel
         self.model_config = SimpleNamespace(model="/m", dtype=torch.float32, max_model_len=256,
                                             max_logprobs=20, logprobs_mode="processed_logprobs")
         self.vllm_config = SimpleNamespace(device_config=SimpleNamespace(device_type="cpu"))
@@ -53,7 +54,8 @@ class StubClient:
         self.args[method] = args
         return [{"server_id": args[0]} if method == "hotweights_share" else
                 {"rounds": 1, "bytes": 8} if method == "hotweights_remote_receive" else
-                bool(args and args[0]) if method == "hotweights_remote_apply" else None]
+                {"armed": bool(args and args[0]) and not self.broken, "broken": self.broken}
+                if method == "hotweights_remote_apply" else None]
 
 
 def serve(test, *, server_id=SID, args=None):
@@ -337,6 +339,31 @@ def test_a_remote_commit_arms_the_next_update_whose_receive_then_needs_no_engine
         r = await client.post("/hotweights/commit", json=body(next_update="x" * 201),
                               headers=AUTH)
         assert r.status_code == 400 and "field 'next_update'" in r.json()["error"]
+
+    serve(test)
+
+
+def test_a_remote_server_whose_channel_broke_reports_none_so_the_trainer_opens_a_new_one(
+        monkeypatch):
+    monkeypatch.setenv("HOTWEIGHTS_REMOTE", "1")
+
+    async def test(client, stub):
+        join = body(master_addr="10.0.0.1", master_port=29500, rank_offset=1, world_size=2,
+                    token="chan-token", timeout=5.0, protocol=PROTOCOL)
+        await client.post("/hotweights/remote/join", json=join, headers=AUTH)
+        joined = (await client.get("/hotweights/status", headers=AUTH)).json()["channel"]
+        assert joined
+        stub.broken = True  # its acknowledgement failed after the trainer's had ended
+        await client.post("/hotweights/begin", json=body(stage=True), headers=AUTH)
+        await client.post("/hotweights/remote/receive", json=body(update="u1"), headers=AUTH)
+        r = await client.post("/hotweights/commit", json=body(n=1, next_update="u2"),
+                              headers=AUTH)
+        assert r.status_code == 200 and r.json()["version"] == f"1@{SID}"  # it stands
+        status = (await client.get("/hotweights/status", headers=AUTH)).json()
+        assert status["channel"] is None and not status["armed"]
+        stub.broken = False
+        await client.post("/hotweights/remote/join", json=join, headers=AUTH)
+        assert (await client.get("/hotweights/status", headers=AUTH)).json()["channel"] == joined
 
     serve(test)
 

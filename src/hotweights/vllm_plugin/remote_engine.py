@@ -157,6 +157,12 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    @property
+    def broken(self) -> bool:
+        """Whether this worker's channel (the trainer's, or its server's relay) broke: its
+        next receive would fail; the trainer opens a new one when the status says none."""
+        return any(c is not None and c.broken for c in (self.channel, self.relay))
+
     def start_receiving(self, update_info: dict[str, Any]) -> None:
         """`update_weights` on a thread of its own; `received` waits for it."""
         self._require()
@@ -170,8 +176,7 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
         commit), on a thread of its own and without a time bound: that update then needs
         no request to this engine, which vLLM would serve only between two engine steps.
         `discard`, `start_receiving` (of another update) and a new channel drop it."""
-        source = self.channel if self.channel is not None else self.relay
-        if source is not None and source.broken:  # its receive would fail at once
+        if self.broken:  # its receive would fail at once
             raise RemoteError(f"hotweights: not waiting for update {update}: the channel is "
                               "broken; the trainer opens a new one")
         self.start_receiving({"update": update, "wait": math.inf})

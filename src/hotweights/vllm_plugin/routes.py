@@ -81,6 +81,7 @@ class VllmEngine:
         self.receiving: asyncio.Task | None = None  # remote: the workers' receive in flight
         self.next_update = ""  # remote: the commit's `next_update`, for the workers to arm
         self.armed = ""  # remote: the update the workers wait for since the last commit
+        self.broken = False  # remote: a worker's channel broke (the status names none)
 
     async def _received(self) -> BaseException | None:
         """Wait for the receive's start in flight, if any; what it raised."""
@@ -142,9 +143,10 @@ class VllmEngine:
         next_update, self.next_update, self.armed = self.next_update, "", ""
         if (failed := await self._received()) is not None:
             raise ServerError(f"the update's receive failed ({failed!r}): nothing staged")
-        armed = await self.client.collective_rpc("hotweights_remote_apply",
-                                                 args=(next_update or None,))
-        self.armed = next_update if next_update and all(armed) else ""
+        applied = await self.client.collective_rpc("hotweights_remote_apply",
+                                                   args=(next_update or None,))
+        self.armed = next_update if next_update and all(a["armed"] for a in applied) else ""
+        self.broken = any(a["broken"] for a in applied)
 
     async def discard(self) -> None:
         if self.remote:
@@ -326,7 +328,8 @@ class HotweightsRoutes:
             return refused
         untouched = self.tx.n == 0 and not self.tx.dirty  # still the weights it loaded
         return {**self.tx.status(), "remote": self.remote, "workers": self.workers,
-                "channel_ranks": int(self.remote), "channel": self.channel,
+                "channel_ranks": int(self.remote),
+                "channel": None if self.tx.engine.broken else self.channel,
                 "protocol": PROTOCOL,
                 "armed": bool(self.remote and self.tx.engine.armed), "device": self.device,
                 "checkpoint": self.loaded if untouched else None}
@@ -374,7 +377,8 @@ class HotweightsRoutes:
                                              "max_round_bytes")}
         if self.workers > 1:
             info |= {"relay_port": free_port(), "relay_token": secrets.token_hex(16)}
-        self.channel, self.tx.engine.armed = None, ""  # a new channel drops an armed wait
+        # a new channel drops an armed wait
+        self.channel, self.tx.engine.armed, self.tx.engine.broken = None, "", False
         await self._rpc("init_weight_transfer_engine", info)
         xor = all(await self._rpc("hotweights_remote_decodes_xor"))
         self.channel = channel_id(req.master_addr, req.master_port, req.token)
