@@ -17,9 +17,9 @@ apart, not a scenario). Then, each on the trainer's tensors in place, a fresh ch
   incremental path, not its first-sync path).
 
 Each time is the whole `group.update` call (status; the fingerprints and the encode against
-`group.reference` while both servers go on serving; the broadcast to both servers' workers
-over the Gloo channel, which they stage while serving; commit on both while the reference is
-refreshed), the best of --repeat runs (the machine is shared and noisy); bytes are what each
+`group.reference.tensors` while both servers go on serving; the broadcast to both servers'
+workers over the Gloo channel, which they stage while serving; commit on both while the
+reference is refreshed), the best of --repeat runs (the machine is shared and noisy); bytes are what each
 server received (headers + buffers: `result["bytes"]`); what left the trainer is that times
 the channel's copies (Gloo broadcasts along a binomial tree: 2 copies for 2 servers), the
 key "trainer_copies". Each run's phases are
@@ -51,7 +51,7 @@ Then one more scattered update (a fresh change) with `group.compress = "zstd"`: 
 sent and its encode side (fingerprints + pack: the encode inside it, then zstd) are printed;
 compress goes back to None. `xor` is whether the servers decode xor-coded values (every channel).
 
-trainer extra memory: the bytes of `group.reference` (the host copy of what the servers
+trainer extra memory: the bytes of `group.reference.tensors` (the host copy of what the servers
 hold) plus twice the staging budget `max_round_bytes` (two reused round buffers: one is
 sent while the next round is packed into the other), over the model's bytes; the
 encoder's per-tensor temporaries are not counted. The growth of this process's RSS over
@@ -173,7 +173,7 @@ def time_phases(group: RemoteGroup) -> dict[str, float]:
     delta.encode = timed("encode", delta.encode)  # each tensor's (`encode_each` calls it)
     prefilter.fingerprints = timed("fingerprint", prefilter.fingerprints)
     group._send = timed("send", group._send)
-    group._remember = timed("remember", group._remember)
+    group.reference.remember = timed("remember", group.reference.remember)
     Channel.send = timed("broadcast", Channel.send)  # rounds and acknowledgement
     request = group_module.request
 
@@ -356,9 +356,11 @@ def check(urls: list[str], group: RemoteGroup, weights: dict) -> None:
     if (a["checksum"] != b["checksum"]  # version is "N@SERVER_ID"
             or str(a["version"]).split("@")[0] != str(b["version"]).split("@")[0]):
         raise SystemExit("FAILED: the two servers hold different weights")
-    kept = set(weights) if getattr(group, "trainable", None) is None else set(group.trainable)
-    if group.reference is None or set(group.reference) != kept or any(
-            not torch.equal(bits(r), bits(weights[k])) for k, r in group.reference.items()):
+    kept = set(weights) if group.reference.trainable is None else set(
+        group.reference.trainable)
+    held = group.reference.tensors
+    if held is None or set(held) != kept or any(
+            not torch.equal(bits(r), bits(weights[k])) for k, r in held.items()):
         raise SystemExit("FAILED: the group's reference is not the trainer's weights")
 
 
@@ -378,9 +380,9 @@ def trainable_memory(urls: list[str], weights: dict, model_dir: Path, g: torch.G
         rounds[:] = []
         out = group.update(weights, mode=args.mode)
         assert warm["full"] and not out["full"], (warm, out)
-        ref = sum(t.nbytes for t in (group.reference or {}).values())
+        ref = sum(t.nbytes for t in (group.reference.tensors or {}).values())
         largest = max(rounds[0::2], default=0) + max(rounds[1::2], default=0)
-        prints = sum(p[2].nbytes for p in getattr(group, "_frozen_prints", {}).values())
+        prints = sum(p[2].nbytes for p in group.reference.frozen_prints.values())
         pct = 100 * (ref + largest) / model_bytes
         print(f"(trainable) layers {picked.start}..{picked.stop - 1} of {n_layers}: "
               f"{len(names)} tensors, {sum(weights[k].nbytes for k in names):,} B; "
@@ -571,7 +573,7 @@ def main() -> int:
                     f"{fmt_ms(idle_gap_ms(c.chunks, stopped, windows))} ms" for c in clients))
                 clients = None
 
-            ref_bytes = sum(t.nbytes for t in (group.reference or {}).values())
+            ref_bytes = sum(t.nbytes for t in (group.reference.tensors or {}).values())
             extra = ref_bytes + 2 * group.max_round_bytes
             check(urls, group, weights)
 

@@ -68,11 +68,12 @@ def test_a_bad_round_budget_is_named(bad):
 
 def _update(group, weights, new, **kw):
     """What `prepare` encodes and `commit` remembers, without servers: the deltas."""
-    plan = _Plan(["u"], group.reference, group.reference is not None)
-    kept, frozen_prints = group._kept(new, group._frozen(weights, new), plan.held)
+    plan = _Plan(["u"], group.reference.tensors, group.reference.tensors is not None)
+    kept, frozen_prints = group.reference.kept(new, group.reference.frozen(weights, new),
+                                                  plan.held)
     rows, prints = group._prefilter.rows(new, use=plan.held)
     deltas = list(group._encode(plan, new, kept, rows))
-    group._remember(new, deltas if plan.held else None, frozen_prints)
+    group.reference.remember(new, deltas if plan.held else None, frozen_prints)
     group._prefilter.prints = prints
     return {d.name: d.kind for d in deltas}
 
@@ -82,18 +83,20 @@ def test_only_the_trainable_tensors_are_copied_the_rest_fingerprinted(checkpoint
     group = RemoteGroup(["http://127.0.0.1:1"], token="t" * 32, trainable=["a.*"])
     new = {k: t.clone() for k, t in weights.items()}
     assert _update(group, new, new) == {"a.weight": "dense", "b.weight": "dense"}  # full
-    assert group.reference.keys() == {"a.weight"} and group._frozen_prints.keys() == {
+    assert group.reference.tensors.keys() == {"a.weight"} and \
+        group.reference.frozen_prints.keys() == {
         "b.weight"}
     new["a.weight"][3, 4] += 1
     assert _update(group, new, new) == {"a.weight": "patch"}  # b: its fingerprint, unread
-    assert torch.equal(group.reference["a.weight"], new["a.weight"])
+    assert torch.equal(group.reference.tensors["a.weight"], new["a.weight"])
     new["b.weight"][0] += 1  # "cannot change", did: sent whole, copied from now on
     assert _update(group, new, new) == {"a.weight": "same", "b.weight": "dense"}
     assert "b.weight" in caplog.text and "sent whole, and copied from now on" in caplog.text
-    assert group.reference.keys() == {"a.weight", "b.weight"} and not group._frozen_prints
+    assert group.reference.tensors.keys() == {"a.weight", "b.weight"} and \
+        not group.reference.frozen_prints
     new["b.weight"][1] += 1
     assert _update(group, new, new)["b.weight"] == "patch"
-    assert torch.equal(group.reference["b.weight"], new["b.weight"])
+    assert torch.equal(group.reference.tensors["b.weight"], new["b.weight"])
 
 
 def test_trainable_defaults_to_the_parameters_that_require_grad():
@@ -101,12 +104,12 @@ def test_trainable_defaults_to_the_parameters_that_require_grad():
     model[0].requires_grad_(False)
     new = {k: p.detach() for k, p in model.named_parameters()}
     group = RemoteGroup(["http://127.0.0.1:1"], token="t" * 32)
-    assert group._frozen(model, new) == {"0.weight", "0.bias"}
-    assert group._frozen(new, new) == set()  # a mapping: every tensor may change
+    assert group.reference.frozen(model, new) == {"0.weight", "0.bias"}
+    assert group.reference.frozen(new, new) == set()  # a mapping: every tensor may change
     with pytest.raises(RemoteError, match=r"field 'trainable': \['2\.\*'\] match\(es\) no "
                        "tensor"):
         RemoteGroup(["http://127.0.0.1:1"], token="t" * 32, trainable=["0.*", "2.*"]
-                    )._frozen(model, new)
+                    ).reference.frozen(model, new)
 
 
 def test_servers_hold_the_delta_the_checkpoint_or_nothing_each_sent_its_own(checkpoint):
@@ -116,14 +119,15 @@ def test_servers_hold_the_delta_the_checkpoint_or_nothing_each_sent_its_own(chec
     ckpt, weights = checkpoint
     urls = [f"http://127.0.0.{i}:1" for i in (1, 2, 3)]
     group = RemoteGroup(urls, token="t" * 32, checkpoint=ckpt)
-    group.reference, group.n = {k: t + 1 for k, t in weights.items()}, 3
+    group.reference.tensors, group.n = {k: t + 1 for k, t in weights.items()}, 3
     group._held = {urls[0]: ("a", 3), urls[1]: ("b", 3)}
     status = {urls[0]: {"server_id": "a", "n": 3, "checkpoint": None},
               urls[1]: {"server_id": "b2", "n": 0, "checkpoint": digest(ckpt)},  # restarted
               urls[2]: {"server_id": "c", "n": 0, "checkpoint": "another"}}
     new = {k: t.clone() for k, t in weights.items()}
     held, loaded, whole = group._plans(status, new)
-    assert (held.urls, held.held, held.reference is group.reference) == ([urls[0]], True, True)
+    assert (held.urls, held.held, held.reference is group.reference.tensors) == (
+        [urls[0]], True, True)
     assert (loaded.urls, loaded.held, loaded.reference.keys()) == ([urls[1]], False,
                                                                    weights.keys())
     assert (whole.urls, whole.reference) == ([urls[2]], None)
@@ -159,7 +163,7 @@ def test_servers_all_synced_from_the_checkpoint_leave_the_reference_whole(checkp
     # reference with them would leave it wrong wherever it differed from the checkpoint
     ckpt, weights = checkpoint
     group = RemoteGroup(["http://127.0.0.1:1"], token="t" * 32, checkpoint=ckpt)
-    group.reference = {k: t + 1 for k, t in weights.items()}  # what a server held before
+    group.reference.tensors = {k: t + 1 for k, t in weights.items()}  # a server held it
     new = {k: t.clone() for k, t in weights.items()}
     new["a.weight"][0] += 1
     status = {u: {"server_id": "s", "n": 4, "checkpoint": digest(ckpt)} for u in group.urls}
@@ -168,7 +172,7 @@ def test_servers_all_synced_from_the_checkpoint_leave_the_reference_whole(checkp
     monkeypatch.setattr(group, "_each", lambda fn, **kw: {
         u: {"version": f"5@{u}"} for u in group.urls})
     group.commit(pending)
-    assert all(torch.equal(group.reference[k], t) for k, t in new.items())
+    assert all(torch.equal(group.reference.tensors[k], t) for k, t in new.items())
     # beside a server that holds `reference`: its deltas patch the reference, not the
     # restarted one's (taken against the checkpoint)
     group.urls.append("http://127.0.0.2:1")
@@ -179,7 +183,7 @@ def test_servers_all_synced_from_the_checkpoint_leave_the_reference_whole(checkp
     assert pending.from_checkpoint == (group.urls[1],) and not pending.full
     assert {d.name: d.kind for d in pending.deltas} == {"a.weight": "same", "b.weight": "patch"}
     group.commit(pending)
-    assert all(torch.equal(group.reference[k], t) for k, t in new.items())
+    assert all(torch.equal(group.reference.tensors[k], t) for k, t in new.items())
 
 
 def test_servers_of_another_channel_protocol_are_named_before_any_join(monkeypatch):

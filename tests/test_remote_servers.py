@@ -280,8 +280,8 @@ def test_a_trainer_with_frozen_layers_keeps_a_copy_of_the_trainable_ones_only(re
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     with RemoteGroup([s.url for s in remotes[:2]], token=TOKEN, timeout=10.0) as group:
         group.update(model)
-        assert group.reference.keys() == trainable
-        copied = sum(t.nbytes for t in group.reference.values())
+        assert group.reference.tensors.keys() == trainable
+        copied = sum(t.nbytes for t in group.reference.tensors.values())
         assert copied < _nbytes(model) / 2
         with torch.no_grad():
             layer.mlp.up_proj.weight[::7] += 0.05
@@ -298,7 +298,7 @@ def test_the_checkpoint_serves_as_the_reference_when_synced_every_update(remotes
     with RemoteGroup([s.url for s in remotes[:2]], token=TOKEN, timeout=10.0,
                      checkpoint=ckpt, reference="checkpoint") as group:
         assert group.update(model)["full"]  # the servers were updated: not the checkpoint
-        assert group.reference is None and group.checkpoint.synced_at == group.n
+        assert group.reference.tensors is None and group.checkpoint.synced_at == group.n
         for _ in range(2):
             with torch.no_grad():
                 model.model.layers[0].mlp.up_proj.weight[::5] += 0.05

@@ -20,7 +20,7 @@ update, reset the caches and resume. What the design guarantees:
   checkpoint it loaded, or whole), and then gets the deltas again.
 
 The old values the deltas are computed against are a host copy of what the servers hold
-(`reference`: one copy of the tensors that can change, `trainable`), or the checkpoint
+(`reference.tensors`: one copy of the tensors that can change, `trainable`), or the checkpoint
 itself (`reference="checkpoint"`). A server that holds exactly
 the checkpoint it started from (it reports the checkpoint's digest until its first commit)
 is synced from it instead, when the group is given the same checkpoint: only what differs
@@ -32,7 +32,6 @@ only the delta (`result["bytes"]` per server).
 
 from __future__ import annotations
 
-import fnmatch
 import itertools
 import logging
 import os
@@ -46,7 +45,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from hotweights.checkpoint.names import reverted
@@ -58,6 +56,7 @@ from hotweights.remote import delta, delta_apply, packing, prefilter
 from hotweights.remote.hosts import channel_backend, route_address, server_urls
 from hotweights.remote.links import Link, Links, named, outcome
 from hotweights.remote.loaded import LoadedCheckpoint
+from hotweights.remote.reference import Reference
 from hotweights.remote.rendezvous import PROTOCOL
 
 __all__ = ["Pending", "RemoteGroup"]
@@ -83,7 +82,7 @@ class Pending:
 
     status: dict  # url -> the server's status when the update began
     new: dict  # name -> the new tensor
-    deltas: list | None  # taken against `reference` (a copy); None: `reference` is copied whole
+    deltas: list | None  # taken against `reference.tensors`; None: it is copied whole
     full: tuple[str, ...]  # servers sent the whole model
     from_checkpoint: tuple[str, ...]  # servers sent what differs from the checkpoint
     prints: prefilter.Prints | None  # of `new` (if taken): then of what the servers hold
@@ -117,7 +116,7 @@ class _Plan:
 
     urls: list[str]
     reference: dict | None  # the old values they hold; None: the whole model is sent
-    held: bool  # `reference` is what this group sent last (fingerprinted: `prefilter`)
+    held: bool  # it is the group's `reference.tensors`, what it sent last (`prefilter`)
 
 
 class RemoteGroup:
@@ -205,17 +204,14 @@ class RemoteGroup:
             raise RemoteError(f"field 'reference' must be one of {REFERENCES}, 'checkpoint' "
                               f"with checkpoint=DIR; found {reference!r}")
         self.reference_mode = reference
-        self.trainable = None if trainable is None else (
-            (trainable,) if isinstance(trainable, str) else tuple(trainable))
-        self._frozen_prints: prefilter.Prints = {}  # of what the servers hold, not copied
         self._staging: tuple[torch.Tensor, ...] | None = None  # see _round_buffers
         self.checkpoint = None if checkpoint is None else LoadedCheckpoint(checkpoint)
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.n = 0  # the version number every server served at the last update
-        self.reference: dict[str, torch.Tensor] | None = None  # what the servers hold
-        self._prefilter = prefilter.Prefilter()  # fingerprints of `reference`
+        self.reference = Reference(trainable)  # what the servers hold ("copy")
+        self._prefilter = prefilter.Prefilter()  # fingerprints of `reference.tensors`
         self.bytes_sent = 0
-        self._held: dict[str, tuple[str, int]] = {}  # url -> (server id, n) of `reference`
+        self._held: dict[str, tuple[str, int]] = {}  # url -> (server id, n) of `reference.tensors`
         self.links = Links(master_addr=self.master_addr, master_port=master_port,
                            timeout=timeout, max_round_bytes=max_round_bytes, post=self._post)
         self._leased: dict = {}  # url -> status, of the servers an update in progress began
@@ -316,9 +312,9 @@ class RemoteGroup:
                 self.checkpoint.check_dtypes(new)
             frozen = set()  # no copies to spare
         else:
-            frozen = self._frozen(weights, new)
-        kept, frozen_prints = self._kept(new, frozen, any(
-            p.held and p.reference is self.reference for p in plans))
+            frozen = self.reference.frozen(weights, new)
+        kept, frozen_prints = self.reference.kept(new, frozen, any(
+            p.held and p.reference is self.reference.tensors for p in plans))
         found = []  # (rows, prints) of the fingerprints, taken while the begins travel
 
         def fingerprint() -> None:
@@ -335,7 +331,7 @@ class RemoteGroup:
         done, prints = list(zip(plans, sends, strict=True)), found[0][1]
         return Pending(status, new,
                        next((d for p, (d, _, _) in done if p.held and p.reference is
-                             self.reference), None),
+                             self.reference.tensors), None),
                        tuple(u for p in plans if p.reference is None for u in p.urls),
                        tuple(u for p in plans if p.reference is not None for u in p.urls
                              if self._stale(u, status[u])),
@@ -352,7 +348,7 @@ class RemoteGroup:
         group sent last first: the up-to-date servers are sent only the delta, each stale
         one (restarted, dropped from an update) what differs from the checkpoint it loaded
         (`checkpoint`), else the whole model, each set on its own channel."""
-        held = self.reference if self.reference_mode == "copy" else \
+        held = self.reference.tensors if self.reference_mode == "copy" else \
             self.checkpoint.tensors() if self.checkpoint.synced_at == self.n else None
         plans: dict[int, _Plan] = {}
         for u, st in status.items():
@@ -377,7 +373,8 @@ class RemoteGroup:
         with ThreadPoolExecutor(1) as pool:  # while the servers commit
             remembered = pool.submit(self.checkpoint.sync, pending.new, n) \
                 if self.reference_mode == "checkpoint" else \
-                pool.submit(self._remember, pending.new, pending.deltas, pending.frozen)
+                pool.submit(self.reference.remember, pending.new, pending.deltas,
+                            pending.frozen)
             outs = self._each(lambda u: self._post(u, status[u], "/hotweights/commit", n=n,
                                                    next_update=nexts.get(u, "")),
                               errors=True, urls=list(status))
@@ -432,47 +429,9 @@ class RemoteGroup:
         return max(60.0, 4 * self.timeout)
 
     def restore(self, weights: torch.nn.Module | Mapping[str, torch.Tensor]) -> bool:
-        """Write `reference` (what the servers hold) back into `weights`, in place: undoes a
-        trainer's step that the servers did not take. False if it cannot (no reference yet,
-        or a name the weights do not hold as a tensor of their own)."""
-        if self.reference is None:
-            return False
-        live = dict(weights.named_parameters()) if isinstance(weights, torch.nn.Module) \
-            else dict(weights)
-        if any(k not in live or live[k].shape != r.shape for k, r in self.reference.items()):
-            return False
-        with torch.no_grad():
-            for k, r in self.reference.items():
-                live[k].copy_(r)
-        return True
-
-    def _frozen(self, weights, new: dict) -> set[str]:
-        """The names of `new` an update cannot change (see `trainable`)."""
-        if self.trainable is not None:
-            if bad := [p for p in self.trainable if not fnmatch.filter(new, p)]:
-                raise RemoteError(f"field 'trainable': {bad} match(es) no tensor of the "
-                                  f"weights (e.g. {sorted(new)[:3]})")
-            return {k for k in new if not any(fnmatch.fnmatchcase(k, p)
-                                               for p in self.trainable)}
-        if isinstance(weights, torch.nn.Module):
-            if fixed := {n: p for n, p in weights.named_parameters() if not p.requires_grad}:
-                return set(reverted(fixed, model=weights)) & set(new)
-        return set()
-
-    def _kept(self, new: dict, frozen: set[str], held: bool) -> tuple[set[str], dict]:
-        """(the tensors that cannot change left out of the deltas to the servers holding
-        `reference`: their fingerprints say they did not change, the fingerprints of the
-        tensors that cannot change, once the servers hold them). `held`: a server holds
-        `reference`. A tensor that cannot change and did is sent whole (named)."""
-        frozen = frozen - set(self.reference or ())  # copied already: as any other
-        frozen_prints = prefilter.fingerprints({k: new[k] for k in frozen})
-        if not held:
-            return set(), frozen_prints
-        kept = {k for k in frozen if _same(self._frozen_prints.get(k), frozen_prints[k])}
-        if moved := sorted(frozen - kept):
-            logger.warning("hotweights: %d tensor(s) that cannot change (trainable=) changed: "
-                           "%s; sent whole, and copied from now on", len(moved), moved[:5])
-        return kept, {k: frozen_prints[k] for k in kept}
+        """Write what the servers hold back into `weights`, in place: undoes a trainer's
+        step that the servers did not take (`Reference.restore`; False if it cannot)."""
+        return self.reference.restore(weights)
 
     def _encode(self, plan: _Plan, new: dict, kept: set[str], rows: dict | None
                 ) -> Iterator[delta.Delta]:
@@ -489,7 +448,7 @@ class RemoteGroup:
                     not delta_apply.finite(d.values):
                 raise DeltaError(f"`{d.name}`: the patch values hold NaN or Inf; refused")
             yield d
-        if plan.reference is not None and plan.reference is not self.reference and \
+        if plan.reference is not None and plan.reference is not self.reference.tensors and \
                 self.checkpoint.written():
             # in place (journal mode): the memory-mapped old values may have moved under us
             raise RemoteError(f"{self.checkpoint.path} was written during the update; the update "
@@ -612,30 +571,6 @@ class RemoteGroup:
                                update=update, wait_s=lease_s,
                                http_timeout=lease_s + self.timeout + 60) for u in status}
 
-    def _remember(self, new: dict, deltas: list | None, frozen: prefilter.Prints) -> None:
-        """Make `reference` (and the fingerprints of the tensors not copied, `frozen`) what
-        the servers now hold: only what changed is written (`deltas`, taken against it;
-        None: copied whole)."""
-        self._frozen_prints = frozen
-        if deltas is None or self.reference is None:
-            self.reference = {k: _host_copy(t) for k, t in new.items() if k not in frozen}
-            return
-        for d in deltas:
-            if d.name in frozen:
-                continue
-            if d.name not in self.reference:  # could not change, did: copied from now on
-                self.reference[d.name] = _host_copy(new[d.name])
-                continue
-            ref = self.reference[d.name]
-            if d.kind == delta.PATCH:
-                ref.view(-1).index_copy_(0, d.indices.to(ref.device, torch.int64),
-                                         d.values.to(ref.device))
-            elif d.kind == delta.ROWS:
-                for a, b in d.ranges.tolist():
-                    ref[a:b].copy_(d.tensor[a:b])
-            elif d.kind == delta.DENSE:
-                ref.copy_(d.tensor)
-
     def close(self) -> None:
         """Leave the channels (the servers keep serving; the next update rebuilds them)."""
         self.links.close()
@@ -685,16 +620,6 @@ def _raise_failed(futures: dict, what: str, *, wait: bool = True) -> None:
     outs = {u: outcome(f) for u, f in futures.items() if wait or f.done()}
     if failed := {u: e for u, e in outs.items() if isinstance(e, Exception)}:
         raise RemoteError(f"{what} failed on {named(failed)}")
-
-
-def _host_copy(t: torch.Tensor) -> torch.Tensor:
-    """A host copy of `t`; pinned when `t` is on a GPU (deltas and restores copy faster)."""
-    return torch.empty_like(t, device="cpu", pin_memory=t.is_cuda).copy_(t.detach())
-
-
-def _same(a: tuple | None, b: tuple) -> bool:
-    """Two `prefilter` fingerprints of one tensor say it holds the same bytes."""
-    return a is not None and a[:2] == b[:2] and np.array_equal(a[2], b[2])
 
 
 def _weights(weights: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,0 +1,120 @@
+"""What a trainer knows the servers hold (`RemoteGroup`'s default ``reference="copy"``): a
+host copy of the tensors an update may change, fingerprints of the others.
+
+The deltas are taken against `Reference.tensors`; after each commit `remember` writes into
+it only what changed. A tensor that "cannot change" (frozen: `trainable`, or
+``requires_grad=False``) costs its fingerprints only; if it changes anyway it is sent whole
+(a warning names it) and copied from then on.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+import torch
+
+from hotweights.checkpoint.names import reverted
+from hotweights.errors import RemoteError
+from hotweights.remote import delta, prefilter
+
+__all__ = ["Reference"]
+
+logger = logging.getLogger(__name__)
+
+
+class Reference:
+    """The old values the servers that are up to date hold.
+
+    Args:
+        trainable: names or `fnmatch` patterns of the only tensors an update may change
+            (default: a model's parameters that require grad, else every tensor).
+    """
+
+    def __init__(self, trainable: str | Iterable[str] | None = None):
+        self.trainable = None if trainable is None else (
+            (trainable,) if isinstance(trainable, str) else tuple(trainable))
+        self.tensors: dict[str, torch.Tensor] | None = None  # None: nothing sent yet
+        self.frozen_prints: prefilter.Prints = {}  # of the frozen tensors, not copied
+
+    def frozen(self, weights: torch.nn.Module | Mapping[str, torch.Tensor],
+               new: dict[str, torch.Tensor]) -> set[str]:
+        """The names of `new` (checkpoint names of `weights`) an update cannot change."""
+        if self.trainable is not None:
+            if bad := [p for p in self.trainable if not fnmatch.filter(new, p)]:
+                raise RemoteError(f"field 'trainable': {bad} match(es) no tensor of the "
+                                  f"weights (e.g. {sorted(new)[:3]})")
+            return {k for k in new if not any(fnmatch.fnmatchcase(k, p)
+                                               for p in self.trainable)}
+        if isinstance(weights, torch.nn.Module):
+            if fixed := {n: p for n, p in weights.named_parameters() if not p.requires_grad}:
+                return set(reverted(fixed, model=weights)) & set(new)
+        return set()
+
+    def kept(self, new: dict[str, torch.Tensor], frozen: set[str], held: bool
+             ) -> tuple[set[str], prefilter.Prints]:
+        """(the tensors that cannot change left out of the deltas to the servers holding
+        `tensors`: their fingerprints say they did not change, the fingerprints of the
+        tensors that cannot change, once the servers hold them). `held`: a server holds
+        `tensors`. A tensor that cannot change and did is sent whole (named)."""
+        frozen = frozen - set(self.tensors or ())  # copied already: as any other
+        frozen_prints = prefilter.fingerprints({k: new[k] for k in frozen})
+        if not held:
+            return set(), frozen_prints
+        kept = {k for k in frozen if _same(self.frozen_prints.get(k), frozen_prints[k])}
+        if moved := sorted(frozen - kept):
+            logger.warning("hotweights: %d tensor(s) that cannot change (trainable=) changed: "
+                           "%s; sent whole, and copied from now on", len(moved), moved[:5])
+        return kept, {k: frozen_prints[k] for k in kept}
+
+    def remember(self, new: dict[str, torch.Tensor], deltas: list[delta.Delta] | None,
+                 frozen: prefilter.Prints) -> None:
+        """Make `tensors` (and the fingerprints of the tensors not copied, `frozen`) what
+        the servers now hold: only what changed is written (`deltas`, taken against it;
+        None: copied whole)."""
+        self.frozen_prints = frozen
+        if deltas is None or self.tensors is None:
+            self.tensors = {k: _host_copy(t) for k, t in new.items() if k not in frozen}
+            return
+        for d in deltas:
+            if d.name in frozen:
+                continue
+            if d.name not in self.tensors:  # could not change, did: copied from now on
+                self.tensors[d.name] = _host_copy(new[d.name])
+                continue
+            ref = self.tensors[d.name]
+            if d.kind == delta.PATCH:
+                ref.view(-1).index_copy_(0, d.indices.to(ref.device, torch.int64),
+                                         d.values.to(ref.device))
+            elif d.kind == delta.ROWS:
+                for a, b in d.ranges.tolist():
+                    ref[a:b].copy_(d.tensor[a:b])
+            elif d.kind == delta.DENSE:
+                ref.copy_(d.tensor)
+
+    def restore(self, weights: torch.nn.Module | Mapping[str, torch.Tensor]) -> bool:
+        """Write `tensors` back into `weights`, in place: undoes a trainer's step that the
+        servers did not take. False if it cannot (nothing sent yet, or a name the weights
+        do not hold as a tensor of their own)."""
+        if self.tensors is None:
+            return False
+        live = dict(weights.named_parameters()) if isinstance(weights, torch.nn.Module) \
+            else dict(weights)
+        if any(k not in live or live[k].shape != r.shape for k, r in self.tensors.items()):
+            return False
+        with torch.no_grad():
+            for k, r in self.tensors.items():
+                live[k].copy_(r)
+        return True
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of `t`; pinned when `t` is on a GPU (deltas and restores copy faster)."""
+    return torch.empty_like(t, device="cpu", pin_memory=t.is_cuda).copy_(t.detach())
+
+
+def _same(a: tuple | None, b: tuple) -> bool:
+    """Two `prefilter` fingerprints of one tensor say it holds the same bytes."""
+    return a is not None and a[:2] == b[:2] and np.array_equal(a[2], b[2])
