@@ -19,14 +19,14 @@ apart, not a scenario). Then, each on the trainer's tensors in place, a fresh ch
 Each time is the whole `group.update` call (status; the fingerprints and the encode against
 `group.reference.tensors` while both servers go on serving; the broadcast to both servers'
 workers over the Gloo channel, which they stage while serving; commit on both while the
-reference is refreshed), the best of --repeat runs (the machine is shared and noisy); bytes are what each
-server received (headers + buffers: `result["bytes"]`); what left the trainer is that times
-the channel's copies (Gloo broadcasts along a binomial tree: 2 copies for 2 servers), the
-key "trainer_copies". Each run's phases are
-printed too (a route: its slowest server's request). The updates use --mode (default keep:
-the commit pauses generation and resumes the in-flight streams on the new weights; wait
-would hold the commit until every in-flight stream ends). After the last update both
-servers' `/hotweights/checksum` must be equal (else the run fails).
+reference is refreshed), the best of --repeat runs (the machine is shared and noisy); bytes
+are what each server received (headers + buffers: `result["bytes"]`); what left the trainer
+is that times the channel's copies (Gloo broadcasts along a binomial tree: 2 copies for 2
+servers), the key "trainer_copies". Each run's phases are printed too (a route: its slowest
+server's request). The updates use --mode (default keep: the commit pauses generation and
+resumes the in-flight streams on the new weights; wait would hold the commit until every
+in-flight stream ends). After the last update both servers' `/hotweights/checksum` must be
+equal (else the run fails).
 
 Serving while updating, for each scenario's best (fastest) run (every run's is printed):
 

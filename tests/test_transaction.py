@@ -5,15 +5,8 @@ import asyncio
 import pytest
 
 from hotweights.protocol.version import parse_version
-from hotweights.server.transaction import (
-    Abort,
-    Begin,
-    Commit,
-    Refused,
-    Renew,
-    State,
-    Transaction,
-)
+from hotweights.server.bodies import Abort, Begin, Commit, Refused, Renew
+from hotweights.server.transaction import State, Transaction
 
 SID = "s1"
 

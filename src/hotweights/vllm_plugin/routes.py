@@ -36,18 +36,10 @@ from hotweights.checkpoint.hub import local_dir
 from hotweights.errors import ConfigError, ServerError
 from hotweights.protocol.tokens import remove_token
 from hotweights.remote.rendezvous import PROTOCOL, channel_id
+from hotweights.server.bodies import Abort, Begin, Body, Commit, Receive, Refused, Renew
 from hotweights.server.env import CHECKPOINT_STATS, REMOTE, REMOTE_ENGINE
 from hotweights.server.launch import free_port
-from hotweights.server.transaction import (
-    Abort,
-    Begin,
-    Commit,
-    Receive,
-    Refused,
-    Renew,
-    Transaction,
-    _Request,
-)
+from hotweights.server.transaction import Transaction
 from hotweights.vllm_plugin.gate import Gate, GateMiddleware
 
 logger = logging.getLogger(__name__)
@@ -168,7 +160,7 @@ class VllmEngine:
 
 
 @dataclass(frozen=True)
-class Join(_Request):
+class Join(Body):
     """Where the trainer's channel is, and this server's place in it."""
 
     master_addr: str = ""

@@ -1,0 +1,123 @@
+"""The bodies of the update routes (begin, renew, commit, receive, abort): frozen dataclasses
+built from JSON, validated; a bad field is a `Refused` (400) that names it."""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, fields
+from typing import Any
+
+from hotweights.errors import HotweightsError
+
+__all__ = ["DEFAULT_LEASE_S", "MAX_LEASE_S", "MODES", "Abort", "Begin", "Body", "Commit",
+           "Receive", "Refused", "Renew"]
+
+MODES = ("wait", "abort", "keep")
+MAX_LEASE_S = 24 * 3600.0
+DEFAULT_LEASE_S = 60.0
+
+
+class Refused(HotweightsError):
+    """A request the transaction refuses; `status` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str, **detail: Any):
+        super().__init__(message)
+        self.status, self.detail = status, detail
+
+    def to_dict(self) -> dict:
+        return {"error": str(self), **self.detail}
+
+
+_KINDS = {"str": str, "float": float, "bool": bool, "int": int}
+
+
+@dataclass(frozen=True)
+class Body:
+    """What every route's body holds: who asks (`holder`) and which server start it mapped
+    (`server_id`)."""
+
+    holder: str
+    server_id: str
+
+    def __post_init__(self) -> None:
+        if not self.holder or len(self.holder) > 200:
+            raise Refused(400, f"field 'holder' must be 1 to 200 characters, "
+                          f"got {self.holder!r}")
+        lease_s = getattr(self, "lease_s", DEFAULT_LEASE_S)
+        if not 0 < lease_s <= MAX_LEASE_S:  # also refuses nan and inf
+            raise Refused(400, f"field 'lease_s' must be in (0, {MAX_LEASE_S:.0f}] seconds, "
+                          f"got {lease_s!r}")
+        if getattr(self, "mode", "wait") not in MODES:
+            raise Refused(400, f"field 'mode' must be one of {MODES}, got {self.mode!r}")
+
+    @classmethod
+    def from_json(cls, data: object):
+        """Build from a JSON body; Refused(400) names a missing, unknown or mistyped field."""
+        if not isinstance(data, dict):
+            raise Refused(400, f"expected a JSON object, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        if unknown := sorted(set(data) - known):
+            raise Refused(400, f"unknown field(s) {unknown}; known: {sorted(known)}")
+        values = {}
+        for f in fields(cls):
+            if f.name not in data:
+                if f.default is MISSING:
+                    raise Refused(400, f"field {f.name!r} is required")
+                continue
+            value, kind = data[f.name], _KINDS[f.type]
+            if kind is float and type(value) is int:
+                value = float(value)
+            if type(value) is not kind:  # bool is not taken for a number, nor 1 for a bool
+                raise Refused(400, f"field {f.name!r} must be a {kind.__name__}, "
+                              f"got {value!r}")
+            values[f.name] = value
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class Begin(Body):
+    mode: str = "wait"
+    lease_s: float = DEFAULT_LEASE_S
+    stage: bool = False  # lease without pausing: the commit pauses (remote servers)
+
+
+@dataclass(frozen=True)
+class Renew(Body):
+    lease_s: float = DEFAULT_LEASE_S
+    pause: bool = False  # a staged update: start the commit's pause now (its last round is
+    #                      on its way), so that the commit need not wait for the step in flight
+
+
+@dataclass(frozen=True)
+class Commit(Body):
+    n: int = 0  # the version number to serve: 0 for the next; a trainer of many servers
+    #             gives them all the same one (it must be above the current)
+    next_update: str = ""  # a remote server: the id of the trainer's next update on its
+    #                        channel, which the workers then wait for (`Receive` needs no
+    #                        engine request for it)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if len(self.next_update) > 200:
+            raise Refused(400, f"field 'next_update' must be at most 200 characters, got "
+                          f"{self.next_update[:40]!r}...")
+
+
+@dataclass(frozen=True)
+class Receive(Body):
+    """A remote server's receive step, under the holder's lease: with `update`, its workers
+    wait up to `wait_s` for the trainer to start that update on the channel."""
+
+    update: str = ""
+    wait_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 <= self.wait_s <= MAX_LEASE_S or len(self.update) > 200:
+            raise Refused(400, f"field 'wait_s' must be in [0, {MAX_LEASE_S:.0f}] seconds and "
+                          f"'update' at most 200 characters, got {self.wait_s!r}, "
+                          f"{self.update[:40]!r}")
+
+
+@dataclass(frozen=True)
+class Abort(Body):
+    dirty: bool = True  # the trainer may have written part of an update
