@@ -84,6 +84,10 @@ def body(**kw):
     return {"holder": "h1", "server_id": SID, **kw}
 
 
+JOIN = body(master_addr="10.0.0.1", master_port=29500, rank_offset=1, world_size=2,
+            token="chan-token", timeout=5.0, protocol=PROTOCOL)  # one remote server's channel
+
+
 def test_an_update_over_http():
     async def test(client, stub):
         r = await client.get("/hotweights/manifest", headers=AUTH)
@@ -310,9 +314,7 @@ def test_a_remote_commit_arms_the_next_update_whose_receive_then_needs_no_engine
     monkeypatch.setenv("HOTWEIGHTS_REMOTE", "1")
 
     async def test(client, stub):
-        join = body(master_addr="10.0.0.1", master_port=29500, rank_offset=1, world_size=2,
-                    token="chan-token", timeout=5.0, protocol=PROTOCOL)
-        await client.post("/hotweights/remote/join", json=join, headers=AUTH)
+        await client.post("/hotweights/remote/join", json=JOIN, headers=AUTH)
 
         async def update(n: int, update: str, next_update: str) -> int:
             """One update; how many receive requests reached the engine."""
@@ -348,9 +350,7 @@ def test_a_remote_server_whose_channel_broke_reports_none_so_the_trainer_opens_a
     monkeypatch.setenv("HOTWEIGHTS_REMOTE", "1")
 
     async def test(client, stub):
-        join = body(master_addr="10.0.0.1", master_port=29500, rank_offset=1, world_size=2,
-                    token="chan-token", timeout=5.0, protocol=PROTOCOL)
-        await client.post("/hotweights/remote/join", json=join, headers=AUTH)
+        await client.post("/hotweights/remote/join", json=JOIN, headers=AUTH)
         joined = (await client.get("/hotweights/status", headers=AUTH)).json()["channel"]
         assert joined
         stub.broken = True  # its acknowledgement failed after the trainer's had ended
@@ -362,7 +362,7 @@ def test_a_remote_server_whose_channel_broke_reports_none_so_the_trainer_opens_a
         status = (await client.get("/hotweights/status", headers=AUTH)).json()
         assert status["channel"] is None and not status["armed"]
         stub.broken = False
-        await client.post("/hotweights/remote/join", json=join, headers=AUTH)
+        await client.post("/hotweights/remote/join", json=JOIN, headers=AUTH)
         assert (await client.get("/hotweights/status", headers=AUTH)).json()["channel"] == joined
 
     serve(test)
