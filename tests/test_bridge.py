@@ -1,6 +1,7 @@
 """Bridge.update's client side: what it sends when begin fails, and the lease renewal."""
 
 import time
+import types
 
 import pytest
 import torch
@@ -56,6 +57,29 @@ def test_the_body_runs_under_background_renewals_and_commits(monkeypatch):
     assert routes[0] == "/hotweights/begin" and routes[-1] == "/hotweights/commit"
     assert routes.count("/hotweights/renew") >= 2 and b.version == "1@s"
     assert all(c[1]["server_id"] == "s" for c in rec.calls)
+
+
+def test_this_server_s_lease_is_renewed_while_the_remotes_stage(monkeypatch):
+    # require="all": this server stays paused until every remote staged the update
+    class Remote:
+        require = "all"
+
+        def prepare(self, model, mode, lease_s):
+            time.sleep(0.45)  # a long encode and send, beyond the lease
+            return types.SimpleNamespace(floor=0)
+
+        def commit(self, pending, n):
+            self.committed = n
+
+    rec = Recorder({})
+    monkeypatch.setattr(bridge_module, "request", lambda *a, **k: {**rec(*a, **k), "n": 0})
+    b = _bridge()
+    b.tensors, b.remote, b._model = {"w": torch.zeros(1)}, Remote(), object()
+    with b.update(lease_s=0.3):
+        pass
+    routes = [c[0] for c in rec.calls]
+    assert routes[0] == "/hotweights/begin" and routes[-1] == "/hotweights/commit"
+    assert routes.count("/hotweights/renew") >= 2 and b.remote.committed == 1
 
 
 def test_an_exception_in_the_body_aborts_dirty_and_is_reraised(monkeypatch):

@@ -1,5 +1,6 @@
 """`RemoteGroup`'s own decisions, without servers: when the checkpoint the servers loaded may
-serve as the old values, and the update refused when it changed under the encode."""
+serve as the old values, the update refused when it changed under the encode, and what a
+server that fails a renewal, a send or a join, or a step that cannot be undone, leaves."""
 
 import os
 import re
@@ -10,8 +11,10 @@ from safetensors.torch import save_file
 
 from hotweights import RemoteError, RemoteGroup
 from hotweights.checkpoint.digest import digest
+from hotweights.errors import ServerError
 from hotweights.remote import delta
 from hotweights.remote.group import _Plan
+from hotweights.remote.links import Links
 
 
 @pytest.fixture
@@ -97,6 +100,22 @@ def test_only_the_trainable_tensors_are_copied_the_rest_fingerprinted(checkpoint
     new["b.weight"][1] += 1
     assert _update(group, new, new)["b.weight"] == "patch"
     assert torch.equal(group.reference.tensors["b.weight"], new["b.weight"])
+
+
+def test_a_step_that_changed_a_tensor_that_cannot_change_is_not_taken_as_undone(checkpoint,
+                                                                                caplog):
+    # the group keeps no old values of a frozen tensor: a step that wrote one cannot be
+    # undone, so the local server's abort must say its weights are dirty
+    _, weights = checkpoint
+    group = RemoteGroup(["http://127.0.0.1:1"], token="t" * 32, trainable=["a.*"])
+    new = {k: t.clone() for k, t in weights.items()}
+    _update(group, new, new)
+    new["a.weight"][3, 4] += 1
+    assert group.restore(new) and torch.equal(new["a.weight"], weights["a.weight"])
+    new["a.weight"][3, 4] += 1
+    new["b.weight"][0] += 1
+    assert not group.restore(new)
+    assert "b.weight" in caplog.text and "cannot be written back" in caplog.text
 
 
 def test_trainable_defaults_to_the_parameters_that_require_grad():
@@ -257,3 +276,57 @@ def test_the_channel_backend_follows_the_servers_devices():
         with pytest.raises(RemoteError, match=r"their channel is NCCL, which needs a CUDA "
                            "device in this process too"):
             channel_backend({"http://a": {"device": "cuda"}})
+
+
+@pytest.mark.parametrize("require", ["any", "all"])
+def test_a_server_whose_renewal_fails_does_not_stop_the_others(require, caplog):
+    urls = ["http://127.0.0.1:1", "http://127.0.0.2:1"]
+    group = RemoteGroup(urls, token="t" * 32, require=require)
+    group._leased = {u: {"server_id": "s"} for u in urls}
+    renewed = []
+
+    def post(url, status, route, **body):
+        if url == urls[1]:
+            raise ServerError(f"{url}: connection refused")
+        renewed.append(url)
+    group._post = post
+    if require == "all":
+        with pytest.raises(RemoteError, match=rf"{urls[1]}: connection refused"):
+            group.renew(1.0)
+        return
+    group.renew(1.0)
+    group.renew(1.0)  # the next renewal still reaches the live one
+    assert renewed == [urls[0]] * 2 and f"{urls[1]}: connection refused" in caplog.text
+    group._leased = {urls[1]: {"server_id": "s"}}
+    with pytest.raises(RemoteError, match="connection refused"):  # none renewed
+        group.renew(1.0)
+
+
+def test_servers_that_die_one_after_the_other_are_each_dropped(monkeypatch):
+    urls = [f"http://127.0.0.{i}:1" for i in (1, 2, 3)]
+    group, dead, tried = RemoteGroup(urls, token="t" * 32), set(), []
+
+    def status(among, dropped):
+        return ({u: {} for u in among if u not in dead},
+                {**dropped, **{u: "gone" for u in among if u in dead}})
+
+    def prepare(weights, new, status, *rest):
+        tried.append(sorted(status))
+        if len(tried) < 3:  # one more server dies during each send
+            dead.add(urls[len(tried)])
+            raise RemoteError(f"{urls[len(tried)]}: stopped")
+        return "prepared"
+    monkeypatch.setattr(group, "_status", status)
+    monkeypatch.setattr(group, "_prepare", prepare)
+    assert group.prepare({"a": torch.zeros(2)}) == "prepared"
+    assert tried == [urls, urls[::2], urls[:1]]
+
+
+def test_a_server_that_refuses_to_join_is_named_not_a_rendezvous_timeout():
+    def post(url, status, route, **body):
+        raise ServerError(f"{url}: 409 an update is staging; join between updates")
+    links = Links(master_addr="127.0.0.1", master_port=0, timeout=1.0,
+                  max_round_bytes=1 << 20, post=post)
+    with pytest.raises(RemoteError, match=r"^joining the channel failed on http://b:8000: "
+                                          "http://b:8000: 409 an update is staging"):
+        links.connect({"http://b:8000": {"server_id": "s", "channel_ranks": 1}}, "gloo")

@@ -44,6 +44,7 @@ class Bridge:
         self.tensors = shm.attach(manifests[0])
         self._model: torch.nn.Module | None = None
         self.remote = None  # a RemoteGroup updated with this server (add_remote)
+        self.remote_result: dict | None = None  # its last update's (`RemoteGroup.update`)
 
     @classmethod
     def connect(cls, url: str, *, token: str | None = None,
@@ -171,8 +172,10 @@ class Bridge:
         and resumes right after the body; then the remotes receive what changed (serving
         their old version meanwhile) and commit N. If they fail, this server serves N and
         they stay at their old version: the error names them, and the next update catches
-        them up. With ``require="all"``, every remote stages what changed first; only then
-        does this server commit, and the remotes; if a remote fails before that, the body's
+        them up. Where only some fail, the others commit N: a warning and
+        ``remote_result["dropped"]`` (`RemoteGroup.update`'s result) name those left out.
+        With ``require="all"``, every remote stages what changed first; only then does
+        this server commit, and the remotes; if a remote fails before that, the body's
         writes are undone here (from the group's copy of the old weights), every server
         resumes at its old version, and the error names the remote. Either way, if this
         server's commit fails, the remotes commit anyway (this server's weights are the new
@@ -219,8 +222,9 @@ class Bridge:
                 raise
             self._update_remotes(model, n, mode, lease_s)
             return
-        try:
-            pending = self.remote.prepare(model, mode=mode, lease_s=lease_s)
+        try:  # this server stays paused while the remotes stage: its lease is renewed
+            with Renewer(self.renew, lease_s):
+                pending = self.remote.prepare(model, mode=mode, lease_s=lease_s)
         except BaseException:
             self._abort(dirty=not self.remote.restore(model))  # restored: the old version
             raise
@@ -233,11 +237,11 @@ class Bridge:
         except BaseException:
             self.remote.abort(pending)
             raise
-        self.remote.commit(pending, n)
+        self.remote_result = self.remote.commit(pending, n)
 
     def _update_remotes(self, model, n: int, mode: str, lease_s: float) -> None:
         try:
-            self.remote.update(model, mode=mode, lease_s=lease_s, n=n)
+            self.remote_result = self.remote.update(model, mode=mode, lease_s=lease_s, n=n)
         except HotweightsError as e:  # refused or failed (named), here or there
             raise RemoteError(f"{self.url} serves version {n}; the remote servers did not "
                               f"take it (the next update catches them up): {e}") from e

@@ -238,7 +238,10 @@ class RemoteGroup:
             from the checkpoint they loaded; ``bytes_sent`` what left this process (a
             broadcast sends some copies: `Channel.copies`), ``bytes`` what each server
             received; ``paused_ms`` how long each server's
-            generation stayed paused (pause to resume), by its own clock.
+            generation stayed paused (pause to resume), by its own clock; ``dropped``
+            the servers left out of it (down at its start, dead during the send or
+            before their commit; with ``require="any"``), each caught up at the next
+            update it reaches.
         Raises:
             RemoteError: naming the server that failed (see the module doc for the state
                 every server is left in).
@@ -265,17 +268,17 @@ class RemoteGroup:
         started = time.perf_counter()
         new = _weights(weights)
         status, dropped = self._status(self.urls, {})
-        try:
-            return self._prepare(weights, new, status, mode, lease_s, started, dropped)
-        except RemoteError as e:
-            if self.require == "all":
-                raise
-            before = len(dropped)
-            status, dropped = self._status(list(status), dropped)  # who is gone?
-            if len(dropped) == before:
-                raise  # every server answers: not one that died (bad input, a stall)
-            logger.warning("hotweights: %s; updating the others again", e)
-            return self._prepare(weights, new, status, mode, lease_s, started, dropped)
+        while True:
+            try:
+                return self._prepare(weights, new, status, mode, lease_s, started, dropped)
+            except RemoteError as e:
+                if self.require == "all":
+                    raise
+                before = len(dropped)
+                status, dropped = self._status(list(status), dropped)  # who is gone?
+                if len(dropped) == before:
+                    raise  # every server answers: not one that died (bad input, a stall)
+                logger.warning("hotweights: %s; updating the others again", e)
 
     def _status(self, urls: list[str], dropped: dict) -> tuple[dict, dict]:
         """(url -> status of each of `urls` that answers, `dropped` plus url -> why for each
@@ -416,14 +419,23 @@ class RemoteGroup:
     def renew(self, lease_s: float | None = None) -> None:
         """Extend the lease of the update in progress on every server that began it (the
         update does it by itself during its encode and send; call it between `prepare`
-        and a late `commit`).
+        and a late `commit`). With ``require="any"``, a server that refuses or does not
+        answer is named in a warning and the others are renewed all the same (its commit
+        fails, and the next update catches it up).
 
         Raises:
-            RemoteError: naming each server that refused or did not answer.
+            RemoteError: naming each server that refused or did not answer, with
+                ``require="all"`` or when none renewed.
         """
         leased = self._leased
-        self._each(lambda u: self._post(u, leased[u], "/hotweights/renew",
-                                        lease_s=lease_s or self._lease_s()), urls=list(leased))
+        outs = self._each(lambda u: self._post(u, leased[u], "/hotweights/renew",
+                                               lease_s=lease_s or self._lease_s()),
+                          errors=True, urls=list(leased))
+        if failed := {u: e for u, e in outs.items() if isinstance(e, Exception)}:
+            if self.require == "all" or len(failed) == len(outs):
+                raise RemoteError(named(failed))
+            logger.warning("hotweights: lease renewal failed on %s (the others go on)",
+                           named(failed))
 
     def _lease_s(self) -> float:
         return max(60.0, 4 * self.timeout)
@@ -431,7 +443,7 @@ class RemoteGroup:
     def restore(self, weights: torch.nn.Module | Mapping[str, torch.Tensor]) -> bool:
         """Write what the servers hold back into `weights`, in place: undoes a trainer's
         step that the servers did not take (`Reference.restore`; False if it cannot)."""
-        return self.reference.restore(weights)
+        return self.reference.restore(weights, _weights(weights))
 
     def _encode(self, plan: _Plan, new: dict, kept: set[str], rows: dict | None
                 ) -> Iterator[delta.Delta]:

@@ -87,16 +87,21 @@ class Links:
                                     token=token, timeout=self.timeout,
                                     max_round_bytes=self.max_round_bytes,
                                     protocol=PROTOCOL) for u in status}
-            channel = None
+            channel = error = None
             try:
                 channel = Channel(master_addr=self.master_addr, master_port=port, rank=0,
                                   world_size=offset, token=token, timeout=self.timeout,
                                   backend=backend)
+            except RemoteError as e:  # a server that refused to join says why (below)
+                error = e
             finally:
                 outs = {u: outcome(f) for u, f in joins.items()}
         if failed := {u: e for u, e in outs.items() if isinstance(e, Exception)}:
-            channel.close()
-            raise RemoteError(f"joining the channel failed on {named(failed)}")
+            if channel is not None:
+                channel.close()
+            raise RemoteError(f"joining the channel failed on {named(failed)}") from error
+        if error is not None:
+            raise error
         # values as few bits as flipped, where every server holds every tensor whole
         link = Link(channel, members, channel_id(self.master_addr, port, token), ranks,
                     all(out.get("xor") for out in outs.values()))

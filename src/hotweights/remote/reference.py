@@ -94,11 +94,18 @@ class Reference:
             elif d.kind == delta.DENSE:
                 ref.copy_(d.tensor)
 
-    def restore(self, weights: torch.nn.Module | Mapping[str, torch.Tensor]) -> bool:
+    def restore(self, weights: torch.nn.Module | Mapping[str, torch.Tensor],
+                new: Mapping[str, torch.Tensor]) -> bool:
         """Write `tensors` back into `weights`, in place: undoes a trainer's step that the
-        servers did not take. False if it cannot (nothing sent yet, or a name the weights
-        do not hold as a tensor of their own)."""
-        if self.tensors is None:
+        servers did not take. False if it cannot: nothing sent yet, a name the weights do
+        not hold as a tensor of their own, or a tensor that cannot change did (`new`: the
+        checkpoint names of `weights`; no copy of its old values to write back)."""
+        if self.tensors is None or any(k not in new for k in self.frozen_prints):
+            return False
+        prints = prefilter.fingerprints({k: new[k] for k in self.frozen_prints})
+        if moved := sorted(k for k, p in prints.items() if not _same(self.frozen_prints[k], p)):
+            logger.warning("hotweights: %d tensor(s) that cannot change (trainable=) changed: "
+                           "%s; they cannot be written back", len(moved), moved[:5])
             return False
         live = dict(weights.named_parameters()) if isinstance(weights, torch.nn.Module) \
             else dict(weights)
