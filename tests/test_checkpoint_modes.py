@@ -260,6 +260,37 @@ def test_a_full_disk_is_named_and_nothing_written(tmp_path, mode):
         subprocess.run(["umount", str(d)], check=True)
 
 
+def test_a_whole_shard_write_the_disk_refuses_names_the_shard_and_writes_nothing(
+        tmp_path, monkeypatch):
+    """An O_DIRECT write that fails mid-shard (ENOSPC where the free space measured first
+    said it fits) is the CheckpointError raised, naming the shard: not a BufferError from
+    closing the buffer that the error's traceback still holds slices of."""
+    import errno
+
+    from hotweights.checkpoint import stage
+    d = tmp_path / "m"
+    live = _saved(d)
+    sync(d, live)
+    name = "model.layers.1.mlp.down_proj.weight"
+    live[name] += 1.0
+    shard = _shard_of(d, name)
+    before = {p.name: p.read_bytes() for p in d.glob("*.safetensors")}
+    monkeypatch.setattr(stage, "_DIRECT_BUFFER", 1 << 16)  # several writes a shard
+    monkeypatch.setattr(stage, "_direct", lambda fd, on: True)  # _Direct on any filesystem
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(stage.os, "write", full)
+    with pytest.raises(CheckpointError, match=f"{d}: cannot stage the changed shards: "
+                                              f"{d / shard}: No space left on device; "
+                                              "nothing was written"):
+        sync(d, live, mode="copy")
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in d.glob("*.safetensors")} == before
+    assert not (d / journal.STAGE_DIR).exists() and not (d / journal.JOURNAL_NAME).exists()
+    assert sync(d, live, mode="copy").shards_changed == (shard,)
+
+
 def test_two_writers_take_turns(tmp_path):
     d = tmp_path / "m"
     live = _saved(d)

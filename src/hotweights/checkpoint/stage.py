@@ -183,9 +183,21 @@ def staging(model_dir: Path, what: str) -> Iterator[Path]:
     except BaseException as e:
         shutil.rmtree(area, ignore_errors=True)
         if isinstance(e, OSError):
-            raise CheckpointError(f"{model_dir}: cannot {what}: {e.strerror or e}; nothing "
-                                  "was written") from e
+            where = f"{e.filename}: " if e.filename else ""
+            raise CheckpointError(f"{model_dir}: cannot {what}: {where}{e.strerror or e}; "
+                                  "nothing was written") from e
         raise
+
+
+@contextmanager
+def _naming(path: str) -> Iterator[None]:
+    """An OSError of the block that names no file (a failed write, say) names `path`."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename:
+            raise
+        raise OSError(e.errno, e.strerror or str(e), path) from e
 
 
 def commit(model_dir: Path, after_read: Callable[[], None] | None,
@@ -202,10 +214,10 @@ def whole(shard: Shard, tensors: Mapping[str, torch.Tensor], dst: Path,
           progress: Callable[[int], None]) -> int:
     """Write `shard` anew at `dst` with the `tensors` (contiguous, the header's dtypes and
     shapes) in place of their bytes; fsync. Returns the bytes written."""
-    src, fd = os.open(shard.path, os.O_RDONLY), _create(dst, shard.path)
-    try:
-        sink, pos = _sink(fd), 0
+    with _naming(shard.path):
+        src, fd = os.open(shard.path, os.O_RDONLY), _create(dst, shard.path)
         try:
+            sink, pos = _sink(fd), 0
             for name, info in sorted(shard.tensors.items(), key=lambda kv: kv[1].begin):
                 if info.begin > pos:  # the header, or a gap between tensors
                     sink.copy(src, pos, info.begin - pos)
@@ -219,12 +231,13 @@ def whole(shard: Shard, tensors: Mapping[str, torch.Tensor], dst: Path,
             if shard.size > pos:
                 sink.copy(src, pos, shard.size - pos)
             sink.end()
-        finally:
+            # not after an error: its traceback still holds slices of the buffer, and
+            # closing it would raise a BufferError in place of the error; freed with them
             sink.close()
-        os.fsync(fd)
-    finally:
-        os.close(src)
-        os.close(fd)
+            os.fsync(fd)
+        finally:
+            os.close(src)
+            os.close(fd)
     return shard.size
 
 
@@ -235,17 +248,18 @@ def patched(shard: Shard, tensors: Mapping[str, torch.Tensor],
     range within it) from the live `tensors`, as whole pages of the file (`_page_runs`);
     fsync. Returns the bytes written."""
     clone.reflink(shard.path, dst)
-    src, fd, written = os.open(shard.path, os.O_RDONLY), os.open(dst, os.O_WRONLY), 0
-    try:
-        os.fchmod(fd, os.fstat(src).st_mode & 0o7777)
-        for at, parts in _page_runs(shard, tensors, ranges, src):
-            n = pwritev_all(fd, parts, at)
-            written += n
-            progress(n)
-        os.fsync(fd)
-    finally:
-        os.close(src)
-        os.close(fd)
+    with _naming(shard.path):
+        src, fd, written = os.open(shard.path, os.O_RDONLY), os.open(dst, os.O_WRONLY), 0
+        try:
+            os.fchmod(fd, os.fstat(src).st_mode & 0o7777)
+            for at, parts in _page_runs(shard, tensors, ranges, src):
+                n = pwritev_all(fd, parts, at)
+                written += n
+                progress(n)
+            os.fsync(fd)
+        finally:
+            os.close(src)
+            os.close(fd)
     return written
 
 
