@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from hotweights.changes import blocks
@@ -271,6 +271,10 @@ def test_a_wrapped_model_s_names_are_unwrapped(saved, wrap):
     result = sync(d, {wrap(n): t for n, t in live.items()})
     assert result.tensors_changed == 1 and result.missing_on_disk == ()
     assert torch.equal(_disk(d)[name].view(torch.int16), live[name].view(torch.int16))
+    live[name][1] += 1  # `changed=` names as the wrapped model's
+    result = sync(d, {wrap(n): t for n, t in live.items()}, changed=[wrap(name)])
+    assert result.tensors_changed == 1 and result.bytes_hashed < live[name].nbytes * 2
+    assert torch.equal(_disk(d)[name].view(torch.int16), live[name].view(torch.int16))
 
 
 def test_a_wrapped_module_is_unwrapped(saved):
@@ -284,6 +288,15 @@ def test_a_wrapped_module_is_unwrapped(saved):
     result = sync(d, compiled)
     assert result.tensors_changed == 1 and result.missing_on_disk == ()
     assert torch.equal(_disk(d)["model.norm.weight"], model.model.norm.weight.detach())
+
+
+def test_a_checkpoint_that_stores_the_wrapped_names_keeps_them(tmp_path):
+    live = {"module.a.weight": torch.zeros(4, 4), "module.b.weight": torch.ones(4)}
+    save_file(live, tmp_path / "model.safetensors")  # a DDP state dict saved as it is
+    live["module.a.weight"][1] += 1
+    result = sync(tmp_path, live)
+    assert result.tensors_changed == 1 and result.missing_on_disk == ()
+    assert torch.equal(_disk(tmp_path)["module.a.weight"], live["module.a.weight"])
 
 
 def test_live_tensors_that_mostly_match_nothing_are_refused(saved):

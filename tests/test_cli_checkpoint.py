@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from hotweights.changes import blocks
-from hotweights.checkpoint import clone, diagnose, journal, sidecar
+from hotweights.checkpoint import clone, diagnose, journal, sidecar, sync
 from hotweights.checkpoint.shards import read_dir
 from hotweights.checkpoint.source import open_dir
 from hotweights.cli.main import main
@@ -218,6 +218,18 @@ def test_diagnose_names_a_dtype_mismatch(dirs, capsys):
     d = json.loads(out)
     assert rc == 1 and len(d["mismatches"]) == 21 and len(d["problems"]) == 21
     assert {m["field"] for m in d["mismatches"]} == {"dtype"}
+
+
+def test_diagnose_names_live_tensors_that_mostly_match_nothing_as_sync_does(dirs):
+    live = {n if i % 3 == 0 else "base." + n: t  # 14 of 21 under an unknown wrapper's prefix
+            for i, (n, t) in enumerate(sorted(_disk(dirs["B"]).items()))}
+    d = diagnose(dirs["A"], live)
+    assert d.matched == 7 and d.only_live == 14
+    assert len(d.problems) == 1 and d.problems[0].startswith(
+        f"{dirs['A']}: 14 of 21 live tensors have no place in the checkpoint (e.g. base.")
+    with pytest.raises(CheckpointError) as e:
+        sync(dirs["A"], live)
+    assert str(e.value) == f"{d.problems[0]} Nothing was written."
 
 
 def test_diagnose_a_stale_sidecar_is_no_problem(dirs, capsys):

@@ -82,7 +82,9 @@ class Diagnosis:
     only_disk_samples: tuple[str, ...] = ()
     tied: int = 0
     mismatches: tuple[Mismatch, ...] = ()
-    names_error: str | None = None  # live names could not be placed on disk
+    # live names could not be placed on disk, or mostly have no place there (a sync
+    # refuses them: `NameMap.unplaced`)
+    names_error: str | None = None
 
     @property
     def problems(self) -> list[str]:
@@ -99,10 +101,6 @@ class Diagnosis:
             out.append(self.write_reason)
         if self.names_error:
             out.append(self.names_error)
-        if self.live and not self.first_save and not self.error and not self.names_error \
-                and self.matched == 0:
-            out.append(f"no live tensor has a place in the checkpoint ({self.only_live} "
-                       "live, none on disk): is it the same model?")
         out += [m.line() for m in self.mismatches]
         return out
 
@@ -158,7 +156,7 @@ def diagnose(model_dir: str | os.PathLike,
     shards = {}
     for shard, _ in disk.values():
         shards.setdefault(shard.path, shard)
-    found, by_shard = _compare(live, disk) if live is not None else ({}, {})
+    found, by_shard = _compare(d, live, disk) if live is not None else ({}, {})
     infos = tuple(_shard_info(shard, by_shard.get(shard.path), block_size)
                   for shard in sorted(shards.values(), key=lambda s: s.path))
     return Diagnosis(**base, error=None, first_save=False, shards=infos, tensors=len(disk),
@@ -206,7 +204,7 @@ def _journal_state(d: Path) -> tuple[dict | None, tuple[str, ...], bool]:
     return pending, tuple(leftovers), interrupted
 
 
-def _compare(live, disk) -> tuple[dict, dict[str, list[torch.Tensor]]]:
+def _compare(d: Path, live, disk) -> tuple[dict, dict[str, list[torch.Tensor]]]:
     """The `Diagnosis` fields about the live tensors, and those placed in each shard (by
     its path)."""
     tensors, model, model_type = unpack(live)
@@ -228,4 +226,4 @@ def _compare(live, disk) -> tuple[dict, dict[str, list[torch.Tensor]]]:
     return dict(matched=len(names.tensors), only_live=len(names.only_live),
                 only_live_samples=names.only_live[:SAMPLES], only_disk=len(names.only_disk),
                 only_disk_samples=names.only_disk[:SAMPLES], tied=len(names.tied),
-                mismatches=tuple(mismatches)), by_shard
+                mismatches=tuple(mismatches), names_error=names.unplaced(d)), by_shard

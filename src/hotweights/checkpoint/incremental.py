@@ -57,7 +57,7 @@ from hotweights.changes.writewatch import WriteWatch
 from hotweights.checkpoint import MODES, clone, journal, lock, sidecar, stage
 from hotweights.checkpoint.changed import Ranges, ShardChanges, ShardTensors, find_changes, to_pages
 from hotweights.checkpoint.dtypes import TORCH
-from hotweights.checkpoint.names import to_disk, unpack
+from hotweights.checkpoint.names import as_unpacked, to_disk, unpack
 from hotweights.checkpoint.result import Progress, SyncResult
 from hotweights.checkpoint.shards import Shard, TensorInfo, read_dir
 from hotweights.errors import CheckpointError
@@ -111,7 +111,8 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
         progress: called with (phase, bytes done, bytes total) as hashing and writing go.
         after_read: called once every live byte the sync needs has been read (staged or
             journaled), before the commit: the weights may change again from then on.
-        changed: the live names (as in `live`) of the only tensors that may differ from
+        changed: the live names (as in `live`, a wrapped model's with or without the
+            wrappers' parts) of the only tensors that may differ from
             what the directory holds, e.g. the parameters your optimizer steps. Every other
             tensor is taken as unchanged, not hashed, where its shard has a fresh sidecar
             and its bytes share none with a named tensor's (a tied alias, a view). Only
@@ -198,7 +199,7 @@ def _check_changed(live: Mapping[str, torch.Tensor], changed: Iterable[str]
     if isinstance(changed, str):
         raise CheckpointError(f"changed={changed!r}: pass a collection of live tensor names, "
                               "not one string")
-    changed = frozenset(changed)  # a generator is read once, here
+    changed = frozenset(as_unpacked(live, changed))  # a generator is read once, here
     if unknown := sorted(n for n in changed if n not in live):
         raise CheckpointError(f"changed names {len(unknown)} tensor(s) the live weights do not "
                               f"hold, e.g. {unknown[:3]}; nothing was written")

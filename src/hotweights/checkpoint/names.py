@@ -15,7 +15,7 @@ and no conversion runs (most dense models never reach transformers at all).
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -32,17 +32,23 @@ class NameMap:
     only_live: tuple[str, ...]        # live names with no place on disk, sorted
     only_disk: tuple[str, ...]        # disk names no live tensor fills, sorted
 
-    def check_placed(self, where: object) -> None:
-        """Refuse live tensors that mostly have no place in the checkpoint `where` (another
-        model's, or names changed by a wrapper not undone here): a sync of the few that
-        match would report success having left the rest out."""
+    def unplaced(self, where: object) -> str | None:
+        """Why a sync into the checkpoint `where` refuses these live tensors: most have no
+        place in it (another model's, or names changed by a wrapper not undone here), and a
+        sync of the few that match would report success having left the rest out. None
+        when it takes them."""
         placed = len(self.tensors) + len(self.tied)
-        if len(self.only_live) > placed:
-            raise CheckpointError(
-                f"{where}: {len(self.only_live)} of {len(self.only_live) + placed} live "
-                f"tensors have no place in the checkpoint (e.g. {_few(self.only_live)}; "
-                f"on disk, not filled: {_few(self.only_disk) or 'none'}); nothing was "
-                "written. Is it the same model, or are its names changed by a wrapper?")
+        if len(self.only_live) <= placed:
+            return None
+        return (f"{where}: {len(self.only_live)} of {len(self.only_live) + placed} live "
+                f"tensors have no place in the checkpoint (e.g. {_few(self.only_live)}; on "
+                f"disk, not filled: {_few(self.only_disk) or 'none'}). Is it the same model, "
+                "or are its names changed by a wrapper?")
+
+    def check_placed(self, where: object) -> None:
+        """Raise `unplaced`'s reason, if any."""
+        if reason := self.unplaced(where):
+            raise CheckpointError(f"{reason} Nothing was written.")
 
 
 def _few(names: tuple[str, ...], n: int = 3) -> str:
@@ -74,6 +80,9 @@ def to_disk(
             tensor that has others on disk, or fills a disk name twice.
     """
     disk = disk_names if isinstance(disk_names, (set, frozenset)) else set(disk_names)
+    if isinstance(live, _Unwrapped) and len(disk.intersection(live.wrapped)) > len(
+            disk.intersection(live)):
+        live = live.wrapped  # names on disk rule: a wrapped model's state dict saved as is
     tensors = {n: t for n, t in live.items() if n in disk}
     rest = {n: t for n, t in live.items() if n not in disk}
     tied: dict[str, str] = {}
@@ -149,10 +158,22 @@ WRAPPERS = frozenset({"OptimizedModule", "DistributedDataParallel", "DataParalle
                       "FullyShardedDataParallel"})  # the classes, by name (no imports)
 
 
+class _Unwrapped(dict):
+    """Tensors under the names inside the wrappers, and `wrapped`: the same under the
+    names as they were."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor],
+                 wrapped: Mapping[str, torch.Tensor]) -> None:
+        super().__init__(tensors)
+        self.wrapped = wrapped
+
+
 def unwrapped(live: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
     """`live` under the names of the model inside its wrappers (`module.` of DDP in front
     of every name, `_orig_mod.` of torch.compile, FSDP's and activation checkpointing's
-    parts anywhere): the names its checkpoint stores. Unchanged when nothing is wrapped."""
+    parts anywhere): the names its checkpoint stores. Unchanged when nothing is wrapped.
+    `to_disk` keeps the names as they were where the checkpoint holds more of them (a
+    wrapped model's state dict saved as it is)."""
     def strip(name: str) -> str:
         return ".".join(part for part in name.split(".") if part not in WRAPPER_PARTS)
 
@@ -169,7 +190,16 @@ def unwrapped(live: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
                                       "parts are removed; pass the wrapped model's own "
                                       "state dict")
             seen[n] = k
-    return {names[k]: t for k, t in live.items()}
+    return _Unwrapped({names[k]: t for k, t in live.items()}, live)
+
+
+def as_unpacked(live: Mapping[str, torch.Tensor], names: Iterable[str]) -> list[str]:
+    """`names` (the caller's, of a wrapped model or not) as `live`, what `unpack` returned,
+    holds them."""
+    if not isinstance(live, _Unwrapped):
+        return list(names)
+    inside = dict(zip(live.wrapped, live, strict=True))
+    return [inside.get(n, n) for n in names]
 
 
 def unpack(live: Mapping[str, torch.Tensor] | torch.nn.Module, config: object = None

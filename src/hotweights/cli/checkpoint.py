@@ -211,8 +211,8 @@ def diagnose_rows(d) -> list[tuple[str, str]]:
                         f"{s.tensors:>4} tensors  sidecar {s.sidecar}"
                         + (f" ({'; '.join(about)})" if about else "")))
     if d.live:
-        if d.names_error:
-            out.append(("live", f"names not placed: {d.names_error}"))
+        if d.names_error and not (d.matched or d.only_live):  # why: under "problems"
+            out.append(("live", "names not placed (see problems)"))
         else:
             out.append(("live", f"{d.matched} matched, {d.only_live} only live, "
                         f"{d.only_disk} only on disk, {d.tied} tied"))
