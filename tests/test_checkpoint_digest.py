@@ -97,6 +97,30 @@ def test_a_server_started_from_a_hub_id_reports_the_snapshot_it_loaded(tmp_path,
     assert _loaded("org/tiny") is None  # main's shards are not the ones seen before the load
 
 
+def test_a_server_started_from_a_hub_id_recovers_its_snapshot_first(tmp_path, monkeypatch,
+                                                                    capsys):
+    # a sync into a Hugging Face cache snapshot, cut short after its commit: `serve`
+    # finishes it before vLLM reads the shards, as it does for a directory
+    import huggingface_hub.constants
+
+    from hotweights.checkpoint import journal
+    from hotweights.server.serve import recovered
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    snap = _hub_snapshot(tmp_path / "hub", "org/tiny", "main", "a" * 40, _tensors())
+    _save(tmp_path / "new", _tensors(seed=1))
+    (snap / journal.STAGE_DIR).mkdir()
+    (tmp_path / "new" / "model.safetensors").rename(
+        snap / journal.STAGE_DIR / "model.safetensors")
+    journal.write_journal(snap, [], moves=["model.safetensors"])
+    assert recovered("org/tiny", None) == str(snap)
+    assert f"{snap}: replayed an interrupted checkpoint sync" in capsys.readouterr().out
+    assert journal.pending(snap) is None
+    assert all(torch.equal(t, _tensors(seed=1)[k])
+               for k, t in load_file(snap / "model.safetensors").items())
+    assert recovered("org/other", None) is None
+
+
 @pytest.mark.parametrize("shards", [1, 3])
 def test_digest_reads_big_tensors_without_copies(tmp_path, shards):
     big = {f"t{i}": torch.full((256, 1024), float(i)) for i in range(3)}

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import xxhash
 
 from hotweights.checkpoint import finisher, journal, lock, trash
 from hotweights.errors import CheckpointError
@@ -151,18 +152,12 @@ def _corrupt_magic(p):
     p.write_bytes(b"XXJRNL\r\n" + p.read_bytes()[8:])
 
 
-def _corrupt_format(p):
-    data = bytearray(p.read_bytes())
-    data[8] = 99
-    p.write_bytes(data)
-
-
 def _corrupt_empty(p):
     p.write_bytes(b"")
 
 
 @pytest.mark.parametrize("corrupt", [_corrupt_truncate, _corrupt_flip, _corrupt_magic,
-                                     _corrupt_format, _corrupt_empty])
+                                     _corrupt_empty])
 def test_corrupt_journal_is_discarded(shards, corrupt):
     d, _, old, new, spec = shards
     corrupt(_committed(d, old, spec, new))
@@ -172,6 +167,25 @@ def test_corrupt_journal_is_discarded(shards, corrupt):
     assert journal.recover(d) == "discarded"
     assert _state(d, old, new) == "old"
     assert os.listdir(d) and not (d / journal.JOURNAL_NAME).exists()
+
+
+def test_a_journal_of_an_unknown_format_is_kept(shards):
+    # a later version's journal, after a downgrade: discarding it could leave torn shards
+    d, _, old, new, spec = shards
+    _staged(d, new, NAMES[0])
+    journal.write_journal(d, [(n, o, new[n][o:o + k]) for n, o, k in spec if n != NAMES[0]],
+                          moves=[NAMES[0]])
+    path = d / journal.JOURNAL_NAME
+    data = bytearray(path.read_bytes())
+    data[8:12] = (99).to_bytes(4, "little")
+    path.write_bytes(data)
+    match = (f"{path}: a journal of format 99; this version of hotweights knows formats "
+             "1, 2, 3. Finish it with the hotweights version that wrote it")
+    for call in (journal.pending, journal.apply, journal.recover):
+        with pytest.raises(CheckpointError, match=match):
+            call(d)
+    assert path.read_bytes() == data and (d / journal.STAGE_DIR / NAMES[0]).exists()
+    assert _state(d, old, new) == "old"
 
 
 def test_leftover_temporary_is_discarded(shards):
@@ -264,6 +278,65 @@ def test_a_committed_journal_is_not_replayed_onto_another_file(shards, tmp_path,
     assert (d / journal.JOURNAL_NAME).exists()  # kept for a person to look at
 
 
+def _staged(d: Path, new: dict, *names: str) -> None:
+    """Stage the new versions of `names`, as a sync does before its journal moves them."""
+    (d / journal.STAGE_DIR).mkdir(exist_ok=True)
+    for name in names:
+        (d / journal.STAGE_DIR / name).write_bytes(new.get(name, b"new"))
+
+
+@pytest.mark.parametrize("how", ["copied back", "other header", "a new file"])
+def test_a_committed_move_is_not_replayed_onto_another_file(shards, tmp_path, how):
+    # the default modes commit by moves alone: a checkpoint put back after a crash, before
+    # the moves, must not be replaced by them either
+    d, _, old, new, spec = shards
+    _safetensors_like(d, NAMES[1], b'{"a": 1}')
+    name = "extra.safetensors" if how == "a new file" else NAMES[1]
+    _staged(d, new, NAMES[0], name)
+    journal.write_journal(d, [], moves=[NAMES[0], name])
+    if how == "copied back":
+        shutil.copy(d / name, tmp_path / "copy")
+        os.replace(tmp_path / "copy", d / name)
+        match = "ino differ"
+    elif how == "other header":
+        _safetensors_like(d, name, b'{"b": 2}')
+        match = "header differ"
+    else:
+        (d / name).write_bytes(b"put there since")
+        match = "there was no file then"
+    before = {n: (d / n).read_bytes() for n in {*NAMES, name}}
+    with pytest.raises(CheckpointError, match=f"{name}: not the file journal .*{match}"):
+        journal.recover(d)
+    assert {n: (d / n).read_bytes() for n in before} == before  # the first move not done
+    assert (d / journal.JOURNAL_NAME).exists()
+    assert sorted(os.listdir(d / journal.STAGE_DIR)) == sorted([NAMES[0], name])
+
+
+def test_a_move_of_a_new_file_replays(shards):
+    d, _, old, new, spec = shards
+    _staged(d, new, "extra.safetensors")
+    journal.write_journal(d, [], moves=["extra.safetensors"])
+    assert journal.recover(d) == "replayed"
+    assert (d / "extra.safetensors").read_bytes() == b"new"
+
+
+@pytest.mark.parametrize("fmt", [1, 2])
+def test_a_journal_of_an_older_format_still_replays(shards, fmt):
+    # format 1: moves without the staged file's identity; 2: without the target's
+    d, _, old, new, spec = shards
+    _staged(d, new, NAMES[0])
+    st = (d / journal.STAGE_DIR / NAMES[0]).stat()
+    raw = NAMES[0].encode()
+    body = (journal._HEAD.pack(journal._MAGIC, fmt, 2) + b"{}"
+            + journal._REC.pack(b"M", len(raw), *((st.st_ino, st.st_size) if fmt == 2
+                                                   else (0, 0))) + raw)
+    (d / journal.JOURNAL_NAME).write_bytes(
+        body + journal._COMMIT.pack(b"C", 1, xxhash.xxh3_64_intdigest(body)))
+    assert journal.pending(d) == {}
+    assert journal.recover(d) == "replayed"
+    assert (d / NAMES[0]).read_bytes() == new[NAMES[0]]
+
+
 def test_a_patch_into_a_safetensors_header_is_refused(shards):
     d, _, old, new, spec = shards
     _safetensors_like(d, NAMES[0], b'{"a": 1}' + b" " * 100)
@@ -285,6 +358,19 @@ def test_a_lost_staged_file_is_never_taken_as_moved(shards):
         journal.recover(d)
     assert (d / NAMES[0]).read_bytes() == old[NAMES[0]]
     assert (d / journal.JOURNAL_NAME).exists()
+
+
+def test_every_move_is_checked_before_the_first(shards):
+    # a lost staged file found only when its turn comes would leave the moves before it
+    # done: shards of two versions
+    d, _, old, new, spec = shards
+    _staged(d, new, *NAMES)
+    journal.write_journal(d, [], moves=list(NAMES))
+    (d / journal.STAGE_DIR / NAMES[2]).unlink()
+    with pytest.raises(CheckpointError, match=f"{NAMES[2]}: the staged file is lost"):
+        journal.recover(d)
+    assert _state(d, old, new) == "old"
+    assert sorted(os.listdir(d / journal.STAGE_DIR)) == sorted(NAMES[:2])
 
 
 def test_a_move_already_done_is_recognised_by_its_identity(shards):

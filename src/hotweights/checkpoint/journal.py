@@ -4,19 +4,24 @@ One journal per directory, `DIR/.hotweights-journal`, covering every file a sync
 patched in place or replaced whole by a complete file staged in `DIR/.hotweights-stage/`:
 
     header  : magic b"HWJRNL\\r\\n", format u32, meta length u32, meta (JSON)
-    file    : b"I", name length u16, 0 u64, length u64, name (UTF-8), identity (JSON),
-              before the first patch of each file: what the journal was written against
+    file    : b"I", name length u16, 0 u64, length u64, name (UTF-8), identity (JSON):
+              what the journal was written against, before each move (null: no file
+              there) and before the first patch of each file
     patch   : b"R", name length u16, offset u64, length u64, name (UTF-8), payload
     move    : b"M", name length u16, inode u64, size u64, name (UTF-8): the staged file
               (that inode and size) replaces it
     commit  : b"C", record count u64, xxh3_64 of every byte before the commit record
 
-It is written to `DIR/.hotweights-journal.tmp`, fsync'd, renamed, and the directory
-fsync'd: the rename is the commit point (staged files are written and fsync'd before, and
-the stage directory too). A replay refuses a file that is not the one the journal was
-written against (another inode on the same filesystem, another size or safetensors
-header: a checkpoint copied back after a crash), before it writes anything; a staged
-file that is gone counts as moved only if the file in its place is that staged file.
+The format is 3; a journal of format 1 or 2 (an older version's, `_FORMATS`) still
+replays, without the checks it has no records for; one of another format (a later
+version's) is refused, and kept with its staged files. It is written to
+`DIR/.hotweights-journal.tmp`, fsync'd, renamed, and the directory fsync'd: the rename is
+the commit point (staged files are written and fsync'd before, and the stage directory
+too). Before it writes anything, a replay checks every file: it refuses one not yet
+moved over that is not the one the journal was written against (another inode on the
+same filesystem, another size or safetensors header, a file where there was none, or
+none: a checkpoint copied back after a crash), and a staged file that is gone counts as
+moved only if the file in its place is that staged file (else it refuses: it is lost).
 `apply` replays it (renames, pwrite, fsync each file, fsync the directory) and removes it;
 replaying twice is harmless; `apply(wait=False)` leaves the fsyncs and the journal's
 removal to this process's finisher thread (`finisher`). A file a move replaces is kept in
@@ -58,7 +63,10 @@ _TMP_NAME = JOURNAL_NAME + ".tmp"
 STAGE_DIR = ".hotweights-stage"  # complete files waiting for their move record
 _written: tuple | None = None  # (path, FileId, records) of the journal this process committed
 _MAGIC = b"HWJRNL\r\n"
-_FORMAT = 2  # 1: no file records, moves without identity (still replayed)
+# Formats read: 1 (no file records, moves without the staged file's identity), 2 (no
+# record of a move's target), both replayed without those checks; 3, written.
+_FORMATS = (1, 2, 3)
+_FORMAT = _FORMATS[-1]
 _HEAD = struct.Struct("<8sII")
 _REC = struct.Struct("<cHQQ")
 _COMMIT = struct.Struct("<cQQ")
@@ -128,7 +136,8 @@ def _write_all(fd: int, data: bytes | memoryview, hasher: Any) -> None:
     write_all(fd, data)
 
 
-def _check_staged(directory: str, name: str) -> tuple[bytes, FileId]:
+def _check_staged(directory: str, name: str) -> tuple[bytes, FileId, dict | None]:
+    """A move's name, its staged file's identity and its target's (None: a new file)."""
     raw = _check_name(name)
     path = os.path.join(directory, STAGE_DIR, name)
     try:
@@ -137,7 +146,11 @@ def _check_staged(directory: str, name: str) -> tuple[bytes, FileId]:
         raise CheckpointError(f"{path}: no staged file to move into place") from None
     if not stat.S_ISREG(st.st_mode):
         raise CheckpointError(f"{path}: the staged file is not a regular file")
-    return raw, FileId.of_stat(st)
+    try:
+        was = _identity(os.path.join(directory, name))
+    except FileNotFoundError:
+        was = None
+    return raw, FileId.of_stat(st), was
 
 
 def _identity(path: str) -> dict:
@@ -150,20 +163,28 @@ def _identity(path: str) -> dict:
     return out
 
 
-def _check_identity(path: str, want: dict, journal: str) -> None:
-    """Refuse to replay onto `path` unless it is the file `want` describes. The inode is
-    compared on the same filesystem only (a move to another one changes it)."""
+def _check_identity(path: str, want: dict | None, journal: str) -> None:
+    """Refuse to replay onto `path` unless it is the file `want` describes (None: no file
+    was there). The inode is compared on the same filesystem only (a move to another one
+    changes it)."""
     try:
         have = _identity(path)
     except FileNotFoundError:
-        raise CheckpointError(f"{path}: journal {journal} patches it, and it is gone") from None
-    fields = ("size", "header") + (("ino",) if have["dev"] == want["dev"] else ())
-    if differ := [k for k in fields if have.get(k) != want.get(k)]:
-        raise CheckpointError(
-            f"{path}: not the file journal {journal} was committed for ({', '.join(differ)} "
-            f"differ: {want.get(differ[0])} then, {have.get(differ[0])} now), e.g. a copy "
-            "put back after a crash; nothing was written. Remove the journal if these files "
-            "are the ones to keep")
+        have = None
+    if want is None or have is None:
+        if want is have:
+            return
+        why = "there was no file then" if want is None else "it is gone"
+    else:
+        fields = ("size", "header") + (("ino",) if have["dev"] == want["dev"] else ())
+        if not (differ := [k for k in fields if have.get(k) != want.get(k)]):
+            return
+        why = (f"{', '.join(differ)} differ: {want.get(differ[0])} then, "
+               f"{have.get(differ[0])} now")
+    raise CheckpointError(
+        f"{path}: not the file journal {journal} was committed for ({why}), e.g. a copy "
+        "put back after a crash; nothing was written. Remove the journal if these files "
+        "are the ones to keep")
 
 
 def write_journal(directory: str | os.PathLike, patches: Iterable[tuple[str, int, Any]],
@@ -216,11 +237,21 @@ def write_journal(directory: str | os.PathLike, patches: Iterable[tuple[str, int
         hasher = xxhash.xxh3_64()
         _write_all(fd, _HEAD.pack(_MAGIC, _FORMAT, len(head)) + head, hasher)
         pos = _HEAD.size + len(head)
-        for name, (raw, fid) in zip(moves, moved, strict=True):
-            _write_all(fd, _REC.pack(b"M", len(raw), fid.ino, fid.size) + raw, hasher)
-            pos += _REC.size + len(raw)
-            records.append((b"M", name, fid.ino, fid.size, pos))
         buf = bytearray()  # small records gather here: one write per _CHUNK, not two each
+
+        def add(tag: bytes, name: str, raw: bytes, a: int, b: int, payload: bytes = b"") -> None:
+            """A record into `buf`, and into `records` as `_scan` reads it back."""
+            nonlocal pos
+            buf.extend(_REC.pack(tag, len(raw), a, b) + raw)
+            pos += _REC.size + len(raw)
+            records.append((tag, name, a, b, pos))  # pos: where its payload starts
+            buf.extend(payload)
+            pos += len(payload)
+
+        for name, (raw, fid, was) in zip(moves, moved, strict=True):
+            payload = json.dumps(was).encode()
+            add(b"I", name, raw, 0, len(payload), payload)
+            add(b"M", name, raw, fid.ino, fid.size)
         header_ends: dict[str, int] = {}  # per patched file: where its header ends
         for name, offset, data in patches:
             raw, view = _validate(directory, name, offset, data, sizes)
@@ -228,20 +259,15 @@ def write_journal(directory: str | os.PathLike, patches: Iterable[tuple[str, int
                 ident = _identity(os.path.join(directory, name))
                 header_ends[name] = ident.get("header_end", 0)
                 payload = json.dumps(ident).encode()
-                buf += _REC.pack(b"I", len(raw), 0, len(payload)) + raw + payload
-                pos += _REC.size + len(raw)
-                records.append((b"I", name, 0, len(payload), pos))
-                pos += len(payload)
+                add(b"I", name, raw, 0, len(payload), payload)
             if offset < header_ends[name]:
                 raise CheckpointError(f"{os.path.join(directory, name)}: patch at offset "
                                       f"{offset} falls in the safetensors header (it ends "
                                       f"at {header_ends[name]}); patches never change it")
             written += _REC.size + len(raw) + view.nbytes
-            buf += _REC.pack(b"R", len(raw), offset, view.nbytes) + raw
-            pos += _REC.size + len(raw)
-            records.append((b"R", name, offset, view.nbytes, pos))
-            pos += view.nbytes
-            _crash_point("record", len(records) - len(header_ends) - len(moves) - 1)
+            add(b"R", name, raw, offset, view.nbytes)
+            pos += view.nbytes  # the payload, below
+            _crash_point("record", len(records) - len(header_ends) - 2 * len(moves) - 1)
             if len(buf) + view.nbytes > _CHUNK:
                 _write_all(fd, buf, hasher)
                 buf.clear()
@@ -295,9 +321,15 @@ def _scan(path: str) -> tuple[dict, list[tuple[bytes, str, int, int, int]]]:
         total = os.fstat(f.fileno()).st_size
         hasher = xxhash.xxh3_64()
         magic, fmt, meta_len = _HEAD.unpack(_read_exact(f, _HEAD.size))
-        if magic != _MAGIC or fmt not in (1, _FORMAT) or meta_len > total:
-            raise _Corrupt(f"not a hotweights journal of format {_FORMAT} "
-                           f"(magic {magic!r}, format {fmt})")
+        if magic != _MAGIC:
+            raise _Corrupt(f"not a hotweights journal (magic {magic!r})")
+        if fmt not in _FORMATS:  # a later version's: discarding it could leave torn files
+            raise CheckpointError(
+                f"{path}: a journal of format {fmt}; this version of hotweights knows formats "
+                f"{', '.join(map(str, _FORMATS))}. Finish it with the hotweights version that "
+                "wrote it (hotweights recover DIR); the journal and the staged files are kept")
+        if meta_len > total:
+            raise _Corrupt(f"a meta of {meta_len} bytes in a file of {total}")
         head = _read_exact(f, meta_len)
         hasher.update(_HEAD.pack(magic, fmt, meta_len) + head)
         while True:
@@ -328,7 +360,11 @@ def _scan(path: str) -> tuple[dict, list[tuple[bytes, str, int, int, int]]]:
 
 
 def pending(directory: str | os.PathLike) -> dict | None:
-    """The meta of a committed, intact journal in `directory`, or None if there is none."""
+    """The meta of a committed, intact journal in `directory`, or None if there is none.
+
+    Raises:
+        CheckpointError: the journal is of a format this version does not know.
+    """
     finisher.finish()  # a journal this process is still removing is not pending
     path = os.path.join(os.fspath(directory), JOURNAL_NAME)
     try:
@@ -337,26 +373,24 @@ def pending(directory: str | os.PathLike) -> dict | None:
         return None
 
 
-def _move(directory: str, name: str, ino: int, size: int) -> None:
-    """Rename the staged `name` over its target. Gone from the stage, it was moved by an
-    earlier, interrupted replay only if the target is that staged file (`ino`, `size`;
-    0, 0: a format 1 journal, which did not say)."""
+def _moved(directory: str, name: str, ino: int, size: int) -> bool:
+    """Whether the staged `name` was moved over its target by an earlier, interrupted
+    replay. Gone from the stage, it was only if the target is that staged file (`ino`,
+    `size`; 0, 0: a format 1 journal, which did not say); else it is lost, and refused."""
     staged, target = os.path.join(directory, STAGE_DIR, name), os.path.join(directory, name)
-    if os.path.exists(staged) and os.path.exists(target):
-        trash.keep(directory, target, name)
+    if os.path.exists(staged):
+        return False
     try:
-        os.replace(staged, target)
+        have = FileId.of(target)
     except FileNotFoundError:
-        try:
-            have = FileId.of(target)
-        except FileNotFoundError:
-            raise CheckpointError(f"{target}: the journal moves {staged} into place, and "
-                                  "neither exists") from None
-        if (ino or size) and (have.ino, have.size) != (ino, size):
-            raise CheckpointError(
-                f"{staged}: the staged file is lost (not moved: {target} is another file, "
-                f"inode {have.ino}, {have.size} bytes, not inode {ino}, {size} bytes); "
-                "the commit cannot be finished. The journal is kept") from None
+        raise CheckpointError(f"{target}: the journal moves {staged} into place, and "
+                              "neither exists; nothing was written") from None
+    if (ino or size) and (have.ino, have.size) != (ino, size):
+        raise CheckpointError(
+            f"{staged}: the staged file is lost (not moved: {target} is another file, "
+            f"inode {have.ino}, {have.size} bytes, not inode {ino}, {size} bytes); "
+            "the commit cannot be finished, nothing was written. The journal is kept")
+    return True
 
 
 def _replay(directory: str, path: str, records: list) -> tuple[list[int], bool]:
@@ -367,17 +401,22 @@ def _replay(directory: str, path: str, records: list) -> tuple[list[int], bool]:
     patches = [r[1:] for r in records if r[0] == b"R"]
     for name in {*(m[0] for m in moves), *(r[0] for r in patches)}:
         _check_name(name)
+    done = {name for name, ino, size in moves if _moved(directory, name, ino, size)}
     with mapped(path) as data:  # a committed journal may still be for other files
         for _, name, _, length, pos in (r for r in records if r[0] == b"I"):
-            _check_identity(os.path.join(directory, name),
-                            json.loads(bytes(data[pos:pos + length])), path)
+            if name not in done:  # a file moved is the staged one by now (`_moved`)
+                _check_identity(os.path.join(directory, name),
+                                json.loads(bytes(data[pos:pos + length])), path)
     for name, offset, length, _ in patches:
         if offset + length > _target_size(directory, name, sizes):
             raise CheckpointError(f"{os.path.join(directory, name)}: journal {path} patches "
                                   f"offset {offset} beyond the file's end; the file changed "
                                   "after the journal was committed")
-    for k, (name, ino, size) in enumerate(moves):
-        _move(directory, name, ino, size)
+    for k, name in enumerate(m[0] for m in moves if m[0] not in done):  # all checked
+        target = os.path.join(directory, name)
+        if os.path.exists(target):
+            trash.keep(directory, target, name)
+        os.replace(os.path.join(directory, STAGE_DIR, name), target)
         _crash_point("move", k)
     fds: dict[str, int] = {}
     try:
@@ -467,7 +506,8 @@ def apply(directory: str | os.PathLike, *, wait: bool = True,
         True if a journal was replayed, False if there was none.
 
     Raises:
-        CheckpointError: the journal is corrupt (`recover` discards it) or stale.
+        CheckpointError: the journal is corrupt (`recover` discards it), stale, or of a
+            format this version does not know.
     """
     directory = os.fspath(directory)
     path = os.path.join(directory, JOURNAL_NAME)
@@ -501,8 +541,9 @@ def recover(directory: str | os.PathLike, *, lock: bool = True) -> str:
         corrupt one was removed, the files untouched) or "none".
 
     Raises:
-        CheckpointError: a committed journal no longer fits its files (they changed since);
-            it is kept for a person to look at.
+        CheckpointError: a committed journal no longer fits its files (they changed since,
+            or a staged file is lost), or is of a format this version does not know (a
+            later version's); it is kept, with the staged files, for a person to look at.
     """
     if lock:
         with locked(directory):

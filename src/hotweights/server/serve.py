@@ -132,6 +132,15 @@ def refuse_unshareable(vllm_args: list[str]) -> None:
             raise ServerError(f"{names[0]} {value}: {why}")
 
 
+def recovered(model: str, revision: str | None) -> str | None:
+    """The model's directory here (`model`, or the cached snapshot of hub id `model`), with
+    a sync cut short in it finished or undone before vLLM reads it; None: none here."""
+    found = local_dir(model, revision)
+    if found and (outcome := journal.recover(found)) != "none":
+        print(f"hotweights: {found}: {outcome} an interrupted checkpoint sync")
+    return found
+
+
 def run(args: argparse.Namespace, vllm_args: list[str]) -> int:
     refuse_unshareable(vllm_args)
     https = tls.check_files(args.ssl_keyfile, args.ssl_certfile)
@@ -140,14 +149,11 @@ def run(args: argparse.Namespace, vllm_args: list[str]) -> int:
     token_file = Path(args.token_file or token_path(args.port))
     for path in shm.sweep_stale():
         print(f"removed stale shared weights {path}")
-    if os.path.isdir(args.model):  # a sync cut short is finished or undone before vLLM reads
-        outcome = journal.recover(args.model)
-        if outcome != "none":
-            print(f"hotweights: {args.model}: {outcome} an interrupted checkpoint sync")
+    found = recovered(args.model, _flag(vllm_args, "--revision"))
     server_id = secrets.token_hex(4)  # 8 hex digits: versions read 7@3f9a1c2b
     env = server_env(os.environ, vllm_args, token=token, server_id=server_id,
                      token_file=token_file, remote=getattr(args, "remote", False))
-    if env[REMOTE] == "1" and (found := local_dir(args.model, _flag(vllm_args, "--revision"))):
+    if env[REMOTE] == "1" and found:
         env[CHECKPOINT_STATS] = json.dumps(checkpoint_stats(found))  # before vLLM reads them
     child: list[subprocess.Popen] = []
     received: list[int] = []
