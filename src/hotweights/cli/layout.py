@@ -29,15 +29,26 @@ def run(args: argparse.Namespace) -> int:
 
     trust = args.trust_remote_code
     config = load_config(_model_dir(args.model_dir), trust_remote_code=trust)  # fail fast
-    _quiet_vllm(args.verbose)
     console = make_console()
-    from hotweights.vllm_plugin.local import live_params, start_engine, stop_engine
+    from hotweights.vllm_plugin.local import (
+        live_params,
+        restore_environ,
+        start_engine,
+        stop_engine,
+    )
 
-    with console.status(f"loading {args.model_dir} in vLLM"):
-        llm = start_engine(args.model_dir, model_impl=args.model_impl, dtype=args.dtype,
-                           trust_remote_code=trust)
-        params = {n: (tuple(t.shape), t.dtype) for n, t in live_params(llm).items()}
-        stop_engine(llm)
+    environ = dict(os.environ)
+    _quiet_vllm(args.verbose)
+    try:
+        with console.status(f"loading {args.model_dir} in vLLM"):
+            llm = start_engine(args.model_dir, model_impl=args.model_impl, dtype=args.dtype,
+                               trust_remote_code=trust)
+            try:
+                params = {n: (tuple(t.shape), t.dtype) for n, t in live_params(llm).items()}
+            finally:
+                stop_engine(llm)
+    finally:  # a server this process starts later logs as vLLM's own do
+        restore_environ(environ)
     layout = plan(config, {n: s for n, (s, _) in params.items()}, strict=False,
                   trust_remote_code=trust)
 

@@ -304,13 +304,11 @@ class GRPOTrainer(trl.GRPOTrainer):
         setup changed. The model's parameters were the engine's: do not train it after.
         Server mode: nothing to free (the server keeps serving)."""
         if isinstance(self.weights, _Colocated) and self.weights.llm is not None:
-            from hotweights.vllm_plugin.local import stop_engine
+            from hotweights.vllm_plugin.local import restore_environ, stop_engine
 
             llm, self.weights.llm, self.vllm_generation.llm = self.weights.llm, None, None
             stop_engine(llm)
-            for name in set(os.environ) - set(self._environ_before):
-                del os.environ[name]
-            os.environ.update(self._environ_before)
+            restore_environ(self._environ_before)  # TRL's setup's variables too
 
     def __enter__(self) -> GRPOTrainer:
         return self

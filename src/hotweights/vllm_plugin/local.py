@@ -11,22 +11,34 @@ from typing import Any
 
 import torch
 
+_environ: dict[str, str] | None = None  # os.environ before the engine here started
+
 
 def start_engine(model_dir: str | Path, **engine_args: Any):
-    """A vLLM `LLM` running in this process, with the hotweights plugin loaded."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from hotweights.server.env import ACTIVE
-    from hotweights.vllm_plugin import register
+    """A vLLM `LLM` running in this process, with the hotweights plugin loaded.
 
-    os.environ[ACTIVE] = "1"  # our general plugin acts (register)
+    `stop_engine` (or a failed start) puts `os.environ` back as it was: the setup here
+    changes it (vLLM's LD_PRELOAD and its own settings, this engine's), and every process
+    started after, a vLLM server among them, would inherit that."""
+    global _environ
+    _environ = dict(os.environ)
+    try:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        from hotweights.server.env import ACTIVE
+        from hotweights.vllm_plugin import register
 
-    register()
-    from vllm import LLM
+        os.environ[ACTIVE] = "1"  # our general plugin acts (register)
 
-    args = dict(enforce_eager=True, max_model_len=256, max_num_seqs=4, seed=0)
-    args.update(engine_args)
-    return LLM(str(model_dir), **args)
+        register()
+        from vllm import LLM
+
+        args = dict(enforce_eager=True, max_model_len=256, max_num_seqs=4, seed=0)
+        args.update(engine_args)
+        return LLM(str(model_dir), **args)
+    except BaseException:
+        _put_back()
+        raise
 
 
 def live_params(llm) -> dict[str, torch.Tensor]:
@@ -49,6 +61,21 @@ def stop_engine(llm) -> None:
     destroy_model_parallel()
     destroy_distributed_environment()
     gc.collect()
+    _put_back()
+
+
+def restore_environ(before: dict[str, str]) -> None:
+    """Make `os.environ` `before` again."""
+    for name in set(os.environ) - set(before):
+        del os.environ[name]
+    os.environ.update(before)
+
+
+def _put_back() -> None:
+    global _environ
+    if _environ is not None:
+        restore_environ(_environ)
+        _environ = None
 
 
 @contextlib.contextmanager
