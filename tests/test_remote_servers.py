@@ -153,7 +153,8 @@ def _assert_serves(model, served: tuple[list[int], list[float]]) -> None:
 
 def test_the_servers_serve_their_old_version_until_the_commit(remotes, trainer, monkeypatch):
     # generation goes on while the update is encoded, sent and staged; the commit pauses
-    # only to apply it; the lease is renewed during an encode longer than the lease
+    # only to apply it; the lease is renewed during an encode, or fingerprints, longer
+    # than the lease
     model, group = trainer
     before = [_checksum(s) for s in remotes[:2]]
     with torch.no_grad():
@@ -183,6 +184,18 @@ def test_the_servers_serve_their_old_version_until_the_commit(remotes, trainer, 
     with torch.no_grad():
         model.model.norm.weight[0] += 1
     out = group.update(model, lease_s=1.5)  # renewed every 0.5 s
+    assert {_status(s)["n"] for s in remotes[:2]} == {out["version"]}
+    assert not any(_status(s)["dirty"] for s in remotes[:2])
+    monkeypatch.undo()
+    rows = group._prefilter.rows
+
+    def slow_fingerprints(*args, **kwargs):  # taken while the begins travel
+        time.sleep(3.0)
+        return rows(*args, **kwargs)
+    monkeypatch.setattr(group._prefilter, "rows", slow_fingerprints)
+    with torch.no_grad():
+        model.model.norm.weight[0] += 1
+    out = group.update(model, lease_s=1.5)
     assert {_status(s)["n"] for s in remotes[:2]} == {out["version"]}
     assert not any(_status(s)["dirty"] for s in remotes[:2])
 
@@ -511,6 +524,8 @@ def test_a_server_that_dies_during_the_send_or_is_down_is_dropped_the_other_comm
     out = group.update(model)  # the send breaks; made again to the survivor
     killer.join()
     assert out["servers"].keys() == {survivor.url} and victim.url in out["dropped"]
+    # what left for the broken send counts too (the survivor's channel: one copy)
+    assert out["bytes_sent"] > out["bytes"][survivor.url]
     assert _status(survivor)["n"] == out["version"] and not _status(survivor)["dirty"]
     _assert_serves(model, _greedy(survivor, PROMPT, 8))
     victim.proc.wait()

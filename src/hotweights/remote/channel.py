@@ -129,7 +129,7 @@ class Channel:
         rank, world_size: this side's place in the group.
         bytes_sent: bytes broadcast by this rank (meta, headers and buffers, once per round,
             whatever the number of receivers: what each receiver receives; `copies` of them
-            leave this rank); 0 on receivers.
+            leave this rank), the rounds of a send that failed included; 0 on receivers.
         bytes_received: the same, counted on a receiver.
     """
 
@@ -372,7 +372,8 @@ class Channel:
                 buffer must then stay as it is until the round after the next is read (`pack`
                 with two staging buffers, or none).
         Returns:
-            The bytes this update put on the wire (also added to `bytes_sent`).
+            The bytes this update put on the wire (also added to `bytes_sent`, as each
+            round goes: a send that fails adds the rounds it broadcast).
         Raises:
             RemoteError: a receiver died, stalled or left (named), within the timeout (the
                 channel is then broken), or refused the update (named, with its reason; the
@@ -405,7 +406,7 @@ class Channel:
         finally:
             if pool is not None:
                 pool.shutdown(wait=False)
-        self.bytes_sent += sent
+            self.bytes_sent += sent
         self._ack(f"acknowledgement of {i} rounds")
         logger.info("%s: sent %d rounds, %d bytes", self._where(), i, sent)
         return sent

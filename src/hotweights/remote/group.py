@@ -215,6 +215,7 @@ class RemoteGroup:
         self.links = Links(master_addr=self.master_addr, master_port=master_port,
                            timeout=timeout, max_round_bytes=max_round_bytes, post=self._post)
         self._leased: dict = {}  # url -> status, of the servers an update in progress began
+        self._lost = 0  # bytes that left this process in the update's sends that failed
 
     # -- the update ------------------------------------------------------------------------
 
@@ -237,7 +238,9 @@ class RemoteGroup:
             the servers sent the whole model, ``from_checkpoint`` those sent what differs
             from the checkpoint they loaded; ``bytes_sent`` what left this process (a
             broadcast sends some copies: `Channel.copies`), ``bytes`` what each server
-            received; ``paused_ms`` how long each server's
+            received (``bytes_sent`` also counts a send that failed and was made again to
+            the others; `bytes_sent` of the group, the sum over its updates, also those
+            that failed); ``paused_ms`` how long each server's
             generation stayed paused (pause to resume), by its own clock; ``dropped``
             the servers left out of it (down at its start, dead during the send or
             before their commit; with ``require="any"``), each caught up at the next
@@ -265,20 +268,25 @@ class RemoteGroup:
         every server is at its old version with nothing applied, and the error names the
         server that failed.
         """
-        started = time.perf_counter()
+        started, self._lost = time.perf_counter(), 0
         new = _weights(weights)
         status, dropped = self._status(self.urls, {})
-        while True:
-            try:
-                return self._prepare(weights, new, status, mode, lease_s, started, dropped)
-            except RemoteError as e:
-                if self.require == "all":
-                    raise
-                before = len(dropped)
-                status, dropped = self._status(list(status), dropped)  # who is gone?
-                if len(dropped) == before:
-                    raise  # every server answers: not one that died (bad input, a stall)
-                logger.warning("hotweights: %s; updating the others again", e)
+        try:
+            while True:
+                try:
+                    return self._prepare(weights, new, status, mode, lease_s, started,
+                                         dropped)
+                except RemoteError as e:
+                    if self.require == "all":
+                        raise
+                    before = len(dropped)
+                    status, dropped = self._status(list(status), dropped)  # who is gone?
+                    if len(dropped) == before:
+                        raise  # every server answers: not one that died (bad input, a stall)
+                    logger.warning("hotweights: %s; updating the others again", e)
+        except BaseException:
+            self.bytes_sent += self._lost
+            raise
 
     def _status(self, urls: list[str], dropped: dict) -> tuple[dict, dict]:
         """(url -> status of each of `urls` that answers, `dropped` plus url -> why for each
@@ -338,7 +346,7 @@ class RemoteGroup:
                        tuple(u for p in plans if p.reference is None for u in p.urls),
                        tuple(u for p in plans if p.reference is not None for u in p.urls
                              if self._stale(u, status[u])),
-                       prints, sum(left for _, _, left in sends),
+                       prints, self._lost + sum(left for _, _, left in sends),
                        {u: sent for p, (_, sent, _) in done for u in p.urls}, started,
                        self._floor(status), frozen_prints, dropped)
 
@@ -487,15 +495,16 @@ class RemoteGroup:
         plan's last round is on its way, if it is small (`_AHEAD_BYTES`), every server is
         told to start its commit's pause (a renew with `pause`): the engine step in flight
         ends while that round travels and is staged, not in the commit. The lease is renewed
-        every `lease_s / 3` until the sends end, however long they take. `meanwhile` runs
-        while the begins travel."""
+        every `lease_s / 3` until the sends end, however long they take. `meanwhile` runs on
+        a thread while the begins travel, the lease renewed from theirs on until it ends."""
         pool = ThreadPoolExecutor(2 * len(status) + 1)
-        begins, out, on, hints = {}, [], None, []  # on: (link, update) being sent
+        begins, out, on, hints, meantime = {}, [], None, [], []  # on: (link, update) sent
+        counted = [(link.channel, link.channel.bytes_sent) for _, link in plans]
         deltas, started = _Encoded(), False
         try:
             begins = {u: pool.submit(self._post, u, status[u], "/hotweights/begin", mode=mode,
                                      lease_s=lease_s, stage=True) for u in status}
-            meanwhile()
+            meantime.append(pool.submit(meanwhile))
             _raise_failed(begins, "begin")
             self._leased = dict(status)
 
@@ -507,6 +516,7 @@ class RemoteGroup:
                                              pause=True) for u in status)
 
             with Renewer(self.renew, lease_s):
+                meantime[0].result()  # the lease renewed while it ends
                 for i, (plan, link) in enumerate(plans):
                     on, link.next, started = (link, link.next or uuid.uuid4().hex), "", False
                     receipts = self._receive(pool, {u: status[u] for u in plan.urls}, on[1],
@@ -540,8 +550,9 @@ class RemoteGroup:
             return out
         except BaseException as e:
             self._leased = {}
-            futures.wait([*begins.values(), *hints])  # a begin still travelling (`meanwhile`
-            # failed), a pause that must not reach the server's next update
+            self._lost += sum((c.bytes_sent - before) * c.copies for c, before in counted)
+            futures.wait([*begins.values(), *hints, *meantime])  # a begin still travelling
+            # (`meanwhile` failed), a pause that must not reach the server's next update
             pool.shutdown(wait=False, cancel_futures=True)
             if on is not None and e is deltas.failed:  # the encode's (bad input, named): the
                 # receivers learn it from the send (an abort) or from a cancel, before it
