@@ -47,3 +47,25 @@ def test_plain_vllm_keeps_its_own_kernels_and_hotweights_keeps_the_weights(tiny_
     assert not plain_vllm["plain"]
     assert _qkv(model_dir, HOTWEIGHTS_ACTIVE="1") == dict(
         shape=[rows, cfg["hidden_size"]], name="linear", plain=True)
+
+
+def test_an_in_process_engine_s_variables_hold_for_its_start_only(monkeypatch):
+    # `start_engine` sets what its engine needs (HOTWEIGHTS_ACTIVE, `environ=` where unset);
+    # a failed start (as `stop_engine`) puts os.environ back: later servers inherit none
+    import vllm
+
+    from hotweights.vllm_plugin.local import start_engine
+    seen = {}
+
+    def no_engine(model, **kwargs):
+        seen.update(os.environ)
+        raise RuntimeError("no engine in this test")
+    monkeypatch.setattr(vllm, "LLM", no_engine)
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "WARNING")
+    monkeypatch.delenv("HOTWEIGHTS_ACTIVE", raising=False)
+    before = dict(os.environ)
+    with pytest.raises(RuntimeError, match="no engine"):
+        start_engine("m", environ={"VLLM_LOGGING_LEVEL": "ERROR", "HOTWEIGHTS_TEST_VAR": "1"})
+    assert (seen["VLLM_LOGGING_LEVEL"], seen["HOTWEIGHTS_TEST_VAR"]) == ("WARNING", "1")
+    assert seen["HOTWEIGHTS_ACTIVE"] == "1"
+    assert dict(os.environ) == before

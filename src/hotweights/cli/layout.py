@@ -3,18 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 from rich.table import Table
 
 from hotweights.cli.console import make_console
 from hotweights.errors import LayoutError
-
-
-def _quiet_vllm(verbose: bool) -> None:
-    if not verbose:
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 
 def _model_dir(path: str) -> Path:
@@ -30,25 +24,16 @@ def run(args: argparse.Namespace) -> int:
     trust = args.trust_remote_code
     config = load_config(_model_dir(args.model_dir), trust_remote_code=trust)  # fail fast
     console = make_console()
-    from hotweights.vllm_plugin.local import (
-        live_params,
-        restore_environ,
-        start_engine,
-        stop_engine,
-    )
+    from hotweights.vllm_plugin.local import live_params, start_engine, stop_engine
 
-    environ = dict(os.environ)
-    _quiet_vllm(args.verbose)
-    try:
-        with console.status(f"loading {args.model_dir} in vLLM"):
-            llm = start_engine(args.model_dir, model_impl=args.model_impl, dtype=args.dtype,
-                               trust_remote_code=trust)
-            try:
-                params = {n: (tuple(t.shape), t.dtype) for n, t in live_params(llm).items()}
-            finally:
-                stop_engine(llm)
-    finally:  # a server this process starts later logs as vLLM's own do
-        restore_environ(environ)
+    with console.status(f"loading {args.model_dir} in vLLM"):
+        llm = start_engine(args.model_dir, model_impl=args.model_impl, dtype=args.dtype,
+                           trust_remote_code=trust, environ={} if args.verbose else
+                           {"VLLM_LOGGING_LEVEL": "ERROR"})
+        try:
+            params = {n: (tuple(t.shape), t.dtype) for n, t in live_params(llm).items()}
+        finally:  # the environment put back too: a server started later logs as usual
+            stop_engine(llm)
     layout = plan(config, {n: s for n, (s, _) in params.items()}, strict=False,
                   trust_remote_code=trust)
 

@@ -63,10 +63,8 @@ class Reference:
         frozen_prints = prefilter.fingerprints({k: new[k] for k in frozen})
         if not held:
             return set(), frozen_prints
-        kept = {k for k in frozen if _same(self.frozen_prints.get(k), frozen_prints[k])}
-        if moved := sorted(frozen - kept):
-            logger.warning("hotweights: %d tensor(s) that cannot change (trainable=) changed: "
-                           "%s; sent whole, and copied from now on", len(moved), moved[:5])
+        kept = frozen - _changed(self.frozen_prints, frozen_prints,
+                                 "sent whole, and copied from now on")
         return kept, {k: frozen_prints[k] for k in kept}
 
     def remember(self, new: dict[str, torch.Tensor], deltas: list[delta.Delta] | None,
@@ -102,10 +100,9 @@ class Reference:
         checkpoint names of `weights`; no copy of its old values to write back)."""
         if self.tensors is None or any(k not in new for k in self.frozen_prints):
             return False
-        prints = prefilter.fingerprints({k: new[k] for k in self.frozen_prints})
-        if moved := sorted(k for k, p in prints.items() if not _same(self.frozen_prints[k], p)):
-            logger.warning("hotweights: %d tensor(s) that cannot change (trainable=) changed: "
-                           "%s; they cannot be written back", len(moved), moved[:5])
+        if _changed(self.frozen_prints,
+                    prefilter.fingerprints({k: new[k] for k in self.frozen_prints}),
+                    "they cannot be written back"):
             return False
         live = dict(weights.named_parameters()) if isinstance(weights, torch.nn.Module) \
             else dict(weights)
@@ -120,6 +117,15 @@ class Reference:
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
     """A host copy of `t`; pinned when `t` is on a GPU (deltas and restores copy faster)."""
     return torch.empty_like(t, device="cpu", pin_memory=t.is_cuda).copy_(t.detach())
+
+
+def _changed(before: prefilter.Prints, now: prefilter.Prints, then: str) -> set[str]:
+    """The tensors of `now` (that cannot change) whose fingerprints are not those of
+    `before`, named in a warning that ends with `then`."""
+    if moved := {k for k, p in now.items() if not _same(before.get(k), p)}:
+        logger.warning("hotweights: %d tensor(s) that cannot change (trainable=) changed: "
+                       "%s; %s", len(moved), sorted(moved)[:5], then)
+    return moved
 
 
 def _same(a: tuple | None, b: tuple) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +14,10 @@ import torch
 _environ: dict[str, str] | None = None  # os.environ before the engine here started
 
 
-def start_engine(model_dir: str | Path, **engine_args: Any):
-    """A vLLM `LLM` running in this process, with the hotweights plugin loaded.
+def start_engine(model_dir: str | Path, *, environ: Mapping[str, str] | None = None,
+                 **engine_args: Any):
+    """A vLLM `LLM` running in this process, with the hotweights plugin loaded; `environ`:
+    variables set for it where they are not set already (VLLM_LOGGING_LEVEL, say).
 
     `stop_engine` (or a failed start) puts `os.environ` back as it was: the setup here
     changes it (vLLM's LD_PRELOAD and its own settings, this engine's), and every process
@@ -23,6 +25,8 @@ def start_engine(model_dir: str | Path, **engine_args: Any):
     global _environ
     _environ = dict(os.environ)
     try:
+        for k, v in (environ or {}).items():
+            os.environ.setdefault(k, v)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         from hotweights.server.env import ACTIVE
