@@ -48,7 +48,7 @@ def shard(tmp_path: Path) -> Path:
 
 def test_offsets_give_bit_identical_bytes(shard: Path):
     s = read_shard(shard)
-    assert s.size == shard.stat().st_size and s.inode == shard.stat().st_ino
+    assert s.size == shard.stat().st_size and s.file.ino == shard.stat().st_ino
     assert s.metadata == {"format": "pt"}
     live = _tensors()
     assert set(s.tensors) == set(live)

@@ -57,6 +57,7 @@ from hotweights.changes.writewatch import WriteWatch
 from hotweights.checkpoint import MODES, clone, journal, lock, sidecar, stage
 from hotweights.checkpoint.changed import Ranges, ShardChanges, ShardTensors, find_changes, to_pages
 from hotweights.checkpoint.dtypes import TORCH
+from hotweights.checkpoint.fileid import FileId
 from hotweights.checkpoint.names import as_unpacked, to_disk, unpack
 from hotweights.checkpoint.result import Progress, SyncResult
 from hotweights.checkpoint.shards import Shard, TensorInfo, read_dir
@@ -469,9 +470,7 @@ def _record(shards: list[ShardChanges], rewritten: Collection[str],
         try:
             shard = c.shard
             if shard.path in rewritten:  # the same header (names, offsets) in a new file
-                st = os.stat(shard.path)  # or with a new mtime
-                shard = replace(shard, size=st.st_size, mtime_ns=st.st_mtime_ns,
-                                inode=st.st_ino)
+                shard = replace(shard, file=FileId.of(shard.path))  # or a new mtime
             sidecar.write(shard, c.fresh, version)
         except (OSError, CheckpointError) as e:
             logger.warning("%s: sidecar not written (%s); the next sync compares the shard "

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hotweights.checkpoint.dtypes import BITS
-from hotweights.checkpoint.fileid import MAX_HEADER
+from hotweights.checkpoint.fileid import MAX_HEADER, FileId
 from hotweights.errors import CheckpointError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -42,12 +42,14 @@ class TensorInfo:
 @dataclass(frozen=True)
 class Shard:
     path: str
-    size: int
-    mtime_ns: int
-    inode: int
+    file: FileId                     # the file as its header was read (no header digest)
     header_len: int
     tensors: dict[str, TensorInfo]   # in file order; treat as read-only
     metadata: dict[str, str]
+
+    @property
+    def size(self) -> int:
+        return self.file.size
 
     @property
     def data_start(self) -> int:
@@ -88,7 +90,7 @@ def read_shard(path: str | os.PathLike) -> Shard:
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read: {e}") from e
     if (seen := _parsed.get(path)) is not None and seen[:2] == (raw, st.st_size):
-        return replace(seen[2], mtime_ns=st.st_mtime_ns, inode=st.st_ino)
+        return replace(seen[2], file=FileId.of_stat(st))
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_dup_keys)
     except (UnicodeDecodeError, ValueError) as e:
@@ -116,7 +118,7 @@ def read_shard(path: str | os.PathLike) -> Shard:
         raise CheckpointError(f"{path}: {st.st_size - pos} trailing bytes after the last "
                               f"tensor (data section {data_len} bytes, tensors end at "
                               f"{pos - 8 - n})")
-    shard = Shard(path, st.st_size, st.st_mtime_ns, st.st_ino, n,
+    shard = Shard(path, FileId.of_stat(st), n,
                   {t.name: t for t in tensors}, dict(metadata))
     if len(_parsed) >= 4096:  # many directories in one process: start again
         _parsed.clear()

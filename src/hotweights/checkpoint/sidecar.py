@@ -32,7 +32,8 @@ def path_of(shard_path: str | os.PathLike) -> Path:
 
 
 def _stat(shard: Shard) -> dict:
-    return dict(size=shard.size, mtime_ns=shard.mtime_ns, inode=shard.inode)
+    f = shard.file
+    return dict(size=f.size, mtime_ns=f.mtime_ns, inode=f.ino)
 
 
 def state(shard: Shard) -> tuple[str, dict | None]:

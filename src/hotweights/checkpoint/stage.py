@@ -70,14 +70,14 @@ class _Direct:
             self._flush(self.fill)
 
     def _flush(self, n: int) -> None:
-        data = self.view[:n]
-        while data.nbytes:
-            try:
-                data = data[os.write(self.fd, data):]
-            except OSError as e:  # EINVAL: the device wants a larger alignment
-                if e.errno != errno.EINVAL or not _direct(self.fd, False):
-                    raise
-                logger.debug("O_DIRECT write refused (%s): buffered from here on", e)
+        start = os.lseek(self.fd, 0, os.SEEK_CUR)
+        try:
+            write_all(self.fd, self.view[:n])
+        except OSError as e:  # EINVAL: the device wants a larger alignment
+            if e.errno != errno.EINVAL or not _direct(self.fd, False):
+                raise
+            logger.debug("O_DIRECT write refused (%s): buffered from here on", e)
+            write_all(self.fd, self.view[os.lseek(self.fd, 0, os.SEEK_CUR) - start:n])
         self.fill = 0
 
     def end(self) -> None:
