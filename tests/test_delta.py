@@ -2,6 +2,7 @@
 
 import json
 import math
+import time
 
 import numpy as np
 import pytest
@@ -220,6 +221,30 @@ def test_rounds_go_while_later_tensors_are_still_encoded(cut_bytes, options):
     assert len(rounds) == {1: 3, 5000: 2, 40000: 2, 1 << 30: 1}[cut_bytes]
 
 
+@pytest.mark.parametrize(("payload", "wait", "slow", "names"), [
+    (0, 60.0, False, [["a"], ["b"], ["c"]]),  # cut_bytes alone
+    (1 << 30, 60.0, False, [["a", "b", "c"]]),  # never enough payload, nor waited enough
+    (1 << 30, 0.0, False, [["a"], ["b"], ["c"]]),  # waited enough at once
+    (1 << 30, 0.03, True, [["a", "b"], ["c"]]),  # "c" comes 0.05 s after the round opened
+])
+def test_a_small_round_is_cut_once_it_holds_enough_or_was_open_long_enough(
+        payload, wait, slow, names):
+    old, new = _state()
+
+    def deltas():
+        for d in delta.encode_each(old, new):
+            if slow and d.name == "c":
+                time.sleep(0.05)
+            yield d
+    got, rounds = {k: v.clone() for k, v in old.items()}, []
+    for r in pack(deltas(), max_bytes=1 << 20, cut_bytes=1, cut_payload=payload,
+                  cut_wait=wait):
+        rounds.append([e["name"] for e in r.header["entries"]])
+        apply(Round(json.loads(r.header_bytes()), r.buffer), got)
+    assert rounds == names
+    assert _same_bits(got, new)
+
+
 def test_an_encode_that_fails_midway_fails_the_rounds_after_the_ones_sent():
     old, new = _state()
 
@@ -358,6 +383,10 @@ def test_encode_and_pack_refuse_bad_input_by_name():
     with pytest.raises(DeltaError, match=r"pack: field 'cut_bytes' must be an int >= 1, "
                        r"found 0"):
         pack([], max_bytes=128, cut_bytes=0)
+    with pytest.raises(DeltaError, match=r"pack: field 'cut_payload' must be an int >= 0"):
+        pack([], max_bytes=128, cut_bytes=1, cut_payload=-1)
+    with pytest.raises(DeltaError, match=r"pack: field 'cut_wait' must be seconds >= 0"):
+        pack([], max_bytes=128, cut_bytes=1, cut_wait=-1.0)
     with pytest.raises(DeltaError, match=r"pack: field 'values' 'xor' needs patches='compact'"):
         pack([], max_bytes=128, values="xor", patches="flat")
 

@@ -67,7 +67,11 @@ ROUND_BYTES = 64 << 20  # staging budget per round, on both sides
 _CUTS = 16  # an update with changes all over the weights goes in about this many rounds at
 # least: the servers stage each while the trainer encodes the next ...
 _MIN_CUT = 1 << 20  # ... each covering this many bytes of weights at least (a round's fixed
-# costs, its collectives and its 4 KiB first message, stay small beside what it covers)
+# costs, its collectives and its 4 KiB first message, stay small beside what it covers) ...
+_CUT_PAYLOAD = 1 << 20  # ... and holding this many bytes, unless open for _CUT_WAIT s: each
+_CUT_WAIT = 0.5  # round costs a hand-off to every server's receiving thread, which waits for
+# the CPU where an engine steps beside it (16 rounds of a 1 % rows update on the benchmark's
+# two busy servers: ~0.07 s more than 5), while a round's wait stays bounded
 _AHEAD_BYTES = 4 << 20  # a last round up to this size (uncompressed) is staged in about an
 # engine step: the servers start their commit's pause as it goes out (a larger one would
 # keep them paused while they stage it)
@@ -491,7 +495,8 @@ class RemoteGroup:
         A plan's servers' workers are asked to receive the update (on threads of their own:
         they wait for its start on the channel up to the lease), then the encode runs as the
         rounds are sent: a round goes once it is full or its deltas cover `cut_bytes` of the
-        weights, and the servers stage it while the next one is encoded. Once the last
+        weights and it holds `_CUT_PAYLOAD` bytes (or was opened `_CUT_WAIT` s ago), and the
+        servers stage it while the next one is encoded. Once the last
         plan's last round is on its way, if it is small (`_AHEAD_BYTES`), every server is
         told to start its commit's pause (a renew with `pause`): the engine step in flight
         ends while that round travels and is staged, not in the commit. The lease is renewed
@@ -526,7 +531,7 @@ class RemoteGroup:
                         deltas.read(encode(plan)), max_bytes=self.max_round_bytes,
                         staging=self._round_buffers(link.channel.device),
                         values="xor" if link.xor else "raw", compress=self.compress,
-                        cut_bytes=cut_bytes)
+                        cut_bytes=cut_bytes, cut_payload=_CUT_PAYLOAD, cut_wait=_CUT_WAIT)
                     if i == len(plans) - 1:
                         rounds = _then_last(rounds, pause_ahead)
                     first = next(rounds)  # the receivers wait for the start in the store,

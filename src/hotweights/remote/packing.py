@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -235,7 +236,8 @@ def _write(p: _Piece, seg: torch.Tensor) -> None:
 def pack(deltas: Iterable[Delta], *, max_bytes: int, device: torch.device | str | None = None,
          staging: torch.Tensor | Sequence[torch.Tensor] | None = None,
          patches: str = "compact", values: str = "raw",
-         compress: str | None = None, cut_bytes: int | None = None) -> Iterator[Round]:
+         compress: str | None = None, cut_bytes: int | None = None, cut_payload: int = 0,
+         cut_wait: float = 0.0) -> Iterator[Round]:
     """Pack deltas into rounds, each one buffer of at most `max_bytes` and a small header.
 
     Rounds are made as the deltas are read: a round is handed out as soon as the next one
@@ -268,12 +270,19 @@ def pack(deltas: Iterable[Delta], *, max_bytes: int, device: torch.device | str 
         cut_bytes: also end a round (where more changes follow) once its deltas cover this
             many bytes of tensors, unchanged ones included: small updates then come in
             several rounds, which the receivers stage while the rest is encoded.
+        cut_payload, cut_wait: ... but only once the round holds `cut_payload` bytes at least
+            or was opened `cut_wait` seconds ago (default 0, 0: always): each round has
+            fixed costs on both sides (its collectives, a hand-off to every receiver's
+            thread, long where a busy engine shares its CPU), worth paying for the overlap
+            only where the round carries enough, while the receivers' wait for a round
+            stays bounded in time.
     Returns:
         An iterator of `Round`.
     Raises:
-        DeltaError: a bad `max_bytes`, `staging`, `patches`, `values`, `compress` or
-            `cut_bytes` (named), or zstd asked for without zstandard installed, before any
-            round is made; while reading, what reading `deltas` raises.
+        DeltaError: a bad `max_bytes`, `staging`, `patches`, `values`, `compress`,
+            `cut_bytes`, `cut_payload` or `cut_wait` (named), or zstd asked for without
+            zstandard installed, before any round is made; while reading, what reading
+            `deltas` raises.
     """
     for field, got, allowed in (("patches", patches, PATCHES), ("values", values, VALUES),
                                 ("compress", compress, COMPRESS)):
@@ -289,6 +298,11 @@ def pack(deltas: Iterable[Delta], *, max_bytes: int, device: torch.device | str 
                          f"{max_bytes!r}")
     if cut_bytes is not None and (type(cut_bytes) is not int or cut_bytes < 1):
         raise DeltaError(f"pack: field 'cut_bytes' must be an int >= 1, found {cut_bytes!r}")
+    if type(cut_payload) is not int or cut_payload < 0:
+        raise DeltaError(f"pack: field 'cut_payload' must be an int >= 0, found "
+                         f"{cut_payload!r}")
+    if not (isinstance(cut_wait, int | float) and cut_wait >= 0):
+        raise DeltaError(f"pack: field 'cut_wait' must be seconds >= 0, found {cut_wait!r}")
     cap = max_bytes // 8 * 8
     buffers = (() if staging is None else (staging,) if isinstance(staging, torch.Tensor)
                else tuple(staging))
@@ -301,18 +315,35 @@ def pack(deltas: Iterable[Delta], *, max_bytes: int, device: torch.device | str 
                              f">= {cap} bytes, found {found}")
     if device is None and buffers:
         device = buffers[0].device  # else the first delta's (`_Writer`)
-    return _rounds(deltas, _Plan(cap), patches, values, cut_bytes,
-                   _Writer(device, buffers, compress))
+    cut = None if cut_bytes is None else _Cut(cut_bytes, cut_payload, cut_wait)
+    return _rounds(deltas, _Plan(cap), patches, values, cut, _Writer(device, buffers, compress))
+
+
+@dataclass
+class _Cut:
+    """When a round that is not full ends (`pack`'s `cut_bytes`, `cut_payload`, `cut_wait`)."""
+
+    cover: int
+    payload: int
+    wait: float
+    covered: int = 0  # bytes of tensors the open round's deltas cover
+    opened: float = 0.0  # when it was opened (`time.monotonic`)
+
+    def due(self, held: int) -> bool:
+        return self.covered >= self.cover and (
+            held >= self.payload or time.monotonic() - self.opened >= self.wait)
 
 
 def _rounds(deltas: Iterable[Delta], plan: _Plan, patches: str, values: str,
-            cut_bytes: int | None, writer: _Writer) -> Iterator[Round]:
-    covered = 0  # bytes of tensors the open round's deltas cover
+            cut: _Cut | None, writer: _Writer) -> Iterator[Round]:
+    if cut is not None:
+        cut.opened = time.monotonic()
     for d in deltas:
-        if d.kind != SAME and cut_bytes is not None and covered >= cut_bytes:
+        if d.kind != SAME and cut is not None and cut.due(plan.used):
             plan.next()  # only now: the last round is never an empty one
-            covered = 0
-        covered += math.prod(d.shape) * d.dtype.itemsize
+            cut.covered, cut.opened = 0, time.monotonic()
+        if cut is not None:
+            cut.covered += math.prod(d.shape) * d.dtype.itemsize
         if d.kind == DENSE:
             plan.dense(d, 0, math.prod(d.shape))
         elif d.kind == PATCH and patches == "compact":
