@@ -10,7 +10,7 @@ from hotweights.remote import shards
 from hotweights.remote.delta import encode_all
 from hotweights.remote.packing import Round, pack
 from hotweights.remote.staging import Staged
-from test_delta import _same_bits, _state
+from test_delta import _flip, _same_bits, _state
 
 
 def _specs(w: dict) -> dict:
@@ -121,3 +121,20 @@ def test_a_tensor_sent_twice_is_refused():
     staged(Round({**r.header, "rounds": 2}, r.buffer))
     with pytest.raises(DeltaError, match="`a`: a rows piece starts at element 320, before"):
         staged(Round({**r.header, "round": 1, "rounds": 2}, r.buffer))
+
+
+def test_indices_the_compiled_loop_writes_are_held_as_int32():
+    # a server staging a scattered update holds 4 bytes per changed element's index, not 8
+    from hotweights.remote import jit
+    if not jit.enabled():
+        pytest.skip("numba is not installed: no compiled loops")
+    old = {"w": torch.randn(500, 64, generator=torch.Generator().manual_seed(0)).bfloat16()}
+    changed = sorted(torch.randperm(old["w"].numel())[:320].tolist())
+    new = {"w": _flip(old["w"], changed)}
+    live = {"w": old["w"].clone()}
+    staged = Staged(_specs(old), shards={"w": shards.whole(live["w"])})
+    for r in pack(encode_all(old, new), max_bytes=1 << 20, values="xor"):
+        staged(r)
+    assert staged.nbytes == len(changed) * (4 + 2)  # int32 indices, bf16 xors
+    assert staged.apply_in_place() == {"w"}
+    assert _same_bits(live, new)

@@ -288,8 +288,8 @@ def writer(entry: dict, target: torch.Tensor, views: tuple) -> Callable[[], None
     if entry["kind"] == PATCH:
         idx, vals = views
         compiled = flat.device.type == idx.device.type == vals.device.type == "cpu" and \
-            idx.dtype == torch.int64 and idx.is_contiguous() and vals.is_contiguous() and \
-            jit.enabled()  # one compiled loop
+            idx.dtype in (torch.int32, torch.int64) and idx.is_contiguous() and \
+            vals.is_contiguous() and jit.enabled()  # one compiled loop
         args = (_unsigned(flat), idx.numpy(), _unsigned(vals)) if compiled else ()
         if entry.get("xor"):  # bare xors (`checked`'s `bare`): applied to the old values
             if not compiled:

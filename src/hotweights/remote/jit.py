@@ -101,15 +101,15 @@ def encode(idx: np.ndarray, bits: np.ndarray, old: np.ndarray | None, floating: 
 
 
 def scatter(flat: np.ndarray, idx: np.ndarray, values: np.ndarray) -> bool:
-    """``flat[idx] = values`` (int64 indices, bit patterns of `flat`'s dtype) in one loop:
-    ~0.7x torch's index_copy_ on one thread. False, nothing written, without numba or where
+    """``flat[idx] = values`` (int32 or int64 indices, bit patterns of `flat`'s dtype) in one
+    loop: ~0.7x torch's index_copy_ on one thread. False, nothing written, without numba or where
     an index is outside `flat` (torch's index_copy_ then says which)."""
     built = _get()
     return bool(built) and built.scatter(flat, idx, values)
 
 
 def xor_scatter(flat: np.ndarray, idx: np.ndarray, xors: np.ndarray) -> bool:
-    """``flat[idx] ^= xors`` (int64 indices, bit patterns of `flat`'s dtype) in one loop,
+    """``flat[idx] ^= xors`` (int32 or int64 indices, bit patterns of `flat`'s dtype) in one loop,
     reading each old value only here (a staged xor update's apply). False, nothing
     written, without numba or where an index is outside `flat`."""
     built = _get()
@@ -144,8 +144,9 @@ def warm(itemsizes=(2,)) -> None:
         one = np.zeros(1, np.uint8)
         decode(1, 0, 1, 0, one[:0], one[:0], True, np.zeros(0, np.uint64), True, one,
                one[:0], np.zeros(1, utype), True, utype)
-        scatter(np.zeros(1, utype), np.zeros(1, np.int64), np.zeros(1, utype))
-        xor_scatter(np.zeros(1, utype), np.zeros(1, np.int64), np.zeros(1, utype))
+        for index in (np.int32, np.int64):  # `Staged` keeps int32 where they fit
+            scatter(np.zeros(1, utype), np.zeros(1, index), np.zeros(1, utype))
+            xor_scatter(np.zeros(1, utype), np.zeros(1, index), np.zeros(1, utype))
 
 
 def _words(a: np.ndarray) -> np.ndarray:

@@ -353,6 +353,8 @@ def _rounds(deltas: Iterable[Delta], plan: _Plan, patches: str, values: str,
         elif d.kind == ROWS:
             plan.rows(d)
         while len(plan.rounds) > 1:  # full ones: on their way while the rest is encoded
+            if cut is not None:
+                cut.opened = time.monotonic()  # the round after it is open
             yield writer.round(plan.rounds.pop(0), last=False)
     yield writer.round(plan.rounds[0], last=True)
 

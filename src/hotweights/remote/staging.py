@@ -17,7 +17,9 @@ Xor-coded patch values (``values="xor"``) of a tensor with a shard on the CPU st
 (``old ^ new``) and are applied at the commit, ``flat[idx] ^= xor`` in one compiled loop:
 each old value is read once, there, not gathered at staging too (a scattered update's
 staging on a server: ~25 ms less per 2.5 M changed elements). The others are decoded
-against `old` as they are staged.
+against `old` as they are staged. Patch indices are held as int64 (what the commit's
+``index_copy_`` and the loader take), as int32 where the compiled loop writes them on the
+CPU: 6 bytes held per changed bf16 element, not 10.
 
 Besides `delta_apply.checked`, a staged update is refused, naming the tensor, when a float
 value is NaN or Inf (NaN marks "unchanged" in vLLM's sparse loader), or a tensor's pieces
@@ -38,7 +40,7 @@ import torch
 from hotweights.errors import DeltaError
 from hotweights.remote import delta_apply, jit
 from hotweights.remote.codec import XOR
-from hotweights.remote.delta import DENSE, PATCH, _row_index
+from hotweights.remote.delta import DENSE, INT64_INDEX_FROM, PATCH, _row_index
 from hotweights.remote.packing import Round
 from hotweights.remote.shards import Shard
 
@@ -111,8 +113,12 @@ class Staged:
             if kind == PATCH:  # the commit's index_copy_ (and the loader) take int64: made
                 # here, while the server still serves, not while it is paused
                 views = (views[0].to(torch.int64), views[1])
+            # int32 indices (half the memory held) where the compiled loop writes them
+            narrow = kind == PATCH and name in self._bare and t.numel() < INT64_INDEX_FROM
             shard = self.shards.get(name)
             for ce, cv in shard.cut(e, views) if shard is not None else [(e, views)]:
+                if narrow:
+                    cv = (cv[0].to(torch.int32), cv[1])
                 # checked once cut: a TP worker decodes xor values it does not hold
                 # against 0 (`Shard.gather`), whatever they make
                 if bare:
