@@ -315,35 +315,33 @@ def pack(deltas: Iterable[Delta], *, max_bytes: int, device: torch.device | str 
                              f">= {cap} bytes, found {found}")
     if device is None and buffers:
         device = buffers[0].device  # else the first delta's (`_Writer`)
-    cut = None if cut_bytes is None else _Cut(cut_bytes, cut_payload, cut_wait)
-    return _rounds(deltas, _Plan(cap), patches, values, cut, _Writer(device, buffers, compress))
+    return _rounds(deltas, _Plan(cap), patches, values, _Cut(cut_bytes, cut_payload, cut_wait),
+                   _Writer(device, buffers, compress))
 
 
 @dataclass
 class _Cut:
     """When a round that is not full ends (`pack`'s `cut_bytes`, `cut_payload`, `cut_wait`)."""
 
-    cover: int
+    cover: int | None  # None: a round ends only when full
     payload: int
     wait: float
     covered: int = 0  # bytes of tensors the open round's deltas cover
     opened: float = 0.0  # when it was opened (`time.monotonic`)
 
     def due(self, held: int) -> bool:
-        return self.covered >= self.cover and (
+        return self.cover is not None and self.covered >= self.cover and (
             held >= self.payload or time.monotonic() - self.opened >= self.wait)
 
 
 def _rounds(deltas: Iterable[Delta], plan: _Plan, patches: str, values: str,
-            cut: _Cut | None, writer: _Writer) -> Iterator[Round]:
-    if cut is not None:
-        cut.opened = time.monotonic()
+            cut: _Cut, writer: _Writer) -> Iterator[Round]:
+    cut.opened = time.monotonic()
     for d in deltas:
-        if d.kind != SAME and cut is not None and cut.due(plan.used):
+        if d.kind != SAME and cut.due(plan.used):
             plan.next()  # only now: the last round is never an empty one
             cut.covered, cut.opened = 0, time.monotonic()
-        if cut is not None:
-            cut.covered += math.prod(d.shape) * d.dtype.itemsize
+        cut.covered += math.prod(d.shape) * d.dtype.itemsize
         if d.kind == DENSE:
             plan.dense(d, 0, math.prod(d.shape))
         elif d.kind == PATCH and patches == "compact":
@@ -353,8 +351,7 @@ def _rounds(deltas: Iterable[Delta], plan: _Plan, patches: str, values: str,
         elif d.kind == ROWS:
             plan.rows(d)
         while len(plan.rounds) > 1:  # full ones: on their way while the rest is encoded
-            if cut is not None:
-                cut.opened = time.monotonic()  # the round after it is open
+            cut.opened = time.monotonic()  # the round after it is open
             yield writer.round(plan.rounds.pop(0), last=False)
     yield writer.round(plan.rounds[0], last=True)
 
