@@ -180,6 +180,7 @@ def _receivers(port: int, world: int, updates: int, **modes) -> list[subprocess.
 
 def _lines(p: subprocess.Popen) -> list[dict]:
     out, err = p.communicate(timeout=60)
+    p.err = err  # for the callers' messages
     lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
     assert lines or p.returncode < 0, f"receiver printed nothing (rc {p.returncode}): {err}"
     return lines
@@ -345,7 +346,7 @@ def test_a_refusal_by_one_receiver_is_applied_by_none_and_the_channel_goes_on():
         ch.send(pack(delta.encode_all(old, second), max_bytes=MAX_BYTES))
     (told, _), (own, _) = lines = [_lines(p) for p in procs]
     for p, (refused, done) in zip(procs, lines, strict=True):
-        assert p.returncode == 0 and refused["sum"] == checksum(old), refused
+        assert p.returncode == 0 and refused["sum"] == checksum(old), (refused, p.err[-3000:])
         assert done["sum"] == checksum(second), done
     assert "rank 2: HotweightsError: round 3" in told["refused"]
     assert own["refused"] == "round 3 refused by the test"
@@ -554,7 +555,7 @@ def test_a_followers_refusal_is_its_servers_and_no_one_applies_the_update():
         ch.send(pack(delta.encode_all(old, second), max_bytes=MAX_BYTES))
     lines = [_lines(p) for p in [*server, plain]]
     for p, (refused, done) in zip([*server, plain], lines, strict=True):
-        assert p.returncode == 0 and refused["sum"] == checksum(old), refused
+        assert p.returncode == 0 and refused["sum"] == checksum(old), (refused, p.err[-3000:])
         assert done["sum"] == checksum(second), done
         assert "round 3 refused by the test" in refused["refused"]
 
