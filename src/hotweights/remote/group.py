@@ -64,8 +64,8 @@ __all__ = ["Pending", "RemoteGroup"]
 logger = logging.getLogger(__name__)
 
 ROUND_BYTES = 64 << 20  # staging budget per round, on both sides
-_CUTS = 16  # an update with changes all over the weights goes in about this many rounds at
-# least: the servers stage each while the trainer encodes the next ...
+_CUTS = 16  # an update with 1 MiB of changes in every sixteenth of the weights goes in
+# about this many rounds at least: the servers stage each while the trainer encodes the next ...
 _MIN_CUT = 1 << 20  # ... each covering this many bytes of weights at least (a round's fixed
 # costs, its collectives and its 4 KiB first message, stay small beside what it covers) ...
 _CUT_PAYLOAD = 1 << 20  # ... and holding this many bytes, unless open for _CUT_WAIT s: each
@@ -144,9 +144,9 @@ class RemoteGroup:
             hold different old values get channels of their own (see the module doc): those
             take the next free ports above it.
         timeout: seconds any peer may be silent in a collective before it is named (the
-            servers wait for each round in one: the encode of a sixteenth of the weights (1
-            MiB at least), or of one tensor, must take less; they wait for the first round
-            up to the lease).
+            servers wait for each round in one: a round's encode, that of a sixteenth of the
+            weights (1 MiB at least) or of 0.5 s where that is longer, plus one tensor's,
+            must take less; they wait for the first round up to the lease).
         max_round_bytes: the staging budget per round, on both sides (this side packs the
             rounds into two such buffers in turn: one is sent while the next is packed).
         checkpoint: a directory holding the checkpoint the servers were started from (the
