@@ -110,11 +110,12 @@ class Staged:
                                  f"the end of the pieces staged before it; refused")
             if start < stop:
                 self._next[name] = stop
-            if kind == PATCH:  # the commit's index_copy_ (and the loader) take int64: made
-                # here, while the server still serves, not while it is paused
-                views = (views[0].to(torch.int64), views[1])
-            # int32 indices (half the memory held) where the compiled loop writes them
+            # the indices as the commit takes them, made here while the server still serves,
+            # not while it is paused: int32 where the compiled loop writes them (half the
+            # memory held), else int64 (index_copy_, the loader)
             narrow = kind == PATCH and name in self._bare and t.numel() < INT64_INDEX_FROM
+            if kind == PATCH and not narrow:
+                views = (views[0].to(torch.int64), views[1])
             shard = self.shards.get(name)
             for ce, cv in shard.cut(e, views) if shard is not None else [(e, views)]:
                 if narrow:
