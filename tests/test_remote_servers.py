@@ -82,11 +82,16 @@ def _kill(server) -> None:
 
 
 def _kill_during_the_send(victim) -> threading.Thread:
-    """A started thread that kills `victim` once it stages an update (join it after)."""
+    """A started thread that kills `victim` once it has received a round of the next update
+    (join it after): the send has begun, and the trainer has put bytes on the wire."""
+    def received() -> int:
+        return sum(_http(victim.url, "/hotweights/remote/received")[2]["trainer_bytes"])
+
+    before = received()
+
     def kill_when_staging():
-        while _status(victim)["state"] != "staging":
+        while _status(victim)["state"] != "staging" or received() == before:
             time.sleep(0.01)
-        time.sleep(0.2)
         _kill(victim)
     killer = threading.Thread(target=kill_when_staging)
     killer.start()
