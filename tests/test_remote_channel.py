@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -208,6 +209,9 @@ def test_updates_arrive_bit_identical_and_only_what_changed_goes_on_the_wire():
             ratios.append((ch.bytes_sent - before - len(rounds) * _FIRST) / _nbytes(old))
             sums.append(checksum(new))
             old = new
+    # closed: its heartbeat thread is gone (a daemon thread in a store call at the
+    # interpreter's exit aborts it)
+    assert not [t for t in threading.enumerate() if t.name.startswith("hotweights-heartbeat")]
     for p in procs:
         got = _lines(p)
         assert p.returncode == 0, got

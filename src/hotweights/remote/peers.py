@@ -71,7 +71,11 @@ class Peers:
         self._heartbeat.start()
 
     def close(self) -> None:
+        """Stop the heartbeat and wait for its thread (a store call bounds the wait): a
+        daemon thread still inside a store call when the interpreter exits is ended there,
+        through C++ frames that cannot unwind (SIGABRT)."""
         self._heartbeat.stop.set()
+        self._heartbeat.join(self.timeout + 1.0)
 
     @property
     def told_within(self) -> float:
