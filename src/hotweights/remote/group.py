@@ -68,13 +68,15 @@ _CUTS = 16  # an update with 1 MiB of changes in every sixteenth of the weights 
 # about this many rounds at least: the servers stage each while the trainer encodes the next ...
 _MIN_CUT = 1 << 20  # ... each covering this many bytes of weights at least (a round's fixed
 # costs, its collectives and its 4 KiB first message, stay small beside what it covers) ...
-_CUT_PAYLOAD = 1 << 20  # ... and holding this many bytes, unless open for _CUT_WAIT s: each
+_CUT_PAYLOAD = 4 << 20  # ... and holding this many bytes, unless open for _CUT_WAIT s: each
 _CUT_WAIT = 0.5  # round costs a hand-off to every server's receiving thread, which waits for
-# the CPU where an engine steps beside it (16 rounds of a 1 % rows update on the benchmark's
-# two busy servers: ~0.07 s more than 5), while a round's wait stays bounded
-_AHEAD_BYTES = 4 << 20  # a last round up to this size (uncompressed) is staged in about an
+# the CPU where an engine steps beside it (a 1 % rows update on the benchmark's two busy
+# servers: 16 rounds ~0.07 s more than 5, 5 ~0.035 s more than 2), while a round's wait stays
+# bounded
+_AHEAD_BYTES = 2 << 20  # a last round up to this size (uncompressed) is staged in about an
 # engine step: the servers start their commit's pause as it goes out (a larger one would
-# keep them paused while they stage it)
+# keep them paused while they stage it: a 1 % scattered update, 2.6 MB in one round, paused
+# the benchmark's busy servers 70-170 ms so, 65-90 ms without)
 _HINT_S = 5.0  # how long that hint may take (the update waits for its answers)
 REQUIRE = ("any", "all")
 REFERENCES = ("copy", "checkpoint")
