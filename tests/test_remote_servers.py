@@ -90,7 +90,9 @@ def _kill_during_the_send(victim) -> threading.Thread:
     before = received()
 
     def kill_when_staging():
-        while _status(victim)["state"] != "staging" or received() == before:
+        deadline = time.monotonic() + 60  # a round never came: killed anyway, the test fails
+        while (_status(victim)["state"] != "staging" or received() == before) and \
+                time.monotonic() < deadline:
             time.sleep(0.01)
         _kill(victim)
     killer = threading.Thread(target=kill_when_staging)
