@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hotweights.errors import DeltaError
-from hotweights.remote import codec, delta, jit, packing, shards
+from hotweights.remote import codec, delta, jit, packing, prefilter, shards
 from hotweights.remote.delta import encode, encode_all
 from hotweights.remote.delta_apply import apply, checked
 from hotweights.remote.packing import Round, pack
@@ -523,3 +523,29 @@ def test_numba_loaded_leaves_vllms_engine_start_alone():
     if not hasattr(dispatcher, "_rebind_kernels"):
         pytest.skip("this vLLM does not rebind its kernels that way")
     dispatcher._rebind_kernels([])
+
+
+def test_warm_compiles_what_an_update_then_runs():
+    """`packing.warm` (a trainer's first update starts it) compiles the compare and the patch
+    encode for the dtypes given with the signatures a real update uses: encoding one after
+    it compiles nothing more."""
+    if not jit.enabled():
+        pytest.skip("numba is not installed: nothing compiled")
+    loops = jit._get()
+    names = ("compare1", "compare2", "compare4", "compare8", "encode")
+    packing.warm([torch.bfloat16, torch.float32, torch.complex64])  # complex: refused, quietly
+    compiled = {n: list(getattr(loops, n).signatures) for n in names}
+    g = torch.Generator().manual_seed(0)
+    old = {"w": torch.randn(256, 1024, generator=g).to(torch.bfloat16),
+           "odd": torch.randn(33, 7, generator=g).to(torch.bfloat16),
+           "b": torch.randn(1001, generator=g)}
+    new = {k: t.clone() for k, t in old.items()}
+    for t in new.values():
+        flat = t.view(-1).view(torch.int16 if t.element_size() == 2 else torch.int32)
+        flat[torch.randperm(flat.numel(), generator=g)[:flat.numel() // 100 + 1]] ^= 1
+    rows = prefilter.candidates(prefilter.fingerprints(old), prefilter.fingerprints(new), new)
+    for r in (None, rows):
+        rounds = list(packing.pack(delta.encode_each(old, new, rows=r), max_bytes=1 << 22,
+                                   values="xor"))
+        assert {e["kind"] for r_ in rounds for e in r_.header["entries"]} == {delta.PATCH}
+    assert {n: list(getattr(loops, n).signatures) for n in names} == compiled

@@ -330,3 +330,20 @@ def test_a_server_that_refuses_to_join_is_named_not_a_rendezvous_timeout():
     with pytest.raises(RemoteError, match=r"^joining the channel failed on http://b:8000: "
                                           "http://b:8000: 409 an update is staging"):
         links.connect({"http://b:8000": {"server_id": "s", "channel_ranks": 1}}, "gloo")
+
+
+def test_the_first_update_compiles_the_encode_ahead_on_a_thread_of_its_own():
+    """The first `prepare` (a full sync, whatever it finds) starts compiling the loops the
+    next updates encode with, for the weights' dtypes, on a thread that is not a daemon;
+    once: the next updates do not start another."""
+    group = RemoteGroup(["http://127.0.0.1:1"], token="t" * 32, timeout=1)
+    weights = {"w": torch.zeros(4, 8, dtype=torch.bfloat16)}
+    with pytest.raises(RemoteError, match="no answer"):
+        group.prepare(weights)
+    warm = group._warm
+    assert warm.name == "hotweights-jit-warm" and not warm.daemon
+    assert warm._args == ({torch.bfloat16},)
+    with pytest.raises(RemoteError, match="no answer"):
+        group.prepare(weights)
+    assert group._warm is warm
+    warm.join()

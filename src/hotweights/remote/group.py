@@ -36,6 +36,7 @@ import itertools
 import logging
 import os
 import socket
+import threading
 import time
 import urllib.parse
 import uuid
@@ -222,6 +223,7 @@ class RemoteGroup:
                            timeout=timeout, max_round_bytes=max_round_bytes, post=self._post)
         self._leased: dict = {}  # url -> status, of the servers an update in progress began
         self._lost = 0  # bytes that left this process in the update's sends that failed
+        self._warm: threading.Thread | None = None  # compiles the encode's loops ahead
 
     # -- the update ------------------------------------------------------------------------
 
@@ -276,6 +278,11 @@ class RemoteGroup:
         """
         started, self._lost = time.perf_counter(), 0
         new = _weights(weights)
+        if self._warm is None:  # while the first update (a full sync) travels, not at the
+            # second (not a daemon: numba must not be cut off at exit)
+            self._warm = threading.Thread(target=packing.warm, name="hotweights-jit-warm",
+                                          args=({t.dtype for t in new.values()},))
+            self._warm.start()
         status, dropped = self._status(self.urls, {})
         try:
             while True:

@@ -16,7 +16,7 @@ field at fault: the errors stay the numpy path's, word for word.
 Off (numpy only) without numba, or with ``HOTWEIGHTS_JIT=0`` (`changes.compiled`). The
 loops are compiled on first use per value size (~1 s, the compare ~4 s; numba caches them
 on disk where it can): `warm` compiles the receiving side's ahead, as a server joins a
-trainer.
+trainer, and `packing.warm` the sending side's, as a trainer's first update travels.
 """
 
 from __future__ import annotations

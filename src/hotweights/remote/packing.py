@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from hotweights.errors import DeltaError
-from hotweights.remote import codec, delta
+from hotweights.remote import codec, delta, jit
 from hotweights.remote.delta import (
     _BITS,
     _NP_BITS,
@@ -39,7 +39,7 @@ from hotweights.remote.delta import (
     _row_index,
 )
 
-__all__ = ["COMPRESS", "FORMAT", "MIN_ROUND_BYTES", "PATCHES", "VALUES", "Round", "pack"]
+__all__ = ["COMPRESS", "FORMAT", "MIN_ROUND_BYTES", "PATCHES", "VALUES", "Round", "pack", "warm"]
 
 logger = logging.getLogger(__name__)
 
@@ -231,6 +231,26 @@ def _write(p: _Piece, seg: torch.Tensor) -> None:
         else:
             data.copy_(src.index_select(0, rows))
         seg[_RANGE * k + nd:].zero_()
+
+
+def warm(dtypes: Iterable[torch.dtype]) -> None:
+    """Compile the sending side's loops (`jit`: the compare, the patch encode) for tensors
+    of these dtypes now: a tiny update of each, encoded and packed as an update's is, so
+    the compiled signatures are the same (~3 s each where numba's disk cache is cold, as in
+    a fresh container, else ~0.1 s). A no-op without numba; never raises (what it could
+    not compile compiles at first use, as without it)."""
+    if not jit.enabled():
+        return
+    for dtype in dtypes:
+        try:
+            old = {"rows": torch.zeros(4, 8, dtype=dtype), "flat": torch.zeros(3, dtype=dtype)}
+            new = {k: t.clone() for k, t in old.items()}
+            for t in new.values():
+                t.view(-1)[1] = 1
+            for _ in pack(delta.encode_each(old, new), max_bytes=1 << 12, values=codec.XOR):
+                pass
+        except Exception as e:  # a dtype the encode refuses: the update names it
+            logger.debug("warming the compiled loops for %s failed: %r", dtype, e)
 
 
 def pack(deltas: Iterable[Delta], *, max_bytes: int, device: torch.device | str | None = None,
