@@ -2,6 +2,8 @@
 
 import json
 import re
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -10,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from hotweights.changes import blocks
-from hotweights.checkpoint import finisher, journal, sync
+from hotweights.checkpoint import changed, finisher, incremental, journal, sync
 from hotweights.errors import CheckpointError
 from hotweights.testing.tiny import make_config
 
@@ -395,3 +397,36 @@ def test_ctrl_c_during_the_file_compare_is_raised_as_itself(saved, monkeypatch):
     assert {p.name: p.read_bytes() for p in d.glob("*.safetensors")} == before
     monkeypatch.setattr(blocks, "compare_bytes", compare)
     assert sync(d, live).tensors_changed == 1
+
+
+def test_shards_are_hashed_at_once_and_staged_in_order(saved, monkeypatch):
+    """Every shard is hashed on a thread of a pool (one per CPU, up to 4), so a shard
+    slow to hash does not hold the others; their changes still reach the stager in the
+    shards' order, and every change is found."""
+    d, live = saved
+    sync(d, live, version="0@s")
+    first = sorted(p.name for p in d.glob("*.safetensors"))[0]
+    threads, staged = set(), []
+    shard_changes, add = changed._shard_changes, incremental._Stager.add
+
+    def slow_first(s, *args):
+        threads.add(threading.current_thread().name)
+        if Path(s.shard.path).name == first:
+            time.sleep(0.3)  # the others are hashed meanwhile
+        return shard_changes(s, *args)
+
+    def add_in_order(self, c):
+        staged.append(Path(c.shard.path).name)
+        return add(self, c)
+
+    monkeypatch.setattr(changed, "_threads", lambda: 2)
+    monkeypatch.setattr(changed, "_shard_changes", slow_first)
+    monkeypatch.setattr(incremental._Stager, "add", add_in_order)
+    for t in live.values():
+        t.view(torch.int16).view(-1)[0] ^= 1
+    result = sync(d, live, version="1@s")
+    assert len(threads) == 2 and all(t.startswith("hotweights-hash") for t in threads)
+    assert staged == sorted(staged) == sorted(p.name for p in d.glob("*.safetensors"))
+    assert len(result.shards_changed) == len(staged)
+    for n, t in _disk(d).items():
+        assert torch.equal(t.view(torch.int16), live[n].view(torch.int16)), n

@@ -11,7 +11,9 @@ pages that differ from the file, for the shards patched rather than rewritten.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +26,7 @@ from hotweights.checkpoint.mapped import mapped
 from hotweights.checkpoint.result import Progress
 from hotweights.checkpoint.shards import Shard
 
+HASH_THREADS = 4  # shards hashed at once, at most (`_threads`)
 PAGE = 4096  # a changed block is narrowed page by page: only the pages that differ
 Ranges = list[tuple[str, int, int]]  # (tensor, byte range [lo, hi) within it)
 
@@ -84,22 +87,41 @@ def find_changes(shards: list[ShardTensors], *, block_size: int,
     total = sum(t.nbytes for s in shards for t in s.tensors.values())
     done = hashed = compared = 0
     found = []
-    for s in shards:
-        nbytes = sum(t.nbytes for t in s.tensors.values())
-        kind = blocks.kind_of(s.tensors.values())
-        old = sidecar.load(s.shard, block_size, kind)
-        if old is not None and set(old.tensors) >= set(s.tensors):
-            changes, n = _from_sidecar(s, old, trusted, watch, written)
+    pool = ThreadPoolExecutor(min(len(shards), _threads()) or 1,
+                              thread_name_prefix="hotweights-hash")
+    try:
+        jobs = [pool.submit(_shard_changes, s, block_size, trusted, watch, written)
+                for s in shards]
+        for s, job in zip(shards, jobs, strict=True):  # in order: `then` stages each
+            changes, n, from_file = job.result()
+            nbytes = sum(t.nbytes for t in s.tensors.values())
             hashed += n
-        else:
-            changes = _from_file(s, block_size, kind)
-            compared += nbytes
-            hashed += nbytes
-        found.append(changes)
-        then(changes)
-        done += nbytes
-        progress("hash", done, total)
+            compared += nbytes if from_file else 0
+            found.append(changes)
+            then(changes)
+            done += nbytes
+            progress("hash", done, total)
+    finally:
+        pool.shutdown(cancel_futures=True)
     return Found(found, hashed, compared, total - hashed)
+
+
+def _threads() -> int:
+    """Shards hashed at once: one per CPU this process may run on, up to `HASH_THREADS`
+    (the hash loop reads memory at ~20 GB/s a core: a few cores fill the bus)."""
+    return min(HASH_THREADS, len(os.sched_getaffinity(0)))
+
+
+def _shard_changes(s: ShardTensors, block_size: int, trusted: frozenset[str] | None,
+                   watch: WriteWatch | None, written: Mapping[str, list[tuple[int, int]]]
+                   ) -> tuple[ShardChanges, int, bool]:
+    """One shard's changes, the bytes hashed, and whether it was compared with the file
+    (no usable sidecar)."""
+    old = sidecar.load(s.shard, block_size, blocks.kind_of(s.tensors.values()))
+    if old is not None and set(old.tensors) >= set(s.tensors):
+        return *_from_sidecar(s, old, trusted, watch, written), False
+    return _from_file(s, block_size, blocks.kind_of(s.tensors.values())), sum(
+        t.nbytes for t in s.tensors.values()), True
 
 
 def to_pages(changes: ShardChanges) -> Ranges:
