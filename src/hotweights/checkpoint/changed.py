@@ -5,8 +5,10 @@ fresh: the tensors `changed=` rules out keep their recorded hashes and the other
 hashed per block; without `changed=`, a `WriteWatch`'s written pages stand for the
 tensors whose recorded hashes are the sidecar's (only the blocks they touch are hashed)
 and xxh3 hashes the rest coarse first (`blocks.refresh`). Where a sidecar cannot be
-trusted, every page is compared with the file. `to_pages` narrows changed blocks to the
-pages that differ from the file, for the shards patched rather than rewritten.
+trusted, every page is compared with the file. Shards are hashed a few at once, on
+threads (one per CPU, up to `HASH_THREADS`), and handed on in their order. `to_pages`
+narrows changed blocks to the pages that differ from the file, for the shards patched
+rather than rewritten.
 """
 
 from __future__ import annotations
@@ -117,11 +119,11 @@ def _shard_changes(s: ShardTensors, block_size: int, trusted: frozenset[str] | N
                    ) -> tuple[ShardChanges, int, bool]:
     """One shard's changes, the bytes hashed, and whether it was compared with the file
     (no usable sidecar)."""
-    old = sidecar.load(s.shard, block_size, blocks.kind_of(s.tensors.values()))
+    kind = blocks.kind_of(s.tensors.values())
+    old = sidecar.load(s.shard, block_size, kind)
     if old is not None and set(old.tensors) >= set(s.tensors):
         return *_from_sidecar(s, old, trusted, watch, written), False
-    return _from_file(s, block_size, blocks.kind_of(s.tensors.values())), sum(
-        t.nbytes for t in s.tensors.values()), True
+    return _from_file(s, block_size, kind), sum(t.nbytes for t in s.tensors.values()), True
 
 
 def to_pages(changes: ShardChanges) -> Ranges:
