@@ -4,6 +4,7 @@ server that fails a renewal, a send or a join, or a step that cannot be undone, 
 
 import os
 import re
+import threading
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from safetensors.torch import save_file
 from hotweights import RemoteError, RemoteGroup
 from hotweights.checkpoint.digest import digest
 from hotweights.errors import ServerError
-from hotweights.remote import delta
+from hotweights.remote import delta, packing
 from hotweights.remote.group import _Plan
 from hotweights.remote.links import Links
 
@@ -332,18 +333,22 @@ def test_a_server_that_refuses_to_join_is_named_not_a_rendezvous_timeout():
         links.connect({"http://b:8000": {"server_id": "s", "channel_ranks": 1}}, "gloo")
 
 
-def test_the_first_update_compiles_the_encode_ahead_on_a_thread_of_its_own():
+def test_the_first_update_compiles_the_encode_ahead_on_a_thread_of_its_own(monkeypatch):
     """The first `prepare` (a full sync, whatever it finds) starts compiling the loops the
     next updates encode with, for the weights' dtypes, on a thread that is not a daemon;
     once: the next updates do not start another."""
+    warmed = []
+    monkeypatch.setattr(packing, "warm", lambda dtypes: warmed.append(
+        (threading.current_thread().name, dtypes)))
     group = RemoteGroup(["http://127.0.0.1:1"], token="t" * 32, timeout=1)
-    weights = {"w": torch.zeros(4, 8, dtype=torch.bfloat16)}
+    weights = {"w": torch.zeros(4, 8, dtype=torch.bfloat16),
+               "b": torch.zeros(3, dtype=torch.float32)}
     with pytest.raises(RemoteError, match="no answer"):
         group.prepare(weights)
     warm = group._warm
     assert warm.name == "hotweights-jit-warm" and not warm.daemon
-    assert warm._args == ({torch.bfloat16},)
     with pytest.raises(RemoteError, match="no answer"):
         group.prepare(weights)
     assert group._warm is warm
     warm.join()
+    assert warmed == [("hotweights-jit-warm", {torch.bfloat16, torch.float32})]
