@@ -34,13 +34,22 @@ from test_server import (
 pytestmark = pytest.mark.vllm
 
 
+def _core(i: int) -> str:
+    """The core remote server `i` is bound to: each its own where there are enough. vLLM
+    binds every server's worker to the same core by default, and one spinning in vLLM's
+    busy loop (a server polled every few ms, say) can starve another bound there of that
+    core for seconds on end, though both are runnable: an update that then times out."""
+    cores = sorted(os.sched_getaffinity(0))
+    return str(cores[i % len(cores)])
+
+
 @pytest.fixture(scope="module")
 def remotes(tiny_model, tmp_path_factory):
     model_dir = tiny_model("llama")
     # Both start at once, from this thread: a server stops when the thread that spawned it
     # ends (PR_SET_PDEATHSIG follows the thread).
-    started = [Server(model_dir, tmp_path_factory.mktemp(f"remote{i}"), "--remote", wait=False)
-               for i in range(2)]
+    started = [Server(model_dir, tmp_path_factory.mktemp(f"remote{i}"), "--remote", wait=False,
+                      cores=_core(i)) for i in range(2)]
     started.append(Server(model_dir, tmp_path_factory.mktemp("local"), wait=False))
     try:
         for s in started:
@@ -511,7 +520,8 @@ def test_a_server_killed_during_the_send_is_named_and_the_other_stays_old(
     victim.proc.wait()
     # The restarted server rejoins: synced from the checkpoint it loaded, both serve one
     # version again.
-    remotes[1] = Server(victim.model_dir, tmp_path, "--remote", port=victim.port)
+    remotes[1] = Server(victim.model_dir, tmp_path, "--remote", port=victim.port,
+                        cores=_core(1))
     group.max_round_bytes = 64 << 20
     out = group.update(model)
     assert out["from_checkpoint"] == [victim.url] and len(out["servers"]) == 2
@@ -541,7 +551,8 @@ def test_a_server_that_dies_during_the_send_or_is_down_is_dropped_the_other_comm
     out = group.update(model)  # down at the start: dropped at once
     assert out["servers"].keys() == {survivor.url} and "cannot reach" in out["dropped"][
         victim.url]
-    remotes[1] = Server(victim.model_dir, tmp_path, "--remote", port=victim.port)
+    remotes[1] = Server(victim.model_dir, tmp_path, "--remote", port=victim.port,
+                        cores=_core(1))
     group.max_round_bytes = 64 << 20
     group.checkpoint = None  # nothing to sync it from: the whole model, to it alone
     with torch.no_grad():
@@ -567,7 +578,8 @@ def test_a_server_killed_between_send_and_commit_is_named_and_the_other_serves_n
     out = group.commit(pending)  # require="any": named, the survivor goes on
     assert out["servers"].keys() == {survivor.url} and victim.url in out["dropped"]
     assert _status(survivor)["n"] == group.n and _status(survivor)["state"] == "idle"
-    remotes[1] = Server(victim.model_dir, tmp_path, "--remote", port=victim.port)
+    remotes[1] = Server(victim.model_dir, tmp_path, "--remote", port=victim.port,
+                        cores=_core(1))
     with torch.no_grad():
         model.model.layers[1].mlp.up_proj.weight[:2] += 0.01
     out = group.update(model)  # the restarted one: what differs from the checkpoint; the

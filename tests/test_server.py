@@ -44,7 +44,9 @@ def _http(url, route, *, token=TOKEN, body=None, method=None):
 
 class Server:
     def __init__(self, model_dir: Path, tmp: Path, *extra: str, port: int | None = None,
-                 wait: bool = True, cafile: str | None = None):
+                 wait: bool = True, cafile: str | None = None, cores: str | None = None):
+        """`cores`: the CPU cores its worker is bound to (``VLLM_CPU_OMP_THREADS_BIND``;
+        vLLM's default binds every server's to the same ones)."""
         self.port = port or launch.free_port()
         self.cafile = cafile  # https: extra has --ssl-keyfile/--ssl-certfile
         self.url = f"{'https' if cafile else 'http'}://127.0.0.1:{self.port}"
@@ -52,7 +54,8 @@ class Server:
         self.log = tmp / "server.log"
         self.proc = launch.spawn(model_dir, port=self.port, token=TOKEN, log=self.log,
                                  vllm_args=("--max-model-len", "256", "--enforce-eager",
-                                            "--max-num-seqs", "8", *extra))
+                                            "--max-num-seqs", "8", *extra),
+                                 env=cores and {"VLLM_CPU_OMP_THREADS_BIND": cores})
         if wait:
             self.wait()
 

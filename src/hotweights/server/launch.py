@@ -25,12 +25,15 @@ def free_port() -> int:
 
 
 def spawn(model: str | os.PathLike, *, port: int, token: str, log: Path,
-          vllm_args: tuple[str, ...] = ()) -> subprocess.Popen:
-    """Start `hotweights serve` in the background (its own session), output to `log`.
+          vllm_args: tuple[str, ...] = (), env: dict[str, str] | None = None
+          ) -> subprocess.Popen:
+    """Start `hotweights serve` in the background (its own session), output to `log`, with
+    this process's environment plus `env`.
 
     The server stops (SIGTERM: it cleans up) when the calling process dies, even killed.
     """
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HOTWEIGHTS_TOKEN=token)  # not in argv: ps
+    env = dict(os.environ, **(env or {}), HF_HUB_OFFLINE="1",
+               HOTWEIGHTS_TOKEN=token)  # the token not in argv: ps
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: the tiny models need little
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # set by in-process engines (local.py)
     with open(log, "w") as out:
