@@ -8,6 +8,7 @@ import signal
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,6 +42,11 @@ def _core(i: int) -> str:
     core for seconds on end, though both are runnable: an update that then times out."""
     cores = sorted(os.sched_getaffinity(0))
     return str(cores[i % len(cores)])
+
+
+def _restarted(victim: Server, tmp: Path) -> Server:
+    """Remote server 1, killed, started again on its port and its core."""
+    return Server(victim.model_dir, tmp, "--remote", port=victim.port, cores=_core(1))
 
 
 @pytest.fixture(scope="module")
@@ -520,8 +526,7 @@ def test_a_server_killed_during_the_send_is_named_and_the_other_stays_old(
     victim.proc.wait()
     # The restarted server rejoins: synced from the checkpoint it loaded, both serve one
     # version again.
-    remotes[1] = Server(victim.model_dir, tmp_path, "--remote", port=victim.port,
-                        cores=_core(1))
+    remotes[1] = _restarted(victim, tmp_path)
     group.max_round_bytes = 64 << 20
     out = group.update(model)
     assert out["from_checkpoint"] == [victim.url] and len(out["servers"]) == 2
@@ -551,8 +556,7 @@ def test_a_server_that_dies_during_the_send_or_is_down_is_dropped_the_other_comm
     out = group.update(model)  # down at the start: dropped at once
     assert out["servers"].keys() == {survivor.url} and "cannot reach" in out["dropped"][
         victim.url]
-    remotes[1] = Server(victim.model_dir, tmp_path, "--remote", port=victim.port,
-                        cores=_core(1))
+    remotes[1] = _restarted(victim, tmp_path)
     group.max_round_bytes = 64 << 20
     group.checkpoint = None  # nothing to sync it from: the whole model, to it alone
     with torch.no_grad():
@@ -578,8 +582,7 @@ def test_a_server_killed_between_send_and_commit_is_named_and_the_other_serves_n
     out = group.commit(pending)  # require="any": named, the survivor goes on
     assert out["servers"].keys() == {survivor.url} and victim.url in out["dropped"]
     assert _status(survivor)["n"] == group.n and _status(survivor)["state"] == "idle"
-    remotes[1] = Server(victim.model_dir, tmp_path, "--remote", port=victim.port,
-                        cores=_core(1))
+    remotes[1] = _restarted(victim, tmp_path)
     with torch.no_grad():
         model.model.layers[1].mlp.up_proj.weight[:2] += 0.01
     out = group.update(model)  # the restarted one: what differs from the checkpoint; the
