@@ -441,12 +441,12 @@ def main() -> int:
         t0 = time.perf_counter()
         # the servers stand for other machines: their own CPUs, not the trainer's
         os.sched_setaffinity(0, server_cpus)  # inherited by the servers' processes
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, sorted(server_cpus)))
+        bind = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, sorted(server_cpus)))}
         for i in range(2):
             port = launch.free_port()
             log = logs / f"server{i}.log"
             servers.append((f"http://127.0.0.1:{port}", log, launch.spawn(
-                model_dir, port=port, token=TOKEN, log=log, vllm_args=VLLM_ARGS)))
+                model_dir, port=port, token=TOKEN, log=log, vllm_args=VLLM_ARGS, env=bind)))
         os.sched_setaffinity(0, trainer_cpus)
         torch.set_num_threads(len(trainer_cpus))
         print(f"CPUs: trainer {sorted(trainer_cpus)} ({torch.get_num_threads()} torch "

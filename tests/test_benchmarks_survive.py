@@ -133,7 +133,7 @@ def test_remote_update_names_servers_that_cannot_start(load_bench, monkeypatch, 
     bench = load_bench("remote_update")
     weights = {"model.embed_tokens.weight": torch.zeros(4, 2, dtype=torch.bfloat16)}
 
-    def spawn(model, *, port, token, log, vllm_args):
+    def spawn(model, *, port, token, log, vllm_args, env):
         with open(log, "w") as out:
             return subprocess.Popen([sys.executable, "-c", DYING_SERVER], stdout=out,
                                     stderr=subprocess.STDOUT, start_new_session=True)
@@ -143,7 +143,6 @@ def test_remote_update_names_servers_that_cannot_start(load_bench, monkeypatch, 
     monkeypatch.setattr(bench.launch, "spawn", spawn)
     monkeypatch.setattr(sys, "argv", ["remote_update.py", "--model-dir", str(tmp_path / "m"),
                                       "--server-cpus", "0"])  # 0: this process's CPUs kept
-    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)  # main sets it: undone
     threads = torch.get_num_threads()
     try:
         rc = bench.main()

@@ -41,6 +41,10 @@ class ShardTensors:
     shard: Shard
     tensors: dict[str, torch.Tensor]
 
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
 
 @dataclass(frozen=True)
 class ShardChanges:
@@ -86,7 +90,7 @@ def find_changes(shards: list[ShardTensors], *, block_size: int,
         then: called with each shard's changes as soon as they are found (`sync` stages
             that shard while the next one is hashed).
     """
-    total = sum(t.nbytes for s in shards for t in s.tensors.values())
+    total = sum(s.nbytes for s in shards)
     done = hashed = compared = 0
     found = []
     pool = ThreadPoolExecutor(min(len(shards), _threads()) or 1,
@@ -96,12 +100,11 @@ def find_changes(shards: list[ShardTensors], *, block_size: int,
                 for s in shards]
         for s, job in zip(shards, jobs, strict=True):  # in order: `then` stages each
             changes, n, from_file = job.result()
-            nbytes = sum(t.nbytes for t in s.tensors.values())
             hashed += n
-            compared += nbytes if from_file else 0
+            compared += s.nbytes if from_file else 0
             found.append(changes)
             then(changes)
-            done += nbytes
+            done += s.nbytes
             progress("hash", done, total)
     finally:
         pool.shutdown(cancel_futures=True)
@@ -123,7 +126,7 @@ def _shard_changes(s: ShardTensors, block_size: int, trusted: frozenset[str] | N
     old = sidecar.load(s.shard, block_size, kind)
     if old is not None and set(old.tensors) >= set(s.tensors):
         return *_from_sidecar(s, old, trusted, watch, written), False
-    return _from_file(s, block_size, kind), sum(t.nbytes for t in s.tensors.values()), True
+    return _from_file(s, block_size, kind), s.nbytes, True
 
 
 def to_pages(changes: ShardChanges) -> Ranges:
