@@ -32,8 +32,8 @@ def spawn(model: str | os.PathLike, *, port: int, token: str, log: Path,
 
     The server stops (SIGTERM: it cleans up) when the calling process dies, even killed.
     """
-    env = dict(os.environ, **(env or {}), HF_HUB_OFFLINE="1",
-               HOTWEIGHTS_TOKEN=token)  # the token not in argv: ps
+    env = {**os.environ, **(env or {}), "HF_HUB_OFFLINE": "1",
+           "HOTWEIGHTS_TOKEN": token}  # the token not in argv: ps
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: the tiny models need little
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # set by in-process engines (local.py)
     with open(log, "w") as out:
