@@ -102,6 +102,21 @@ def test_int64_indices_and_huge_gaps_in_the_codec():
                                            floating=True)[0].size == 0
 
 
+@pytest.mark.parametrize("values", codec.VALUES)
+def test_indices_decoded_as_int32_where_asked_are_those_of_int64(decoder, values):
+    rng = np.random.default_rng(1)
+    numel = 1 << 20
+    idx = np.sort(rng.choice(numel, numel // 50, replace=False))
+    bits = rng.integers(0, 1 << 16, len(idx), dtype=np.uint16)
+    old = None if values == codec.RAW else bits ^ np.uint16(5)
+    fields, data = codec.encode(idx, bits, floating=True, old=old)
+    wide, narrow = (codec.decode(fields, data, numel=numel, itemsize=2, floating=True,
+                                 index=index) for index in (np.int64, np.int32))
+    assert wide[0].dtype == np.int64 and narrow[0].dtype == np.int32
+    assert np.array_equal(wide[0], idx) and np.array_equal(narrow[0], idx)
+    assert np.array_equal(wide[1], narrow[1])
+
+
 def test_int64_index_tensor_round_trip(monkeypatch):
     monkeypatch.setattr(delta, "INT64_INDEX_FROM", 100)
     old = _random((40, 40), torch.bfloat16)

@@ -328,7 +328,7 @@ def check_fields(e: dict, numel: int, itemsize: int) -> int:
 
 
 def decode(e: dict, data: np.ndarray, *, numel: int, itemsize: int, floating: bool,
-           old=None) -> tuple[np.ndarray, np.ndarray]:
+           old=None, index=np.int64) -> tuple[np.ndarray, np.ndarray]:
     """Decode a piece whose fields passed `check_fields`.
 
     Args:
@@ -338,8 +338,9 @@ def decode(e: dict, data: np.ndarray, *, numel: int, itemsize: int, floating: bo
             numpy of `itemsize`), or a callable, int64 indices -> those at the indices; or
             None: the values come back as the xors themselves (``old ^ new``), for a
             receiver that applies them in place at its commit.
+        index: the indices' dtype: int64, or int32 where `numel` fits it.
     Returns:
-        (int64 indices, strictly increasing and inside the tensor; unsigned bit patterns).
+        (indices, strictly increasing and inside the tensor; unsigned bit patterns).
     Raises:
         CodecError: naming the field; `old` missing for xor values is the caller's to check.
     """
@@ -349,12 +350,12 @@ def decode(e: dict, data: np.ndarray, *, numel: int, itemsize: int, floating: bo
                                                 strict=True)]
     utype = UINT[itemsize]
     if not k:
-        return np.zeros(0, np.int64), np.zeros(0, utype)
+        return np.zeros(0, index), np.zeros(0, utype)
     gaps_n, first, xor, unary = k - 1, e["first"], e["values"] == XOR, "high" in e
     high = _unzip(part[1], gaps_n, "indices") if 1 in e["zipped"] else part[1]
     third = _unzip(part[3], k, "values") if 3 in e["zipped"] else part[3]
     got = jit.decode(k, first, numel, shift, part[0], high, unary, part[2].view("<u8"), xor,
-                     third, part[4], old, floating, UINT[itemsize])
+                     third, part[4], old, floating, UINT[itemsize], index)
     if got is not None:
         idx, values = got
         return idx, values if not xor or old is None or isinstance(old, np.ndarray) else \
@@ -386,6 +387,7 @@ def decode(e: dict, data: np.ndarray, *, numel: int, itemsize: int, floating: bo
     np.cumsum(idx, out=idx)
     if int(idx[-1]) >= numel:
         raise CodecError("indices", f"run past the {numel} elements")
+    idx = idx.astype(index, copy=False)
     if not xor:
         b = np.empty((k, itemsize), np.uint8)
         b[:, itemsize - 1] = third

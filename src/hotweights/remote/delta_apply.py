@@ -25,6 +25,7 @@ from hotweights.remote.delta import (
     _NP_BITS,
     _RANGE,
     DENSE,
+    INT64_INDEX_FROM,
     PATCH,
     ROWS,
     _dtype_name,
@@ -160,8 +161,9 @@ def host(t: torch.Tensor) -> np.ndarray | torch.Tensor:
 
 def _decoded(e: dict, t: torch.Tensor, buf: torch.Tensor, nb, old, bad,
              bare: Collection[str] = ()) -> tuple:
-    """(int64 indices, values) of a compact patch piece, decoded on the CPU, on `buf`'s
-    device; xor values of a tensor in `bare` come as the xors themselves."""
+    """(indices, values) of a compact patch piece, decoded on the CPU, on `buf`'s device;
+    xor values of a tensor in `bare` come as the xors themselves, with int32 indices where
+    they fit (what the commit's compiled loop takes), else int64."""
     s, name, xor = t.dtype.itemsize, e["name"], e["values"] == codec.XOR
     src = None if old is None else old.get(name)
     if xor and name in bare:
@@ -184,11 +186,13 @@ def _decoded(e: dict, t: torch.Tensor, buf: torch.Tensor, nb, old, bad,
             got = src.gather(torch.from_numpy(idx), t.dtype)
         return got.view(_BITS[s]).cpu().numpy().view(codec.UINT[s])
     on_cpu = isinstance(src, torch.Tensor) and src.device.type == "cpu"  # read where decoded
+    narrow = name in bare and t.numel() < INT64_INDEX_FROM
     try:
         idx, bits = codec.decode(e, data, numel=t.numel(), itemsize=s,
                                  floating=t.dtype.is_floating_point,
                                  old=None if src is None else _unsigned(
-                                     src.detach().reshape(-1)) if on_cpu else old_bits)
+                                     src.detach().reshape(-1)) if on_cpu else old_bits,
+                                 index=np.int32 if narrow else np.int64)
     except codec.CodecError as err:
         raise bad(err.field, err.msg) from None
     values = torch.from_numpy(bits.view(_NP_BITS[s])).view(t.dtype)

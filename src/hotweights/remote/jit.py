@@ -61,23 +61,23 @@ def enabled() -> bool:
 
 def decode(k: int, first: int, numel: int, shift: int, low: np.ndarray, high: np.ndarray,
            unary: bool, escapes: np.ndarray, xor: bool, third: np.ndarray,
-           fourth: np.ndarray, old, floating: bool, utype
+           fourth: np.ndarray, old, floating: bool, utype, index=np.int64
            ) -> tuple[np.ndarray, np.ndarray] | None:
-    """(int64 indices, bit patterns) of a piece of `k` > 0 elements from its sections
-    (`high` unary bits if `unary`, else bytes; `high` and `third` inflated), or None: no
-    numba, or the piece is wrong somewhere.
+    """(indices of dtype `index`, bit patterns) of a piece of `k` > 0 elements from its
+    sections (`high` unary bits if `unary`, else bytes; `high` and `third` inflated), or
+    None: no numba, or the piece is wrong somewhere.
 
     `old`: the receiver's old bit patterns, flat (numpy of `utype`): xor values are applied
     to them here; anything else: the values come back as bare xors (``old ^ new``)."""
     built = _get()
     if not built:
         return None
-    out = np.empty(k, utype)
+    out, idx = np.empty(k, utype), np.empty(k, index)
     have_old = isinstance(old, np.ndarray)
-    code, idx = built.decode(k, first, numel, shift, _words(low),
-                             _words(high) if unary else _bytes(high), unary, 8 * len(high),
-                             escapes.astype(np.uint64), xor, _bytes(third), _words(fourth),
-                             len(fourth), floating, MASKS, LEAD, out)
+    code = built.decode(k, first, numel, shift, _words(low),
+                        _words(high) if unary else _bytes(high), unary, 8 * len(high),
+                        escapes.astype(np.uint64), xor, _bytes(third), _words(fourth),
+                        len(fourth), floating, MASKS, LEAD, out, idx)
     if code == 0 and xor and have_old:  # apart: a loop of only these reads keeps many in
         # flight (inside the decode loop each one waited for memory: ~3x slower)
         built.xor_gather(out, old, idx)
@@ -142,9 +142,9 @@ def warm(itemsizes=(2,)) -> None:
     for s in itemsizes:
         utype = np.dtype(f"u{s}")
         one = np.zeros(1, np.uint8)
-        decode(1, 0, 1, 0, one[:0], one[:0], True, np.zeros(0, np.uint64), True, one,
-               one[:0], np.zeros(1, utype), True, utype)
         for index in (np.int32, np.int64):  # `Staged` keeps int32 where they fit
+            decode(1, 0, 1, 0, one[:0], one[:0], True, np.zeros(0, np.uint64), True, one,
+                   one[:0], np.zeros(1, utype), True, utype, index)
             scatter(np.zeros(1, utype), np.zeros(1, index), np.zeros(1, utype))
             xor_scatter(np.zeros(1, utype), np.zeros(1, index), np.zeros(1, utype))
 
