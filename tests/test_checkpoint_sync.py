@@ -430,3 +430,30 @@ def test_shards_are_hashed_at_once_and_staged_in_order(saved, monkeypatch):
     assert len(result.shards_changed) == len(staged)
     for n, t in _disk(d).items():
         assert torch.equal(t.view(torch.int16), live[n].view(torch.int16)), n
+
+
+def test_the_shards_changed_last_time_are_hashed_and_staged_first(saved, monkeypatch):
+    """A trainer changes the same tensors step after step: the shards the last sync found
+    changed are hashed first (staged while the others are hashed); the result still
+    lists the shards in their order."""
+    d, live = saved
+    sync(d, live, version="0@s")
+    shards = sorted(p.name for p in d.glob("*.safetensors"))
+    weight_map = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
+    last = next(n for n in live if weight_map.get(n) == shards[-1])
+    live[last].view(torch.int16).view(-1)[0] ^= 1
+    assert sync(d, live, version="1@s").shards_changed == (shards[-1],)
+    staged, add = [], incremental._Stager.add
+
+    def add_in_order(self, c):
+        staged.append(Path(c.shard.path).name)
+        return add(self, c)
+
+    monkeypatch.setattr(incremental._Stager, "add", add_in_order)
+    for t in live.values():
+        t.view(torch.int16).view(-1)[0] ^= 1
+    result = sync(d, live, version="2@s")
+    assert staged == [shards[-1], *shards[:-1]]
+    assert result.shards_changed == tuple(shards)
+    for n, t in _disk(d).items():
+        assert torch.equal(t.view(torch.int16), live[n].view(torch.int16)), n

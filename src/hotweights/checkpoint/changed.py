@@ -6,13 +6,15 @@ hashed per block; without `changed=`, a `WriteWatch`'s written pages stand for t
 tensors whose recorded hashes are the sidecar's (only the blocks they touch are hashed)
 and xxh3 hashes the rest coarse first (`blocks.refresh`). Where a sidecar cannot be
 trusted, every page is compared with the file. Shards are hashed a few at once, on
-threads (one per CPU, up to `HASH_THREADS`), and handed on in their order. `to_pages`
+threads (one per CPU, up to `HASH_THREADS`), and handed on as they are done, those found
+changed in this process's latest syncs first (`_order`). `to_pages`
 narrows changed blocks to the pages that differ from the file, for the shards patched
 rather than rewritten.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +33,9 @@ from hotweights.checkpoint.shards import Shard
 HASH_THREADS = 4  # shards hashed at once, at most (`_threads`)
 PAGE = 4096  # a changed block is narrowed page by page: only the pages that differ
 Ranges = list[tuple[str, int, int]]  # (tensor, byte range [lo, hi) within it)
+_KEPT = 4096  # shards whose last changes this process remembers (`_order`)
+_seen: dict[str, tuple[int, int]] = {}  # shard path -> (the number of the last sync that
+_syncs = itertools.count(1)  # found it changed, the bytes it found)
 
 
 @dataclass(frozen=True)
@@ -92,23 +97,44 @@ def find_changes(shards: list[ShardTensors], *, block_size: int,
     """
     total = sum(s.nbytes for s in shards)
     done = hashed = compared = 0
-    found = []
+    found: list[ShardChanges] = [None] * len(shards)  # type: ignore[list-item]
     pool = ThreadPoolExecutor(min(len(shards), _threads()) or 1,
                               thread_name_prefix="hotweights-hash")
     try:
-        jobs = [pool.submit(_shard_changes, s, block_size, trusted, watch, written)
-                for s in shards]
-        for s, job in zip(shards, jobs, strict=True):  # in order: `then` stages each
+        jobs = {i: pool.submit(_shard_changes, shards[i], block_size, trusted, watch, written)
+                for i in _order(shards)}
+        for i, job in jobs.items():  # in that order: `then` stages each
             changes, n, from_file = job.result()
             hashed += n
-            compared += s.nbytes if from_file else 0
-            found.append(changes)
+            compared += shards[i].nbytes if from_file else 0
+            found[i] = changes
             then(changes)
-            done += s.nbytes
+            done += shards[i].nbytes
             progress("hash", done, total)
     finally:
         pool.shutdown(cancel_futures=True)
+    _remember(found)
     return Found(found, hashed, compared, total - hashed)
+
+
+def _order(shards: list[ShardTensors]) -> list[int]:
+    """The shards' indices, those that the latest syncs in this process found changed
+    first (the most recent, then the most bytes), the others in their order: a trainer
+    changes the same tensors step after step, and a changed shard hashed first is staged
+    while the others are hashed, not after them."""
+    return sorted(range(len(shards)), key=lambda i: tuple(
+        -x for x in _seen.get(shards[i].shard.path, (0, 0))))
+
+
+def _remember(found: list[ShardChanges]) -> None:
+    """Note which shards this sync found changed, for `_order`."""
+    changed = [(c.shard.path, sum(hi - lo for _, lo, hi in c.ranges)) for c in found
+               if c.ranges]
+    if changed:
+        if len(_seen) + len(changed) > _KEPT:
+            _seen.clear()
+        n = next(_syncs)
+        _seen.update((path, (n, nbytes)) for path, nbytes in changed)
 
 
 def _threads() -> int:

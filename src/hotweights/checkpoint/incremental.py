@@ -167,6 +167,9 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
                                      trusted=resolved.trusted, watch=watch, written=written,
                                      progress=progress, then=stager.add)
                 writes, bytes_written = stager.wait()
+                order = {s.shard.path: i for i, s in enumerate(resolved.shards)}
+                writes.sort(key=lambda w: order[w.shard.path])  # staged as found: the
+                # shards changed last time first (`changed._order`)
                 _journal(model_dir, writes, version, stager.step)
             # 4. one commit; 5. record the sidecars once the commit is durable
             _commit(model_dir, writes, after_read, functools.partial(
