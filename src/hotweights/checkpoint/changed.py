@@ -128,8 +128,7 @@ def _order(shards: list[ShardTensors]) -> list[int]:
 
 def _remember(found: list[ShardChanges]) -> None:
     """Note which shards this sync found changed, for `_order`."""
-    changed = [(c.shard.path, sum(hi - lo for _, lo, hi in c.ranges)) for c in found
-               if c.ranges]
+    changed = [(c.shard.path, ranges_bytes(c.ranges)) for c in found if c.ranges]
     if changed:
         if len(_seen) + len(changed) > _KEPT:
             _seen.clear()
@@ -153,6 +152,10 @@ def _shard_changes(s: ShardTensors, block_size: int, trusted: frozenset[str] | N
     if old is not None and set(old.tensors) >= set(s.tensors):
         return *_from_sidecar(s, old, trusted, watch, written), False
     return _from_file(s, block_size, kind), s.nbytes, True
+
+
+def ranges_bytes(ranges: Ranges) -> int:
+    return sum(hi - lo for _, lo, hi in ranges)
 
 
 def to_pages(changes: ShardChanges) -> Ranges:

@@ -55,7 +55,14 @@ from hotweights.changes import blocks, writewatch
 from hotweights.changes.spans import merge_spans
 from hotweights.changes.writewatch import WriteWatch
 from hotweights.checkpoint import MODES, clone, journal, lock, sidecar, stage
-from hotweights.checkpoint.changed import Ranges, ShardChanges, ShardTensors, find_changes, to_pages
+from hotweights.checkpoint.changed import (
+    Ranges,
+    ShardChanges,
+    ShardTensors,
+    find_changes,
+    ranges_bytes,
+    to_pages,
+)
 from hotweights.checkpoint.dtypes import TORCH
 from hotweights.checkpoint.fileid import FileId
 from hotweights.checkpoint.names import as_unpacked, to_disk, unpack
@@ -304,11 +311,7 @@ class _ShardWrite:
 
     @property
     def changed_bytes(self) -> int:
-        return _nbytes(self.ranges)
-
-
-def _nbytes(ranges: Ranges) -> int:
-    return sum(hi - lo for _, lo, hi in ranges)
+        return ranges_bytes(self.ranges)
 
 
 def _how(shard: Shard, changed_bytes: int, mode: str, patch_mode: str) -> str:
@@ -363,7 +366,7 @@ class _Stager:
     def add(self, c: ShardChanges) -> None:
         if not c.ranges:
             return
-        changed = _nbytes(c.ranges)
+        changed = ranges_bytes(c.ranges)
         how = _how(c.shard, changed, self.mode, self.patch_mode)
         self._room(c.shard.size if how == "whole" else changed + 64 * len(c.ranges),
                    how == "journal")
