@@ -399,6 +399,19 @@ def test_ctrl_c_during_the_file_compare_is_raised_as_itself(saved, monkeypatch):
     assert sync(d, live).tensors_changed == 1
 
 
+def _staged_names(monkeypatch) -> list[str]:
+    """The names of the shards handed to the stager, in the order they come (filled as
+    the syncs run)."""
+    staged, add = [], incremental._Stager.add
+
+    def add_in_order(self, c):
+        staged.append(Path(c.shard.path).name)
+        return add(self, c)
+
+    monkeypatch.setattr(incremental._Stager, "add", add_in_order)
+    return staged
+
+
 def test_shards_are_hashed_at_once_and_staged_in_order(saved, monkeypatch):
     """Every shard is hashed on a thread of a pool (one per CPU, up to 4), so a shard
     slow to hash does not hold the others; their changes still reach the stager in the
@@ -406,8 +419,8 @@ def test_shards_are_hashed_at_once_and_staged_in_order(saved, monkeypatch):
     d, live = saved
     sync(d, live, version="0@s")
     first = sorted(p.name for p in d.glob("*.safetensors"))[0]
-    threads, staged = set(), []
-    shard_changes, add = changed._shard_changes, incremental._Stager.add
+    threads, staged = set(), _staged_names(monkeypatch)
+    shard_changes = changed._shard_changes
 
     def slow_first(s, *args):
         threads.add(threading.current_thread().name)
@@ -415,13 +428,8 @@ def test_shards_are_hashed_at_once_and_staged_in_order(saved, monkeypatch):
             time.sleep(0.3)  # the others are hashed meanwhile
         return shard_changes(s, *args)
 
-    def add_in_order(self, c):
-        staged.append(Path(c.shard.path).name)
-        return add(self, c)
-
     monkeypatch.setattr(changed, "_threads", lambda: 2)
     monkeypatch.setattr(changed, "_shard_changes", slow_first)
-    monkeypatch.setattr(incremental._Stager, "add", add_in_order)
     for t in live.values():
         t.view(torch.int16).view(-1)[0] ^= 1
     result = sync(d, live, version="1@s")
@@ -443,13 +451,7 @@ def test_the_shards_changed_last_time_are_hashed_and_staged_first(saved, monkeyp
     last = next(n for n in live if weight_map.get(n) == shards[-1])
     live[last].view(torch.int16).view(-1)[0] ^= 1
     assert sync(d, live, version="1@s").shards_changed == (shards[-1],)
-    staged, add = [], incremental._Stager.add
-
-    def add_in_order(self, c):
-        staged.append(Path(c.shard.path).name)
-        return add(self, c)
-
-    monkeypatch.setattr(incremental._Stager, "add", add_in_order)
+    staged = _staged_names(monkeypatch)
     for t in live.values():
         t.view(torch.int16).view(-1)[0] ^= 1
     result = sync(d, live, version="2@s")
