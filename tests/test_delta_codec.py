@@ -1,8 +1,10 @@
 """codec: compact patch pieces (gap-coded indices, raw or xor values), zstd rounds; exact."""
 
+import contextlib
 import json
 import sys
 from dataclasses import replace
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -131,11 +133,11 @@ def test_compact_pieces_split_across_small_rounds(monkeypatch, max_bytes):
     monkeypatch.setattr(packing, "_BLOCK", 50)  # several pieces per tensor, split again by room
     old = _random((64, 64), torch.bfloat16)
     g = torch.Generator().manual_seed(3)
-    new = _flip(old, torch.randperm(4096, generator=g)[:300])
+    new = _flip(old, torch.randperm(4096, generator=g)[:600])
     for options in ({}, {"values": "xor"}):
         rounds = _sync({"w": old}, {"w": new}, max_bytes, **options)
         assert len(rounds) > 1 and all(r.buffer.numel() <= max_bytes for r in rounds)
-        assert sum(e["count"] for r in rounds for e in r.header["entries"]) == 300
+        assert sum(e["count"] for r in rounds for e in r.header["entries"]) == 600
 
 
 def _scattered(numel=1 << 22, seed=1) -> tuple[dict, torch.Tensor]:
@@ -231,13 +233,30 @@ def test_zstd_shrinks_rows_and_is_named_when_missing(monkeypatch):
 
 # -- corrupt pieces: refused by name, nothing written, never out of bounds --------------------
 
-def _compact():
+def _compact(unary_widths: bool = True):
+    """(old, a round of xor pieces, its piece of `b`: 6 float32 values, each's lowest bit
+    flipped; their bit lengths in unary, or with `unary_widths` False in bytes)."""
     old, new = _state()
     new["b"] = _flip(old["b"], [3, 7, 99, 300, 301, 998])
-    (r,) = pack(encode_all(old, new), max_bytes=1 << 20, values="xor")
+    with _widths_in_bytes(not unary_widths):
+        (r,) = pack(encode_all(old, new), max_bytes=1 << 20, values="xor")
     b = next(e for e in r.header["entries"] if e["name"] == "b")
-    assert b["count"] == 6 and b["values"] == "xor"
+    assert b["count"] == 6 and b["values"] == "xor" and ("widths" in b) == unary_widths
     return old, r, b
+
+
+def _widths_in_bytes(on: bool = True):
+    """While `on`: xor values' bit lengths coded in bytes (deflated where smaller), never in
+    unary."""
+    return mock.patch.object(codec, "_unary_min", lambda lengths, k: None) if on else \
+        contextlib.nullcontext()
+
+
+def _with_byte(r, b, section: int, value: int) -> Round:
+    """`r` with the first byte of `b`'s section `section` set to `value`."""
+    buf = r.buffer.clone()
+    buf[b["offset"] + sum(b["sections"][:section])] = value
+    return Round(r.header, buf)
 
 
 def _with(r, **fields) -> Round:
@@ -253,8 +272,9 @@ def _without(r, field: str) -> Round:
 
 
 def _bad_compact():
-    old, r, b = _compact()
-    sec = b["sections"]
+    old, r, b = _compact()  # unary bit lengths
+    _, rb, bb = _compact(unary_widths=False)  # in bytes
+    sec = bb["sections"]
     z = next(iter(pack(encode_all(*_state()), max_bytes=1 << 20, compress="zstd")))
     garbage = z.buffer.clone()
     garbage[len(garbage) // 2:] ^= 0x5A
@@ -268,17 +288,31 @@ def _bad_compact():
         "sections_len": (_with(r, sections=sec[:4]), r"`b`: field 'sections' must be 5"),
         "section_size": (_with(r, sections=[sec[0] + 1, *sec[1:]]),
                          r"`b`: field 'sections' \[0\] is"),
-        "zipped": (_with(r, zipped=[0]), r"`b`: field 'zipped' must list some of \[3\]"),
-        "zipped_unary": (_with(r, zipped=[1]), r"`b`: field 'zipped' must list some of \[3\]"),
+        "zipped": (_with(rb, zipped=[0]), r"`b`: field 'zipped' must list some of \[3\]"),
+        "zipped_unary": (_with(rb, zipped=[1]), r"`b`: field 'zipped' must list some of \[3\]"),
         "high": (_with(r, high="bytes"), r"`b`: field 'high' must be 'unary' or absent"),
         "bytes_high": (_without(r, "high"),
                        r"`b`: field 'sections' \[1\] is \d+ bytes, 6 elements make 5"),
-        "unzipped": (_with(r, zipped=[3]),
+        "unzipped": (_with(rb, zipped=[3]),
                      r"`b`: field 'values' (does not inflate|inflates to)"),
-        "xor_bits": (_with(r, sections=[*sec[:4], sec[4] + 8], nbytes=b["nbytes"] + 8),
+        "xor_bits": (_with(rb, sections=[*sec[:4], sec[4] + 8], nbytes=bb["nbytes"] + 8),
                      r"`b`: field '(values|nbytes|offset)'"),
-        "escapes": (_with(r, sections=[sec[0], sec[1], 8, *sec[3:]], nbytes=b["nbytes"] + 8),
+        "escapes": (_with(rb, sections=[sec[0], sec[1], 8, *sec[3:]], nbytes=bb["nbytes"] + 8),
                     r"`b`: field 'indices' hold 0 escaped gaps, section \[2\] 1"),
+        "widths": (_with(r, widths="bytes"),
+                   r"`b`: field 'widths' must be 'unary' \(xor values only\) or absent"),
+        "widths_raw": (_with(r, values="raw"), r"`b`: field 'widths' must be 'unary' \(xor"),
+        "wmin": (_with(r, wmin=33), r"`b`: field 'wmin' must be an int from 0 to 32, found 33"),
+        "wmin_type": (_with(r, wmin="1"), r"`b`: field 'wmin' must be an int"),
+        "wmin_missing": (_without(r, "wmin"), r"`b`: field 'wmin' must be an int"),
+        "widths_zipped": (_with(r, zipped=[3]), r"`b`: field 'zipped' must list some of \[\]"),
+        "widths_size": (_with(r, sections=[*b["sections"][:3], 0, b["sections"][4]],
+                              nbytes=b["nbytes"] - 8),
+                        r"`b`: field 'sections' \[3\] is 0 bytes: not 6 unary bit lengths"),
+        "widths_count": (_with_byte(r, b, 3, 0xFF),
+                         r"`b`: field 'values' hold 8 unary bit lengths in 1 bytes, expected 6"),
+        "widths_long": (_with(_with_byte(r, b, 3, 0b01111110), wmin=32),
+                        r"`b`: field 'values' hold a unary bit length of 1 zeros, more than 0"),
         "zstd_garbage": (Round(z.header, garbage), r"field '(buffer|raw_nbytes)'"),
         "zstd_size": (Round({**z.header, "raw_nbytes": z.header["raw_nbytes"] + 8}, z.buffer),
                       r"field 'raw_nbytes' is \d+, the entries make"),
@@ -298,9 +332,12 @@ def test_corrupt_compact_piece_is_refused_by_name_and_nothing_is_written(case, d
 def test_random_corruption_never_escapes_as_another_error_or_writes_out_of_bounds(decoder):
     old, new = _state()
     g = np.random.default_rng(0)
-    for options in ({}, {"values": "xor"}):
-        (r,) = pack(encode_all(old, new), max_bytes=1 << 20, **options)
+    for options, unary_widths in (({}, None), ({"values": "xor"}, True),
+                                  ({"values": "xor"}, False)):
+        with _widths_in_bytes(unary_widths is False):
+            (r,) = pack(encode_all(old, new), max_bytes=1 << 20, **options)
         b = next(e for e in r.header["entries"] if e["name"] == "b")
+        assert ("widths" in b) == bool(unary_widths)
         for _ in range(300):
             buf = r.buffer.clone()
             at = b["offset"] + int(g.integers(0, max(1, sum(b["sections"]))))
@@ -413,11 +450,33 @@ def test_gaps_at_random_cost_about_their_entropy():
     assert fields["shift"] == 6 and bits / (len(idx) - 1) < 8.4
 
 
+def test_xor_bit_lengths_go_unary_where_that_costs_next_to_their_entropy(decoder):
+    # a step of one or two units in the last place: ~geometric bit lengths, as small in
+    # unary as deflated; the lowest bit flipped everywhere: one length, deflated to nothing
+    rng = np.random.default_rng(0)
+    idx = np.sort(rng.choice(1_000_000, 10_000, replace=False))
+    old = rng.integers(0, 1 << 15, len(idx), dtype=np.uint16)
+    for new, unary in ((old + rng.integers(1, 3, len(idx)).astype(np.uint16), True),
+                       (old ^ np.uint16(1), False)):
+        fields, data = codec.encode(idx, new, floating=True, old=old)
+        with _widths_in_bytes():
+            deflated, _ = codec.encode(idx, new, floating=True, old=old)
+        assert deflated["zipped"] == [3] and "widths" not in deflated
+        if unary:
+            assert fields["widths"] == "unary" and fields["wmin"] == 1 and not fields["zipped"]
+            assert fields["sections"][3] <= 1.1 * deflated["sections"][3]
+        else:
+            assert fields == deflated and fields["sections"][3] < 64
+        got = codec.decode(fields, data, numel=1_000_000, itemsize=2, floating=True, old=None)
+        assert np.array_equal(got[0], idx) and np.array_equal(got[1], old ^ new)
+
+
 def _random_piece(seed: int):
     """(value size, its unsigned dtype, the tensor's element count, sorted indices, old
     values of the whole tensor, new values at the indices) of a random piece: every value
     size; escapes (one huge gap) every third seed; wide xors (more than 56 bits at 8 bytes)
-    on even seeds, one flipped bit per value on odd ones."""
+    on even seeds; on odd ones a step of one or two units in the last place where 1 mod 4
+    (bit lengths in unary), else one flipped bit per value."""
     if not jit.enabled():
         pytest.skip("numba is not installed: nothing compiled")
     rng = np.random.default_rng(seed)
@@ -428,7 +487,9 @@ def _random_piece(seed: int):
         idx = np.unique(np.r_[0, idx[: len(idx) // 2], numel - 1])
     old = rng.integers(0, np.iinfo(utype).max, numel, dtype=utype, endpoint=True)
     new = rng.integers(0, np.iinfo(utype).max, len(idx), dtype=utype, endpoint=True)
-    if seed % 2:
+    if seed % 4 == 1:
+        new = old[idx] + rng.integers(1, 3, len(idx)).astype(utype)  # wraps: any bits
+    elif seed % 2:
         new = old[idx] ^ (np.uint64(1) << rng.integers(0, 8 * s, len(idx)).astype(np.uint64)
                           ).astype(utype)
     return s, utype, numel, idx, old, new

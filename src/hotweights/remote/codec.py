@@ -6,9 +6,11 @@ costs 6 bytes; coded here, ~2.3 bytes (raw values) or ~1 byte (XOR with the rece
 values, when few bits flip). Everything is vectorised numpy (`decode` and `encode` run one
 compiled loop instead where numba is installed: `hotweights.remote.jit`). The gaps are
 Rice-coded (``shift`` low bits, the rest in unary: within a few % of their entropy where
-changes fall at random, at no cost beyond the loop); the only other entropy coder is zlib's
-Huffman stage (the standard library, so every receiver has it), run over section 3. No
-torch, no transport.
+changes fall at random, at no cost beyond the loop); so are the xor values' bit lengths
+where that costs next to their entropy (a value that moved by a few units in its last
+place: each length's excess over the piece's smallest in unary); the only other entropy
+coder is zlib's Huffman stage (the standard library, so every receiver has it), run over
+section 3 otherwise. No torch, no transport.
 
 A piece is five byte sections, concatenated (their lengths in the header's ``sections``):
 
@@ -17,17 +19,22 @@ A piece is five byte sections, concatenated (their lengths in the header's ``sec
    bits, then a one (16 zeros and a one: see ``escapes``); the last byte padded with zeros;
 2. ``escapes``: uint64 ``gap >> shift`` of the gaps whose high part is 16 or more, in order;
 3. ``values="raw"``: the top byte of every value (after rotating a float's bits left by one:
-   its exponent); ``values="xor"``: the bit length of every ``new ^ old``;
+   its exponent); ``values="xor"``: the bit length of every ``new ^ old``, one byte each,
+   or, where the header has ``widths: "unary"``, each one less the header's ``wmin`` in
+   unary (that many zero bits, then a one), bit-packed;
 4. ``values="raw"``: the other bytes of every value, little-endian; ``values="xor"``: the bits
    below the leading one of every ``new ^ old``, bit-packed.
 
-Section 3 is zlib-deflated (raw deflate, level 1, run-length matches only) where that is
-smaller; ``zipped`` lists it. The header's ``high`` says ``"unary"``; a piece without it
-(format 2, still read) holds one byte per gap's high part in section 1 (255: escaped), which
-``zipped`` may list too. The first index is the header's ``first``; the gaps make the
-indices strictly increasing by construction. `decode` checks every size against the header
-and the element count before it reads, so a corrupt piece raises `CodecError` naming the
-field, never reads or writes out of bounds.
+Section 3 in bytes is zlib-deflated (raw deflate, level 1, run-length matches only) where
+that is smaller; ``zipped`` lists it. Unary bit lengths are chosen where they cost at most a
+quarter bit a value more than their entropy (the best zlib's Huffman stage can do): a
+bf16 step of a few units in the last place, ~2.5 bits a value either way, without zlib's
+~10 ns a value to deflate and ~3 to inflate (format 4). The header's ``high`` says
+``"unary"``; a piece without it (format 2, still read) holds one byte per gap's high part
+in section 1 (255: escaped), which ``zipped`` may list too. The first index is the
+header's ``first``; the gaps make the indices strictly increasing by construction. `decode`
+checks every size against the header and the element count before it reads, so a corrupt
+piece raises `CodecError` naming the field, never reads or writes out of bounds.
 """
 
 from __future__ import annotations
@@ -243,17 +250,34 @@ def encode(indices: np.ndarray, bits: np.ndarray, *, floating: bool,
     k = len(indices)
     idx = indices.astype(np.int64, copy=False)
     shift = _rice_shift((int(idx[-1]) - int(idx[0]) - (k - 1)) / (k - 1)) if k > 1 else 0
-    sections = jit.encode(idx, bits, old, floating, shift, _BIT_LENGTH16) if k else None
-    if sections is None:
-        sections = _sections(idx, bits, old, floating, shift)
-    zipped = []
-    if (z := _zip(sections[3])) is not None:
+    got = jit.encode(idx, bits, old, floating, shift, _BIT_LENGTH16) if k else None
+    sections, lengths = got or _sections(idx, bits, old, floating, shift)
+    fields, zipped = {"count": k, "first": int(idx[0]) if k else 0, "shift": shift,
+                      "high": UNARY, "values": RAW if old is None else XOR}, []
+    if lengths is not None and (wmin := _unary_min(lengths, k)) is not None:
+        packed = jit.unary_pack(sections[3], wmin)
+        sections[3] = _pack_unary(sections[3].astype(np.int64) - wmin) if packed is None \
+            else packed
+        fields.update(widths=UNARY, wmin=wmin)
+    elif (z := _zip(sections[3])) is not None:
         sections[3] = np.frombuffer(z, np.uint8)
         zipped.append(3)
-    fields = {"count": k, "first": int(idx[0]) if k else 0, "shift": shift, "high": UNARY,
-              "values": RAW if old is None else XOR, "sections": [len(x) for x in sections],
-              "zipped": zipped}
+    fields.update(sections=[len(x) for x in sections], zipped=zipped)
     return fields, np.concatenate(sections) if k else np.zeros(0, np.uint8)
+
+
+def _unary_min(lengths: np.ndarray, k: int) -> int | None:
+    """The smallest of the xor values' bit lengths (`lengths`: how many of each), where
+    those lengths in unary past it cost at most a quarter bit a value more than their
+    entropy (and for a small piece 64 bits); else None: deflated (a constant stream, or one
+    spread over many lengths)."""
+    at = np.flatnonzero(lengths)
+    if not len(at):
+        return None
+    counts, wmin = lengths[at], int(at[0])
+    bits = int((counts * (at - wmin + 1)).sum())
+    entropy = float(-(counts * np.log2(counts / k)).sum())
+    return wmin if bits <= entropy + k / 4 + 64 else None
 
 
 def _rice_shift(mean: float) -> int:
@@ -272,17 +296,24 @@ def _sections(idx: np.ndarray, bits: np.ndarray, old: np.ndarray | None, floatin
     gaps = (np.diff(idx) - 1).astype(np.uint64)
     high = gaps >> np.uint64(shift)
     escapes = high[high >= _UNARY_ESC]
-    ones = np.cumsum(np.minimum(high, _UNARY_ESC) + np.uint64(1)) - np.uint64(1)
-    unary = np.zeros(int(ones[-1]) + 1 if len(ones) else 0, np.uint8)
-    unary[ones] = 1
-    sections = [_pack_fixed(gaps, shift), np.packbits(unary, bitorder="little"),
+    sections = [_pack_fixed(gaps, shift), _pack_unary(np.minimum(high, _UNARY_ESC)),
                 escapes.astype("<u8").view(np.uint8)]
     if old is None:
         v = _rotl(bits, 8 * s) if floating and s > 1 else bits
-        return [*sections, *_planes(np.ascontiguousarray(v), s)]
+        return [*sections, *_planes(np.ascontiguousarray(v), s)], None
     x = bits ^ old
     length = _bit_length(x)
-    return [*sections, length, _pack_varying(x, _WIDTH[length])]
+    return [*sections, length, _pack_varying(x, _WIDTH[length])], \
+        np.bincount(length, minlength=8 * s + 1)
+
+
+def _pack_unary(zeros: np.ndarray) -> np.ndarray:
+    """Each of `zeros` (integers >= 0) in unary: that many zero bits, then a one, bit-packed
+    little-endian."""
+    ones = np.cumsum(zeros.astype(np.uint64) + np.uint64(1)) - np.uint64(1)
+    unary = np.zeros(int(ones[-1]) + 1 if len(ones) else 0, np.uint8)
+    unary[ones] = 1
+    return np.packbits(unary, bitorder="little")
 
 
 def check_fields(e: dict, numel: int, itemsize: int) -> int:
@@ -303,16 +334,19 @@ def check_fields(e: dict, numel: int, itemsize: int) -> int:
         raise CodecError("sections", f"must be {_SECTIONS} ints >= 0, found {sections!r}")
     if e.get("high", UNARY) != UNARY:
         raise CodecError("high", f"must be {UNARY!r} or absent, found {e.get('high')!r}")
-    unary = "high" in e
-    zippable = (3,) if unary else _ZIPPABLE
+    gaps, xor, unary = max(k - 1, 0), e["values"] == XOR, "high" in e
+    most = _unary_widths_most(e, xor, 8 * itemsize)  # None: bit lengths in bytes
+    zippable = () if most is not None else (3,) if unary else _ZIPPABLE
     if not (isinstance(zipped, list) and all(z in zippable for z in zipped)
             and len(set(zipped)) == len(zipped)):
         raise CodecError("zipped", f"must list some of {list(zippable)}, found {zipped!r}")
-    gaps, xor = max(k - 1, 0), e["values"] == XOR
     if unary and not -(-gaps // 8) <= sections[1] <= -(-gaps * (_UNARY_ESC + 1) // 8):
         raise CodecError("sections", f"[1] is {sections[1]} bytes: not {gaps} unary gaps")
-    exact = {0: (gaps * shift + 7) // 8, 1: None if unary else gaps, 3: k,
-             4: None if xor else k * (itemsize - 1)}
+    if most is not None and not -(-k // 8) <= sections[3] <= -(-k * (most + 1) // 8):
+        raise CodecError("sections", f"[3] is {sections[3]} bytes: not {k} unary bit "
+                         "lengths")
+    exact = {0: (gaps * shift + 7) // 8, 1: None if unary else gaps,
+             3: k if most is None else None, 4: None if xor else k * (itemsize - 1)}
     for i, want in exact.items():
         if want is not None and i not in zipped and sections[i] != want:
             raise CodecError("sections", f"[{i}] is {sections[i]} bytes, {k} elements make "
@@ -325,6 +359,20 @@ def check_fields(e: dict, numel: int, itemsize: int) -> int:
         raise CodecError("sections", f"a deflated section of {sections} is too long for "
                          f"{k} elements")
     return sum(sections)
+
+
+def _unary_widths_most(e: dict, xor: bool, nbits: int) -> int | None:
+    """With ``widths: "unary"`` (xor values only): the largest excess over ``wmin`` a bit
+    length can have; else None."""
+    if "widths" not in e:
+        return None
+    if e["widths"] != UNARY or not xor:
+        raise CodecError("widths", f"must be {UNARY!r} (xor values only) or absent, found "
+                         f"{e['widths']!r}")
+    wmin = e.get("wmin")
+    if type(wmin) is not int or not 0 <= wmin <= nbits:
+        raise CodecError("wmin", f"must be an int from 0 to {nbits}, found {wmin!r}")
+    return nbits - wmin
 
 
 def decode(e: dict, data: np.ndarray, *, numel: int, itemsize: int, floating: bool,
@@ -354,6 +402,12 @@ def decode(e: dict, data: np.ndarray, *, numel: int, itemsize: int, floating: bo
     gaps_n, first, xor, unary = k - 1, e["first"], e["values"] == XOR, "high" in e
     high = _unzip(part[1], gaps_n, "indices") if 1 in e["zipped"] else part[1]
     third = _unzip(part[3], k, "values") if 3 in e["zipped"] else part[3]
+    if "widths" in e:  # unary bit lengths (`check_fields` checked the fields)
+        most = 8 * itemsize - e["wmin"]
+        third = jit.unary_widths(third, k, e["wmin"], most)
+        if third is None:
+            third = (_unary(part[3], k, most, "values", "bit length") + np.uint64(e["wmin"])
+                     ).astype(np.uint8)
     got = jit.decode(k, first, numel, shift, part[0], high, unary, part[2].view("<u8"), xor,
                      third, part[4], old, floating, UINT[itemsize], index)
     if got is not None:
@@ -361,7 +415,7 @@ def decode(e: dict, data: np.ndarray, *, numel: int, itemsize: int, floating: bo
         return idx, values if not xor or old is None or isinstance(old, np.ndarray) else \
             values ^ old(idx)
     if unary:
-        wide = _unary(high, gaps_n)
+        wide = _unary(high, gaps_n, _UNARY_ESC, "indices", "gap")
         escaped = wide == _UNARY_ESC
     else:
         wide = high.astype(np.uint64)
@@ -410,17 +464,17 @@ def decode(e: dict, data: np.ndarray, *, numel: int, itemsize: int, floating: bo
     return idx, values
 
 
-def _unary(data: np.ndarray, n: int) -> np.ndarray:
-    """The `n` unary numbers of section 1 (uint64), checked: exactly `n` ones, the last in the
-    last byte, no number above the escape."""
+def _unary(data: np.ndarray, n: int, most: int, field: str, what: str) -> np.ndarray:
+    """The `n` unary numbers of a section (uint64), checked: exactly `n` ones, the last in
+    the last byte, no number above `most`; `field` and `what` are named where one is wrong."""
     ones = np.flatnonzero(np.unpackbits(data, bitorder="little"))
     if len(ones) != n or (n and int(ones[-1]) // 8 != len(data) - 1):
-        raise CodecError("indices", f"hold {len(ones)} unary gaps in {len(data)} bytes, "
+        raise CodecError(field, f"hold {len(ones)} unary {what}s in {len(data)} bytes, "
                          f"expected {n}")
     out = np.diff(ones, prepend=-1).astype(np.uint64) - np.uint64(1)
-    if n and int(out.max()) > _UNARY_ESC:
-        raise CodecError("indices", f"hold a unary gap of {int(out.max())} zeros, more than "
-                         f"{_UNARY_ESC}")
+    if n and int(out.max()) > most:
+        raise CodecError(field, f"hold a unary {what} of {int(out.max())} zeros, more than "
+                         f"{most}")
     return out
 
 

@@ -37,7 +37,8 @@ __all__ = ["apply", "check", "checked", "finite", "host", "write", "writer"]
 
 logger = logging.getLogger(__name__)
 
-_FORMATS = (1, 2, FORMAT)  # 1: no compact patches, no compression; 2: `codec`'s high bytes
+_FORMATS = (1, 2, 3, FORMAT)  # 1: no compact patches, no compression; 2: `codec`'s high
+# bytes; 3: no unary bit lengths
 _INDEX = {"int32": torch.int32, "int64": torch.int64}
 _FEW_RUNS = 64  # row runs written one slice each; more: through one index_copy_
 

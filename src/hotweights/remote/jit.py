@@ -85,19 +85,40 @@ def decode(k: int, first: int, numel: int, shift: int, low: np.ndarray, high: np
 
 
 def encode(idx: np.ndarray, bits: np.ndarray, old: np.ndarray | None, floating: bool,
-           shift: int, bit_length16: np.ndarray) -> list[np.ndarray] | None:
-    """`codec.encode`'s five sections (not deflated) of a piece of > 0 elements, in one
-    pass; None without numba."""
+           shift: int, bit_length16: np.ndarray
+           ) -> tuple[list[np.ndarray], np.ndarray | None] | None:
+    """(`codec.encode`'s five sections (not deflated), xor values: how many of each bit
+    length, else None) of a piece of > 0 elements, in one pass; None without numba."""
     built = _get()
     if not built:
         return None
     xor = old is not None
-    low, nlow, high, nhigh, escapes, third, fourth, nfourth, rest = built.encode(
+    low, nlow, high, nhigh, escapes, third, fourth, nfourth, rest, hist = built.encode(
         idx.astype(np.int64, copy=False), bits, old if xor else bits[:1], xor, floating,
         shift, MASKS, bit_length16)
     return [low.view(np.uint8)[:nlow], high.view(np.uint8)[:nhigh],
             escapes.astype("<u8").view(np.uint8), third,
-            fourth.view(np.uint8)[:nfourth] if xor else rest]
+            fourth.view(np.uint8)[:nfourth] if xor else rest], hist if xor else None
+
+
+def unary_pack(widths: np.ndarray, wmin: int) -> np.ndarray | None:
+    """Each of `widths` (uint8) less `wmin` in unary, as bytes; None without numba."""
+    built = _get()
+    if not built:
+        return None
+    words, n = built.unary_pack(widths, wmin)
+    return words.view(np.uint8)[:n]
+
+
+def unary_widths(data: np.ndarray, k: int, wmin: int, most: int) -> np.ndarray | None:
+    """`unary_pack`'s `k` widths back from its bytes, or None: no numba, or the bytes are
+    wrong (another count, an excess above `most`, bits past the last one's byte)."""
+    built = _get()
+    if not built:
+        return None
+    out = np.empty(k, np.uint8)
+    return out if built.unary_widths(_words(data), 8 * len(data), wmin, most, out) == 0 \
+        else None
 
 
 def scatter(flat: np.ndarray, idx: np.ndarray, values: np.ndarray) -> bool:
@@ -147,6 +168,7 @@ def warm(itemsizes=(2,)) -> None:
                    one[:0], np.zeros(1, utype), True, utype, index)
             scatter(np.zeros(1, utype), np.zeros(1, index), np.zeros(1, utype))
             xor_scatter(np.zeros(1, utype), np.zeros(1, index), np.zeros(1, utype))
+    unary_widths(np.ones(1, np.uint8), 1, 1, 0)
 
 
 def _words(a: np.ndarray) -> np.ndarray:

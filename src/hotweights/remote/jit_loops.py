@@ -156,6 +156,7 @@ def encode(idx, bits, old, xor, floating, shift, masks, table):
     fourth = np.zeros((k * nbits) // 64 + 2, np.uint64) if xor else \
         np.zeros(0, np.uint64)
     rest = np.empty(0 if xor else k * (s - 1), np.uint8)
+    hist = np.zeros(nbits + 1, np.int64)  # xor: how many values of each bit length
     e = xpos = hpos = 0
     sign = u64(nbits - 1)
     for i in range(k):
@@ -175,6 +176,7 @@ def encode(idx, bits, old, xor, floating, shift, masks, table):
             x = v ^ u64(old[i])
             n = bit_length(x, table)
             third[i] = n
+            hist[n] += 1
             if n > 1:
                 put(fourth, xpos, x, n - 1, masks)
                 xpos += n - 1
@@ -186,7 +188,44 @@ def encode(idx, bits, old, xor, floating, shift, masks, table):
             for b in range(s - 1):
                 rest[i * (s - 1) + b] = (v >> u64(8 * b)) & u64(255)
     return (low, (max(k - 1, 0) * shift + 7) // 8, high, (hpos + 7) // 8, escapes[:e], third,
-            fourth, (xpos + 7) // 8, rest)
+            fourth, (xpos + 7) // 8, rest, hist)
+
+
+@numba.njit(nogil=True, cache=True)
+def unary_pack(widths, wmin):
+    # each width's excess over `wmin` in unary (that many zeros, then a one) -> (words,
+    # bytes used)
+    total = 0
+    for i in range(len(widths)):
+        total += np.int64(widths[i]) - wmin + 1
+    words = np.zeros(total // 64 + 2, np.uint64)
+    pos = 0
+    for i in range(len(widths)):
+        pos += np.int64(widths[i]) - wmin
+        words[pos >> 6] |= u64(1) << u64(pos & 63)
+        pos += 1
+    return words, (pos + 7) // 8
+
+
+@numba.njit(nogil=True, cache=True)
+def unary_widths(words, nbits, wmin, most, out):
+    # `unary_pack`'s widths back into `out` (one per value) from words of `nbits` bits ->
+    # 0, or 1 where the section is wrong: another count of ones, an excess above `most`,
+    # or bits after the last one's byte
+    k, n, prev = len(out), 0, 0
+    for q in range((nbits + 63) // 64):
+        w = words[q]
+        while w:
+            p = q * 64 + np.int64(ctz(w))
+            if p - prev > most or n >= k:
+                return 1
+            out[n] = wmin + p - prev
+            n += 1
+            prev = p + 1
+            w &= w - u64(1)
+    if n != k or (prev + 7) // 8 != (nbits + 7) // 8:
+        return 1
+    return 0
 
 
 @numba.njit(nogil=True, cache=True, inline="always")

@@ -43,7 +43,8 @@ __all__ = ["COMPRESS", "FORMAT", "MIN_ROUND_BYTES", "PATCHES", "VALUES", "Round"
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 3  # 1: patches only flat; 2: compact patches' gap highs in bytes (both still read)
+FORMAT = 4  # 1: patches only flat; 2: compact patches' gap highs in bytes; 3: xor bit
+# lengths only in bytes (all still read)
 PATCHES = ("compact", "flat")  # pack's patch layouts: codec-coded, or format 1's arrays
 VALUES = codec.VALUES  # pack's patch values: "raw" (any receiver), "xor" (it holds the old)
 COMPRESS = (None, "zstd")  # pack's round compressor
@@ -66,8 +67,8 @@ class Round:
             "nbytes" (its 8-byte aligned segment of the buffer) and, by kind: dense "start",
             "stop" (its flat element range); patch, flat: "count", "index_dtype" (the
             indices, then the values, each section 8-byte aligned); patch, compact: "count",
-            "first", "shift", "high", "values", "sections", "zipped" (see
-            `hotweights.remote.codec`);
+            "first", "shift", "high", "values", "sections", "zipped", and unary xor
+            bit lengths' "widths", "wmin" (see `hotweights.remote.codec`);
             rows "nranges", "nrows" (the int64 pairs, then the rows). A compressed round
             also has "compress" ("zstd") and "raw_nbytes": the segments' offsets are in the
             decompressed buffer.
