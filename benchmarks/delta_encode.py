@@ -1,10 +1,12 @@
 """Benchmark: `delta` encode, pack and apply on a Llama-like bf16 state dict (~200 MB), CPU.
 
-Three updates of the same weights, each encoded against the old weights, packed into rounds
+Four updates of the same weights, each encoded against the old weights, packed into rounds
 through one reused staging buffer and applied to a receiver's copy (checked bit-exact):
 
 - rows: 1 % of each matrix's rows (at least one), scattered, every element of them changed;
-- scattered: 1 % of each tensor's elements at random (RL-like);
+- scattered: 1 % of each tensor's elements at random (RL-like), the lowest bit flipped;
+- step: as scattered, each moved by one or two units in its last place (an optimizer step
+  rounded to bf16: the xors' bit lengths spread, coded in unary, `codec`);
 - full: every element changed (dense).
 
 Each update is packed three ways, side by side: ``raw`` (the default: compact patches, raw
@@ -13,12 +15,13 @@ zstd extra; skipped without it). Each phase's time is the best of --repeat runs 
 machine is shared and noisy): encode (compare, shared by the three), pack (compact coding
 and compression included) and apply (decompress, decode, check, write). Bytes are on the
 wire (headers + buffers) against the weights' bytes. The last line is one JSON object:
-{"model_bytes", "max_bytes", then per update U in rows, scattered, full, and option O in
-raw, xor, xor+zstd: "U_O_bytes", "U_O_ratio", "U_O_rounds", "U_encode_s", "U_O_pack_s",
-"U_O_apply_s", "U_O_gbps" (weight bytes / (encode + pack + apply)), and the cost of the
-keyed digest a channel puts on every round (`remote.signing`, on the full update's raw
-rounds, one side): "digest_gbps" (bytes hashed per second) and "digest_pct_of_full" (its
-time over the full update's encode + pack + apply; sender and receiver each pay it)}.
+{"model_bytes", "max_bytes", then per update U in rows, scattered, step, full, and option
+O in raw, xor, xor+zstd: "U_O_bytes", "U_O_ratio", "U_O_rounds", "U_encode_s",
+"U_O_pack_s", "U_O_apply_s", "U_O_gbps" (weight bytes / (encode + pack + apply)), and the
+cost of the keyed digest a channel puts on every round (`remote.signing`, on the full
+update's raw rounds, one side): "digest_gbps" (bytes hashed per second) and
+"digest_pct_of_full" (its time over the full update's encode + pack + apply; sender and
+receiver each pay it)}.
 
 Run:  .venv/bin/python benchmarks/delta_encode.py [--layers 3] [--max-mb 64] [--repeat 3]
 """
@@ -50,9 +53,12 @@ def changed(old: dict, how: str, g: torch.Generator) -> dict:
         u = t.clone()
         if how == "full":
             bits(u).bitwise_xor_(1)
-        elif how == "scattered":
+        elif how in ("scattered", "step"):
             idx = torch.randint(0, t.numel(), (t.numel() // 100,), generator=g)
-            bits(u)[idx] ^= 1
+            if how == "step":
+                bits(u)[idx] += torch.randint(1, 3, idx.shape, generator=g).to(bits(u).dtype)
+            else:
+                bits(u)[idx] ^= 1
         elif t.dim() >= 2:
             pick = torch.randint(0, t.shape[0], (max(1, t.shape[0] // 100),), generator=g)
             bits(u).view(t.shape[0], -1)[pick] ^= 1
@@ -118,7 +124,7 @@ def main() -> None:
     if importlib.util.find_spec("zstandard") is None:
         print("note: zstandard is not installed (the zstd extra): xor+zstd skipped")
         del options["xor+zstd"]
-    for how in ("rows", "scattered", "full"):
+    for how in ("rows", "scattered", "step", "full"):
         new = changed(old, how, g)
         encode_s = []
         for label, opts in options.items():
