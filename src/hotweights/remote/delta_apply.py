@@ -160,6 +160,12 @@ def host(t: torch.Tensor) -> np.ndarray | torch.Tensor:
     return t.numpy() if t.device.type == "cpu" else t
 
 
+def narrow(name: str, t: torch.Tensor, bare: Collection[str]) -> bool:
+    """Whether the patches of `t` (`name`) keep int32 indices: a tensor in `bare` (its xors
+    applied by the commit's compiled loop, which takes them) whose elements they number."""
+    return name in bare and t.numel() < INT64_INDEX_FROM
+
+
 def _decoded(e: dict, t: torch.Tensor, buf: torch.Tensor, nb, old, bad,
              bare: Collection[str] = ()) -> tuple:
     """(indices, values) of a compact patch piece, decoded on the CPU, on `buf`'s device;
@@ -187,13 +193,12 @@ def _decoded(e: dict, t: torch.Tensor, buf: torch.Tensor, nb, old, bad,
             got = src.gather(torch.from_numpy(idx), t.dtype)
         return got.view(_BITS[s]).cpu().numpy().view(codec.UINT[s])
     on_cpu = isinstance(src, torch.Tensor) and src.device.type == "cpu"  # read where decoded
-    narrow = name in bare and t.numel() < INT64_INDEX_FROM
     try:
         idx, bits = codec.decode(e, data, numel=t.numel(), itemsize=s,
                                  floating=t.dtype.is_floating_point,
                                  old=None if src is None else _unsigned(
                                      src.detach().reshape(-1)) if on_cpu else old_bits,
-                                 index=np.int32 if narrow else np.int64)
+                                 index=np.int32 if narrow(name, t, bare) else np.int64)
     except codec.CodecError as err:
         raise bad(err.field, err.msg) from None
     values = torch.from_numpy(bits.view(_NP_BITS[s])).view(t.dtype)

@@ -40,7 +40,7 @@ import torch
 from hotweights.errors import DeltaError
 from hotweights.remote import delta_apply, jit
 from hotweights.remote.codec import XOR
-from hotweights.remote.delta import DENSE, INT64_INDEX_FROM, PATCH, _row_index
+from hotweights.remote.delta import DENSE, PATCH, _row_index
 from hotweights.remote.packing import Round
 from hotweights.remote.shards import Shard
 
@@ -113,7 +113,7 @@ class Staged:
             # the indices as the commit takes them, made here while the server still serves,
             # not while it is paused: int32 where the compiled loop writes them (half the
             # memory held), else int64 (index_copy_, the loader)
-            narrow = kind == PATCH and name in self._bare and t.numel() < INT64_INDEX_FROM
+            narrow = kind == PATCH and delta_apply.narrow(name, t, self._bare)
             if kind == PATCH and not narrow:
                 views = (views[0].to(torch.int64), views[1])
             shard = self.shards.get(name)
