@@ -561,6 +561,23 @@ def test_trailing_zeros_of_every_bit_position_both_ways():
             assert both(np.uint64(x)) == (tz, tz)
 
 
+def test_unary_bit_lengths_of_every_excess_both_ways():
+    # excesses up to 63 zeros: runs across word boundaries, each a value's whole width
+    if not jit.enabled():
+        pytest.skip("numba is not installed")
+    rng = np.random.default_rng(0)
+    widths = rng.integers(1, 65, 3000).astype(np.uint8)
+    widths[:64] = np.arange(1, 65)
+    packed = jit.unary_pack(widths, 1)
+    assert np.array_equal(packed, codec._pack_unary(widths.astype(np.int64) - 1))
+    assert np.array_equal(jit.unary_widths(packed, len(widths), 1, 63), widths)
+    assert np.array_equal(codec._unary(packed, len(widths), 63, "values", "bit length") + 1,
+                          widths)
+    assert jit.unary_widths(packed, len(widths), 1, 62) is None  # a width of 64 is too long
+    assert jit.unary_widths(packed, len(widths) + 1, 1, 63) is None  # one short
+    assert jit.unary_widths(np.r_[packed, 0].astype(np.uint8), len(widths), 1, 63) is None
+
+
 def test_compiled_scatter_writes_nothing_when_an_index_is_outside():
     if not jit.enabled():
         pytest.skip("numba is not installed")
