@@ -30,7 +30,7 @@ MAX_BYTES = 16 << 10
 # round, prints one JSON line per update (or per error) with a checksum of its weights.
 RECEIVER = r"""
 import hashlib, json, os, signal, sys, threading, time, torch
-from hotweights.remote import delta_apply
+from hotweights.remote import delta_apply, signing
 from hotweights.errors import HotweightsError
 from hotweights.remote.channel import _FIRST, _INLINE, Channel
 sys.path.insert(0, sys.argv[1])
@@ -40,6 +40,15 @@ port, rank, world, token, updates, mode = (int(sys.argv[2]), int(sys.argv[3]),
                                            sys.argv[7])
 relay = json.loads(sys.argv[9])  # {"port", "rank", "world"} of a relay channel, or null
 w = weights()
+hashed, _sha256 = [0], signing._sha256  # the bytes this process hashed for round digests
+
+
+def counted(chunk):
+    hashed[0] += chunk.numel()
+    return _sha256(chunk)
+
+
+signing._sha256 = counted
 
 
 class LateAck:  # a process group whose allreduce fails once it has ended
@@ -101,7 +110,7 @@ try:
             delta_apply.apply(r, w)
         print(json.dumps({"update": u, "sum": checksum(w), "bytes": ch.bytes_received,
                           "relayed": rl.bytes_sent if rl and rl is not ch else 0,
-                          "broken": ch.broken}), flush=True)
+                          "broken": ch.broken, "hashed": hashed[0]}), flush=True)
     ch.close()
     if rl:
         rl.close()
@@ -541,6 +550,9 @@ def test_a_relay_hands_each_round_to_the_servers_workers_and_the_sender_sends_it
         assert p.returncode == 0 and [x["sum"] for x in got] == sums, got
         assert got[-1]["bytes"] == ch.bytes_sent  # the leader's from the sender, the rest relayed
     assert lines[0][-1]["relayed"] == ch.bytes_sent  # forwarded byte for byte
+    # each round hashed once everywhere: the leader signs it for its relay from the hashes
+    # it verified it with
+    assert len({got[-1]["hashed"] for got in lines}) == 1 and lines[0][-1]["hashed"] > 0
 
 
 def test_a_followers_refusal_is_its_servers_and_no_one_applies_the_update():

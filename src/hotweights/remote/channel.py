@@ -86,10 +86,11 @@ class _Relay:
             self.channel.announced.word(self.update, b"go")
             self.state = "open"
 
-    def send(self, meta: torch.Tensor, head: torch.Tensor, buf: torch.Tensor,
-             what: str) -> None:
+    def send(self, meta: torch.Tensor, head: torch.Tensor, buf: torch.Tensor, what: str,
+             hashes: list[bytes]) -> None:
+        """Send a round on (`hashes`: `signing.round_hashes` of it, taken to verify it)."""
         if self.state == "open":
-            self.channel.bytes_sent += self.channel._send_parts(meta, head, buf, what)
+            self.channel.bytes_sent += self.channel._send_parts(meta, head, buf, what, hashes)
             self.rounds += 1
 
     def ack(self, rounds: int) -> RemoteError | None:
@@ -448,10 +449,12 @@ class Channel:
         return self._send_parts(meta, head, buf, f"round {r.header['round'] + 1}")
 
     def _send_parts(self, meta: torch.Tensor, head: torch.Tensor, buf: torch.Tensor,
-                    what: str) -> int:
+                    what: str, hashes: list[bytes] | None = None) -> int:
         """Broadcast a round, its meta fields (`meta[:_FIELDS]`) signed with this channel's
-        key: a relay signs again what it verified with the sender's."""
-        meta = torch.cat([meta[:_FIELDS].cpu(), self._digest(meta, head, buf)])
+        key: a relay signs again what it verified with the sender's, from the `hashes` it
+        took then (`signing.round_hashes`)."""
+        meta = torch.cat([meta[:_FIELDS].cpu(), self._digest(
+            signing.round_hashes((meta[:_FIELDS], head, buf)) if hashes is None else hashes)])
         first = torch.zeros(_FIRST, dtype=torch.uint8)
         first[:_META * 8] = meta.view(torch.uint8)
         inline = min(head.numel(), _INLINE)
@@ -556,9 +559,9 @@ class Channel:
             self.bytes_received += _FIRST + max(0, hlen - _INLINE) + blen
             if refused is None:
                 try:
-                    self._verify(meta, head, buf, what)
+                    hashes = self._verify(meta, head, buf, what)
                     r = Round(self._header(head, blen, i), buf)
-                    fwd.send(meta, head, buf, what)
+                    fwd.send(meta, head, buf, what, hashes)
                     stage(r)
                 except Exception as e:
                     refuse(e)
@@ -572,18 +575,21 @@ class Channel:
         logger.info("%s: received %d rounds", self._where(), total)
         return total
 
-    def _digest(self, meta: torch.Tensor, head: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+    def _digest(self, hashes: list[bytes]) -> torch.Tensor:
         # bound to the update: `_updates` counts the updates acknowledged, the same everywhere
-        d = signing.round_digest(self._mac, self._updates, (meta[:_FIELDS], head, buf))
+        d = signing.round_digest(self._mac, self._updates, hashes=hashes)
         return torch.frombuffer(bytearray(d), dtype=torch.int64)
 
     def _verify(self, meta: torch.Tensor, head: torch.Tensor, buf: torch.Tensor,
-                what: str) -> None:
-        if not torch.equal(meta[_FIELDS:].cpu(), self._digest(meta, head, buf)):
+                what: str) -> list[bytes]:
+        """The round's `signing.round_hashes`, once its digest is the channel's."""
+        hashes = signing.round_hashes((meta[:_FIELDS], head, buf))
+        if not torch.equal(meta[_FIELDS:].cpu(), self._digest(hashes)):
             raise RemoteError(f"{self._where()}: {what} is not from the "
                               f"{'trainer' if self.name == 'channel' else self.name + ' sender'}"
                               " (altered on the way?): its digest does not match the "
                               "channel's key; nothing of the update is staged")
+        return hashes
 
     def _refusal_key(self, rank: int) -> str:
         return f"{self._ns}/refused/{self._updates}/{rank}"

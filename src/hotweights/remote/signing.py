@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-__all__ = ["DIGEST_BYTES", "channel_key", "opened", "round_digest", "sign"]
+__all__ = ["DIGEST_BYTES", "channel_key", "opened", "round_digest", "round_hashes", "sign"]
 
 DIGEST_BYTES = 32  # a round digest: 4 int64s of the meta
 CHUNK = 4 << 20  # bytes hashed by one thread at a time
@@ -37,21 +37,31 @@ def channel_key(token: str, nonce: str) -> bytes:
                     hashlib.sha256).digest()
 
 
-def round_digest(key: bytes, update: int, parts: tuple[torch.Tensor, ...]) -> bytes:
-    """The digest of one round of update number `update`: its meta fields, header and buffer.
+def round_digest(key: bytes, update: int, parts: tuple[torch.Tensor, ...] = (), *,
+                 hashes: list[bytes] | None = None) -> bytes:
+    """The digest of one round of update number `update`: its meta fields, header and buffer
+    (`parts`), or what `round_hashes` made of them (`hashes`)."""
+    h = hmac.new(key, f"round:{update}:".encode(), hashlib.sha256)
+    for d in round_hashes(parts) if hashes is None else hashes:
+        h.update(d)
+    return h.digest()
+
+
+def round_hashes(parts: tuple[torch.Tensor, ...]) -> list[bytes]:
+    """What a round's digest is taken over: each part's length and its chunks' SHA-256s, the
+    same under every key (a relay verifies a round and signs it again from one hashing).
 
     Each part's chunks are hashed in parallel; a CUDA tensor's chunk by chunk from host
     copies (each copy overlapping the hashing of the chunks before it).
     """
-    h = hmac.new(key, f"round:{update}:".encode(), hashlib.sha256)
+    out = []
     for t in parts:
         flat = t.detach().contiguous().view(torch.uint8).reshape(-1)
         n = flat.numel()
-        h.update(n.to_bytes(8, "little"))
+        out.append(n.to_bytes(8, "little"))
         chunks = [flat[i:i + CHUNK] for i in range(0, n, CHUNK)]
-        for d in (_threads().map(_sha256, chunks) if len(chunks) > 1 else map(_sha256, chunks)):
-            h.update(d)
-    return h.digest()
+        out.extend(_threads().map(_sha256, chunks) if len(chunks) > 1 else map(_sha256, chunks))
+    return out
 
 
 def _sha256(chunk: torch.Tensor) -> bytes:
