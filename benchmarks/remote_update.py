@@ -12,6 +12,9 @@ apart, not a scenario). Then, each on the trainer's tensors in place, a fresh ch
   every 2-D tensor;
 - (b) scattered: the lowest bit flipped in 1 % of the elements (at least one) of every
   tensor, at random;
+- step: as (b), each element moved by one or two units in its last place instead (an
+  optimizer step rounded to bf16: the xors' bit lengths spread; no ratio target, its pause
+  held to the others');
 - (c) full: the lowest bit flipped in every element of every tensor: everything changed, so
   the encoder sends every tensor dense (the real "full broadcast" of an update; the group's
   incremental path, not its first-sync path).
@@ -66,13 +69,14 @@ round packed into each, not `max_round_bytes`), over the model's bytes. Where `R
 `trainable` option (or that run fails), the key is null and "skipped" says why.
 
 The last line is one JSON object: {"model_bytes", "rows_bytes_sent",
-"scattered_bytes_sent", "full_bytes_sent", "rows_s", "scattered_s", "full_s",
-"time_ratio_full_vs_rows", "time_ratio_full_vs_scattered", "trainer_extra_memory_pct",
-"rows_paused_ms", "scattered_paused_ms", "full_paused_ms", "rows_client_stall_ms",
-"scattered_client_stall_ms", "full_client_stall_ms", "scattered_bytes_compressed",
+"scattered_bytes_sent", "full_bytes_sent", "rows_s", "scattered_s", "full_s", "step_s",
+"step_bytes_sent", "time_ratio_full_vs_rows", "time_ratio_full_vs_scattered",
+"trainer_extra_memory_pct", "rows_paused_ms", "scattered_paused_ms", "step_paused_ms",
+"full_paused_ms", "rows_client_stall_ms", "scattered_client_stall_ms",
+"step_client_stall_ms", "full_client_stall_ms", "scattered_bytes_compressed",
 "trainer_copies", "xor",
 "partial_trainable_extra_memory_pct", "skipped"}. Targets: full / rows >= 10, full /
-scattered >= 5, rows and scattered paused <= 100 ms (full paused and the client stalls are
+scattered >= 5, rows, scattered and step paused <= 100 ms (full paused and the client stalls are
 reported), partial trainable extra memory <= 20 %. Where the servers cannot start on this
 machine (one dies: SIGILL, ...), the last line is {"model_bytes", "skipped": {"servers":
 reason}} and the exit status 1.
@@ -136,7 +140,8 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def change(weights: dict, how: str, g: torch.Generator) -> int:
-    """Flip the lowest bit of the chosen elements, in place; return the elements changed."""
+    """Flip the lowest bit of the chosen elements (step: add one or two to their bits), in
+    place; return the elements changed."""
     n = 0
     with torch.no_grad():
         for t in weights.values():
@@ -146,10 +151,13 @@ def change(weights: dict, how: str, g: torch.Generator) -> int:
                 rows = torch.randperm(t.shape[0], generator=g)[:max(1, t.shape[0] // 100)]
                 t.view(torch.int16)[rows] ^= 1
                 n += len(rows) * t.shape[1]
-            elif how == "scattered":
+            elif how in ("scattered", "step"):
                 b = bits(t)
                 idx = torch.randperm(b.numel(), generator=g)[:max(1, b.numel() // 100)]
-                b[idx] ^= 1
+                if how == "step":
+                    b[idx] += torch.randint(1, 3, idx.shape, generator=g).to(b.dtype)
+                else:
+                    b[idx] ^= 1
                 n += len(idx)
             else:
                 bits(t).bitwise_xor_(1)
@@ -490,7 +498,7 @@ def main() -> int:
                 skips.add("client_stall", "--no-clients")
             g = torch.Generator().manual_seed(0)
             rows = {}
-            for how in ("rows", "scattered", "full"):
+            for how in ("rows", "scattered", "step", "full"):
                 secs, sent, split, paused, windows = [], [], [], [], []
                 for _ in range(args.repeat):
                     n = change(weights, how, g)
@@ -590,7 +598,8 @@ def main() -> int:
                "scattered_bytes_sent": rows["scattered"]["bytes"],
                "full_bytes_sent": rows["full"]["bytes"],
                "rows_s": rows["rows"]["s"], "scattered_s": rows["scattered"]["s"],
-               "full_s": rows["full"]["s"],
+               "full_s": rows["full"]["s"], "step_s": rows["step"]["s"],
+               "step_bytes_sent": rows["step"]["bytes"],
                "time_ratio_full_vs_rows": rows["full"]["s"] / rows["rows"]["s"],
                "time_ratio_full_vs_scattered": rows["full"]["s"] / rows["scattered"]["s"],
                "trainer_extra_memory_pct": 100 * extra / model_bytes,
