@@ -34,8 +34,9 @@ HASH_THREADS = 4  # shards hashed at once, at most (`_threads`)
 PAGE = 4096  # a changed block is narrowed page by page: only the pages that differ
 Ranges = list[tuple[str, int, int]]  # (tensor, byte range [lo, hi) within it)
 _KEPT = 4096  # shards whose last changes this process remembers (`_order`)
-_seen: dict[str, tuple[int, int]] = {}  # shard path -> (the number of the last sync that
-_syncs = itertools.count(1)  # found it changed, the bytes it found)
+# shard path -> (the number of the last sync that found it changed, the bytes it found)
+_seen: dict[str, tuple[int, int]] = {}
+_syncs = itertools.count(1)  # this process's syncs that found a change, numbered
 
 
 @dataclass(frozen=True)

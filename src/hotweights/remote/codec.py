@@ -402,8 +402,7 @@ def decode(e: dict, data: np.ndarray, *, numel: int, itemsize: int, floating: bo
     gaps_n, first, xor, unary = k - 1, e["first"], e["values"] == XOR, "high" in e
     high = _unzip(part[1], gaps_n, "indices") if 1 in e["zipped"] else part[1]
     third = _unzip(part[3], k, "values") if 3 in e["zipped"] else part[3]
-    if "widths" in e:  # unary bit lengths (`check_fields` checked the fields)
-        most = 8 * itemsize - e["wmin"]
+    if (most := _unary_widths_most(e, xor, 8 * itemsize)) is not None:  # unary lengths
         third = jit.unary_widths(third, k, e["wmin"], most)
         if third is None:
             third = (_unary(part[3], k, most, "values", "bit length") + np.uint64(e["wmin"])
