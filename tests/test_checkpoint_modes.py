@@ -1,6 +1,7 @@
 """checkpoint.sync write modes (reflink, journal, copy, auto), first saves and bad places."""
 
 import os
+import re
 import subprocess
 import threading
 from pathlib import Path
@@ -83,6 +84,73 @@ def test_each_mode_writes_the_changed_shard_only(place, mode, how):
     finisher.finish()  # the fsyncs and the journal's removal run in a thread after sync
     assert not (d / journal.STAGE_DIR).exists() and not (d / journal.JOURNAL_NAME).exists()
     assert sync(d, live, mode=mode).bytes_written == 0
+
+
+def _paths_written(monkeypatch) -> list[tuple[str, str]]:
+    """(call, file name) of every pwritev and copy_file_range from here on (the target)."""
+    calls, real = [], {c: getattr(os, c) for c in ("pwritev", "copy_file_range")}
+    for call in real:
+        def wrapped(*args, call=call):
+            fd = args[1] if call == "copy_file_range" else args[0]
+            calls.append((call, os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
+            return real[call](*args)
+        monkeypatch.setattr(os, call, wrapped)
+    return calls
+
+
+@pytest.mark.parametrize("place", ["xfs"], indirect=True)
+def test_a_reflinked_shard_gets_its_pages_cloned_in_not_written_into_it(place, monkeypatch):
+    """The changed pages go into a scratch file, then are cloned into the shard's clone
+    (no copy-on-write of each page at its fsync); the shard's last page, which ends
+    inside a page of the file, too; no scratch file is left."""
+    d = place
+    d.mkdir(exist_ok=True)
+    live = {"a": torch.zeros(1 << 20, dtype=torch.bfloat16),  # 2 MiB
+            "z": torch.zeros(1001, dtype=torch.bfloat16)}  # the file ends inside a page
+    save_file(live, d / "model.safetensors")
+    assert (d / "model.safetensors").stat().st_size % 4096
+    sync(d, live)
+    calls = _paths_written(monkeypatch)
+    live["a"][::1 << 17] += 1.0  # 8 pages apart
+    live["z"][-1] += 1.0
+    result = sync(d, live)
+    monkeypatch.undo()
+    assert result.writes == {"model.safetensors": "reflink"}  # straddles, the last page
+    assert {c for c, _ in calls} == {"pwritev", "copy_file_range"}
+    assert all(f.endswith(".pages") for c, f in calls if c == "pwritev"), calls
+    assert all(f == "model.safetensors" for c, f in calls if c == "copy_file_range"), calls
+    assert len([c for c, _ in calls if c == "copy_file_range"]) == 9  # 8 runs, the end
+    size = (d / "model.safetensors").stat().st_size  # a run: the file pages a tensor page
+    assert result.bytes_written % 4096 == size % 4096 <= result.bytes_written <= 17 * 4096
+    disk = load_file(d / "model.safetensors")
+    assert all(torch.equal(disk[n], t) for n, t in live.items())
+    finisher.finish()
+    assert not (d / journal.STAGE_DIR).exists()
+
+
+@pytest.mark.parametrize("place", ["xfs"], indirect=True)
+def test_a_clone_the_disk_refuses_is_named_and_nothing_written(place, monkeypatch):
+    import errno
+    d = place
+    live = _saved(d)
+    sync(d, live)
+    name = "model.layers.1.mlp.down_proj.weight"
+    live[name][3] += 1.0
+    shard = _shard_of(d, name)
+    before = {p.name: p.read_bytes() for p in d.glob("*.safetensors")}
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(os, "copy_file_range", full)
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"{d}: cannot stage the changed shards: {d / shard}: No space left on device; "
+            "nothing was written")):
+        sync(d, live, mode="reflink")
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in d.glob("*.safetensors")} == before
+    assert not (d / journal.STAGE_DIR).exists() and not (d / journal.JOURNAL_NAME).exists()
+    assert sync(d, live, mode="reflink").writes == {shard: "reflink"}
+    _equal(d, live)
 
 
 @pytest.mark.parametrize("place", ["ext4"], indirect=True)

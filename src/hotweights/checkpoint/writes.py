@@ -1,5 +1,6 @@
 """`write_all`: the one loop that writes a whole buffer to a file descriptor (a write may
-take fewer bytes than it is given); `pwritev_all`, the same for buffers back to back."""
+take fewer bytes than it is given); `pwritev_all`, the same for buffers back to back;
+`copy_all`, the same for a range of another file."""
 
 from __future__ import annotations
 
@@ -31,3 +32,16 @@ def pwritev_all(fd: int, parts: list[bytes | memoryview], offset: int) -> int:
     if n < total:  # a short write: the rest in one buffer
         write_all(fd, b"".join(parts)[n:], offset + n)
     return total
+
+
+def copy_all(src: int, dst: int, count: int, offset: int, to: int | None = None) -> None:
+    """Copy `count` bytes of `src` from `offset` into `dst` at its file position, or at `to`
+    (the position stays). `copy_file_range`: where the filesystem clones and the ranges
+    are aligned to its blocks, the blocks are shared, not copied."""
+    while count:
+        n = os.copy_file_range(src, dst, min(count, _CHUNK), offset, to)
+        if n == 0:
+            raise OSError(f"unexpected end of the source at byte {offset}")
+        offset, count = offset + n, count - n
+        if to is not None:
+            to += n
