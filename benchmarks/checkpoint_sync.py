@@ -106,7 +106,7 @@ from safetensors.torch import save_file
 from _survive import Skips, reason
 from hotweights.changes import blocks
 from hotweights.changes.writewatch import WriteWatch
-from hotweights.checkpoint import clone, finisher, sync
+from hotweights.checkpoint import clone, finisher, spare, sync
 
 SHARDS = 4
 SEED_BLOCK = 4096
@@ -357,6 +357,7 @@ def xfs_mount(where: Path, size: int) -> Iterator[Path]:
     finally:
         if mounted:
             finisher.finish()  # no sync's thread still freeing files there
+            spare.release()  # the spare clones held open keep it busy
             if subprocess.run(["umount", str(mount)], capture_output=True).returncode:
                 subprocess.run(["umount", "-l", str(mount)], capture_output=True)
         image.unlink(missing_ok=True)

@@ -161,12 +161,14 @@ def custom_model(tiny_model, tmp_path_factory):
 def remove_synced(d) -> None:
     """Remove a directory this process synced into, once nothing of those syncs runs behind
     them: `sync` returns at its commit, its finisher thread then writes the sidecars and
-    its sweeper frees the trash, both in the directory."""
+    its sweeper frees the trash, both in the directory; the spare clones of its shards
+    closed (they hold those shards' blocks)."""
     import shutil
 
-    from hotweights.checkpoint import finisher
+    from hotweights.checkpoint import finisher, spare
 
     finisher.finish()
+    spare.release()
     shutil.rmtree(d)
 
 
@@ -200,6 +202,10 @@ def xfs_dir(tmp_path_factory):
     try:
         yield mount
     finally:
+        from hotweights.checkpoint import finisher, spare
+
+        finisher.finish()
+        spare.release()  # open files of the filesystem keep it busy
         if subprocess.run(["umount", str(mount)], capture_output=True).returncode != 0:
             subprocess.run(["umount", "-l", str(mount)], capture_output=True)
         image.unlink()

@@ -54,7 +54,7 @@ import torch
 from hotweights.changes import blocks, writewatch
 from hotweights.changes.spans import merge_spans
 from hotweights.changes.writewatch import WriteWatch
-from hotweights.checkpoint import MODES, clone, journal, lock, sidecar, stage
+from hotweights.checkpoint import MODES, clone, journal, lock, sidecar, spare, stage
 from hotweights.checkpoint.changed import (
     Ranges,
     ShardChanges,
@@ -180,7 +180,8 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
                 _journal(model_dir, writes, version, stager.step)
             # 4. one commit; 5. record the sidecars once the commit is durable
             _commit(model_dir, writes, after_read, functools.partial(
-                _record, found.shards, {w.shard.path for w in writes}, version))
+                _record, found.shards, {w.shard.path for w in writes}, version,
+                patch_mode == "reflink"))
             hashes = found.hashes()
         finally:  # what the watch tells next time counts from the hashes just taken
             if watch is not None:
@@ -468,10 +469,11 @@ def _patches(writes: list[_ShardWrite], step: Callable[[int], None]
 # -- 5. record: the sidecars --------------------------------------------------------------
 
 def _record(shards: list[ShardChanges], rewritten: Collection[str],
-            version: str | None) -> None:
+            version: str | None, spares: bool) -> None:
     """Write every shard's sidecar, after its data (a stale sidecar is only ever
     distrusted); a sidecar that cannot be written only costs the next sync a compare.
-    `rewritten`: the paths of the shards just written."""
+    `rewritten`: the paths of the shards just written; with `spares`, each is cloned for
+    the next sync (`spare.keep`)."""
     for c in shards:
         try:
             shard = c.shard
@@ -481,3 +483,5 @@ def _record(shards: list[ShardChanges], rewritten: Collection[str],
         except (OSError, CheckpointError) as e:
             logger.warning("%s: sidecar not written (%s); the next sync compares the shard "
                            "with the live weights", c.shard.path, e)
+    if spares:
+        spare.keep(sorted(rewritten))

@@ -1,0 +1,107 @@
+"""checkpoint.spare: the clone of each shard a sync wrote, taken behind its commit and
+used by the next sync that patches the shard, only while the shard is that file."""
+
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import remove_synced
+from hotweights.checkpoint import clone, finisher, spare, sync
+
+
+@pytest.fixture
+def d(xfs_dir, request):
+    d = xfs_dir / request.node.name
+    d.mkdir()
+    yield d
+    remove_synced(d)
+
+
+def _saved(d) -> dict[str, torch.Tensor]:
+    live = {n: torch.zeros(1 << 18, dtype=torch.bfloat16) for n in ("a", "b")}  # 512 KiB
+    save_file(live, d / "model.safetensors")
+    sync(d, live)  # the sidecars
+    return live
+
+
+def _clones(monkeypatch) -> list[str]:
+    """The shards cloned on a sync's own path from here on (not its spares)."""
+    calls, real = [], clone.reflink
+    monkeypatch.setattr(clone, "reflink", lambda src, dst: calls.append(src) or real(src, dst))
+    return calls
+
+
+def test_the_next_sync_links_the_spare_instead_of_cloning(d, monkeypatch):
+    live = _saved(d)
+    live["a"][::4096] += 1.0
+    cloned = _clones(monkeypatch)
+    assert sync(d, live).writes == {"model.safetensors": "reflink"}
+    assert cloned == [str(d / "model.safetensors")]  # no spare yet: cloned
+    finisher.finish()  # the spare is taken behind the commit
+    assert list(spare._spares) == [str(d / "model.safetensors")]
+    before = set(os.listdir(d))
+    live["b"][::8192] += 1.0
+    assert sync(d, live).writes == {"model.safetensors": "reflink"}
+    assert cloned == [str(d / "model.safetensors")]  # the spare, not a second clone
+    assert torch.equal(load_file(d / "model.safetensors")["a"], live["a"])
+    assert torch.equal(load_file(d / "model.safetensors")["b"], live["b"])
+    finisher.finish()
+    assert set(os.listdir(d)) == before  # a spare has no name in the directory
+
+
+@pytest.mark.parametrize("how", ["in place", "replaced"])
+def test_a_spare_of_a_shard_changed_since_is_not_used(d, monkeypatch, how):
+    """The shard written by someone else after the spare was taken: the spare (a clone of
+    the file before) would bring back what they overwrote; the sync clones the file."""
+    live = _saved(d)
+    live["a"][::4096] += 1.0
+    sync(d, live)
+    finisher.finish()
+    live["a"][::2048] += 2.0  # someone else writes this (save_file: in place, or renamed)
+    if how == "in place":
+        save_file(live, d / "model.safetensors")
+    else:
+        save_file(live, d / "other")
+        os.replace(d / "other", d / "model.safetensors")
+    live["b"][::8192] += 1.0  # and the trainer's next step
+    cloned = _clones(monkeypatch)
+    assert sync(d, live).writes == {"model.safetensors": "reflink"}
+    assert cloned == [str(d / "model.safetensors")]
+    disk = load_file(d / "model.safetensors")
+    assert torch.equal(disk["a"], live["a"]) and torch.equal(disk["b"], live["b"])
+
+
+def test_spares_of_shards_gone_or_changed_are_closed_and_all_released(xfs_dir, monkeypatch):
+    dirs = [xfs_dir / "spare-one", xfs_dir / "spare-two", xfs_dir / "spare-three"]
+    try:
+        for x in dirs:
+            x.mkdir()
+            live = _saved(x)
+            live["a"] += 1.0
+            sync(x, live)
+            finisher.finish()
+        assert list(spare._spares) == [str(x / "model.safetensors") for x in dirs]
+        remove_synced(dirs[0])  # closes them all
+        assert not spare._spares
+        for x in dirs[1:]:
+            live = load_file(x / "model.safetensors")
+            live["a"] += 1.0
+            sync(x, live)
+            finisher.finish()
+        assert list(spare._spares) == [str(x / "model.safetensors") for x in dirs[1:]]
+        save_file(live, dirs[1] / "model.safetensors")  # changed by someone else
+        live["a"] += 1.0
+        sync(dirs[2], live)
+        finisher.finish()  # the changed one's spare closed
+        assert list(spare._spares) == [str(dirs[2] / "model.safetensors")]
+        monkeypatch.setattr(spare, "MOST", 1)
+        sync(dirs[1], live)
+        finisher.finish()  # the oldest closed
+        assert list(spare._spares) == [str(dirs[1] / "model.safetensors")]
+        spare.release()
+        assert not spare._spares
+    finally:
+        for x in dirs[1:]:
+            remove_synced(x)
