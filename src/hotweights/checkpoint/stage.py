@@ -27,7 +27,7 @@ import torch
 from hotweights.changes.spans import merge_spans
 from hotweights.checkpoint import clone, journal, spare
 from hotweights.checkpoint.shards import Shard
-from hotweights.checkpoint.writes import copy_all, pwritev_all, write_all
+from hotweights.checkpoint.writes import IOV_MAX, copy_all, pwritev_all, write_all
 from hotweights.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -257,12 +257,9 @@ def patched(shard: Shard, tensors: Mapping[str, torch.Tensor],
         src, fd = os.open(shard.path, os.O_RDONLY), os.open(dst, os.O_WRONLY)
         try:
             os.fchmod(fd, os.fstat(src).st_mode & 0o7777)
-            pages, runs, end = os.open(scratch, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600), [], 0
+            pages = os.open(scratch, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
-                for at, parts in _page_runs(shard, tensors, ranges, src):
-                    pos = -(-end // _ALIGN) * _ALIGN  # the run that ends the file may end
-                    end = pos + pwritev_all(pages, parts, pos)  # inside a page
-                    runs.append((pos, at, end - pos))
+                runs = _spill(pages, _page_runs(shard, tensors, ranges, src))
                 os.fdatasync(pages)
                 for pos, at, n in runs:
                     copy_all(pages, fd, n, pos, at)
@@ -275,6 +272,28 @@ def patched(shard: Shard, tensors: Mapping[str, torch.Tensor],
             os.close(src)
             os.close(fd)
     return sum(n for _, _, n in runs)
+
+
+def _spill(fd: int, runs: Iterator[tuple[int, list[bytes | memoryview]]]
+           ) -> list[tuple[int, int, int]]:
+    """Write `runs` (`_page_runs`) one after the other into the empty file `fd`, each from a
+    multiple of `_ALIGN` (the run that ends a shard may end inside a page), many in one
+    pwritev (one call each: ~30 µs apiece on XFS); (where in `fd`, where in the shard,
+    bytes) for each."""
+    out: list[tuple[int, int, int]] = []
+    batch: list[bytes | memoryview] = []  # back to back from `start`, up to `end`
+    start = end = size = 0
+    for at, parts in runs:
+        pos = -(-end // _ALIGN) * _ALIGN
+        if pos != end or len(batch) + len(parts) > IOV_MAX or size >= _CHUNK:
+            pwritev_all(fd, batch, start)  # bounded: a CUDA tensor's runs are host copies
+            batch, start, size = [], pos, 0
+        n = sum(memoryview(p).nbytes for p in parts)
+        batch += parts
+        out.append((pos, at, n))
+        end, size = pos + n, size + n
+    pwritev_all(fd, batch, start)
+    return out
 
 
 def _page_runs(shard: Shard, tensors: Mapping[str, torch.Tensor],
