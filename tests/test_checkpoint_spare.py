@@ -105,3 +105,20 @@ def test_spares_of_shards_gone_or_changed_are_closed_and_all_released(xfs_dir, m
     finally:
         for x in dirs[1:]:
             remove_synced(x)
+
+
+def test_a_forked_child_holds_no_spares(d):
+    """A child (a DataLoader worker, say) that syncs must not patch a spare the parent
+    may link later: it gets none, and a lock it can take."""
+    live = _saved(d)
+    live["a"] += 1.0
+    sync(d, live)
+    finisher.finish()
+    assert spare._spares
+    pid = os.fork()
+    if pid == 0:  # no torch here: its OpenMP threads are not in the child
+        ok = not spare._spares and not spare.take(str(d / "model.safetensors"), d / "x")
+        with spare._lock:
+            os._exit(0 if ok and not (d / "x").exists() else 1)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert list(spare._spares) == [str(d / "model.safetensors")]  # the parent's, kept

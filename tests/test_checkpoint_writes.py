@@ -1,4 +1,4 @@
-"""write_all, pwritev_all: every byte written, however few bytes each write takes; the
+"""write_all, copy_all: every byte written or copied, however few each call takes; the
 whole-page runs a clone is patched with."""
 
 import os
@@ -28,25 +28,29 @@ def test_write_all_goes_on_after_short_writes(tmp_path, monkeypatch, offset):
     assert asked == [5, 5, 5, 5, 3, 1]
 
 
-@pytest.mark.parametrize("iov_max", [1024, 2])
-def test_pwritev_all_writes_the_parts_back_to_back(tmp_path, monkeypatch, iov_max):
-    """One call for all the parts (joined first where they are more than the kernel takes);
-    a short write goes on with the rest."""
-    calls, pwritev = [], os.pwritev
-    monkeypatch.setattr(writes, "IOV_MAX", iov_max)
-    monkeypatch.setattr(os, "pwritev", lambda fd, parts, at: calls.append(len(parts)) or
-                        pwritev(fd, [b"".join(parts)[:4]], at))  # takes 4 bytes at most
-    path = tmp_path / "f"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+@pytest.mark.parametrize("to", [None, 3])
+def test_copy_all_goes_on_after_short_copies(tmp_path, monkeypatch, to):
+    """Each call copies 2 bytes of at most `_CHUNK`; at `to` (else the file position), the
+    position kept; a source that ends first is an error."""
+    asked, copy = [], os.copy_file_range
+    monkeypatch.setattr(writes, "_CHUNK", 5)
+    monkeypatch.setattr(os, "copy_file_range", lambda src, dst, n, at, where:
+                        asked.append(n) or copy(src, dst, min(n, 2), at, where))
+    (tmp_path / "src").write_bytes(bytes(range(20)))
+    src = os.open(tmp_path / "src", os.O_RDONLY)
+    dst = os.open(tmp_path / "dst", os.O_WRONLY | os.O_CREAT)
     try:
-        parts = [b"abc", memoryview(bytes(range(5))), b"", b"xy"]
-        assert writes.pwritev_all(fd, parts, 2) == 10
-        assert writes.pwritev_all(fd, [], 0) == 0
+        writes.copy_all(src, dst, 11, 4, to)
+        assert os.lseek(dst, 0, os.SEEK_CUR) == (0 if to else 11)
+        with pytest.raises(OSError, match="unexpected end of the source at byte 20"):
+            writes.copy_all(src, dst, 3, 18, 40)
     finally:
-        os.close(fd)
+        os.close(src)
+        os.close(dst)
     monkeypatch.undo()
-    assert path.read_bytes() == b"\0\0abc" + bytes(range(5)) + b"xy"
-    assert calls == [4 if iov_max > 4 else 1]
+    assert (tmp_path / "dst").read_bytes()[:(to or 0) + 11] == \
+        b"\0" * (to or 0) + bytes(range(4, 15))
+    assert asked[:6] == [5, 5, 5, 5, 3, 1]
 
 
 def test_a_clone_is_patched_in_whole_pages_of_the_file(tmp_path, monkeypatch):

@@ -11,9 +11,9 @@ cloning.
 A spare is used only while the shard is still the file it was cloned from (device, inode,
 size, mtime: `FileId`); else it is closed and the shard cloned as before. Spares hold the
 blocks of what they cloned and nothing else, live only in this process (the filesystem
-frees them when it exits, after a crash too), are closed at the next `keep` once their
-shard is gone or changed, and `MOST` at a time; `release` closes them all (before a
-directory's filesystem is unmounted, say).
+frees them when it exits, after a crash too; a forked child gets none), are closed at the
+next `keep` once their shard is gone or changed, and `MOST` at a time; `release` closes
+them all (before a directory's filesystem is unmounted, say).
 """
 
 from __future__ import annotations
@@ -123,4 +123,16 @@ def _close(paths: list[str]) -> None:
             os.close(got[1])
 
 
+def _forget() -> None:
+    """In a forked child: none of the parent's spares (a sync there must not patch one
+    the parent may link later; the lock may have been held by a thread it has not)."""
+    global _lock
+    _lock = threading.Lock()
+    fds = [fd for _, fd in _spares.values()]
+    _spares.clear()
+    for fd in fds:
+        os.close(fd)
+
+
 atexit.register(release)
+os.register_at_fork(after_in_child=_forget)

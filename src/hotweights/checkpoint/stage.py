@@ -27,7 +27,7 @@ import torch
 from hotweights.changes.spans import merge_spans
 from hotweights.checkpoint import clone, journal, spare
 from hotweights.checkpoint.shards import Shard
-from hotweights.checkpoint.writes import IOV_MAX, copy_all, pwritev_all, write_all
+from hotweights.checkpoint.writes import copy_all, write_all
 from hotweights.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -244,12 +244,12 @@ def patched(shard: Shard, tensors: Mapping[str, torch.Tensor],
     range within it) of the live `tensors` in it, as whole pages of the file
     (`_page_runs`); fsync. Returns the bytes written.
 
-    The runs of pages go one after the other into a scratch file beside `dst`, flushed at
-    once, then are cloned into place (`copy_file_range`: the blocks shared; copied where a
-    run is not aligned to the filesystem's blocks). Written into the clone instead, each
-    page is copied on write at the fsync, one allocation and remap apiece: on a
-    loop-mounted XFS, 330 scattered pages took ~35 ms to write and fsync so, ~13 ms this
-    way."""
+    The runs of pages are written back to back into a scratch file beside `dst`, through
+    O_DIRECT where the filesystem takes it (`_sink`), then cloned into place
+    (`copy_file_range`: the blocks shared; copied where a run is not aligned to the
+    filesystem's blocks). Written into the clone instead, each page is copied on write at
+    the fsync, one allocation and remap apiece: on a loop-mounted XFS, 330 scattered
+    pages took ~35 ms to write and fsync so, ~13 ms this way."""
     if not spare.take(shard.path, dst):  # the clone taken behind the last sync's commit
         clone.reflink(shard.path, dst)
     scratch = dst.with_name(f".{dst.name}.pages")
@@ -259,7 +259,16 @@ def patched(shard: Shard, tensors: Mapping[str, torch.Tensor],
             os.fchmod(fd, os.fstat(src).st_mode & 0o7777)
             pages = os.open(scratch, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
-                runs = _spill(pages, _page_runs(shard, tensors, ranges, src))
+                sink, runs, end = _sink(pages), [], 0
+                for at, parts in _page_runs(shard, tensors, ranges, src):
+                    n = 0  # each run but the one that ends the file is whole pages: each
+                    for part in parts:  # starts on a page of the scratch file
+                        sink.write(memoryview(part).cast("B"))
+                        n += memoryview(part).nbytes
+                    runs.append((end, at, n))
+                    end += n
+                sink.end()
+                sink.close()  # not after an error (see `whole`)
                 os.fdatasync(pages)
                 for pos, at, n in runs:
                     copy_all(pages, fd, n, pos, at)
@@ -271,29 +280,7 @@ def patched(shard: Shard, tensors: Mapping[str, torch.Tensor],
         finally:
             os.close(src)
             os.close(fd)
-    return sum(n for _, _, n in runs)
-
-
-def _spill(fd: int, runs: Iterator[tuple[int, list[bytes | memoryview]]]
-           ) -> list[tuple[int, int, int]]:
-    """Write `runs` (`_page_runs`) one after the other into the empty file `fd`, each from a
-    multiple of `_ALIGN` (the run that ends a shard may end inside a page), many in one
-    pwritev (one call each: ~30 µs apiece on XFS); (where in `fd`, where in the shard,
-    bytes) for each."""
-    out: list[tuple[int, int, int]] = []
-    batch: list[bytes | memoryview] = []  # back to back from `start`, up to `end`
-    start = end = size = 0
-    for at, parts in runs:
-        pos = -(-end // _ALIGN) * _ALIGN
-        if pos != end or len(batch) + len(parts) > IOV_MAX or size >= _CHUNK:
-            pwritev_all(fd, batch, start)  # bounded: a CUDA tensor's runs are host copies
-            batch, start, size = [], pos, 0
-        n = sum(memoryview(p).nbytes for p in parts)
-        batch += parts
-        out.append((pos, at, n))
-        end, size = pos + n, size + n
-    pwritev_all(fd, batch, start)
-    return out
+    return end
 
 
 def _page_runs(shard: Shard, tensors: Mapping[str, torch.Tensor],
@@ -301,10 +288,9 @@ def _page_runs(shard: Shard, tensors: Mapping[str, torch.Tensor],
                ) -> Iterator[tuple[int, list[bytes | memoryview]]]:
     """(file offset, buffers): the file's pages that `ranges` touch, in runs, as the live
     bytes of the ranges' tensors (no copy for a CPU tensor) and, between them, the old
-    file's bytes (read from `src`, the cached source of the clone): one write of whole
-    pages each. A write of part of a page makes the kernel read the rest of it first, one
-    page at a time (a clone has no cached pages of its own: ~0.1 ms a write here), and a
-    tensor seldom starts on a page."""
+    file's bytes (read from `src`, the cached source of the clone): whole pages, what a
+    clone of a range shares (a tensor seldom starts on a page), but for a run that ends
+    the file."""
     spans = [(shard.tensors[n].begin + lo, shard.tensors[n].begin + hi) for n, lo, hi in ranges]
     pages = merge_spans((lo - lo % _ALIGN, min(shard.size, -(-hi // _ALIGN) * _ALIGN))
                         for lo, hi in spans)

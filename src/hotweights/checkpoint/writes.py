@@ -1,13 +1,11 @@
 """`write_all`: the one loop that writes a whole buffer to a file descriptor (a write may
-take fewer bytes than it is given); `pwritev_all`, the same for buffers back to back;
-`copy_all`, the same for a range of another file."""
+take fewer bytes than it is given); `copy_all`, the same for a range of another file."""
 
 from __future__ import annotations
 
 import os
 
 _CHUNK = 64 << 20  # bytes per call at the most
-IOV_MAX = 1024  # buffers per pwritev (Linux's limit)
 
 
 def write_all(fd: int, data: bytes | memoryview, offset: int | None = None) -> None:
@@ -20,18 +18,6 @@ def write_all(fd: int, data: bytes | memoryview, offset: int | None = None) -> N
         view = view[n:]
         if offset is not None:
             offset += n
-
-
-def pwritev_all(fd: int, parts: list[bytes | memoryview], offset: int) -> int:
-    """Write `parts` back to back at `offset`, in one call where the kernel takes them all
-    (a write of whole pages then reads none first); returns the bytes written."""
-    total = sum(memoryview(p).nbytes for p in parts)
-    if len(parts) > IOV_MAX:
-        parts = [b"".join(parts)]
-    n = os.pwritev(fd, parts, offset) if total else 0
-    if n < total:  # a short write: the rest in one buffer
-        write_all(fd, b"".join(parts)[n:], offset + n)
-    return total
 
 
 def copy_all(src: int, dst: int, count: int, offset: int, to: int | None = None) -> None:
