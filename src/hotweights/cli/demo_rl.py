@@ -97,9 +97,10 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"checkpoint: {result.bytes_written:,} bytes written, version "
                       f"{result.version} ({ckpt})")
 
-    # The checkpoint is a plain Hugging Face model: it answers like the served one.
+    # The checkpoint is a plain Hugging Face model: it answers like the served one (in
+    # bf16, as vLLM computed: in float32 a near tie between two tokens may go the other way)
     tok = AutoTokenizer.from_pretrained(ckpt)
-    reloaded = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    reloaded = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16)
     ids = tok(PROMPT, return_tensors="pt")["input_ids"]
     with torch.no_grad():
         out = reloaded.generate(ids, max_new_tokens=8, do_sample=False,
