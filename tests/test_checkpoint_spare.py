@@ -41,10 +41,13 @@ def test_the_next_sync_links_the_spare_instead_of_cloning(d, monkeypatch):
     assert cloned == [str(d / "model.safetensors")]  # no spare yet: cloned
     finisher.finish()  # the spare is taken behind the commit
     assert list(spare._spares) == [str(d / "model.safetensors")]
+    counted = clone.extents(d / "model.safetensors")  # what the next sync reads for it
+    assert counted > 1 and spare.extents(str(d / "model.safetensors")) == counted
     before = set(os.listdir(d))
     live["b"][::8192] += 1.0
     assert sync(d, live).writes == {"model.safetensors": "reflink"}
     assert cloned == [str(d / "model.safetensors")]  # the spare, not a second clone
+    assert spare.extents(str(d / "model.safetensors")) is None  # taken
     assert torch.equal(load_file(d / "model.safetensors")["a"], live["a"])
     assert torch.equal(load_file(d / "model.safetensors")["b"], live["b"])
     finisher.finish()
@@ -65,6 +68,7 @@ def test_a_spare_of_a_shard_changed_since_is_not_used(d, monkeypatch, how):
     else:
         save_file(live, d / "other")
         os.replace(d / "other", d / "model.safetensors")
+    assert spare.extents(str(d / "model.safetensors")) is None  # counted anew
     live["b"][::8192] += 1.0  # and the trainer's next step
     cloned = _clones(monkeypatch)
     assert sync(d, live).writes == {"model.safetensors": "reflink"}

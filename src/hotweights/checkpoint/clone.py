@@ -79,11 +79,12 @@ def reflink(src: str | os.PathLike, dst: str | os.PathLike) -> None:
                               ) from e
 
 
-def extents(path: str | os.PathLike) -> int | None:
-    """How many extents the data of the file at `path` lies in (FIEMAP, counted, not
-    listed); None where the filesystem does not say (tmpfs) or the file cannot be read."""
+def extents(path: str | os.PathLike | int) -> int | None:
+    """How many extents the data of the file at `path` (or open as that descriptor) lies
+    in (FIEMAP, counted, not listed); None where the filesystem does not say (tmpfs) or
+    the file cannot be read."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY) if not isinstance(path, int) else path
     except OSError:
         return None
     try:
@@ -93,7 +94,8 @@ def extents(path: str | os.PathLike) -> int | None:
     except OSError:
         return None
     finally:
-        os.close(fd)
+        if fd is not path:
+            os.close(fd)
 
 
 def supports_reflink(directory: str | os.PathLike) -> tuple[bool, str]:

@@ -322,12 +322,19 @@ def _how(shard: Shard, changed_bytes: int, mode: str, patch_mode: str) -> str:
     if patch_mode == "journal" and (why := _shared_file(shard.path)):
         logger.info("%s: %s; rewritten whole, not patched in place", shard.path, why)
         return "whole"
-    if patch_mode == "reflink" and (n := clone.extents(shard.path) or 0) > max(
+    if patch_mode == "reflink" and (n := _extents(shard.path)) > max(
             FRAGMENTS_MIN, shard.size // FRAGMENT_BYTES):
         logger.info("%s lies in %d extents (its earlier patches split them): rewritten "
                     "whole, not cloned", shard.path, n)
         return "whole"
     return patch_mode
+
+
+def _extents(path: str) -> int:
+    """How many extents the shard at `path` lies in: as its spare clone was when taken
+    (behind the last sync), else counted now; 0 where the filesystem does not say."""
+    n = spare.extents(path)
+    return (clone.extents(path) if n is None else n) or 0
 
 
 def _shared_file(path: str) -> str | None:

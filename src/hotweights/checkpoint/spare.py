@@ -25,16 +25,17 @@ import os
 import threading
 from collections.abc import Iterable
 
-from hotweights.checkpoint.clone import FICLONE
+from hotweights.checkpoint import clone
 from hotweights.checkpoint.fileid import FileId
 
-__all__ = ["keep", "release", "take"]
+__all__ = ["extents", "keep", "release", "take"]
 
 logger = logging.getLogger(__name__)
 
 MOST = 256  # spares held at once (open files), the oldest closed first
 _lock = threading.Lock()
-_spares: dict[str, tuple[FileId, int]] = {}  # shard path -> (the file cloned, the spare's fd)
+_spares: dict[str, tuple[FileId, int, int | None]] = {}  # shard path -> (the file cloned,
+# the spare's fd, its extents)
 
 
 def keep(paths: Iterable[str]) -> None:
@@ -46,7 +47,7 @@ def keep(paths: Iterable[str]) -> None:
         return
     with _lock:
         held = dict(_spares)
-    _close([p for p, (of, _) in held.items() if not _current(p, of)])
+    _close([p for p, (of, *_) in held.items() if not _current(p, of)])
     for path in paths:
         try:
             src = os.open(path, os.O_RDONLY)
@@ -56,7 +57,7 @@ def keep(paths: Iterable[str]) -> None:
         try:
             fd = os.open(os.path.dirname(path), os.O_RDWR | os.O_TMPFILE, 0o600)
             try:
-                fcntl.ioctl(fd, FICLONE, src)
+                fcntl.ioctl(fd, clone.FICLONE, src)
             except BaseException:
                 os.close(fd)
                 raise
@@ -66,9 +67,10 @@ def keep(paths: Iterable[str]) -> None:
             continue
         finally:
             os.close(src)
+        n = clone.extents(fd)  # the file's: the clone maps the same extents
         with _lock:
             old = _spares.pop(path, None)
-            _spares[path] = (of, fd)  # the newest last
+            _spares[path] = (of, fd, n)  # the newest last
             oldest = list(_spares)[:-MOST] if len(_spares) > MOST else []
         if old is not None:
             os.close(old[1])
@@ -83,7 +85,7 @@ def take(path: str, dst: str | os.PathLike) -> bool:
         got = _spares.pop(path, None)
     if got is None:
         return False
-    of, fd = got
+    of, fd, _ = got
     try:
         if not _current(path, of):
             return False
@@ -98,6 +100,15 @@ def take(path: str, dst: str | os.PathLike) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def extents(path: str) -> int | None:
+    """How many extents the file at `path` lies in, as counted when its spare was cloned,
+    if this process holds one and `path` is still that file (`clone.extents` reads them
+    again: a few ms for a shard in thousands)."""
+    with _lock:
+        got = _spares.get(path)
+    return got[2] if got is not None and _current(path, got[0]) else None
 
 
 def release() -> None:
@@ -128,7 +139,7 @@ def _forget() -> None:
     the parent may link later; the lock may have been held by a thread it has not)."""
     global _lock
     _lock = threading.Lock()
-    fds = [fd for _, fd in _spares.values()]
+    fds = [fd for _, fd, _ in _spares.values()]
     _spares.clear()
     for fd in fds:
         os.close(fd)
