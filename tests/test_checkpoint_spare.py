@@ -11,6 +11,12 @@ from conftest import remove_synced
 from hotweights.checkpoint import clone, finisher, spare, sync
 
 
+@pytest.fixture(autouse=True)
+def none_held():
+    """No spare of an earlier test's syncs (held until a sync finds its shard changed)."""
+    spare.release()
+
+
 @pytest.fixture
 def d(xfs_dir, request):
     d = xfs_dir / request.node.name
