@@ -83,8 +83,9 @@ def extents(path: str | os.PathLike | int) -> int | None:
     """How many extents the data of the file at `path` (or open as that descriptor) lies
     in (FIEMAP, counted, not listed); None where the filesystem does not say (tmpfs) or
     the file cannot be read."""
+    opened = not isinstance(path, int)
     try:
-        fd = os.open(path, os.O_RDONLY) if not isinstance(path, int) else path
+        fd = os.open(path, os.O_RDONLY) if opened else path
     except OSError:
         return None
     try:
@@ -94,7 +95,7 @@ def extents(path: str | os.PathLike | int) -> int | None:
     except OSError:
         return None
     finally:
-        if fd is not path:
+        if opened:
             os.close(fd)
 
 

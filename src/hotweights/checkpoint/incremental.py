@@ -15,12 +15,14 @@ hashed):
    blocks are read);
 4. write (`_Stager`, `_journal`, `_commit`): staged or journaled, all committed by one
    journal for the whole directory (`checkpoint.journal`);
-5. record (`_record`): each shard's sidecar, once the commit is durable.
+5. record (`_record`): each shard's sidecar, once the commit is durable; where shards
+   are reflinked, the spare clones of those written, for the next sync (`spare.keep`).
 
 A changed shard is written one of three ways:
 
-- `reflink`: the shard is cloned (no data copied), the changed blocks are written into the
-  clone, and the clone replaces the shard at commit: a reader sees one whole shard;
+- `reflink`: the shard is cloned (no data copied), the changed pages are cloned into the
+  clone from a scratch file (`stage.patched`), and the clone replaces the shard at commit:
+  a reader sees one whole shard;
 - whole: the shard is written anew, sequentially, and replaces the old one at commit
   (mode `copy`; `auto` without reflinks, or where most of a shard changed);
 - `journal` (asked for only): the changed blocks go through the redo journal and are

@@ -4,7 +4,8 @@ Two ways to stage a changed shard: `whole` writes it sequentially (the old heade
 tensor's bytes from the live tensor or, for a tensor with no live source, from the old
 file; through O_DIRECT where the filesystem takes it), the fast way when most of a shard
 changed; `patched` clones it (a reflink: no data
-copied) and writes only the changed byte ranges into the clone. Either way the file is
+copied; the spare clone taken behind the last sync where there is one) and clones the
+changed pages into it from a scratch file. Either way the file is
 fsync'd before the caller commits, keeps the old file's permission bits, and the old file
 stays untouched (a reader sees it whole) until the journal's move record replaces it.
 """
