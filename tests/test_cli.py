@@ -12,6 +12,23 @@ def test_help_explains_every_command():
     out = subprocess.run([sys.executable, "-m", "hotweights.cli.main", "--help"],
                          capture_output=True, text=True, check=True).stdout
     assert all(c in out for c in ("serve", "status", "layout", "demo", "sync", "diagnose"))
+    out = subprocess.run([sys.executable, "-m", "hotweights.cli.main", "--version"],
+                         capture_output=True, text=True, check=True).stdout
+    assert out.startswith("hotweights ")
+
+
+@pytest.mark.parametrize("argv", [
+    ["demo", "--steps", "0"],
+    ["demo", "--steps", "x"],
+    ["demo", "--rl", "--checkpoint-every", "-1"],
+    ["demo", "--arch", "gpt2"],
+    ["demo", "--workdir", ""],
+])
+def test_demo_refuses_bad_values_before_building_anything(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert "hotweights demo: error: argument" in capsys.readouterr().err
 
 
 @pytest.mark.vllm
@@ -38,6 +55,8 @@ def test_layout_of_a_missing_directory_is_one_clear_line(tmp_path, capsys):
     (["--api-server-count", "2"], "--api-server-count 2"),
     (["-asc=3"], "--api-server-count 3"),
     (["--data-parallel-size", "2"], "--data-parallel-size 2"),
+    (["--data_parallel_size", "2"], "--data-parallel-size 2"),  # vLLM reads both spellings
+    (["--api_server_count=2"], "--api-server-count 2"),
 ])
 def test_serve_refuses_flags_that_split_the_weights_or_the_updates(flags, named, tmp_path,
                                                                    capsys):

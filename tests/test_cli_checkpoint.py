@@ -183,12 +183,31 @@ def test_sync_refuses_the_same_directory(dirs, capsys):
     ["sync", "--model-dir", "x", "--from", "y", "--version"],
     ["sync", "--model-dir", "x", "--from", "y", "--changed"],
     ["diagnose", "--model-dir", "x", "--from", "y", "--server", "http://h:1"],
+    ["sync", "--model-dir", "", "--from", "y"],  # an unset "$DIR": not the current directory
+    ["sync", "--model-dir", "x", "--from", " "],
+    ["diagnose", "--model-dir", ""],
+    ["recover", ""],
+    ["recover"],
+    ["recover", "x", "--model-dir", "x"],
 ])
-def test_usage_errors_exit_2(argv, capsys):
+def test_usage_errors_exit_2(argv, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2
     assert "usage: hotweights" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # nothing written here
+
+
+def test_a_server_url_that_is_no_url_is_one_clear_line(tmp_path, capsys):
+    for argv in (["status", "localhost:abc"],
+                 ["sync", "--model-dir", str(tmp_path), "--server", "http://h:99999"],
+                 ["diagnose", "--model-dir", str(tmp_path), "--server", "ftp://h"]):
+        assert main([*argv, "--token", "t"]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("error: '") and "is not a server URL" in err, err
+        assert len(err.splitlines()) == 1
+    assert not list(tmp_path.iterdir())
 
 
 def test_diagnose_a_clean_checkpoint(dirs, capsys):
@@ -381,6 +400,8 @@ def test_recover_a_clean_directory_and_a_missing_one(dirs, tmp_path, capsys):
     absent = tmp_path / "absent"
     assert _run(capsys, "recover", absent) == (1, "", f"error: {absent}: not a directory\n")
     assert not absent.exists()
+    assert _run(capsys, "recover", "--model-dir", a, "-v") == (  # as sync and diagnose take it
+        0, f"{a}: nothing to recover\n", "")
 
 
 def test_recover_refuses_a_journal_that_no_longer_fits_its_files(dirs, capsys):

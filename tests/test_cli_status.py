@@ -6,10 +6,11 @@ from hotweights.cli.status import rows
 
 BASE = dict(version="3@ab12cd34", holder=None, mode=None, lease_expires=None, dirty=False,
             dirty_reason=None, dirty_versions=[], updates=3, last_pause_s=0.02,
-            last_commit_s=0.003, last_update_s=0.05)
+            last_commit_s=0.003, last_update_s=0.05, last_paused_s=0.012)
 
 
-@pytest.mark.parametrize("state", ["idle", "draining", "paused", "committing", "expired"])
+@pytest.mark.parametrize("state", ["idle", "draining", "paused", "staging", "committing",
+                                   "expired"])
 def test_every_state_prints(state):
     status = dict(BASE, state=state)
     if state in ("draining", "paused", "committing"):
@@ -22,6 +23,14 @@ def test_every_state_prints(state):
         assert printed["lease"] == "host:1:abc (wait)" and "in-flight" in printed["state"]
     if state == "paused":
         assert printed["lease"] == "host:1:abc (wait), expires in 30 s"
+    assert printed["state"] != state  # every state has its words
+    assert (printed["to pause"], printed["paused"], printed["commit"], printed["update"]) == (
+        "20.0 ms", "12.0 ms", "3.0 ms", "50.0 ms")
+
+
+def test_an_armed_remote_server_says_so():
+    assert "armed" in dict(rows(dict(BASE, state="idle", armed=True), now=0.0))["remote"]
+    assert "remote" not in dict(rows(dict(BASE, state="idle", armed=False), now=0.0))
 
 
 def test_dirty_weights_say_why_and_what_clears_it():

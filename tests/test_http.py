@@ -1,6 +1,8 @@
 """protocol.http over https: a real local TLS server, certificates from a test CA."""
 
+import http.server
 import logging
+import threading
 
 import pytest
 
@@ -88,3 +90,30 @@ def test_no_warning_over_https(tls, json_server, caplog):
     with pytest.raises(ServerError):
         request("https://10.255.255.1:9", "GET", "/x", "tok", cafile=tls.ca, timeout=0.2)
     assert not caplog.records
+
+
+def test_a_server_without_the_route_is_told_apart_from_a_hotweights_error():
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # what plain vLLM (FastAPI) answers for a route it lacks
+            body = b'{"detail":"Not Found"}'
+            self.send_response(404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with pytest.raises(ServerError, match=r"GET /hotweights/status: HTTP 404: .*Not Found.*"
+                                              r"no such route: is it a `hotweights serve`, not "
+                                              r"plain vLLM"):
+            request(url, "GET", "/hotweights/status", "t")
+        with pytest.raises(ServerError, match=r"is it a `hotweights serve --remote`"):
+            request(url, "GET", "/hotweights/remote/received", "t")
+    finally:
+        server.shutdown()
+        server.server_close()

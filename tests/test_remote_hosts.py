@@ -16,6 +16,9 @@ def test_server_urls_from_every_form():
                                                         "http://c:8100"]
     assert server_urls(["gpu[1-2]:8001"]) == ["http://gpu1:8001", "http://gpu2:8001"]
     assert server_urls("gpu[1-2]", port=7000) == ["http://gpu1:7000", "http://gpu2:7000"]
+    assert server_urls("https://gpu[01-02]:8443/, https://[::1]:9000") == [
+        "https://gpu01:8443", "https://gpu02:8443", "https://[::1]:9000"]
+    assert server_urls("https://n[1-2]") == ["https://n1:8000", "https://n2:8000"]
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -24,6 +27,9 @@ def test_server_urls_from_every_form():
     ("gpu[3-1]", "range '3-1' runs backwards"),
     ("gpu[x]", "'x' is not N or N-M"),
     ("gpu[1-2", "cannot read 'gpu\\[1-2'"),
+    ("ftp://a:21", "'ftp://a:21' is not a server URL: the scheme is 'ftp'"),
+    ("gpu[1-2]:99999", "'http://gpu1:99999' is not a server URL: port out of range"),
+    ("http://a:x", "'http://a:x' is not a server URL: port could not be cast"),
 ])
 def test_bad_lists_are_named(bad, match):
     with pytest.raises(ConfigError, match=match):

@@ -1,8 +1,10 @@
 """Token files of `hotweights serve`: sent to loopback URLs only, removed only if ours."""
 
+import re
+
 import pytest
 
-from hotweights.errors import ServerError
+from hotweights.errors import ConfigError, ServerError
 from hotweights.protocol.tokens import find_token, remove_token, token_path, write_token
 
 
@@ -32,7 +34,8 @@ def test_loopback_urls_read_the_token_file_of_their_port(home, url, port):
 ])
 def test_other_hosts_never_get_the_local_token(home, url):
     write_token(token_path(8000), "local-secret")
-    with pytest.raises(ServerError, match="pass token= or set HOTWEIGHTS_TOKEN") as e:
+    with pytest.raises(ServerError,
+                       match=r"pass token= \(CLI: --token\) or set HOTWEIGHTS_TOKEN") as e:
         find_token(url)
     assert "local-secret" not in str(e.value)
 
@@ -56,3 +59,20 @@ def test_token_file_is_private_and_removed_only_if_still_ours(tmp_path):
     assert not remove_token(path, "ours") and path.read_text() == "theirs\n"
     assert remove_token(path, "theirs") and not path.exists()
     assert not remove_token(path, "theirs")  # gone already: nothing to do
+
+
+@pytest.mark.parametrize(("url", "why"), [
+    ("not-a-url", "no http:// or https://"),
+    ("localhost:8000", "the scheme is 'localhost'"),
+    ("ftp://x", "the scheme is 'ftp'"),
+    ("http://127.0.0.1:99999", "port out of range"),
+    ("http://localhost:abc", "port could not be cast"),
+    ("http://[::1", "invalid IPv6 URL"),
+    ("http://", "no host"),
+    ("http://h:0", "port 0"),
+])
+def test_a_url_that_is_no_server_url_is_named_before_anything_is_sent(home, url, why):
+    for token in (None, "given"):  # a given token does not skip the check
+        with pytest.raises(ConfigError, match=rf"'{re.escape(url)}' is not a server URL: "
+                                              rf"{re.escape(why)}"):
+            find_token(url, token)

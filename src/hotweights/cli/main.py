@@ -8,14 +8,39 @@ import sys
 
 from hotweights.checkpoint import MODES
 from hotweights.errors import ConfigError, HotweightsError
+from hotweights.testing.tiny import ARCHS
+
+
+def _path(text: str) -> str:
+    """An argparse type: a path, not empty (an unset "$DIR" would mean the current
+    directory)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty path")
+    return text
+
+
+def _count(least: int):
+    """An argparse type: an int >= `least`."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if n < least:
+            raise argparse.ArgumentTypeError(f"{n}: must be {least} or more")
+        return n
+    return parse
 
 
 def _parser() -> argparse.ArgumentParser:
+    from hotweights import __version__
+
     parser = argparse.ArgumentParser(
         prog="hotweights",
         description="Train an LLM in place while vLLM serves it: one copy of the weights.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="show library logs")
+    parser.add_argument("--version", action="version", version=f"hotweights {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser(
@@ -38,7 +63,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     p.add_argument("--token", help="access token (default: $HOTWEIGHTS_TOKEN, else generated; "
                    "prefer the variable: a command line is visible to other users)")
-    p.add_argument("--token-file", help="where to write the token, mode 0600 "
+    p.add_argument("--token-file", metavar="FILE", type=_path,
+                   help="where to write the token, mode 0600 "
                    "(default: ~/.cache/hotweights/server-PORT.token)")
     p.add_argument("--remote", action="store_true", help="this server runs on another "
                    "machine than the trainer: no shared memory; it receives each update "
@@ -92,16 +118,18 @@ def _parser() -> argparse.ArgumentParser:
         "completions and weight versions before and after: the server serves the trained "
         "weights without any copy or reload.",
     )
-    p.add_argument("--arch", default="llama", help="tiny model architecture (default: llama)")
-    p.add_argument("--steps", type=int, default=None,
+    p.add_argument("--arch", default="llama", choices=ARCHS,
+                   help="tiny model architecture (default: llama)")
+    p.add_argument("--steps", type=_count(1), default=None,
                    help="training steps (default: 30; with --rl: 20)")
-    p.add_argument("--workdir", default=None, help="where to build the model (default: temp)")
+    p.add_argument("--workdir", default=None, type=_path,
+                   help="where to build the model (default: temp)")
     p.add_argument("--rl", action="store_true", help="reinforcement learning instead: TRL's "
                    "GRPOTrainer through hotweights.integrations.trl teaches the served model "
                    "to answer in digits (reward: their share), live, while a client keeps "
                    "generating; checkpoints on the way, reloaded in plain transformers at "
                    "the end (needs the trl extra)")
-    p.add_argument("--checkpoint-every", type=int, default=5, metavar="K",
+    p.add_argument("--checkpoint-every", type=_count(0), default=5, metavar="K",
                    help="with --rl: write the served weights into a checkpoint every K "
                    "steps, only what changed (default: 5; 0: only at the end)")
     p.set_defaults(run=_run_demo)
@@ -118,12 +146,12 @@ def _parser() -> argparse.ArgumentParser:
         "save. Nothing is written if a tensor's shape or dtype differs from the file's.",
         epilog=_MODES_EPILOG,
     )
-    p.add_argument("--model-dir", required=True, metavar="DIR",
+    p.add_argument("--model-dir", required=True, metavar="DIR", type=_path,
                    help="the checkpoint directory to write (model.safetensors or an index)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--server", metavar="URL", help="a running hotweights serve, e.g. "
                      "http://127.0.0.1:8000 (same machine)")
-    src.add_argument("--from", dest="source", metavar="DIR",
+    src.add_argument("--from", dest="source", metavar="DIR", type=_path,
                      help="another safetensors checkpoint directory of the same model")
     p.add_argument("--mode", default="auto", choices=MODES,
                    help="how changed shards are written (default: auto; see below)")
@@ -157,12 +185,12 @@ def _parser() -> argparse.ArgumentParser:
         epilog=_MODES_EPILOG + " diagnose writes nothing, except a probe file for "
         "reflinks, removed again.",
     )
-    p.add_argument("--model-dir", required=True, metavar="DIR",
+    p.add_argument("--model-dir", required=True, metavar="DIR", type=_path,
                    help="the checkpoint directory to check")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--server", metavar="URL", help="check a running hotweights serve's "
                      "weights against it (same machine)")
-    src.add_argument("--from", dest="source", metavar="DIR",
+    src.add_argument("--from", dest="source", metavar="DIR", type=_path,
                      help="check another checkpoint directory's tensors against it")
     p.add_argument("--mode", default="auto", choices=MODES,
                    help="the write mode to check (default: auto)")
@@ -185,8 +213,16 @@ def _parser() -> argparse.ArgumentParser:
         "when DIR is not a directory, or a committed journal no longer fits its files "
         "(they were replaced since): the journal is then kept.",
     )
-    p.add_argument("model_dir", metavar="DIR", help="the checkpoint directory")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("model_dir", metavar="DIR", nargs="?", type=_path,
+                       help="the checkpoint directory")
+    where.add_argument("--model-dir", dest="model_dir_flag", metavar="DIR", type=_path,
+                       help="the same, as sync and diagnose take it")
     p.set_defaults(run=_run_recover)
+    for name, p in sub.choices.items():  # -v after the command too (vLLM's flags follow serve's)
+        if name != "serve":
+            p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                           help="show library logs")
     return parser
 
 
@@ -228,11 +264,11 @@ def _run_demo(args: argparse.Namespace) -> int:
         if args.arch != "llama":
             raise ConfigError(f"--arch {args.arch} with --rl: the RL demo trains a tiny "
                               "llama (float32); leave --arch out")
-        args.steps = args.steps or 20
+        args.steps = 20 if args.steps is None else args.steps
         return run(args)
     from hotweights.cli.demo import run
 
-    args.steps = args.steps or 30
+    args.steps = 30 if args.steps is None else args.steps
     return run(args)
 
 
@@ -251,6 +287,7 @@ def _run_diagnose(args: argparse.Namespace) -> int:
 def _run_recover(args: argparse.Namespace) -> int:
     from hotweights.cli.checkpoint import run_recover
 
+    args.model_dir = args.model_dir or args.model_dir_flag
     return run_recover(args)
 
 

@@ -12,6 +12,7 @@ _STATES = {
     "idle": "serving",
     "draining": "holding new requests while in-flight ones finish (update starting)",
     "paused": "paused for an update",
+    "staging": "serving while a remote update is staged (the lease is held)",
     "committing": "committing an update",
     "expired": "serving; the last update's lease expired",
 }
@@ -36,10 +37,20 @@ def rows(status: dict, now: float) -> list[tuple[str, str]]:
     if status.get("dirty_versions"):
         out.append(("dirty versions", ", ".join(status["dirty_versions"])))
     out.append(("updates", str(status.get("updates", 0))))
-    for key in ("last_pause_s", "last_commit_s", "last_update_s"):
+    for key, label in _TIMINGS:
         if status.get(key) is not None:
-            out.append((key.removesuffix("_s").replace("_", " "), f"{1e3 * status[key]:.1f} ms"))
+            out.append((label, f"{1e3 * status[key]:.1f} ms"))
+    if status.get("armed"):
+        out.append(("remote", "armed: the workers wait for the trainer's next update"))
     return out
+
+
+_TIMINGS = (  # the last update's, from the server's clock
+    ("last_pause_s", "to pause"),  # begin (or the staged commit) until generation paused
+    ("last_paused_s", "paused"),  # generation paused: pause to resume
+    ("last_commit_s", "commit"),
+    ("last_update_s", "update"),  # begin to the end of the commit
+)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -20,6 +20,7 @@ import urllib.request
 
 from hotweights.errors import ConfigError, ServerError
 from hotweights.protocol.tokens import find_token, is_loopback
+from hotweights.protocol.urls import server_url
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ def server_status(url: str, token: str | None = None, *,
                   cafile: str | os.PathLike | None = None) -> dict:
     """GET /hotweights/status of the server at `url` (token and cafile as for
     `Bridge.connect`)."""
-    url = url.rstrip("/")
+    url = server_url(url)
     return request(url, "GET", "/hotweights/status", find_token(url, token), cafile=cafile)
 
 
@@ -48,9 +49,9 @@ def request(url: str, method: str, route: str, token: str, body: dict | None = N
     Every failure is a `ServerError` naming the route: an HTTP error with the server's
     detail, an unreachable or silent server, a certificate not trusted or not naming the
     host, a connection that broke mid-answer. A CA bundle that cannot be loaded is a
-    `ConfigError`.
+    `ConfigError`, and so is a `url` that is not a server URL (`urls.server_url`).
     """
-    parts = urllib.parse.urlsplit(url)
+    parts = urllib.parse.urlsplit(server_url(url))
     context = tls_context(cafile) if parts.scheme == "https" else None
     if parts.scheme == "http":
         _warn_plain(url, parts.hostname)
@@ -64,6 +65,10 @@ def request(url: str, method: str, route: str, token: str, body: dict | None = N
             return json.loads(resp.read())
     except urllib.error.HTTPError as e:
         detail = e.read().decode(errors="replace")[:500]
+        if e.code == 404:  # every hotweights serve has its routes (the remote ones: --remote)
+            serve = "hotweights serve" + (" --remote" if "/remote/" in route else "")
+            detail += (f" ({url} has no such route: is it a `{serve}`, not plain vLLM or "
+                       "another service on that port?)")
         raise ServerError(f"{method} {route}: HTTP {e.code}: {detail}") from None
     except urllib.error.URLError as e:
         raise ServerError(f"{method} {route}: {_unreachable(url, e.reason)}") from None

@@ -13,6 +13,7 @@ import urllib.parse
 from pathlib import Path
 
 from hotweights.errors import ServerError
+from hotweights.protocol.urls import server_url
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
@@ -60,16 +61,19 @@ def find_token(url: str, token: str | None = None) -> str:
     serve` wrote for the port.
 
     Raises:
+        ConfigError: `url` is not a server URL (`urls.server_url`).
         ServerError: no token given, and `url` is not a loopback URL or no file exists.
     """
+    url = server_url(url)
     if token or (token := os.environ.get("HOTWEIGHTS_TOKEN")):
         return token
     parts = urllib.parse.urlsplit(url)
     if not is_loopback(parts.hostname):
-        raise ServerError(f"{url}: no token: pass token= or set HOTWEIGHTS_TOKEN (the token "
-                          "files of local servers are sent to loopback URLs only)")
+        raise ServerError(f"{url}: no token: pass token= (CLI: --token) or set "
+                          "HOTWEIGHTS_TOKEN (the token files of local servers are sent to "
+                          "loopback URLs only)")
     path = token_path(parts.port or _DEFAULT_PORTS.get(parts.scheme, 80))
     if path.is_file():
         return path.read_text().strip()
-    raise ServerError(f"{url}: no token: pass token=, set HOTWEIGHTS_TOKEN, or run the "
-                      f"server on this machine as this user (it writes {path})")
+    raise ServerError(f"{url}: no token: pass token= (CLI: --token), set HOTWEIGHTS_TOKEN, "
+                      f"or run the server on this machine as this user (it writes {path})")

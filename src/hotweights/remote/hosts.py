@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from hotweights.errors import ConfigError, RemoteError
+from hotweights.protocol.urls import server_url
 
 DEFAULT_PORT = 8000
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
@@ -53,21 +54,26 @@ def expand_nodes(spec: str) -> list[str]:
 
 def server_urls(servers: str | Iterable[str], port: int = DEFAULT_PORT) -> list[str]:
     """Base URLs of servers given as URLs, ``host[:port]`` or SLURM node lists (a string
-    with commas, or a list); a host without a port gets `port`.
+    with commas, or a list), each with or without ``http://`` or ``https://`` (default
+    http): ``"https://gpu[01-04]:8000"``; a host without a port gets `port`.
 
     Raises:
-        ConfigError: an empty list, a server named twice, an unreadable node list.
+        ConfigError: an empty list, a server named twice, an unreadable node list, a URL
+            that is not a server's (`urls.server_url`).
     """
     items = _split(servers) if isinstance(servers, str) else list(servers)
     urls = []
     for item in filter(None, (s.strip() for s in items)):
-        if "://" in item:
-            urls.append(item.rstrip("/"))
+        scheme, sep, rest = item.partition("://")
+        if not sep:
+            scheme, rest = "http", item
+        elif not re.match(r"[^/\[]+\[", rest):  # a URL, not a node list
+            urls.append(server_url(item))
             continue
-        host, _, given = item.partition(":") if "[" not in item else (item, "", "")
-        if "[" in item and (m := re.fullmatch(r"(.*\])(?::(\d+))?", item)):
+        host, _, given = rest.partition(":") if "[" not in rest else (rest, "", "")
+        if "[" in rest and (m := re.fullmatch(r"(.*\])(?::(\d+))?/?", rest)):
             host, given = m.group(1), m.group(2) or ""
-        urls += [f"http://{h}:{given or port}" for h in expand_nodes(host)]
+        urls += [server_url(f"{scheme}://{h}:{given or port}") for h in expand_nodes(host)]
     if not urls:
         raise ConfigError(f"no servers in {servers!r}")
     if dupes := sorted({u for u in urls if urls.count(u) > 1}):

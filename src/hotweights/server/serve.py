@@ -126,8 +126,8 @@ def refuse_unshareable(vllm_args: list[str]) -> None:
         ("--data-parallel-size", "-dp"): "each data-parallel rank holds its own copy of the "
         "weights; run one server per copy instead",
     }
-    for names, why in reasons.items():
-        value = _flag(vllm_args, *names)
+    for names, why in reasons.items():  # vLLM reads --data_parallel_size as --data-parallel-size
+        value = _flag(vllm_args, *names, "--" + names[0][2:].replace("-", "_"))
         if value is not None and value.isdigit() and int(value) > 1:
             raise ServerError(f"{names[0]} {value}: {why}")
 

@@ -1,0 +1,34 @@
+"""A hotweights server's base URL, checked before anything is sent to it."""
+
+from __future__ import annotations
+
+import urllib.parse
+
+from hotweights.errors import ConfigError
+
+SCHEMES = ("http", "https")
+
+
+def server_url(url: str) -> str:
+    """`url` without its trailing slash, once it reads as a server's base URL: http or
+    https, a host, a port from 1 to 65535 if one is given.
+
+    Raises:
+        ConfigError: anything else, naming the URL and what is wrong with it.
+    """
+    def bad(why: str) -> ConfigError:
+        return ConfigError(f"{url!r} is not a server URL: {why} "
+                           "(expected http://HOST:PORT or https://HOST:PORT)")
+
+    try:
+        parts = urllib.parse.urlsplit(url.strip())
+        port = parts.port
+    except ValueError as e:  # a port out of range or not a number, an unclosed [IPv6
+        raise bad(str(e)[:1].lower() + str(e)[1:]) from None
+    if parts.scheme not in SCHEMES:
+        raise bad(f"the scheme is {parts.scheme!r}" if parts.scheme else "no http:// or https://")
+    if not parts.hostname:
+        raise bad("no host")
+    if port == 0:
+        raise bad("port 0")
+    return url.strip().rstrip("/")
