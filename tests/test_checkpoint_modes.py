@@ -66,6 +66,7 @@ def test_each_mode_writes_the_changed_shard_only(place, mode, how):
     result = sync(d, live, mode=mode, version="1@s")
     shard = _shard_of(d, name)
     assert result.shards_changed == (shard,) and result.writes == {shard: how}
+    assert result.write_mode == {"auto": "copy" if how == "whole" else how}.get(mode, mode)
     row = live[name][3].numel() * 2
     if how == "whole":
         assert result.bytes_written == (d / shard).stat().st_size
@@ -285,6 +286,7 @@ def test_a_single_file_first_save(tmp_path):
     live = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
     result = sync(tmp_path, live)
     assert result.shards_changed == ("model.safetensors",)
+    assert (result.first_save, result.write_mode) == (True, "copy")
     assert torch.equal(load_file(tmp_path / "model.safetensors")["w"], live["w"])
 
 

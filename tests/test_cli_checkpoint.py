@@ -4,6 +4,7 @@ import ctypes
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -99,7 +100,9 @@ def test_sync_prints_a_summary(dirs, capsys):
     lines = {line.split(maxsplit=1)[0]: line for line in out.splitlines()[1:]}
     assert "2 of 21" in lines["tensors"]
     assert lines["shards"].startswith("  shards changed  2 of ")
-    assert lines["written"].endswith(" %)") and " of 1015.2 KiB of weights " in lines["written"]
+    shards = sum(p.stat().st_size for p in dirs["A"].glob("*.safetensors"))
+    assert re.fullmatch(rf"  written +[\d.]+ KiB of the shards' {shards / 1024:.1f} KiB "
+                        r"\(\d+\.\d\d %\)", lines["written"]), lines["written"]
     assert out.startswith("synced 21 tensors in ")
 
 

@@ -10,6 +10,8 @@ what TRL would copy is refused by option name.
 
 import contextlib
 import importlib.util
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -186,3 +188,11 @@ def test_a_parameter_re_created_before_training_is_refused_at_the_first_step(ser
     with pytest.raises(ConfigError, match="model.norm.weight"):
         trainer.train()
     assert bridge.version == before and bridge.status()["state"] == "idle"
+
+
+def test_importing_the_integration_does_not_warn_about_the_vllm_version_it_runs_on():
+    done = subprocess.run([sys.executable, "-W", "default", "-c",
+                           "import hotweights.integrations.trl"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "currently supports vLLM versions" not in done.stderr

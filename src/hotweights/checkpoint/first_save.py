@@ -98,7 +98,7 @@ def save(model_dir: Path, live: Mapping[str, torch.Tensor], *, mode: str,
         bytes_compared=0, bytes_written=total, missing_on_disk=(), missing_live=(),
         seconds=time.perf_counter() - started,
         writes=dict.fromkeys(split.filename_to_tensors, "whole"), tied=tuple(sorted(tied)),
-        first_save=True, reason="no safetensors in the directory: a first full save")
+        first_save=True, reason="no safetensors in the directory", write_mode="copy")
 
 
 def _write_shard(path: Path, tensors: Mapping[str, torch.Tensor], block_size: int

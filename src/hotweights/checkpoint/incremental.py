@@ -195,7 +195,8 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
         bytes_compared=found.bytes_compared, bytes_written=bytes_written,
         bytes_trusted=found.bytes_trusted, missing_on_disk=resolved.only_live,
         missing_live=resolved.only_disk, seconds=time.perf_counter() - started,
-        writes={w.name: w.how for w in writes}, tied=resolved.tied, reason=reason)
+        writes={w.name: w.how for w in writes}, tied=resolved.tied, reason=reason,
+        write_mode=patch_mode)
 
 
 def _existing(model_dir: Path) -> Path:

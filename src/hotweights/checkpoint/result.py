@@ -28,6 +28,8 @@ class SyncResult:
     tied: tuple[str, ...] = ()  # live aliases of a tensor stored once, under another name
     first_save: bool = False
     reason: str = ""  # why this write mode
+    write_mode: str = ""  # the mode `mode` came to here: "reflink", "journal" or "copy" (a
+    # first save: "copy"); a shard mostly changed is rewritten whole in any (`writes`)
     bytes_trusted: int = 0  # live bytes not hashed: `changed=` left them out, or a
     # `WriteWatch` saw them unwritten
 

@@ -83,19 +83,19 @@ def _expand(patterns: list[str] | None, names) -> list[str] | None:
 
 def sync_rows(result, disk: dict) -> list[tuple[str, str]]:
     """What `sync` prints, line by line; `disk` is `read_dir` of the synced directory."""
-    shards = {shard.path for shard, _ in disk.values()}
-    model_bytes = sum(info.nbytes for _, info in disk.values())
+    shards = {shard.path: shard.size for shard, _ in disk.values()}
+    files = sum(shards.values())
     written = result.bytes_written
-    share = f" ({100 * written / model_bytes:.2f} %)" if model_bytes else ""
-    out = [("", f"synced {result.tensors_synced} tensors in {result.seconds:.2f} s"
+    share = f" ({100 * written / files:.2f} %)" if files else ""
+    out = [("", f"synced {_n(result.tensors_synced, 'tensor')} in {result.seconds:.2f} s"
             + ("" if result.version is None else f", version {result.version}"))]
     if result.first_save:
         out.append(("mode", f"first full save ({result.reason})"))
-        out.append(("written", f"{_size(written)} in {len(shards)} shards"))
+        out.append(("written", f"{_size(written)} in {_n(len(shards), 'shard')}"))
     else:
         out.append(("mode", f"{result.mode}: {result.reason}" if result.reason
                     else result.mode))
-        out.append(("written", f"{_size(written)} of {_size(model_bytes)} of weights{share}"))
+        out.append(("written", f"{_size(written)} of the shards' {_size(files)}{share}"))
         writes = [f"{name} ({how})" for name, how in sorted(result.writes.items())]
         out.append(("shards changed", f"{len(result.shards_changed)} of {len(shards)}"
                     + (f": {_sample(writes)}" if writes else "")))
@@ -104,13 +104,13 @@ def sync_rows(result, disk: dict) -> list[tuple[str, str]]:
             out.append(("not hashed", f"{_size(result.bytes_trusted)} outside --changed, "
                         "taken as unchanged (their sidecars are fresh)"))
     if result.missing_on_disk:
-        out.append(("not on disk", f"{len(result.missing_on_disk)} live tensors have no "
-                    f"place in the checkpoint: {_sample(result.missing_on_disk)}"))
+        out.append(("not on disk", f"{_n(len(result.missing_on_disk), 'live tensor')} with "
+                    f"no place in the checkpoint: {_sample(result.missing_on_disk)}"))
     if result.missing_live:
-        out.append(("no live source", f"{len(result.missing_live)} checkpoint tensors kept "
-                    f"as they were: {_sample(result.missing_live)}"))
+        out.append(("no live source", f"{_n(len(result.missing_live), 'checkpoint tensor')} "
+                    f"kept as before: {_sample(result.missing_live)}"))
     if result.tied:
-        out.append(("tied", f"{len(result.tied)} live aliases stored once: "
+        out.append(("tied", f"{_n(len(result.tied), 'live alias', 'live aliases')} stored once: "
                     f"{_sample(result.tied)}"))
     return out
 
@@ -232,6 +232,11 @@ def _sample(names: Sequence[str], total: int | None = None) -> str:
     total = len(names) if total is None else total
     shown = ", ".join(names[:_SHOWN])
     return shown + (f" and {total - _SHOWN} more" if total > _SHOWN else "")
+
+
+def _n(count: int, word: str, words: str | None = None) -> str:
+    """"1 shard", "2 shards"."""
+    return f"{count} {word if count == 1 else words or word + 's'}"
 
 
 def _size(n: float) -> str:

@@ -37,6 +37,7 @@ import contextlib
 import functools
 import logging
 import os
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +47,10 @@ from hotweights.errors import ConfigError, ServerError
 from hotweights.protocol.http import CA_FILE_ENV
 from hotweights.protocol.version import VERSION_HEADER, parse_version
 
+# TRL 1.16 warns at every import of its vLLM modules that it supports vLLM up to 0.31; this
+# integration runs and is tested on vLLM 0.32 (the CPU build's newest) with it
+warnings.filterwarnings("ignore", message="TRL currently supports vLLM versions",
+                        category=UserWarning)
 try:
     import trl
     from trl.generation import vllm_generation
