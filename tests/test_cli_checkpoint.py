@@ -106,6 +106,25 @@ def test_sync_prints_a_summary(dirs, capsys):
     assert out.startswith("synced 21 tensors in ")
 
 
+def test_sync_from_with_tensors_the_checkpoint_has_no_place_for_fails_naming_them(
+        dirs, tmp_path, capsys):
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    save_file({**_disk(dirs["B"]), "model.extra.weight": torch.ones(4, dtype=torch.bfloat16)},
+              extra / "model.safetensors", metadata={"format": "pt"})
+    for json_out in (False, True):
+        rc, out, err = _run(capsys, "sync", "--model-dir", dirs["A"], "--from", extra,
+                            *(["--json"] if json_out else []))
+        assert rc == 1, out
+        assert err.startswith(f"error: {dirs['A']}: 1 of the 22 live tensors were not "
+                              "written, no shard holds them: model.extra.weight")
+        assert json.loads(out)["missing_on_disk"] == ["model.extra.weight"] if json_out \
+            else "not on disk" in out
+    without = _disk(extra)
+    del without["model.extra.weight"]
+    assert _equal(_disk(dirs["A"]), without)  # all else written
+
+
 def _with_sidecars(dirs, tmp_path, capsys) -> Path:
     """A with fresh sidecars: synced once from a copy of itself."""
     same = shutil.copytree(dirs["A"], tmp_path / "A-copy")

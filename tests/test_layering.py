@@ -179,3 +179,12 @@ def test_public_names_resolve_on_first_use():
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["True",
                                        "module 'hotweights' has no attribute 'nothing'"]
+
+
+def test_every_error_a_caller_may_catch_is_a_public_name():
+    import hotweights
+    from hotweights import errors
+
+    raised = {n for n, v in vars(errors).items()
+              if isinstance(v, type) and issubclass(v, errors.HotweightsError)}
+    assert raised <= set(hotweights.__all__), raised - set(hotweights.__all__)

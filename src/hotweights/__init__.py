@@ -12,6 +12,10 @@ from typing import TYPE_CHECKING
 # public name -> the module that defines it
 _EXPORTS = {
     "Bridge": "hotweights.bridge.client",
+    "CheckpointError": "hotweights.errors",
+    "ConfigError": "hotweights.errors",
+    "DeltaError": "hotweights.errors",
+    "FingerprintError": "hotweights.errors",
     "HotweightsError": "hotweights.errors",
     "Layout": "hotweights.layout.plan",
     "LayoutError": "hotweights.errors",
@@ -20,6 +24,7 @@ _EXPORTS = {
     "RemoteError": "hotweights.errors",
     "RemoteGroup": "hotweights.remote.group",
     "ServerError": "hotweights.errors",
+    "UnsupportedModelError": "hotweights.errors",
     "ViewReport": "hotweights.layout.views",
     "SyncResult": "hotweights.checkpoint.result",
     "build_hf_model": "hotweights.layout.views",
@@ -31,6 +36,10 @@ _EXPORTS = {
 }
 __all__ = [
     "Bridge",
+    "CheckpointError",
+    "ConfigError",
+    "DeltaError",
+    "FingerprintError",
     "HotweightsError",
     "Layout",
     "LayoutError",
@@ -40,6 +49,7 @@ __all__ = [
     "RemoteGroup",
     "ServerError",
     "SyncResult",
+    "UnsupportedModelError",
     "ViewReport",
     "build_hf_model",
     "diagnose",
@@ -70,11 +80,16 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from hotweights.checkpoint.journal import recover
     from hotweights.checkpoint.result import SyncResult
     from hotweights.errors import (
+        CheckpointError,
+        ConfigError,
+        DeltaError,
+        FingerprintError,
         HotweightsError,
         LayoutError,
         ManifestError,
         RemoteError,
         ServerError,
+        UnsupportedModelError,
     )
     from hotweights.layout.plan import Layout, Piece, plan
     from hotweights.layout.views import ViewReport, build_hf_model, verify_shared

@@ -42,10 +42,15 @@ def run_sync(args: argparse.Namespace) -> int:
     finisher.finish()  # the command ends with the files fsync'd and the journal removed
     if args.json:
         print(result.to_json())
-        return 0
-    disk = read_dir(args.model_dir) or {}
-    for key, value in sync_rows(result, disk):
-        print(f"  {key:<16}{value}" if key else value)
+    else:
+        disk = read_dir(args.model_dir) or {}
+        for key, value in sync_rows(result, disk):
+            print(f"  {key:<16}{value}" if key else value)
+    if lost := result.missing_on_disk:  # written all else, but a script must not go on
+        print(f"error: {args.model_dir}: {len(lost)} of the {result.tensors_synced + len(lost)} "
+              f"live tensors were not written, no shard holds them: {_sample(lost)} (the "
+              "wrong directory, or another model's?)", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -53,7 +53,8 @@ def _parser() -> argparse.ArgumentParser:
         "passed to vLLM unchanged (e.g. --dtype bfloat16 --max-model-len 2048).",
         epilog="Memory: vLLM's CPU backend reserves 92 % of the memory node unless told, "
         "which fails beside a trainer. Unless VLLM_CPU_KVCACHE_SPACE, "
-        "--gpu-memory-utilization or --kv-cache-memory-bytes is given, hotweights serve "
+        "--gpu-memory-utilization (or --device-memory-utilization) or "
+        "--kv-cache-memory-bytes is given, hotweights serve "
         "sets VLLM_CPU_KVCACHE_SPACE=4 (GiB of KV cache; CPU only): set it higher for "
         "longer contexts or more concurrent requests. The token file is written once the "
         "server answers, and removed when it stops.",
