@@ -245,7 +245,7 @@ def test_diagnose_a_clean_checkpoint(dirs, capsys):
     assert d["journal"] is None and d["leftovers"] == [] and not d["writer_active"]
     rc, out, _ = _run(capsys, "diagnose", "--model-dir", a)
     assert rc == 0 and out.rstrip().endswith("no problems")
-    assert "sidecar fresh" in out and "live" not in out.split()
+    assert "sidecar fresh" in out and "live" not in out.split() and "note" not in out
 
 
 def test_diagnose_names_a_dtype_mismatch(dirs, capsys):
@@ -282,6 +282,9 @@ def test_diagnose_a_stale_sidecar_is_no_problem(dirs, capsys):
     states = {s["name"]: s["sidecar"] for s in json.loads(out)["shards"]}
     assert rc == 0 and states.pop(shard.name) == "stale"
     assert set(states.values()) == {"fresh"}
+    rc, out, _ = _run(capsys, "diagnose", "--model-dir", a)
+    assert rc == 0 and out.rstrip().endswith("no problems")
+    assert "  note            1 sidecar not fresh: the next sync compares those shards" in out
 
 
 def test_diagnose_names_a_sidecar_a_sync_from_cpu_tensors_would_not_use(dirs, capsys):

@@ -194,10 +194,10 @@ def test_process_group_keys_rewritten_by_a_stranger_deliver_nothing(monkeypatch)
     procs = _receivers(port, 3)
     held, group = threading.Event(), Channel._group
 
-    def late_group(self, store, td):  # the attacker wins the race for the group's keys
+    def late_group(self, store):  # the attacker wins the race for the group's keys
         if self.rank == 0 and self.name == "channel":
             held.wait(TIMEOUT + 5)
-        return group(self, store, td)
+        return group(self, store)
     monkeypatch.setattr(Channel, "_group", late_group)
     trainer = _Trainer(port, 3)
     trainer.start()

@@ -143,9 +143,13 @@ def test_python_dash_m_hotweights_runs():
 def test_demo_with_an_unknown_arch_is_one_line(capsys):
     from hotweights.cli.main import main
 
-    assert main(["demo", "--arch", "bogus"]) == 1
+    with pytest.raises(SystemExit) as e:  # a usage error: --help lists the choices
+        main(["demo", "--arch", "bogus"])
+    assert e.value.code == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "bogus" in err and "llama, llama_tied" in err
+    assert err.splitlines()[-1] == ("hotweights demo: error: argument --arch: invalid choice: "
+                                    "'bogus' (choose from 'llama', 'llama_tied', 'qwen2', "
+                                    "'qwen3', 'qwen3_moe', 'qwen3_next', 'qwen3_5')")
 
 
 @pytest.mark.vllm

@@ -215,6 +215,10 @@ def diagnose_rows(d) -> list[tuple[str, str]]:
             out.append(("", f"    {s.name:<{width}}  {_size(s.size):>10}  "
                         f"{s.tensors:>4} tensors  sidecar {s.sidecar}"
                         + (f" ({'; '.join(about)})" if about else "")))
+        if unfresh := [s for s in d.shards if s.sidecar != "fresh"]:
+            out.append(("note", f"{_n(len(unfresh), 'sidecar')} not fresh: the next sync "
+                        "compares those shards with the live weights byte by byte (slower "
+                        "once, then fresh again); nothing to fix"))
     if d.live:
         if d.names_error and not (d.matched or d.only_live):  # why: under "problems"
             out.append(("live", "names not placed (see problems)"))

@@ -1,8 +1,7 @@
 """A broadcast channel for packed delta rounds: one sender (rank 0), N receivers, a private group.
 
-The group is *stateless*: built from its own `TCPStore` and backend object (the way vLLM's
-``stateless_init_torch_distributed_process_group`` does it, without importing vLLM), so it
-lives beside any default group of the process (vLLM's own) and never touches global state.
+The group is *stateless* (`remote.process_group`): it lives beside any default group of the
+process (vLLM's own) and never touches global state.
 
 Before any weight moves, every side proves it holds the shared token (`rendezvous.prove`):
 a peer without it, or a stranger on the port, fails every side with a `RemoteError`. Rank 0's
@@ -32,8 +31,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import socket
-import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
@@ -43,7 +40,7 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore
 
 from hotweights.errors import RemoteError
-from hotweights.remote import rendezvous, signing
+from hotweights.remote import process_group, rendezvous, signing
 from hotweights.remote.announce import Announcements
 from hotweights.remote.packing import Round
 from hotweights.remote.peers import Peers
@@ -52,7 +49,7 @@ __all__ = ["BACKENDS", "Channel"]
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("gloo", "nccl")
+BACKENDS = process_group.BACKENDS
 _FIELDS = 4  # int64s: header length, buffer length, round index, rounds total (or 0)
 _META = _FIELDS + signing.DIGEST_BYTES // 8  # then the round's digest
 _FIRST = 4096  # bytes of a round's first broadcast: its meta, then its header's first bytes
@@ -174,7 +171,8 @@ class Channel:
         td = timedelta(seconds=timeout)
         self._store = self._ns = None
         try:
-            self._store = self._host(td) if rank == 0 else TCPStore(
+            self._store = process_group.listening_store(
+                master_addr, master_port, td, self._where()) if rank == 0 else TCPStore(
                 master_addr, master_port, None, False, timeout=td)
             nonce = rendezvous.prove(self._store, rank=rank, world_size=world_size, token=token,
                                      timeout=timeout, where=self._where(),
@@ -185,7 +183,7 @@ class Channel:
                   "port": master_port, "timeout": timeout, "where": self._where()}
             self.announced = Announcements(self._store, self._ns, **at)
             self._peers = Peers(self._store, self._ns, self._mac, **at)
-            self._pg = self._group(PrefixStore(f"{self._ns}/pg", self._store), td)
+            self._pg = self._group(PrefixStore(f"{self._ns}/pg", self._store))
         except RuntimeError as e:  # torch.distributed's errors: the store's, Gloo's
             self.close()
             raise RemoteError(f"{self._where()}: rendezvous failed within {timeout} s: "
@@ -194,25 +192,6 @@ class Channel:
             self.close()
             raise
         logger.info("%s: channel ready (%s, %d ranks)", self._where(), backend, world_size)
-
-    def _host(self, td: timedelta) -> TCPStore:
-        """Rank 0's store, listening on `master_addr` only (TCPStore alone binds every
-        interface): on a socket bound here, whose descriptor the store takes over."""
-        try:
-            sock = socket.create_server((self.addr, self.port), backlog=128, family=(
-                socket.AF_INET6 if ":" in self.addr else socket.AF_INET))
-        except OSError as e:
-            raise RemoteError(f"{self._where()}: cannot listen on {self.addr}:{self.port} "
-                              f"({e}); is the port in use, and is {self.addr} an address of "
-                              "this host?") from e
-        try:
-            store = TCPStore(self.addr, self.port, None, True, timeout=td,
-                             wait_for_workers=False, master_listen_fd=sock.fileno())
-        except BaseException:
-            sock.close()
-            raise
-        sock.detach()  # the store closes it
-        return store
 
     @staticmethod
     def _validate(rank: int, world_size: int, token: str, timeout: float, backend: str) -> None:
@@ -250,48 +229,10 @@ class Channel:
                 f"the sender (rank 0) at {self.addr}:{self.port} did not answer") + \
             rendezvous.interface_hint(self.addr)
 
-    def _group(self, store: PrefixStore, td: timedelta):
-        # Rank 0's Gloo address (key "0/0") is its own to write: one already there is
-        # someone else's, who would meet the receivers in its place (their digests refuse
-        # its rounds) and leave rank 0 waiting for them past the timeout.
-        if self.rank == 0 and self.backend == "gloo" and store.check(["0/0"]):
-            raise RemoteError(f"{self._where()}: the store was written by someone else: the "
-                              "process group's address of rank 0 was there before it "
-                              "(someone on the network reached the store's port); nothing sent")
-        if self.backend != "gloo":  # NCCL connects at the first collective, on its thread
-            return self._backend_group(store, td)
-        # Gloo's connect does not always keep to its timeout (peers that met someone else
-        # instead): wait for it on a thread, up to the timeout and a margin, then give up.
-        done: dict = {}
-        th = threading.Thread(target=self._new_group, args=(store, td, done), daemon=True,
-                              name=f"hotweights-group-{self.rank}")
-        th.start()
-        th.join(self.timeout + 5.0)
-        if th.is_alive():
-            raise RemoteError(f"{self._where()}: building the process group did not finish "
-                              f"within {self.timeout + 5.0} s: {self._peer_hint()}; or someone "
-                              "else wrote the store's process-group keys")
-        if "error" in done:
-            raise done["error"]
-        return done["pg"]
-
-    def _new_group(self, store: PrefixStore, td: timedelta, done: dict) -> None:
-        try:
-            done["pg"] = self._backend_group(store, td)
-        except BaseException as e:  # noqa: BLE001 - raised again by _group
-            done["error"] = e
-
-    def _backend_group(self, store: PrefixStore, td: timedelta):
-        if self.backend == "gloo":
-            from torch.distributed.distributed_c10d import ProcessGroupGloo
-            pg = ProcessGroupGloo(store, self.rank, self.world_size, timeout=td)
-        else:
-            from torch.distributed.distributed_c10d import ProcessGroupNCCL
-            opts = ProcessGroupNCCL.Options()
-            opts._timeout = td
-            pg = ProcessGroupNCCL(store, self.rank, self.world_size, opts)
-        pg._set_sequence_number_for_group()
-        return pg
+    def _group(self, store: PrefixStore):
+        return process_group.build(store, rank=self.rank, world_size=self.world_size,
+                                   backend=self.backend, timeout=self.timeout,
+                                   where=self._where(), peer_hint=self._peer_hint)
 
     # --- failures ---------------------------------------------------------------------------
 
