@@ -61,7 +61,8 @@ def test_a_bad_ca_bundle_is_named(tmp_path, monkeypatch, given_as):
                       (tmp_path / "missing.pem", "No such file")):
         if given_as == "variable":
             monkeypatch.setenv("HOTWEIGHTS_CA_FILE", str(path))
-        prefix = "cafile=" if given_as == "argument" else "HOTWEIGHTS_CA_FILE="
+        prefix = (r"cafile= \(CLI: --cafile\) " if given_as == "argument" else
+                  "HOTWEIGHTS_CA_FILE=")
         with pytest.raises(ConfigError, match=rf"{prefix}{path}: cannot load it as a CA "
                            rf"bundle \(.*{why}.*\); pass a PEM file"):
             request("https://127.0.0.1:1", "GET", "/x", "tok",

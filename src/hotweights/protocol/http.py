@@ -91,7 +91,7 @@ def tls_context(cafile: str | os.PathLike | None = None) -> ssl.SSLContext:
         ConfigError: the CA bundle cannot be read or holds no certificate.
     """
     if cafile is not None:
-        return _context(os.fspath(cafile), "cafile=")
+        return _context(os.fspath(cafile), "cafile= (CLI: --cafile) ")
     if os.environ.get(CA_FILE_ENV):
         return _context(os.environ[CA_FILE_ENV], f"{CA_FILE_ENV}=")
     # Keyed by the variables OpenSSL reads: loading a trust store takes ~0.1 s.
