@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 
 from hotweights.changes import blocks
-from hotweights.checkpoint import MODES, clone, journal, lock, sidecar, trash
+from hotweights.checkpoint import clone, journal, lock, sidecar, trash
 from hotweights.checkpoint.dtypes import TORCH
-from hotweights.checkpoint.incremental import write_mode
+from hotweights.checkpoint.incremental import check_options, write_mode
 from hotweights.checkpoint.names import to_disk, unpack
 from hotweights.checkpoint.shards import read_dir
 from hotweights.errors import CheckpointError
@@ -134,12 +134,14 @@ def diagnose(model_dir: str | os.PathLike,
     d = Path(model_dir)
     if not d.is_dir():
         raise CheckpointError(f"{d}: not a directory")
-    if mode not in MODES:
-        raise CheckpointError(f"mode {mode!r}: choose one of {', '.join(MODES)}")
+    check_options(mode, block_size)
     try:
         wmode, reason = write_mode(d, mode)
     except CheckpointError as e:  # mode "reflink" where there are none: a finding
         wmode, reason = None, str(e)
+    if not os.access(d, os.W_OK):  # a sync stages, renames and journals in it
+        wmode, reason = None, (f"{d}: not writable by this process: a sync cannot stage or "
+                               "replace its shards here")
     kind, mount = clone.fs_type(d)
     pending, leftovers, interrupted = _journal_state(d)
     base = dict(model_dir=str(d), journal=pending, leftovers=leftovers, interrupted=interrupted,

@@ -57,12 +57,20 @@ def save(model_dir: Path, live: Mapping[str, torch.Tensor], *, mode: str,
     if not tensors:
         raise CheckpointError(f"{model_dir}: no safetensors there and no live tensors to "
                               "save")
-    split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size)
+    if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int | str) or \
+            isinstance(max_shard_size, int) and max_shard_size <= 0:
+        raise CheckpointError(f"max_shard_size={max_shard_size!r}: bytes (an int > 0) or a "
+                              "size such as '5GB', as for save_pretrained")
+    try:
+        split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size)
+    except ValueError as e:  # huggingface_hub's parse of "10QB"
+        raise CheckpointError(f"max_shard_size={max_shard_size!r}: {e}") from None
     for filename, names in split.filename_to_tensors.items():
         if bad := next((n for n in names if tensors[n].dtype not in NAMES), None):
             raise CheckpointError(f"{bad} in {filename}: the live tensor is "
                                   f"{str(tensors[bad].dtype).removeprefix('torch.')}, which "
                                   "has no safetensors dtype; nothing was written")
+    config_text = _config_text(config, model)  # before anything is written
     total, done = sum(t.numel() * t.element_size() for t in tensors.values()), 0
     fingerprints = {}
     with stage.staging(model_dir, "write the first save") as area:
@@ -73,14 +81,8 @@ def save(model_dir: Path, live: Mapping[str, torch.Tensor], *, mode: str,
             done += sum(tensors[n].numel() * tensors[n].element_size() for n in names)
             progress("write", done, total)
         extra = []
-        if config is None and getattr(model, "config", None) is not None:
-            # the model's own, naming its class as save_pretrained does (on a copy)
-            config = copy.deepcopy(model.config)
-            config.architectures = [type(model).__name__]
-        if config is not None:
-            text = (json.dumps(config, indent=2) if isinstance(config, dict)
-                    else config.to_json_string())
-            _text(area / "config.json", text)
+        if config_text is not None:
+            _text(area / "config.json", config_text)
             extra.append("config.json")
         if split.is_sharded:
             _text(area / INDEX_NAME, json.dumps(
@@ -99,6 +101,23 @@ def save(model_dir: Path, live: Mapping[str, torch.Tensor], *, mode: str,
         seconds=time.perf_counter() - started,
         writes=dict.fromkeys(split.filename_to_tensors, "whole"), tied=tuple(sorted(tied)),
         first_save=True, reason="no safetensors in the directory", write_mode="copy")
+
+
+def _config_text(config: object, model: torch.nn.Module | None) -> str | None:
+    """config.json's text: of `config` (a dict or a `PretrainedConfig`), else of the
+    model's own config naming its class, as save_pretrained writes it (None: neither)."""
+    if config is None and getattr(model, "config", None) is not None:
+        config = copy.deepcopy(model.config)  # (on a copy)
+        config.architectures = [type(model).__name__]
+    if config is None:
+        return None
+    try:
+        return (json.dumps(config, indent=2) if isinstance(config, dict)
+                else config.to_json_string())
+    except (AttributeError, TypeError, ValueError) as e:  # not a config, or not JSON
+        raise CheckpointError(f"config: a dict or a transformers PretrainedConfig that JSON "
+                              f"can hold, found {type(config).__name__} ({e}); nothing was "
+                              "written") from None
 
 
 def _write_shard(path: Path, tensors: Mapping[str, torch.Tensor], block_size: int

@@ -83,11 +83,19 @@ FRAGMENT_BYTES = 64 << 10
 FRAGMENTS_MIN = 1024
 
 
+def check_options(mode: str, block_size: int) -> None:
+    """Raise a CheckpointError naming `mode` or `block_size` if a sync cannot take it."""
+    if mode not in MODES:
+        raise CheckpointError(f"mode {mode!r}: choose one of {', '.join(MODES)}")
+    if type(block_size) is not int or block_size <= 0 or block_size % 8:
+        raise CheckpointError(f"block_size={block_size!r}: must be a positive multiple of 8 "
+                              "(bytes per fingerprinted block)")
+
+
 def write_mode(model_dir: str | os.PathLike, mode: str = "auto") -> tuple[str, str]:
     """How `sync` patches the shards of `model_dir` in `mode`: ("reflink" | "journal" |
     "copy", why)."""
-    if mode not in MODES:
-        raise CheckpointError(f"mode {mode!r}: choose one of {', '.join(MODES)}")
+    check_options(mode, blocks.DEFAULT_BLOCK_SIZE)
     if mode in ("journal", "copy"):
         return mode, "asked for"
     ok, why = clone.supports_reflink(model_dir)
@@ -120,7 +128,9 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
         max_shard_size: for a first save, as in `save_pretrained`.
         progress: called with (phase, bytes done, bytes total) as hashing and writing go.
         after_read: called once every live byte the sync needs has been read (staged or
-            journaled), before the commit: the weights may change again from then on.
+            journaled) and the sync is committed, before the files are replaced: the
+            weights may change again from then on. If it raises, the sync still completes
+            (the files hold the live tensors) and its error is raised after.
         changed: the live names (as in `live`, a wrapped model's with or without the
             wrappers' parts) of the only tensors that may differ from
             what the directory holds, e.g. the parameters your optimizer steps. Every other
@@ -146,6 +156,9 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
             an unwritable directory, a corrupt shard: nothing is written.
     """
     started = time.perf_counter()
+    check_options(mode, block_size)
+    if version is not None and not isinstance(version, str):
+        raise TypeError(f"version={version!r}: a str (e.g. the server's '3@ab12cd34') or None")
     model_dir = Path(model_dir)
     watch = writewatch.default() if watch is True else watch or None
     live, model, model_type = unpack(live, config)
@@ -211,9 +224,9 @@ def _existing(model_dir: Path) -> Path:
 
 def _check_changed(live: Mapping[str, torch.Tensor], changed: Iterable[str]
                    ) -> frozenset[str]:
-    if isinstance(changed, str):
-        raise CheckpointError(f"changed={changed!r}: pass a collection of live tensor names, "
-                              "not one string")
+    if isinstance(changed, str) or not isinstance(changed, Iterable):
+        raise CheckpointError(f"changed={changed!r}: pass a collection of live tensor names"
+                              + (", not one string" if isinstance(changed, str) else ""))
     changed = frozenset(as_unpacked(live, changed))  # a generator is read once, here
     if unknown := sorted(n for n in changed if n not in live):
         raise CheckpointError(f"changed names {len(unknown)} tensor(s) the live weights do not "

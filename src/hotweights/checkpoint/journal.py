@@ -559,6 +559,9 @@ def recover(directory: str | os.PathLike, *, lock: bool = True) -> str:
     if os.path.exists(path):
         try:
             _, records = _scan(path)
+        except IsADirectoryError:
+            raise CheckpointError(f"{path}: a directory where a sync's journal belongs; "
+                                  "move it away (no sync of this directory made it)") from None
         except _Corrupt as e:
             os.unlink(path)
             logger.warning("%s: discarded a corrupt journal: %s", path, e)

@@ -208,13 +208,34 @@ def unpack(live: Mapping[str, torch.Tensor] | torch.nn.Module, config: object = 
     not (DDP, torch.compile, FSDP: the names and model inside); the model type from
     `config` (a config or a dict), else the model's config."""
     model = live if isinstance(live, torch.nn.Module) else None
-    tensors = unwrapped(live.state_dict() if model is not None else live)
+    tensors = unwrapped(_tensors(live.state_dict() if model is not None else live))
     while type(model).__name__ in WRAPPERS:  # the model it runs: its config, conversions
         model = getattr(model, "_orig_mod", None) or model.module
     config = config if config is not None else getattr(model, "config", None)
     model_type = config.get("model_type") if isinstance(config, dict) else getattr(
         config, "model_type", None)
     return tensors, model, model_type
+
+
+def _tensors(live: object) -> Mapping[str, torch.Tensor]:
+    """`live`, once it is a mapping of names to tensors that hold data.
+
+    Raises:
+        TypeError: not a mapping, a name not a str, a value not a tensor (named).
+        CheckpointError: a tensor on the meta device (named).
+    """
+    if not isinstance(live, Mapping):
+        raise TypeError(f"live: pass a mapping of names to tensors (e.g. model.state_dict()) "
+                        f"or a torch.nn.Module, not a {type(live).__name__}")
+    for name, t in live.items():
+        if not isinstance(name, str):
+            raise TypeError(f"live: the names must be str, found {name!r}")
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"live[{name!r}]: a {type(t).__name__}, not a torch.Tensor")
+        if t.is_meta:
+            raise CheckpointError(f"{name}: on the meta device: it holds no data to save "
+                                  "(load or materialize the weights first)")
+    return live
 
 
 def storage_key(t: torch.Tensor) -> tuple | None:

@@ -200,11 +200,14 @@ def _naming(path: str) -> Iterator[None]:
 def commit(model_dir: Path, after_read: Callable[[], None] | None,
            then: Callable[[], None] | None = None) -> None:
     """Tell the caller every live byte is read, then apply the committed journal (its
-    fsyncs and removal, then `then`, finish in a thread: `finisher.finish`)."""
-    if after_read:
-        after_read()
-    journal.apply(model_dir, wait=False, then=then, mine=True)
-    shutil.rmtree(model_dir / journal.STAGE_DIR, ignore_errors=True)  # empty by now
+    fsyncs and removal, then `then`, finish in a thread: `finisher.finish`). The journal
+    is committed: it is applied even if `after_read` raises (what it raised goes on up)."""
+    try:
+        if after_read:
+            after_read()
+    finally:
+        journal.apply(model_dir, wait=False, then=then, mine=True)
+        shutil.rmtree(model_dir / journal.STAGE_DIR, ignore_errors=True)  # empty by now
 
 
 def whole(shard: Shard, tensors: Mapping[str, torch.Tensor], dst: Path,

@@ -12,7 +12,7 @@ import os
 import urllib.parse
 from pathlib import Path
 
-from hotweights.errors import ServerError
+from hotweights.errors import ConfigError, ServerError
 from hotweights.protocol.urls import server_url
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
@@ -65,8 +65,10 @@ def find_token(url: str, token: str | None = None) -> str:
         ServerError: no token given, and `url` is not a loopback URL or no file exists.
     """
     url = server_url(url)
+    if token is not None and not isinstance(token, str):
+        raise ConfigError(f"{url}: token= must be a str, found {type(token).__name__}")
     if token or (token := os.environ.get("HOTWEIGHTS_TOKEN")):
-        return token
+        return checked(token, url)
     parts = urllib.parse.urlsplit(url)
     if not is_loopback(parts.hostname):
         raise ServerError(f"{url}: no token: pass token= (CLI: --token) or set "
@@ -74,6 +76,21 @@ def find_token(url: str, token: str | None = None) -> str:
                           "loopback URLs only)")
     path = token_path(parts.port or _DEFAULT_PORTS.get(parts.scheme, 80))
     if path.is_file():
-        return path.read_text().strip()
+        return checked(path.read_text(), url)
     raise ServerError(f"{url}: no token: pass token= (CLI: --token), set HOTWEIGHTS_TOKEN, "
                       f"or run the server on this machine as this user (it writes {path})")
+
+
+def checked(token: str, where: str) -> str:
+    """`token` without surrounding whitespace (a file's newline), once it can go in an HTTP
+    header (`where` names whose it is: never the token itself).
+
+    Raises:
+        ConfigError: an empty token, or one with whitespace or control characters inside.
+    """
+    token = token.strip()
+    if not token or any(c.isspace() or not c.isprintable() for c in token):
+        raise ConfigError(f"{where}: the token (token=, --token, HOTWEIGHTS_TOKEN or the "
+                          "token file) is empty or holds whitespace or control characters "
+                          "inside it; pass the token alone (it is not shown here)")
+    return token

@@ -20,6 +20,9 @@ def server_url(url: str) -> str:
         return ConfigError(f"{url!r} is not a server URL: {why} "
                            "(expected http://HOST:PORT or https://HOST:PORT)")
 
+    if not isinstance(url, str):
+        raise bad(f"a {type(url).__name__}, not a str")
+
     try:
         parts = urllib.parse.urlsplit(url.strip())
         port = parts.port

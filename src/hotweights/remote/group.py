@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import socket
 import threading
@@ -44,6 +45,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -188,6 +190,9 @@ class RemoteGroup:
                  checkpoint: str | os.PathLike | None = None, reference: str = "copy",
                  trainable: Iterable[str] | None = None, compress: str | None = None,
                  require: str = "any", cafile: str | os.PathLike | None = None):
+        trainable = _check_args(timeout=timeout, master_addr=master_addr,
+                                master_port=master_port, checkpoint=checkpoint,
+                                trainable=trainable)
         self.urls = server_urls(servers)
         self.cafile = cafile
         self._tokens = {u: find_token(u, token.get(u) if isinstance(token, Mapping) else token)
@@ -640,6 +645,31 @@ class RemoteGroup:
                                       if isinstance(e, Exception)}):
             raise RemoteError(named(failed))
         return outs
+
+
+def _check_args(*, timeout, master_addr, master_port, checkpoint, trainable
+                ) -> str | tuple[str, ...] | None:
+    """`trainable` (an iterable read once, into a tuple), once `RemoteGroup` can take its
+    arguments; else a RemoteError naming the first it cannot."""
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or \
+            not 0 < timeout < math.inf:
+        raise RemoteError(f"field 'timeout' must be a number of seconds > 0, found {timeout!r}")
+    if master_addr is not None and not isinstance(master_addr, str):
+        raise RemoteError(f"field 'master_addr' must be an address (a str), found "
+                          f"{master_addr!r}")
+    if type(master_port) is not int or not 0 <= master_port <= 65535:
+        raise RemoteError(f"field 'master_port' must be a port (0: any free one), found "
+                          f"{master_port!r}")
+    if checkpoint is not None and not Path(checkpoint).is_dir():
+        raise RemoteError(f"field 'checkpoint': {checkpoint} is not a directory")
+    if trainable is None or isinstance(trainable, str):
+        return trainable
+    if isinstance(trainable, Iterable):
+        trainable = tuple(trainable)
+        if all(isinstance(t, str) for t in trainable):
+            return trainable
+    raise RemoteError(f"field 'trainable' must be names or patterns (a str or strs), found "
+                      f"{trainable!r}")
 
 
 def _then_last(items: Iterator, then: Callable[[Any], None]) -> Iterator:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import socket
 import urllib.parse
+from collections import Counter
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -61,7 +62,15 @@ def server_urls(servers: str | Iterable[str], port: int = DEFAULT_PORT) -> list[
         ConfigError: an empty list, a server named twice, an unreadable node list, a URL
             that is not a server's (`urls.server_url`).
     """
-    items = _split(servers) if isinstance(servers, str) else list(servers)
+    if isinstance(servers, str):
+        items = _split(servers)
+    elif isinstance(servers, Iterable) and not isinstance(servers, bytes | Mapping):
+        items = list(servers)
+    else:
+        raise ConfigError(f"servers: a str or a list of str, found {servers!r}")
+    if bad := [s for s in items if not isinstance(s, str)]:
+        raise ConfigError(f"servers: each a URL, host[:port] or node list (a str), found "
+                          f"{bad[0]!r}")
     urls = []
     for item in filter(None, (s.strip() for s in items)):
         scheme, sep, rest = item.partition("://")
@@ -76,7 +85,7 @@ def server_urls(servers: str | Iterable[str], port: int = DEFAULT_PORT) -> list[
         urls += [server_url(f"{scheme}://{h}:{given or port}") for h in expand_nodes(host)]
     if not urls:
         raise ConfigError(f"no servers in {servers!r}")
-    if dupes := sorted({u for u in urls if urls.count(u) > 1}):
+    if dupes := sorted(u for u, n in Counter(urls).items() if n > 1):
         raise ConfigError(f"servers named twice: {', '.join(dupes)}")
     return urls
 

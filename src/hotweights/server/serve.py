@@ -23,7 +23,7 @@ from hotweights.checkpoint.digest import stats as checkpoint_stats
 from hotweights.checkpoint.hub import local_dir
 from hotweights.errors import ConfigError
 from hotweights.protocol import shm
-from hotweights.protocol.tokens import remove_token, token_path, write_token
+from hotweights.protocol.tokens import checked, remove_token, token_path, write_token
 from hotweights.server import tls
 from hotweights.server.env import ACTIVE, CHECKPOINT_STATS, REMOTE, REMOTE_ENGINE
 
@@ -145,7 +145,8 @@ def run(args: argparse.Namespace, vllm_args: list[str]) -> int:
     refuse_unshareable(vllm_args)
     https = tls.check_files(args.ssl_keyfile, args.ssl_certfile)
     _refuse_busy_port(args.host, args.port)
-    token = args.token or os.environ.get("HOTWEIGHTS_TOKEN") or secrets.token_hex(24)
+    token = checked(args.token or os.environ.get("HOTWEIGHTS_TOKEN") or
+                    secrets.token_hex(24), "hotweights serve")
     token_file = Path(args.token_file or token_path(args.port))
     for path in shm.sweep_stale():
         print(f"removed stale shared weights {path}")

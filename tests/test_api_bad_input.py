@@ -1,0 +1,195 @@
+"""The library's arguments a caller may get wrong: each is refused up front, naming the
+argument or tensor, with nothing written (no server, no vLLM)."""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from hotweights.checkpoint import diagnose, recover, sync
+from hotweights.checkpoint.journal import JOURNAL_NAME
+from hotweights.errors import CheckpointError, ConfigError, RemoteError
+from hotweights.protocol.http import request
+from hotweights.protocol.tokens import find_token
+from hotweights.remote.group import RemoteGroup
+from hotweights.remote.hosts import server_urls
+
+
+def _state() -> dict[str, torch.Tensor]:
+    return {"a.weight": torch.arange(64, dtype=torch.float32).reshape(8, 8),
+            "b.weight": torch.ones(8, dtype=torch.float32)}
+
+
+@pytest.fixture
+def ckpt(tmp_path) -> Path:
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    save_file(_state(), d / "model.safetensors", metadata={"format": "pt"})
+    return d
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() if p.is_file() else b""
+            for p in sorted(d.rglob("*"))}
+
+
+@pytest.mark.parametrize(("live", "error", "match"), [
+    ([torch.ones(2)], TypeError, "live: pass a mapping of names to tensors .* not a list"),
+    (None, TypeError, "not a NoneType"),
+    ({1: torch.ones(2)}, TypeError, "live: the names must be str, found 1"),
+    ({"a.weight": [1.0, 2.0]}, TypeError, r"live\['a.weight'\]: a list, not a torch.Tensor"),
+    ({"a.weight": torch.empty(8, 8, device="meta")}, CheckpointError,
+     "a.weight: on the meta device: it holds no data to save"),
+])
+def test_live_that_is_no_mapping_of_tensors_is_named(ckpt, tmp_path, live, error, match):
+    before = _files(ckpt)
+    for target in (ckpt, tmp_path / "new"):  # a sync, and a first save
+        with pytest.raises(error, match=match):
+            sync(target, live)
+        if live is not None:  # (diagnose without live tensors checks the directory alone)
+            with pytest.raises(error, match=match):
+                diagnose(ckpt, live)
+    assert _files(ckpt) == before and not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    (dict(mode="fast"), "mode 'fast': choose one of auto, reflink"),
+    (dict(block_size=0), r"block_size=0: must be a positive multiple of 8"),
+    (dict(block_size=12), r"block_size=12: must be a positive multiple of 8"),
+    (dict(block_size="64"), r"block_size='64': must be a positive multiple of 8"),
+    (dict(changed=5), "changed=5: pass a collection of live tensor names"),
+])
+def test_options_a_sync_cannot_take_are_named_before_anything_is_made(ckpt, tmp_path, kwargs,
+                                                                       match):
+    before = _files(ckpt)
+    for target in (ckpt, tmp_path / "new"):  # the mode of a directory not made yet too
+        with pytest.raises(CheckpointError, match=match):
+            sync(target, _state(), **kwargs)
+    assert _files(ckpt) == before and not (tmp_path / "new").exists()
+    if "changed" not in kwargs:
+        with pytest.raises(CheckpointError, match=match):
+            diagnose(ckpt, _state(), **kwargs)
+
+
+@pytest.mark.parametrize("version", [b"v1", 5, ["v"]])
+def test_a_version_that_is_no_str_is_named(ckpt, version):
+    before = _files(ckpt)
+    with pytest.raises(TypeError, match=r"version=.*: a str"):
+        sync(ckpt, _state(), version=version)
+    assert _files(ckpt) == before
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    (dict(max_shard_size="10QB"), r"max_shard_size='10QB': Unit 'QB' not supported"),
+    (dict(max_shard_size=0), r"max_shard_size=0: bytes \(an int > 0\) or a size"),
+    (dict(max_shard_size=None), r"max_shard_size=None"),
+    (dict(config="llama"), r"config: a dict or a transformers PretrainedConfig .* found str"),
+    (dict(config={"t": torch.ones(1)}), r"config: .* found dict .*nothing was written"),
+])
+def test_a_first_save_refuses_bad_options_before_writing(tmp_path, kwargs, match):
+    d = tmp_path / "new"
+    with pytest.raises(CheckpointError, match=match):
+        sync(d, _state(), **kwargs)
+    assert not d.exists() or not [p for p in d.rglob("*") if p.name != ".hotweights"]
+
+
+def test_an_after_read_hook_that_raises_leaves_the_sync_done_not_pending(ckpt):
+    live = _state()
+    live["a.weight"][3] += 1.0
+
+    def hook():
+        raise RuntimeError("the caller's hook failed")
+    with pytest.raises(RuntimeError, match="the caller's hook failed"):
+        sync(ckpt, live, after_read=hook)
+    from hotweights.checkpoint import finisher
+    finisher.finish()
+    assert torch.equal(load_file(ckpt / "model.safetensors")["a.weight"], live["a.weight"])
+    assert not (ckpt / JOURNAL_NAME).exists() and diagnose(ckpt).problems == []
+
+
+def test_a_directory_where_the_journal_belongs_is_named(ckpt):
+    (ckpt / JOURNAL_NAME).mkdir()
+    with pytest.raises(CheckpointError, match=f"{JOURNAL_NAME}: a directory where a sync's "
+                                              "journal belongs"):
+        recover(ckpt)
+
+
+def test_diagnose_names_a_directory_it_cannot_write(ckpt, monkeypatch):
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, m, **kw: False if m == os.W_OK and
+                        Path(p) == ckpt else real(p, m, **kw))
+    d = diagnose(ckpt)
+    assert d.write_mode is None and d.problems == [
+        f"{ckpt}: not writable by this process: a sync cannot stage or replace its shards "
+        "here"]
+
+
+@pytest.mark.parametrize(("token", "match"), [
+    (5, "token= must be a str, found int"),
+    (b"x", "token= must be a str, found bytes"),
+    ("s3cr3t\ttoken", "holds whitespace or control characters inside it"),
+    ("s3cr3t\x00", "holds whitespace or control characters inside it"),
+])
+def test_a_token_that_cannot_go_in_a_header_is_refused_and_never_shown(token, match):
+    with pytest.raises(ConfigError, match=match) as e:
+        find_token("http://10.0.0.1:8000", token)
+    assert "s3cr3t" not in str(e.value)
+
+
+def test_a_token_read_with_its_newline_is_taken_without_it(json_server):
+    port = json_server(answer={"ok": 1})
+    token = find_token(f"http://127.0.0.1:{port}", "s3cr3t\n")
+    assert token == "s3cr3t"
+    assert request(f"http://127.0.0.1:{port}", "GET", "/x", token) == {"ok": 1}
+
+
+@pytest.mark.parametrize(("servers", "match"), [
+    (None, "servers: a str or a list of str, found None"),
+    (5, "servers: a str or a list of str, found 5"),
+    ({"a:1": 1}, r"servers: a str or a list of str"),
+    (["a:1", 5], r"servers: each a URL, host\[:port\] or node list \(a str\), found 5"),
+])
+def test_servers_of_the_wrong_type_are_named(servers, match):
+    with pytest.raises(ConfigError, match=match):
+        server_urls(servers)
+
+
+def test_a_long_node_list_with_a_server_named_twice_is_found_at_once():
+    with pytest.raises(ConfigError, match="servers named twice: http://n1:8000"):
+        server_urls("n[1-20000],n1")  # counted, not searched per server
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    (dict(timeout=0), "field 'timeout' must be a number of seconds > 0, found 0"),
+    (dict(timeout=float("nan")), "field 'timeout' must be a number of seconds > 0"),
+    (dict(timeout="60"), "field 'timeout'"),
+    (dict(master_port=70000), "field 'master_port' must be a port"),
+    (dict(master_port="x"), "field 'master_port' must be a port"),
+    (dict(master_addr=5), "field 'master_addr' must be an address"),
+    (dict(trainable=5), "field 'trainable' must be names or patterns"),
+    (dict(trainable=[5]), "field 'trainable' must be names or patterns"),
+])
+def test_remote_group_arguments_are_checked_before_any_server_is_asked(kwargs, match):
+    with pytest.raises(RemoteError, match=match):
+        RemoteGroup("127.0.0.1:9", token="t0k3n-for-tests", **kwargs)
+
+
+def test_a_remote_group_checkpoint_that_is_no_directory_is_named(tmp_path):
+    with pytest.raises(RemoteError, match=f"field 'checkpoint': {tmp_path / 'nope'} is not a "
+                                          "directory"):
+        RemoteGroup("127.0.0.1:9", token="t0k3n-for-tests", checkpoint=tmp_path / "nope")
+
+
+def test_trainable_given_as_a_generator_is_read_once():
+    group = RemoteGroup("127.0.0.1:9", token="t0k3n-for-tests",
+                        trainable=(n for n in ["model.layers.1.*"]))
+    assert group.reference.trainable == ("model.layers.1.*",)
+    group.close()
+
+
+def test_a_url_that_is_no_str_is_named():
+    for url in (None, 8000):
+        with pytest.raises(ConfigError, match=f"{url!r} is not a server URL: a "):
+            find_token(url, "t")
