@@ -116,8 +116,8 @@ def test_sync_from_with_tensors_the_checkpoint_has_no_place_for_fails_naming_the
         rc, out, err = _run(capsys, "sync", "--model-dir", dirs["A"], "--from", extra,
                             *(["--json"] if json_out else []))
         assert rc == 1, out
-        assert err.startswith(f"error: {dirs['A']}: 1 of the 22 live tensors were not "
-                              "written, no shard holds them: model.extra.weight")
+        assert err.startswith(f"error: {dirs['A']}: 1 of the 22 live tensors not written, "
+                              "no shard holds them: model.extra.weight")
         assert json.loads(out)["missing_on_disk"] == ["model.extra.weight"] if json_out \
             else "not on disk" in out
     without = _disk(extra)

@@ -18,7 +18,9 @@ def test_server_urls_from_every_form():
     assert server_urls("gpu[1-2]", port=7000) == ["http://gpu1:7000", "http://gpu2:7000"]
     assert server_urls("https://gpu[01-02]:8443/, https://[::1]:9000") == [
         "https://gpu01:8443", "https://gpu02:8443", "https://[::1]:9000"]
-    assert server_urls("https://n[1-2]") == ["https://n1:8000", "https://n2:8000"]
+    assert server_urls("https://n[1-2]") == ["https://n1", "https://n2"]  # as https://n1
+    assert server_urls("https://n1, http://n2") == ["https://n1", "http://n2"]
+    assert server_urls({"http://a:1": "t", "b": "u"}) == ["http://a:1", "http://b:8000"]
 
 
 @pytest.mark.parametrize("bad, match", [

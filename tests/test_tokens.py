@@ -63,7 +63,8 @@ def test_token_file_is_private_and_removed_only_if_still_ours(tmp_path):
 
 @pytest.mark.parametrize(("url", "why"), [
     ("not-a-url", "no http:// or https://"),
-    ("localhost:8000", "the scheme is 'localhost'"),
+    ("localhost:8000", "no http:// or https:// (http://localhost:8000?)"),
+    ("http://h:1/?x=1", "a query or fragment after it"),
     ("ftp://x", "the scheme is 'ftp'"),
     ("http://127.0.0.1:99999", "port out of range"),
     ("http://localhost:abc", "port could not be cast"),

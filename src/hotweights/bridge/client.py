@@ -18,6 +18,7 @@ from hotweights.protocol import shm
 from hotweights.protocol.http import request, server_status
 from hotweights.protocol.renewer import Renewer
 from hotweights.protocol.tokens import find_token
+from hotweights.protocol.urls import server_url
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ class Bridge:
 
     def __init__(self, url: str, token: str, manifests: list[shm.Manifest], version: str, *,
                  cafile: str | os.PathLike | None = None):
-        self.url, self._token, self.cafile = url.rstrip("/"), token, cafile
+        self.url, self._token, self.cafile = server_url(url), token, cafile
         self.manifests = manifests
         self.server_id = manifests[0].server_id  # every update names the server we mapped
         self.version = version  # "N@SERVER", as in every response's x-hotweights-version
@@ -59,8 +60,9 @@ class Bridge:
             cafile: for https, the CA bundle (PEM) that signed the server's certificate
                 (default: HOTWEIGHTS_CA_FILE, else the system's trust store).
         """
+        url = server_url(url)
         token = find_token(url, token)
-        data = request(url.rstrip("/"), "GET", "/hotweights/manifest", token, cafile=cafile)
+        data = request(url, "GET", "/hotweights/manifest", token, cafile=cafile)
         manifests = [shm.Manifest.from_dict(m, source=f"{url}/hotweights/manifest")
                      for m in data["manifests"]]
         if len(manifests) != 1:

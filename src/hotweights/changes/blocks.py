@@ -18,6 +18,7 @@ import binascii
 import functools
 import importlib
 import logging
+import operator
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -29,7 +30,8 @@ from hotweights.changes import compiled
 from hotweights.errors import FingerprintError
 
 __all__ = ["COARSE", "DEFAULT_BLOCK_SIZE", "FORMAT", "KINDS", "Changes", "Fingerprints",
-           "TensorChange", "changed", "compare_bytes", "fingerprint", "kind_of", "refresh"]
+           "TensorChange", "changed", "check_block_size", "compare_bytes", "fingerprint",
+           "kind_of", "refresh"]
 
 logger = logging.getLogger(__name__)
 
@@ -91,11 +93,17 @@ def _bytes_of(name: str, t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.uint8)
 
 
-def _check_block_size(block_size: object, where: str) -> int:
-    if type(block_size) is not int or block_size <= 0 or block_size % 8:
+def check_block_size(block_size: object, where: str) -> int:
+    """`block_size` as an int, once it is a positive multiple of 8 (numpy ints too); else a
+    FingerprintError naming it and `where` it was given."""
+    try:
+        size = operator.index(block_size) if not isinstance(block_size, bool) else -1
+    except TypeError:
+        size = -1
+    if size <= 0 or size % 8:
         raise FingerprintError(f"{where}: field 'block_size' must be a positive multiple of "
                                f"8, found {block_size!r}")
-    return block_size
+    return size
 
 
 @dataclass(frozen=True, eq=False)
@@ -118,7 +126,7 @@ class Fingerprints:
         if self.kind not in KINDS:
             raise FingerprintError(f"fingerprints: field 'kind' must be one of {list(KINDS)}, "
                                    f"found {self.kind!r}")
-        bs = _check_block_size(self.block_size, "fingerprints")
+        bs = check_block_size(self.block_size, "fingerprints")
         for name, (nbytes, h) in self.tensors.items():
             if type(nbytes) is not int or nbytes < 0:
                 raise FingerprintError(f"fingerprints: field 'tensors.{name}.nbytes' must be "
@@ -424,7 +432,7 @@ def compare_bytes(name: str, live: torch.Tensor, disk: object, *,
         FingerprintError: non-contiguous tensor, bad block size or range, or sizes that
             differ.
     """
-    _check_block_size(block_size, "compare_bytes")
+    check_block_size(block_size, "compare_bytes")
     u8, on_disk = _bytes_of(name, live), np.frombuffer(disk, dtype=np.uint8)
     if on_disk.size != (n := u8.numel()):
         raise FingerprintError(f"{name}: live tensor has {n} bytes, the file {on_disk.size}")

@@ -14,7 +14,7 @@ import torch
 from hotweights.changes import blocks
 from hotweights.checkpoint import clone, journal, lock, sidecar, trash
 from hotweights.checkpoint.dtypes import TORCH
-from hotweights.checkpoint.incremental import check_options, write_mode
+from hotweights.checkpoint.incremental import check_mode, write_mode
 from hotweights.checkpoint.names import to_disk, unpack
 from hotweights.checkpoint.shards import read_dir
 from hotweights.errors import CheckpointError
@@ -129,12 +129,15 @@ def diagnose(model_dir: str | os.PathLike,
         A `Diagnosis`; see its `problems`.
 
     Raises:
-        CheckpointError: `model_dir` is not a directory, or `mode` is unknown.
+        CheckpointError: `model_dir` is not a directory, `mode` is unknown, `live` is not
+            names to tensors (a meta tensor named).
+        FingerprintError: `block_size` not a positive multiple of 8.
     """
     d = Path(model_dir)
     if not d.is_dir():
         raise CheckpointError(f"{d}: not a directory")
-    check_options(mode, block_size)
+    check_mode(mode)
+    blocks.check_block_size(block_size, "diagnose")
     try:
         wmode, reason = write_mode(d, mode)
     except CheckpointError as e:  # mode "reflink" where there are none: a finding

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import operator
 import os
 import struct
 import time
@@ -57,20 +58,13 @@ def save(model_dir: Path, live: Mapping[str, torch.Tensor], *, mode: str,
     if not tensors:
         raise CheckpointError(f"{model_dir}: no safetensors there and no live tensors to "
                               "save")
-    if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int | str) or \
-            isinstance(max_shard_size, int) and max_shard_size <= 0:
-        raise CheckpointError(f"max_shard_size={max_shard_size!r}: bytes (an int > 0) or a "
-                              "size such as '5GB', as for save_pretrained")
-    try:
-        split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size)
-    except ValueError as e:  # huggingface_hub's parse of "10QB"
-        raise CheckpointError(f"max_shard_size={max_shard_size!r}: {e}") from None
+    split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size)
     for filename, names in split.filename_to_tensors.items():
         if bad := next((n for n in names if tensors[n].dtype not in NAMES), None):
             raise CheckpointError(f"{bad} in {filename}: the live tensor is "
                                   f"{str(tensors[bad].dtype).removeprefix('torch.')}, which "
                                   "has no safetensors dtype; nothing was written")
-    config_text = _config_text(config, model)  # before anything is written
+    config_text = _config_text(config, model)
     total, done = sum(t.numel() * t.element_size() for t in tensors.values()), 0
     fingerprints = {}
     with stage.staging(model_dir, "write the first save") as area:
@@ -103,6 +97,31 @@ def save(model_dir: Path, live: Mapping[str, torch.Tensor], *, mode: str,
         first_save=True, reason="no safetensors in the directory", write_mode="copy")
 
 
+def check_options(max_shard_size: object, config: object) -> int | str:
+    """`max_shard_size` (a numpy int as an int), once it and `config` are what a first
+    save takes; else a CheckpointError naming the one at fault. (`sync` asks before it
+    makes or locks anything.)"""
+    if isinstance(max_shard_size, str):
+        try:  # huggingface_hub's own parse of "5GB"
+            split_torch_state_dict_into_shards({}, max_shard_size=max_shard_size)
+        except ValueError as e:
+            raise CheckpointError(f"sync: field 'max_shard_size' {max_shard_size!r}: {e}"
+                                  ) from None
+    else:
+        try:
+            size = -1 if isinstance(max_shard_size, bool) else operator.index(max_shard_size)
+        except TypeError:
+            size = -1
+        if size <= 0:
+            raise CheckpointError(f"sync: field 'max_shard_size' must be bytes (an int > 0) "
+                                  f"or a size such as '5GB', as for save_pretrained, found "
+                                  f"{max_shard_size!r}")
+        max_shard_size = size
+    if config is not None:
+        _config_text(config, None)
+    return max_shard_size
+
+
 def _config_text(config: object, model: torch.nn.Module | None) -> str | None:
     """config.json's text: of `config` (a dict or a `PretrainedConfig`), else of the
     model's own config naming its class, as save_pretrained writes it (None: neither)."""
@@ -115,9 +134,9 @@ def _config_text(config: object, model: torch.nn.Module | None) -> str | None:
         return (json.dumps(config, indent=2) if isinstance(config, dict)
                 else config.to_json_string())
     except (AttributeError, TypeError, ValueError) as e:  # not a config, or not JSON
-        raise CheckpointError(f"config: a dict or a transformers PretrainedConfig that JSON "
-                              f"can hold, found {type(config).__name__} ({e}); nothing was "
-                              "written") from None
+        raise CheckpointError(f"sync: field 'config' must be a dict or a transformers "
+                              f"PretrainedConfig that JSON can hold, found "
+                              f"{type(config).__name__} ({e})") from None
 
 
 def _write_shard(path: Path, tensors: Mapping[str, torch.Tensor], block_size: int

@@ -83,19 +83,16 @@ FRAGMENT_BYTES = 64 << 10
 FRAGMENTS_MIN = 1024
 
 
-def check_options(mode: str, block_size: int) -> None:
-    """Raise a CheckpointError naming `mode` or `block_size` if a sync cannot take it."""
+def check_mode(mode: str) -> None:
+    """Raise a CheckpointError naming `mode` unless it is one of `MODES`."""
     if mode not in MODES:
         raise CheckpointError(f"mode {mode!r}: choose one of {', '.join(MODES)}")
-    if type(block_size) is not int or block_size <= 0 or block_size % 8:
-        raise CheckpointError(f"block_size={block_size!r}: must be a positive multiple of 8 "
-                              "(bytes per fingerprinted block)")
 
 
 def write_mode(model_dir: str | os.PathLike, mode: str = "auto") -> tuple[str, str]:
     """How `sync` patches the shards of `model_dir` in `mode`: ("reflink" | "journal" |
     "copy", why)."""
-    check_options(mode, blocks.DEFAULT_BLOCK_SIZE)
+    check_mode(mode)
     if mode in ("journal", "copy"):
         return mode, "asked for"
     ok, why = clone.supports_reflink(model_dir)
@@ -153,12 +150,19 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
     Raises:
         CheckpointError: a live tensor whose dtype or shape differs from the file's (named,
             with the shard), a name in `changed` that `live` lacks, too little free space,
-            an unwritable directory, a corrupt shard: nothing is written.
+            an unwritable directory, a corrupt shard: nothing is written. An argument it
+            cannot take (`live` not names to tensors, a meta tensor, `mode`, `version`,
+            `max_shard_size`, `config`), before anything is made or locked.
+        FingerprintError: `block_size` not a positive multiple of 8.
     """
     started = time.perf_counter()
-    check_options(mode, block_size)
+    check_mode(mode)
+    block_size = blocks.check_block_size(block_size, "sync")
     if version is not None and not isinstance(version, str):
-        raise TypeError(f"version={version!r}: a str (e.g. the server's '3@ab12cd34') or None")
+        raise CheckpointError(f"sync: field 'version' must be a str (e.g. the server's "
+                              f"'3@ab12cd34') or None, found {version!r}")
+    from hotweights.checkpoint import first_save
+    max_shard_size = first_save.check_options(max_shard_size, config)
     model_dir = Path(model_dir)
     watch = writewatch.default() if watch is True else watch or None
     live, model, model_type = unpack(live, config)
@@ -170,7 +174,6 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
         journal.recover(model_dir, lock=False)  # an interrupted sync is finished or dropped
         disk = read_dir(model_dir)
         if disk is None:
-            from hotweights.checkpoint import first_save
             return first_save.save(model_dir, live, mode=mode, version=version, config=config,
                                    model=model, model_type=model_type,
                                    block_size=block_size, max_shard_size=max_shard_size,
@@ -473,9 +476,11 @@ def _commit(model_dir: Path, writes: list[_ShardWrite], after_read: Callable[[],
     changed, in the finisher thread (`finisher.finish`)."""
     if writes:
         stage.commit(model_dir, after_read, record)
-    else:
+        return
+    try:
         if after_read:
             after_read()
+    finally:  # the files hold the live tensors: their sidecars are true either way
         lock.later(model_dir, record)
 
 

@@ -317,6 +317,9 @@ def _read_exact(f: Any, n: int) -> bytes:
 def _scan(path: str) -> tuple[dict, list[tuple[bytes, str, int, int, int]]]:
     """Verify the whole journal; its meta and (tag, name, offset, length, payload pos)."""
     records = []
+    if os.path.isdir(path):
+        raise CheckpointError(f"{path}: a directory where a sync's journal belongs; move it "
+                              "away (no sync of this directory made it)")
     with open(path, "rb") as f:
         total = os.fstat(f.fileno()).st_size
         hasher = xxhash.xxh3_64()
@@ -363,7 +366,8 @@ def pending(directory: str | os.PathLike) -> dict | None:
     """The meta of a committed, intact journal in `directory`, or None if there is none.
 
     Raises:
-        CheckpointError: the journal is of a format this version does not know.
+        CheckpointError: the journal is of a format this version does not know, or a
+            directory stands in its place.
     """
     finisher.finish()  # a journal this process is still removing is not pending
     path = os.path.join(os.fspath(directory), JOURNAL_NAME)
@@ -559,9 +563,6 @@ def recover(directory: str | os.PathLike, *, lock: bool = True) -> str:
     if os.path.exists(path):
         try:
             _, records = _scan(path)
-        except IsADirectoryError:
-            raise CheckpointError(f"{path}: a directory where a sync's journal belongs; "
-                                  "move it away (no sync of this directory made it)") from None
         except _Corrupt as e:
             os.unlink(path)
             logger.warning("%s: discarded a corrupt journal: %s", path, e)

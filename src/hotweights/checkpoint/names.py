@@ -221,17 +221,17 @@ def _tensors(live: object) -> Mapping[str, torch.Tensor]:
     """`live`, once it is a mapping of names to tensors that hold data.
 
     Raises:
-        TypeError: not a mapping, a name not a str, a value not a tensor (named).
-        CheckpointError: a tensor on the meta device (named).
+        CheckpointError: not a mapping, a name not a str, a value not a tensor or a tensor
+            on the meta device (named).
     """
     if not isinstance(live, Mapping):
-        raise TypeError(f"live: pass a mapping of names to tensors (e.g. model.state_dict()) "
+        raise CheckpointError(f"live: pass a mapping of names to tensors (e.g. model.state_dict()) "
                         f"or a torch.nn.Module, not a {type(live).__name__}")
     for name, t in live.items():
         if not isinstance(name, str):
-            raise TypeError(f"live: the names must be str, found {name!r}")
+            raise CheckpointError(f"live: the names must be str, found {name!r}")
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"live[{name!r}]: a {type(t).__name__}, not a torch.Tensor")
+            raise CheckpointError(f"live[{name!r}]: a {type(t).__name__}, not a torch.Tensor")
         if t.is_meta:
             raise CheckpointError(f"{name}: on the meta device: it holds no data to save "
                                   "(load or materialize the weights first)")

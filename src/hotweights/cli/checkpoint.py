@@ -47,9 +47,10 @@ def run_sync(args: argparse.Namespace) -> int:
         for key, value in sync_rows(result, disk):
             print(f"  {key:<16}{value}" if key else value)
     if lost := result.missing_on_disk:  # written all else, but a script must not go on
-        print(f"error: {args.model_dir}: {len(lost)} of the {result.tensors_synced + len(lost)} "
-              f"live tensors were not written, no shard holds them: {_sample(lost)} (the "
-              "wrong directory, or another model's?)", file=sys.stderr)
+        total = _n(result.tensors_synced + len(lost), "live tensor")
+        print(f"error: {args.model_dir}: {len(lost)} of the {total} not written, no shard "
+              f"holds them: {_sample(lost)} (the wrong directory, or another model's?)",
+              file=sys.stderr)
         return 1
     return 0
 

@@ -144,7 +144,9 @@ def _parser() -> argparse.ArgumentParser:
         "in DIR/.hotweights/, else by comparing with the file). With --server the server "
         "pauses (update lease, mode keep) only while the live bytes are read; it resumes "
         "before the files are written. A directory with no safetensors gets a first full "
-        "save. Nothing is written if a tensor's shape or dtype differs from the file's.",
+        "save. Nothing is written if a tensor's shape or dtype differs from the file's. "
+        "Exit code 1 if live tensors have no place in the checkpoint (named; the others "
+        "are written).",
         epilog=_MODES_EPILOG,
     )
     p.add_argument("--model-dir", required=True, metavar="DIR", type=_path,

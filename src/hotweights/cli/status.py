@@ -7,6 +7,7 @@ import json
 import time
 
 from hotweights.protocol.http import server_status
+from hotweights.protocol.urls import server_url
 
 _STATES = {
     "idle": "serving",
@@ -54,7 +55,7 @@ _TIMINGS = (  # the last update's, from the server's clock
 
 
 def run(args: argparse.Namespace) -> int:
-    url = args.url.rstrip("/")
+    url = server_url(args.url)
     status = server_status(url, args.token, cafile=args.cafile)
     if args.json:
         print(json.dumps(status))

@@ -51,7 +51,8 @@ def request(url: str, method: str, route: str, token: str, body: dict | None = N
     host, a connection that broke mid-answer. A CA bundle that cannot be loaded is a
     `ConfigError`, and so is a `url` that is not a server URL (`urls.server_url`).
     """
-    parts = urllib.parse.urlsplit(server_url(url))
+    url = server_url(url)
+    parts = urllib.parse.urlsplit(url)
     context = tls_context(cafile) if parts.scheme == "https" else None
     if parts.scheme == "http":
         _warn_plain(url, parts.hostname)

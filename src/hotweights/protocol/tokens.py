@@ -89,8 +89,10 @@ def checked(token: str, where: str) -> str:
         ConfigError: an empty token, or one with whitespace or control characters inside.
     """
     token = token.strip()
-    if not token or any(c.isspace() or not c.isprintable() for c in token):
+    if not token or not token.isascii() or any(c.isspace() or not c.isprintable()
+                                               for c in token):
         raise ConfigError(f"{where}: the token (token=, --token, HOTWEIGHTS_TOKEN or the "
-                          "token file) is empty or holds whitespace or control characters "
-                          "inside it; pass the token alone (it is not shown here)")
+                          "token file) is empty or holds whitespace, control or non-ASCII "
+                          "characters inside it; pass the token alone (it is not shown "
+                          "here)")
     return token

@@ -28,10 +28,14 @@ def server_url(url: str) -> str:
         port = parts.port
     except ValueError as e:  # a port out of range or not a number, an unclosed [IPv6
         raise bad(str(e)[:1].lower() + str(e)[1:]) from None
+    if "://" not in url:
+        raise bad(f"no http:// or https:// (http://{url.strip()}?)")
     if parts.scheme not in SCHEMES:
-        raise bad(f"the scheme is {parts.scheme!r}" if parts.scheme else "no http:// or https://")
+        raise bad(f"the scheme is {parts.scheme!r}")
     if not parts.hostname:
         raise bad("no host")
     if port == 0:
         raise bad("port 0")
+    if parts.query or parts.fragment:
+        raise bad("a query or fragment after it (the routes follow its path)")
     return url.strip().rstrip("/")

@@ -192,7 +192,8 @@ class RemoteGroup:
                  require: str = "any", cafile: str | os.PathLike | None = None):
         trainable = _check_args(timeout=timeout, master_addr=master_addr,
                                 master_port=master_port, checkpoint=checkpoint,
-                                trainable=trainable)
+                                trainable=trainable, max_round_bytes=max_round_bytes,
+                                require=require, compress=compress, reference=reference)
         self.urls = server_urls(servers)
         self.cafile = cafile
         self._tokens = {u: find_token(u, token.get(u) if isinstance(token, Mapping) else token)
@@ -201,20 +202,7 @@ class RemoteGroup:
         self.master_addr = master_addr or ("127.0.0.1" if local else
                                            route_address(self.urls[0]))
         self.timeout = timeout
-        if type(max_round_bytes) is not int or max_round_bytes < packing.MIN_ROUND_BYTES:
-            raise RemoteError(f"field 'max_round_bytes' must be an int >= "
-                              f"{packing.MIN_ROUND_BYTES}, found {max_round_bytes!r}")
-        self.max_round_bytes = max_round_bytes
-        if require not in REQUIRE:
-            raise RemoteError(f"field 'require' must be one of {REQUIRE}, found {require!r}")
-        self.require = require
-        if compress not in packing.COMPRESS:
-            raise RemoteError(f"field 'compress' must be one of {list(packing.COMPRESS)}, found "
-                              f"{compress!r}")
-        self.compress = compress
-        if reference not in REFERENCES or reference == "checkpoint" and checkpoint is None:
-            raise RemoteError(f"field 'reference' must be one of {REFERENCES}, 'checkpoint' "
-                              f"with checkpoint=DIR; found {reference!r}")
+        self.max_round_bytes, self.require, self.compress = max_round_bytes, require, compress
         self.reference_mode = reference
         self._staging: tuple[torch.Tensor, ...] | None = None  # see _round_buffers
         self.checkpoint = None if checkpoint is None else LoadedCheckpoint(checkpoint)
@@ -647,10 +635,22 @@ class RemoteGroup:
         return outs
 
 
-def _check_args(*, timeout, master_addr, master_port, checkpoint, trainable
-                ) -> str | tuple[str, ...] | None:
+def _check_args(*, timeout, master_addr, master_port, checkpoint, trainable, max_round_bytes,
+                require, compress, reference) -> str | tuple[str, ...] | None:
     """`trainable` (an iterable read once, into a tuple), once `RemoteGroup` can take its
-    arguments; else a RemoteError naming the first it cannot."""
+    arguments; else a RemoteError naming the first it cannot (before any server is asked,
+    or a route looked up)."""
+    if type(max_round_bytes) is not int or max_round_bytes < packing.MIN_ROUND_BYTES:
+        raise RemoteError(f"field 'max_round_bytes' must be an int >= "
+                          f"{packing.MIN_ROUND_BYTES}, found {max_round_bytes!r}")
+    if require not in REQUIRE:
+        raise RemoteError(f"field 'require' must be one of {REQUIRE}, found {require!r}")
+    if compress not in packing.COMPRESS:
+        raise RemoteError(f"field 'compress' must be one of {list(packing.COMPRESS)}, found "
+                          f"{compress!r}")
+    if reference not in REFERENCES or reference == "checkpoint" and checkpoint is None:
+        raise RemoteError(f"field 'reference' must be one of {REFERENCES}, 'checkpoint' "
+                          f"with checkpoint=DIR; found {reference!r}")
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or \
             not 0 < timeout < math.inf:
         raise RemoteError(f"field 'timeout' must be a number of seconds > 0, found {timeout!r}")

@@ -55,8 +55,9 @@ def expand_nodes(spec: str) -> list[str]:
 
 def server_urls(servers: str | Iterable[str], port: int = DEFAULT_PORT) -> list[str]:
     """Base URLs of servers given as URLs, ``host[:port]`` or SLURM node lists (a string
-    with commas, or a list), each with or without ``http://`` or ``https://`` (default
-    http): ``"https://gpu[01-04]:8000"``; a host without a port gets `port`.
+    with commas, or a list: of a mapping, its keys), each with or without ``http://`` or
+    ``https://``: ``"https://gpu[01-04]:8443"``. Without a scheme a server is http and one
+    without a port gets `port`; with one (a URL), its scheme's (80, 443), as any URL.
 
     Raises:
         ConfigError: an empty list, a server named twice, an unreadable node list, a URL
@@ -64,7 +65,7 @@ def server_urls(servers: str | Iterable[str], port: int = DEFAULT_PORT) -> list[
     """
     if isinstance(servers, str):
         items = _split(servers)
-    elif isinstance(servers, Iterable) and not isinstance(servers, bytes | Mapping):
+    elif isinstance(servers, Iterable) and not isinstance(servers, bytes):
         items = list(servers)
     else:
         raise ConfigError(f"servers: a str or a list of str, found {servers!r}")
@@ -82,7 +83,9 @@ def server_urls(servers: str | Iterable[str], port: int = DEFAULT_PORT) -> list[
         host, _, given = rest.partition(":") if "[" not in rest else (rest, "", "")
         if "[" in rest and (m := re.fullmatch(r"(.*\])(?::(\d+))?/?", rest)):
             host, given = m.group(1), m.group(2) or ""
-        urls += [server_url(f"{scheme}://{h}:{given or port}") for h in expand_nodes(host)]
+        given = given or ("" if sep else str(port))
+        urls += [server_url(f"{scheme}://{h}" + (f":{given}" if given else ""))
+                 for h in expand_nodes(host)]
     if not urls:
         raise ConfigError(f"no servers in {servers!r}")
     if dupes := sorted(u for u, n in Counter(urls).items() if n > 1):

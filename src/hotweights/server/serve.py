@@ -70,7 +70,7 @@ def server_env(environ: dict[str, str] | os._Environ, vllm_args: list[str], *, t
                VLLM_PLUGINS=vllm_plugins(environ.get("VLLM_PLUGINS")), **{ACTIVE: "1"},
                **{REMOTE: "1" if remote else "0"})
     if not environ.get("VLLM_CPU_KVCACHE_SPACE") and \
-            all(_flag(vllm_args, f, "--" + f[2:].replace("-", "_")) is None for f in MEMORY_FLAGS):
+            all(_flag(vllm_args, f) is None for f in MEMORY_FLAGS):
         env["VLLM_CPU_KVCACHE_SPACE"] = str(KV_CACHE_GIB)  # read by vLLM's CPU platform only
     # torch's CPU allocator on transparent huge pages (where the kernel allows them on
     # request): a scattered update gathers and writes ~1 element per 4 KiB page of the
@@ -96,7 +96,7 @@ def command(args: argparse.Namespace, vllm_args: list[str]) -> list[str]:
         model = str(Path(model).resolve())
     extra = []
     if getattr(args, "remote", False):
-        if _flag(vllm_args, "--weight-transfer-config", "--weight_transfer_config"):
+        if _flag(vllm_args, "--weight-transfer-config"):
             raise ConfigError("--remote selects the hotweights weight-transfer engine; drop "
                               "--weight-transfer-config")
         extra = ["--weight-transfer-config", json.dumps({"backend": REMOTE_ENGINE})]
@@ -107,7 +107,9 @@ def command(args: argparse.Namespace, vllm_args: list[str]) -> list[str]:
 
 
 def _flag(vllm_args: list[str], *names: str) -> str | None:
-    """The value given to a vLLM flag (`--x v`, `--x=v`; exact names only), or None."""
+    """The value given to a vLLM flag (`--x v`, `--x=v`; the names given, each long one
+    also spelled with underscores, as vLLM reads `--max_model_len`), or None."""
+    names = {*names, *("--" + n[2:].replace("-", "_") for n in names if n.startswith("--"))}
     value = None
     for i, arg in enumerate(vllm_args):
         name, eq, given = arg.partition("=")
@@ -127,7 +129,7 @@ def refuse_unshareable(vllm_args: list[str]) -> None:
         "weights; run one server per copy instead",
     }
     for names, why in reasons.items():  # vLLM reads --data_parallel_size as --data-parallel-size
-        value = _flag(vllm_args, *names, "--" + names[0][2:].replace("-", "_"))
+        value = _flag(vllm_args, *names)
         if value is not None and value.isdigit() and int(value) > 1:
             raise ServerError(f"{names[0]} {value}: {why}")
 
