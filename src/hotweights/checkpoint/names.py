@@ -225,8 +225,9 @@ def _tensors(live: object) -> Mapping[str, torch.Tensor]:
             on the meta device (named).
     """
     if not isinstance(live, Mapping):
-        raise CheckpointError(f"live: pass a mapping of names to tensors (e.g. model.state_dict()) "
-                        f"or a torch.nn.Module, not a {type(live).__name__}")
+        raise CheckpointError(f"live: pass a mapping of names to tensors (e.g. "
+                              f"model.state_dict()) or a torch.nn.Module, not a "
+                              f"{type(live).__name__}")
     for name, t in live.items():
         if not isinstance(name, str):
             raise CheckpointError(f"live: the names must be str, found {name!r}")

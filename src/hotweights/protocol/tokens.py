@@ -86,7 +86,8 @@ def checked(token: str, where: str) -> str:
     header (`where` names whose it is: never the token itself).
 
     Raises:
-        ConfigError: an empty token, or one with whitespace or control characters inside.
+        ConfigError: an empty token, or one with whitespace, control or non-ASCII
+            characters inside.
     """
     token = token.strip()
     if not token or not token.isascii() or any(c.isspace() or not c.isprintable()

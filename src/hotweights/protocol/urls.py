@@ -22,7 +22,6 @@ def server_url(url: str) -> str:
 
     if not isinstance(url, str):
         raise bad(f"a {type(url).__name__}, not a str")
-
     try:
         parts = urllib.parse.urlsplit(url.strip())
         port = parts.port
