@@ -99,7 +99,7 @@ class Bridge:
         not change while they are read. A process that is not the trainer passes
         `exclusive=True`: the update lease (mode "keep") then holds off every trainer
         while the live bytes are read, and the server resumes, at the same version, before
-        the files are committed.
+        the files are replaced.
 
         Args:
             model_dir: the checkpoint directory (its safetensors name the tensors; one
