@@ -127,6 +127,7 @@ class Fingerprints:
             raise FingerprintError(f"fingerprints: field 'kind' must be one of {list(KINDS)}, "
                                    f"found {self.kind!r}")
         bs = check_block_size(self.block_size, "fingerprints")
+        object.__setattr__(self, "block_size", bs)  # a numpy int as an int (JSON)
         for name, (nbytes, h) in self.tensors.items():
             if type(nbytes) is not int or nbytes < 0:
                 raise FingerprintError(f"fingerprints: field 'tensors.{name}.nbytes' must be "
