@@ -117,8 +117,10 @@ def check_options(max_shard_size: object, config: object) -> int | str:
                                   f"or a size such as '5GB', as for save_pretrained, found "
                                   f"{max_shard_size!r}")
         max_shard_size = size
-    if config is not None:
-        _config_text(config, None)
+    if isinstance(config, dict):  # (a transformers config is written at a first save only:
+        _config_text(config, None)  # not serialized here, at every sync that passes it)
+    elif config is not None and not hasattr(config, "to_json_string"):
+        raise _bad_config(config, "no to_json_string")
     return max_shard_size
 
 
@@ -134,9 +136,13 @@ def _config_text(config: object, model: torch.nn.Module | None) -> str | None:
         return (json.dumps(config, indent=2) if isinstance(config, dict)
                 else config.to_json_string())
     except (AttributeError, TypeError, ValueError) as e:  # not a config, or not JSON
-        raise CheckpointError(f"sync: field 'config' must be a dict or a transformers "
-                              f"PretrainedConfig that JSON can hold, found "
-                              f"{type(config).__name__} ({e})") from None
+        raise _bad_config(config, str(e)) from None
+
+
+def _bad_config(config: object, why: str) -> CheckpointError:
+    return CheckpointError(f"sync: field 'config' must be a dict or a transformers "
+                           f"PretrainedConfig that JSON can hold, found "
+                           f"{type(config).__name__} ({why})")
 
 
 def _write_shard(path: Path, tensors: Mapping[str, torch.Tensor], block_size: int
