@@ -53,10 +53,14 @@ def test_copy_all_goes_on_after_short_copies(tmp_path, monkeypatch, to):
     assert asked[:6] == [5, 5, 5, 5, 3, 1]
 
 
-def test_a_clone_is_patched_in_whole_pages_of_the_file(tmp_path, monkeypatch):
-    """`stage._page_runs`: the pages the changed ranges touch, each run whole pages (the old
-    file's bytes around the changed tensors' live bytes, a tensor not on a page boundary),
-    split at `_CHUNK`; written over the old file they make it hold the live tensors."""
+@pytest.mark.parametrize("batch_pages", [1, 3, 2048])
+def test_a_clone_is_patched_in_whole_pages_of_the_file(tmp_path, monkeypatch, batch_pages):
+    """`stage._write_pages`: the pages the changed ranges touch (`_page_offsets`), whole
+    pages of the file (the old file's bytes around the changed tensors' live bytes, a tensor
+    not on a page boundary, one inside a single page, the file's partial last page) back to
+    back, built a batch at a time; cloned over the old file at `_runs` they make it hold
+    the live tensors."""
+    import numpy as np
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -64,25 +68,39 @@ def test_a_clone_is_patched_in_whole_pages_of_the_file(tmp_path, monkeypatch):
     from hotweights.checkpoint.shards import read_dir
 
     old = {"a": torch.arange(3, dtype=torch.int8), "b": torch.arange(100000, dtype=torch.int16),
-           "c": torch.ones(5000)}
+           "c": torch.ones(5000), "d": torch.arange(7, dtype=torch.int16)}
     save_file(old, tmp_path / "model.safetensors")
     shard = read_dir(tmp_path)["b"][0]
+    assert shard.size % 4096 and shard.tensors["b"].begin % 4096
     live = {k: v.clone() for k, v in old.items()}
     live["b"][10:30000] += 1
     live["c"][100] = 7
+    live["c"][-1] = 8  # the file's partial last page
+    live["d"][3] = -1  # a tensor inside one page
     live["a"][0] = 9  # not in the ranges: its bytes stay the file's
-    monkeypatch.setattr(stage, "_CHUNK", 8192)
-    out = bytearray((tmp_path / "model.safetensors").read_bytes())
-    src = os.open(shard.path, os.O_RDONLY)
+    ranges = [("b", 20, 60000), ("c", 400, 404), ("c", 19996, 20000), ("d", 6, 8)]
+    monkeypatch.setattr(stage, "_DIRECT_BUFFER", batch_pages * 4096)
+    offsets = stage._page_offsets(shard, ranges)
+    want = sorted({p for n, lo, hi in ranges for p in range(
+        (shard.tensors[n].begin + lo) // 4096 * 4096, shard.tensors[n].begin + hi, 4096)})
+    assert offsets.tolist() == want
+    tensors = [(shard.tensors[n].begin, shard.tensors[n].end, stage.raw(live[n]))
+               for n in ("b", "c", "d")]
+    before = (tmp_path / "model.safetensors").read_bytes()
+    fd = os.open(tmp_path / "pages", os.O_RDWR | os.O_CREAT)
     try:
-        for at, parts in stage._page_runs(shard, live, [("b", 20, 60000), ("c", 400, 404)], src):
-            data = b"".join(parts)
-            assert at % 4096 == 0 and 0 < len(data) <= 8192
-            assert len(data) % 4096 == 0 or at + len(data) == shard.size
-            out[at:at + len(data)] = data
+        stage._write_pages(fd, offsets, np.frombuffer(before, np.uint8), tensors)
     finally:
-        os.close(src)
+        os.close(fd)
+    pages = (tmp_path / "pages").read_bytes()
+    runs = stage._runs(offsets, shard.size)
+    assert len(pages) == sum(n for _, _, n in runs) and runs[-1][1] + runs[-1][2] == shard.size
+    out = bytearray(before)
+    for pos, at, n in runs:
+        assert at % 4096 == 0 and pos % 4096 == 0 and (n % 4096 == 0 or at + n == shard.size)
+        out[at:at + n] = pages[pos:pos + n]
     (tmp_path / "new.safetensors").write_bytes(out)
     got = load_file(tmp_path / "new.safetensors")
-    assert torch.equal(got["b"], live["b"]) and torch.equal(got["c"], live["c"])
+    for k in "bcd":
+        assert torch.equal(got[k], live[k]), k
     assert torch.equal(got["a"], old["a"])

@@ -12,7 +12,6 @@ stays untouched (a reader sees it whole) until the journal's move record replace
 
 from __future__ import annotations
 
-import bisect
 import errno
 import fcntl
 import logging
@@ -23,10 +22,11 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from hotweights.changes.spans import merge_spans
 from hotweights.checkpoint import clone, journal, spare
+from hotweights.checkpoint.mapped import mapped
 from hotweights.checkpoint.shards import Shard
 from hotweights.checkpoint.writes import copy_all, write_all
 from hotweights.errors import CheckpointError
@@ -245,36 +245,32 @@ def patched(shard: Shard, tensors: Mapping[str, torch.Tensor],
             ranges: Sequence[tuple[str, int, int]], dst: Path,
             progress: Callable[[int], None]) -> int:
     """Clone `shard` at `dst` (reflink) and put the changed `ranges` (tensor name, byte
-    range within it) of the live `tensors` in it, as whole pages of the file
-    (`_page_runs`); fsync. Returns the bytes written.
+    range within it) of the live `tensors` in it, as whole pages of the file; fsync.
+    Returns the bytes written.
 
-    The runs of pages are written back to back into a scratch file beside `dst`, through
-    O_DIRECT where the filesystem takes it (`_sink`), then cloned into place
+    The pages are built a batch at a time (`_fill`: numpy gathers, no Python per page) and
+    written back to back into a scratch file beside `dst`, through O_DIRECT where the
+    filesystem takes it (`_sink`), then each run of pages is cloned into place
     (`copy_file_range`: the blocks shared; copied where a run is not aligned to the
     filesystem's blocks). Written into the clone instead, each page is copied on write at
     the fsync, one allocation and remap apiece (on a loop-mounted XFS, 330 scattered pages:
-    ~35 ms written into the clone and fsync'd, ~13 ms this way)."""
+    ~35 ms written into the clone and fsync'd, ~13 ms this way). The scratch file is not
+    fsync'd: `dst`'s fsync makes the bytes cloned into it durable, wherever they came from."""
     if not spare.take(shard.path, dst):  # the clone taken behind the last sync's commit
         clone.reflink(shard.path, dst)
+    offsets = _page_offsets(shard, ranges)
+    runs = _runs(offsets, shard.size)
+    live = [(shard.tensors[n].begin, shard.tensors[n].end, raw(tensors[n]))
+            for n in dict.fromkeys(n for n, _, _ in ranges)]
     scratch = dst.with_name(f".{dst.name}.pages")
     with _naming(shard.path):
-        src, fd = os.open(shard.path, os.O_RDONLY), os.open(dst, os.O_WRONLY)
+        fd = os.open(dst, os.O_WRONLY)
         try:
-            os.fchmod(fd, os.fstat(src).st_mode & 0o7777)
+            os.fchmod(fd, os.stat(shard.path).st_mode & 0o7777)
             pages = os.open(scratch, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
-                sink, runs, end = _sink(pages), [], 0
-                for at, parts in _page_runs(shard, tensors, ranges, src):
-                    n = 0  # each run but the one that ends the file is whole pages: each
-                    for part in parts:  # starts on a page of the scratch file
-                        view = memoryview(part).cast("B")
-                        sink.write(view)
-                        n += view.nbytes
-                    runs.append((end, at, n))
-                    end += n
-                sink.end()
-                sink.close()  # not after an error (see `whole`)
-                os.fdatasync(pages)
+                with mapped(shard.path) as old_view:
+                    _write_pages(pages, offsets, np.frombuffer(old_view, np.uint8), live)
                 for pos, at, n in runs:
                     copy_all(pages, fd, n, pos, at)
                     progress(n)
@@ -283,40 +279,69 @@ def patched(shard: Shard, tensors: Mapping[str, torch.Tensor],
                 os.unlink(scratch)
             os.fsync(fd)
         finally:
-            os.close(src)
             os.close(fd)
-    return end
+    return sum(n for _, _, n in runs)
 
 
-def _page_runs(shard: Shard, tensors: Mapping[str, torch.Tensor],
-               ranges: Sequence[tuple[str, int, int]], src: int
-               ) -> Iterator[tuple[int, list[bytes | memoryview]]]:
-    """(file offset, buffers): the file's pages that `ranges` touch, in runs, as the live
-    bytes of the ranges' tensors (no copy for a CPU tensor) and, between them, the old
-    file's bytes (read from `src`, the cached source of the clone): whole pages, what a
-    clone of a range shares (a tensor seldom starts on a page), but for a run that ends
-    the file."""
-    spans = [(shard.tensors[n].begin + lo, shard.tensors[n].begin + hi) for n, lo, hi in ranges]
-    pages = merge_spans((lo - lo % _ALIGN, min(shard.size, -(-hi // _ALIGN) * _ALIGN))
-                        for lo, hi in spans)
-    runs = [(a, min(hi, a + _CHUNK)) for lo, hi in pages  # at most _CHUNK: a CUDA
-            for a in range(lo, hi, _CHUNK)]  # tensor's bytes reach the host a run at a time
-    live = sorted((shard.tensors[n].begin, shard.tensors[n].end, n)
-                  for n in dict.fromkeys(n for n, _, _ in ranges))
-    begins = [b for b, _, _ in live]
-    views = {n: raw(tensors[n]) for _, _, n in live}
-    for a, b in runs:
-        parts: list[bytes | memoryview] = []
-        at, i = a, max(0, bisect.bisect_right(begins, a) - 1)
-        while i < len(live) and live[i][0] < b:
-            begin, end, name = live[i]
-            lo, hi = max(a, begin), min(b, end)
-            if lo < hi:
-                if lo > at:
-                    parts.append(os.pread(src, lo - at, at))
-                parts += host_chunks(views[name][lo - begin:hi - begin])
-                at = hi
-            i += 1
-        if b > at:
-            parts.append(os.pread(src, b - at, at))
-        yield a, parts
+def _page_offsets(shard: Shard, ranges: Sequence[tuple[str, int, int]]) -> np.ndarray:
+    """The file offsets of the pages that `ranges` touch, sorted, each once."""
+    spans = np.array([(shard.tensors[n].begin + lo, shard.tensors[n].begin + hi)
+                      for n, lo, hi in ranges if hi > lo], np.int64).reshape(-1, 2)
+    first, count = spans[:, 0] // _ALIGN, (spans[:, 1] - 1) // _ALIGN - spans[:, 0] // _ALIGN + 1
+    starts = np.cumsum(count) - count  # each span's first page's place in the expansion
+    pages = np.repeat(first - starts, count) + np.arange(int(count.sum()))
+    return np.unique(pages) * _ALIGN
+
+
+def _runs(offsets: np.ndarray, size: int) -> list[tuple[int, int, int]]:
+    """(scratch offset, file offset, bytes) of each run of consecutive pages, the pages
+    lying back to back in the scratch file; the last page of the file may be partial."""
+    cut = np.flatnonzero(np.diff(offsets) != _ALIGN) + 1
+    first, stop = np.concatenate(([0], cut)), np.concatenate((cut, [len(offsets)]))
+    return [(i * _ALIGN, int(offsets[i]), min(size - int(offsets[i]), (j - i) * _ALIGN))
+            for i, j in zip(first.tolist(), stop.tolist(), strict=True) if j > i]
+
+
+def _write_pages(fd: int, offsets: np.ndarray, old: np.ndarray,
+                 live: Sequence[tuple[int, int, torch.Tensor]]) -> None:
+    """Write the new file's pages at `offsets` (of the `old` file's bytes, with the `live`
+    (begin, end, bytes) tensors over them) back to back into `fd`, a batch at a time;
+    the last page of the file only as far as the file goes."""
+    batch = _DIRECT_BUFFER // _ALIGN
+    out, sink = np.empty((min(batch, len(offsets)), _ALIGN), np.uint8), _sink(fd)
+    for k in range(0, len(offsets), batch):
+        at = offsets[k:k + batch]
+        _fill(out[:len(at)], at, old, live)
+        n = len(at) * _ALIGN - max(0, int(at[-1]) + _ALIGN - old.size)
+        sink.write(memoryview(out[:len(at)].reshape(-1)[:n]))
+    sink.end()
+    sink.close()  # not after an error (see `whole`)
+
+
+def _fill(out: np.ndarray, at: np.ndarray, old: np.ndarray,
+          live: Sequence[tuple[int, int, torch.Tensor]]) -> None:
+    """`out[i]` := the page at file offset `at[i]` (sorted) as the new file holds it: the
+    `old` file's bytes (zeros past its end), each `live` (begin, end, bytes) tensor's bytes
+    over its span. Gathers, no Python per page but the (at most two) pages a tensor
+    starts or ends inside."""
+    whole = int(np.searchsorted(at, old.size - _ALIGN, "right"))  # pages inside the file
+    np.take(old[:old.size // _ALIGN * _ALIGN].reshape(-1, _ALIGN), at[:whole] // _ALIGN,
+            axis=0, out=out[:whole])
+    for i in range(whole, len(at)):  # the file's partial last page
+        tail = old[int(at[i]):]
+        out[i, :tail.size], out[i, tail.size:] = tail, 0
+    for begin, end, u8 in live:
+        lo = int(np.searchsorted(at, begin - _ALIGN, "right"))  # first page over the tensor
+        hi = int(np.searchsorted(at, end, "left"))
+        inner_lo = int(np.searchsorted(at, begin, "left"))  # pages wholly inside it
+        inner_hi = max(inner_lo, int(np.searchsorted(at, end - _ALIGN, "right")))
+        if inner_hi > inner_lo:
+            shift = -begin % _ALIGN
+            rows = (u8[shift:shift + (u8.numel() - shift) // _ALIGN * _ALIGN]
+                    .view(-1, _ALIGN))
+            index = torch.from_numpy((at[inner_lo:inner_hi] - begin - shift) // _ALIGN)
+            out[inner_lo:inner_hi] = rows.index_select(0, index.to(u8.device)).cpu().numpy()
+        for i in [*range(lo, inner_lo), *range(inner_hi, hi)]:  # a tensor's edge pages
+            page = int(at[i])
+            a, b = max(page, begin), min(page + _ALIGN, end)
+            out[i, a - page:b - page] = u8[a - begin:b - begin].cpu().numpy()
