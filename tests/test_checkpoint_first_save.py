@@ -57,3 +57,32 @@ def test_the_sidecars_hash_the_bytes_written_not_the_live_tensors_after(tmp_path
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     for n, t in live.items():
         assert torch.equal(load_file(tmp_path / index["weight_map"][n])[n], t), n
+
+
+def test_a_first_save_whose_after_read_raises_still_writes_its_sidecars(tmp_path):
+    """The shards are in place when the hook raises: their sidecars are written too, and
+    the next sync hashes the live tensors against them instead of comparing every byte
+    with the files."""
+    live = _live()
+
+    def hook():
+        raise RuntimeError("the caller's hook failed")
+    with pytest.raises(RuntimeError, match="the caller's hook failed"):
+        sync(tmp_path, live, max_shard_size=100_000, after_read=hook)
+    shards = sorted(tmp_path.glob("*.safetensors"))
+    assert len(shards) > 1
+    for path in shards:
+        assert sidecar.load(read_shard(path), blocks.DEFAULT_BLOCK_SIZE, blocks.XXH3)
+    again = sync(tmp_path, live)
+    assert again.bytes_compared == 0 and again.bytes_written == 0
+
+
+def test_a_sidecar_that_cannot_be_written_is_a_warning_not_a_failed_save(tmp_path, monkeypatch,
+                                                                          caplog):
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(sidecar, "write", full)
+    first = sync(tmp_path, _live(), max_shard_size=100_000)
+    assert first.first_save and "sidecar not written" in caplog.text
+    monkeypatch.undo()
+    assert sync(tmp_path, _live()).bytes_written == 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import operator
 import os
 import struct
@@ -31,6 +32,8 @@ from hotweights.checkpoint.names import reverted, storage_key
 from hotweights.checkpoint.result import SyncResult
 from hotweights.checkpoint.shards import INDEX_NAME, read_shard
 from hotweights.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
 
 _CHUNK = 64 << 20  # bytes per copy, write and hash call
 _NONE = np.zeros(0, np.uint64)
@@ -85,9 +88,10 @@ def save(model_dir: Path, live: Mapping[str, torch.Tensor], *, mode: str,
             extra.append(INDEX_NAME)
         journal.write_journal(model_dir, [], moves=[*split.filename_to_tensors, *extra],
                               meta={"version": version})
-    stage.commit(model_dir, after_read)
-    for filename, fp in fingerprints.items():
-        sidecar.write(read_shard(model_dir / filename), fp, version)
+    try:
+        stage.commit(model_dir, after_read)
+    finally:  # also when after_read raised: the shards are in place, their sidecars true
+        _sidecars(model_dir, fingerprints, version)
     return SyncResult(
         mode=mode, version=version, tensors_synced=len(tensors), tensors_changed=len(tensors),
         shards_changed=tuple(split.filename_to_tensors), bytes_hashed=total,
@@ -95,6 +99,18 @@ def save(model_dir: Path, live: Mapping[str, torch.Tensor], *, mode: str,
         seconds=time.perf_counter() - started,
         writes=dict.fromkeys(split.filename_to_tensors, "whole"), tied=tuple(sorted(tied)),
         first_save=True, reason="no safetensors in the directory", write_mode="copy")
+
+
+def _sidecars(model_dir: Path, fingerprints: Mapping[str, blocks.Fingerprints],
+              version: str | None) -> None:
+    """Each shard's sidecar, from the bytes written; one that cannot be written (or a
+    shard not in place) only costs the next sync a compare."""
+    for filename, fp in fingerprints.items():
+        try:
+            sidecar.write(read_shard(model_dir / filename), fp, version)
+        except (OSError, CheckpointError) as e:
+            logger.warning("%s: sidecar not written (%s); the next sync compares the shard "
+                           "with the live weights", model_dir / filename, e)
 
 
 def check_options(max_shard_size: object, config: object) -> int | str:
