@@ -67,3 +67,31 @@ def test_a_sync_of_cuda_tensors_writes_what_changed(tmp_path, mode):
         disk.update(load_file(shard))
     for n, t in live.items():
         assert torch.equal(disk[n].view(torch.int16), t.cpu().view(torch.int16)), n
+
+
+def test_a_patched_shards_pages_from_cuda_tensors_equal_the_cpu_ones(tmp_path, monkeypatch):
+    """`stage._write_pages` (a reflinked shard's changed pages): pages gathered on the
+    device are the bytes the CPU path builds (tensors not on page boundaries, a tensor
+    inside one page, batches of 1 page and of many)."""
+    import os
+
+    from hotweights.checkpoint import stage
+
+    g = torch.Generator().manual_seed(4)
+    old = torch.randint(0, 256, (5 * 4096 + 100,), generator=g, dtype=torch.uint8).numpy()
+    spans = [(10, 9000), (9000, 9010), (9010, 5 * 4096 + 100)]
+    cpu = [(a, b, torch.randint(0, 256, (b - a,), generator=g, dtype=torch.uint8))
+           for a, b in spans]
+    offsets = np.arange(0, 5 * 4096 + 100, 4096, dtype=np.int64)
+    for batch in (4096, 1 << 20):
+        monkeypatch.setattr(stage, "_DIRECT_BUFFER", batch)
+        out = {}
+        for device, live in (("cpu", cpu), ("cuda", [(a, b, t.cuda()) for a, b, t in cpu])):
+            path = tmp_path / f"{device}-{batch}"
+            fd = os.open(path, os.O_RDWR | os.O_CREAT)
+            try:
+                stage._write_pages(fd, offsets, old, live)
+            finally:
+                os.close(fd)
+            out[device] = path.read_bytes()
+        assert len(out["cpu"]) == old.size and out["cuda"] == out["cpu"]
