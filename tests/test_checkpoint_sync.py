@@ -208,7 +208,10 @@ def test_a_tensor_sharing_bytes_with_a_changed_one_is_hashed(saved):
 
 
 @pytest.mark.parametrize(("changed", "message"), [
-    (["model.nope.weight"], "the live weights do not hold, e.g. ['model.nope.weight']"),
+    (["model.nope.weight"], "changed 'model.nope.weight' matches none of the 21 live tensor "
+                            "names (e.g. ['model.embed_tokens.weight', "),
+    (["model.norm.*", "model.layers.9.*"], "changed 'model.layers.9.*' matches none of "),
+    (["model.norm.weight", 5], "changed: [5] are not names (str); nothing was written"),
     ("model.norm.weight", "not one string")])
 def test_bad_changed_names_are_refused_and_nothing_is_written(saved, changed, message):
     d, live = saved
@@ -217,6 +220,51 @@ def test_bad_changed_names_are_refused_and_nothing_is_written(saved, changed, me
     with pytest.raises(CheckpointError, match=re.escape(message)):
         sync(d, live, changed=changed)
     assert _stats(d) == before and not (d / ".hotweights").exists()
+
+
+def test_changed_takes_fnmatch_patterns_as_remote_group_s_trainable_does(saved):
+    """`changed=` patterns: only the tensors they match are hashed; a name without pattern
+    characters is looked up as it is; a wrapped model's patterns are matched too."""
+    d, live = saved
+    sync(d, live)
+    mlp = [n for n in live if ".mlp." in n]
+    for n in mlp:
+        live[n] += 1
+    live["model.norm.weight"] += 1  # left out by the patterns: not written
+    result = sync(d, live, changed=["model.layers.*.mlp.*_proj.weight"])
+    assert result.tensors_changed == len(mlp)
+    assert result.bytes_hashed == sum(live[n].nbytes for n in mlp)
+    assert not torch.equal(_disk(d)["model.norm.weight"], live["model.norm.weight"])
+    result = sync(d, {"module." + n: t for n, t in live.items()},
+                  changed=["module.model.norm.*"])
+    assert result.tensors_changed == 1
+    assert torch.equal(_disk(d)["model.norm.weight"], live["model.norm.weight"])
+
+
+@pytest.mark.parametrize("mode", ["auto", "copy", "journal"])
+def test_a_tensor_left_out_of_changed_keeps_the_file_s_bytes(saved, mode):
+    """A change `changed=` leaves out is not written, also where its shard is rewritten
+    whole for a named tensor beside it: the file keeps the bytes its sidecar describes.
+    (Written from the live tensor, it would differ from its sidecar, and once the tensor
+    went back to those old bytes, a sync without `changed=` would find it unchanged and
+    leave the file stale.)"""
+    from hotweights.checkpoint.shards import read_dir
+
+    d, live = saved
+    sync(d, live)
+    disk = read_dir(d)
+    x, y = next((a, b) for a in live for b in live
+                if a != b and disk[a][0].path == disk[b][0].path)
+    old_y = live[y].clone()
+    live[x] += 1
+    live[y] += 1
+    result = sync(d, live, changed=[x], mode=mode)
+    assert result.tensors_changed == 1
+    assert torch.equal(_disk(d)[x], live[x]) and torch.equal(_disk(d)[y], old_y)
+    live[y].copy_(old_y)  # back to the bytes its sidecar holds
+    sync(d, live)
+    for n, t in _disk(d).items():
+        assert torch.equal(t.view(torch.int16), live[n].view(torch.int16)), n
 
 
 def test_a_corrupt_sidecar_is_never_trusted(saved):

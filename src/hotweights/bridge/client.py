@@ -106,8 +106,8 @@ class Bridge:
                 with none gets a first full save).
             exclusive: hold the update lease while reading (see above).
             kwargs: go to `checkpoint.sync` (`mode=`, `progress=`, `changed=` the names
-                of the only parameters that may have changed, e.g. those the optimizer
-                steps: the rest is not hashed, see `checkpoint.sync`).
+                or `fnmatch` patterns of the only parameters that may have changed, e.g.
+                those the optimizer steps: the rest is not hashed, see `checkpoint.sync`).
 
         Returns:
             The `checkpoint.SyncResult`.

@@ -67,7 +67,7 @@ from hotweights.checkpoint.changed import (
 )
 from hotweights.checkpoint.dtypes import TORCH
 from hotweights.checkpoint.fileid import FileId
-from hotweights.checkpoint.names import as_unpacked, to_disk, unpack
+from hotweights.checkpoint.names import matching, to_disk, unpack
 from hotweights.checkpoint.result import Progress, SyncResult
 from hotweights.checkpoint.shards import Shard, TensorInfo, read_dir
 from hotweights.errors import CheckpointError
@@ -128,9 +128,10 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
             journaled) and the sync is committed, before the files are replaced: the
             weights may change again from then on. If it raises, the sync still completes
             (the files hold the live tensors) and its error is raised after.
-        changed: the live names (as in `live`, a wrapped model's with or without the
-            wrappers' parts) of the only tensors that may differ from
-            what the directory holds, e.g. the parameters your optimizer steps. Every other
+        changed: the live names or `fnmatch` patterns (e.g. ``"model.layers.*.mlp.*"``;
+            as in `live`, a wrapped model's with or without the wrappers' parts) of the
+            only tensors that may differ from what the directory holds, e.g. the
+            parameters your optimizer steps. Each must match a live name. Every other
             tensor is taken as unchanged, not hashed, where its shard has a fresh sidecar
             and its bytes share none with a named tensor's (a tied alias, a view). Only
             pass what you know: a change this leaves out is not written (a later sync
@@ -149,8 +150,9 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
         A `SyncResult`.
     Raises:
         CheckpointError: a live tensor whose dtype or shape differs from the file's (named,
-            with the shard), a name in `changed` that `live` lacks, too little free space,
-            an unwritable directory, a corrupt shard: nothing is written. An argument it
+            with the shard), a name or pattern of `changed` that matches no live name, too
+            little free space, an unwritable directory, a corrupt shard: nothing is
+            written. An argument it
             cannot take (`live` not names to tensors, a meta tensor, `mode`, `version`,
             `max_shard_size`, `config`), before anything is made or locked.
         FingerprintError: `block_size` not a positive multiple of 8.
@@ -228,13 +230,13 @@ def _existing(model_dir: Path) -> Path:
 def _check_changed(live: Mapping[str, torch.Tensor], changed: Iterable[str]
                    ) -> frozenset[str]:
     if isinstance(changed, str) or not isinstance(changed, Iterable):
-        raise CheckpointError(f"changed={changed!r}: pass a collection of live tensor names"
+        raise CheckpointError(f"changed={changed!r}: pass a collection of live tensor names "
+                              "or patterns"
                               + (", not one string" if isinstance(changed, str) else ""))
-    changed = frozenset(as_unpacked(live, changed))  # a generator is read once, here
-    if unknown := sorted(n for n in changed if n not in live):
-        raise CheckpointError(f"changed names {len(unknown)} tensor(s) the live weights do not "
-                              f"hold, e.g. {unknown[:3]}; nothing was written")
-    return changed
+    changed = list(changed)  # a generator is read once, here
+    if bad := [c for c in changed if not isinstance(c, str)]:
+        raise CheckpointError(f"changed: {bad[:3]} are not names (str); nothing was written")
+    return frozenset(matching(live, changed))
 
 
 # -- 1. resolve: the live tensors by disk name, per shard ---------------------------------
@@ -430,8 +432,9 @@ class _Stager:
         with self.counted:
             self.total += w.shard.size if how == "whole" else w.changed_bytes
         dst = self.area / w.name
-        if how == "whole":
-            return w, stage.whole(w.shard, w.tensors, dst, self.step)
+        if how == "whole":  # the tensors `changed=` left out keep the file's bytes, which
+            hashed = {n: w.tensors[n] for n in c.hashed}  # their sidecar describes
+            return w, stage.whole(w.shard, hashed, dst, self.step)
         if how == "reflink":
             return w, stage.patched(w.shard, w.tensors, w.ranges, dst, self.step)
         return w, w.changed_bytes  # journaled: `_journal`

@@ -14,7 +14,9 @@ and no conversion runs (most dense models never reach transformers at all).
 
 from __future__ import annotations
 
+import fnmatch
 import logging
+import re
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -23,6 +25,7 @@ import torch
 from hotweights.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
+_GLOB = re.compile(r"[*?[]")  # what makes a name an fnmatch pattern
 
 
 @dataclass(frozen=True)
@@ -193,13 +196,33 @@ def unwrapped(live: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
     return _Unwrapped({names[k]: t for k, t in live.items()}, live)
 
 
-def as_unpacked(live: Mapping[str, torch.Tensor], names: Iterable[str]) -> list[str]:
-    """`names` (the caller's, of a wrapped model or not) as `live`, what `unpack` returned,
-    holds them."""
-    if not isinstance(live, _Unwrapped):
-        return list(names)
-    inside = dict(zip(live.wrapped, live, strict=True))
-    return [inside.get(n, n) for n in names]
+def matching(live: Mapping[str, torch.Tensor], patterns: Iterable[str],
+             what: str = "changed") -> set[str]:
+    """The names of `live` (what `unpack` returned) that `patterns` match: each a name or
+    an `fnmatch` pattern (``*``, ``?``, ``[...]``), of a wrapped model's names or of those
+    inside the wrappers, as `RemoteGroup(trainable=)` takes them.
+
+    Raises:
+        CheckpointError: a pattern (or name) that matches no live name, named as `what`
+            gave it.
+    """
+    inside = list(live)
+    outside = list(live.wrapped) if isinstance(live, _Unwrapped) else inside
+    to_inside = dict(zip(outside, inside, strict=True))
+    out: set[str] = set()
+    for pattern in patterns:
+        if not _GLOB.search(pattern):  # a name: looked up, not matched against each one
+            name = pattern if pattern in live else to_inside.get(pattern)
+            hits = set() if name is None else {name}
+        else:
+            hits = {to_inside[n] for n in fnmatch.filter(outside, pattern)}
+            if outside is not inside:
+                hits.update(fnmatch.filter(inside, pattern))
+        if not hits:
+            raise CheckpointError(f"{what} {pattern!r} matches none of the {len(inside)} live "
+                                  f"tensor names (e.g. {inside[:3]}); nothing was written")
+        out |= hits
+    return out
 
 
 def unpack(live: Mapping[str, torch.Tensor] | torch.nn.Module, config: object = None

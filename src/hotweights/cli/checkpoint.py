@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fnmatch
 import json
 import os
 import shlex
@@ -74,17 +73,11 @@ def _sync_from(args: argparse.Namespace, progress):
         tensors.close()
 
 
-def _expand(patterns: list[str] | None, names) -> list[str] | None:
+def _expand(patterns: list[str] | None, live) -> list[str] | None:
     """The live names `--changed`'s glob patterns match (each must match one), or None."""
-    if patterns is None:
-        return None
-    names, out = list(names), set()
-    for pattern in patterns:
-        if not (hits := [n for n in names if fnmatch.fnmatchcase(n, pattern)]):
-            raise CheckpointError(f"--changed {pattern!r} matches none of the {len(names)} "
-                                  f"live tensor names (e.g. {_sample(names[:3])})")
-        out.update(hits)
-    return sorted(out)
+    from hotweights.checkpoint.names import matching
+
+    return None if patterns is None else sorted(matching(live, patterns, "--changed"))
 
 
 def sync_rows(result, disk: dict) -> list[tuple[str, str]]:
