@@ -135,3 +135,27 @@ def test_moe_first_save_writes_the_names_and_bytes_save_pretrained_does(
     want = model.state_dict()
     for name, t in loaded.state_dict().items():
         assert torch.equal(t.view(torch.uint8), want[name].view(torch.uint8)), name
+
+
+def test_changed_patterns_select_every_reading_of_a_name(tmp_path: Path) -> None:
+    """`matching` (`sync(changed=)`, `--changed`): a name with pattern characters is that
+    name and a pattern too, a string that is a wrapped name and an inner name selects
+    both, and a change to the tensor meant is written whichever was meant."""
+    from hotweights.checkpoint.names import matching, unwrapped
+
+    z = torch.zeros(4)
+    live = {"a[0]": z, "a0": z + 1, "b": z + 2}
+    assert matching(live, ["a[0]"]) == {"a[0]", "a0"}
+    assert matching(live, ["b"]) == {"b"}
+    ddp = unwrapped({"module.weight": z, "module.module.weight": z + 1})
+    assert set(ddp) == {"weight", "module.weight"}
+    assert matching(ddp, ["module.weight"]) == {"weight", "module.weight"}
+    assert matching(ddp, ["module.module.*"]) == {"module.weight"}
+    with pytest.raises(CheckpointError, match=r"changed 'c\*' matches none of the 3 live"):
+        matching(live, ["c*"])
+    d = tmp_path / "ckpt"
+    sync(d, {n: t.clone() for n, t in live.items()})
+    new = {n: t.clone() for n, t in live.items()}
+    new["a[0]"] += 1
+    assert sync(d, new, changed=["a[0]"]).tensors_changed == 1
+    assert torch.equal(load_file(d / "model.safetensors")["a[0]"], new["a[0]"])

@@ -90,7 +90,7 @@ def save(model_dir: Path, live: Mapping[str, torch.Tensor], *, mode: str,
                               meta={"version": version})
     try:
         stage.commit(model_dir, after_read)
-    finally:  # also when after_read raised: the shards are in place, their sidecars true
+    finally:  # also when after_read raised (the shards are in place all the same)
         _sidecars(model_dir, fingerprints, version)
     return SyncResult(
         mode=mode, version=version, tensors_synced=len(tensors), tensors_changed=len(tensors),
@@ -103,9 +103,11 @@ def save(model_dir: Path, live: Mapping[str, torch.Tensor], *, mode: str,
 
 def _sidecars(model_dir: Path, fingerprints: Mapping[str, blocks.Fingerprints],
               version: str | None) -> None:
-    """Each shard's sidecar, from the bytes written; one that cannot be written (or a
-    shard not in place) only costs the next sync a compare."""
+    """Each shard's sidecar, from the bytes written, for the shards in place (none where
+    the commit failed); one that cannot be written only costs the next sync a compare."""
     for filename, fp in fingerprints.items():
+        if not (model_dir / filename).exists():
+            continue
         try:
             sidecar.write(read_shard(model_dir / filename), fp, version)
         except (OSError, CheckpointError) as e:

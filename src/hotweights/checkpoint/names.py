@@ -198,9 +198,10 @@ def unwrapped(live: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
 
 def matching(live: Mapping[str, torch.Tensor], patterns: Iterable[str],
              what: str = "changed") -> set[str]:
-    """The names of `live` (what `unpack` returned) that `patterns` match: each a name or
-    an `fnmatch` pattern (``*``, ``?``, ``[...]``), of a wrapped model's names or of those
-    inside the wrappers, as `RemoteGroup(trainable=)` takes them.
+    """The names of `live` (what `unpack` returned) that `patterns` match: each a name
+    and, where it holds ``*``, ``?`` or ``[``, also an `fnmatch` pattern, of a wrapped
+    model's names or of those inside the wrappers (every reading counts: a name that
+    reads two ways selects both), as `RemoteGroup(trainable=)` takes them.
 
     Raises:
         CheckpointError: a pattern (or name) that matches no live name, named as `what`
@@ -211,11 +212,10 @@ def matching(live: Mapping[str, torch.Tensor], patterns: Iterable[str],
     to_inside = dict(zip(outside, inside, strict=True))
     out: set[str] = set()
     for pattern in patterns:
-        if not _GLOB.search(pattern):  # a name: looked up, not matched against each one
-            name = pattern if pattern in live else to_inside.get(pattern)
-            hits = set() if name is None else {name}
-        else:
-            hits = {to_inside[n] for n in fnmatch.filter(outside, pattern)}
+        hits = {n for n in (pattern if pattern in live else None, to_inside.get(pattern))
+                if n is not None}  # as a name, inside the wrappers or not ("a[0]" too)
+        if _GLOB.search(pattern):  # as a pattern; a name alone is looked up, not matched
+            hits.update(to_inside[n] for n in fnmatch.filter(outside, pattern))
             if outside is not inside:
                 hits.update(fnmatch.filter(inside, pattern))
         if not hits:
