@@ -152,9 +152,9 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
         CheckpointError: a live tensor whose dtype or shape differs from the file's (named,
             with the shard), a name or pattern of `changed` that matches no live name, too
             little free space, an unwritable directory, a corrupt shard: nothing is
-            written. An argument it
-            cannot take (`live` not names to tensors, a meta tensor, `mode`, `version`,
-            `max_shard_size`, `config`), before anything is made or locked.
+            written. An argument it cannot take (`live` not names to tensors, a meta
+            tensor, `mode`, `version`, `max_shard_size`, `config`), before anything is
+            made or locked.
         FingerprintError: `block_size` not a positive multiple of 8.
     """
     started = time.perf_counter()
