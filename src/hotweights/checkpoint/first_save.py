@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import json
-import logging
 import operator
 import os
 import struct
@@ -32,8 +31,6 @@ from hotweights.checkpoint.names import reverted, storage_key
 from hotweights.checkpoint.result import SyncResult
 from hotweights.checkpoint.shards import INDEX_NAME, read_shard
 from hotweights.errors import CheckpointError
-
-logger = logging.getLogger(__name__)
 
 _CHUNK = 64 << 20  # bytes per copy, write and hash call
 _NONE = np.zeros(0, np.uint64)
@@ -104,15 +101,12 @@ def save(model_dir: Path, live: Mapping[str, torch.Tensor], *, mode: str,
 def _sidecars(model_dir: Path, fingerprints: Mapping[str, blocks.Fingerprints],
               version: str | None) -> None:
     """Each shard's sidecar, from the bytes written, for the shards in place (none where
-    the commit failed); one that cannot be written only costs the next sync a compare."""
+    the commit failed)."""
     for filename, fp in fingerprints.items():
         if not (model_dir / filename).exists():
             continue
-        try:
+        with sidecar.best_effort(model_dir / filename):
             sidecar.write(read_shard(model_dir / filename), fp, version)
-        except (OSError, CheckpointError) as e:
-            logger.warning("%s: sidecar not written (%s); the next sync compares the shard "
-                           "with the live weights", model_dir / filename, e)
 
 
 def check_options(max_shard_size: object, config: object) -> int | str:

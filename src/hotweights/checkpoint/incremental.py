@@ -506,13 +506,10 @@ def _record(shards: list[ShardChanges], rewritten: Collection[str],
     `rewritten`: the paths of the shards just written; with `spares`, each is cloned for
     the next sync (`spare.keep`)."""
     for c in shards:
-        try:
+        with sidecar.best_effort(c.shard.path):
             shard = c.shard
             if shard.path in rewritten:  # the same header (names, offsets) in a new file
                 shard = replace(shard, file=FileId.of(shard.path))  # or a new mtime
             sidecar.write(shard, c.fresh, version)
-        except (OSError, CheckpointError) as e:
-            logger.warning("%s: sidecar not written (%s); the next sync compares the shard "
-                           "with the live weights", c.shard.path, e)
     if spares:
         spare.keep(sorted(rewritten))

@@ -10,12 +10,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from hotweights.changes import blocks
 from hotweights.checkpoint.fileid import FileId
 from hotweights.checkpoint.shards import Shard
-from hotweights.errors import HotweightsError
+from hotweights.errors import CheckpointError, HotweightsError
 
 logger = logging.getLogger(__name__)
 
@@ -95,3 +97,15 @@ def write(shard: Shard, fp: blocks.Fingerprints, version: str | None) -> None:
         f.write(json.dumps(doc))  # json.dump to a file would take the pure-Python encoder
     os.replace(tmp, path)
     _written[str(path)] = (FileId.of(path), doc["shard"], fp)
+
+
+@contextmanager
+def best_effort(shard_path: str | os.PathLike) -> Iterator[None]:
+    """Writing the sidecar of the shard at `shard_path` in the block: an OSError or
+    CheckpointError is logged, not raised (a sidecar not written only costs the next sync
+    a compare with the file)."""
+    try:
+        yield
+    except (OSError, CheckpointError) as e:
+        logger.warning("%s: sidecar not written (%s); the next sync compares the shard with "
+                       "the live weights", shard_path, e)
