@@ -10,6 +10,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from hotweights.checkpoint import diagnose, sync
+from hotweights.checkpoint.incremental import UNREADABLE
 from hotweights.checkpoint.shards import read_dir, read_index, read_shard
 from hotweights.errors import CheckpointError
 
@@ -179,6 +181,26 @@ def test_corrupt_shard_named_error(shard: Path, case: str):
     with pytest.raises(CheckpointError, match=message):
         read_dir(shard.parent)
     assert _snapshot(shard.parent) == before
+
+
+@pytest.mark.parametrize("case", ["not_json", "trailing", "no_dtype"])
+def test_a_sync_onto_a_corrupt_shard_says_what_to_do(shard: Path, case: str):
+    """sync and diagnose name the fault and the next step (restore the file, or save anew
+    into an empty directory); nothing is written."""
+    CORRUPT[case][0](shard)
+    before = _snapshot(shard.parent)
+    with pytest.raises(CheckpointError, match=CORRUPT[case][1]) as e:
+        sync(shard.parent, _tensors())
+    assert str(shard) in str(e.value) and UNREADABLE in str(e.value)
+    found = diagnose(shard.parent)
+    assert found.error == str(e.value) and found.problems
+    assert _snapshot(shard.parent) == before
+
+
+def test_an_unreadable_index_says_what_to_do(sharded: Path):
+    INDEX_CASES["not_json"][0](sharded)
+    with pytest.raises(CheckpointError, match=r"index.json: not valid JSON.*restore the file"):
+        sync(sharded, _tensors())
 
 
 def test_gap_between_tensors(tmp_path: Path):

@@ -14,9 +14,8 @@ import torch
 from hotweights.changes import blocks
 from hotweights.checkpoint import clone, journal, lock, sidecar, trash
 from hotweights.checkpoint.dtypes import TORCH
-from hotweights.checkpoint.incremental import check_mode, write_mode
+from hotweights.checkpoint.incremental import check_mode, read_to_sync, write_mode
 from hotweights.checkpoint.names import to_disk, unpack
-from hotweights.checkpoint.shards import read_dir
 from hotweights.errors import CheckpointError
 
 __all__ = ["Diagnosis", "Mismatch", "ShardInfo", "diagnose"]
@@ -151,7 +150,7 @@ def diagnose(model_dir: str | os.PathLike,
                 writer_active=lock.held(d), fs_type=kind, mount=mount, mode=mode,
                 write_mode=wmode, write_reason=reason, live=live is not None)
     try:
-        disk = read_dir(d)
+        disk = read_to_sync(d)
     except CheckpointError as e:
         return Diagnosis(error=str(e), first_save=False, shards=(), tensors=0,
                          model_bytes=0, **base)

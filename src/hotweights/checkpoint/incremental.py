@@ -81,6 +81,9 @@ WHOLE_FRACTION = 0.5  # auto: a shard with more of its bytes changed is rewritte
 # which leaves it in a few long extents again.
 FRAGMENT_BYTES = 64 << 10
 FRAGMENTS_MIN = 1024
+UNREADABLE = ("A sync reads every shard's header and the index before it writes anything: "
+              "restore the file from a copy, or sync into an empty directory to save the "
+              "whole model anew")
 
 
 def check_mode(mode: str) -> None:
@@ -174,7 +177,7 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
     progress = progress or (lambda phase, done, total: None)
     with lock.locked(_existing(model_dir)):
         journal.recover(model_dir, lock=False)  # an interrupted sync is finished or dropped
-        disk = read_dir(model_dir)
+        disk = read_to_sync(model_dir)
         if disk is None:
             return first_save.save(model_dir, live, mode=mode, version=version, config=config,
                                    model=model, model_type=model_type,
@@ -215,6 +218,16 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
         missing_live=resolved.only_disk, seconds=time.perf_counter() - started,
         writes={w.name: w.how for w in writes}, tied=resolved.tied, reason=reason,
         write_mode=patch_mode)
+
+
+def read_to_sync(model_dir: Path) -> dict[str, tuple[Shard, TensorInfo]] | None:
+    """`read_dir`, its errors about a file's contents ending with what to do."""
+    try:
+        return read_dir(model_dir)
+    except CheckpointError as e:
+        if isinstance(e.__cause__, OSError):  # cannot read it (permissions, I/O): as is
+            raise
+        raise CheckpointError(f"{e}. {UNREADABLE}") from None
 
 
 def _existing(model_dir: Path) -> Path:
