@@ -2,6 +2,7 @@
 tensors do meanwhile."""
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -9,8 +10,9 @@ import torch
 from safetensors.torch import load_file
 
 from hotweights.changes import blocks
-from hotweights.checkpoint import sidecar, sync
+from hotweights.checkpoint import first_save, sidecar, sync
 from hotweights.checkpoint.shards import read_shard
+from hotweights.errors import CheckpointError
 
 
 def _live() -> dict[str, torch.Tensor]:
@@ -86,3 +88,15 @@ def test_a_sidecar_that_cannot_be_written_is_a_warning_not_a_failed_save(tmp_pat
     assert first.first_save and "sidecar not written" in caplog.text
     monkeypatch.undo()
     assert sync(tmp_path, _live()).bytes_written == 0
+
+
+def test_a_first_save_that_cannot_fit_says_so_before_writing(tmp_path, monkeypatch):
+    real = shutil.disk_usage
+
+    def almost_full(path):
+        return real(path)._replace(free=1000)
+    monkeypatch.setattr(first_save.shutil, "disk_usage", almost_full)
+    with pytest.raises(CheckpointError, match=rf"{tmp_path}: a first save writes \d+ bytes "
+                       r"of tensors, only 1000 are free; nothing was written"):
+        sync(tmp_path, _live(), max_shard_size=100_000)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -15,6 +15,7 @@ import copy
 import json
 import operator
 import os
+import shutil
 import struct
 import time
 from collections.abc import Callable, Mapping
@@ -66,6 +67,9 @@ def save(model_dir: Path, live: Mapping[str, torch.Tensor], *, mode: str,
                                   "has no safetensors dtype; nothing was written")
     config_text = _config_text(config, model)
     total, done = sum(t.numel() * t.element_size() for t in tensors.values()), 0
+    if total > (free := shutil.disk_usage(model_dir).free):  # known before hours of writing
+        raise CheckpointError(f"{model_dir}: a first save writes {total} bytes of tensors, "
+                              f"only {free} are free; nothing was written")
     fingerprints = {}
     with stage.staging(model_dir, "write the first save") as area:
         area.mkdir()
