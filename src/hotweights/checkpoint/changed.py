@@ -59,8 +59,7 @@ class ShardChanges:
     shard: Shard
     tensors: dict[str, torch.Tensor]
     ranges: Ranges  # the bytes that may differ
-    pages: frozenset[str]  # tensors whose ranges are pages (compared with the file, or
-    # written as the watch saw); the others' are whole changed blocks
+    compared: bool  # `ranges` are the pages that differ from the file; else whole blocks
     fresh: blocks.Fingerprints  # of the live tensors: the sidecar to record
     hashed: tuple[str, ...]  # the tensors whose block hashes were taken now
 
@@ -161,10 +160,12 @@ def ranges_bytes(ranges: Ranges) -> int:
 
 def to_pages(changes: ShardChanges) -> Ranges:
     """`changes.ranges`, the whole changed blocks narrowed to the pages that differ from
-    the file (only those are read)."""
-    rough = [r for r in changes.ranges if r[0] not in changes.pages]
-    return (_differing(changes.shard, changes.tensors, rough) if rough else []) + [
-        r for r in changes.ranges if r[0] in changes.pages]
+    the file (only those are read). Where the watch saw some pages of a block written,
+    its other pages are compared too: a write it cannot see (DMA) is written with the
+    rest, as the block's new hash in the sidecar says."""
+    if changes.compared or not changes.ranges:
+        return changes.ranges
+    return _differing(changes.shard, changes.tensors, changes.ranges)
 
 
 def _from_sidecar(s: ShardTensors, old: blocks.Fingerprints, trusted: frozenset[str] | None,
@@ -185,11 +186,10 @@ def _from_sidecar(s: ShardTensors, old: blocks.Fingerprints, trusted: frozenset[
         new = blocks.Fingerprints(old.kind, old.block_size, {
             n: fp.tensors[n] for n, fp in kept.items()}, {
             n: fp.coarse[n] for n, fp in kept.items() if n in fp.coarse})
-    ranges = [(n, int(lo), int(hi)) for n, c in diff.tensors.items() for lo, hi in
-              (_within(c.ranges.tolist(), seen[n]) if n in seen else c.ranges)]
+    ranges = [(n, int(lo), int(hi)) for n, c in diff.tensors.items() for lo, hi in c.ranges]
     hashed = sum(t.nbytes for n, t in todo.items() if n not in seen) + sum(
         _block_bytes(r, old.block_size, todo[n].nbytes) for n, r in seen.items())
-    return ShardChanges(s.shard, s.tensors, ranges, frozenset(seen), new, tuple(todo)), hashed
+    return ShardChanges(s.shard, s.tensors, ranges, False, new, tuple(todo)), hashed
 
 
 def _from_file(s: ShardTensors, block_size: int, kind: str) -> ShardChanges:
@@ -198,7 +198,7 @@ def _from_file(s: ShardTensors, block_size: int, kind: str) -> ShardChanges:
     fresh = blocks.fingerprint(s.tensors, block_size=block_size, kind=kind, coarse=True)
     whole = [(n, 0, t.nbytes) for n, t in s.tensors.items()]
     return ShardChanges(s.shard, s.tensors, _differing(s.shard, s.tensors, whole),
-                        frozenset(s.tensors), fresh, tuple(s.tensors))
+                        True, fresh, tuple(s.tensors))
 
 
 def _differing(shard: Shard, tensors: Mapping[str, torch.Tensor], ranges: Ranges) -> Ranges:
@@ -213,21 +213,6 @@ def _differing(shard: Shard, tensors: Mapping[str, torch.Tensor], ranges: Ranges
             change = blocks.compare_bytes(name, tensors[name], view[info.begin:info.end],
                                           block_size=PAGE, ranges=spans)
             out += [(name, int(a), int(b)) for a, b in change.ranges]
-    return out
-
-
-def _within(blocks_changed: list[list[int]], pages: list[tuple[int, int]]
-            ) -> list[tuple[int, int]]:
-    """The parts of the changed blocks in the pages written (both sorted, disjoint): the
-    pages of a changed block not written since the last sync still hold the file's bytes."""
-    out, j = [], 0
-    for lo, hi in blocks_changed:
-        while j < len(pages) and pages[j][1] <= lo:
-            j += 1
-        k = j
-        while k < len(pages) and pages[k][0] < hi:
-            out.append((max(lo, pages[k][0]), min(hi, pages[k][1])))
-            k += 1
     return out
 
 

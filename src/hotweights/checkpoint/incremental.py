@@ -145,8 +145,9 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
             `hotweights.changes.writewatch`). True: the process's own `WriteWatch`, unless
             the environment sets HOTWEIGHTS_WRITE_WATCH=0; or a `WriteWatch` of yours.
             Writes that bypass the page tables (DMA into memory pinned by another
-            library, RDMA, io_uring fixed buffers) are not seen: a change they make is not
-            written. False (default): every tensor is hashed. The tensors it cannot watch
+            library, RDMA, io_uring fixed buffers) are not seen: a change they make in a
+            block it saw no write in is not written (a later sync without the watch finds
+            it). False (default): every tensor is hashed. The tensors it cannot watch
             (pinned, shared, off the CPU) are hashed; `changed` rules over it for the
             tensors it names.
     Returns:
