@@ -45,6 +45,12 @@ def _files(d: Path) -> dict[str, bytes]:
      r"live\['a.weight'\]: a list, not a torch.Tensor"),
     ({"a.weight": torch.empty(8, 8, device="meta")}, CheckpointError,
      "a.weight: on the meta device: it holds no data to save"),
+    ({"a.weight": torch.eye(8).to_sparse()}, CheckpointError,
+     r"a.weight: a torch.sparse_coo tensor; safetensors holds dense ones \(pass t.to_dense"),
+    ({"__metadata__": torch.ones(2)}, CheckpointError,
+     r"live: the name '__metadata__' cannot name a tensor in a safetensors header"),
+    ({"a\ud800": torch.ones(2)}, CheckpointError,
+     r"live: the name 'a\\ud800' cannot name a tensor .* not UTF-8"),
 ])
 def test_live_that_is_no_mapping_of_tensors_is_named(ckpt, tmp_path, live, error, match):
     before = _files(ckpt)
@@ -54,6 +60,14 @@ def test_live_that_is_no_mapping_of_tensors_is_named(ckpt, tmp_path, live, error
         if live is not None:  # (diagnose without live tensors checks the directory alone)
             with pytest.raises(error, match=match):
                 diagnose(ckpt, live)
+    assert _files(ckpt) == before and not (tmp_path / "new").exists()
+
+
+def test_a_sync_of_no_tensors_is_refused(ckpt, tmp_path):
+    before = _files(ckpt)
+    for target in (ckpt, tmp_path / "new"):
+        with pytest.raises(CheckpointError, match=r"live holds no tensors to sync"):
+            sync(target, {})
     assert _files(ckpt) == before and not (tmp_path / "new").exists()
 
 

@@ -56,9 +56,6 @@ def save(model_dir: Path, live: Mapping[str, torch.Tensor], *, mode: str,
     # ties dropped first, then transformers' conversions reverted, as save_pretrained does
     tensors = {n: t.contiguous() for n, t in
                reverted(untied, model_type=model_type, model=model).items()}
-    if not tensors:
-        raise CheckpointError(f"{model_dir}: no safetensors there and no live tensors to "
-                              "save")
     split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size)
     for filename, names in split.filename_to_tensors.items():
         if bad := next((n for n in names if tensors[n].dtype not in NAMES), None):

@@ -172,6 +172,9 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
     model_dir = Path(model_dir)
     watch = writewatch.default() if watch is True else watch or None
     live, model, model_type = unpack(live, config)
+    if not live:
+        raise CheckpointError(f"{model_dir}: live holds no tensors to sync (an empty state "
+                              "dict?); nothing was written")
     if changed is not None:
         changed = _check_changed(live, changed)
     patch_mode, reason = write_mode(model_dir, mode) if model_dir.is_dir() else (mode, "")

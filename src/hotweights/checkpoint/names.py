@@ -244,8 +244,8 @@ def _tensors(live: object) -> Mapping[str, torch.Tensor]:
     """`live`, once it is a mapping of names to tensors that hold data.
 
     Raises:
-        CheckpointError: not a mapping, a name not a str, a value not a tensor or a tensor
-            on the meta device (named).
+        CheckpointError: not a mapping, a name not a str or not one a header can hold, a
+            value not a tensor, a tensor on the meta device or not dense (named).
     """
     if not isinstance(live, Mapping):
         raise CheckpointError(f"live: pass a mapping of names to tensors (e.g. "
@@ -259,7 +259,22 @@ def _tensors(live: object) -> Mapping[str, torch.Tensor]:
         if t.is_meta:
             raise CheckpointError(f"{name}: on the meta device: it holds no data to save "
                                   "(load or materialize the weights first)")
+        if t.layout != torch.strided:
+            raise CheckpointError(f"{name}: a {t.layout} tensor; safetensors holds dense "
+                                  "ones (pass t.to_dense())")
+        if name == "__metadata__" or _unencodable(name):
+            raise CheckpointError(f"live: the name {name!r} cannot name a tensor in a "
+                                  "safetensors header (reserved for its metadata, or not "
+                                  "UTF-8)")
     return live
+
+
+def _unencodable(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate
+        return True
+    return False
 
 
 def storage_key(t: torch.Tensor) -> tuple | None:
