@@ -367,6 +367,30 @@ def test_two_names_that_unwrap_to_one_are_refused(saved):
         sync(d, twice)
 
 
+def test_a_writer_that_waited_while_another_made_the_directory_patches_it(saved,
+                                                                          monkeypatch):
+    """Two writers into a directory not made yet: the one that gets the lock second finds
+    the first one's save, and patches it in the mode it finds there."""
+    _, live = saved
+    d = saved[0] / "new"
+    other = {n: t.clone() for n, t in live.items()}
+    other["model.norm.weight"][0] += 1
+    locked, first = incremental.lock.locked, []
+
+    def after_another_writer(directory, **kwargs):
+        if not first:  # the other writer got the lock first and saved everything
+            first.append(1)
+            sync(d, other)
+        return locked(directory, **kwargs)
+    monkeypatch.setattr(incremental.lock, "locked", after_another_writer)
+    r = sync(d, live)
+    finisher.finish()
+    assert first and not r.first_save and r.write_mode == "copy"
+    assert r.writes == {"model.safetensors": "whole"}
+    disk = _disk(d)
+    assert all(torch.equal(disk[n], t) for n, t in live.items())
+
+
 def _hold_the_finisher(monkeypatch, fail: bool = False):
     """Make the finisher thread's fsyncs wait for the returned event (and then fail with
     EIO if `fail`); every other fsync runs as usual."""

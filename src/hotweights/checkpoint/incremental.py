@@ -177,7 +177,6 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
                               "dict?); nothing was written")
     if changed is not None:
         changed = _check_changed(live, changed)
-    patch_mode, reason = write_mode(model_dir, mode) if model_dir.is_dir() else (mode, "")
     progress = progress or (lambda phase, done, total: None)
     with lock.locked(_existing(model_dir)):
         journal.recover(model_dir, lock=False)  # an interrupted sync is finished or dropped
@@ -187,6 +186,8 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
                                    model=model, model_type=model_type,
                                    block_size=block_size, max_shard_size=max_shard_size,
                                    progress=progress, after_read=after_read, started=started)
+        patch_mode, reason = write_mode(model_dir, mode)  # under the lock: the directory a
+        # writer that held it before may have made (then its shards are patched here)
         # 1. resolve: the live tensors by disk name, per shard
         resolved = _resolve(model_dir, live, disk, changed, model=model, model_type=model_type,
                             convert_dtype=convert_dtype)
