@@ -296,12 +296,14 @@ def test_a_mismatch_is_named_and_nothing_is_written(saved, change, message):
     assert not (d / ".hotweights").exists()
 
 
-def test_names_missing_on_either_side_are_reported(saved):
+def test_names_missing_on_either_side_are_reported(saved, caplog):
     d, live = saved
     live["extra.weight"] = torch.zeros(2, dtype=torch.bfloat16)
     del live["model.norm.weight"]
     result = sync(d, live)
     assert result.missing_on_disk == ("extra.weight",)
+    assert ("1 live tensor(s) have no place in the checkpoint and are not written "
+            "(result.missing_on_disk): extra.weight") in caplog.text
     assert result.missing_live == ("model.norm.weight",)
     assert json.loads(result.to_json())["tensors_synced"] == len(live) - 1
 

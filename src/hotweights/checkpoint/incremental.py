@@ -276,6 +276,10 @@ def _resolve(model_dir: Path, live: Mapping[str, torch.Tensor],
              convert_dtype: bool) -> _Resolved:
     names = to_disk(live, disk.keys(), model=model, model_type=model_type)
     names.check_placed(model_dir)
+    if lost := names.only_live:  # a few: a module the trainer added, say
+        logger.warning("%s: %d live tensor(s) have no place in the checkpoint and are not "
+                       "written (result.missing_on_disk): %s", model_dir, len(lost),
+                       ", ".join(lost[:5]) + (", ..." if len(lost) > 5 else ""))
     tensors = {n: _check(n, t, *disk[n], convert_dtype) for n, t in names.tensors.items()}
     per_shard: dict[str, ShardTensors] = {}
     for name, t in tensors.items():

@@ -15,7 +15,6 @@ and no conversion runs (most dense models never reach transformers at all).
 from __future__ import annotations
 
 import fnmatch
-import logging
 import re
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
@@ -24,7 +23,6 @@ import torch
 
 from hotweights.errors import CheckpointError
 
-logger = logging.getLogger(__name__)
 _GLOB = re.compile(r"[*?[]")  # what makes a name an fnmatch pattern
 
 
@@ -116,8 +114,6 @@ def to_disk(
             if name in tensors:
                 raise CheckpointError(f"{name}: filled twice, as itself and by a conversion")
             tensors[name] = t
-    if only_live:
-        logger.debug("live tensors with no place on disk: %s", only_live)
     return NameMap(tensors, tied, tuple(sorted(only_live)),
                    tuple(sorted(n for n in disk if n not in tensors)))
 
