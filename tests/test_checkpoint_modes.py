@@ -1,5 +1,6 @@
 """checkpoint.sync write modes (reflink, journal, copy, auto), first saves and bad places."""
 
+import json
 import os
 import re
 import subprocess
@@ -280,6 +281,15 @@ def test_a_first_save_is_what_save_pretrained_would_write(tmp_path, tie):
     again = sync(d, live)
     assert again.bytes_written == 0 and again.bytes_compared == 0  # the sidecars serve
     assert again.tied == result.tied and again.missing_on_disk == ()
+
+
+def test_a_first_save_of_a_model_writes_the_config_save_pretrained_writes(tmp_path):
+    model = AutoModelForCausalLM.from_config(make_config("llama", 300)).to(torch.bfloat16)
+    sync(tmp_path / "ours", model, max_shard_size="200KB")  # (its config says no dtype)
+    model.save_pretrained(tmp_path / "theirs", max_shard_size="200KB")
+    ours, theirs = (json.loads((tmp_path / d / "config.json").read_text())
+                    for d in ("ours", "theirs"))
+    assert ours == theirs and ours["dtype"] == "bfloat16"
 
 
 def test_a_single_file_first_save(tmp_path):

@@ -142,7 +142,9 @@ def _config_text(config: object, model: torch.nn.Module | None) -> str | None:
     model's own config naming its class, as save_pretrained writes it (None: neither)."""
     if config is None and getattr(model, "config", None) is not None:
         config = copy.deepcopy(model.config)  # (on a copy)
-        config.architectures = [type(model).__name__]
+        config.architectures = [type(model).__name__.removeprefix("FSDP")]
+        if isinstance(dtype := getattr(model, "dtype", None), torch.dtype):
+            config.dtype = str(dtype).removeprefix("torch.")  # e.g. "bfloat16"
     if config is None:
         return None
     try:
