@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -16,6 +16,7 @@ from hotweights.checkpoint import clone, journal, lock, sidecar, trash
 from hotweights.checkpoint.dtypes import TORCH
 from hotweights.checkpoint.incremental import check_mode, read_to_sync, write_mode
 from hotweights.checkpoint.names import to_disk, unpack
+from hotweights.checkpoint.writable import why_not_replaceable, why_not_writable
 from hotweights.errors import CheckpointError
 
 __all__ = ["Diagnosis", "Mismatch", "ShardInfo", "diagnose"]
@@ -84,6 +85,8 @@ class Diagnosis:
     # live names could not be placed on disk, or mostly have no place there (a sync
     # refuses them: `NameMap.unplaced`)
     names_error: str | None = None
+    # shards this process could not replace (or, in journal mode, write into), and why
+    unchangeable: tuple[str, ...] = ()
 
     @property
     def problems(self) -> list[str]:
@@ -98,6 +101,7 @@ class Diagnosis:
                        "or serve finishes it too)")
         if self.write_mode is None:
             out.append(self.write_reason)
+        out += self.unchangeable
         if self.names_error:
             out.append(self.names_error)
         out += [m.line() for m in self.mismatches]
@@ -164,7 +168,18 @@ def diagnose(model_dir: str | os.PathLike,
     infos = tuple(_shard_info(shard, by_shard.get(shard.path), block_size)
                   for shard in sorted(shards.values(), key=lambda s: s.path))
     return Diagnosis(**base, error=None, first_save=False, shards=infos, tensors=len(disk),
-                     model_bytes=sum(info.nbytes for _, info in disk.values()), **found)
+                     model_bytes=sum(info.nbytes for _, info in disk.values()),
+                     unchangeable=_unchangeable(shards, wmode), **found)
+
+
+def _unchangeable(shards: Iterable[str], write_mode: str | None) -> tuple[str, ...]:
+    """What stops a sync from changing each shard it may have to (`writable`)."""
+    if write_mode is None:  # the directory itself: said once, in `write_reason`
+        return ()
+    verb, why_not = (("write into", why_not_writable) if write_mode == "journal" else
+                     ("replace", why_not_replaceable))
+    return tuple(f"{path}: a sync cannot {verb} it ({why})" for path in sorted(shards)
+                 if (why := why_not(path)))
 
 
 def _shard_info(shard, live: list[torch.Tensor] | None, block_size: int) -> ShardInfo:

@@ -51,6 +51,7 @@ from hotweights.checkpoint import finisher, trash
 from hotweights.checkpoint.fileid import FileId
 from hotweights.checkpoint.lock import locked
 from hotweights.checkpoint.mapped import mapped
+from hotweights.checkpoint.writable import why_not_replaceable, why_not_writable
 from hotweights.checkpoint.writes import write_all
 from hotweights.errors import CheckpointError
 
@@ -146,10 +147,14 @@ def _check_staged(directory: str, name: str) -> tuple[bytes, FileId, dict | None
         raise CheckpointError(f"{path}: no staged file to move into place") from None
     if not stat.S_ISREG(st.st_mode):
         raise CheckpointError(f"{path}: the staged file is not a regular file")
+    target = os.path.join(directory, name)
     try:
-        was = _identity(os.path.join(directory, name))
+        was = _identity(target)
     except FileNotFoundError:
         was = None
+    if why := why_not_replaceable(target):
+        raise CheckpointError(f"{target}: this process cannot replace it ({why}); nothing "
+                              "was written")
     return raw, FileId.of_stat(st), was
 
 
@@ -256,6 +261,9 @@ def write_journal(directory: str | os.PathLike, patches: Iterable[tuple[str, int
         for name, offset, data in patches:
             raw, view = _validate(directory, name, offset, data, sizes)
             if name not in header_ends:
+                if why := why_not_writable(os.path.join(directory, name)):
+                    raise CheckpointError(f"{os.path.join(directory, name)}: this process "
+                                          f"cannot write into it ({why}); nothing was written")
                 ident = _identity(os.path.join(directory, name))
                 header_ends[name] = ident.get("header_end", 0)
                 payload = json.dumps(ident).encode()
@@ -416,6 +424,8 @@ def _replay(directory: str, path: str, records: list) -> tuple[list[int], bool]:
             raise CheckpointError(f"{os.path.join(directory, name)}: journal {path} patches "
                                   f"offset {offset} beyond the file's end; the file changed "
                                   "after the journal was committed")
+    _check_changeable(directory, path, [m[0] for m in moves if m[0] not in done],
+                      {r[0] for r in patches})
     for k, name in enumerate(m[0] for m in moves if m[0] not in done):  # all checked
         target = os.path.join(directory, name)
         if os.path.exists(target):
@@ -437,6 +447,21 @@ def _replay(directory: str, path: str, records: list) -> tuple[list[int], bool]:
             os.close(fd)
         raise
     return list(fds.values()), bool(moves)
+
+
+def _check_changeable(directory: str, path: str, moved: list[str], patched: set[str]
+                      ) -> None:
+    """Refuse to replay journal `path` if a file it moves over or patches cannot be
+    changed by this process (permissions, a sticky directory, an immutable file): found
+    before the first rename or write, not half way through."""
+    for names, why_not, verb in ((moved, why_not_replaceable, "replace"),
+                                 (sorted(patched), why_not_writable, "write into")):
+        for name in names:
+            if why := why_not(os.path.join(directory, name)):
+                raise CheckpointError(
+                    f"{os.path.join(directory, name)}: this process cannot {verb} it "
+                    f"({why}), so journal {path} cannot be applied; nothing was written and "
+                    f"the journal is kept: once it can, run hotweights recover {directory}")
 
 
 def _fsync_all(fds: list[int]) -> None:

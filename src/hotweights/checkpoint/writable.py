@@ -1,0 +1,58 @@
+"""Whether this process may replace a file by a rename, or write into it: asked before a
+commit (and before a replay's first rename or write), so that a file it may not change is
+refused with nothing written, never found half way through applying a journal."""
+
+from __future__ import annotations
+
+import array
+import fcntl
+import os
+import stat
+
+__all__ = ["why_not_replaceable", "why_not_writable"]
+
+FS_IOC_GETFLAGS = 0x80086601  # _IOR('f', 1, long), linux/fs.h
+_FIXED = {0x10: "immutable", 0x20: "append-only"}  # FS_IMMUTABLE_FL, FS_APPEND_FL
+
+
+def why_not_replaceable(path: str) -> str | None:
+    """Why a rename of another file onto `path` would fail (None: it would not, as far as
+    the directory's mode, its sticky bit and the file's flags tell)."""
+    directory = os.path.dirname(path) or "."
+    if not os.access(directory, os.W_OK | os.X_OK, effective_ids=True):
+        return f"its directory {directory} is not writable by this process"
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    where = os.stat(directory)
+    if where.st_mode & stat.S_ISVTX and os.geteuid() not in (0, where.st_uid, st.st_uid):
+        return (f"its directory is sticky (mode {stat.filemode(where.st_mode)}) and the file "
+                f"is user {st.st_uid}'s, not this process's")
+    return _fixed(path) if stat.S_ISREG(st.st_mode) else None
+
+
+def why_not_writable(path: str) -> str | None:
+    """Why `path` cannot be opened for writing (None: it can)."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CLOEXEC))
+    except OSError as e:
+        return e.strerror
+    return None
+
+
+def _fixed(path: str) -> str | None:
+    """'immutable' or 'append-only' where the file's flags say so (`chattr +i`, `+a`)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None  # not readable: the rename may still be allowed
+    try:
+        flags = array.array("l", [0])
+        fcntl.ioctl(fd, FS_IOC_GETFLAGS, flags)
+    except OSError:  # no such flags on this filesystem
+        return None
+    finally:
+        os.close(fd)
+    fixed = [what for bit, what in _FIXED.items() if flags[0] & bit]
+    return f"the file is {' and '.join(fixed)} (chattr)" if fixed else None

@@ -1,0 +1,129 @@
+"""A file this process may not change (an immutable one, another user's in a sticky
+directory) is found before a commit, and before a replay's first rename or write: never
+half way through applying a journal (no vLLM)."""
+
+import array
+import contextlib
+import fcntl
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from hotweights.checkpoint import diagnose, finisher, journal, recover, sync, writable
+from hotweights.errors import CheckpointError
+
+FS_IOC_SETFLAGS = 0x40086602  # _IOW('f', 2, long), linux/fs.h
+IMMUTABLE = 0x10
+
+
+def _flags(path: Path, on: bool) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        flags = array.array("l", [0])
+        fcntl.ioctl(fd, writable.FS_IOC_GETFLAGS, flags)
+        flags[0] = flags[0] | IMMUTABLE if on else flags[0] & ~IMMUTABLE
+        fcntl.ioctl(fd, FS_IOC_SETFLAGS, flags)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def immutable(path: Path):
+    """`path` made immutable (`chattr +i`: not even root may rename over it or write)."""
+    try:
+        _flags(path, True)
+    except OSError as e:
+        pytest.skip(f"cannot make a file immutable here ({e.strerror}; needs root)")
+    try:
+        yield
+    finally:
+        _flags(path, False)
+
+
+def _live(step: int = 0) -> dict[str, torch.Tensor]:
+    return {f"model.layers.{i}.w": torch.full((64, 64), float(i + step)) for i in range(3)}
+
+
+@pytest.fixture
+def saved(tmp_path) -> Path:
+    d = tmp_path / "ckpt"
+    sync(d, _live(), max_shard_size=20_000)  # one tensor per shard
+    finisher.finish()
+    assert len(list(d.glob("*.safetensors"))) == 3
+    return d
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.is_file()}
+
+
+@pytest.mark.parametrize(("mode", "verb"), [("auto", "replace"), ("journal", "write into")])
+def test_a_shard_that_cannot_be_changed_is_refused_before_the_commit(saved, mode, verb):
+    before = _files(saved)
+    last = sorted(saved.glob("*.safetensors"))[-1]
+    with immutable(last):
+        with pytest.raises(CheckpointError, match=rf"{last}: this process cannot {verb} it "
+                           r"\((the file is immutable \(chattr\)|Operation not permitted)\); "
+                           "nothing was written"):
+            sync(saved, _live(1), mode=mode)
+        finisher.finish()
+        why = (writable.why_not_writable if mode == "journal" else
+               writable.why_not_replaceable)(str(last))
+        assert diagnose(saved, mode=mode).problems == [
+            f"{last}: a sync cannot {verb} it ({why})"]  # said before a sync tries
+        assert _files(saved) == before  # no shard of a new version beside old ones
+        assert not (saved / journal.JOURNAL_NAME).exists()
+        assert not (saved / journal.STAGE_DIR).exists()
+    sync(saved, _live(1), mode=mode)  # once it can
+    finisher.finish()
+    assert _files(saved) != before and sync(saved, _live(1)).bytes_written == 0
+
+
+@pytest.mark.parametrize("how", ["moved", "patched"])
+def test_a_committed_journal_onto_a_file_that_cannot_be_changed_is_kept_whole(saved, how):
+    """Made unchangeable after the commit (a crash, then chattr, a permission change):
+    the replay refuses before its first rename or write, and keeps the journal."""
+    names = sorted(p.name for p in saved.glob("*.safetensors"))
+    if how == "moved":
+        (saved / journal.STAGE_DIR).mkdir()
+        for name in names:
+            save_file({"x": torch.ones(2)}, saved / journal.STAGE_DIR / name)
+        journal.write_journal(saved, [], moves=names)
+    else:
+        journal.write_journal(saved, [(name, os.path.getsize(saved / name) - 4, b"\xff" * 4)
+                                      for name in names])
+    before = _files(saved)
+    with immutable(saved / names[-1]):
+        with pytest.raises(CheckpointError, match=rf"{names[-1]}: this process cannot "
+                           r".* it \(.*\), so journal .* cannot be applied; nothing was "
+                           "written and the journal is kept: once it can, run hotweights "
+                           "recover"):
+            recover(saved)
+        assert _files(saved) == before  # not one file of the new version
+    assert recover(saved) == "replayed"
+    assert _files(saved) != before and not (saved / journal.JOURNAL_NAME).exists()
+
+
+def test_another_user_s_shard_in_a_sticky_directory_is_refused_before_the_commit(
+        saved, monkeypatch):
+    # /tmp-like: anyone may write in it, but only a file's owner (or the directory's)
+    # may rename over the file
+    if os.geteuid() != 0:
+        pytest.skip("making files of another user needs root")
+    before = _files(saved)
+    os.chmod(saved, 0o1777)
+    *mine, last = sorted(saved.glob("*.safetensors"))
+    for path in mine:
+        os.chown(path, 4343, 4343)
+    os.chown(last, 4242, 4242)
+    monkeypatch.setattr(os, "geteuid", lambda: 4343)  # this process: not the directory's
+    with pytest.raises(CheckpointError, match=rf"{last}: this process cannot replace it "
+                       r"\(its directory is sticky .* and the file is user 4242's"):
+        sync(saved, _live(1))
+    monkeypatch.undo()
+    finisher.finish()
+    assert _files(saved) == before and not (saved / journal.JOURNAL_NAME).exists()
+    assert writable.why_not_replaceable(str(last)) is None  # root: as the kernel says
