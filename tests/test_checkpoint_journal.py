@@ -158,15 +158,21 @@ def _corrupt_empty(p):
 
 @pytest.mark.parametrize("corrupt", [_corrupt_truncate, _corrupt_flip, _corrupt_magic,
                                      _corrupt_empty])
-def test_corrupt_journal_is_discarded(shards, corrupt):
+def test_a_damaged_journal_is_kept_and_refused(shards, corrupt):
+    # whole when committed (written and fsync'd, then renamed): damaged since, by the disk
+    # or a person, after an apply may have begun; dropping it could leave a torn shard
     d, _, old, new, spec = shards
-    corrupt(_committed(d, old, spec, new))
-    assert journal.pending(d) is None
-    with pytest.raises(CheckpointError, match="corrupt journal"):
-        journal.apply(d)
-    assert journal.recover(d) == "discarded"
-    assert _state(d, old, new) == "old"
-    assert os.listdir(d) and not (d / journal.JOURNAL_NAME).exists()
+    path = _committed(d, old, spec, new)
+    corrupt(path)
+    damaged = path.read_bytes()
+    assert journal.pending(d) is None and "a damaged journal" in journal.damage(d)
+    for refused in (journal.apply, journal.recover):
+        with pytest.raises(CheckpointError, match=r"a damaged journal .*it is kept and "
+                           "nothing was done. Delete it, then sync the directory again"):
+            refused(d)
+    assert _state(d, old, new) == "old" and path.read_bytes() == damaged
+    path.unlink()
+    assert journal.recover(d) == "none" and journal.damage(d) is None
 
 
 def test_a_journal_of_an_unknown_format_is_kept(shards):
@@ -475,7 +481,7 @@ def test_a_journal_replaced_since_it_was_written_is_read_back(shards):
     other.write_bytes(path.read_bytes())
     _corrupt_flip(other)
     os.replace(other, path)
-    with pytest.raises(CheckpointError, match="corrupt journal"):
+    with pytest.raises(CheckpointError, match="a damaged journal"):
         journal.apply(d, mine=True)
     assert _state(d, old, new) == "old"
 

@@ -440,6 +440,23 @@ def test_recover_refuses_a_journal_that_no_longer_fits_its_files(dirs, capsys):
     assert (a / journal.JOURNAL_NAME).exists()  # kept for a person to look at
 
 
+def test_a_damaged_journal_is_a_problem_recover_and_sync_refuse(dirs, capsys):
+    a, b = dirs["A"], dirs["B"]
+    _interrupt(a, b, commit=True)
+    path = a / journal.JOURNAL_NAME
+    path.write_bytes(path.read_bytes()[:-3])  # the disk's doing, after the commit
+    rc, out, _ = _run(capsys, "diagnose", "--model-dir", a)
+    assert rc == 1 and "  journal         damaged: recover refuses it (see below)\n" in out
+    assert f"{path}: a damaged journal (" in out and "run hotweights recover" not in out
+    for argv in (["recover", a], ["sync", "--model-dir", a, "--from", b]):
+        rc, out, err = _run(capsys, *argv)
+        assert rc == 1 and "a damaged journal" in err and "Delete it, then sync" in err
+    assert path.exists()
+    path.unlink()
+    assert _run(capsys, "sync", "--model-dir", a, "--from", b)[0] == 0
+    assert _equal(_disk(a), _disk(b))
+
+
 def test_recover_is_a_light_command_and_a_library_function():
     code = ("import sys\nfrom hotweights.cli.main import main\n"
             "for argv in (['--help'], ['recover', '--help']):\n"

@@ -64,7 +64,8 @@ class Diagnosis:
     tensors: int
     model_bytes: int  # tensor bytes on disk
     journal: dict | None  # the meta of a committed journal not yet applied
-    leftovers: tuple[str, ...]  # an uncommitted journal, staged files, a corrupt journal
+    damaged_journal: str | None  # what is wrong with a committed journal that is damaged
+    leftovers: tuple[str, ...]  # an uncommitted journal, staged files, the trash
     # A sync was cut short here (a journal, committed or not, or staged files): a reader
     # must run `hotweights recover DIR` (`journal.recover`) before loading the shards.
     interrupted: bool
@@ -99,6 +100,8 @@ class Diagnosis:
                        "applied yet, a shard may be half written: run hotweights recover "
                        f"{shlex.quote(self.model_dir)} before reading the shards (a sync "
                        "or serve finishes it too)")
+        if self.damaged_journal:
+            out.append(self.damaged_journal)
         if self.write_mode is None:
             out.append(self.write_reason)
         out += self.unchangeable
@@ -149,8 +152,9 @@ def diagnose(model_dir: str | os.PathLike,
         wmode, reason = None, (f"{d}: not writable by this process: a sync cannot stage or "
                                "replace its shards here")
     kind, mount = clone.fs_type(d)
-    pending, leftovers, interrupted = _journal_state(d)
-    base = dict(model_dir=str(d), journal=pending, leftovers=leftovers, interrupted=interrupted,
+    pending, damaged, leftovers, interrupted = _journal_state(d)
+    base = dict(model_dir=str(d), journal=pending, damaged_journal=damaged,
+                leftovers=leftovers, interrupted=interrupted,
                 writer_active=lock.held(d), fs_type=kind, mount=mount, mode=mode,
                 write_mode=wmode, write_reason=reason, live=live is not None)
     try:
@@ -205,22 +209,20 @@ def _shard_info(shard, live: list[torch.Tensor] | None, block_size: int) -> Shar
                    block_size=size, unused=unused)
 
 
-def _journal_state(d: Path) -> tuple[dict | None, tuple[str, ...], bool]:
-    """The committed journal's meta, the leftovers, and whether a sync was interrupted."""
-    pending = journal.pending(d)
+def _journal_state(d: Path) -> tuple[dict | None, str | None, tuple[str, ...], bool]:
+    """The committed journal's meta, what is wrong with it if it is damaged, the
+    leftovers, and whether a sync was interrupted."""
+    pending, damaged = journal.pending(d), journal.damage(d)
     leftovers = []
     if (d / (journal.JOURNAL_NAME + ".tmp")).exists():
         leftovers.append(f"{journal.JOURNAL_NAME}.tmp: an uncommitted journal")
-    if pending is None and (d / journal.JOURNAL_NAME).exists():
-        leftovers.append(f"{journal.JOURNAL_NAME}: a corrupt or torn journal (discarded "
-                         "by recover; the files were never touched by it)")
     if os.path.lexists(d / journal.STAGE_DIR):
         leftovers.append(f"{journal.STAGE_DIR}/: files staged for a journal")
-    interrupted = pending is not None or bool(leftovers)  # the trash is no interruption
+    interrupted = pending is not None or bool(damaged or leftovers)  # the trash is none
     if os.path.lexists(d / trash.TRASH_DIR):
         leftovers.append(f"{trash.TRASH_DIR}/: replaced shards not freed yet (recover "
                          "or the next sync frees them)")
-    return pending, tuple(leftovers), interrupted
+    return pending, damaged, tuple(leftovers), interrupted
 
 
 def _compare(d: Path, live, disk) -> tuple[dict, dict[str, list[torch.Tensor]]]:

@@ -370,8 +370,30 @@ def _scan(path: str) -> tuple[dict, list[tuple[bytes, str, int, int, int]]]:
     return meta, records
 
 
+def damage(directory: str | os.PathLike) -> str | None:
+    """What is wrong with the committed journal of `directory` if it is damaged (None:
+    there is none, or it is intact)."""
+    path = os.path.join(os.fspath(directory), JOURNAL_NAME)
+    try:
+        _scan(path)
+    except FileNotFoundError:
+        return None
+    except _Corrupt as e:
+        return _damaged(path, e)
+    return None
+
+
+def _damaged(path: str, e: _Corrupt) -> str:
+    return (f"{path}: a damaged journal ({e}). It was whole when it was committed, so an "
+            "apply it began may have left a shard half written; it is kept and nothing was "
+            "done. Delete it, then sync the directory again from the weights it should hold "
+            "(a shard that changed behind its sidecar is compared with them byte by byte), "
+            "or restore the shards from a copy")
+
+
 def pending(directory: str | os.PathLike) -> dict | None:
-    """The meta of a committed, intact journal in `directory`, or None if there is none.
+    """The meta of a committed, intact journal in `directory`, or None if there is none
+    (or it is damaged: `damage`).
 
     Raises:
         CheckpointError: the journal is of a format this version does not know, or a
@@ -535,7 +557,7 @@ def apply(directory: str | os.PathLike, *, wait: bool = True,
         True if a journal was replayed, False if there was none.
 
     Raises:
-        CheckpointError: the journal is corrupt (`recover` discards it), stale, or of a
+        CheckpointError: the journal is damaged, stale, or of a
             format this version does not know.
     """
     directory = os.fspath(directory)
@@ -545,7 +567,7 @@ def apply(directory: str | os.PathLike, *, wait: bool = True,
     try:
         records = _records(path, mine)
     except _Corrupt as e:
-        raise CheckpointError(f"{path}: corrupt journal: {e}; recover() discards it") from None
+        raise CheckpointError(_damaged(path, e)) from None
     fds, moved = _replay(directory, path, records)
     if wait:
         _durable(directory, path, fds, moved)
@@ -566,13 +588,14 @@ def recover(directory: str | os.PathLike, *, lock: bool = True) -> str:
         lock: take the writer lock (False: the caller holds it).
 
     Returns:
-        "replayed" (a committed journal was applied), "discarded" (an uncommitted or
-        corrupt one was removed, the files untouched) or "none".
+        "replayed" (a committed journal was applied), "discarded" (an uncommitted one
+        was removed, the files untouched) or "none".
 
     Raises:
         CheckpointError: a committed journal no longer fits its files (they changed since,
-            or a staged file is lost), or is of a format this version does not know (a
-            later version's); it is kept, with the staged files, for a person to look at.
+            or a staged file is lost), cannot be applied by this process, is damaged, or
+            is of a format this version does not know (a later version's); it is kept,
+            with the staged files, for a person to look at.
     """
     if lock:
         with locked(directory):
@@ -589,14 +612,10 @@ def recover(directory: str | os.PathLike, *, lock: bool = True) -> str:
         try:
             _, records = _scan(path)
         except _Corrupt as e:
-            os.unlink(path)
-            logger.warning("%s: discarded a corrupt journal: %s", path, e)
-            outcome = "discarded"
-        else:
-            _durable(directory, path, *_replay(directory, path, records))
-            logger.warning("%s: replayed an interrupted journal, %d records",
-                           path, len(records))
-            outcome = "replayed"
+            raise CheckpointError(_damaged(path, e)) from None
+        _durable(directory, path, *_replay(directory, path, records))
+        logger.warning("%s: replayed an interrupted journal, %d records", path, len(records))
+        outcome = "replayed"
     trash.sweep(directory, background=False)
     stage = os.path.join(directory, STAGE_DIR)
     if os.path.lexists(stage):  # staged for a journal that never committed

@@ -181,11 +181,13 @@ def diagnose_rows(d) -> list[tuple[str, str]]:
             if d.write_mode else f"none: {d.write_reason}")]
     if d.journal is not None:
         out.append(("journal", f"committed, not applied (version {d.journal.get('version')})"))
+    elif d.damaged_journal:
+        out.append(("journal", "damaged: recover refuses it (see below)"))
     else:
         out.append(("journal", "none pending"))
     for line in d.leftovers:
         out.append(("leftover", line))
-    if d.interrupted:
+    if d.interrupted and not d.damaged_journal:
         out.append(("reader", f"run hotweights recover {shlex.quote(d.model_dir)} before "
                     "loading the shards: a sync was interrupted"
                     + (", a shard may be half written" if d.journal is not None
