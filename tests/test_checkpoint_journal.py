@@ -379,6 +379,29 @@ def test_every_move_is_checked_before_the_first(shards):
     assert sorted(os.listdir(d / journal.STAGE_DIR)) == sorted(NAMES[:2])
 
 
+@pytest.mark.parametrize("wait", [True, False])
+def test_ctrl_c_during_the_apply_is_raised_once_every_file_holds_the_commit(
+        shards, monkeypatch, wait):
+    # a KeyboardInterrupt between two renames would leave shards of two versions
+    d, _, old, new, spec = shards
+    _staged(d, new, *NAMES)
+    journal.write_journal(d, [], moves=list(NAMES))
+    replace = os.replace
+
+    def ctrl_c_on_the_first(src, dst):
+        if os.path.basename(dst) == NAMES[0]:
+            os.kill(os.getpid(), signal.SIGINT)
+        replace(src, dst)
+    monkeypatch.setattr(os, "replace", ctrl_c_on_the_first)
+    with pytest.raises(KeyboardInterrupt):
+        journal.apply(d, wait=wait)
+    monkeypatch.undo()
+    finisher.finish()
+    assert _state(d, old, new) == "new"
+    assert journal.recover(d) in ("replayed", "none") and _state(d, old, new) == "new"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_a_move_already_done_is_recognised_by_its_identity(shards):
     d, _, old, new, spec = shards
     stage = d / journal.STAGE_DIR

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from hotweights.changes import blocks
-from hotweights.checkpoint import clone, diagnose, journal, sidecar, sync
+from hotweights.checkpoint import clone, diagnose, finisher, journal, sidecar, sync
 from hotweights.checkpoint.shards import read_dir
 from hotweights.checkpoint.source import open_dir
 from hotweights.cli.main import main
@@ -455,6 +456,23 @@ def test_a_damaged_journal_is_a_problem_recover_and_sync_refuse(dirs, capsys):
     path.unlink()
     assert _run(capsys, "sync", "--model-dir", a, "--from", b)[0] == 0
     assert _equal(_disk(a), _disk(b))
+
+
+def test_ctrl_c_in_a_sync_is_one_line_and_exit_130_with_no_shard_of_two_versions(
+        dirs, capsys, monkeypatch):
+    a, b = dirs["A"], dirs["B"]
+    replace = os.replace
+
+    def ctrl_c_on_the_first_move(src, dst):
+        if journal.STAGE_DIR in str(src):
+            os.kill(os.getpid(), signal.SIGINT)
+        replace(src, dst)
+    monkeypatch.setattr(os, "replace", ctrl_c_on_the_first_move)
+    rc, out, err = _run(capsys, "sync", "--model-dir", a, "--from", b)
+    assert (rc, out, err) == (130, "", "interrupted\n")
+    monkeypatch.undo()
+    finisher.finish()
+    assert _equal(_disk(a), _disk(b))  # every shard the new version: the commit whole
 
 
 def test_recover_is_a_light_command_and_a_library_function():

@@ -49,6 +49,7 @@ import xxhash
 
 from hotweights.checkpoint import finisher, trash
 from hotweights.checkpoint.fileid import FileId
+from hotweights.checkpoint.held import interrupts_held
 from hotweights.checkpoint.lock import locked
 from hotweights.checkpoint.mapped import mapped
 from hotweights.checkpoint.writable import why_not_replaceable, why_not_writable
@@ -568,7 +569,8 @@ def apply(directory: str | os.PathLike, *, wait: bool = True,
         records = _records(path, mine)
     except _Corrupt as e:
         raise CheckpointError(_damaged(path, e)) from None
-    fds, moved = _replay(directory, path, records)
+    with interrupts_held():  # a Ctrl-C between two renames: raised once all are done
+        fds, moved = _replay(directory, path, records)
     if wait:
         _durable(directory, path, fds, moved)
         if then:
@@ -613,7 +615,9 @@ def recover(directory: str | os.PathLike, *, lock: bool = True) -> str:
             _, records = _scan(path)
         except _Corrupt as e:
             raise CheckpointError(_damaged(path, e)) from None
-        _durable(directory, path, *_replay(directory, path, records))
+        with interrupts_held():
+            applied = _replay(directory, path, records)
+        _durable(directory, path, *applied)
         logger.warning("%s: replayed an interrupted journal, %d records", path, len(records))
         outcome = "replayed"
     trash.sweep(directory, background=False)

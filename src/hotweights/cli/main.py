@@ -309,6 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     except HotweightsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # a sync's commit is never cut in two (`checkpoint.held`)
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
