@@ -195,10 +195,12 @@ def test_k_training_steps_are_served_exactly(any_server):
     assert any_server.logprobs()[1] == bridge.version
 
 
-def test_bridge_checkpoint_writes_only_what_changed(server, tmp_path):
+def test_bridge_checkpoint_writes_only_what_changed(server, tmp_path, monkeypatch):
     import shutil
 
     from safetensors.torch import load_file
+
+    import hotweights.checkpoint
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(server.model_dir, ckpt)
@@ -230,6 +232,16 @@ def test_bridge_checkpoint_writes_only_what_changed(server, tmp_path):
         status = bridge.status()
         assert status["state"] == "idle" and status["version"] == bridge.version
         assert status["dirty"] is False
+        # Another writer's sync, or what a crashed one left, is waited for and finished
+        # before the server is paused, not while it is.
+        calls, recover, post = [], hotweights.checkpoint.recover, Bridge._post
+        monkeypatch.setattr(hotweights.checkpoint, "recover", lambda d: calls.append(
+            "recover") or recover(d))
+        monkeypatch.setattr(Bridge, "_post", lambda self, route, **kw: calls.append(
+            route) or post(self, route, **kw))
+        other.checkpoint(ckpt, exclusive=True)
+        monkeypatch.undo()
+        assert calls.index("recover") < calls.index("/hotweights/begin")
     finally:
         with bridge.update():
             with torch.no_grad():

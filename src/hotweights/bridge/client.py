@@ -112,11 +112,13 @@ class Bridge:
         Returns:
             The `checkpoint.SyncResult`.
         """
-        from hotweights.checkpoint import sync
+        from hotweights.checkpoint import recover, sync
 
         model = self._model or self.model()
         if not exclusive:
             return sync(model_dir, model, version=self.version, config=model.config, **kwargs)
+        if os.path.isdir(model_dir):  # another writer's sync first, and what a crashed one
+            recover(model_dir)  # left finished: not while the server is paused
         self._post("/hotweights/begin", mode="keep", lease_s=60.0)
         renewer, released = Renewer(self.renew, 60.0), False
 

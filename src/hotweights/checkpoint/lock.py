@@ -33,7 +33,8 @@ def locked(directory: str | os.PathLike, *, finish_first: bool = True) -> Iterat
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            logger.info("%s: another writer holds the directory; waiting", directory)
+            logger.warning("%s: another writer holds the directory; waiting for it",
+                           directory)
             fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
