@@ -1,6 +1,7 @@
 """`hotweights sync --from` and `hotweights diagnose`, and checkpoint.source (no vLLM)."""
 
 import ctypes
+import errno
 import hashlib
 import json
 import os
@@ -9,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -473,6 +475,23 @@ def test_ctrl_c_in_a_sync_is_one_line_and_exit_130_with_no_shard_of_two_versions
     monkeypatch.undo()
     finisher.finish()
     assert _equal(_disk(a), _disk(b))  # every shard the new version: the commit whole
+
+
+def test_a_sync_whose_commit_cannot_be_made_durable_exits_1(dirs, capsys, monkeypatch):
+    a, b = dirs["A"], dirs["B"]
+    real = os.fsync
+
+    def fsync(fd):
+        if threading.current_thread().name == "hotweights-finish":
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd)
+    monkeypatch.setattr(os, "fsync", fsync)
+    rc, out, err = _run(capsys, "sync", "--model-dir", a, "--from", b)
+    monkeypatch.undo()
+    assert rc == 1 and out == "" and err.endswith(
+        f"error: {a}: the files hold this sync, but it could not be made durable (see "
+        f"above): its journal is kept; run hotweights recover {a} once the cause is fixed\n")
+    assert _run(capsys, "recover", a)[0] == 0 and _equal(_disk(a), _disk(b))
 
 
 def test_recover_is_a_light_command_and_a_library_function():

@@ -19,7 +19,7 @@ _LISTED = 10  # problems listed
 
 
 def run_sync(args: argparse.Namespace) -> int:
-    from hotweights.checkpoint import finisher
+    from hotweights.checkpoint import finisher, journal
     from hotweights.checkpoint.shards import read_dir
 
     if args.version is not None and args.source is None:
@@ -39,6 +39,11 @@ def run_sync(args: argparse.Namespace) -> int:
                                        convert_dtype=args.convert_dtype, progress=progress,
                                        changed=changed)
     finisher.finish()  # the command ends with the files fsync'd and the journal removed
+    if journal.pending(args.model_dir) is not None:  # an fsync failed: logged above
+        print(f"error: {args.model_dir}: the files hold this sync, but it could not be made "
+              "durable (see above): its journal is kept; run hotweights recover "
+              f"{shlex.quote(str(args.model_dir))} once the cause is fixed", file=sys.stderr)
+        return 1
     if args.json:
         print(result.to_json())
     else:
