@@ -2,6 +2,7 @@
 tensors do meanwhile."""
 
 import json
+import os
 import shutil
 
 import numpy as np
@@ -100,3 +101,18 @@ def test_a_first_save_that_cannot_fit_says_so_before_writing(tmp_path, monkeypat
                        r"of tensors, only 1000 are free; nothing was written"):
         sync(tmp_path, _live(), max_shard_size=100_000)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_sidecar_cut_short_by_a_full_disk_leaves_no_partial_file(tmp_path, monkeypatch,
+                                                                   caplog):
+    replace = os.replace
+
+    def full(src, dst):
+        if str(src).endswith(".blocks.tmp"):  # a sidecar
+            raise OSError(28, "No space left on device")
+        return replace(src, dst)
+    monkeypatch.setattr(os, "replace", full)
+    sync(tmp_path, _live(), max_shard_size=100_000)
+    monkeypatch.undo()
+    assert "sidecar not written" in caplog.text
+    assert not list((tmp_path / ".hotweights").glob("*.tmp"))

@@ -93,9 +93,13 @@ def write(shard: Shard, fp: blocks.Fingerprints, version: str | None) -> None:
     path.parent.mkdir(exist_ok=True)
     tmp = path.with_suffix(".tmp")
     doc = dict(format=FORMAT, version=version, fingerprints=fp.to_dict(), shard=_stat(shard))
-    with open(tmp, "w") as f:
-        f.write(json.dumps(doc))  # json.dump to a file would take the pure-Python encoder
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(json.dumps(doc))  # json.dump to a file: the pure-Python encoder
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, say: no partial file left behind
+        tmp.unlink(missing_ok=True)
+        raise
     _written[str(path)] = (FileId.of(path), doc["shard"], fp)
 
 
