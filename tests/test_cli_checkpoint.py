@@ -346,6 +346,16 @@ def test_diagnose_a_pending_journal_then_sync_finishes_it(dirs, capsys):
     assert _equal(_disk(a), _disk(dirs["B"]))  # the patched byte compared and put back
 
 
+def test_diagnose_a_pending_journal_of_no_version_says_none_of_it(dirs, capsys):
+    a = dirs["A"]
+    shard, info = read_dir(a)["model.norm.weight"]
+    journal.write_journal(a, [(Path(shard.path).name, info.begin, b"x")])
+    rc, out, _ = _run(capsys, "diagnose", "--model-dir", a)
+    assert rc == 1 and "None" not in out
+    assert "  journal         committed, not applied\n" in out
+    assert "a committed journal is not applied yet" in out
+
+
 def test_diagnose_leftovers_and_an_empty_directory(dirs, tmp_path, capsys):
     a = dirs["A"]
     (a / journal.STAGE_DIR).mkdir()

@@ -96,10 +96,11 @@ class Diagnosis:
         if self.error:
             out.append(f"unreadable checkpoint: {self.error}")
         if self.journal is not None:
-            out.append(f"a committed journal (version {self.journal.get('version')}) is not "
-                       "applied yet, a shard may be half written: run hotweights recover "
-                       f"{shlex.quote(self.model_dir)} before reading the shards (a sync "
-                       "or serve finishes it too)")
+            version = self.journal.get("version")
+            which = "" if version is None else f" (version {version})"
+            out.append(f"a committed journal{which} is not applied yet, a shard may be half "
+                       f"written: run hotweights recover {shlex.quote(self.model_dir)} before "
+                       "reading the shards (a sync or serve finishes it too)")
         if self.damaged_journal:
             out.append(self.damaged_journal)
         if self.write_mode is None:

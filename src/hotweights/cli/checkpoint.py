@@ -185,7 +185,9 @@ def diagnose_rows(d) -> list[tuple[str, str]]:
            ("write mode", f"{d.write_mode} (asked {d.mode}: {d.write_reason})"
             if d.write_mode else f"none: {d.write_reason}")]
     if d.journal is not None:
-        out.append(("journal", f"committed, not applied (version {d.journal.get('version')})"))
+        version = d.journal.get("version")
+        out.append(("journal", "committed, not applied"
+                    + ("" if version is None else f" (version {version})")))
     elif d.damaged_journal:
         out.append(("journal", "damaged: recover refuses it (see below)"))
     else:
