@@ -123,6 +123,9 @@ def test_sync_from_with_tensors_the_checkpoint_has_no_place_for_fails_naming_the
                               "no shard holds them: model.extra.weight")
         assert json.loads(out)["missing_on_disk"] == ["model.extra.weight"] if json_out \
             else "not on disk" in out
+    rc, out, _ = _run(capsys, "diagnose", "--model-dir", dirs["A"], "--from", extra)
+    assert rc == 1 and ("1 live tensor(s) have no place in the checkpoint: a sync does not "
+                        "write them (e.g. model.extra.weight)") in out  # said before it
     without = _disk(extra)
     del without["model.extra.weight"]
     assert _equal(_disk(dirs["A"]), without)  # all else written

@@ -108,6 +108,9 @@ class Diagnosis:
         out += self.unchangeable
         if self.names_error:
             out.append(self.names_error)
+        elif self.only_live:  # a few: a sync writes the rest, and `hotweights sync` exits 1
+            out.append(f"{self.only_live} live tensor(s) have no place in the checkpoint: a "
+                       f"sync does not write them (e.g. {', '.join(self.only_live_samples)})")
         out += [m.line() for m in self.mismatches]
         return out
 
