@@ -449,6 +449,9 @@ def test_recover_refuses_a_journal_that_no_longer_fits_its_files(dirs, capsys):
     a, b = dirs["A"], dirs["B"]
     patched = _interrupt(a, b, commit=True)[1]
     os.truncate(a / patched, 1000)  # e.g. another copy of the checkpoint put back
+    rc, out, _ = _run(capsys, "diagnose", "--model-dir", a)  # says so, before recover
+    assert rc == 1 and f"{a / patched}: not the file journal " in out
+    assert "committed, and recover refuses it" in out and "run hotweights recover" not in out
     rc, out, err = _run(capsys, "recover", a)
     assert rc == 1 and out == ""
     assert err.startswith(f"error: {a}: cannot finish the interrupted sync, its journal is "
@@ -462,7 +465,7 @@ def test_a_damaged_journal_is_a_problem_recover_and_sync_refuse(dirs, capsys):
     path = a / journal.JOURNAL_NAME
     path.write_bytes(path.read_bytes()[:-3])  # the disk's doing, after the commit
     rc, out, _ = _run(capsys, "diagnose", "--model-dir", a)
-    assert rc == 1 and "  journal         damaged: recover refuses it (see below)\n" in out
+    assert rc == 1 and "  journal         committed, and recover refuses it (see below)\n" in out
     assert f"{path}: a damaged journal (" in out and "run hotweights recover" not in out
     for argv in (["recover", a], ["sync", "--model-dir", a, "--from", b]):
         rc, out, err = _run(capsys, *argv)

@@ -64,7 +64,8 @@ class Diagnosis:
     tensors: int
     model_bytes: int  # tensor bytes on disk
     journal: dict | None  # the meta of a committed journal not yet applied
-    damaged_journal: str | None  # what is wrong with a committed journal that is damaged
+    # why `recover` refuses the committed journal (damaged, or its files changed since)
+    journal_refused: str | None
     leftovers: tuple[str, ...]  # an uncommitted journal, staged files, the trash
     # A sync was cut short here (a journal, committed or not, or staged files): a reader
     # must run `hotweights recover DIR` (`journal.recover`) before loading the shards.
@@ -95,14 +96,14 @@ class Diagnosis:
         out = []
         if self.error:
             out.append(f"unreadable checkpoint: {self.error}")
-        if self.journal is not None:
+        if self.journal_refused:
+            out.append(self.journal_refused)
+        elif self.journal is not None:
             version = self.journal.get("version")
             which = "" if version is None else f" (version {version})"
             out.append(f"a committed journal{which} is not applied yet, a shard may be half "
                        f"written: run hotweights recover {shlex.quote(self.model_dir)} before "
                        "reading the shards (a sync or serve finishes it too)")
-        if self.damaged_journal:
-            out.append(self.damaged_journal)
         if self.write_mode is None:
             out.append(self.write_reason)
         out += self.unchangeable
@@ -156,8 +157,8 @@ def diagnose(model_dir: str | os.PathLike,
         wmode, reason = None, (f"{d}: not writable by this process: a sync cannot stage or "
                                "replace its shards here")
     kind, mount = clone.fs_type(d)
-    pending, damaged, leftovers, interrupted = _journal_state(d)
-    base = dict(model_dir=str(d), journal=pending, damaged_journal=damaged,
+    pending, refused, leftovers, interrupted = _journal_state(d)
+    base = dict(model_dir=str(d), journal=pending, journal_refused=refused,
                 leftovers=leftovers, interrupted=interrupted,
                 writer_active=lock.held(d), fs_type=kind, mount=mount, mode=mode,
                 write_mode=wmode, write_reason=reason, live=live is not None)
@@ -214,19 +215,20 @@ def _shard_info(shard, live: list[torch.Tensor] | None, block_size: int) -> Shar
 
 
 def _journal_state(d: Path) -> tuple[dict | None, str | None, tuple[str, ...], bool]:
-    """The committed journal's meta, what is wrong with it if it is damaged, the
+    """The committed journal's meta, why `recover` refuses it (if it does), the
     leftovers, and whether a sync was interrupted."""
-    pending, damaged = journal.pending(d), journal.damage(d)
+    pending = journal.pending(d)
+    refused = journal.damage(d) if pending is None else journal.unfit(d)
     leftovers = []
     if (d / (journal.JOURNAL_NAME + ".tmp")).exists():
         leftovers.append(f"{journal.JOURNAL_NAME}.tmp: an uncommitted journal")
     if os.path.lexists(d / journal.STAGE_DIR):
         leftovers.append(f"{journal.STAGE_DIR}/: files staged for a journal")
-    interrupted = pending is not None or bool(damaged or leftovers)  # the trash is none
+    interrupted = pending is not None or bool(refused or leftovers)  # the trash is none
     if os.path.lexists(d / trash.TRASH_DIR):
         leftovers.append(f"{trash.TRASH_DIR}/: replaced shards not freed yet (recover "
                          "or the next sync frees them)")
-    return pending, damaged, tuple(leftovers), interrupted
+    return pending, refused, tuple(leftovers), interrupted
 
 
 def _compare(d: Path, live, disk) -> tuple[dict, dict[str, list[torch.Tensor]]]:

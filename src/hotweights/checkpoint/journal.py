@@ -428,9 +428,26 @@ def _moved(directory: str, name: str, ino: int, size: int) -> bool:
     return True
 
 
-def _replay(directory: str, path: str, records: list) -> tuple[list[int], bool]:
-    """Move and patch the files as the journal says; (the patched files' fds, whether any
-    file was moved), for `_durable`."""
+def unfit(directory: str | os.PathLike) -> str | None:
+    """Why the committed journal of `directory` cannot be replayed (the checks a replay
+    makes before its first rename or write: `recover` would refuse it), or None: it can,
+    or there is none (or it is damaged: `damage`). Nothing is written."""
+    directory = os.fspath(directory)
+    path = os.path.join(directory, JOURNAL_NAME)
+    try:
+        _, records = _scan(path)
+        _checked(directory, path, records)
+    except (FileNotFoundError, _Corrupt):
+        return None
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def _checked(directory: str, path: str, records: list
+             ) -> tuple[list[tuple], list[tuple], set[str]]:
+    """(the moves, the patches, the moves an earlier replay did) of the journal at
+    `path`, once every file it changes is checked; else a CheckpointError naming it."""
     sizes: dict[str, int] = {}
     moves = [r[1:4] for r in records if r[0] == b"M"]
     patches = [r[1:] for r in records if r[0] == b"R"]
@@ -449,6 +466,13 @@ def _replay(directory: str, path: str, records: list) -> tuple[list[int], bool]:
                                   "after the journal was committed")
     _check_changeable(directory, path, [m[0] for m in moves if m[0] not in done],
                       {r[0] for r in patches})
+    return moves, patches, done
+
+
+def _replay(directory: str, path: str, records: list) -> tuple[list[int], bool]:
+    """Move and patch the files as the journal says; (the patched files' fds, whether any
+    file was moved), for `_durable`."""
+    moves, patches, done = _checked(directory, path, records)
     for k, name in enumerate(m[0] for m in moves if m[0] not in done):  # all checked
         target = os.path.join(directory, name)
         if os.path.exists(target):

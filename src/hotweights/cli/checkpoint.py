@@ -184,17 +184,17 @@ def diagnose_rows(d) -> list[tuple[str, str]]:
            ("filesystem", f"{d.fs_type} at {d.mount}" if d.mount else d.fs_type),
            ("write mode", f"{d.write_mode} (asked {d.mode}: {d.write_reason})"
             if d.write_mode else f"none: {d.write_reason}")]
-    if d.journal is not None:
+    if d.journal_refused:
+        out.append(("journal", "committed, and recover refuses it (see below)"))
+    elif d.journal is not None:
         version = d.journal.get("version")
         out.append(("journal", "committed, not applied"
                     + ("" if version is None else f" (version {version})")))
-    elif d.damaged_journal:
-        out.append(("journal", "damaged: recover refuses it (see below)"))
     else:
         out.append(("journal", "none pending"))
     for line in d.leftovers:
         out.append(("leftover", line))
-    if d.interrupted and not d.damaged_journal:
+    if d.interrupted and not d.journal_refused:
         out.append(("reader", f"run hotweights recover {shlex.quote(d.model_dir)} before "
                     "loading the shards: a sync was interrupted"
                     + (", a shard may be half written" if d.journal is not None
