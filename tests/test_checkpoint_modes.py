@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import subprocess
 import threading
 from pathlib import Path
@@ -332,9 +333,15 @@ def test_a_full_disk_is_named_and_nothing_written(tmp_path, mode):
         for n in live:  # a change far larger than the space left
             live[n] += 1.0
         before = {p.name: p.read_bytes() for p in d.glob("*.safetensors")}
-        with pytest.raises(CheckpointError, match=f"{d}: this sync needs .* bytes .* only "
-                                                  ".* are free; nothing was written"):
+        free = shutil.disk_usage(d).free
+        need = sum(p.stat().st_size for p in d.glob("*.safetensors")) if mode == "copy" \
+            else None  # every shard rewritten whole: each one's size, all told at once
+        with pytest.raises(CheckpointError, match=rf"{d}: not enough free space: this sync "
+                           r"needs [\d,]+ MiB \((\d+) bytes\) for .*, [\d,]+ MiB are free: "
+                           r"free [\d,]+ MiB more; nothing was written") as e:
             sync(d, live, mode=mode)
+        asked = int(re.search(r"\((\d+) bytes\)", str(e.value))[1])
+        assert asked > free and (need is None or asked == need)
         assert {p.name: p.read_bytes() for p in d.glob("*.safetensors")} == before
         assert not (d / journal.STAGE_DIR).exists() and not (d / journal.JOURNAL_NAME).exists()
     finally:

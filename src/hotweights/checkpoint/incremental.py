@@ -403,6 +403,8 @@ class _Stager:
         self.model_dir, self.area, self.mode, self.patch_mode = model_dir, area, mode, patch_mode
         self.progress, self.free, self.need = progress, shutil.disk_usage(model_dir).free, 0
         self.journaled = self.total = self.done = 0
+        self.staged = 0  # bytes of the shards staged (counted in `free` once re-measured)
+        self.short = 0  # bytes of the changes that did not fit, once one did not
         self.counted = threading.Lock()
         self.pool = ThreadPoolExecutor(2)
         self.jobs: list[Future[tuple[_ShardWrite | None, int]]] = []
@@ -419,16 +421,19 @@ class _Stager:
             return
         changed = ranges_bytes(c.ranges)
         how = _how(c.shard, changed, self.mode, self.patch_mode)
-        self._room(c.shard.size if how == "whole" else changed + 64 * len(c.ranges),
-                   how == "journal")
-        if how != "journal" and not self.area.exists():
-            self.area.mkdir()
+        need = c.shard.size if how == "whole" else changed + 64 * len(c.ranges)
+        if self.short or not self._room(need, how == "journal"):
+            self.short += need  # not staged: counted for what `wait` says is missing
+            return
+        if how != "journal":
+            self.staged += need
+            self.area.mkdir(exist_ok=True)
         self.jobs.append(self.pool.submit(self._stage, c, how))
 
-    def _room(self, need: int, journaled: bool) -> None:
+    def _room(self, need: int, journaled: bool) -> bool:
         """Count `need` more bytes for this sync (`journaled`: in the journal, written at
-        the end), or raise if they do not fit. Where the free space measured first says
-        no, it is measured again once the shards before are staged and the filesystem's
+        the end) if they fit (else False). Where the free space measured first says no,
+        it is measured again once the shards before are staged and the filesystem's
         deferred frees are done (XFS frees a deleted file's blocks in the background: the
         shards the last sync replaced may still count as used)."""
         if self.need + need > self.free:
@@ -437,12 +442,10 @@ class _Stager:
             _syncfs(self.model_dir)
             self.free, self.need = shutil.disk_usage(self.model_dir).free, self.journaled
             if self.need + need > self.free:
-                raise CheckpointError(f"{self.model_dir}: this sync needs at least "
-                                      f"{self.need + need} more bytes for its journal and "
-                                      f"staged shards, only {self.free} are free; nothing "
-                                      "was written")
+                return False
         self.need += need
         self.journaled += need if journaled else 0
+        return True
 
     def _stage(self, c: ShardChanges, how: str) -> tuple[_ShardWrite | None, int]:
         """The shard's write (None: no page differs from the file) and the bytes it writes
@@ -470,10 +473,22 @@ class _Stager:
         """The shards to write (staged, or to journal) and the bytes they write, once
         every staging job is done."""
         done = [f.result() for f in self.jobs]
+        if self.short:  # every shard hashed: the whole need known
+            need, free = self.staged + self.need + self.short, self.free + self.staged
+            raise CheckpointError(
+                f"{self.model_dir}: not enough free space: this sync needs {_mib(need)} "
+                f"({need} bytes) for its journal and staged shards, {_mib(free)} are free: "
+                f"free {_mib(need - free)} more; nothing was written. (A shard rewritten "
+                "whole takes its whole size until the commit; one patched by reflink, only "
+                "its changed pages)")
         writes = [w for w, _ in done if w is not None]
         if self.area.exists() and all(w.how == "journal" for w in writes):
             self.area.rmdir()  # each shard it was made for matched its file after all
         return writes, sum(n for _, n in done)
+
+
+def _mib(n: int) -> str:
+    return f"{-(-n // (1 << 20)):,} MiB"  # rounded up: what to free
 
 
 def _syncfs(directory: Path) -> None:
