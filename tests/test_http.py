@@ -118,3 +118,30 @@ def test_a_server_without_the_route_is_told_apart_from_a_hotweights_error():
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.mark.parametrize("status", [200, 404, 500])
+def test_an_html_page_is_named_by_its_size_not_printed(status):
+    page = b"<!DOCTYPE html><html><body>" + b"x" * 5000 + b"</body></html>"
+
+    class Html(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # another web service on that port
+            self.send_response(status)
+            self.send_header("Content-Type", "text/html; charset=utf-8")
+            self.send_header("Content-Length", str(len(page)))
+            self.end_headers()
+            self.wfile.write(page)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Html)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with pytest.raises(ServerError, match=rf"an HTML page \({len(page)} bytes\)") as e:
+            request(url, "GET", "/hotweights/status", "t")
+        assert "<" not in str(e.value) and len(str(e.value)) < 300
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -63,9 +63,14 @@ def request(url: str, method: str, route: str, token: str, body: dict | None = N
     )
     try:
         with urllib.request.urlopen(req, timeout=timeout, context=context) as resp:
-            return json.loads(resp.read())
+            answer = resp.read()
+        try:
+            return json.loads(answer)
+        except ValueError:
+            raise ServerError(f"{method} {route}: {url} answered {_what(answer, resp.headers)}"
+                              ", not JSON: is it a `hotweights serve`?") from None
     except urllib.error.HTTPError as e:
-        detail = e.read().decode(errors="replace")[:500]
+        detail = _what(e.read(), e.headers, whole=True)
         if e.code == 404:  # every hotweights serve has its routes (the remote ones: --remote)
             serve = "hotweights serve" + (" --remote" if "/remote/" in route else "")
             detail += (f" ({url} has no such route: is it a `{serve}`, not plain vLLM or "
@@ -81,6 +86,15 @@ def request(url: str, method: str, route: str, token: str, body: dict | None = N
             parts.scheme == "http" and isinstance(e, http.client.RemoteDisconnected)) else ""
         raise ServerError(f"{method} {route}: the connection to {url} broke: {e}{hint}") \
             from None
+
+
+def _what(answer: bytes, headers, whole: bool = False) -> str:
+    """An answer's body for an error message: up to 500 characters of text (`whole`; else
+    its kind and size), an HTML page by its size only."""
+    text = answer.decode(errors="replace")
+    if "html" in (headers.get("Content-Type") or "").lower() or text.lstrip().startswith("<"):
+        return f"an HTML page ({len(answer)} bytes)"
+    return text[:500] if whole else f"{len(answer)} bytes of {headers.get('Content-Type')}"
 
 
 def tls_context(cafile: str | os.PathLike | None = None) -> ssl.SSLContext:
