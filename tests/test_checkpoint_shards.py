@@ -38,7 +38,8 @@ def _raw(t: torch.Tensor) -> bytes:
 
 
 def _snapshot(d: Path) -> dict:
-    return {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(d.rglob("*"))}
+    return {p: (p.read_bytes(), p.stat().st_mtime_ns) if p.exists() else os.readlink(p)
+            for p in sorted(d.rglob("*"))}  # (a dangling symlink: where it points)
 
 
 @pytest.fixture
@@ -237,6 +238,10 @@ INDEX_CASES = {
                       r"no 'weight_map' object"),
     "missing_shard": (lambda d: (d / "m-2.safetensors").unlink(),
                       r"tensor c.weight is in shard m-2.safetensors, which does not exist"),
+    "dangling_link": (lambda d: ((d / "m-2.safetensors").unlink(),
+                                 (d / "m-2.safetensors").symlink_to("../blobs/ab12")),
+                      r"tensor c.weight is in shard m-2.safetensors, a symlink to "
+                      r"../blobs/ab12, which does not exist \(a Hugging Face cache blob"),
     "escaping_name": (lambda d: _edit_index(d, lambda doc: doc["weight_map"].__setitem__(
         "b.bias", "../m-1.safetensors")), r"weight_map\['b.bias'\] = '../m-1.safetensors'"),
     "absent_tensor": (lambda d: _edit_index(d, lambda doc: doc["weight_map"].__setitem__(

@@ -202,6 +202,12 @@ def test_sync_refuses_the_same_directory(dirs, capsys):
     assert rc == 1 and "same directory" in err
 
 
+def test_a_source_that_does_not_exist_is_named_so(dirs, tmp_path, capsys):
+    for command in ("sync", "diagnose"):
+        rc, _, err = _run(capsys, command, "--model-dir", dirs["A"], "--from", tmp_path / "nope")
+        assert (rc, err) == (1, f"error: {tmp_path / 'nope'}: no such directory\n")
+
+
 @pytest.mark.parametrize("argv", [
     ["sync", "--model-dir", "x"],  # neither --server nor --from
     ["sync", "--model-dir", "x", "--from", "y", "--server", "http://h:1"],
