@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -538,3 +539,27 @@ def test_a_child_forked_under_the_lock_does_not_keep_it(tmp_path):
     finally:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
+
+
+def test_a_writer_waiting_for_another_says_so_and_one_alone_says_nothing(shards, caplog):
+    d, _, old, new, spec = shards
+    for _ in range(3):  # as syncs: each one's finisher thread waits for its lock
+        with lock.locked(d):
+            journal.write_journal(d, [(NAMES[0], 0, b"x")])
+            journal.apply(d, wait=False)
+            time.sleep(0.05)  # the finisher's fsyncs done: it waits for the lock now
+    finisher.finish()
+    assert "another writer" not in caplog.text
+    held, go = threading.Event(), threading.Event()
+
+    def other_writer():
+        with lock.locked(d, finish_first=False):
+            held.set()
+            go.wait(10)
+    t = threading.Thread(target=other_writer)
+    t.start()
+    held.wait(10)
+    threading.Timer(0.2, go.set).start()
+    assert journal.recover(d) == "none"  # waited for it
+    t.join()
+    assert caplog.text.count(f"{d}: another writer holds the directory; waiting for it") == 1

@@ -32,9 +32,9 @@ def locked(directory: str | os.PathLike, *, finish_first: bool = True) -> Iterat
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            logger.warning("%s: another writer holds the directory; waiting for it",
-                           directory)
+        except BlockingIOError:  # (a finisher thread waits for the sync that started it)
+            logger.log(logging.WARNING if finish_first else logging.DEBUG,
+                       "%s: another writer holds the directory; waiting for it", directory)
             fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
