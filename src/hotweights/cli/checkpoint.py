@@ -38,7 +38,8 @@ def run_sync(args: argparse.Namespace) -> int:
             result = bridge.checkpoint(args.model_dir, exclusive=True, mode=args.mode,
                                        convert_dtype=args.convert_dtype, progress=progress,
                                        changed=changed)
-    finisher.finish()  # the command ends with the files fsync'd and the journal removed
+    with _status(sys.stderr.isatty() and not args.json, "fsync: making the commit durable"):
+        finisher.finish()  # the command ends with the files fsync'd and the journal removed
     if journal.pending(args.model_dir) is not None:  # an fsync failed: logged above
         print(f"error: {args.model_dir}: the files hold this sync, but it could not be made "
               "durable (see above): its journal is kept; run hotweights recover "
@@ -155,7 +156,8 @@ def run_recover(args: argparse.Namespace) -> int:
     with locked(d):  # a sync running there ends first
         meta = journal.pending(d)  # what a committed journal brings, for the line below
         try:
-            outcome = journal.recover(d, lock=False)
+            with _status(sys.stderr.isatty(), "recovering"):
+                outcome = journal.recover(d, lock=False)
         except CheckpointError as e:  # e.g. the files were replaced since the commit
             raise CheckpointError(f"{d}: cannot finish the interrupted sync, its journal "
                                   f"is kept: {e}") from e
@@ -259,6 +261,18 @@ def _size(n: float) -> str:
         if n < 1024 or unit == "TiB":
             break
     return f"{n:.1f} {unit}"
+
+
+@contextlib.contextmanager
+def _status(enabled: bool, what: str) -> Iterator[None]:
+    """A spinner saying `what` on stderr while the block runs (a terminal only)."""
+    if not enabled:
+        yield
+        return
+    from rich.console import Console
+
+    with Console(stderr=True).status(what):
+        yield
 
 
 @contextlib.contextmanager
