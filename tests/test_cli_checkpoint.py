@@ -271,6 +271,11 @@ def test_diagnose_names_a_dtype_mismatch(dirs, capsys):
     d = json.loads(out)
     assert rc == 1 and len(d["mismatches"]) == 21 and len(d["problems"]) == 21
     assert {m["field"] for m in d["mismatches"]} == {"dtype"}
+    rc, out, _ = _run(capsys, "diagnose", "--model-dir", dirs["A"], "--from", dirs["F"],
+                      "--convert-dtype")  # as the sync it checks for would: cast
+    assert rc == 0 and "the file holds dtype" not in out
+    assert _run(capsys, "sync", "--model-dir", dirs["A"], "--from", dirs["F"],
+                "--convert-dtype")[0] == 0
 
 
 def test_diagnose_names_live_tensors_that_mostly_match_nothing_as_sync_does(dirs):

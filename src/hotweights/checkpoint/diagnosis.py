@@ -121,7 +121,8 @@ class Diagnosis:
 
 def diagnose(model_dir: str | os.PathLike,
              live: Mapping[str, torch.Tensor] | torch.nn.Module | None = None, *,
-             mode: str = "auto", block_size: int = blocks.DEFAULT_BLOCK_SIZE) -> Diagnosis:
+             mode: str = "auto", block_size: int = blocks.DEFAULT_BLOCK_SIZE,
+             convert_dtype: bool = False) -> Diagnosis:
     """Look at a checkpoint directory as `sync` would, and write nothing to it.
 
     The one exception: finding the write mode probes for reflinks by cloning a small
@@ -135,6 +136,8 @@ def diagnose(model_dir: str | os.PathLike,
             devices against the sidecars' hash kinds. No byte of them is read.
         mode: the write mode to check ("auto", "reflink", "journal", "copy").
         block_size: the block size of the sync to check the sidecars for.
+        convert_dtype: as the sync's: a live dtype other than the file's is then cast, not
+            a mismatch (a dtype the file's has no torch form of still is).
 
     Returns:
         A `Diagnosis`; see its `problems`.
@@ -173,7 +176,7 @@ def diagnose(model_dir: str | os.PathLike,
     shards = {}
     for shard, _ in disk.values():
         shards.setdefault(shard.path, shard)
-    found, by_shard = _compare(d, live, disk) if live is not None else ({}, {})
+    found, by_shard = _compare(d, live, disk, convert_dtype) if live is not None else ({}, {})
     infos = tuple(_shard_info(shard, by_shard.get(shard.path), block_size)
                   for shard in sorted(shards.values(), key=lambda s: s.path))
     return Diagnosis(**base, error=None, first_save=False, shards=infos, tensors=len(disk),
@@ -231,7 +234,8 @@ def _journal_state(d: Path) -> tuple[dict | None, str | None, tuple[str, ...], b
     return pending, refused, tuple(leftovers), interrupted
 
 
-def _compare(d: Path, live, disk) -> tuple[dict, dict[str, list[torch.Tensor]]]:
+def _compare(d: Path, live, disk, convert_dtype: bool
+             ) -> tuple[dict, dict[str, list[torch.Tensor]]]:
     """The `Diagnosis` fields about the live tensors, and those placed in each shard (by
     its path)."""
     tensors, model, model_type = unpack(live)
@@ -247,7 +251,7 @@ def _compare(d: Path, live, disk) -> tuple[dict, dict[str, list[torch.Tensor]]]:
         if tuple(t.shape) != info.shape:
             mismatches.append(Mismatch(name, where, "shape", str(list(info.shape)),
                                        str(list(t.shape))))
-        if TORCH.get(info.dtype) != t.dtype:
+        if TORCH.get(info.dtype) != t.dtype and not (convert_dtype and info.dtype in TORCH):
             mismatches.append(Mismatch(name, where, "dtype", info.dtype,
                                        str(t.dtype).removeprefix("torch.")))
     return dict(matched=len(names.tensors), only_live=len(names.only_live),

@@ -134,7 +134,7 @@ def run_diagnose(args: argparse.Namespace) -> int:
         # Only names, shapes and dtypes are read: no lease, the server keeps serving.
         live = Bridge.connect(args.server, token=args.token, cafile=args.cafile).model()
     try:
-        found = diagnose(args.model_dir, live, mode=args.mode)
+        found = diagnose(args.model_dir, live, mode=args.mode, convert_dtype=args.convert_dtype)
     finally:
         if source is not None:
             source.close()

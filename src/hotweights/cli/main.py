@@ -200,6 +200,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--token", help="the server's access token (default: as for sync)")
     p.add_argument("--cafile", metavar="PEM", help="for an https server: the CA bundle that "
                    "signed its certificate (default: $HOTWEIGHTS_CA_FILE, else the system's)")
+    p.add_argument("--convert-dtype", action="store_true", help="as for sync: a dtype "
+                   "other than the file's is cast, not counted as a mismatch")
     p.add_argument("--json", action="store_true", help="print the diagnosis as JSON only")
     p.set_defaults(run=_run_diagnose)
 
