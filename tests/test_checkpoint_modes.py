@@ -472,3 +472,33 @@ def test_a_direct_write_the_device_refuses_goes_on_buffered(tmp_path, monkeypatc
     got = load_file(new)
     assert refused and all(torch.equal(got[n], t) for n, t in live.items())
     assert new.stat().st_size == shard.size
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, OSError])
+def test_an_error_right_after_the_commit_keeps_what_the_journal_moves(tmp_path, monkeypatch,
+                                                                      error):
+    """A Ctrl-C or an I/O error once the journal is in place, before it is applied: the
+    staged shards are the journal's now, kept for `recover`, never removed as a failed
+    sync's leftovers (the journal could then never be finished)."""
+    d = tmp_path / "m"
+    live = _saved(d)
+    sync(d, live)
+    old = _disk(d)
+    for n in live:
+        live[n] += 1.0
+    real = journal._crash_point
+
+    def fail(step, n=0):
+        if step == "after-rename":
+            raise error(5, "Input/output error") if error is OSError else error()
+        real(step, n)
+    monkeypatch.setattr(journal, "_crash_point", fail)
+    with pytest.raises(KeyboardInterrupt if error is KeyboardInterrupt else CheckpointError,
+                       match=None if error is KeyboardInterrupt else
+                       rf"{d}: the sync is committed, then: .*Input/output error.*; its "
+                       rf"journal is kept: run hotweights recover {d}"):
+        sync(d, live)
+    monkeypatch.undo()
+    assert all(torch.equal(t, old[n]) for n, t in _disk(d).items())  # not applied yet
+    assert journal.recover(d) == "replayed"
+    _equal(d, live)

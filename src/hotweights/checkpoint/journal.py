@@ -33,6 +33,7 @@ hold the directory's lock (`lock.locked`). An identity record is JSON of a `File
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -593,15 +594,16 @@ def apply(directory: str | os.PathLike, *, wait: bool = True,
         records = _records(path, mine)
     except _Corrupt as e:
         raise CheckpointError(_damaged(path, e)) from None
-    with interrupts_held():  # a Ctrl-C between two renames: raised once all are done
-        fds, moved = _replay(directory, path, records)
+    with interrupts_held():  # a Ctrl-C between two renames, or before the patched files'
+        fds, moved = _replay(directory, path, records)  # fds are handed on: raised after
+        if wait:
+            _durable(directory, path, fds, moved)
+        else:
+            _durable_later(directory, path, fds, moved, then)
     if wait:
-        _durable(directory, path, fds, moved)
         if then:
             then()
         trash.sweep(directory, background=True)
-    else:
-        _durable_later(directory, path, fds, moved, then)
     logger.info("%s: journal applied, %d records", path, len(records))
     return True
 
@@ -639,13 +641,14 @@ def recover(directory: str | os.PathLike, *, lock: bool = True) -> str:
             _, records = _scan(path)
         except _Corrupt as e:
             raise CheckpointError(_damaged(path, e)) from None
-        with interrupts_held():
-            applied = _replay(directory, path, records)
-        _durable(directory, path, *applied)
+        with interrupts_held():  # as in `apply`; the fsyncs and the removal too
+            _durable(directory, path, *_replay(directory, path, records))
         logger.warning("%s: replayed an interrupted journal, %d records", path, len(records))
         outcome = "replayed"
     trash.sweep(directory, background=False)
     stage = os.path.join(directory, STAGE_DIR)
+    with contextlib.suppress(OSError):  # empty: left by a sync cut short once it applied
+        os.rmdir(stage)
     if os.path.lexists(stage):  # staged for a journal that never committed
         shutil.rmtree(stage) if os.path.isdir(stage) else os.unlink(stage)
         logger.warning("%s: discarded files staged by an interrupted sync", stage)

@@ -19,7 +19,7 @@ import mmap
 import os
 import shutil
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import numpy as np
@@ -172,12 +172,19 @@ def _create(dst: Path, like: str) -> int:
 @contextmanager
 def staging(model_dir: Path, what: str) -> Iterator[Path]:
     """The stage area of `model_dir` for the body to fill and journal; if the body fails
-    (before the commit), what it staged is removed and an OSError becomes a
-    CheckpointError saying it could not `what`."""
+    before the commit, what it staged is removed and an OSError becomes a CheckpointError
+    saying it could not `what`. After the commit (an error once the journal is in place)
+    the staged files are the journal's to move: kept, for `recover`."""
     area = model_dir / journal.STAGE_DIR
     try:
         yield area
     except BaseException as e:
+        if (model_dir / journal.JOURNAL_NAME).exists():  # this sync's (under its lock)
+            if isinstance(e, OSError):
+                raise CheckpointError(f"{model_dir}: the sync is committed, then: {e}; its "
+                                      f"journal is kept: run hotweights recover {model_dir}"
+                                      ) from e
+            raise
         shutil.rmtree(area, ignore_errors=True)
         if isinstance(e, OSError):
             where = f"{e.filename}: " if e.filename else ""
@@ -206,8 +213,11 @@ def commit(model_dir: Path, after_read: Callable[[], None] | None,
         if after_read:
             after_read()
     finally:
-        journal.apply(model_dir, wait=False, then=then, mine=True)
-        shutil.rmtree(model_dir / journal.STAGE_DIR, ignore_errors=True)  # empty by now
+        try:
+            journal.apply(model_dir, wait=False, then=then, mine=True)
+        finally:  # empty once applied (a Ctrl-C held through it is raised after); else
+            with suppress(OSError):  # its files are the journal's, for recover
+                os.rmdir(model_dir / journal.STAGE_DIR)
 
 
 def whole(shard: Shard, tensors: Mapping[str, torch.Tensor], dst: Path,
