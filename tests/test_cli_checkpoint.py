@@ -516,8 +516,9 @@ def test_a_sync_whose_commit_cannot_be_made_durable_exits_1(dirs, capsys, monkey
     rc, out, err = _run(capsys, "sync", "--model-dir", a, "--from", b)
     monkeypatch.undo()
     assert rc == 1 and out == "" and err.endswith(
-        f"error: {a}: the files hold this sync, but it could not be made durable (see "
-        f"above): its journal is kept; run hotweights recover {a} once the cause is fixed\n")
+        f"error: {a}: the files hold this sync, but it could not be made durable ([Errno "
+        f"5] Input/output error): its journal is kept; run hotweights recover {a} once the "
+        "cause is fixed\n")
     assert _run(capsys, "recover", a)[0] == 0 and _equal(_disk(a), _disk(b))
 
 

@@ -85,6 +85,9 @@ def _crash_point(step: str, n: int = 0) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+_failed: dict[str, str] = {}  # directory -> why its commit's finisher failed (`not_durable`)
+
+
 class _Corrupt(Exception):  # the journal is incomplete or damaged; the message says how
     pass
 
@@ -545,6 +548,7 @@ def _durable_later(directory: str, path: str, fds: list[int], moved: bool,
     swept. The journal is removed under the writer lock, and only if it is still this one
     (a writer in another process may have replayed it and committed its own since)."""
     mine = FileId.of(path)
+    _failed.pop(directory, None)
 
     def run() -> None:
         try:
@@ -558,10 +562,18 @@ def _durable_later(directory: str, path: str, fds: list[int], moved: bool,
         except FileNotFoundError as e:  # replayed and removed by another writer, or the
             logger.info("%s: removed before this process could (%s)", path, e)  # directory
         except (OSError, CheckpointError) as e:  # the journal stays, to be replayed
+            _failed[directory] = str(e)
             logger.error("%s: could not make the commit durable (%s); the journal is kept "
                          "and the next sync or recover replays it", path, e)
 
     finisher.start(run)
+
+
+def not_durable(directory: str | os.PathLike) -> str | None:
+    """Why this process's last commit in `directory` could not be made durable by its
+    finisher thread (the journal kept, for `recover`), or None. Call `finisher.finish`
+    first."""
+    return _failed.get(os.fspath(directory))
 
 
 def apply(directory: str | os.PathLike, *, wait: bool = True,

@@ -40,9 +40,9 @@ def run_sync(args: argparse.Namespace) -> int:
                                        changed=changed)
     with _status(sys.stderr.isatty() and not args.json, "fsync: making the commit durable"):
         finisher.finish()  # the command ends with the files fsync'd and the journal removed
-    if journal.pending(args.model_dir) is not None:  # an fsync failed: logged above
+    if why := journal.not_durable(args.model_dir):
         print(f"error: {args.model_dir}: the files hold this sync, but it could not be made "
-              "durable (see above): its journal is kept; run hotweights recover "
+              f"durable ({why}): its journal is kept; run hotweights recover "
               f"{shlex.quote(str(args.model_dir))} once the cause is fixed", file=sys.stderr)
         return 1
     if args.json:
