@@ -6,6 +6,9 @@ import array
 import contextlib
 import fcntl
 import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +25,7 @@ IMMUTABLE = 0x10
 def _flags(path: Path, on: bool) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
-        flags = array.array("l", [0])
+        flags = array.array("i", [0])
         fcntl.ioctl(fd, writable.FS_IOC_GETFLAGS, flags)
         flags[0] = flags[0] | IMMUTABLE if on else flags[0] & ~IMMUTABLE
         fcntl.ioctl(fd, FS_IOC_SETFLAGS, flags)
@@ -111,19 +114,54 @@ def test_another_user_s_shard_in_a_sticky_directory_is_refused_before_the_commit
         saved, monkeypatch):
     # /tmp-like: anyone may write in it, but only a file's owner (or the directory's)
     # may rename over the file
-    if os.geteuid() != 0:
-        pytest.skip("making files of another user needs root")
     before = _files(saved)
-    os.chmod(saved, 0o1777)
     *mine, last = sorted(saved.glob("*.safetensors"))
-    for path in mine:
-        os.chown(path, 4343, 4343)
-    os.chown(last, 4242, 4242)
+    try:
+        for path in mine:
+            os.chown(path, 4343, 4343)
+        os.chown(last, 4242, 4242)
+    except OSError as e:
+        pytest.skip(f"cannot make files of other users here ({e.strerror})")
+    os.chmod(saved, 0o1777)
     monkeypatch.setattr(os, "geteuid", lambda: 4343)  # this process: not the directory's
+    monkeypatch.setattr(writable, "_may_own_any", lambda: False)  # nor root (CAP_FOWNER)
     with pytest.raises(CheckpointError, match=rf"{last}: this process cannot replace it "
                        r"\(its directory is sticky .* and the file is user 4242's"):
         sync(saved, _live(1))
     monkeypatch.undo()
     finisher.finish()
     assert _files(saved) == before and not (saved / journal.JOURNAL_NAME).exists()
-    assert writable.why_not_replaceable(str(last)) is None  # root: as the kernel says
+    assert writable.why_not_replaceable(str(last)) is None  # root: may (CAP_FOWNER)
+    sync(saved, _live(1))
+
+
+def test_the_sticky_rule_agrees_with_the_kernel_without_cap_fowner(tmp_path):
+    """Root whose container dropped CAP_FOWNER may not rename over another user's file in
+    a sticky directory: the check says so exactly when the kernel refuses."""
+    setpriv = shutil.which("setpriv")
+    if os.geteuid() != 0 or setpriv is None:
+        pytest.skip("needs root and setpriv (util-linux) to drop CAP_FOWNER")
+    d = tmp_path / "shared"
+    d.mkdir()
+    (d / "theirs").write_bytes(b"x")
+    (d / "new").write_bytes(b"y")
+    try:
+        os.chown(d / "theirs", 4242, 4242)
+        os.chown(d, 4343, 4343)
+    except OSError as e:
+        pytest.skip(f"cannot make files of other users here ({e.strerror})")
+    os.chmod(d, 0o1777)
+    src = str(Path(writable.__file__).resolve().parents[1])
+    code = (f"import sys, types, os; pkg = types.ModuleType('hotweights'); "
+            f"pkg.__path__ = [{src!r}]; sys.modules['hotweights'] = pkg\n"
+            "from hotweights.checkpoint.writable import why_not_replaceable\n"
+            f"why = why_not_replaceable({str(d / 'theirs')!r})\n"
+            "try:\n"
+            f"    os.replace({str(d / 'new')!r}, {str(d / 'theirs')!r}); done = 'replaced'\n"
+            "except PermissionError:\n    done = 'refused'\n"
+            "print(done, why is not None)")
+    out = subprocess.run([setpriv, "--inh-caps=-fowner", "--bounding-set=-fowner",
+                          sys.executable, "-c", code], capture_output=True, text=True)
+    if out.returncode != 0:
+        pytest.skip(f"setpriv could not drop CAP_FOWNER here: {out.stderr.strip()[-200:]}")
+    assert out.stdout.split() == ["refused", "True"]

@@ -13,6 +13,7 @@ __all__ = ["why_not_replaceable", "why_not_writable"]
 
 FS_IOC_GETFLAGS = 0x80086601  # _IOR('f', 1, long), linux/fs.h
 _FIXED = {0x10: "immutable", 0x20: "append-only"}  # FS_IMMUTABLE_FL, FS_APPEND_FL
+_CAP_FOWNER = 3  # linux/capability.h
 
 
 def why_not_replaceable(path: str) -> str | None:
@@ -26,10 +27,22 @@ def why_not_replaceable(path: str) -> str | None:
     except FileNotFoundError:
         return None
     where = os.stat(directory)
-    if where.st_mode & stat.S_ISVTX and os.geteuid() not in (0, where.st_uid, st.st_uid):
+    if (where.st_mode & stat.S_ISVTX and os.geteuid() not in (where.st_uid, st.st_uid)
+            and not _may_own_any()):
         return (f"its directory is sticky (mode {stat.filemode(where.st_mode)}) and the file "
                 f"is user {st.st_uid}'s, not this process's")
     return _fixed(path) if stat.S_ISREG(st.st_mode) else None
+
+
+def _may_own_any() -> bool:
+    """Whether this process holds CAP_FOWNER (root's, unless a container dropped it), which
+    lets it rename over any file in a sticky directory."""
+    try:
+        with open("/proc/self/status") as f:
+            caps = next(line for line in f if line.startswith("CapEff:"))
+    except (OSError, StopIteration):
+        return os.geteuid() == 0
+    return bool(int(caps.split()[1], 16) >> _CAP_FOWNER & 1)
 
 
 def why_not_writable(path: str) -> str | None:
@@ -48,7 +61,7 @@ def _fixed(path: str) -> str | None:
     except OSError:
         return None  # not readable: the rename may still be allowed
     try:
-        flags = array.array("l", [0])
+        flags = array.array("i", [0])  # the kernel writes an int
         fcntl.ioctl(fd, FS_IOC_GETFLAGS, flags)
     except OSError:  # no such flags on this filesystem
         return None
