@@ -97,8 +97,9 @@ def test_a_first_save_that_cannot_fit_says_so_before_writing(tmp_path, monkeypat
     def almost_full(path):
         return real(path)._replace(free=1000)
     monkeypatch.setattr(first_save.shutil, "disk_usage", almost_full)
-    with pytest.raises(CheckpointError, match=rf"{tmp_path}: a first save writes \d+ bytes "
-                       r"of tensors, only 1000 are free; nothing was written"):
+    with pytest.raises(CheckpointError, match=rf"{tmp_path}: not enough free space: a first "
+                       r"save writes [\d.]+ MiB \(\d+ bytes\) of tensors, 0.0 MiB are free: "
+                       r"free [\d.]+ MiB more; nothing was written"):
         sync(tmp_path, _live(), max_shard_size=100_000)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 

@@ -337,8 +337,8 @@ def test_a_full_disk_is_named_and_nothing_written(tmp_path, mode):
         need = sum(p.stat().st_size for p in d.glob("*.safetensors")) if mode == "copy" \
             else None  # every shard rewritten whole: each one's size, all told at once
         with pytest.raises(CheckpointError, match=rf"{d}: not enough free space: this sync "
-                           r"needs [\d,]+ MiB \((\d+) bytes\) for .*, [\d,]+ MiB are free: "
-                           r"free [\d,]+ MiB more; nothing was written") as e:
+                           r"needs [\d,.]+ MiB \((\d+) bytes\) for .*, [\d,.]+ MiB are free: "
+                           r"free [\d,.]+ MiB more; nothing was written") as e:
             sync(d, live, mode=mode)
         asked = int(re.search(r"\((\d+) bytes\)", str(e.value))[1])
         assert asked > free and (need is None or asked == need)

@@ -29,8 +29,9 @@ from hotweights.changes import blocks
 from hotweights.checkpoint import journal, sidecar, stage
 from hotweights.checkpoint.dtypes import NAMES
 from hotweights.checkpoint.names import reverted, storage_key
-from hotweights.checkpoint.result import SyncResult
+from hotweights.checkpoint.result import SyncResult, mib
 from hotweights.checkpoint.shards import INDEX_NAME, read_shard
+from hotweights.checkpoint.writes import syncfs
 from hotweights.errors import CheckpointError
 
 _CHUNK = 64 << 20  # bytes per copy, write and hash call
@@ -64,9 +65,13 @@ def save(model_dir: Path, live: Mapping[str, torch.Tensor], *, mode: str,
                                   "has no safetensors dtype; nothing was written")
     config_text = _config_text(config, model)
     total, done = sum(t.numel() * t.element_size() for t in tensors.values()), 0
-    if total > (free := shutil.disk_usage(model_dir).free):  # known before hours of writing
-        raise CheckpointError(f"{model_dir}: a first save writes {total} bytes of tensors, "
-                              f"only {free} are free; nothing was written")
+    if total > shutil.disk_usage(model_dir).free:  # known before hours of writing
+        syncfs(model_dir)  # (the blocks of files just deleted may not be free yet)
+        if total > (free := shutil.disk_usage(model_dir).free):
+            raise CheckpointError(
+                f"{model_dir}: not enough free space: a first save writes {mib(total)} "
+                f"({total} bytes) of tensors, {mib(free)} are free: free "
+                f"{mib(total - free, up=True)} more; nothing was written")
     fingerprints = {}
     with stage.staging(model_dir, "write the first save") as area:
         area.mkdir()

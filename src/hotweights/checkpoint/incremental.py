@@ -39,7 +39,6 @@ first full save (`checkpoint.first_save`).
 from __future__ import annotations
 
 import bisect
-import ctypes
 import functools
 import logging
 import os
@@ -68,8 +67,9 @@ from hotweights.checkpoint.changed import (
 from hotweights.checkpoint.dtypes import TORCH
 from hotweights.checkpoint.fileid import FileId
 from hotweights.checkpoint.names import matching, to_disk, unpack
-from hotweights.checkpoint.result import Progress, SyncResult
+from hotweights.checkpoint.result import Progress, SyncResult, mib
 from hotweights.checkpoint.shards import Shard, TensorInfo, read_dir
+from hotweights.checkpoint.writes import syncfs
 from hotweights.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -439,7 +439,7 @@ class _Stager:
         if self.need + need > self.free:
             for job in self.jobs:  # staged: their bytes are used now, not to come
                 job.result()
-            _syncfs(self.model_dir)
+            syncfs(self.model_dir)
             self.free, self.need = shutil.disk_usage(self.model_dir).free, self.journaled
             if self.need + need > self.free:
                 return False
@@ -476,29 +476,15 @@ class _Stager:
         if self.short:  # every shard hashed: the whole need known
             need, free = self.staged + self.need + self.short, self.free + self.staged
             raise CheckpointError(
-                f"{self.model_dir}: not enough free space: this sync needs {_mib(need)} "
-                f"({need} bytes) for its journal and staged shards, {_mib(free)} are free: "
-                f"free {_mib(need - free)} more; nothing was written. (A shard rewritten "
+                f"{self.model_dir}: not enough free space: this sync needs {mib(need)} "
+                f"({need} bytes) for its journal and staged shards, {mib(free)} are free: "
+                f"free {mib(need - free, up=True)} more; nothing was written. (A shard rewritten "
                 "whole takes its whole size until the commit; one patched by reflink, only "
                 "its changed pages)")
         writes = [w for w, _ in done if w is not None]
         if self.area.exists() and all(w.how == "journal" for w in writes):
             self.area.rmdir()  # each shard it was made for matched its file after all
         return writes, sum(n for _, n in done)
-
-
-def _mib(n: int) -> str:
-    return f"{-(-n // (1 << 20)):,} MiB"  # rounded up: what to free
-
-
-def _syncfs(directory: Path) -> None:
-    """syncfs(2) on the filesystem of `directory`: its writes and its deferred frees done."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        if ctypes.CDLL(None, use_errno=True).syncfs(fd):
-            logger.debug("%s: syncfs failed: %s", directory, os.strerror(ctypes.get_errno()))
-    finally:
-        os.close(fd)
 
 
 def _journal(model_dir: Path, writes: list[_ShardWrite], version: str | None,

@@ -445,6 +445,8 @@ def unfit(directory: str | os.PathLike) -> str | None:
         return None
     except CheckpointError as e:
         return str(e)
+    except OSError as e:  # e.g. a file this process may not read
+        return f"{e.filename or path}: cannot check it ({e.strerror or e})"
     return None
 
 

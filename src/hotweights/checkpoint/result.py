@@ -1,4 +1,5 @@
-"""`SyncResult`: what a sync or a first save did; `Progress`: what it tells as it goes."""
+"""`SyncResult`: what a sync or a first save did; `Progress`: what it tells as it goes;
+`mib`: a size as its errors say it."""
 
 from __future__ import annotations
 
@@ -35,3 +36,9 @@ class SyncResult:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
+
+
+def mib(n: int, up: bool = False) -> str:
+    """`n` bytes in MiB, to a tenth (`up`: rounded up, e.g. what to free)."""
+    tenths = -(-n * 10 // (1 << 20)) if up else round(n * 10 / (1 << 20))
+    return f"{tenths / 10:,.1f} MiB"

@@ -1,9 +1,14 @@
 """`write_all`: the one loop that writes a whole buffer to a file descriptor (a write may
-take fewer bytes than it is given); `copy_all`, the same for a range of another file."""
+take fewer bytes than it is given); `copy_all`, the same for a range of another file;
+`syncfs`, a filesystem's writes and deferred frees done."""
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import os
+
+logger = logging.getLogger(__name__)
 
 _CHUNK = 64 << 20  # bytes per call at the most
 
@@ -31,3 +36,15 @@ def copy_all(src: int, dst: int, count: int, offset: int, to: int | None = None)
         offset, count = offset + n, count - n
         if to is not None:
             to += n
+
+
+def syncfs(directory: str | os.PathLike) -> None:
+    """syncfs(2) on the filesystem of `directory`: its writes and its deferred frees done
+    (XFS frees a deleted file's blocks in the background: free space measured before
+    counts them as used)."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        if ctypes.CDLL(None, use_errno=True).syncfs(fd):
+            logger.debug("%s: syncfs failed: %s", directory, os.strerror(ctypes.get_errno()))
+    finally:
+        os.close(fd)
