@@ -76,7 +76,7 @@ def test_a_shard_that_cannot_be_changed_is_refused_before_the_commit(saved, mode
         why = (writable.why_not_writable if mode == "journal" else
                writable.why_not_replaceable)(str(last))
         assert diagnose(saved, mode=mode).problems == [
-            f"{last}: a sync cannot {verb} it ({why})"]  # said before a sync tries
+            f"{last}: a sync that changes it cannot {verb} it ({why})"]  # said first
         assert _files(saved) == before  # no shard of a new version beside old ones
         assert not (saved / journal.JOURNAL_NAME).exists()
         assert not (saved / journal.STAGE_DIR).exists()

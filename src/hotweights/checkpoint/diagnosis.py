@@ -14,7 +14,7 @@ import torch
 from hotweights.changes import blocks
 from hotweights.checkpoint import clone, journal, lock, sidecar, trash
 from hotweights.checkpoint.dtypes import TORCH
-from hotweights.checkpoint.incremental import check_mode, read_to_sync, write_mode
+from hotweights.checkpoint.incremental import check_mode, read_to_sync, shared_file, write_mode
 from hotweights.checkpoint.names import to_disk, unpack
 from hotweights.checkpoint.writable import why_not_replaceable, why_not_writable
 from hotweights.errors import CheckpointError
@@ -185,13 +185,19 @@ def diagnose(model_dir: str | os.PathLike,
 
 
 def _unchangeable(shards: Iterable[str], write_mode: str | None) -> tuple[str, ...]:
-    """What stops a sync from changing each shard it may have to (`writable`)."""
+    """What would stop a sync from changing each shard, should it change (`writable`):
+    patched in place in journal mode (but a symlink or a file with other links is
+    replaced), else replaced."""
     if write_mode is None:  # the directory itself: said once, in `write_reason`
         return ()
-    verb, why_not = (("write into", why_not_writable) if write_mode == "journal" else
-                     ("replace", why_not_replaceable))
-    return tuple(f"{path}: a sync cannot {verb} it ({why})" for path in sorted(shards)
-                 if (why := why_not(path)))
+    out = []
+    for path in sorted(shards):
+        in_place = write_mode == "journal" and not shared_file(path)
+        why = why_not_writable(path) if in_place else why_not_replaceable(path)
+        if why:
+            out.append(f"{path}: a sync that changes it cannot "
+                       f"{'write into' if in_place else 'replace'} it ({why})")
+    return tuple(out)
 
 
 def _shard_info(shard, live: list[torch.Tensor] | None, block_size: int) -> ShardInfo:

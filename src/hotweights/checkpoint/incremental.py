@@ -362,7 +362,7 @@ def _how(shard: Shard, changed_bytes: int, mode: str, patch_mode: str) -> str:
     if patch_mode == "copy" or (mode == "auto" and
                                 changed_bytes > WHOLE_FRACTION * shard.size):
         return "whole"
-    if patch_mode == "journal" and (why := _shared_file(shard.path)):
+    if patch_mode == "journal" and (why := shared_file(shard.path)):
         logger.info("%s: %s; rewritten whole, not patched in place", shard.path, why)
         return "whole"
     if patch_mode == "reflink" and (n := _extents(shard.path)) > max(
@@ -380,7 +380,7 @@ def _extents(path: str) -> int:
     return (clone.extents(path) if n is None else n) or 0
 
 
-def _shared_file(path: str) -> str | None:
+def shared_file(path: str) -> str | None:
     """Why a write in place into `path` would reach another name too (a symlink, e.g. a
     Hugging Face cache snapshot onto its blob, or a file with other hard links)."""
     if os.path.islink(path):
