@@ -190,9 +190,10 @@ def read_index(model_dir: str | os.PathLike) -> dict[str, str] | None:
                 raise CheckpointError(f"{index}: weight_map[{name!r}] = {fn!r} is not a "
                                       "file name in the model directory")
             if not (d / fn).is_file():
-                where = (f"a symlink to {os.readlink(d / fn)}, which does not exist (a "
-                         "Hugging Face cache blob removed?)") if (d / fn).is_symlink() \
-                    else f"which does not exist in {d}"
+                where = ("which is not a file" if (d / fn).exists() else
+                         f"a symlink to {os.readlink(d / fn)}, which does not exist (a "
+                         "Hugging Face cache blob removed?)" if (d / fn).is_symlink() else
+                         f"which does not exist in {d}")
                 raise CheckpointError(f"{index}: tensor {name} is in shard {fn}, {where}")
             checked.add(fn)
         return dict(wm)

@@ -11,7 +11,7 @@ import json
 import logging
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from hotweights.changes import blocks
@@ -98,7 +98,8 @@ def write(shard: Shard, fp: blocks.Fingerprints, version: str | None) -> None:
             f.write(json.dumps(doc))  # json.dump to a file: the pure-Python encoder
         os.replace(tmp, path)
     except BaseException:  # a full disk, say: no partial file left behind
-        tmp.unlink(missing_ok=True)
+        with suppress(OSError):  # (its own error would hide the first)
+            tmp.unlink(missing_ok=True)
         raise
     _written[str(path)] = (FileId.of(path), doc["shard"], fp)
 

@@ -57,7 +57,8 @@ def open_dir(model_dir: str | os.PathLike) -> Tensors:
             `shards.read_dir`), or a tensor's dtype has no torch equivalent here.
     """
     if not os.path.isdir(model_dir):
-        raise CheckpointError(f"{model_dir}: no such directory")
+        raise CheckpointError(f"{model_dir}: " + ("not a directory" if os.path.exists(model_dir)
+                                                  else "no such directory"))
     disk = read_dir(model_dir)
     if disk is None:
         raise CheckpointError(f"{model_dir}: no safetensors checkpoint (neither "

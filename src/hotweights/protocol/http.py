@@ -91,10 +91,11 @@ def request(url: str, method: str, route: str, token: str, body: dict | None = N
 def _what(answer: bytes, headers, whole: bool = False) -> str:
     """An answer's body for an error message: up to 500 characters of text (`whole`; else
     its kind and size), an HTML page by its size only."""
-    text = answer.decode(errors="replace")
-    if "html" in (headers.get("Content-Type") or "").lower() or text.lstrip().startswith("<"):
+    text, kind = answer.decode(errors="replace"), headers.get("Content-Type") or ""
+    if "html" in kind.lower() or text.lstrip()[:15].lower().startswith(("<!doctype html",
+                                                                         "<html")):
         return f"an HTML page ({len(answer)} bytes)"
-    return text[:500] if whole else f"{len(answer)} bytes of {headers.get('Content-Type')}"
+    return text[:500] if whole else f"{len(answer)} bytes" + (f" of {kind}" if kind else "")
 
 
 def tls_context(cafile: str | os.PathLike | None = None) -> ssl.SSLContext:
