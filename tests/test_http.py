@@ -1,5 +1,6 @@
 """protocol.http over https: a real local TLS server, certificates from a test CA."""
 
+import contextlib
 import http.server
 import logging
 import threading
@@ -105,16 +106,23 @@ def test_a_server_without_the_route_is_told_apart_from_a_hotweights_error():
         def log_message(self, *args):
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
-    try:
+    with _served(NotFound) as url:
         with pytest.raises(ServerError, match=r"GET /hotweights/status: HTTP 404: .*Not Found.*"
                                               r"no such route: is it a `hotweights serve`, not "
                                               r"plain vLLM"):
             request(url, "GET", "/hotweights/status", "t")
         with pytest.raises(ServerError, match=r"is it a `hotweights serve --remote`"):
             request(url, "GET", "/hotweights/remote/received", "t")
+
+
+@contextlib.contextmanager
+def _served(handler):
+    """The URL of an HTTP server on localhost answering with `handler`, while the block
+    runs."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
         server.server_close()
@@ -135,13 +143,7 @@ def test_an_html_page_is_named_by_its_size_not_printed(status):
         def log_message(self, *args):
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Html)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
-    try:
+    with _served(Html) as url:
         with pytest.raises(ServerError, match=rf"an HTML page \({len(page)} bytes\)") as e:
             request(url, "GET", "/hotweights/status", "t")
-        assert "<" not in str(e.value) and len(str(e.value)) < 300
-    finally:
-        server.shutdown()
-        server.server_close()
+    assert "<" not in str(e.value) and len(str(e.value)) < 300
