@@ -543,11 +543,10 @@ def test_a_child_forked_under_the_lock_does_not_keep_it(tmp_path):
 
 def test_a_writer_waiting_for_another_says_so_and_one_alone_says_nothing(shards, caplog):
     d, _, old, new, spec = shards
-    for _ in range(3):  # as syncs: each one's finisher thread waits for its lock
+    for _ in range(3):  # as syncs do: each one's finisher thread takes its lock over
         with lock.locked(d):
             journal.write_journal(d, [(NAMES[0], 0, b"x")])
             journal.apply(d, wait=False)
-            time.sleep(0.05)  # the finisher's fsyncs done: it waits for the lock now
     finisher.finish()
     assert "another writer" not in caplog.text
     held, go = threading.Event(), threading.Event()
@@ -563,3 +562,46 @@ def test_a_writer_waiting_for_another_says_so_and_one_alone_says_nothing(shards,
     assert journal.recover(d) == "none"  # waited for it
     t.join()
     assert caplog.text.count(f"{d}: another writer holds the directory; waiting for it") == 1
+
+
+WRITER = """
+import logging, os, sys, threading, time
+import torch
+from hotweights.checkpoint import finisher, sync
+logging.basicConfig(level=logging.INFO)
+real = os.fsync
+def slow(fd):  # the commit's fsyncs in the finisher thread take a while
+    if threading.current_thread().name == "hotweights-finish":
+        time.sleep(1.0)
+    return real(fd)
+os.fsync = slow
+live = {"w": torch.full((256, 256), 2.0)}
+sync(sys.argv[1], live, mode="journal")  # patched in place: the files' fsyncs to wait for
+print("committed", flush=True)
+finisher.finish()
+"""
+
+
+def test_a_second_writer_waits_for_the_first_one_s_commit_to_be_durable(tmp_path, caplog):
+    """The commit's fsyncs, the journal's removal and the sidecars run behind the sync, in
+    its process's finisher thread, under the lock the sync held: another process's
+    writer waits for them, never replays a journal whose writer lives (as if it had
+    crashed) and never keeps that writer from recording its sidecars."""
+    import torch
+
+    from hotweights.checkpoint import sync
+    d = tmp_path / "ckpt"
+    sync(d, {"w": torch.full((256, 256), 1.0)})
+    finisher.finish()
+    child = subprocess.Popen([sys.executable, "-c", WRITER, str(d)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "committed\n"
+        sync(d, {"w": torch.full((256, 256), 3.0)})  # while the writer's fsyncs go on
+        finisher.finish()
+    finally:
+        out, err = child.communicate(timeout=60)
+    assert child.returncode == 0, err
+    assert "replayed an interrupted journal" not in caplog.text
+    assert "removed before this process could" not in err and "sidecar" not in err
+    assert "another writer holds the directory; waiting for it" in caplog.text

@@ -48,7 +48,7 @@ from typing import Any
 
 import xxhash
 
-from hotweights.checkpoint import finisher, trash
+from hotweights.checkpoint import finisher, lock, trash
 from hotweights.checkpoint.fileid import FileId
 from hotweights.checkpoint.held import interrupts_held
 from hotweights.checkpoint.lock import locked
@@ -547,15 +547,18 @@ def _durable(directory: str, path: str, fds: list[int], moved: bool) -> None:
 def _durable_later(directory: str, path: str, fds: list[int], moved: bool,
                    then: Callable[[], None] | None) -> None:
     """`_durable` in this process's finisher thread, then `then`, after which the trash is
-    swept. The journal is removed under the writer lock, and only if it is still this one
-    (a writer in another process may have replayed it and committed its own since)."""
+    swept, all under the writer lock the caller holds, handed over to the thread: a writer
+    in another process waits for it all, never takes the journal for a crashed sync's.
+    The journal is removed only if it is still this one (where no lock was handed over, a
+    writer in another process may have replayed it and committed its own since)."""
     mine = FileId.of(path)
     _failed.pop(directory, None)
+    kept = lock.hand_over(directory)
 
     def run() -> None:
         try:
-            _fsync_all(fds)
-            with locked(directory, finish_first=False):
+            with lock.taken_over(directory, kept):
+                _fsync_all(fds)
                 if FileId.of(path) == mine:  # else another writer's journal by now
                     _remove(directory, path, moved)
                     if then:

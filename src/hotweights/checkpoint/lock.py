@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from hotweights.checkpoint import finisher
 from hotweights.errors import CheckpointError
 
-__all__ = ["held", "later", "locked"]
+__all__ = ["hand_over", "held", "later", "locked", "taken_over"]
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +29,7 @@ def locked(directory: str | os.PathLike, *, finish_first: bool = True) -> Iterat
         fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as e:
         raise CheckpointError(f"{directory}: cannot open the directory: {e.strerror}") from e
+    mine = _Held(os.path.realpath(directory), fd)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -36,11 +37,57 @@ def locked(directory: str | os.PathLike, *, finish_first: bool = True) -> Iterat
             logger.log(logging.WARNING if finish_first else logging.DEBUG,
                        "%s: another writer holds the directory; waiting for it", directory)
             fcntl.flock(fd, fcntl.LOCK_EX)
+        _held.append(mine)
         yield
     finally:
+        if mine in _held:
+            _held.remove(mine)
         # An flock belongs to the open file description, which a forked child (e.g. a
         # DataLoader worker started during a sync) shares: closing only this fd would
-        # leave the lock held until every such child exits. Unlocking frees it for all.
+        # leave the lock held until every such child exits. Unlocking frees it for all;
+        # where it was handed over (`hand_over`), the receiver unlocks it.
+        try:
+            if not mine.handed:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+
+class _Held:
+    """A lock `locked` holds in this process: its directory (real path) and fd."""
+
+    def __init__(self, directory: str, fd: int) -> None:
+        self.directory, self.fd, self.handed = directory, fd, False
+
+
+_held: list[_Held] = []  # the locks `locked` holds now, innermost last
+
+
+def hand_over(directory: str | os.PathLike) -> int | None:
+    """The writer lock of `directory` that this process holds (`locked`), kept past the
+    `with` block for the finisher thread the holder starts, which ends it (`taken_over`).
+    None where this process holds none. A finisher thread must never wait for the lock
+    itself: the threads run one after another, and the next writer's lock, handed to the
+    thread after it, would wait for it in turn."""
+    where = os.path.realpath(directory)
+    for h in reversed(_held):
+        if h.directory == where and not h.handed:
+            h.handed = True
+            return os.dup(h.fd)  # the same open file description: the same lock
+    return None
+
+
+@contextmanager
+def taken_over(directory: str | os.PathLike, fd: int | None) -> Iterator[None]:
+    """The block under the lock `hand_over` gave (`fd`), unlocked after it (for every fd
+    of it); where none was given (None), under the lock taken anew, once free."""
+    if fd is None:
+        with locked(directory, finish_first=False):
+            yield
+        return
+    try:
+        yield
+    finally:
         try:
             fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
@@ -66,10 +113,12 @@ def held(directory: str | os.PathLike) -> bool:
 
 def later(directory: str | os.PathLike, fn: Callable[[], None]) -> None:
     """Run `fn` in this process's finisher thread, under the writer lock of `directory`
-    (taken once the caller, which holds it, lets go); `finisher.finish` waits for it."""
+    that the caller holds, handed over (`hand_over`); `finisher.finish` waits for it."""
+    kept = hand_over(directory)
+
     def run() -> None:
         try:
-            with locked(directory, finish_first=False):
+            with taken_over(directory, kept):
                 fn()
         except (OSError, CheckpointError) as e:  # e.g. the directory removed meanwhile
             logger.info("%s: %s not run (%s)", directory, getattr(fn, "__name__", fn), e)
