@@ -166,14 +166,14 @@ def test_a_damaged_journal_is_kept_and_refused(shards, corrupt):
     path = _committed(d, old, spec, new)
     corrupt(path)
     damaged = path.read_bytes()
-    assert journal.pending(d) is None and "a damaged journal" in journal.damage(d)
+    assert journal.pending(d) is None and "a damaged journal" in journal.inspect(d)[1]
     for refused in (journal.apply, journal.recover):
         with pytest.raises(CheckpointError, match=r"a damaged journal .*it is kept and "
                            "nothing was done. Delete it, then sync the directory again"):
             refused(d)
     assert _state(d, old, new) == "old" and path.read_bytes() == damaged
     path.unlink()
-    assert journal.recover(d) == "none" and journal.damage(d) is None
+    assert journal.recover(d) == "none" and journal.inspect(d) == (None, None)
 
 
 def test_a_journal_of_an_unknown_format_is_kept(shards):

@@ -226,8 +226,7 @@ def _shard_info(shard, live: list[torch.Tensor] | None, block_size: int) -> Shar
 def _journal_state(d: Path) -> tuple[dict | None, str | None, tuple[str, ...], bool]:
     """The committed journal's meta, why `recover` refuses it (if it does), the
     leftovers, and whether a sync was interrupted."""
-    pending = journal.pending(d)
-    refused = journal.damage(d) if pending is None else journal.unfit(d)
+    pending, refused = journal.inspect(d)
     leftovers = []
     if (d / (journal.JOURNAL_NAME + ".tmp")).exists():
         leftovers.append(f"{journal.JOURNAL_NAME}.tmp: an uncommitted journal")

@@ -375,19 +375,6 @@ def _scan(path: str) -> tuple[dict, list[tuple[bytes, str, int, int, int]]]:
     return meta, records
 
 
-def damage(directory: str | os.PathLike) -> str | None:
-    """What is wrong with the committed journal of `directory` if it is damaged (None:
-    there is none, or it is intact)."""
-    path = os.path.join(os.fspath(directory), JOURNAL_NAME)
-    try:
-        _scan(path)
-    except FileNotFoundError:
-        return None
-    except _Corrupt as e:
-        return _damaged(path, e)
-    return None
-
-
 def _damaged(path: str, e: _Corrupt) -> str:
     return (f"{path}: a damaged journal ({e}). It was whole when it was committed, so an "
             "apply it began may have left a shard half written; it is kept and nothing was "
@@ -398,7 +385,7 @@ def _damaged(path: str, e: _Corrupt) -> str:
 
 def pending(directory: str | os.PathLike) -> dict | None:
     """The meta of a committed, intact journal in `directory`, or None if there is none
-    (or it is damaged: `damage`).
+    (or it is damaged: `inspect`).
 
     Raises:
         CheckpointError: the journal is of a format this version does not know, or a
@@ -432,22 +419,31 @@ def _moved(directory: str, name: str, ino: int, size: int) -> bool:
     return True
 
 
-def unfit(directory: str | os.PathLike) -> str | None:
-    """Why the committed journal of `directory` cannot be replayed (the checks a replay
-    makes before its first rename or write: `recover` would refuse it), or None: it can,
-    or there is none (or it is damaged: `damage`). Nothing is written."""
+def inspect(directory: str | os.PathLike) -> tuple[dict | None, str | None]:
+    """(the meta of the committed journal of `directory`, why `recover` would refuse it),
+    from one read of it: (None, None) where there is none, (None, why) where it is
+    damaged; else the checks a replay makes before its first rename or write. Nothing is
+    written.
+
+    Raises:
+        CheckpointError: the journal is of a format this version does not know.
+    """
+    finisher.finish()  # a journal this process is still removing is not pending
     directory = os.fspath(directory)
     path = os.path.join(directory, JOURNAL_NAME)
     try:
-        _, records = _scan(path)
+        meta, records = _scan(path)
+    except FileNotFoundError:
+        return None, None
+    except _Corrupt as e:
+        return None, _damaged(path, e)
+    try:
         _checked(directory, path, records)
-    except (FileNotFoundError, _Corrupt):
-        return None
     except CheckpointError as e:
-        return str(e)
+        return meta, str(e)
     except OSError as e:  # e.g. a file this process may not read
-        return f"{e.filename or path}: cannot check it ({e.strerror or e})"
-    return None
+        return meta, f"{e.filename or path}: cannot check it ({e.strerror or e})"
+    return meta, None
 
 
 def _checked(directory: str, path: str, records: list
