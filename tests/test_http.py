@@ -95,18 +95,8 @@ def test_no_warning_over_https(tls, json_server, caplog):
 
 
 def test_a_server_without_the_route_is_told_apart_from_a_hotweights_error():
-    class NotFound(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # what plain vLLM (FastAPI) answers for a route it lacks
-            body = b'{"detail":"Not Found"}'
-            self.send_response(404)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    with _served(NotFound) as url:
+    # what plain vLLM (FastAPI) answers for a route it lacks
+    with _served(404, b'{"detail":"Not Found"}') as url:
         with pytest.raises(ServerError, match=r"GET /hotweights/status: HTTP 404: .*Not Found.*"
                                               r"no such route: is it a `hotweights serve`, not "
                                               r"plain vLLM"):
@@ -116,10 +106,22 @@ def test_a_server_without_the_route_is_told_apart_from_a_hotweights_error():
 
 
 @contextlib.contextmanager
-def _served(handler):
-    """The URL of an HTTP server on localhost answering with `handler`, while the block
-    runs."""
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+def _served(status: int, body: bytes, content_type: str | None = None):
+    """The URL of an HTTP server on localhost answering every GET with `status` and
+    `body`, while the block runs."""
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the stdlib's name
+            self.send_response(status)
+            if content_type:
+                self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}"
@@ -131,19 +133,7 @@ def _served(handler):
 @pytest.mark.parametrize("status", [200, 404, 500])
 def test_an_html_page_is_named_by_its_size_not_printed(status):
     page = b"<!DOCTYPE html><html><body>" + b"x" * 5000 + b"</body></html>"
-
-    class Html(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # another web service on that port
-            self.send_response(status)
-            self.send_header("Content-Type", "text/html; charset=utf-8")
-            self.send_header("Content-Length", str(len(page)))
-            self.end_headers()
-            self.wfile.write(page)
-
-        def log_message(self, *args):
-            pass
-
-    with _served(Html) as url:
+    with _served(status, page, "text/html; charset=utf-8") as url:  # another web service
         with pytest.raises(ServerError, match=rf"an HTML page \({len(page)} bytes\)") as e:
             request(url, "GET", "/hotweights/status", "t")
     assert "<" not in str(e.value) and len(str(e.value)) < 300
