@@ -199,7 +199,7 @@ def test_sync_refuses_a_dtype_mismatch_and_writes_nothing(dirs, capsys):
 
 def test_sync_refuses_the_same_directory(dirs, capsys):
     rc, _, err = _run(capsys, "sync", "--model-dir", dirs["A"], "--from", dirs["A"] / ".")
-    assert rc == 1 and "same directory" in err
+    assert rc == 1 and "are the same one" in err
 
 
 def test_a_source_that_does_not_exist_is_named_so(dirs, tmp_path, capsys):
@@ -223,6 +223,9 @@ def test_a_source_that_does_not_exist_is_named_so(dirs, tmp_path, capsys):
     ["recover", ""],
     ["recover"],
     ["recover", "x", "--model-dir", "x"],
+    ["sync", "x", "--model-dir", "x", "--from", "y"],
+    ["diagnose", "x", "--model-dir", "x"],
+    ["diagnose"],
 ])
 def test_usage_errors_exit_2(argv, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -442,6 +445,15 @@ def test_recover_discards_an_uncommitted_sync(dirs, capsys):
     assert rc == 0
     assert out == f"{a}: discarded an uncommitted sync: the files are as before it\n"
     assert _equal(_disk(a), before) and _journal_files(a) == []
+
+
+def test_sync_and_diagnose_take_the_directory_as_recover_does(dirs, capsys):
+    """DIR as an argument, or --model-dir DIR: the same run."""
+    a, b = dirs["A"], dirs["B"]
+    assert _run(capsys, "diagnose", a) == _run(capsys, "diagnose", "--model-dir", a)
+    rc, out, _ = _run(capsys, "sync", a, "--from", b, "--json")
+    assert rc == 0 and json.loads(out)["tensors_changed"] == 2
+    assert _equal(_disk(a), _disk(b))
 
 
 def test_recover_a_clean_directory_and_a_missing_one(dirs, tmp_path, capsys):

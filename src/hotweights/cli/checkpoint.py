@@ -66,7 +66,7 @@ def _sync_from(args: argparse.Namespace, progress):
 
     src, dst = Path(args.source), Path(args.model_dir)
     if dst.exists() and src.exists() and os.path.samefile(src, dst):
-        raise CheckpointError(f"{dst}: --from and --model-dir are the same directory")
+        raise CheckpointError(f"{dst}: --from and the directory to write are the same one")
     tensors = open_dir(src)
     config = None  # the names need none; a first save copies it
     with contextlib.suppress(OSError, ValueError):

@@ -138,7 +138,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "sync",
         help="write a model's weights into a checkpoint directory, only what changed",
-        description="Make the safetensors in --model-dir hold the weights of a running "
+        description="Make the safetensors in DIR hold the weights of a running "
         "`hotweights serve` (--server) or of another checkpoint directory (--from), "
         "writing only the blocks that changed (found from per-shard fingerprint sidecars "
         "in DIR/.hotweights/, else by comparing with the file). With --server the server "
@@ -149,8 +149,7 @@ def _parser() -> argparse.ArgumentParser:
         "are written).",
         epilog=_MODES_EPILOG,
     )
-    p.add_argument("--model-dir", required=True, metavar="DIR", type=_path,
-                   help="the checkpoint directory to write (model.safetensors or an index)")
+    _model_dir(p, "the checkpoint directory to write (model.safetensors or an index)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--server", metavar="URL", help="a running hotweights serve, e.g. "
                      "http://127.0.0.1:8000 (same machine)")
@@ -178,7 +177,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "diagnose",
         help="check a checkpoint directory before a sync, writing nothing",
-        description="Show what a sync into --model-dir would find: its shards and the "
+        description="Show what a sync into DIR would find: its shards and the "
         "state of their fingerprint sidecars (fresh, missing, stale or corrupt: the last "
         "three are only re-compared with the file), a committed journal not yet applied "
         "or leftovers of an interrupted sync, the filesystem and the write mode. With "
@@ -188,8 +187,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog=_MODES_EPILOG + " diagnose writes nothing, except a probe file for "
         "reflinks, removed again.",
     )
-    p.add_argument("--model-dir", required=True, metavar="DIR", type=_path,
-                   help="the checkpoint directory to check")
+    _model_dir(p, "the checkpoint directory to check")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--server", metavar="URL", help="check a running hotweights serve's "
                      "weights against it (same machine)")
@@ -218,17 +216,22 @@ def _parser() -> argparse.ArgumentParser:
         "when DIR is not a directory, or a committed journal no longer fits its files "
         "(they were replaced since): the journal is then kept.",
     )
-    where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("model_dir", metavar="DIR", nargs="?", type=_path,
-                       help="the checkpoint directory")
-    where.add_argument("--model-dir", dest="model_dir_flag", metavar="DIR", type=_path,
-                       help="the same, as sync and diagnose take it")
+    _model_dir(p, "the checkpoint directory")
     p.set_defaults(run=_run_recover)
     for name, p in sub.choices.items():  # -v after the command too (vLLM's flags follow serve's)
         if name != "serve":
             p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                            help="show library logs")
     return parser
+
+
+def _model_dir(p: argparse.ArgumentParser, what: str) -> None:
+    """The checkpoint directory of sync, diagnose and recover: DIR or --model-dir DIR."""
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("model_dir", metavar="DIR", nargs="?", type=_path, help=what)
+    where.add_argument("--model-dir", dest="model_dir_flag", metavar="DIR", type=_path,
+                       help="the same, as a flag")
+    p.set_defaults(model_dir_flag=None)
 
 
 _MODES_EPILOG = (
@@ -292,7 +295,6 @@ def _run_diagnose(args: argparse.Namespace) -> int:
 def _run_recover(args: argparse.Namespace) -> int:
     from hotweights.cli.checkpoint import run_recover
 
-    args.model_dir = args.model_dir or args.model_dir_flag
     return run_recover(args)
 
 
@@ -302,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     if extra and not getattr(args, "passthrough", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra = extra
+    if getattr(args, "model_dir_flag", None) is not None:  # `_model_dir`
+        args.model_dir = args.model_dir_flag
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
