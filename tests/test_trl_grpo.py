@@ -21,6 +21,7 @@ import torch
 pytest.importorskip("trl")
 
 from datasets import Dataset  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
 from trl import GRPOConfig  # noqa: E402
 
 from hotweights.bridge.client import Bridge  # noqa: E402
@@ -188,6 +189,72 @@ def test_a_parameter_re_created_before_training_is_refused_at_the_first_step(ser
     with pytest.raises(ConfigError, match="model.norm.weight"):
         trainer.train()
     assert bridge.version == before and bridge.status()["state"] == "idle"
+
+
+def test_resuming_loads_the_checkpoint_into_the_served_tensors_as_an_update(served):
+    # transformers' resume copies the checkpoint into the model's parameters, the served
+    # tensors: not behind the server's back but paused, as a version of its own.
+    url, tmp = served
+    bridge = Bridge.connect(url, token=TOKEN)
+    out = tmp / "resume"
+    GRPOTrainer(bridge=bridge, reward_funcs=_reward, train_dataset=_data(), args=_config(
+        tmp, max_steps=1, save_strategy="steps", save_steps=1, output_dir=str(out))).train()
+    saved = bridge.model().get_output_embeddings().weight.detach().clone()
+    GRPOTrainer(bridge=bridge, reward_funcs=_reward, train_dataset=_data(),
+                args=_config(tmp, max_steps=1)).train()  # the served weights move on
+    assert not torch.equal(bridge.model().get_output_embeddings().weight, saved)
+    before, seen = parse_version(bridge.version)[0], []
+
+    class _Begin(TrainerCallback):
+        def on_train_begin(self, *args, **kwargs):  # after the resume's load
+            seen.append((parse_version(bridge.version)[0], torch.equal(
+                bridge.model().get_output_embeddings().weight, saved)))
+
+    trainer = GRPOTrainer(bridge=bridge, reward_funcs=_reward, train_dataset=_data(),
+                          args=_config(tmp, max_steps=2, output_dir=str(out)),
+                          callbacks=[_Begin()])
+    trainer.train(resume_from_checkpoint=str(out / "checkpoint-1"))
+    assert seen == [(before + 1, True)]  # the load: a version of its own
+    assert parse_version(bridge.version)[0] == before + 2  # then the one step left
+    assert outside_served(trainer.model, bridge.tensors) == []
+    assert bridge.status()["dirty"] is False
+
+
+def test_an_lr_scheduler_built_on_the_optimizer_steps_inside_the_update(served):
+    url, tmp = served
+    bridge = Bridge.connect(url, token=TOKEN)
+    trainer = GRPOTrainer(bridge=bridge, reward_funcs=_reward, train_dataset=_data(),
+                          args=_config(tmp))
+    optimizer = trainer.create_optimizer()
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5)  # patches
+    for param in trainer.model.parameters():  # optimizer.step, a bound method
+        param.grad = torch.zeros_like(param)
+    before = parse_version(bridge.version)[0]
+    optimizer.step()
+    scheduler.step()
+    assert parse_version(bridge.version)[0] == before + 1
+    assert trainer.create_optimizer() is optimizer and optimizer.step.hotweights_update
+
+
+@pytest.mark.parametrize("kwargs, field", [({"update_mode": "fast"}, "update_mode"),
+                                           ({"lease_s": 0}, "lease_s"),
+                                           ({"lease_s": True}, "lease_s")])
+def test_update_options_are_checked_before_anything_runs(served, kwargs, field):
+    url, tmp = served
+    bridge = Bridge.connect(url, token=TOKEN)
+    with pytest.raises(ConfigError, match=field):
+        GRPOTrainer(bridge=bridge, reward_funcs=_reward, train_dataset=_data(),
+                    args=_config(tmp), **kwargs)
+
+
+def test_several_training_processes_are_refused(served, monkeypatch):
+    url, tmp = served
+    bridge, args = Bridge.connect(url, token=TOKEN), _config(tmp)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as accelerate launch or torchrun set it
+    for given in (args, None):  # None: the default GRPOConfig is not even built
+        with pytest.raises(ConfigError, match="WORLD_SIZE=2"):
+            GRPOTrainer(bridge=bridge, reward_funcs=_reward, train_dataset=_data(),
+                        args=given)
 
 
 def test_importing_the_integration_does_not_warn_about_the_vllm_version_it_runs_on():

@@ -49,11 +49,17 @@ def test_grpo_trains_vllm_s_own_parameters_in_this_process(colocated):
 
 
 @pytest.mark.timeout(400)
-def test_close_stops_the_engine_and_puts_the_environment_back(tmp_path):
+def test_close_or_a_failed_setup_stops_the_engine_and_puts_the_environment_back(
+        tmp_path):
     import os
 
     model_dir = tiny.build("llama", tmp_path / "llama", dtype="float32")
     before = dict(os.environ)
+    with pytest.raises(TypeError, match="no_such_option"):  # TRL refuses it once the
+        GRPOTrainer(model=str(model_dir), reward_funcs=_reward,  # engine runs: it is stopped
+                    train_dataset=_data(), no_such_option=1,
+                    args=_config(tmp_path, vllm_mode="colocate", max_steps=1))
+    assert dict(os.environ) == before
     with GRPOTrainer(model=str(model_dir), reward_funcs=_reward, train_dataset=_data(),
                      args=_config(tmp_path, vllm_mode="colocate", max_steps=1)) as trainer:
         llm = trainer.weights.llm

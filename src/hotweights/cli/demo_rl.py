@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         t = time.perf_counter()
         with progress, _stopping(client, last=lambda: parse_version(bridge.version)[0]):
             trainer.train()
-        rewards = progress.rewards
+        rewards = progress.rewards or [float("nan")]  # none logged: said as nan
         console.print(
             f"GRPO: {args.steps} steps in {time.perf_counter() - t:.0f} s, reward "
             f"{rewards[0]:.2f} -> {rewards[-1]:.2f} (best {max(rewards):.2f}); "

@@ -37,6 +37,7 @@ import contextlib
 import functools
 import logging
 import os
+import types
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -55,9 +56,14 @@ try:
     import trl
     from trl.generation import vllm_generation
     from trl.generation.vllm_client import VLLMClient
-except ImportError as e:  # an optional extra
-    raise ImportError("hotweights.integrations.trl needs TRL: pip install "
-                      "'hotweights[trl]'") from e
+except ImportError as e:  # an optional extra, or a TRL without this seam
+    try:
+        from importlib.metadata import version as _version
+        _found = f"TRL {_version('trl')} is installed"
+    except Exception:  # noqa: BLE001 - not installed, or unreadable metadata
+        _found = "TRL is not installed"
+    raise ImportError(f"hotweights.integrations.trl needs TRL 1.16 ({_found}): pip install "
+                      f"'hotweights[trl]'") from e
 
 if TYPE_CHECKING:
     from hotweights.bridge.client import Bridge
@@ -155,11 +161,13 @@ class _Colocated:
 
     @contextlib.contextmanager
     def update(self) -> Iterator[None]:
-        yield
-        if torch.cuda.is_available():  # vLLM's streams read what the step wrote
-            torch.cuda.synchronize()
-        self.llm.reset_prefix_cache()  # cached KV came from the old weights
-        self.version += 1
+        try:
+            yield
+        finally:  # also after a step that raised half way: it may have written some
+            if torch.cuda.is_available():  # vLLM's streams read what the step wrote
+                torch.cuda.synchronize()
+            self.llm.reset_prefix_cache()  # cached KV came from the old weights
+            self.version += 1
 
 
 def _colocated_engine(model_dir: str, args: trl.GRPOConfig):
@@ -169,7 +177,7 @@ def _colocated_engine(model_dir: str, args: trl.GRPOConfig):
     from transformers import AutoConfig
 
     from hotweights.layout.views import build_hf_model
-    from hotweights.vllm_plugin.local import hf_context, start_engine
+    from hotweights.vllm_plugin.local import hf_context, start_engine, stop_engine
 
     if not os.path.isdir(model_dir):
         raise ConfigError(f"model={model_dir!r}: colocate mode needs a local model "
@@ -182,10 +190,14 @@ def _colocated_engine(model_dir: str, args: trl.GRPOConfig):
         max_num_seqs=args.per_device_train_batch_size * (args.steps_per_generation or 1),
         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
         model_impl=args.vllm_model_impl, trust_remote_code=args.trust_remote_code)
-    weights = _Colocated(llm)
-    with hf_context(llm):
-        model, _ = build_hf_model(model_dir, weights.tensors,
-                                  trust_remote_code=args.trust_remote_code)
+    try:
+        weights = _Colocated(llm)
+        with hf_context(llm):
+            model, _ = build_hf_model(model_dir, weights.tensors,
+                                      trust_remote_code=args.trust_remote_code)
+    except BaseException:
+        stop_engine(llm)
+        raise
     return weights, model
 
 
@@ -195,6 +207,26 @@ _REFUSED = {
     "deepspeed": "DeepSpeed partitions the parameters and steps outside the optimizer",
     "fsdp": "FSDP re-creates the parameters as shards",
 }
+
+
+_UPDATE_MODES = ("wait", "keep", "abort")  # `Bridge.update`'s
+
+
+def _check_process(update_mode: object, lease_s: object) -> None:
+    """Refuse several training processes, and the update's options where they are bad,
+    before anything is built (a GRPOConfig too: under a launcher it sets up accelerate)."""
+    if (world := os.environ.get("WORLD_SIZE", "1")) != "1":
+        raise ConfigError(
+            f"WORLD_SIZE={world}: one training process trains the served weights; several "
+            "(accelerate launch, torchrun) would each step the same tensors, and only the "
+            "first has TRL's vLLM client. Run one process (scale the server, not the trainer)")
+    if update_mode not in _UPDATE_MODES:
+        raise ConfigError(f"update_mode={update_mode!r}: one of {_UPDATE_MODES} (how the "
+                          "server treats requests in flight while a step writes)")
+    if isinstance(lease_s, bool) or not isinstance(lease_s, int | float) or \
+            not 0 < lease_s < float("inf"):
+        raise ConfigError(f"lease_s={lease_s!r}: seconds (> 0) the server waits for this "
+                          "trainer during a step before it drops the update")
 
 
 def _check_args(args: trl.GRPOConfig, bridge: Bridge | None, peft_config: Any) -> None:
@@ -268,6 +300,11 @@ class GRPOTrainer(trl.GRPOTrainer):
         if not trl.__version__.startswith(TESTED):
             logger.warning("hotweights: TRL %s; this integration is tested with TRL %sx",
                            trl.__version__, TESTED)
+        _check_process(update_mode, lease_s)
+        if args is None:
+            args = trl.GRPOConfig(output_dir="hotweights-grpo", use_vllm=True,
+                                  vllm_mode="server" if bridge is not None else "colocate")
+        _check_args(args, bridge, kwargs.get("peft_config"))
         if bridge is not None and model is None:
             model = bridge.model()
         elif bridge is not None and not isinstance(model, torch.nn.Module):
@@ -277,11 +314,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             raise ConfigError(f"model={type(model).__name__}: without a bridge (colocate "
                               "mode) pass the model's local directory: hotweights starts "
                               "vLLM on it and builds the model on vLLM's weights")
-        if args is None:
-            args = trl.GRPOConfig(output_dir="hotweights-grpo", use_vllm=True,
-                                  vllm_mode="server" if bridge is not None else "colocate")
-        _check_args(args, bridge, kwargs.get("peft_config"))
-        self.sample_versions: list[int] = []  # the version that sampled each completion
+        self.sample_versions: list[int] = []  # the versions that sampled the last batch
         if bridge is not None:
             self.weights = _Server(bridge, update_mode, lease_s)
             self.bridge = bridge
@@ -291,13 +324,22 @@ class GRPOTrainer(trl.GRPOTrainer):
             self.weights, model = _colocated_engine(os.fspath(model), args)
             llm = self.weights.llm
             setup = _in_trl("LLM", lambda *a, **k: llm)  # TRL's engine is this one
-        _warn_mixed_precision(args, self.weights.tensors)
-        with setup:
-            super().__init__(model, reward_funcs, args, *rest, **kwargs)
-        # accelerate's prepare would `.to(device)` the model at train(): under a launcher
-        # (RANK set) that device is `cpu:0`, and the move copies every view
-        self.accelerator.device_placement = False
-        self._check_shared("TRL's setup")
+        try:  # colocate mode: the engine stopped and the environment put back on failure
+            _warn_mixed_precision(args, self.weights.tensors)
+            with setup:
+                super().__init__(model, reward_funcs, args, *rest, **kwargs)
+            if self.is_deepspeed_enabled or self.is_fsdp_enabled:  # from accelerate's config
+                raise ConfigError(f"{'DeepSpeed' if self.is_deepspeed_enabled else 'FSDP'} "
+                                  "(accelerate's config): it partitions or re-creates the "
+                                  "parameters; hotweights trains vLLM's tensors in place")
+            # accelerate's prepare would `.to(device)` the model at train(): under a
+            # launcher (RANK set) that device is `cpu:0`, and the move copies every view
+            self.accelerator.device_placement = False
+            self._check_shared("TRL's setup")
+        except BaseException:
+            self.close()
+            raise
+        self._batch_versions: list[int] = []  # of the batch being generated
         self._vllm_generate = self.vllm_generation.generate
         self.vllm_generation.generate = self._generate_and_keep_versions
         # TRL's sync copies the model into vLLM: here vLLM computes with the trained tensors
@@ -311,7 +353,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         if isinstance(self.weights, _Colocated) and self.weights.llm is not None:
             from hotweights.vllm_plugin.local import restore_environ, stop_engine
 
-            llm, self.weights.llm, self.vllm_generation.llm = self.weights.llm, None, None
+            llm, self.weights.llm = self.weights.llm, None
+            if generation := getattr(self, "vllm_generation", None):  # not if TRL's setup failed
+                generation.llm = None
             stop_engine(llm)
             restore_environ(self._environ_before)  # TRL's setup's variables too
 
@@ -330,15 +374,39 @@ class GRPOTrainer(trl.GRPOTrainer):
                 "move, cast or wrap the model (device placement, dtype casts, "
                 "torch_compile, PEFT)")
 
+    def _generate(self, prompts: list):
+        """TRL's generation of a batch; `sample_versions` := the versions of the weights
+        that generated it (one per sequence of each vLLM generation: a tool call's turns
+        count each; none where a `rollout_func` bypasses TRL's vLLM generation)."""
+        self._batch_versions = []
+        try:
+            return super()._generate(prompts)
+        finally:
+            self.sample_versions = self._batch_versions
+            if self.sample_versions:
+                mode = "train" if self.model.training else "eval"
+                self._metrics[mode]["hotweights/sample_version"].append(
+                    sum(self.sample_versions) / len(self.sample_versions))
+
     def _generate_and_keep_versions(self, *args: Any, **kwargs: Any) -> tuple:
         out = self._vllm_generate(*args, **kwargs)
-        self.sample_versions = list(self.weights.sample_versions(self.vllm_generation,
-                                                                 len(out[1])))
-        if self.sample_versions:
-            mode = "train" if self.model.training else "eval"
-            self._metrics[mode]["hotweights/sample_version"].append(
-                sum(self.sample_versions) / len(self.sample_versions))
+        self._batch_versions += self.weights.sample_versions(self.vllm_generation,
+                                                             len(out[1]))
         return out
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str,
+                              model: torch.nn.Module | None = None) -> None:
+        """Resuming loads the checkpoint's weights into the served tensors: as an update
+        (server: paused, a version of its own; colocate: the prefix cache reset)."""
+        with self.weights.update():
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+        self._check_shared("loading the checkpoint")
+
+    def _load_best_model(self) -> None:
+        """`load_best_model_at_end`: as `_load_from_checkpoint`."""
+        with self.weights.update():
+            super()._load_best_model()
+        self._check_shared("loading the best model")
 
     def _move_model_to_device(self, model: torch.nn.Module, device: Any) -> None:
         """Nothing to move: the views lie where vLLM keeps its weights, and `.to()` onto
@@ -347,7 +415,8 @@ class GRPOTrainer(trl.GRPOTrainer):
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         optimizer = super().create_optimizer(model)
         if not getattr(optimizer.step, "hotweights_update", False):
-            optimizer.step = self._step_in_update(optimizer.step)
+            # a bound method, as torch's LR schedulers expect of `optimizer.step`
+            optimizer.step = types.MethodType(self._step_in_update(optimizer.step), optimizer)
         return optimizer
 
     def _step_in_update(self, step):
@@ -355,7 +424,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         computes with them from its next request on, as the next version."""
 
         @functools.wraps(step)
-        def step_in_update(*args: Any, **kwargs: Any):
+        def step_in_update(_optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any):
             self._check_shared("the trainer's preparation")  # before writing a copy
             if self.sample_versions:
                 lag = self.weights.version - min(self.sample_versions)
