@@ -605,3 +605,104 @@ def test_a_second_writer_waits_for_the_first_one_s_commit_to_be_durable(tmp_path
     assert "replayed an interrupted journal" not in caplog.text
     assert "removed before this process could" not in err and "sidecar" not in err
     assert "another writer holds the directory; waiting for it" in caplog.text
+
+
+# A writer that holds the lock (and has handed it to its finisher), forks a child that lives
+# on, then dies by SIGKILL (the OOM killer); light imports, as CHILD.
+KILLED_WRITER = f"""
+import os, signal, sys, time, types
+pkg = types.ModuleType("hotweights"); pkg.__path__ = [{SRC!r}]; sys.modules["hotweights"] = pkg
+from hotweights.checkpoint import lock
+with lock.locked(sys.argv[1]):
+    kept = lock.hand_over(sys.argv[1])
+    child = os.fork()
+    if child == 0:  # off the parent's pipes (the test reads them to their end)
+        os.dup2(os.open(os.devnull, os.O_RDWR), 1)
+        os.dup2(1, 2)
+        time.sleep(60)
+        os._exit(0)
+    print(child, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_child_forked_by_a_writer_that_dies_does_not_keep_the_lock(tmp_path):
+    """The child closes its copies of the lock's fds (`lock._after_fork`): once the writer
+    is dead, the lock is free although the child lives on."""
+    done = subprocess.run([sys.executable, "-c", KILLED_WRITER, str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    child = int(done.stdout)
+    try:
+        os.kill(child, 0)  # alive
+        assert not lock.held(tmp_path)
+    finally:
+        os.kill(child, signal.SIGKILL)
+
+
+def test_with_no_thread_to_be_had_the_finisher_s_work_runs_at_once(shards, monkeypatch):
+    d, _, old, new, spec = shards
+    start = threading.Thread.start
+
+    def refuse(self):
+        if self.name == "hotweights-finish":
+            raise RuntimeError("can't start new thread")  # a limit on threads
+        start(self)
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    ran = []
+    with lock.locked(d):
+        journal.write_journal(d, [(n, o, new[n][o:o + k]) for n, o, k in spec])
+        journal.apply(d, wait=False, mine=True)
+        lock.later(d, lambda: ran.append(lock.held(d)))
+        assert not (d / journal.JOURNAL_NAME).exists()  # fsync'd and removed already
+        assert ran == [True]  # under the lock, handed over
+    assert _state(d, old, new) == "new"
+    assert not lock.held(d)  # the lock handed over was let go
+
+
+# A commit from an atexit handler ("save on exit"): the interpreter no longer waits for a
+# thread started then, and its thread pools take no work.
+AT_EXIT = f"""
+import atexit, json, sys, types
+pkg = types.ModuleType("hotweights"); pkg.__path__ = [{SRC!r}]; sys.modules["hotweights"] = pkg
+from hotweights.checkpoint import journal, lock
+d, new, spec = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+def save():
+    patches = []
+    for name, off, n in spec:
+        with open(f"{{new}}/{{name}}", "rb") as f:
+            f.seek(off); patches.append((name, off, f.read(n)))
+    with lock.locked(d):
+        journal.write_journal(d, patches)
+        journal.apply(d, wait=False, mine=True)
+atexit.register(save)
+"""
+
+
+def test_a_commit_at_interpreter_exit_is_made_durable_before_it_ends(shards):
+    d, new, old, new_bytes, spec = shards
+    done = subprocess.run([sys.executable, "-c", AT_EXIT, str(d), str(new), json.dumps(spec)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and not done.stderr, done.stderr
+    assert not (d / journal.JOURNAL_NAME).exists()
+    assert _state(d, old, new_bytes) == "new"
+
+
+def test_a_commit_not_made_durable_is_reported_however_the_directory_is_written(
+        shards, monkeypatch):
+    d, _, old, new, spec = shards
+
+    def fail(fds):
+        for fd in fds:
+            os.close(fd)
+        raise OSError(5, "Input/output error")
+    monkeypatch.setattr(journal, "_fsync_all", fail)
+    with lock.locked(d):
+        journal.write_journal(d, [(n, o, new[n][o:o + k]) for n, o, k in spec])
+        journal.apply(f"{d}/", wait=False, mine=True)  # as typed: a trailing slash
+    finisher.finish()
+    for name in (d, f"{d}/", f"{d}/../{d.name}"):
+        assert "Input/output error" in journal.not_durable(name)
+    assert (d / journal.JOURNAL_NAME).exists()  # kept: replayed by the next writer
+    monkeypatch.undo()
+    assert journal.recover(d) == "replayed" and _state(d, old, new) == "new"

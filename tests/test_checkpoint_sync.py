@@ -528,3 +528,32 @@ def test_the_shards_changed_last_time_are_hashed_and_staged_first(saved, monkeyp
     assert result.shards_changed == tuple(shards)
     for n, t in _disk(d).items():
         assert torch.equal(t.view(torch.int16), live[n].view(torch.int16)), n
+
+
+SYNC_AT_EXIT = """
+import atexit, sys, torch
+from safetensors.torch import load_file
+from hotweights.checkpoint import sync
+d, mode = sys.argv[1], sys.argv[2]
+live = load_file(f"{d}/model.safetensors")
+for t in live.values():
+    t[:3] += 1
+atexit.register(lambda: print(sync(d, live, mode=mode).tensors_changed))
+"""
+
+
+@pytest.mark.parametrize("mode", ["auto", "journal"])
+def test_a_sync_from_an_atexit_handler_completes(tmp_path, mode):
+    """"Save on exit": once the main thread has ended, thread pools take no work and a
+    thread started then is not waited for; the sync runs its work in its own thread."""
+    import subprocess
+    import sys
+    torch.manual_seed(0)
+    before = {"a": torch.randn(64, 256), "b": torch.randn(64, 256)}
+    save_file(before, tmp_path / "model.safetensors")
+    done = subprocess.run([sys.executable, "-c", SYNC_AT_EXIT, str(tmp_path), mode],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "2", done.stderr
+    after = load_file(tmp_path / "model.safetensors")
+    assert all(torch.equal(after[n][:3], before[n][:3] + 1) for n in before)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".hotweights", "model.safetensors"]

@@ -17,7 +17,6 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,7 +24,7 @@ import torch
 
 from hotweights.changes import blocks
 from hotweights.changes.writewatch import WriteWatch
-from hotweights.checkpoint import sidecar
+from hotweights.checkpoint import finisher, sidecar
 from hotweights.checkpoint.mapped import mapped
 from hotweights.checkpoint.result import Progress
 from hotweights.checkpoint.shards import Shard
@@ -98,8 +97,8 @@ def find_changes(shards: list[ShardTensors], *, block_size: int,
     total = sum(s.nbytes for s in shards)
     done = hashed = compared = 0
     found: list[ShardChanges] = [None] * len(shards)  # type: ignore[list-item]
-    pool = ThreadPoolExecutor(min(len(shards), _threads()) or 1,
-                              thread_name_prefix="hotweights-hash")
+    pool = finisher.pool(min(len(shards), _threads()) or 1,
+                         thread_name_prefix="hotweights-hash")
     try:
         jobs = {i: pool.submit(_shard_changes, shards[i], block_size, trusted, watch, written)
                 for i in _order(shards)}

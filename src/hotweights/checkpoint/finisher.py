@@ -1,23 +1,52 @@
 """This process's finisher thread: what a sync leaves behind its commit (the fsyncs, the
 journal's removal, the sidecars) runs in background threads, one after another; `finish`
-waits for them and for the trash sweeper."""
+waits for them and for the trash sweeper. While the interpreter exits (a sync from an
+atexit handler), the work runs in the caller's thread instead (`exiting`, `pool`)."""
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
 from hotweights.checkpoint import trash
 
-__all__ = ["finish", "start"]
+__all__ = ["exiting", "finish", "pool", "start"]
 
 _finisher: threading.Thread | None = None  # the last of this process's finisher threads
 _finishers_lock = threading.Lock()
 
 
+def exiting() -> bool:
+    """Whether the interpreter is exiting (the main thread has ended: atexit handlers run
+    then). A thread started now may never be waited for, and thread pools take no work."""
+    return not threading.main_thread().is_alive()
+
+
+class _Here(Executor):
+    """An executor that runs each job at once, in the caller's thread."""
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        done: Future = Future()
+        try:
+            done.set_result(fn(*args, **kwargs))
+        except BaseException as e:  # noqa: BLE001 - the job's, for its result()
+            done.set_exception(e)
+        return done
+
+
+def pool(workers: int, **kwargs) -> Executor:
+    """A `ThreadPoolExecutor(workers, **kwargs)`; while the interpreter exits (`exiting`),
+    an executor that runs each job in the caller's thread (a pool would refuse it)."""
+    return _Here() if exiting() else ThreadPoolExecutor(workers, **kwargs)
+
+
 def start(run: Callable[[], None]) -> None:
     """Run `run` in a new finisher thread, after the one before it (a writer in another
-    thread of this process may have started it): `finish` joins the last, so all."""
+    thread of this process may have started it): `finish` joins the last, so all. Where no
+    thread can be started (a limit on threads, or the interpreter exiting), `run` runs
+    here, now."""
     global _finisher
     with _finishers_lock:  # writers of other directories may start theirs meanwhile
         before = _finisher
@@ -27,9 +56,24 @@ def start(run: Callable[[], None]) -> None:
                 before.join()
             run()
 
-        t = threading.Thread(target=chained, name="hotweights-finish")
-        t.start()
-        _finisher = t  # started before `finish` can see it
+        if not exiting():
+            t = threading.Thread(target=chained, name="hotweights-finish")
+            try:
+                t.start()
+            except RuntimeError:  # "can't start new thread"
+                pass
+            else:
+                _finisher = t  # started before `finish` can see it
+                return
+    chained()
+
+
+def _after_fork() -> None:  # a child has none of its parent's threads, and this lock may
+    global _finisher, _finishers_lock  # have been held by one of them
+    _finisher, _finishers_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def finish() -> None:

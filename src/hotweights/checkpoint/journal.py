@@ -43,7 +43,6 @@ import signal
 import stat
 import struct
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import xxhash
@@ -517,7 +516,7 @@ def _fsync_all(fds: list[int]) -> None:
     """fsync the files a replay patched, then close them (whatever happens)."""
     try:
         if len(fds) > 1:  # concurrent fsyncs share the filesystem's journal commits
-            with ThreadPoolExecutor(len(fds)) as pool:
+            with finisher.pool(len(fds)) as pool:
                 list(pool.map(os.fsync, fds))
         elif fds:
             os.fsync(*fds)
@@ -547,8 +546,8 @@ def _durable_later(directory: str, path: str, fds: list[int], moved: bool,
     in another process waits for it all, never takes the journal for a crashed sync's.
     The journal is removed only if it is still this one (where no lock was handed over, a
     writer in another process may have replayed it and committed its own since)."""
-    mine = FileId.of(path)
-    _failed.pop(directory, None)
+    mine, key = FileId.of(path), os.path.realpath(directory)
+    _failed.pop(key, None)
     kept = lock.hand_over(directory)
 
     def run() -> None:
@@ -562,8 +561,8 @@ def _durable_later(directory: str, path: str, fds: list[int], moved: bool,
                     trash.sweep(directory, background=True)
         except FileNotFoundError as e:  # replayed and removed by another writer, or the
             logger.info("%s: removed before this process could (%s)", path, e)  # directory
-        except (OSError, CheckpointError) as e:  # the journal stays, to be replayed
-            _failed[directory] = str(e)
+        except Exception as e:  # noqa: BLE001 - the journal stays, to be replayed
+            _failed[key] = str(e)
             logger.error("%s: could not make the commit durable (%s); the journal is kept "
                          "and the next sync or recover replays it", path, e)
 
@@ -574,7 +573,7 @@ def not_durable(directory: str | os.PathLike) -> str | None:
     """Why this process's last commit in `directory` could not be made durable by its
     finisher thread (the journal kept, for `recover`), or None. Call `finisher.finish`
     first."""
-    return _failed.get(os.fspath(directory))
+    return _failed.get(os.path.realpath(directory))
 
 
 def apply(directory: str | os.PathLike, *, wait: bool = True,

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from hotweights.checkpoint import finisher
+from hotweights.checkpoint.held import interrupts_held
 from hotweights.errors import CheckpointError
 
 __all__ = ["hand_over", "held", "later", "locked", "taken_over"]
@@ -46,11 +47,12 @@ def locked(directory: str | os.PathLike, *, finish_first: bool = True) -> Iterat
         # DataLoader worker started during a sync) shares: closing only this fd would
         # leave the lock held until every such child exits. Unlocking frees it for all;
         # where it was handed over (`hand_over`), the receiver unlocks it.
-        try:
-            if not mine.handed:
-                fcntl.flock(fd, fcntl.LOCK_UN)
-        finally:
-            os.close(fd)
+        if mine.fd is not None:  # None: closed in a forked child (`_after_fork`)
+            try:
+                if not mine.handed:
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+            finally:
+                os.close(fd)
 
 
 class _Held:
@@ -61,6 +63,24 @@ class _Held:
 
 
 _held: list[_Held] = []  # the locks `locked` holds now, innermost last
+_handed: set[int] = set()  # the fds `hand_over` gave, until `taken_over` ends them
+
+
+def _after_fork() -> None:
+    """In a forked child: close (not unlock) every fd of this process's locks. The child
+    shares their open file descriptions, so it would hold the locks for as long as it
+    lives, after its parent died too (a DataLoader worker of a trainer SIGKILLed mid-sync
+    kept every later sync, recover and serve waiting)."""
+    for h in _held:
+        os.close(h.fd)
+        h.fd = None
+    _held.clear()
+    for fd in _handed:
+        os.close(fd)
+    _handed.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def hand_over(directory: str | os.PathLike) -> int | None:
@@ -72,8 +92,10 @@ def hand_over(directory: str | os.PathLike) -> int | None:
     where = os.path.realpath(directory)
     for h in reversed(_held):
         if h.directory == where and not h.handed:
+            fd = os.dup(h.fd)  # the same open file description: the same lock
             h.handed = True
-            return os.dup(h.fd)  # the same open file description: the same lock
+            _handed.add(fd)
+            return fd
     return None
 
 
@@ -88,10 +110,12 @@ def taken_over(directory: str | os.PathLike, fd: int | None) -> Iterator[None]:
     try:
         yield
     finally:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        finally:
-            os.close(fd)
+        if fd in _handed:  # else closed in a forked child (`_after_fork`)
+            _handed.discard(fd)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            finally:
+                os.close(fd)
 
 
 def held(directory: str | os.PathLike) -> bool:
@@ -114,7 +138,6 @@ def held(directory: str | os.PathLike) -> bool:
 def later(directory: str | os.PathLike, fn: Callable[[], None]) -> None:
     """Run `fn` in this process's finisher thread, under the writer lock of `directory`
     that the caller holds, handed over (`hand_over`); `finisher.finish` waits for it."""
-    kept = hand_over(directory)
 
     def run() -> None:
         try:
@@ -123,4 +146,6 @@ def later(directory: str | os.PathLike, fn: Callable[[], None]) -> None:
         except (OSError, CheckpointError) as e:  # e.g. the directory removed meanwhile
             logger.info("%s: %s not run (%s)", directory, getattr(fn, "__name__", fn), e)
 
-    finisher.start(run)
+    with interrupts_held():  # a Ctrl-C between the two would leave the lock handed to none
+        kept = hand_over(directory)
+        finisher.start(run)

@@ -45,9 +45,14 @@ def sweep(directory: str, *, background: bool) -> None:
     if not os.path.lexists(trash):
         return
     wait()
-    if background:  # not a daemon: the interpreter waits for it; a kill leaves it to recover
+    if background and threading.main_thread().is_alive():  # not while the interpreter
+        # exits: nothing would wait for the thread. Not a daemon: the interpreter waits for
+        # it; a kill leaves it to recover
         _sweeper = threading.Thread(target=shutil.rmtree, args=(trash, True),
                                     name="hotweights-sweep")
-        _sweeper.start()
-    else:
-        shutil.rmtree(trash, ignore_errors=True)
+        try:
+            _sweeper.start()
+            return
+        except RuntimeError:  # "can't start new thread"
+            _sweeper = None
+    shutil.rmtree(trash, ignore_errors=True)
