@@ -257,6 +257,21 @@ def test_several_training_processes_are_refused(served, monkeypatch):
                         args=given)
 
 
+@pytest.mark.parametrize("trainer, served, ok", [
+    ("cpu", {"cpu"}, True), ("cpu:0", {"cpu"}, True), ("cuda:0", {"cuda:0"}, True),
+    ("cuda", {"cuda:1"}, True), ("cpu", {"cuda:0"}, False), ("cuda:0", {"cuda:1"}, False),
+    ("cuda:0", {"cpu"}, False)])
+def test_a_trainer_on_another_device_than_the_weights_is_refused(trainer, served, ok):
+    from hotweights.integrations.trl import _check_device
+
+    args = torch.device(trainer), {torch.device(d) for d in served}
+    if ok:
+        _check_device(*args)
+    else:
+        with pytest.raises(ConfigError, match="use_cpu"):
+            _check_device(*args)
+
+
 def test_importing_the_integration_does_not_warn_about_the_vllm_version_it_runs_on():
     done = subprocess.run([sys.executable, "-W", "default", "-c",
                            "import hotweights.integrations.trl"],

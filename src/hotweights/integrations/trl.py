@@ -271,6 +271,19 @@ def _warn_mixed_precision(args: trl.GRPOConfig, tensors: Mapping[str, torch.Tens
                        "logprobs differ by ~1e-3; set bf16=False for an exact match")
 
 
+def _check_device(trainer: torch.device, served: set[torch.device]) -> None:
+    """Refuse a trainer whose device is not where the served tensors lie: its inputs would
+    meet the weights in the first forward pass, after a whole generation."""
+    def same(a: torch.device, b: torch.device) -> bool:
+        return a.type == b.type and (a.type == "cpu" or a.index is None or b.index is None
+                                     or a.index == b.index)
+    if off := sorted(str(d) for d in served if not same(trainer, d)):
+        raise ConfigError(f"the trainer computes on {trainer} and the served weights lie on "
+                          f"{', '.join(off)}: set GRPOConfig.use_cpu to match the server "
+                          "(use_cpu=True only for a CPU server) and CUDA_VISIBLE_DEVICES so "
+                          "that the trainer's device is the server's GPU")
+
+
 def outside_served(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> list[str]:
     """The trainable parameters of `model` that are not views of `tensors` (vLLM's
     weights): a copy has a storage of its own."""
@@ -335,6 +348,8 @@ class GRPOTrainer(trl.GRPOTrainer):
             # accelerate's prepare would `.to(device)` the model at train(): under a
             # launcher (RANK set) that device is `cpu:0`, and the move copies every view
             self.accelerator.device_placement = False
+            _check_device(self.accelerator.device, {t.device for t in self.weights.tensors
+                                                    .values()})
             self._check_shared("TRL's setup")
         except BaseException:
             self.close()
