@@ -706,3 +706,21 @@ def test_a_commit_not_made_durable_is_reported_however_the_directory_is_written(
     assert (d / journal.JOURNAL_NAME).exists()  # kept: replayed by the next writer
     monkeypatch.undo()
     assert journal.recover(d) == "replayed" and _state(d, old, new) == "new"
+
+
+def test_a_filesystem_without_flock_on_directories_is_named(tmp_path, monkeypatch):
+    """NFS emulates flock with POSIX locks, which a directory (opened read-only) cannot
+    take: a CheckpointError names the directory, and no fd is left open."""
+    real = fcntl.flock
+
+    def nfs(fd, op):
+        if op & fcntl.LOCK_EX:
+            raise OSError(9, "Bad file descriptor")
+        real(fd, op)
+    monkeypatch.setattr(lock.fcntl, "flock", nfs)
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(CheckpointError, match=f"{tmp_path}: cannot take the directory's "
+                       "writer lock .*local filesystem"):
+        with lock.locked(tmp_path):
+            pass
+    assert len(os.listdir("/proc/self/fd")) == fds

@@ -33,15 +33,21 @@ def locked(directory: str | os.PathLike, *, finish_first: bool = True) -> Iterat
     mine = _Held(os.path.realpath(directory), fd)
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:  # (a finisher thread waits for the sync that started it)
-            logger.log(logging.WARNING if finish_first else logging.DEBUG,
-                       "%s: another writer holds the directory; waiting for it", directory)
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # (a finisher thread waits for the sync that started it)
+                logger.log(logging.WARNING if finish_first else logging.DEBUG,
+                           "%s: another writer holds the directory; waiting for it", directory)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as e:  # e.g. NFS, where flock is a POSIX lock a directory cannot take
+            raise CheckpointError(
+                f"{directory}: cannot take the directory's writer lock (flock: {e.strerror}); "
+                "hotweights writes checkpoints on a local filesystem (ext4, XFS, btrfs, "
+                "tmpfs): sync into one and copy the result") from e
         _held.append(mine)
         yield
     finally:
-        if mine in _held:
+        if taken := mine in _held:
             _held.remove(mine)
         # An flock belongs to the open file description, which a forked child (e.g. a
         # DataLoader worker started during a sync) shares: closing only this fd would
@@ -49,7 +55,7 @@ def locked(directory: str | os.PathLike, *, finish_first: bool = True) -> Iterat
         # where it was handed over (`hand_over`), the receiver unlocks it.
         if mine.fd is not None:  # None: closed in a forked child (`_after_fork`)
             try:
-                if not mine.handed:
+                if taken and not mine.handed:
                     fcntl.flock(fd, fcntl.LOCK_UN)
             finally:
                 os.close(fd)
