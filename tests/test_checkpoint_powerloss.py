@@ -43,15 +43,13 @@ import os
 import shutil
 import threading
 from collections import defaultdict
-from concurrent.futures import Future
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hotweights.checkpoint import finisher, incremental, journal, recover, sync, trash
+from hotweights.checkpoint import finisher, journal, recover, sync, threads, trash
 from hotweights.checkpoint.incremental import write_mode
 from hotweights.checkpoint.shards import INDEX_NAME
 from hotweights.errors import CheckpointError
@@ -467,53 +465,13 @@ class _Tracked:
         self._seen("write")
 
 
-class _Inline:
-    """A ThreadPoolExecutor that runs each call at once, in the caller's thread."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def submit(self, fn, *args, **kwargs) -> Future:
-        f = Future()
-        try:
-            f.set_result(fn(*args, **kwargs))
-        except BaseException as e:
-            f.set_exception(e)
-        return f
-
-    def map(self, fn, *iterables):
-        return list(map(fn, *iterables))
-
-    def shutdown(self, wait=True, cancel_futures=False):
-        pass
-
-
-class _InlineThread:
-    def __init__(self, target, args=(), name=None):
-        self._run = lambda: target(*args)
-
-    def start(self) -> None:
-        self._run()
-
-    def join(self) -> None:
-        pass
-
-
 def _record(d: Path, live: dict, mode: str, **kwargs) -> _Recorder:
     """Sync `live` into `d`, recording; the finisher's work runs once `sync` returns."""
     rec, deferred = _Recorder(d), []
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(finisher, "start", deferred.append)
         mp.setattr(finisher, "_finisher", None)
-        mp.setattr(incremental, "ThreadPoolExecutor", _Inline)
-        mp.setattr(journal, "ThreadPoolExecutor", _Inline)
-        mp.setattr(trash, "threading", SimpleNamespace(Thread=_InlineThread))
+        mp.setattr(threads, "exiting", lambda: True)  # pools and the sweeper run inline
         mp.setattr(trash, "_sweeper", None)
         rec.install(mp)
         sync(d, live, mode=mode, **kwargs)

@@ -24,7 +24,7 @@ import torch
 
 from hotweights.changes import blocks
 from hotweights.changes.writewatch import WriteWatch
-from hotweights.checkpoint import finisher, sidecar
+from hotweights.checkpoint import sidecar, threads
 from hotweights.checkpoint.mapped import mapped
 from hotweights.checkpoint.result import Progress
 from hotweights.checkpoint.shards import Shard
@@ -97,8 +97,8 @@ def find_changes(shards: list[ShardTensors], *, block_size: int,
     total = sum(s.nbytes for s in shards)
     done = hashed = compared = 0
     found: list[ShardChanges] = [None] * len(shards)  # type: ignore[list-item]
-    pool = finisher.pool(min(len(shards), _threads()) or 1,
-                         thread_name_prefix="hotweights-hash")
+    pool = threads.pool(min(len(shards), _threads()) or 1,
+                        thread_name_prefix="hotweights-hash")
     try:
         jobs = {i: pool.submit(_shard_changes, shards[i], block_size, trusted, watch, written)
                 for i in _order(shards)}

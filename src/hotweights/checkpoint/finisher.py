@@ -1,45 +1,19 @@
 """This process's finisher thread: what a sync leaves behind its commit (the fsyncs, the
 journal's removal, the sidecars) runs in background threads, one after another; `finish`
-waits for them and for the trash sweeper. While the interpreter exits (a sync from an
-atexit handler), the work runs in the caller's thread instead (`exiting`, `pool`)."""
+waits for them and for the trash sweeper."""
 
 from __future__ import annotations
 
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
-from hotweights.checkpoint import trash
+from hotweights.checkpoint import threads, trash
 
-__all__ = ["exiting", "finish", "pool", "start"]
+__all__ = ["finish", "start"]
 
 _finisher: threading.Thread | None = None  # the last of this process's finisher threads
 _finishers_lock = threading.Lock()
-
-
-def exiting() -> bool:
-    """Whether the interpreter is exiting (the main thread has ended: atexit handlers run
-    then). A thread started now may never be waited for, and thread pools take no work."""
-    return not threading.main_thread().is_alive()
-
-
-class _Here(Executor):
-    """An executor that runs each job at once, in the caller's thread."""
-
-    def submit(self, fn, /, *args, **kwargs) -> Future:
-        done: Future = Future()
-        try:
-            done.set_result(fn(*args, **kwargs))
-        except BaseException as e:  # noqa: BLE001 - the job's, for its result()
-            done.set_exception(e)
-        return done
-
-
-def pool(workers: int, **kwargs) -> Executor:
-    """A `ThreadPoolExecutor(workers, **kwargs)`; while the interpreter exits (`exiting`),
-    an executor that runs each job in the caller's thread (a pool would refuse it)."""
-    return _Here() if exiting() else ThreadPoolExecutor(workers, **kwargs)
 
 
 def start(run: Callable[[], None]) -> None:
@@ -56,7 +30,7 @@ def start(run: Callable[[], None]) -> None:
                 before.join()
             run()
 
-        if not exiting():
+        if not threads.exiting():
             t = threading.Thread(target=chained, name="hotweights-finish")
             try:
                 t.start()

@@ -55,7 +55,7 @@ import torch
 from hotweights.changes import blocks, writewatch
 from hotweights.changes.spans import merge_spans
 from hotweights.changes.writewatch import WriteWatch
-from hotweights.checkpoint import MODES, clone, finisher, journal, lock, sidecar, spare, stage
+from hotweights.checkpoint import MODES, clone, journal, lock, sidecar, spare, stage, threads
 from hotweights.checkpoint.changed import (
     Ranges,
     ShardChanges,
@@ -406,7 +406,7 @@ class _Stager:
         self.staged = 0  # bytes of the shards staged (counted in `free` once re-measured)
         self.short = 0  # bytes of the changes that did not fit, once one did not
         self.counted = threading.Lock()
-        self.pool = finisher.pool(2)
+        self.pool = threads.pool(2)
         self.jobs: list[Future[tuple[_ShardWrite | None, int]]] = []
 
     def __enter__(self) -> _Stager:

@@ -47,7 +47,7 @@ from typing import Any
 
 import xxhash
 
-from hotweights.checkpoint import finisher, lock, trash
+from hotweights.checkpoint import finisher, lock, threads, trash
 from hotweights.checkpoint.fileid import FileId
 from hotweights.checkpoint.held import interrupts_held
 from hotweights.checkpoint.lock import locked
@@ -516,7 +516,7 @@ def _fsync_all(fds: list[int]) -> None:
     """fsync the files a replay patched, then close them (whatever happens)."""
     try:
         if len(fds) > 1:  # concurrent fsyncs share the filesystem's journal commits
-            with finisher.pool(len(fds)) as pool:
+            with threads.pool(len(fds)) as pool:
                 list(pool.map(os.fsync, fds))
         elif fds:
             os.fsync(*fds)

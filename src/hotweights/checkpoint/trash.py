@@ -10,6 +10,8 @@ import os
 import shutil
 import threading
 
+from hotweights.checkpoint import threads
+
 __all__ = ["TRASH_DIR", "keep", "sweep", "wait"]
 
 logger = logging.getLogger(__name__)
@@ -45,9 +47,8 @@ def sweep(directory: str, *, background: bool) -> None:
     if not os.path.lexists(trash):
         return
     wait()
-    if background and threading.main_thread().is_alive():  # not while the interpreter
-        # exits: nothing would wait for the thread. Not a daemon: the interpreter waits for
-        # it; a kill leaves it to recover
+    if background and not threads.exiting():  # (nothing would wait for it then) not a
+        # daemon: the interpreter waits for it; a kill leaves it to recover
         _sweeper = threading.Thread(target=shutil.rmtree, args=(trash, True),
                                     name="hotweights-sweep")
         try:

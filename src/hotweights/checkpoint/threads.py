@@ -1,0 +1,35 @@
+"""The threads a sync works in (hashing, staging, the finisher, the trash sweeper), and
+the caller's thread instead while the interpreter exits: a sync from an atexit handler runs
+once the main thread has ended, when thread pools take no work and a thread started is not
+waited for."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+
+__all__ = ["exiting", "pool"]
+
+
+def exiting() -> bool:
+    """Whether the interpreter is exiting (the main thread has ended: atexit handlers run
+    then)."""
+    return not threading.main_thread().is_alive()
+
+
+class _Here(Executor):
+    """An executor that runs each job at once, in the caller's thread."""
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        done: Future = Future()
+        try:
+            done.set_result(fn(*args, **kwargs))
+        except BaseException as e:  # noqa: BLE001 - the job's, for its result()
+            done.set_exception(e)
+        return done
+
+
+def pool(workers: int, **kwargs) -> Executor:
+    """A `ThreadPoolExecutor(workers, **kwargs)`; while the interpreter exits (`exiting`),
+    an executor that runs each job in the caller's thread."""
+    return _Here() if exiting() else ThreadPoolExecutor(workers, **kwargs)
