@@ -109,13 +109,18 @@ def test_grpo_trains_the_served_weights_in_place(served):
 
 @pytest.mark.parametrize("option, value", [("cast_lm_head_to_fp32", True),
                                            ("vllm_mode", "colocate"),
-                                           ("use_vllm", False)])
+                                           ("use_vllm", False),
+                                           ("vllm_enable_sleep_mode", True),
+                                           ("vllm_server_base_url", "http://127.0.0.1:1"),
+                                           ("peft_config", "a LoRA config")])
 def test_what_would_copy_the_weights_is_refused_by_option(served, option, value):
     url, tmp = served
     bridge = Bridge.connect(url, token=TOKEN)
+    given = {"peft_config": value} if option == "peft_config" else {}  # TRL's, not GRPOConfig's
     with pytest.raises(ConfigError, match=option):
         GRPOTrainer(model=bridge.model(), bridge=bridge, reward_funcs=_reward,
-                    args=_config(tmp, **{option: value}), train_dataset=_data())
+                    args=_config(tmp, **({} if given else {option: value})),
+                    train_dataset=_data(), **given)
 
 
 def test_a_model_by_name_is_refused(served):
