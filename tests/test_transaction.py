@@ -556,3 +556,87 @@ def test_a_renew_with_pause_on_an_idle_engine_or_outside_staging_changes_nothing
         assert engine.steps == ["pause wait", "apply"]
 
     run_recording(test)
+
+
+@pytest.mark.parametrize("dirty", [True, False])
+def test_a_drain_that_ends_as_its_holder_aborts_leaves_the_server_idle(dirty):
+    """The abort lands in the loop tick where the drain's pause completes: the begin is
+    refused, not granted, and the server is not paused again under nobody's lease. The
+    trainer wrote nothing (its begin had not returned): the version stays, clean."""
+    async def test(tx, engine):
+        task = await into(State.DRAINING, tx, engine)
+        engine.block["pause"].set()  # the drain completes...
+        await asyncio.sleep(0)
+        out = await tx.abort(Abort("h1", SID, dirty=dirty))  # ...and the abort lands
+        with pytest.raises(Refused, match="h1 aborted its begin"):
+            await task
+        await settle()
+        assert (tx.state, tx.holder, tx.lease.expires) == (State.IDLE, None, None)
+        assert not engine.held and not engine.paused
+        assert out["n"] == tx.n == 0 and not tx.dirty
+        await tx.begin(begin("h2"))  # another trainer goes on at once
+
+    run(test)
+
+
+@pytest.mark.parametrize("how", ["cancelled", "a step raises CancelledError"])
+def test_a_commit_cut_short_serves_a_dirty_version_and_resumes(how):
+    async def test(tx, engine):
+        await tx.begin(begin())
+        if how == "cancelled":  # a server shutting down, a client gone
+            engine.block["after_update"] = asyncio.Event()
+            task = asyncio.ensure_future(tx.commit(Commit("h1", SID)))
+            await settle()
+            task.cancel()
+        else:
+            async def cancelled():
+                raise asyncio.CancelledError
+            engine.after_update = cancelled
+            task = asyncio.ensure_future(tx.commit(Commit("h1", SID)))
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert tx.state is State.IDLE and not engine.held and tx.n == 1
+        assert tx.dirty and "commit by h1" in tx.versions.dirty_reason
+
+    run(test)
+
+
+def test_a_staged_commit_cancelled_while_it_pauses_drops_the_update_and_resumes():
+    async def test(tx, engine):
+        await tx.begin(begin(stage=True, lease_s=0.2))
+        engine.block["pause"] = asyncio.Event()
+        task = asyncio.ensure_future(tx.commit(Commit("h1", SID)))
+        await settle()
+        assert engine.held  # the commit's pause waits for the engine step
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert (tx.state, tx.holder) == (State.IDLE, None) and not engine.held
+        assert tx.n == 0 and not tx.dirty  # a staged update wrote nothing
+
+    run(test)
+
+
+def test_an_expiry_whose_resume_fails_still_says_the_lease_expired():
+    async def test(tx, engine):
+        async def broken():
+            raise RuntimeError("resume failed")
+        engine.resume = broken
+        await tx.begin(begin(lease_s=0.01))
+        await asyncio.sleep(0.05)
+        assert tx.state is State.EXPIRED and tx.expired["holder"] == "h1"
+        assert not engine.held  # let in all the same
+        with pytest.raises(Refused, match="the lease of h1 expired"):
+            await tx.commit(Commit("h1", SID))
+
+    run(test)
+
+
+def test_a_cache_reset_that_fails_on_an_abort_is_logged(caplog):
+    async def test(tx, engine):
+        await tx.begin(begin())
+        engine.fail.add("reset_caches")
+        await tx.abort(Abort("h1", SID))
+        assert tx.dirty and "could not reset the caches" in caplog.text
+
+    run(test)

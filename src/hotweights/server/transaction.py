@@ -30,7 +30,6 @@ Pure: no HTTP, no vLLM. The server plugs vLLM in through `Engine`; tests use a s
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import logging
 import time
@@ -280,6 +279,8 @@ class Transaction:
                 raise Refused(409, f"{req.holder} aborted its begin") from None
             raise
         async with self._lock:
+            if self.state is not State.DRAINING or self.holder != req.holder:  # an abort
+                raise Refused(409, f"{req.holder} aborted its begin")  # came first: resumed
             self.state = State.PAUSED
             self.last_pause_s = time.perf_counter() - self._began
             self.lease.arm(self.holder, req.lease_s)
@@ -336,17 +337,26 @@ class Transaction:
             self.lease.disarm()
             started = time.perf_counter()
             if staged:
-                await self._pause_staged()
-            failed = []
+                try:
+                    await self._pause_staged()
+                except Refused:  # the pause failed: dropped and resumed already
+                    raise
+                except BaseException:  # cancelled (a server shutting down): not left paused
+                    await self._discard_quietly()
+                    await self._resume("commit cancelled")
+                    raise
+            failed = ["the commit (cut short)"]  # until both steps have answered
             try:  # both at once, each while paused: the engine serves them in order, at
                 # the cost of one round trip
                 steps = (self.engine.after_update, self.engine.reset_caches)
-                for step, out in zip(steps, await asyncio.gather(
-                        *(step() for step in steps), return_exceptions=True), strict=True):
+                outs = await asyncio.gather(*(step() for step in steps),
+                                            return_exceptions=True)
+                failed = [step.__name__ for step, out in zip(steps, outs, strict=True)
+                          if isinstance(out, BaseException)]
+                for step, out in zip(steps, outs, strict=True):
                     if isinstance(out, Exception):
                         logger.error("hotweights: %s failed; weights marked dirty",
                                      step.__name__, exc_info=out)
-                        failed.append(step.__name__)
                     elif isinstance(out, BaseException):
                         raise out
             finally:  # whatever happened, the trainer wrote: a new version, and resume
@@ -373,7 +383,8 @@ class Transaction:
             if self.state is not State.DRAINING:
                 self.lease.disarm()
             await self._discard_quietly()
-            if req.dirty and self.state is not State.STAGING:
+            if req.dirty and self.state not in (State.STAGING, State.DRAINING):  # in those
+                # the trainer wrote nothing: its begin has not returned, or it only stages
                 await self._reset_quietly()
                 await self._new_version(f"update aborted by {req.holder}")
             await self._resume("aborted")
@@ -390,19 +401,21 @@ class Transaction:
                 if self._pausing is not None:
                     self._pausing.cancel()
                 await self._discard_quietly()
-                await self._resume("expired")
                 self.expired = dict(holder=holder, at=self.clock(), version=self.version,
                                     staged=True)
+                await self._resume("expired")
                 return
             logger.warning("hotweights: lease of %s expired; resuming, weights marked dirty",
                            holder)
             await self._discard_quietly()
             await self._reset_quietly()
             await self._new_version(f"lease of {holder} expired")
-            await self._resume("expired")
-            self.state = State.EXPIRED
             self.expired = dict(holder=holder, at=self.clock(), version=self.version,
                                 staged=False)
+            try:
+                await self._resume("expired")
+            finally:  # also if the engine's resume failed (logged by the timer's task)
+                self.state = State.EXPIRED
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -450,8 +463,10 @@ class Transaction:
             logger.exception("hotweights: could not drop the staged update")
 
     async def _reset_quietly(self) -> None:
-        with contextlib.suppress(Exception):  # dirty anyway; the log says why
+        try:  # dirty anyway; the log says why
             await self.engine.reset_caches()
+        except Exception:
+            logger.exception("hotweights: could not reset the caches")
 
     async def _new_version(self, dirty_reason: str | None, n: int = 0) -> None:
         self.versions.advance(dirty_reason, n)
