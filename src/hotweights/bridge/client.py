@@ -119,7 +119,11 @@ class Bridge:
             return sync(model_dir, model, version=self.version, config=model.config, **kwargs)
         if os.path.isdir(model_dir):  # another writer's sync first, and what a crashed one
             recover(model_dir)  # left finished: not while the server is paused
-        self._post("/hotweights/begin", mode="keep", lease_s=60.0)
+        try:
+            self._post("/hotweights/begin", mode="keep", lease_s=60.0)
+        except BaseException:  # a timeout, a Ctrl-C: no server stays paused for us
+            self._abort(dirty=False, quiet=True)
+            raise
         renewer, released = Renewer(self.renew, 60.0), False
 
         def release() -> None:

@@ -39,9 +39,9 @@ class Body:
     server_id: str
 
     def __post_init__(self) -> None:
-        if not self.holder or len(self.holder) > 200:
-            raise Refused(400, f"field 'holder' must be 1 to 200 characters, "
-                          f"got {self.holder!r}")
+        for name in ("holder", "server_id"):
+            if not 0 < len(value := getattr(self, name)) <= 200:
+                raise Refused(400, f"field {name!r} must be 1 to 200 characters, got {value!r}")
         lease_s = getattr(self, "lease_s", DEFAULT_LEASE_S)
         if not 0 < lease_s <= MAX_LEASE_S:  # also refuses nan and inf
             raise Refused(400, f"field 'lease_s' must be in (0, {MAX_LEASE_S:.0f}] seconds, "
@@ -97,6 +97,9 @@ class Commit(Body):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.n < 0:
+            raise Refused(400, f"field 'n' must be a version number (>= 0; 0: the next), "
+                          f"got {self.n}")
         if len(self.next_update) > 200:
             raise Refused(400, f"field 'next_update' must be at most 200 characters, got "
                           f"{self.next_update[:40]!r}...")
@@ -112,10 +115,12 @@ class Receive(Body):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not 0 <= self.wait_s <= MAX_LEASE_S or len(self.update) > 200:
-            raise Refused(400, f"field 'wait_s' must be in [0, {MAX_LEASE_S:.0f}] seconds and "
-                          f"'update' at most 200 characters, got {self.wait_s!r}, "
-                          f"{self.update[:40]!r}")
+        if not 0 <= self.wait_s <= MAX_LEASE_S:
+            raise Refused(400, f"field 'wait_s' must be in [0, {MAX_LEASE_S:.0f}] seconds, "
+                          f"got {self.wait_s!r}")
+        if len(self.update) > 200:
+            raise Refused(400, f"field 'update' must be at most 200 characters, got "
+                          f"{self.update[:40]!r}...")
 
 
 @dataclass(frozen=True)
