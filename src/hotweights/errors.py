@@ -18,7 +18,12 @@ class CheckpointError(HotweightsError):
 
 
 class ServerError(HotweightsError):
-    """The vLLM server refused or failed (names the route and the HTTP status)."""
+    """The vLLM server refused or failed (names the route and the HTTP status); `status`:
+    that status, None where no answer came (unreachable, timed out, connection broken)."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 class ConfigError(HotweightsError):

@@ -75,7 +75,7 @@ def request(url: str, method: str, route: str, token: str, body: dict | None = N
             serve = "hotweights serve" + (" --remote" if "/remote/" in route else "")
             detail += (f" ({url} has no such route: is it a `{serve}`, not plain vLLM or "
                        "another service on that port?)")
-        raise ServerError(f"{method} {route}: HTTP {e.code}: {detail}") from None
+        raise ServerError(f"{method} {route}: HTTP {e.code}: {detail}", e.code) from None
     except urllib.error.URLError as e:
         raise ServerError(f"{method} {route}: {_unreachable(url, e.reason)}") from None
     except TimeoutError:

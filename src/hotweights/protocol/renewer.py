@@ -6,7 +6,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from hotweights.errors import HotweightsError
+from hotweights.errors import HotweightsError, ServerError
 
 logger = logging.getLogger(__name__)
 
@@ -14,8 +14,9 @@ logger = logging.getLogger(__name__)
 class Renewer(threading.Thread):
     """``with Renewer(renew, lease_s):`` calls ``renew(lease_s)`` every ``lease_s / 3`` s
     until the block ends, so a step, an encode or a send may take as long as it needs while
-    a dead trainer still frees its servers within `lease_s`. The first failure stops it
-    (logged: what comes next, the commit, says what happened)."""
+    a dead trainer still frees its servers within `lease_s`. A renewal that got no answer
+    (a network blip) is tried again at the next; the first refusal stops it (logged: what
+    comes next, the commit, says what happened)."""
 
     def __init__(self, renew: Callable[[float], object], lease_s: float):
         super().__init__(daemon=True, name="hotweights-renew")
@@ -34,6 +35,12 @@ class Renewer(threading.Thread):
         while not self.done.wait(self.lease_s / 3):
             try:
                 self.renew(self.lease_s)
+            except ServerError as e:
+                if e.status is not None:  # the server refused: the lease is gone
+                    logger.warning("hotweights: lease renewal failed: %s", e)
+                    return
+                logger.warning("hotweights: lease renewal got no answer (%s); trying again "
+                               "in %.0f s", e, self.lease_s / 3)
             except HotweightsError as e:
                 logger.warning("hotweights: lease renewal failed: %s", e)
                 return

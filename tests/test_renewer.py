@@ -1,0 +1,36 @@
+"""protocol.renewer: the lease renewed while the trainer works; a blip is tried again."""
+
+import time
+
+from hotweights.errors import RemoteError, ServerError
+from hotweights.protocol.renewer import Renewer
+
+
+def _renewals(answers: list, lease_s: float = 0.03) -> list[float]:
+    """Run a Renewer whose renew gives `answers` in turn (an exception is raised), until
+    they are used up or it stops by itself; the lease_s of each call."""
+    calls = []
+
+    def renew(lease_s):
+        calls.append(lease_s)
+        answer = answers.pop(0) if answers else "ok"
+        if isinstance(answer, Exception):
+            raise answer
+
+    with Renewer(renew, lease_s) as renewer:
+        deadline = time.monotonic() + 5
+        while answers and renewer.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.005)
+    return calls
+
+
+def test_a_renewal_with_no_answer_is_tried_again():
+    blip = ServerError("POST /hotweights/renew: no answer within 30 s")  # status None
+    assert len(_renewals([blip, blip, "ok"])) >= 3
+
+
+def test_a_refusal_stops_the_renewals(caplog):
+    refused = ServerError("POST /hotweights/renew: HTTP 409: lease held by h2", 409)
+    calls = _renewals([refused, "never asked"], lease_s=0.02)
+    assert len(calls) == 1 and "lease renewal failed" in caplog.text
+    assert len(_renewals([RemoteError("rank 1 gone"), "never asked"], lease_s=0.02)) == 1
