@@ -289,7 +289,8 @@ def test_a_remote_server_stages_on_receive_applies_on_commit_and_discards_on_abo
         assert r.status_code == 409 and "join between updates" in r.json()["error"]
         for bad in ({"wait_s": -1.0}, {"wait_s": 1e9}, {"update": "u" * 201}):
             r = await client.post("/hotweights/remote/receive", json=body(**bad), headers=AUTH)
-            assert r.status_code == 400 and "field 'wait_s' must be in" in r.json()["error"]
+            assert r.status_code == 400 and f"field '{next(iter(bad))}' must be" in \
+                r.json()["error"]
         await client.post("/hotweights/remote/receive", json=body(), headers=AUTH)
         assert stub.args["hotweights_remote_receive"] == (None, None)  # not announced
         await client.post("/hotweights/remote/receive", json=body(update="u7", wait_s=90),
@@ -341,6 +342,36 @@ def test_a_remote_commit_arms_the_next_update_whose_receive_then_needs_no_engine
         r = await client.post("/hotweights/commit", json=body(next_update="x" * 201),
                               headers=AUTH)
         assert r.status_code == 400 and "field 'next_update'" in r.json()["error"]
+
+    serve(test)
+
+
+def test_another_trainer_s_commit_during_the_holder_s_leaves_its_next_update_alone(
+        monkeypatch):
+    monkeypatch.setenv("HOTWEIGHTS_REMOTE", "1")
+
+    async def test(client, stub):
+        await client.post("/hotweights/remote/join", json=JOIN, headers=AUTH)
+        await client.post("/hotweights/begin", json=body(stage=True), headers=AUTH)
+        go, pause = asyncio.Event(), stub.pause_generation
+
+        async def slow_pause(mode, clear_cache):  # the engine step in flight ends
+            await go.wait()
+            await pause(mode, clear_cache)
+        stub.pause_generation = slow_pause
+        mine = asyncio.ensure_future(client.post("/hotweights/commit", json=body(
+            next_update="mine"), headers=AUTH))
+        await asyncio.sleep(0.05)  # the holder's commit waits for the pause
+        theirs = [asyncio.ensure_future(client.post(f"/hotweights/{route}", json={
+            **body(**extra), "holder": "h2"}, headers=AUTH)) for route, extra in (
+            ("commit", {"next_update": "theirs"}), ("remote/receive", {}))]
+        await asyncio.sleep(0.05)  # they wait for the holder's commit
+        go.set()
+        assert (await mine).status_code == 200
+        assert stub.args["hotweights_remote_apply"] == ("mine",)  # not h2's next update
+        for r in await asyncio.gather(*theirs):
+            assert r.status_code == 409 and "no update in progress for h2" in r.json()["error"]
+        assert "hotweights_remote_receive" not in stub.calls
 
     serve(test)
 

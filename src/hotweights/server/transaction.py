@@ -30,10 +30,11 @@ Pure: no HTTP, no vLLM. The server plugs vLLM in through `Engine`; tests use a s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -447,6 +448,14 @@ class Transaction:
                           expired=self.expired)
         else:
             raise Refused(409, f"no update in progress for {req.holder}")
+
+    @contextlib.asynccontextmanager
+    async def leased(self, req: Body, what: str) -> AsyncIterator[None]:
+        """Run the block under the transaction's lock once `req`'s holder is found to hold
+        the lease (`check_lease`): no abort, expiry or commit runs meanwhile."""
+        async with self._lock:
+            self.check_lease(req, what)
+            yield
 
     def check_lease(self, req: Body, what: str) -> None:
         """Refuse (409) `what` unless `req`'s holder holds the paused (or staging)

@@ -400,14 +400,15 @@ class HotweightsRoutes:
         return await self._call(request, Receive, self._receive)
 
     async def _receive(self, req: Receive) -> dict:
-        self.tx.check_lease(req, "receive")
-        if req.update and req.update == self.tx.engine.armed:  # the workers wait for it
-            self.tx.engine.armed = ""
-            return {"receiving": True, "armed": True, "workers": self.workers}
-        self.tx.engine.armed = ""  # the workers drop that wait for this one
-        task = asyncio.ensure_future(self._rpc("hotweights_remote_receive", req.update or None,
-                                               req.wait_s or None))
-        self.tx.engine.receiving = task  # a commit or abort waits for it
+        async with self.tx.leased(req, "receive"):  # not beside an abort's or expiry's
+            # discard, which would leave this receive behind
+            if req.update and req.update == self.tx.engine.armed:  # the workers wait for it
+                self.tx.engine.armed = ""
+                return {"receiving": True, "armed": True, "workers": self.workers}
+            self.tx.engine.armed = ""  # the workers drop that wait for this one
+            task = asyncio.ensure_future(self._rpc("hotweights_remote_receive",
+                                                   req.update or None, req.wait_s or None))
+            self.tx.engine.receiving = task  # a commit or abort waits for it
         (first, *_) = await asyncio.shield(task)
         return {**first, "workers": self.workers}
 
@@ -436,7 +437,8 @@ class HotweightsRoutes:
     async def _commit(self, req: Commit) -> dict:
         if req.next_update and not self.remote:
             raise Refused(400, "field 'next_update' needs a `hotweights serve --remote` server")
-        self.tx.engine.next_update = req.next_update
+        async with self.tx.leased(req, "commit"):  # not another trainer's commit's
+            self.tx.engine.next_update = req.next_update
         return await self.tx.commit(req)
 
     async def commit(self, request: Request):
