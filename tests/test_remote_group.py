@@ -352,3 +352,61 @@ def test_the_first_update_compiles_the_encode_ahead_on_a_thread_of_its_own(monke
     assert group._warm is warm
     warm.join()
     assert warmed == [("hotweights-jit-warm", {torch.bfloat16, torch.float32})]
+
+
+def _pending(urls, *, sent=0, floor=0, new=None):
+    """A prepared update as `prepare` leaves it (every server staged it)."""
+    from hotweights.remote.group import Pending
+    new = new or {}
+    return Pending(status={u: {"server_id": "s"} for u in urls}, new=new, deltas=None,
+                   full=(), from_checkpoint=(), prints=None, sent=sent, carried={},
+                   started=0.0, floor=floor, frozen={}, dropped={}, lease_s=240.0,
+                   written={k: t._version for k, t in new.items()})
+
+
+def _posting(group):
+    """Record every request the group makes: (url, route, http_timeout)."""
+    posted = []
+
+    def post(url, status, route, *, http_timeout=None, **body):
+        posted.append((url, route, http_timeout))
+        return {"version": f"{body.get('n')}@s"}
+    group._post = post
+    return posted
+
+
+def test_a_version_number_not_above_the_servers_aborts_the_staged_update_everywhere():
+    urls = ["http://127.0.0.1:1", "http://127.0.0.2:1"]
+    group = RemoteGroup(urls, token="t" * 32)
+    posted = _posting(group)
+    with pytest.raises(RemoteError, match="version number 3 must be above 5; the update was "
+                       "aborted on every server"):
+        group.commit(_pending(urls, sent=1234, floor=5), 3)
+    assert sorted(posted) == [(u, "/hotweights/abort", None) for u in urls]
+    assert group.bytes_sent == 1234  # sent all the same
+    group.abort(_pending(urls, sent=100))
+    assert group.bytes_sent == 1334
+
+
+def test_a_commit_waits_for_the_servers_as_long_as_their_pause_may_take():
+    urls = ["http://127.0.0.1:1"]
+    group = RemoteGroup(urls, token="t" * 32, timeout=10.0)
+    posted = _posting(group)
+    assert group.commit(_pending(urls), 1)["servers"] == {urls[0]: "1@s"}
+    assert posted == [(urls[0], "/hotweights/commit", 240.0 + 10.0 + 60)]
+    group._leased = {urls[0]: {"server_id": "s"}}
+    group.renew(30.0)  # a hung server answers within a third of the lease, or is named
+    assert posted[-1] == (urls[0], "/hotweights/renew", 10.0)
+
+
+def test_weights_changed_between_prepare_and_commit_are_synced_again(caplog):
+    urls = ["http://127.0.0.1:1"]
+    group = RemoteGroup(urls, token="t" * 32)
+    _posting(group)
+    weight = torch.zeros(4)
+    group.commit(_pending(urls, new={"w": weight}), 1)
+    assert group._held == {urls[0]: ("s", 1)}  # sent the delta at the next update
+    pending = _pending(urls, new={"w": weight})
+    weight.add_(1)  # the trainer's next step, before this commit
+    group.commit(pending, 2)
+    assert group._held == {} and "1 tensor(s) changed between prepare and commit" in caplog.text

@@ -61,9 +61,10 @@ class Announcements:
         while not self.store.check(list(keys.values())):
             check()
             if time.monotonic() > deadline:
-                late = [r for r, k in keys.items() if not self.store.check([k])]
-                raise RemoteError(f"{self.where}: rank(s) {late} (receiver) did not start "
-                                  f"receiving the update within {self.timeout} s")
+                late = ", ".join(f"rank {r} (receiver)" for r, k in keys.items()  # each as
+                                 if not self.store.check([k]))  # `Link.named` reads it
+                raise RemoteError(f"{self.where}: {late} did not start receiving the update "
+                                  f"within {self.timeout} s")
             time.sleep(0.002)
 
     def word(self, update: str, word: bytes) -> None:

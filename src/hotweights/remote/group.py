@@ -101,6 +101,8 @@ class Pending:
     floor: int  # the version number to commit must be above this
     frozen: prefilter.Prints  # of the tensors that cannot change, once the servers hold them
     dropped: dict  # url -> why: servers down at the start or dead during the send
+    lease_s: float  # the servers' lease: their commit may wait this long for its pause
+    written: dict  # name -> the tensor's version counter when it was read (`_changed_since`)
 
 
 class _Encoded(list):
@@ -179,7 +181,9 @@ class RemoteGroup:
             version and they stay at the old one, named, until the next update catches them
             up). ``"all"``: one server failing fails the update on every server, and the
             local server waits until every remote has staged the update: if one fails the
-            trainer's step is undone and every server stays at the old version.
+            trainer's step is undone and every server stays at the old version (not with
+            ``reference="checkpoint"`` nor at the first update, which keep no copy of the
+            old weights: the local server then serves the new ones, dirty).
         cafile: the CA bundle that checks https servers' certificates (default:
             HOTWEIGHTS_CA_FILE, else the system's trust store; see docs/remote.md, TLS).
     """
@@ -343,9 +347,9 @@ class RemoteGroup:
         sends = self._send(status, list(zip(plans, links, strict=True)),
                            lambda p: self._encode(p, new, kept, found[0][0]),
                            max(_MIN_CUT, -(-sum(t.nbytes for t in new.values()) // _CUTS)),
-                           mode,
-                           lease_s or self._lease_s(), meanwhile=fingerprint)
+                           mode, lease_s or self._lease_s(), meanwhile=fingerprint)
         done, prints = list(zip(plans, sends, strict=True)), found[0][1]
+        lease_s = lease_s or self._lease_s()
         return Pending(status, new,
                        next((d for p, (d, _, _) in done if p.held and p.reference is
                              self.reference.tensors), None),
@@ -354,7 +358,8 @@ class RemoteGroup:
                              if self._stale(u, status[u])),
                        prints, self._lost + sum(left for _, _, left in sends),
                        {u: sent for p, (_, sent, _) in done for u in p.urls}, started,
-                       self._floor(status), frozen_prints, dropped)
+                       self._floor(status), frozen_prints, dropped, lease_s,
+                       {k: t._version for k, t in new.items()})
 
     def _stale(self, url: str, status: dict) -> bool:
         """The server at `url` may not hold what this group last sent it."""
@@ -380,7 +385,9 @@ class RemoteGroup:
         above every server's); see `update` for what it returns and raises."""
         n = n or pending.floor + 1
         if n <= pending.floor:
-            raise RemoteError(f"version number {n} must be above {pending.floor}")
+            self.abort(pending)  # staged, maybe paused ahead: not left so until the lease ends
+            raise RemoteError(f"version number {n} must be above {pending.floor}; the update "
+                              "was aborted on every server")
         status, self._leased = pending.status, {}
         committed, failed = {}, {}
         nexts = {}  # url -> the id of its channel's next update: it waits for it from now
@@ -392,15 +399,21 @@ class RemoteGroup:
                 if self.reference_mode == "checkpoint" else \
                 pool.submit(self.reference.remember, pending.new, pending.deltas,
                             pending.frozen)
-            outs = self._each(lambda u: self._post(u, status[u], "/hotweights/commit", n=n,
-                                                   next_update=nexts.get(u, "")),
-                              errors=True, urls=list(status))
+            outs = self._each(lambda u: self._post(
+                u, status[u], "/hotweights/commit", n=n, next_update=nexts.get(u, ""),
+                http_timeout=pending.lease_s + self.timeout + 60),  # the server's pause
+                errors=True, urls=list(status))  # may take the lease, then it applies
             remembered.result()
         for u, out in outs.items():
             (failed if isinstance(out, Exception) else committed)[u] = out
         self._prefilter.prints = pending.prints
         self.n = n
         self._held = {u: (status[u]["server_id"], n) for u in committed}
+        if changed := _changed_since(pending):  # the copy kept is not what the servers got
+            logger.warning("hotweights: %s changed between prepare and commit (e.g. %s): the "
+                           "servers hold the values prepare read; the next update syncs "
+                           "them again whole", f"{len(changed)} tensor(s)", changed[0])
+            self._held = {}
         self.bytes_sent += pending.sent
         result = {"version": n, "full": list(pending.full),
                   "from_checkpoint": list(pending.from_checkpoint),
@@ -427,6 +440,7 @@ class RemoteGroup:
     def abort(self, pending: Pending) -> None:
         """Drop a prepared update everywhere: every server goes on at its old version."""
         self._leased = {}
+        self.bytes_sent += pending.sent  # sent all the same
         self._each(lambda u: self._post(u, pending.status[u], "/hotweights/abort",
                                         dirty=False), errors=True, urls=list(pending.status))
 
@@ -441,10 +455,11 @@ class RemoteGroup:
             RemoteError: naming each server that refused or did not answer, with
                 ``require="all"`` or when none renewed.
         """
-        leased = self._leased
-        outs = self._each(lambda u: self._post(u, leased[u], "/hotweights/renew",
-                                               lease_s=lease_s or self._lease_s()),
-                          errors=True, urls=list(leased))
+        leased, lease_s = self._leased, lease_s or self._lease_s()
+        outs = self._each(lambda u: self._post(  # an answer within a third of the lease:
+            u, leased[u], "/hotweights/renew", lease_s=lease_s,  # a server that hangs
+            http_timeout=max(1.0, min(self.timeout, lease_s / 3))),  # holds no one else's
+            errors=True, urls=list(leased))  # renewal past its lease
         if failed := {u: e for u, e in outs.items() if isinstance(e, Exception)}:
             if self.require == "all" or len(failed) == len(outs):
                 raise RemoteError(named(failed))
@@ -538,10 +553,10 @@ class RemoteGroup:
                         rounds = _then_last(rounds, pause_ahead)
                     first = next(rounds)  # the receivers wait for the start in the store,
                     # up to the lease, while it is encoded (in the collective: the timeout)
-                    link.channel.start(on[1], check=lambda r=receipts: _raise_failed(
-                        r, "receive", wait=False))
-                    started = True
                     try:
+                        link.channel.start(on[1], check=lambda r=receipts: _raise_failed(
+                            r, "receive", wait=False))
+                        started = True
                         sent = link.channel.send(itertools.chain([first], rounds), ahead=True)
                     except RemoteError as e:  # it names the rank: no need to wait for receipts
                         if e is deltas.failed:
@@ -687,6 +702,12 @@ def _raise_failed(futures: dict, what: str, *, wait: bool = True) -> None:
     outs = {u: outcome(f) for u, f in futures.items() if wait or f.done()}
     if failed := {u: e for u, e in outs.items() if isinstance(e, Exception)}:
         raise RemoteError(f"{what} failed on {named(failed)}")
+
+
+def _changed_since(pending: Pending) -> list[str]:
+    """The tensors of `pending` written in place since `prepare` read them (their version
+    counters moved): the servers received the values read then, not these."""
+    return [k for k, t in pending.new.items() if t._version != pending.written[k]]
 
 
 def _weights(weights: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
