@@ -67,6 +67,33 @@ def test_serve_refuses_flags_that_split_the_weights_or_the_updates(flags, named,
     assert not token.exists()  # refused before anything was written or started
 
 
+@pytest.mark.parametrize(("argv", "named"), [
+    (["--model", "other"], "--model: give the model as MODEL"),
+    (["--worker-extension-cls=x.Y"], "--worker-extension-cls: hotweights serve sets"),
+    (["--uds", "/tmp/s"], "--uds: hotweights serve answers on --host and --port"),
+    (["--host", "10.255.255.1"], "--host 10.255.255.1: cannot listen on"),
+    (["--token-file", "{tmp}"], "--token-file {tmp}: a directory"),
+    (["--token-file", "/proc/nope/x.token"], "--token-file /proc/nope/x.token: cannot write"),
+])
+def test_serve_refuses_what_it_cannot_serve_by_name_before_vllm_starts(argv, named,
+                                                                        tmp_path, capsys):
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    token = [] if "--token-file" in argv else ["--token-file", str(tmp_path / "t")]
+    assert main(["serve", str(tmp_path), *token, *argv]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and named.format(tmp=tmp_path) in err
+    assert not (tmp_path / "t").exists()
+
+
+def test_serve_refuses_a_model_path_that_is_no_directory_and_a_bad_port(tmp_path, capsys):
+    assert main(["serve", str(tmp_path / "nope"), "--token-file", str(tmp_path / "t")]) == 1
+    assert f"error: MODEL {tmp_path / 'nope'}: no such directory" in capsys.readouterr().err
+    for port in ("0", "70000"):
+        with pytest.raises(SystemExit) as e:
+            main(["serve", str(tmp_path), "--port", port])
+        assert e.value.code == 2 and "--port" in capsys.readouterr().err
+
+
 def test_serve_passes_other_data_parallel_flags_to_vllm():
     from hotweights.server.serve import refuse_unshareable
 

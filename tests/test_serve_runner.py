@@ -134,6 +134,13 @@ def test_vllm_memory_failure_is_one_line_naming_what_to_change(tmp_path):
     assert "less than desired CPU memory utilization" in err  # vLLM's own words, teed
 
 
+def test_a_vllm_killed_by_a_signal_exits_as_a_shell_says_it(tmp_path):
+    proc = _runner(tmp_path, free_port(), "killed", tmp_path / "t", stdout=subprocess.PIPE,
+                   stderr=subprocess.PIPE)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGKILL  # 137, not -9 read as 247
+
+
 def test_python_dash_m_hotweights_runs():
     out = subprocess.run([sys.executable, "-m", "hotweights", "--help"], capture_output=True,
                          text=True, check=True).stdout

@@ -61,6 +61,16 @@ def test_token_file_is_private_and_removed_only_if_still_ours(tmp_path):
     assert not remove_token(path, "theirs")  # gone already: nothing to do
 
 
+def test_a_token_file_is_replaced_at_once_never_seen_empty(tmp_path):
+    path = tmp_path / "server.token"
+    write_token(path, "old")
+    with open(path) as reader:  # a client that opened it before the new server wrote
+        write_token(path, "new")
+        assert reader.read() == "old\n"  # its file was replaced, not truncated under it
+    assert path.read_text() == "new\n" and path.stat().st_mode & 0o777 == 0o600
+    assert [p.name for p in tmp_path.iterdir()] == ["server.token"]  # no temp file left
+
+
 @pytest.mark.parametrize(("url", "why"), [
     ("not-a-url", "no http:// or https://"),
     ("localhost:8000", "no http:// or https:// (http://localhost:8000?)"),

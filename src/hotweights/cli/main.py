@@ -19,6 +19,14 @@ def _path(text: str) -> str:
     return text
 
 
+def _port(text: str) -> int:
+    """An argparse type: a TCP port a server can listen on, 1 to 65535."""
+    n = _count(1)(text)
+    if n > 65535:
+        raise argparse.ArgumentTypeError(f"{n}: a port is 1 to 65535")
+    return n
+
+
 def _count(least: int):
     """An argparse type: an int >= `least`."""
     def parse(text: str) -> int:
@@ -61,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("model", help="model directory (or name) for vLLM")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    p.add_argument("--port", type=_port, default=8000, help="port (default: 8000)")
     p.add_argument("--token", help="access token (default: $HOTWEIGHTS_TOKEN, else generated; "
                    "prefer the variable: a command line is visible to other users)")
     p.add_argument("--token-file", metavar="FILE", type=_path,

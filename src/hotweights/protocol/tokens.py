@@ -24,12 +24,18 @@ def token_path(port: int) -> Path:
 
 
 def write_token(path: Path, token: str) -> None:
-    """Write `token` to `path`, mode 0600 (created or replaced)."""
+    """Write `token` to `path`, mode 0600 (created or replaced at once: a client reading it
+    meanwhile finds the old file or the new one, never an empty one)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        os.fchmod(f.fileno(), 0o600)
-        f.write(token + "\n")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def remove_token(path: Path, token: str) -> bool:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import errno
+import http.client
 import json
 import os
 import secrets
@@ -134,6 +136,39 @@ def refuse_unshareable(vllm_args: list[str]) -> None:
             raise ServerError(f"{names[0]} {value}: {why}")
 
 
+def refuse_ours(vllm_args: list[str]) -> None:
+    """Refuse vLLM flags that `hotweights serve` sets itself or cannot serve through (vLLM
+    keeps the last value given: ours would be dropped)."""
+    ours = {"--model": "give the model as MODEL", "--worker-extension-cls": "hotweights "
+            "serve sets its own worker extension", "--uds": "hotweights serve answers on "
+            "--host and --port (a Unix socket cannot be probed or reached by trainers)"}
+    for name, why in ours.items():
+        if _flag(vllm_args, name) is not None:
+            raise ConfigError(f"{name}: {why}; drop it")
+
+
+def check_model(model: str) -> None:
+    """Refuse a MODEL that is written as a path (./x, /x, ~/x) but is no directory: vLLM
+    would take it for a hub name and fail late."""
+    if model.startswith((".", "/", "~")) and not Path(model).expanduser().is_dir():
+        raise ConfigError(f"MODEL {model}: no such directory")
+
+
+def check_token_file(path: Path) -> None:
+    """Refuse, before vLLM starts, a token file that cannot be written (it is written once
+    vLLM answers: a failure then would stop a loaded server)."""
+    if path.is_dir():
+        raise ConfigError(f"--token-file {path}: a directory; give a file path")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        probe = path.with_name(f".{path.name}.{os.getpid()}.probe")
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"--token-file {path}: cannot write there ({e.strerror or e})"
+                          ) from None
+
+
 def recovered(model: str, revision: str | None) -> str | None:
     """The model's directory here (`model`, or the cached snapshot of hub id `model`), with
     a sync cut short in it finished or undone before vLLM reads it; None: none here."""
@@ -145,11 +180,14 @@ def recovered(model: str, revision: str | None) -> str | None:
 
 def run(args: argparse.Namespace, vllm_args: list[str]) -> int:
     refuse_unshareable(vllm_args)
+    refuse_ours(vllm_args)
+    check_model(args.model)
     https = tls.check_files(args.ssl_keyfile, args.ssl_certfile)
     _refuse_busy_port(args.host, args.port)
     token = checked(args.token or os.environ.get("HOTWEIGHTS_TOKEN") or
                     secrets.token_hex(24), "hotweights serve")
     token_file = Path(args.token_file or token_path(args.port))
+    check_token_file(token_file)
     for path in shm.sweep_stale():
         print(f"removed stale shared weights {path}")
     found = recovered(args.model, _flag(vllm_args, "--revision"))
@@ -161,10 +199,15 @@ def run(args: argparse.Namespace, vllm_args: list[str]) -> int:
     child: list[subprocess.Popen] = []
     received: list[int] = []
 
-    def forward(signum, _frame):  # once: a second SIGINT would make uvicorn skip cleanup
-        received.append(signum)
+    def forward(signum, _frame):  # once: a second SIGINT would make uvicorn skip cleanup;
+        received.append(signum)  # a third kills vLLM (a shutdown that hangs)
         if child and len(received) == 1:
             child[0].send_signal(signum)
+        elif child and len(received) == 2:
+            print("hotweights: vLLM is stopping; once more to kill it", file=sys.stderr,
+                  flush=True)
+        elif child:
+            os.killpg(child[0].pid, signal.SIGKILL)  # its own session: its whole group
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, forward)
@@ -200,7 +243,7 @@ def run(args: argparse.Namespace, vllm_args: list[str]) -> int:
         for pattern, why in _MEMORY_FAILURES.items():
             if pattern in tail:
                 raise ConfigError(f"{args.model}: {why}")
-    return code
+    return 128 - code if code < 0 else code  # killed by a signal: as a shell says it
 
 
 def _refuse_busy_port(host: str, port: int) -> None:
@@ -214,8 +257,11 @@ def _refuse_busy_port(host: str, port: int) -> None:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
             s.bind(addr)
     except OSError as e:
-        raise ConfigError(f"--port {port}: cannot listen on {host}:{port} ({e.strerror or e}); "
-                          "is another server running there? Pick another --port") from None
+        if e.errno == errno.EADDRINUSE:
+            raise ConfigError(f"--port {port}: cannot listen on {host}:{port} ({e.strerror}); "
+                              "is another server running there? Pick another --port") from None
+        raise ConfigError(f"--host {host}: cannot listen on {host}:{port} ({e.strerror or e}); "
+                          "give an address of this machine (127.0.0.1, 0.0.0.0, ...)") from None
 
 
 def _probe_url(scheme: str, host: str, port: int) -> str:
@@ -235,9 +281,10 @@ def _wait_answering(proc: subprocess.Popen, url: str, token: str, server_id: str
     while proc.poll() is None:
         try:
             with opener.open(req, timeout=5) as resp:
-                if json.loads(resp.read()).get("server_id") == server_id:
+                answer = json.loads(resp.read())
+                if isinstance(answer, dict) and answer.get("server_id") == server_id:
                     return True
-        except (OSError, ValueError):
+        except (OSError, ValueError, http.client.HTTPException):  # not up yet, or not ours
             pass
         time.sleep(0.5)
     return False
