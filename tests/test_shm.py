@@ -62,6 +62,9 @@ def test_manifest_round_trips_through_json(shared):
     (lambda d: d["tensors"][1].update(shape=[-1]), r"tensors\[1\] \(b\): bad shape \[-1\]"),
     (lambda d: d["tensors"][1].update(offset=3), r"tensors\[1\] \(b\): bad offset 3"),
     (lambda d: d["tensors"][0].update(shape=[2, 3000]), r"tensors\[0\] \(a\): bytes .* run past"),
+    (lambda d: d["tensors"][1].update(name="a"), r"src: tensor 'a' is listed twice"),
+    (lambda d: d["tensors"][1].update(offset=0), r"src: tensors 'a' \(bytes \[0, 12\)\) and 'b' "
+     r"\(from byte 0\) overlap"),
 ])
 def test_bad_manifest_names_the_field(shared, change, match):
     _, manifest, _ = shared
@@ -215,6 +218,8 @@ def test_cuda_ipc_fields_are_typed_and_round_trip_unchanged():
     (lambda i: i.update(handle="not base64!"), r"field 'ipc.handle' must be base64 text"),
     (lambda i: i.update(handle=None), r"field 'ipc.handle' is null for 512 storage bytes"),
     (lambda i: i.clear() or i.update(x=1), r"field 'ipc.stride' is missing"),
+    (lambda i: i.update(storage_bytes=0, handle=None), r"field 'ipc.storage_bytes' is 0 for "
+     r"shape \[2, 3\]"),
 ])
 def test_bad_cuda_ipc_names_the_tensor_and_field(change, match):
     ipc = dict(IPC)

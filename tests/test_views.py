@@ -38,3 +38,28 @@ def test_untied_lm_head_selection_leaves_the_embedding_frozen():
     model, report = build_hf_model(config, _vllm_params(config), trainable=r"^lm_head\.")
     assert report.trainable == ("lm_head.weight",)
     assert not model.model.embed_tokens.weight.requires_grad
+
+
+@pytest.mark.parametrize(("selection", "named"), [
+    (r"layers\.9\.", r"trainable='layers\\\\.9\\\\.' matches no HF parameter"),
+    (["model.rotary_emb.inv_freq"], r"'model.rotary_emb.inv_freq' \(a buffer\)"),
+    (["model.layers.0.mlp.gate_up_proj.weight"], r"names no HF parameter: "
+     r"'model.layers.0.mlp.gate_up_proj.weight' \(they are named like 'model"),
+    (None, "trainable=None: a bool, a regex, HF parameter names or a predicate"),
+])
+def test_a_trainable_selection_that_selects_nothing_is_refused(selection, named):
+    from hotweights.errors import LayoutError
+    config = tiny.make_config("llama", VOCAB)
+    with pytest.raises(LayoutError, match=named):
+        build_hf_model(config, _vllm_params(config), trainable=selection)
+
+
+def test_a_config_that_ties_what_the_server_holds_apart_is_refused():
+    """The server loaded untied weights (an lm_head of its own); a tied config would train
+    the embedding as the output layer while vLLM computes with its lm_head."""
+    from hotweights.errors import LayoutError
+    params = _vllm_params(tiny.make_config("llama", VOCAB))
+    assert "lm_head.weight" in params
+    with pytest.raises(LayoutError, match=r"lm_head.weight: vLLM holds it as a tensor of its "
+                       r"own, but the config ties lm_head.weight to model.embed_tokens.weight"):
+        build_hf_model(tiny.make_config("llama_tied", VOCAB), params)

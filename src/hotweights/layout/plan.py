@@ -231,6 +231,11 @@ def plan(
     for vname, value in params.items():
         live = tuple(value.shape) if hasattr(value, "shape") else tuple(value)
         name, parts = hf_name_candidates(vname)
+        if name in ties:  # vLLM keeps apart what the config ties: training one would
+            raise LayoutError(  # leave the other, which vLLM computes with, behind
+                f"{vname}: vLLM holds it as a tensor of its own, but the config ties "
+                f"{name} to {ties[name]}; build the model from the config the server loaded "
+                "(tie_word_embeddings)")
         if name in shapes:
             parts = [name]
         elif parts is None or not all(p in shapes for p in parts):

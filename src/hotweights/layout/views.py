@@ -42,6 +42,29 @@ def _selector(selection: Selection) -> Callable[[str], bool]:
     return lambda name: name in names
 
 
+def _check_selection(trainable: Selection, model: torch.nn.Module) -> None:
+    """Refuse a `trainable` that selects nothing it was meant to: a regex that matches no
+    HF parameter, names that are no HF parameter (a buffer, a vLLM name): it would train
+    nothing, silently."""
+    if isinstance(trainable, bool) or callable(trainable):
+        return
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    if isinstance(trainable, str):
+        if not any(re.search(trainable, n) for n in names):
+            raise LayoutError(f"trainable={trainable!r} matches no HF parameter (they are "
+                              f"named like {names[0]!r})")
+        return
+    if not isinstance(trainable, Iterable):
+        raise LayoutError(f"trainable={trainable!r}: a bool, a regex, HF parameter names or "
+                          "a predicate")
+    known, buffers = set(names), {n for n, _ in model.named_buffers()}
+    if unknown := [n for n in trainable if n not in known]:
+        what = ", ".join(f"{n!r}" + (" (a buffer)" if n in buffers else "") for n in unknown[:5])
+        raise LayoutError(f"trainable names no HF parameter: {what}"
+                          + (" ..." if len(unknown) > 5 else "")
+                          + f" (they are named like {names[0]!r})")
+
+
 def _set_param(model: torch.nn.Module, name: str, param: torch.nn.Parameter) -> None:
     module_name, _, leaf = name.rpartition(".")
     module = model.get_submodule(module_name)
@@ -118,6 +141,7 @@ def build_hf_model(
         )
 
     device = next(iter(vllm_params.values())).device
+    _check_selection(trainable, model)
     wants_grad = _selector(trainable)
 
     made: dict[str, torch.nn.Parameter] = {}

@@ -19,6 +19,7 @@ import base64
 import binascii
 import errno
 import fcntl
+import itertools
 import json
 import logging
 import mmap
@@ -92,6 +93,22 @@ class CudaIpc:
             raise ManifestError(f"{where}: field 'ipc.handle' is null for "
                                 f"{values['storage_bytes']} storage bytes")
         return cls(**values)
+
+
+def _refuse_overlaps(source: str, tensors: list[TensorEntry]) -> None:
+    """A name given twice, or two tensors of the segment over the same bytes (CUDA tensors
+    have storages of their own), is a ManifestError naming both."""
+    seen: set[str] = set()
+    for e in tensors:
+        if e.name in seen:
+            raise ManifestError(f"{source}: tensor {e.name!r} is listed twice")
+        seen.add(e.name)
+    laid = sorted((e for e in tensors if e.ipc is None and e.nbytes), key=lambda e: e.offset)
+    for a, b in itertools.pairwise(laid):
+        if a.offset + a.nbytes > b.offset:
+            raise ManifestError(f"{source}: tensors {a.name!r} (bytes [{a.offset}, "
+                                f"{a.offset + a.nbytes})) and {b.name!r} (from byte {b.offset}) "
+                                "overlap")
 
 
 _IPC_FIELDS = dict(stride=tuple, storage_offset=int, handle=str, storage_bytes=int,
@@ -185,7 +202,11 @@ class Manifest:
             if ipc is None and offset + entry.nbytes > data["nbytes"]:
                 raise ManifestError(f"{where} ({t['name']}): bytes [{offset}, "
                                     f"{offset + entry.nbytes}) run past nbytes={data['nbytes']}")
+            if ipc is not None and entry.nbytes and not ipc.storage_bytes:
+                raise ManifestError(f"{where} ({t['name']}): field 'ipc.storage_bytes' is 0 "
+                                    f"for shape {list(shape)}")
             tensors.append(entry)
+        _refuse_overlaps(source, tensors)
         extra = {k: data[k] for k in ("model", "tp_rank", "tp_size", "weight_version",
                                       "gpu_uuid") if k in data}
         if any(e.ipc for e in tensors) and not isinstance(extra.get("gpu_uuid"), str):
