@@ -63,3 +63,11 @@ def test_a_config_that_ties_what_the_server_holds_apart_is_refused():
     with pytest.raises(LayoutError, match=r"lm_head.weight: vLLM holds it as a tensor of its "
                        r"own, but the config ties lm_head.weight to model.embed_tokens.weight"):
         build_hf_model(tiny.make_config("llama_tied", VOCAB), params)
+
+
+def test_a_config_whose_vocabulary_is_smaller_than_the_server_s_is_refused():
+    from hotweights.errors import LayoutError
+    params = _vllm_params(tiny.make_config("llama", VOCAB))  # 320 rows: 300 padded
+    with pytest.raises(LayoutError, match=r"model.embed_tokens.weight: vLLM holds 320 rows "
+                       r"\(x tp=1\), more than HF model.embed_tokens.weight's 200"):
+        build_hf_model(tiny.make_config("llama", 200), params)

@@ -326,6 +326,10 @@ def _check_other_dims(vname: str, live: Shape, hf_name: str, hf_shape: Shape, di
             )
 
 
+_VOCAB_PADDING = 64  # vLLM pads the vocabulary rows to a multiple of this (its
+# DEFAULT_VOCAB_PADDING_SIZE), then splits them evenly among the ranks
+
+
 def _vocab_pieces(vname, live, part, tp, rank) -> list[Piece]:
     # vLLM pads the vocabulary (to a multiple of 64) and gives each rank an equal run of
     # padded rows; the HF tensor is the first `vocab_size` of them.
@@ -337,6 +341,11 @@ def _vocab_pieces(vname, live, part, tp, rank) -> list[Piece]:
             f"{vname}: vLLM shape {live} x tp={tp} has fewer rows than HF {hf_name} "
             f"shape {hf_shape} (vocab_size)"
         )
+    if per_rank * tp - hf_shape[0] >= _VOCAB_PADDING:  # more than vLLM's padding: the
+        raise LayoutError(  # server loaded a larger vocabulary than this config says
+            f"{vname}: vLLM holds {per_rank * tp} rows (x tp={tp}), more than HF {hf_name}'s "
+            f"{hf_shape[0]} (vocab_size) padded to a multiple of {_VOCAB_PADDING}: build the "
+            "model from the config the server loaded")
     lo = rank * per_rank
     hi = min(lo + per_rank, hf_shape[0])
     return [Piece(hf_name, hf_shape, (0, hi - lo), 0, lo)] if hi > lo else []
