@@ -224,3 +224,15 @@ def test_a_url_that_is_no_str_is_named():
     for url in (None, 8000):
         with pytest.raises(ConfigError, match=f"{url!r} is not a server URL: a "):
             find_token(url, "t")
+
+
+@pytest.mark.parametrize("answer", [{"version": "1@s"}, {"manifests": {}, "version": "1@s"},
+                                    {"manifests": [], "version": 1}])
+def test_a_manifest_answer_without_its_fields_is_named_not_a_key_error(json_server, answer):
+    from hotweights.bridge.client import Bridge
+    from hotweights.errors import ServerError
+
+    url = f"http://127.0.0.1:{json_server(answer=answer)}"
+    with pytest.raises(ServerError, match=r"/hotweights/manifest: field '(manifests|version)' "
+                       r"must be a (list|str)"):
+        Bridge.connect(url, token="t" * 32)

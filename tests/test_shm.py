@@ -63,6 +63,10 @@ def test_manifest_round_trips_through_json(shared):
     (lambda d: d["tensors"][1].update(offset=3), r"tensors\[1\] \(b\): bad offset 3"),
     (lambda d: d["tensors"][0].update(shape=[2, 3000]), r"tensors\[0\] \(a\): bytes .* run past"),
     (lambda d: d["tensors"][1].update(name="a"), r"src: tensor 'a' is listed twice"),
+    (lambda d: d.update(model=5), r"src: field 'model' must be a str, found 5"),
+    (lambda d: d.update(tp_size="x"), r"src: field 'tp_size' must be an int >= 1, found 'x'"),
+    (lambda d: d.update(tp_rank=True), r"src: field 'tp_rank' must be an int >= 0, found True"),
+    (lambda d: d.update(tp_rank=2, tp_size=2), r"src: field 'tp_rank' \(2\) must be below"),
     (lambda d: d["tensors"][1].update(offset=0), r"src: tensors 'a' \(bytes \[0, 12\)\) and 'b' "
      r"\(from byte 0\) overlap"),
 ])

@@ -63,6 +63,12 @@ class Bridge:
         url = server_url(url)
         token = find_token(url, token)
         data = request(url, "GET", "/hotweights/manifest", token, cafile=cafile)
+        for key, kind in (("manifests", list), ("version", str)):
+            if not isinstance(data, dict) or not isinstance(data.get(key), kind):
+                raise ServerError(f"{url}/hotweights/manifest: field {key!r} must be a "
+                                  f"{kind.__name__}, found "
+                                  f"{data.get(key) if isinstance(data, dict) else data!r}: is it "
+                                  "a `hotweights serve` of this hotweights version?")
         manifests = [shm.Manifest.from_dict(m, source=f"{url}/hotweights/manifest")
                      for m in data["manifests"]]
         if len(manifests) != 1:

@@ -74,7 +74,8 @@ def _parser() -> argparse.ArgumentParser:
                    "prefer the variable: a command line is visible to other users)")
     p.add_argument("--token-file", metavar="FILE", type=_path,
                    help="where to write the token, mode 0600 "
-                   "(default: ~/.cache/hotweights/server-PORT.token)")
+                   "(default: ~/.cache/hotweights/server-PORT.token, where clients on this "
+                   "machine look for it; elsewhere, give them --token or $HOTWEIGHTS_TOKEN)")
     p.add_argument("--remote", action="store_true", help="this server runs on another "
                    "machine than the trainer: no shared memory; it receives each update "
                    "(only what changed) from a hotweights.RemoteGroup over torch.distributed "
@@ -97,7 +98,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("url", nargs="?", default="http://127.0.0.1:8000",
                    help="the server (default: http://127.0.0.1:8000)")
     p.add_argument("--token", help="access token (default: $HOTWEIGHTS_TOKEN, else the "
-                   "token file the server wrote for its port)")
+                   "token file a server on this machine wrote for its port, "
+                   "~/.cache/hotweights/server-PORT.token; not one it wrote elsewhere "
+                   "with --token-file)")
     p.add_argument("--cafile", metavar="PEM", help="for an https server: the CA bundle that "
                    "signed its certificate (default: $HOTWEIGHTS_CA_FILE, else the system's)")
     p.add_argument("--json", action="store_true", help="print the raw JSON")
@@ -168,7 +171,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", metavar="TEXT", help="with --from: the weight version "
                    "recorded in the sidecars (default: none; with --server, the server's)")
     p.add_argument("--token", help="the server's access token (default: $HOTWEIGHTS_TOKEN, "
-                   "else the token file the server wrote for its port)")
+                   "else the token file a server on this machine wrote for its port, "
+                   "~/.cache/hotweights/server-PORT.token; not one it wrote elsewhere "
+                   "with --token-file)")
     p.add_argument("--cafile", metavar="PEM", help="for an https server: the CA bundle that "
                    "signed its certificate (default: $HOTWEIGHTS_CA_FILE, else the system's)")
     p.add_argument("--convert-dtype", action="store_true",

@@ -209,6 +209,15 @@ class Manifest:
         _refuse_overlaps(source, tensors)
         extra = {k: data[k] for k in ("model", "tp_rank", "tp_size", "weight_version",
                                       "gpu_uuid") if k in data}
+        for key, least in dict(model=None, tp_rank=0, tp_size=1, weight_version=0).items():
+            value = extra.get(key)
+            if key in extra and (type(value) is not str if least is None else
+                                 type(value) is not int or value < least):
+                want = "a str" if least is None else f"an int >= {least}"
+                raise ManifestError(f"{source}: field '{key}' must be {want}, found {value!r}")
+        if "tp_rank" in extra and extra["tp_rank"] >= extra.get("tp_size", 1):
+            raise ManifestError(f"{source}: field 'tp_rank' ({extra['tp_rank']}) must be below "
+                                f"'tp_size' ({extra.get('tp_size', 1)})")
         if any(e.ipc for e in tensors) and not isinstance(extra.get("gpu_uuid"), str):
             raise ManifestError(f"{source}: CUDA tensors but no 'gpu_uuid'")
         return cls(FORMAT, data["server_id"], data["path"], data["nbytes"], tuple(tensors),
