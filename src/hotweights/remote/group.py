@@ -327,6 +327,8 @@ class RemoteGroup:
                  started: float, dropped: dict) -> Pending:
         """`prepare` on the servers of `status`: who holds which old values (`_plans`), the
         encode and the send for each set of them."""
+        written = {k: t._version for k, t in new.items()}  # before the encode reads them
+        lease_s = lease_s or self._lease_s()
         plans = self._plans(status, new)
         if self.reference_mode == "checkpoint":
             if any(p.reference is None for p in plans):
@@ -347,9 +349,8 @@ class RemoteGroup:
         sends = self._send(status, list(zip(plans, links, strict=True)),
                            lambda p: self._encode(p, new, kept, found[0][0]),
                            max(_MIN_CUT, -(-sum(t.nbytes for t in new.values()) // _CUTS)),
-                           mode, lease_s or self._lease_s(), meanwhile=fingerprint)
+                           mode, lease_s, meanwhile=fingerprint)
         done, prints = list(zip(plans, sends, strict=True)), found[0][1]
-        lease_s = lease_s or self._lease_s()
         return Pending(status, new,
                        next((d for p, (d, _, _) in done if p.held and p.reference is
                              self.reference.tensors), None),
@@ -358,8 +359,7 @@ class RemoteGroup:
                              if self._stale(u, status[u])),
                        prints, self._lost + sum(left for _, _, left in sends),
                        {u: sent for p, (_, sent, _) in done for u in p.urls}, started,
-                       self._floor(status), frozen_prints, dropped, lease_s,
-                       {k: t._version for k, t in new.items()})
+                       self._floor(status), frozen_prints, dropped, lease_s, written)
 
     def _stale(self, url: str, status: dict) -> bool:
         """The server at `url` may not hold what this group last sent it."""
