@@ -125,11 +125,7 @@ class Bridge:
             return sync(model_dir, model, version=self.version, config=model.config, **kwargs)
         if os.path.isdir(model_dir):  # another writer's sync first, and what a crashed one
             recover(model_dir)  # left finished: not while the server is paused
-        try:
-            self._post("/hotweights/begin", mode="keep", lease_s=60.0)
-        except BaseException:  # a timeout, a Ctrl-C: no server stays paused for us
-            self._abort(dirty=False, quiet=True)
-            raise
+        self._begin(mode="keep", lease_s=60.0)
         renewer, released = Renewer(self.renew, 60.0), False
 
         def release() -> None:
@@ -207,12 +203,8 @@ class Bridge:
                 floor = self.remote.floor()
             except RemoteError:  # no remote answers: this server commits all the same (the
                 floor = self.remote.n  # remotes' error follows, naming them)
-        try:  # the server bounds the drain by lease_s; a client that gives up aborts
-            began = self._post("/hotweights/begin", timeout=lease_s + 30, mode=mode,
-                               lease_s=lease_s)
-        except BaseException:
-            self._abort(dirty=False, quiet=True)  # nothing written; no stale begin may linger
-            raise
+        # the server bounds the drain by lease_s; a client that gives up aborts
+        began = self._begin(timeout=lease_s + 30, mode=mode, lease_s=lease_s)
         renewer = Renewer(self.renew, lease_s)
         try:
             with renewer:
@@ -263,6 +255,16 @@ class Bridge:
     def renew(self, lease_s: float = 60.0) -> None:
         """Extend the lease of the current update (`update()` does it by itself)."""
         self._post("/hotweights/renew", lease_s=lease_s)
+
+    def _begin(self, *, timeout: float = 120, **body: Any) -> dict:
+        """Begin an update; if the begin fails or is interrupted (a timeout, a Ctrl-C), it
+        is aborted: nothing was written, and no server stays paused for a trainer that
+        gave up."""
+        try:
+            return self._post("/hotweights/begin", timeout=timeout, **body)
+        except BaseException:
+            self._abort(dirty=False, quiet=True)
+            raise
 
     def _abort(self, *, dirty: bool, quiet: bool = False) -> None:
         try:
