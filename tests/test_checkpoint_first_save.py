@@ -117,3 +117,17 @@ def test_a_sidecar_cut_short_by_a_full_disk_leaves_no_partial_file(tmp_path, mon
     monkeypatch.undo()
     assert "sidecar not written" in caplog.text
     assert not list((tmp_path / ".hotweights").glob("*.tmp"))
+
+
+def test_a_first_save_into_new_directories_makes_each_one_s_entry_durable(tmp_path,
+                                                                          monkeypatch):
+    from hotweights.checkpoint import journal
+
+    synced, real = [], journal.fsync_dir
+    monkeypatch.setattr(journal, "fsync_dir", lambda p: (synced.append(str(p)), real(p)))
+    target = tmp_path / "runs" / "step-1"
+    sync(target, _live())
+    assert synced[:2] == [str(tmp_path), str(tmp_path / "runs")]
+    synced.clear()
+    sync(target, _live())  # there already: no parent synced again
+    assert str(tmp_path) not in synced and str(tmp_path / "runs") not in synced

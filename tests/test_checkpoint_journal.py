@@ -420,8 +420,8 @@ def test_the_stage_directory_is_fsynced_before_the_commit(shards, monkeypatch):
     stage.mkdir()
     (stage / NAMES[0]).write_bytes(new[NAMES[0]])
     synced = []
-    real = journal._fsync_dir
-    monkeypatch.setattr(journal, "_fsync_dir", lambda p: (synced.append(
+    real = journal.fsync_dir
+    monkeypatch.setattr(journal, "fsync_dir", lambda p: (synced.append(
         (p, (d / journal.JOURNAL_NAME).exists())), real(p)))
     journal.write_journal(d, [], moves=[NAMES[0]])
     assert synced[0] == (str(stage), False)  # before the journal's rename
@@ -724,3 +724,26 @@ def test_a_filesystem_without_flock_on_directories_is_named(tmp_path, monkeypatc
         with lock.locked(tmp_path):
             pass
     assert len(os.listdir("/proc/self/fd")) == fds
+
+
+def test_a_large_patch_written_in_memory_meanwhile_still_makes_a_sound_journal(tmp_path,
+                                                                                monkeypatch):
+    """The payload of a patch over the journal's chunk is hashed and written from one copy
+    per chunk: a trainer writing the live tensor meanwhile (against the contract) changes
+    what is patched, never makes a journal that recovery refuses as damaged."""
+    (tmp_path / "f").write_bytes(bytes(3 * journal._CHUNK))
+    payload = bytearray(b"\x01" * (2 * journal._CHUNK + 5))
+    real = journal.write_all
+
+    def write_all(fd, data):
+        if len(data) >= journal._CHUNK and payload[0] == 1:  # hashed, not yet written:
+            payload[:] = b"\x02" * len(payload)  # the step lands
+        real(fd, data)
+
+    monkeypatch.setattr(journal, "write_all", write_all)
+    journal.write_journal(tmp_path, [("f", 0, payload)])
+    monkeypatch.undo()
+    assert journal.recover(tmp_path) == "replayed"
+    data = (tmp_path / "f").read_bytes()
+    assert data[:journal._CHUNK] == b"\x01" * journal._CHUNK
+    assert data[journal._CHUNK:len(payload)] == b"\x02" * (len(payload) - journal._CHUNK)

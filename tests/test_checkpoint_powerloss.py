@@ -676,8 +676,8 @@ def test_the_model_finds_a_stage_directory_not_fsynced(checkpoint, tmp_path, mon
     # before the commit, a power loss after it can lose a staged file. Recover refuses
     # (journal kept) since a move must be proven; taken as moved, versions mix.
     d, live = checkpoint
-    real = journal._fsync_dir
-    monkeypatch.setattr(journal, "_fsync_dir",
+    real = journal.fsync_dir
+    monkeypatch.setattr(journal, "fsync_dir",
                         lambda p: None if p.endswith(journal.STAGE_DIR) else real(p))
     old = _files(d)
     rec = _record(d, _changed(live), "copy")

@@ -190,3 +190,22 @@ def test_gather_reads_the_held_run_and_zero_elsewhere():
     idx = torch.tensor([0, 2, 4, 5, 9 + 3, 35])
     assert shard.gather(idx, torch.float32).tolist() == [0, 2, 4, 0, 12, 0]
     assert Shard((4, 9), 0, ()).gather(idx, torch.float32).tolist() == [0] * 6
+
+
+def test_a_scalar_parameter_is_mapped_viewed_and_staged():
+    """A 0-d parameter (a learned logit scale): one piece, a view of itself, a shard."""
+    from types import SimpleNamespace
+
+    from hotweights.layout.views import view_of
+
+    old = {"logit_scale": torch.tensor(0.5), "w": torch.randn(4, 3)}
+    shapes = {k: tuple(v.shape) for k, v in old.items()}
+    params = {k: v.clone() for k, v in old.items()}
+    layout = plan(SimpleNamespace(), shapes, hf_shapes=(shapes, {}))
+    (piece,) = layout.pieces["logit_scale"]
+    assert piece.whole and view_of(params["logit_scale"], piece) is params["logit_scale"]
+    held = shards.of(layout, params, shapes)
+    assert held["logit_scale"].whole
+    new = {"logit_scale": torch.tensor(0.75), "w": old["w"] + 1}
+    _stage(old, new, held, max_bytes=1 << 16).apply_in_place()
+    assert params["logit_scale"].item() == 0.75 and torch.equal(params["w"], new["w"])

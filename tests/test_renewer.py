@@ -34,3 +34,11 @@ def test_a_refusal_stops_the_renewals(caplog):
     calls = _renewals([refused, "never asked"], lease_s=0.02)
     assert len(calls) == 1 and "lease renewal failed" in caplog.text
     assert len(_renewals([RemoteError("rank 1 gone"), "never asked"], lease_s=0.02)) == 1
+
+
+def test_servers_that_did_not_answer_are_tried_again_a_refusal_among_them_stops():
+    """`RemoteGroup.renew` with require="all": a blip on one server (no_answer) does not end
+    the renewals of the rest; a server that refused does."""
+    blip = RemoteError("http://b:8000: POST /hotweights/renew: no answer", no_answer=True)
+    assert len(_renewals([blip, blip, "ok"])) >= 3
+    assert len(_renewals([RemoteError("http://b:8000: HTTP 409"), "never"], lease_s=0.02)) == 1

@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hotweights import build_hf_model, plan, verify_shared
+from hotweights.bridge.loaded import check_loaded
 from hotweights.layout.views import view_of
 from hotweights.testing import tiny
 from hotweights.vllm_plugin.local import hf_context, live_params
@@ -76,6 +77,7 @@ def test_views_are_the_checkpoint_tensors_in_vllm_memory(engine):
     model, report, layout = engine.views()
     assert report.missing == () and report.unused == () and report.bytes_copied == 0
     assert verify_shared(model, engine.params, layout) == layout.num_mapped
+    assert check_loaded(model, engine.model_dir) > 0  # no false alarm on a supported arch
     reference = engine.hf_reference().state_dict()
     names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     assert sorted(names) == sorted(n for n, _ in

@@ -43,4 +43,9 @@ class DeltaError(HotweightsError):
 
 
 class RemoteError(HotweightsError):
-    """A remote channel failed: a peer is gone, stalled or unproven (names the rank and peer)."""
+    """A remote channel failed: a peer is gone, stalled or unproven (names the rank and peer);
+    `no_answer`: True where it only says that servers did not answer (another try may do)."""
+
+    def __init__(self, message: str, no_answer: bool = False):
+        super().__init__(message)
+        self.no_answer = no_answer

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from hotweights.bridge import loaded
 from hotweights.errors import HotweightsError, RemoteError, ServerError
 from hotweights.layout.views import build_hf_model
 from hotweights.protocol import shm
@@ -78,7 +79,8 @@ class Bridge:
                               f"server says it is {data.get('server_id')!r}")
         return cls(url, token, manifests, str(data["version"]), cafile=cafile)
 
-    def model(self, config: Any = None, **kwargs: Any) -> torch.nn.Module:
+    def model(self, config: Any = None, *, check_loaded: bool = True,
+              **kwargs: Any) -> torch.nn.Module:
         """The HF model whose parameters are views into the server's weights.
 
         Args:
@@ -86,14 +88,20 @@ class Bridge:
                 the directory the server loaded, which must be a local directory: the
                 server's word alone never makes this process read a hub or run code
                 from a directory others can write).
+            check_loaded: while the server serves what it loaded (version 0, idle) from a
+                directory of this machine, compare a few rows of every view with that
+                checkpoint (`loaded.check_loaded`): a vLLM loader that reorders a tensor
+                keeping its name and shape is refused, not trained. False skips it.
             kwargs: go to `build_hf_model` (`trainable=`, `allow_missing=`,
                 `trust_remote_code=` for a model whose code ships with it, ...); its
                 report is kept in `bridge.report`.
         """
+        source = self.manifests[0].model
         if config is None:
-            config = _local_model_dir(self.manifests[0].model,
-                                      kwargs.get("trust_remote_code", False))
+            config = _local_model_dir(source, kwargs.get("trust_remote_code", False))
         model, self.report = build_hf_model(config, self.tensors, **kwargs)
+        if check_loaded and os.path.isdir(source) and _as_loaded(self.status()):
+            loaded.check_loaded(model, source, self.report.mapped)
         self._model = model
         return model
 
@@ -285,6 +293,12 @@ class Bridge:
         body = dict(holder=self.holder, server_id=self.server_id, **body)
         return request(self.url, "POST", route, self._token, body, timeout=timeout,
                        cafile=self.cafile)
+
+
+def _as_loaded(status: dict) -> bool:
+    """Whether the server serves what it loaded: no update ever began (an aborted one made
+    a version too), none under way."""
+    return status.get("n") == 0 and status.get("state") == "idle"
 
 
 def _local_model_dir(path: str, trust_remote_code: bool) -> str:

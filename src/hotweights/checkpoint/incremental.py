@@ -236,8 +236,16 @@ def read_to_sync(model_dir: Path) -> dict[str, tuple[Shard, TensorInfo]] | None:
 
 
 def _existing(model_dir: Path) -> Path:
+    """`model_dir`, made with its missing parents (each one's entry fsync'd: a power loss
+    after the save cannot take the directory away)."""
+    made, path = [], model_dir
+    while not os.path.lexists(path) and path != path.parent:
+        made.append(path)
+        path = path.parent
     try:
         model_dir.mkdir(parents=True, exist_ok=True)
+        for path in reversed(made):
+            journal.fsync_dir(path.parent)
     except OSError as e:
         raise CheckpointError(f"{model_dir}: cannot create the directory: {e.strerror}") from e
     if not model_dir.is_dir():

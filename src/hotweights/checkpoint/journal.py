@@ -101,7 +101,7 @@ def _check_name(name: str) -> bytes:
     return name.encode()
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -226,7 +226,7 @@ def write_journal(directory: str | os.PathLike, patches: Iterable[tuple[str, int
     head = json.dumps(meta or {}).encode()
     moved = [_check_staged(directory, name) for name in moves]
     if moves:  # the staged names are durable before the commit that moves them
-        _fsync_dir(os.path.join(directory, STAGE_DIR))
+        fsync_dir(os.path.join(directory, STAGE_DIR))
     sizes: dict[str, int] = {name: -1 for name in moves}  # never patched as well
     if isinstance(patches, Sequence):
         need = _HEAD.size + len(head) + _COMMIT.size
@@ -283,8 +283,9 @@ def write_journal(directory: str | os.PathLike, patches: Iterable[tuple[str, int
             if len(buf) + view.nbytes > _CHUNK:
                 _write_all(fd, buf, hasher)
                 buf.clear()
-            if view.nbytes > _CHUNK:
-                _write_all(fd, view, hasher)
+            if view.nbytes > _CHUNK:  # hashed and written from one copy of each chunk:
+                for at in range(0, view.nbytes, _CHUNK):  # live memory written meanwhile
+                    _write_all(fd, bytes(view[at:at + _CHUNK]), hasher)  # cannot differ
             else:
                 buf += view
         _write_all(fd, buf, hasher)
@@ -303,7 +304,7 @@ def write_journal(directory: str | os.PathLike, patches: Iterable[tuple[str, int
     _crash_point("before-rename")
     os.replace(tmp, journal)
     _crash_point("after-rename")
-    _fsync_dir(directory)
+    fsync_dir(directory)
     _written = (journal, FileId.of(journal), records)
     logger.info("%s: journal committed, %d records", journal, len(records))
     return journal
@@ -529,7 +530,7 @@ def _remove(directory: str, path: str, moved: bool) -> None:
     """Once the files are fsync'd: make the moves durable and remove the journal; from
     then on the files alone hold the commit."""
     if moved:  # patches in place change no directory entry
-        _fsync_dir(directory)
+        fsync_dir(directory)
     _crash_point("before-unlink")
     os.unlink(path)  # not fsync'd: a journal that reappears after a crash replays harmlessly
 
@@ -666,5 +667,5 @@ def recover(directory: str | os.PathLike, *, lock: bool = True) -> str:
         logger.warning("%s: discarded files staged by an interrupted sync", stage)
         outcome = "discarded" if outcome == "none" else outcome
     if outcome != "none":
-        _fsync_dir(directory)
+        fsync_dir(directory)
     return outcome

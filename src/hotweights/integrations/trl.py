@@ -176,6 +176,7 @@ def _colocated_engine(model_dir: str, args: trl.GRPOConfig):
     trains), with hotweights' layout-keeping plugin; the HF model of views over it."""
     from transformers import AutoConfig
 
+    from hotweights.bridge.loaded import check_loaded
     from hotweights.layout.views import build_hf_model
     from hotweights.vllm_plugin.local import hf_context, start_engine, stop_engine
 
@@ -193,8 +194,9 @@ def _colocated_engine(model_dir: str, args: trl.GRPOConfig):
     try:
         weights = _Colocated(llm)
         with hf_context(llm):
-            model, _ = build_hf_model(model_dir, weights.tensors,
-                                      trust_remote_code=args.trust_remote_code)
+            model, report = build_hf_model(model_dir, weights.tensors,
+                                           trust_remote_code=args.trust_remote_code)
+        check_loaded(model, model_dir, report.mapped)  # a loader that reorders: refused
     except BaseException:
         stop_engine(llm)
         raise

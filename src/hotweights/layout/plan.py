@@ -68,6 +68,8 @@ class Piece:
     @property
     def whole(self) -> bool:
         """True when the piece is the entire HF tensor (a view can stand in for it)."""
+        if not self.hf_shape:  # a scalar (0-d) parameter: rows (0, 1)
+            return True
         return self.hf_start == 0 and self.rows[1] - self.rows[0] == self.hf_shape[self.dim]
 
 

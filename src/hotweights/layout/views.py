@@ -78,6 +78,8 @@ def view_of(tensor: torch.Tensor, piece) -> torch.Tensor:
             f"{piece.hf_name}: this rank holds only a shard of it (rows {piece.rows} on dim "
             f"{piece.dim}); views need tp=1"
         )
+    if tensor.dim() == 0:
+        return tensor
     out = tensor.narrow(piece.dim, piece.rows[0], piece.rows[1] - piece.rows[0])
     if tuple(out.shape) != piece.hf_shape:
         out = out.view(piece.hf_shape)

@@ -6,7 +6,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from hotweights.errors import HotweightsError, ServerError
+from hotweights.errors import HotweightsError, RemoteError, ServerError
 
 logger = logging.getLogger(__name__)
 
@@ -35,12 +35,15 @@ class Renewer(threading.Thread):
         while not self.done.wait(self.lease_s / 3):
             try:
                 self.renew(self.lease_s)
-            except ServerError as e:
-                if e.status is not None:  # the server refused: the lease is gone
+            except HotweightsError as e:
+                if not _no_answer(e):  # a server refused: the lease is gone
                     logger.warning("hotweights: lease renewal failed: %s", e)
                     return
                 logger.warning("hotweights: lease renewal got no answer (%s); trying again "
                                "in %.0f s", e, self.lease_s / 3)
-            except HotweightsError as e:
-                logger.warning("hotweights: lease renewal failed: %s", e)
-                return
+
+
+def _no_answer(e: HotweightsError) -> bool:
+    """Whether `e` says only that no answer came (a server's, or every remote server's)."""
+    return (isinstance(e, ServerError) and e.status is None
+            or isinstance(e, RemoteError) and e.no_answer)

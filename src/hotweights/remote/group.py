@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from hotweights.checkpoint.names import reverted
-from hotweights.errors import DeltaError, HotweightsError, RemoteError
+from hotweights.errors import DeltaError, HotweightsError, RemoteError, ServerError
 from hotweights.protocol.http import request
 from hotweights.protocol.renewer import Renewer
 from hotweights.protocol.tokens import find_token, is_loopback
@@ -462,7 +462,8 @@ class RemoteGroup:
             errors=True, urls=list(leased))  # renewal past its lease
         if failed := {u: e for u, e in outs.items() if isinstance(e, Exception)}:
             if self.require == "all" or len(failed) == len(outs):
-                raise RemoteError(named(failed))
+                raise RemoteError(named(failed), no_answer=all(
+                    isinstance(e, ServerError) and e.status is None for e in failed.values()))
             logger.warning("hotweights: lease renewal failed on %s (the others go on)",
                            named(failed))
 

@@ -48,11 +48,13 @@ class Shard:
 
     @property
     def whole(self) -> bool:
-        return self.runs == ((0, self.shape[self.dim]),)
+        return self.runs == ((0, self.shape[self.dim] if self.shape else 1),)
 
     @property
     def held(self) -> tuple[int, ...]:
         """The shard tensor's shape."""
+        if not self.shape:  # a scalar (0-d) tensor: held whole
+            return ()
         return (*self.shape[:self.dim], sum(n for _, n in self.runs), *self.shape[self.dim + 1:])
 
     def cut(self, e: dict, views: tuple) -> list[Checked]:
@@ -197,7 +199,7 @@ class Shard:
 
 def whole(t: torch.Tensor) -> Shard:
     """The shard of a tensor held whole by `t` (contiguous, of the HF shape)."""
-    return Shard(tuple(t.shape), 0, ((0, t.shape[0]),), ((t,),))
+    return Shard(tuple(t.shape), 0, ((0, t.shape[0] if t.dim() else 1),), ((t,),))
 
 
 def of(layout: Layout, params: Mapping[str, torch.Tensor],
@@ -221,7 +223,9 @@ def of(layout: Layout, params: Mapping[str, torch.Tensor],
         by_run: dict[tuple[int, int], list[torch.Tensor]] = {}
         for vname, p in held:
             n = p.rows[1] - p.rows[0]
-            slab = params[vname].detach().narrow(p.dim, p.rows[0], n)
+            slab = params[vname].detach()
+            if slab.dim():  # a scalar (0-d) parameter is its own slab
+                slab = slab.narrow(p.dim, p.rows[0], n)
             by_run.setdefault((p.hf_start, n), []).append(slab)
         runs = sorted(by_run)
         for (a, n), (b, _) in itertools.pairwise(runs):

@@ -1,0 +1,81 @@
+"""Views compared with the checkpoint the server loaded (`bridge.loaded.check_loaded`): a
+loader that reorders a tensor but keeps its name and shape is refused, not trained."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hotweights import build_hf_model
+from hotweights.bridge.client import Bridge
+from hotweights.bridge.loaded import check_loaded
+from hotweights.errors import LayoutError
+from hotweights.protocol import shm
+from hotweights.testing import tiny
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny.build("llama", tmp_path_factory.mktemp("llama"), dtype="float32")
+
+
+def _served(model_dir, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
+    """What a tp=1 vLLM Llama loads from `model_dir`: q/k/v and gate/up merged, the
+    vocabulary padded to a multiple of 64, in the served dtype."""
+    hf = load_file(model_dir / "model.safetensors")
+    out = {}
+    for name, t in hf.items():
+        if ".q_proj." in name:
+            parts = [hf[name.replace("q_proj", p)] for p in ("q_proj", "k_proj", "v_proj")]
+            out[name.replace("q_proj", "qkv_proj")] = torch.cat(parts)
+        elif ".gate_proj." in name:
+            out[name.replace("gate_proj", "gate_up_proj")] = torch.cat(
+                [t, hf[name.replace("gate_proj", "up_proj")]])
+        elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            rows = -(-t.shape[0] // 64) * 64
+            out[name] = torch.cat([t, t.new_zeros(rows - t.shape[0], t.shape[1])])
+        elif not any(p in name for p in (".k_proj.", ".v_proj.", ".up_proj.")):
+            out[name] = t
+    return {n: t.to(dtype) for n, t in out.items()}
+
+
+def test_views_of_what_the_server_loaded_pass_in_its_dtype(model_dir):
+    for dtype in (torch.bfloat16, torch.float32):  # an fp32 checkpoint served in bf16 too
+        model, report = build_hf_model(model_dir, _served(model_dir, dtype))
+        assert check_loaded(model, model_dir) == len(list(model.parameters()))
+
+
+def test_a_tensor_reordered_on_load_keeping_its_shape_is_refused(model_dir):
+    """As vLLM's Bloom loader regroups q, k, v per head: the same name and shape, rows in
+    another order."""
+    served = _served(model_dir)
+    config = tiny.make_config("llama", 1)
+    q = config.num_attention_heads * config.head_dim
+    qkv = served["model.layers.1.self_attn.qkv_proj.weight"]
+    heads = qkv[:q].view(config.num_attention_heads, config.head_dim, -1)
+    qkv[:q] = heads.transpose(0, 1).reshape(q, -1).clone()
+    model, _ = build_hf_model(model_dir, served)
+    with pytest.raises(LayoutError, match=r"1 view\(s\) hold other values than .* holds for "
+                       r"them: model.layers.1.self_attn.q_proj.weight\. vLLM's loader of "
+                       r"LlamaForCausalLM stores them in another order"):
+        check_loaded(model, model_dir)
+
+
+def test_the_bridge_compares_only_while_the_server_serves_what_it_loaded(model_dir,
+                                                                         monkeypatch):
+    served = _served(model_dir)
+    served["model.norm.weight"].mul_(2)  # as after a step: the server's weights moved on
+    b = Bridge.__new__(Bridge)  # no server: its status and manifest stand in
+    b.tensors = served
+    b.manifests = [shm.Manifest(shm.FORMAT, "s", "/dev/shm/x", 1, (), model=str(model_dir))]
+    for status in ({"n": 3, "state": "idle"}, {"n": 0, "state": "paused"}):
+        monkeypatch.setattr(b, "status", lambda status=status: status)
+        assert b.model().model.norm.weight.data_ptr() == served["model.norm.weight"].data_ptr()
+    monkeypatch.setattr(b, "status", lambda: {"n": 0, "state": "idle"})
+    with pytest.raises(LayoutError, match="model.norm.weight"):
+        b.model()
+    b.model(check_loaded=False)
+
+
+def test_a_directory_without_safetensors_is_not_compared(model_dir, tmp_path):
+    model, _ = build_hf_model(model_dir, _served(model_dir))
+    assert check_loaded(model, tmp_path) == 0
