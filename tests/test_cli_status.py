@@ -39,3 +39,24 @@ def test_dirty_weights_say_why_and_what_clears_it():
     printed = dict(rows(status, now=0.0))
     assert printed["weights"] == ("DIRTY: lease of t expired; the next clean commit clears it")
     assert printed["dirty versions"] == "2@ab12cd34, 3@ab12cd34"
+
+
+def test_the_token_comes_from_token_file_and_an_unreadable_one_is_named(tmp_path, capsys,
+                                                                         monkeypatch):
+    from hotweights.cli import status
+    from hotweights.cli.main import main
+
+    asked = []
+    monkeypatch.setattr(status, "server_status", lambda url, token, cafile=None: (
+        asked.append(token), dict(BASE, state="idle"))[1])
+    (tmp_path / "t").write_text("s3cret\n")
+    assert main(["status", "--token-file", str(tmp_path / "t"), "--json"]) == 0
+    assert asked == ["s3cret\n"]  # stripped and checked where it is sent (find_token)
+    for argv in (["--token-file", str(tmp_path / "nope")],
+                 ["--token", "x", "--token-file", str(tmp_path / "t")]):
+        with pytest.raises(SystemExit) as e:
+            main(["status", *argv])
+        assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'nope'}: cannot read a token: No such file or directory" in err
+    assert "not allowed with argument" in err

@@ -75,7 +75,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--token-file", metavar="FILE", type=_path,
                    help="where to write the token, mode 0600 "
                    "(default: ~/.cache/hotweights/server-PORT.token, where clients on this "
-                   "machine look for it; elsewhere, give them --token or $HOTWEIGHTS_TOKEN)")
+                   "machine look for it; elsewhere, give them --token-file FILE, --token or "
+                   "$HOTWEIGHTS_TOKEN)")
     p.add_argument("--remote", action="store_true", help="this server runs on another "
                    "machine than the trainer: no shared memory; it receives each update "
                    "(only what changed) from a hotweights.RemoteGroup over torch.distributed "
@@ -97,10 +98,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("url", nargs="?", default="http://127.0.0.1:8000",
                    help="the server (default: http://127.0.0.1:8000)")
-    p.add_argument("--token", help="access token (default: $HOTWEIGHTS_TOKEN, else the "
-                   "token file a server on this machine wrote for its port, "
-                   "~/.cache/hotweights/server-PORT.token; not one it wrote elsewhere "
-                   "with --token-file)")
+    _client_token(p)
     p.add_argument("--cafile", metavar="PEM", help="for an https server: the CA bundle that "
                    "signed its certificate (default: $HOTWEIGHTS_CA_FILE, else the system's)")
     p.add_argument("--json", action="store_true", help="print the raw JSON")
@@ -170,10 +168,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="how changed shards are written (default: auto; see below)")
     p.add_argument("--version", metavar="TEXT", help="with --from: the weight version "
                    "recorded in the sidecars (default: none; with --server, the server's)")
-    p.add_argument("--token", help="the server's access token (default: $HOTWEIGHTS_TOKEN, "
-                   "else the token file a server on this machine wrote for its port, "
-                   "~/.cache/hotweights/server-PORT.token; not one it wrote elsewhere "
-                   "with --token-file)")
+    _client_token(p)
     p.add_argument("--cafile", metavar="PEM", help="for an https server: the CA bundle that "
                    "signed its certificate (default: $HOTWEIGHTS_CA_FILE, else the system's)")
     p.add_argument("--convert-dtype", action="store_true",
@@ -208,7 +203,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="check another checkpoint directory's tensors against it")
     p.add_argument("--mode", default="auto", choices=MODES,
                    help="the write mode to check (default: auto)")
-    p.add_argument("--token", help="the server's access token (default: as for sync)")
+    _client_token(p)
     p.add_argument("--cafile", metavar="PEM", help="for an https server: the CA bundle that "
                    "signed its certificate (default: $HOTWEIGHTS_CA_FILE, else the system's)")
     p.add_argument("--convert-dtype", action="store_true", help="as for sync: a dtype "
@@ -236,6 +231,27 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                            help="show library logs")
     return parser
+
+
+def _client_token(p: argparse.ArgumentParser) -> None:
+    """--token TOKEN or --token-file FILE: how a client command finds a server's token."""
+    token = p.add_mutually_exclusive_group()
+    token.add_argument("--token", help="the server's access token (default: "
+                       "$HOTWEIGHTS_TOKEN, else the token file a server on this machine "
+                       "wrote for its port, ~/.cache/hotweights/server-PORT.token)")
+    token.add_argument("--token-file", dest="token", metavar="FILE", type=_token_file,
+                       help="read the token from FILE (the --token-file the server was "
+                       "started with; keeps the token off the command line)")
+
+
+def _token_file(path: str) -> str:
+    """An argparse type: the token a file holds."""
+    try:
+        with open(path) as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise argparse.ArgumentTypeError(f"{path}: cannot read a token: "
+                                         f"{getattr(e, 'strerror', None) or e}") from None
 
 
 def _model_dir(p: argparse.ArgumentParser, what: str) -> None:
