@@ -283,3 +283,45 @@ def test_importing_the_integration_does_not_warn_about_the_vllm_version_it_runs_
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "currently supports vLLM versions" not in done.stderr
+
+
+class _WritesThenFails(torch.optim.SGD):
+    """An optimizer whose step writes the weights, then raises (a NaN check, an OOM)."""
+
+    def step(self, closure=None):
+        super().step(closure)
+        raise RuntimeError("the step failed half way")
+
+
+def test_a_step_that_raises_leaves_the_weights_served_dirty_and_reraises(served):
+    url, tmp = served
+    bridge = Bridge.connect(url, token=TOKEN)
+    model = bridge.model()
+    before = parse_version(bridge.version)[0]
+    trainer = GRPOTrainer(model=model, bridge=bridge, reward_funcs=_reward,
+                          train_dataset=_data(), args=_config(tmp, max_steps=1),
+                          optimizers=(_WritesThenFails(model.parameters(), lr=1e-2), None))
+    with pytest.raises(RuntimeError, match="the step failed half way"):
+        trainer.train()
+    status = bridge.status()  # aborted: served again, as a version that no commit vouched for
+    assert (status["n"], status["state"], status["dirty"]) == (before + 1, "idle", True)
+
+
+@pytest.mark.parametrize("mode", ["keep", "abort"])
+def test_steps_of_one_generation_report_their_lag_in_every_update_mode(served, mode):
+    """steps_per_generation=2: the second step trains on samples of the version before the
+    first, one version behind; "keep" and "abort" commit as "wait" does (TRL generates
+    between steps: nothing is in flight when a step pauses the server)."""
+    url, tmp = served
+    bridge = Bridge.connect(url, token=TOKEN)
+    before = parse_version(bridge.version)[0]
+    trainer = GRPOTrainer(bridge=bridge, reward_funcs=_reward, train_dataset=_data(),
+                          args=_config(tmp, max_steps=2, steps_per_generation=2),
+                          update_mode=mode)
+    trainer.train()
+    logs = [e for e in trainer.state.log_history if "hotweights/version_lag" in e]
+    assert [e["hotweights/version_lag"] for e in logs] == [0, 1]
+    assert [e["hotweights/sample_version"] for e in trainer.state.log_history
+            if "hotweights/sample_version" in e] == [before]
+    status = bridge.status()
+    assert (status["n"], status["dirty"]) == (before + 2, False)
