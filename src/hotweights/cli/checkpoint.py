@@ -31,7 +31,7 @@ def run_sync(args: argparse.Namespace) -> int:
         else:
             from hotweights.bridge.client import Bridge
 
-            # The lease pauses the server only while the live bytes are read.
+            # The lease pauses the server while the live bytes are read and staged.
             bridge = Bridge.connect(args.server, token=args.token, cafile=args.cafile)
             changed = None if args.changed is None else _expand(  # names read only for --changed
                 args.changed, bridge.model().state_dict())

@@ -151,11 +151,11 @@ def _parser() -> argparse.ArgumentParser:
         "`hotweights serve` (--server) or of another checkpoint directory (--from), "
         "writing only the blocks that changed (found from per-shard fingerprint sidecars "
         "in DIR/.hotweights/, else by comparing with the file). With --server the server "
-        "pauses (update lease, mode keep) only while the live bytes are read; it resumes "
-        "before the files are written. A directory with no safetensors gets a first full "
-        "save. Nothing is written if a tensor's shape or dtype differs from the file's. "
-        "Exit code 1 if live tensors have no place in the checkpoint (named; the others "
-        "are written).",
+        "pauses (update lease, mode keep) while the live bytes are read and the changed "
+        "shards staged; it resumes before they replace the files. A directory with no "
+        "safetensors gets a first full save. Nothing is written if a tensor's shape or "
+        "dtype differs from the file's. Exit code 1 if live tensors have no place in the "
+        "checkpoint (named; the others are written).",
         epilog=_MODES_EPILOG,
     )
     _model_dir(p, "the checkpoint directory to write (model.safetensors or an index)")

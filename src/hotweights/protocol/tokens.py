@@ -80,11 +80,14 @@ def find_token(url: str, token: str | None = None) -> str:
         raise ServerError(f"{url}: no token: pass token= (CLI: --token) or set "
                           "HOTWEIGHTS_TOKEN (the token files of local servers are sent to "
                           "loopback URLs only)")
-    path = token_path(parts.port or _DEFAULT_PORTS.get(parts.scheme, 80))
+    port = parts.port or _DEFAULT_PORTS.get(parts.scheme, 80)
+    path = token_path(port)
     if path.is_file():
         return checked(path.read_text(), url)
-    raise ServerError(f"{url}: no token: pass token= (CLI: --token), set HOTWEIGHTS_TOKEN, "
-                      f"or run the server on this machine as this user (it writes {path})")
+    raise ServerError(f"{url}: no token: no {path}, which `hotweights serve --port {port}` "
+                      "run by this user writes once it answers (is it running, or was it "
+                      "given --token-file?); else pass token= (CLI: --token or --token-file) "
+                      "or set HOTWEIGHTS_TOKEN")
 
 
 def checked(token: str, where: str) -> str:
