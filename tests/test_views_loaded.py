@@ -54,9 +54,9 @@ def test_a_tensor_reordered_on_load_keeping_its_shape_is_refused(model_dir):
     heads = qkv[:q].view(config.num_attention_heads, config.head_dim, -1)
     qkv[:q] = heads.transpose(0, 1).reshape(q, -1).clone()
     model, _ = build_hf_model(model_dir, served)
-    with pytest.raises(LayoutError, match=r"1 view\(s\) hold other values than .* holds for "
-                       r"them: model.layers.1.self_attn.q_proj.weight\. vLLM's loader of "
-                       r"LlamaForCausalLM stores them in another order"):
+    with pytest.raises(LayoutError, match=r"1 of 21 views compared hold other values than "
+                       r".* holds for them: model.layers.1.self_attn.q_proj.weight\. vLLM's "
+                       r"loader of LlamaForCausalLM stores them in another order"):
         check_loaded(model, model_dir)
 
 
@@ -71,9 +71,30 @@ def test_the_bridge_compares_only_while_the_server_serves_what_it_loaded(model_d
         monkeypatch.setattr(b, "status", lambda status=status: status)
         assert b.model().model.norm.weight.data_ptr() == served["model.norm.weight"].data_ptr()
     monkeypatch.setattr(b, "status", lambda: {"n": 0, "state": "idle"})
-    with pytest.raises(LayoutError, match="model.norm.weight"):
+    with pytest.raises(LayoutError, match=r"model.norm.weight\. The server does not serve "
+                       r"this checkpoint as it is now"):
         b.model()
     b.model(check_loaded=False)
+    statuses = iter([{"n": 0, "state": "idle"}, {"n": 0, "state": "paused"}])
+    monkeypatch.setattr(b, "status", lambda: next(statuses))  # another trainer began
+    b.model()  # meanwhile: its writes are no reorder (a warning, no error)
+
+
+def test_fused_experts_are_compared_as_the_checkpoint_s_own_experts(tmp_path):
+    """transformers 5 fuses a checkpoint's per-expert gate/up/down into 3-D tensors: a
+    spread of the experts is converted back and compared (gate and up swapped: refused)."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny.build("qwen3_moe", tmp_path / "moe", dtype="bfloat16")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    assert check_loaded(model, model_dir) == len(list(model.parameters()))
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    fused = model.get_parameter(name)
+    half = fused.shape[1] // 2
+    with torch.no_grad():
+        fused.copy_(torch.cat([fused[:, half:], fused[:, :half]], 1))
+    with pytest.raises(LayoutError, match=rf"{name} \(model.layers.1.mlp.experts.0.gate_proj"):
+        check_loaded(model, model_dir)
 
 
 def test_a_directory_without_safetensors_is_not_compared(model_dir, tmp_path):

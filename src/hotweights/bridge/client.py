@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from hotweights.bridge import loaded
-from hotweights.errors import HotweightsError, RemoteError, ServerError
+from hotweights.errors import HotweightsError, LayoutError, RemoteError, ServerError
 from hotweights.layout.views import build_hf_model
 from hotweights.protocol import shm
 from hotweights.protocol.http import request, server_status
@@ -100,8 +100,14 @@ class Bridge:
         if config is None:
             config = _local_model_dir(source, kwargs.get("trust_remote_code", False))
         model, self.report = build_hf_model(config, self.tensors, **kwargs)
-        if check_loaded and os.path.isdir(source) and _as_loaded(self.status()):
-            loaded.check_loaded(model, source, self.report.mapped)
+        if check_loaded and os.path.isdir(source) and _as_loaded(before := self.status()):
+            try:
+                loaded.check_loaded(model, source, self.report.mapped)
+            except LayoutError:
+                if _as_loaded(after := self.status()) and after.get("server_id") == before.get(
+                        "server_id"):
+                    raise
+                logger.warning("views not compared with %s: an update began meanwhile", source)
         self._model = model
         return model
 

@@ -33,8 +33,8 @@ def run_sync(args: argparse.Namespace) -> int:
 
             # The lease pauses the server while the live bytes are read and staged.
             bridge = Bridge.connect(args.server, token=args.token, cafile=args.cafile)
-            changed = None if args.changed is None else _expand(  # names read only for --changed
-                args.changed, bridge.model().state_dict())
+            model = bridge.model(check_loaded=False)  # a checkpoint of what it serves, as is
+            changed = None if args.changed is None else _expand(args.changed, model.state_dict())
             result = bridge.checkpoint(args.model_dir, exclusive=True, mode=args.mode,
                                        convert_dtype=args.convert_dtype, progress=progress,
                                        changed=changed)
@@ -132,7 +132,8 @@ def run_diagnose(args: argparse.Namespace) -> int:
         from hotweights.bridge.client import Bridge
 
         # Only names, shapes and dtypes are read: no lease, the server keeps serving.
-        live = Bridge.connect(args.server, token=args.token, cafile=args.cafile).model()
+        live = Bridge.connect(args.server, token=args.token, cafile=args.cafile).model(
+            check_loaded=False)
     try:
         found = diagnose(args.model_dir, live, mode=args.mode, convert_dtype=args.convert_dtype)
     finally:
