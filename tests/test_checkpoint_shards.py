@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import struct
 from pathlib import Path
 
@@ -247,6 +248,10 @@ INDEX_CASES = {
     "absent_tensor": (lambda d: _edit_index(d, lambda doc: doc["weight_map"].__setitem__(
         "z.weight", "m-1.safetensors")),
         r"1 tensors listed but absent from their shard's header: z.weight \(in m-1"),
+    "a_stale_single_file_beside": (  # transformers would load it, vLLM the index's shards
+        lambda d: shutil.copy(d / "m-1.safetensors", d / "model.safetensors"),
+        r"both model.safetensors and model.safetensors.index.json \(of other shards\): "
+        r"transformers loads model.safetensors and ignores the index"),
 }
 
 

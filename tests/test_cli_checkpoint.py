@@ -226,14 +226,23 @@ def test_a_source_that_does_not_exist_is_named_so(dirs, tmp_path, capsys):
     ["sync", "x", "--model-dir", "x", "--from", "y"],
     ["diagnose", "x", "--model-dir", "x"],
     ["diagnose"],
+    ["recover", "x", "--bogus"],
 ])
 def test_usage_errors_exit_2(argv, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2
-    assert "usage: hotweights" in capsys.readouterr().err
+    assert f"usage: hotweights {argv[0]}" in capsys.readouterr().err  # the command's usage
     assert not list(tmp_path.iterdir())  # nothing written here
+
+
+def test_a_directory_taken_by_changed_is_named_with_what_to_do(capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        main(["sync", "--from", str(tmp_path), "--changed", "lm_head.*", "out"])
+    assert ("the checkpoint directory is required: DIR or --model-dir DIR (every word after "
+            "--changed is a pattern: put DIR before --changed, or end the patterns with --)"
+            ) in capsys.readouterr().err
 
 
 def test_a_server_url_that_is_no_url_is_one_clear_line(tmp_path, capsys):
@@ -381,9 +390,9 @@ def test_diagnose_leftovers_and_an_empty_directory(dirs, tmp_path, capsys):
     d = json.loads(out)
     assert rc == 0 and len(d["leftovers"]) == 2 and d["journal"] is None and d["interrupted"]
     rc, out, _ = _run(capsys, "diagnose", "--model-dir", a)
-    assert rc == 0 and (f"  reader          run hotweights recover {a} before loading the "
-                        "shards: a sync was interrupted before its commit (recover removes "
-                        "what it left)\n") in out
+    assert rc == 0 and ("  reader          the shards are whole, as before a sync that was "
+                        f"interrupted before its commit; hotweights recover {a} (or the next "
+                        "sync) removes what it left\n") in out
     assert "  leftover        .hotweights-stage/: files staged for a journal\n" in out
     assert _run(capsys, "recover", a)[0] == 0
     rc, out, _ = _run(capsys, "diagnose", "--model-dir", a, "--json")

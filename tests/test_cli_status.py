@@ -60,3 +60,14 @@ def test_the_token_comes_from_token_file_and_an_unreadable_one_is_named(tmp_path
     err = capsys.readouterr().err
     assert f"{tmp_path / 'nope'}: cannot read a token: No such file or directory" in err
     assert "not allowed with argument" in err
+
+
+def test_an_answer_that_is_no_hotweights_status_is_one_line(monkeypatch, capsys):
+    from hotweights.cli.main import main
+    from hotweights.protocol import http
+
+    for answer in ({"state": "idle"}, ["x"]):
+        monkeypatch.setattr(http, "request", lambda *a, answer=answer, **k: answer)
+        assert main(["status", "--token", "t"]) == 1
+        assert "/hotweights/status: not a hotweights status (no 'version' string" in \
+            capsys.readouterr().err

@@ -170,7 +170,8 @@ def read_index(model_dir: str | os.PathLike) -> dict[str, str] | None:
 
     Raises:
         CheckpointError: bad index (not JSON, no weight_map, a shard file that does not
-            exist), or safetensors files with neither an index nor `model.safetensors`.
+            exist), both an index and a `model.safetensors` it does not name, or
+            safetensors files with neither an index nor `model.safetensors`.
     """
     d = Path(model_dir)
     index = d / INDEX_NAME
@@ -196,6 +197,11 @@ def read_index(model_dir: str | os.PathLike) -> dict[str, str] | None:
                          f"which does not exist in {d}")
                 raise CheckpointError(f"{index}: tensor {name} is in shard {fn}, {where}")
             checked.add(fn)
+        if (d / SINGLE_NAME).is_file() and SINGLE_NAME not in checked:
+            raise CheckpointError(
+                f"{d}: both {SINGLE_NAME} and {INDEX_NAME} (of other shards): transformers "
+                f"loads {SINGLE_NAME} and ignores the index, vLLM loads the index's shards; "
+                "remove whichever is stale (a leftover of another save?)")
         return dict(wm)
     single = d / SINGLE_NAME
     if single.is_file():

@@ -198,10 +198,11 @@ def diagnose_rows(d) -> list[tuple[str, str]]:
     for line in d.leftovers:
         out.append(("leftover", line))
     if d.interrupted and not d.journal_refused:
-        out.append(("reader", f"run hotweights recover {shlex.quote(d.model_dir)} before "
-                    "loading the shards: a sync was interrupted"
-                    + (", a shard may be half written" if d.journal is not None
-                       else " before its commit (recover removes what it left)")))
+        recover = f"hotweights recover {shlex.quote(d.model_dir)}"
+        out.append(("reader", f"run {recover} before loading the shards: a sync was "
+                    "interrupted, a shard may be half written" if d.journal is not None else
+                    "the shards are whole, as before a sync that was interrupted before its "
+                    f"commit; {recover} (or the next sync) removes what it left"))
     if d.writer_active:
         out.append(("writer", "a sync holds the directory now"))
     if d.error:

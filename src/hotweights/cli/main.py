@@ -180,7 +180,7 @@ def _parser() -> argparse.ArgumentParser:
                    "what you know (e.g. the trainable parameters): a change outside it is "
                    "not written until a sync without --changed. Default: hash every tensor")
     p.add_argument("--json", action="store_true", help="print the result as JSON only")
-    p.set_defaults(run=_run_sync, usage_error=p.error)
+    p.set_defaults(run=_run_sync)
 
     p = sub.add_parser(
         "diagnose",
@@ -227,6 +227,7 @@ def _parser() -> argparse.ArgumentParser:
     _model_dir(p, "the checkpoint directory")
     p.set_defaults(run=_run_recover)
     for name, p in sub.choices.items():  # -v after the command too (vLLM's flags follow serve's)
+        p.set_defaults(usage_error=p.error)  # a usage error shows the command's usage
         if name != "serve":
             p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                            help="show library logs")
@@ -256,7 +257,7 @@ def _token_file(path: str) -> str:
 
 def _model_dir(p: argparse.ArgumentParser, what: str) -> None:
     """The checkpoint directory of sync, diagnose and recover: DIR or --model-dir DIR."""
-    where = p.add_mutually_exclusive_group(required=True)
+    where = p.add_mutually_exclusive_group()  # one of them: `main` says so
     where.add_argument("model_dir", metavar="DIR", nargs="?", type=_path, help=what)
     where.add_argument("--model-dir", dest="model_dir_flag", metavar="DIR", type=_path,
                        help="the same, as a flag")
@@ -330,11 +331,17 @@ def _run_recover(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
+    usage_error = getattr(args, "usage_error", parser.error)
     if extra and not getattr(args, "passthrough", False):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        usage_error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra = extra
     if getattr(args, "model_dir_flag", None) is not None:  # `_model_dir`
         args.model_dir = args.model_dir_flag
+    elif hasattr(args, "model_dir_flag") and args.model_dir is None:
+        usage_error("the checkpoint directory is required: DIR or --model-dir DIR"
+                    + (" (every word after --changed is a pattern: put DIR before "
+                       "--changed, or end the patterns with --)"
+                       if getattr(args, "changed", None) else ""))
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",

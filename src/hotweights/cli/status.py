@@ -28,7 +28,7 @@ def rows(status: dict, now: float) -> list[tuple[str, str]]:
         ("state", _STATES.get(status.get("state"), str(status.get("state")))),
         ("lease", "none" if holder is None else
          f"{holder} ({status.get('mode')})" + (
-             "" if lease is None else f", expires in {lease - now:.0f} s")),
+             f", expires in {lease - now:.0f} s" if isinstance(lease, int | float) else "")),
     ]
     if status.get("dirty"):
         out.append(("weights", f"DIRTY: {status.get('dirty_reason') or 'update interrupted'}; "

@@ -35,7 +35,12 @@ def server_status(url: str, token: str | None = None, *,
     """GET /hotweights/status of the server at `url` (token and cafile as for
     `Bridge.connect`)."""
     url = server_url(url)
-    return request(url, "GET", "/hotweights/status", find_token(url, token), cafile=cafile)
+    status = request(url, "GET", "/hotweights/status", find_token(url, token), cafile=cafile)
+    if not isinstance(status, dict) or not isinstance(status.get("version"), str):
+        raise ServerError(f"{url}/hotweights/status: not a hotweights status (no 'version' "
+                          f"string in {str(status)[:200]!r}): is it a `hotweights serve` of "
+                          "this hotweights version?")
+    return status
 
 
 def request(url: str, method: str, route: str, token: str, body: dict | None = None, *,
