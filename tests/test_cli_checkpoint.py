@@ -107,6 +107,7 @@ def test_sync_prints_a_summary(dirs, capsys):
     assert re.fullmatch(rf"  written +[\d.]+ KiB of the shards' {shards / 1024:.1f} KiB "
                         r"\(\d+\.\d\d %\)", lines["written"]), lines["written"]
     assert out.startswith("synced 21 tensors in ")
+    assert re.match(r"  mode +(copy|reflink) \(asked auto\): ", lines["mode"])  # the one used
 
 
 def test_sync_from_with_tensors_the_checkpoint_has_no_place_for_fails_naming_them(
@@ -177,6 +178,11 @@ def test_sync_into_an_empty_directory_is_a_first_save(dirs, tmp_path, capsys):
     assert rc == 0 and json.loads(out)["first_save"]
     assert _equal(_disk(new), _disk(dirs["B"]))
     assert json.loads((new / "config.json").read_text())["model_type"] == "llama"
+    rc, out, _ = _run(capsys, "sync", new / "made", "--from", dirs["B"])
+    assert rc == 0 and out.startswith(f"created {new / 'made'}\n")  # a typo is seen
+    (new / "file").write_bytes(b"x")
+    rc, _, err = _run(capsys, "sync", new / "file", "--from", dirs["B"])
+    assert rc == 1 and err == f"error: {new / 'file'}: not a directory\n"
 
 
 def test_sync_refuses_reflink_where_there_are_none(dirs, capsys):

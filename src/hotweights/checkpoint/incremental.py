@@ -238,6 +238,8 @@ def read_to_sync(model_dir: Path) -> dict[str, tuple[Shard, TensorInfo]] | None:
 def _existing(model_dir: Path) -> Path:
     """`model_dir`, made with its missing parents (each one's entry fsync'd: a power loss
     after the save cannot take the directory away)."""
+    if os.path.lexists(model_dir) and not model_dir.is_dir():
+        raise CheckpointError(f"{model_dir}: not a directory")
     made, path = [], model_dir
     while not os.path.lexists(path) and path != path.parent:
         made.append(path)
@@ -248,8 +250,6 @@ def _existing(model_dir: Path) -> Path:
             journal.fsync_dir(path.parent)
     except OSError as e:
         raise CheckpointError(f"{model_dir}: cannot create the directory: {e.strerror}") from e
-    if not model_dir.is_dir():
-        raise CheckpointError(f"{model_dir}: not a directory")
     return model_dir
 
 

@@ -25,6 +25,7 @@ def run_sync(args: argparse.Namespace) -> int:
     if args.version is not None and args.source is None:
         args.usage_error("--version goes with --from: with --server, the server's version "
                          "is recorded")
+    created = not os.path.lexists(args.model_dir)
     with _progress(sys.stderr.isatty() and not args.json) as progress:
         if args.source is not None:
             result = _sync_from(args, progress)
@@ -49,6 +50,8 @@ def run_sync(args: argparse.Namespace) -> int:
         print(result.to_json())
     else:
         disk = read_dir(args.model_dir) or {}
+        if created:  # a mistyped DIR would be made silently
+            print(f"created {args.model_dir}")
         for key, value in sync_rows(result, disk):
             print(f"  {key:<16}{value}" if key else value)
     if lost := result.missing_on_disk:  # written all else, but a script must not go on
@@ -98,8 +101,10 @@ def sync_rows(result, disk: dict) -> list[tuple[str, str]]:
         out.append(("mode", f"first full save ({result.reason})"))
         out.append(("written", f"{_size(written)} in {_n(len(shards), 'shard')}"))
     else:
-        out.append(("mode", f"{result.mode}: {result.reason}" if result.reason
-                    else result.mode))
+        used = result.write_mode or result.mode
+        if result.write_mode and result.write_mode != result.mode:
+            used += f" (asked {result.mode})"
+        out.append(("mode", f"{used}: {result.reason}" if result.reason else used))
         out.append(("written", f"{_size(written)} of the shards' {_size(files)}{share}"))
         writes = [f"{name} ({how})" for name, how in sorted(result.writes.items())]
         out.append(("shards changed", f"{len(result.shards_changed)} of {len(shards)}"
