@@ -103,6 +103,25 @@ def test_a_server_without_the_route_is_told_apart_from_a_hotweights_error():
             request(url, "GET", "/hotweights/status", "t")
         with pytest.raises(ServerError, match=r"is it a `hotweights serve --remote`"):
             request(url, "GET", "/hotweights/remote/received", "t")
+        with pytest.raises(ServerError, match=r"A server's URL has no /v1"):  # vLLM's base
+            request(url + "/v1/", "GET", "/hotweights/status", "t")
+    with _served(401, b'{"error":"missing or wrong bearer token"}') as url:
+        with pytest.raises(ServerError, match=r"HTTP 401: .*wrong bearer token.* \(the token "
+                           r"is not this server's"):
+            request(url, "GET", "/hotweights/status", "t")
+    with _served(200, b"{}") as url:  # then gone: nothing listens on the port
+        pass
+    with pytest.raises(ServerError, match=r"cannot reach .*refused \(is a `hotweights serve` "
+                       r"running there\?\)"):
+        request(url, "GET", "/hotweights/status", "t")
+
+
+def test_a_url_with_a_password_is_refused_without_echoing_it():
+    from hotweights.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="USER:PASSWORD@") as e:
+        request("http://user:s3cret@127.0.0.1:9", "GET", "/hotweights/status", "t")
+    assert "s3cret" not in str(e.value)
 
 
 @contextlib.contextmanager

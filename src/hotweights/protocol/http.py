@@ -79,7 +79,13 @@ def request(url: str, method: str, route: str, token: str, body: dict | None = N
         if e.code == 404:  # every hotweights serve has its routes (the remote ones: --remote)
             serve = "hotweights serve" + (" --remote" if "/remote/" in route else "")
             detail += (f" ({url} has no such route: is it a `{serve}`, not plain vLLM or "
-                       "another service on that port?)")
+                       "another service on that port?" + (
+                           " A server's URL has no /v1: the OpenAI routes' prefix is not "
+                           "part of it" if parts.path.rstrip("/").endswith("/v1") else "")
+                       + ")")
+        elif e.code == 401:
+            detail += (" (the token is not this server's: `hotweights serve` writes its "
+                       "token file, or takes --token / $HOTWEIGHTS_TOKEN, at each start)")
         raise ServerError(f"{method} {route}: HTTP {e.code}: {detail}", e.code) from None
     except urllib.error.URLError as e:
         raise ServerError(f"{method} {route}: {_unreachable(url, e.reason)}") from None
@@ -142,7 +148,9 @@ def _unreachable(url: str, reason: object) -> str:
     if isinstance(reason, ssl.SSLError):
         return (f"{url}: TLS handshake failed ({reason}); does it serve https "
                 "(hotweights serve --ssl-keyfile/--ssl-certfile)?")
-    return f"cannot reach {url}: {reason}"
+    hint = (" (is a `hotweights serve` running there?)"
+            if isinstance(reason, ConnectionRefusedError) else "")
+    return f"cannot reach {url}: {reason}{hint}"
 
 
 def _warn_plain(url: str, host: str | None) -> None:
