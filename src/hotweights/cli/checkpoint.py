@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import shlex
 import sys
@@ -26,7 +27,8 @@ def run_sync(args: argparse.Namespace) -> int:
         args.usage_error("--version goes with --from: with --server, the server's version "
                          "is recorded")
     created = not os.path.lexists(args.model_dir)
-    with _progress(sys.stderr.isatty() and not args.json) as progress:
+    with (_progress(sys.stderr.isatty() and not args.json) as progress,
+          _said_below(args, "hotweights.checkpoint.incremental")):
         if args.source is not None:
             result = _sync_from(args, progress)
         else:
@@ -162,7 +164,8 @@ def run_recover(args: argparse.Namespace) -> int:
     with locked(d):  # a sync running there ends first
         meta = journal.pending(d)  # what a committed journal brings, for the line below
         try:
-            with _status(sys.stderr.isatty(), "recovering"):
+            with _status(sys.stderr.isatty(), "recovering"), _said_below(
+                    args, "hotweights.checkpoint.journal"):
                 outcome = journal.recover(d, lock=False)
         except CheckpointError as e:  # e.g. the files were replaced since the commit
             raise CheckpointError(f"{d}: cannot finish the interrupted sync, its journal "
@@ -268,6 +271,18 @@ def _size(n: float) -> str:
         if n < 1024 or unit == "TiB":
             break
     return f"{n:.1f} {unit}"
+
+
+@contextlib.contextmanager
+def _said_below(args: argparse.Namespace, module: str) -> Iterator[None]:
+    """The warnings of `module` left out while the block runs, unless -v: what the command
+    prints once it returns says the same (a sync's tensors with no place, a recovery)."""
+    log = logging.getLogger(module)
+    level, log.level = log.level, logging.WARNING if args.verbose else logging.ERROR
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 @contextlib.contextmanager
