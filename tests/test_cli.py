@@ -112,10 +112,18 @@ def test_demo_trains_the_served_weights_in_place(tmp_path, capsys):
     assert before != after and "the trainer" in after
     assert " 0 errors" in out
     line = out.split("checkpoint: ")[1].splitlines()[0]
-    assert "version 30@" in line and not line.startswith("0 of")
+    assert line.startswith("version 30@") and " 0 of " not in line
     trained, served = tmp_path / "checkpoint", tmp_path / "llama"
     assert (trained / "model.safetensors").read_bytes() != (served / "model.safetensors"
                                                             ).read_bytes()
+    assert f"kept in {tmp_path}: the model" in " ".join(out.split())  # rich wraps lines
+
+
+def test_demo_checkpoint_every_without_rl_is_refused(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--checkpoint-every", "3"])
+    assert e.value.code == 2
+    assert "hotweights demo: error: --checkpoint-every goes with --rl" in capsys.readouterr().err
 
 
 def test_demo_rl_with_another_arch_is_one_line(capsys):

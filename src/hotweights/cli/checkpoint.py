@@ -168,8 +168,8 @@ def run_recover(args: argparse.Namespace) -> int:
                     args, "hotweights.checkpoint.journal"):
                 outcome = journal.recover(d, lock=False)
         except CheckpointError as e:  # e.g. the files were replaced since the commit
-            raise CheckpointError(f"{d}: cannot finish the interrupted sync, its journal "
-                                  f"is kept: {e}") from e
+            kept = "" if "kept" in str(e) else ", its journal is kept"
+            raise CheckpointError(f"{d}: cannot finish the interrupted sync{kept}: {e}") from e
         except OSError as e:
             raise CheckpointError(f"{d}: cannot recover: {e}") from e
     print(_recover_line(d, outcome, meta))
@@ -218,7 +218,7 @@ def diagnose_rows(d) -> list[tuple[str, str]]:
     elif d.first_save:
         out.append(("checkpoint", "no safetensors yet: a sync makes a first full save"))
     else:
-        out.append(("checkpoint", f"{len(d.shards)} shards, {d.tensors} tensors, "
+        out.append(("checkpoint", f"{_n(len(d.shards), 'shard')}, {_n(d.tensors, 'tensor')}, "
                     f"{_size(d.model_bytes)}"))
         width = max(len(s.name) for s in d.shards) if d.shards else 0
         for s in d.shards:

@@ -110,6 +110,13 @@ def serving(console, model_dir: Path, workdir: Path,
             launch.stop(proc)
 
 
+def quiet_transformers() -> None:
+    """No transformers progress bars (saving the tiny model): the demo's own say it."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def first_checkpoint(model_dir: Path, workdir: Path) -> Path:
     """A copy of the served files: the step-0 checkpoint the demo syncs into."""
     ckpt = workdir / "checkpoint"
@@ -137,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
     # steps: trainer threads beyond the free cores would stall on them (10-100x here).
     # The tiny model needs one. A real trainer: give it cores vLLM does not bind.
     torch.set_num_threads(1)
+    quiet_transformers()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="hotweights-demo-"))
     with console.status(f"building a tiny random {args.arch} model in {workdir}"):
         model_dir = tiny.build(args.arch, workdir / args.arch)
@@ -196,8 +204,12 @@ def run(args: argparse.Namespace) -> int:
             result = bridge.checkpoint(ckpt)
         size = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
         hows = ", ".join(sorted(set(result.writes.values()))) or "nothing written"
-        console.print(f"checkpoint: {result.bytes_written:,} of {size:,} bytes written "
-                      f"({result.bytes_written / size:.0%}: the shards that changed, {hows}) "
-                      f"into {ckpt} in {result.seconds:.2f} s, version {result.version}")
+        why = (": AdamW moved every weight" if result.tensors_changed == result.tensors_synced
+               else "")
+        console.print(f"checkpoint: version {result.version} into {ckpt} in "
+                      f"{result.seconds:.2f} s, {result.bytes_written:,} of {size:,} bytes "
+                      f"written ({result.bytes_written / size:.0%}: the shards that changed, "
+                      f"{hows}{why})")
+    console.print(f"kept in {workdir}: the model, the checkpoint, the server's log")
     return 0
 

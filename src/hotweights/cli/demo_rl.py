@@ -20,7 +20,15 @@ from rich.progress import Progress
 from transformers import TrainerCallback
 
 from hotweights.cli.console import make_console
-from hotweights.cli.demo import PROMPT, _Client, _complete, _stopping, first_checkpoint, serving
+from hotweights.cli.demo import (
+    PROMPT,
+    _Client,
+    _complete,
+    _stopping,
+    first_checkpoint,
+    quiet_transformers,
+    serving,
+)
 from hotweights.protocol.version import parse_version
 
 PROMPTS = ["The answer is", "Count with me:", "My number:", "Call me at", "It costs"]
@@ -51,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
 
     console = make_console()
     torch.set_num_threads(1)  # vLLM's CPU worker binds and spins its own (see demo.py)
+    quiet_transformers()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="hotweights-demo-rl-"))
     with console.status(f"building a tiny random llama model (float32) in {workdir}"):
         model_dir = tiny.build("llama", workdir / "llama", dtype="float32")
@@ -108,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
     text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
     console.print(f"reloaded in plain transformers from {ckpt}: [bold]{PROMPT}[/bold]"
                   f"[green]{text!r}[/green]  reward {digit_share(text):.2f}")
+    console.print(f"kept in {workdir}: the model, the checkpoint, the server's log")
     return 0
 
 

@@ -139,7 +139,7 @@ def _parser() -> argparse.ArgumentParser:
                    "to answer in digits (reward: their share), live, while a client keeps "
                    "generating; checkpoints on the way, reloaded in plain transformers at "
                    "the end (needs the trl extra)")
-    p.add_argument("--checkpoint-every", type=_count(0), default=5, metavar="K",
+    p.add_argument("--checkpoint-every", type=_count(0), default=None, metavar="K",
                    help="with --rl: write the served weights into a checkpoint every K "
                    "steps, only what changed (default: 5; 0: only at the end)")
     p.set_defaults(run=_run_demo)
@@ -296,6 +296,9 @@ def _run_layout(args: argparse.Namespace) -> int:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
+    if args.checkpoint_every is not None and not args.rl:
+        args.usage_error("--checkpoint-every goes with --rl (the plain demo checkpoints once, "
+                         "at the end)")
     if args.rl:
         from hotweights.cli.demo_rl import run
 
@@ -303,6 +306,7 @@ def _run_demo(args: argparse.Namespace) -> int:
             raise ConfigError(f"--arch {args.arch} with --rl: the RL demo trains a tiny "
                               "llama (float32); leave --arch out")
         args.steps = 20 if args.steps is None else args.steps
+        args.checkpoint_every = 5 if args.checkpoint_every is None else args.checkpoint_every
         return run(args)
     from hotweights.cli.demo import run
 
