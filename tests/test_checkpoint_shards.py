@@ -201,7 +201,7 @@ def test_a_sync_onto_a_corrupt_shard_says_what_to_do(shard: Path, case: str):
 
 def test_an_unreadable_index_says_what_to_do(sharded: Path):
     INDEX_CASES["not_json"][0](sharded)
-    with pytest.raises(CheckpointError, match=r"index.json: not valid JSON.*restore the file"):
+    with pytest.raises(CheckpointError, match=r"index.json: not valid JSON.*from a copy"):
         sync(sharded, _tensors())
 
 

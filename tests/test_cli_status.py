@@ -1,5 +1,7 @@
 """`hotweights status` printing, for a status in every state (no server needed)."""
 
+import json
+
 import pytest
 
 from hotweights.cli.status import rows
@@ -68,6 +70,7 @@ def test_an_answer_that_is_no_hotweights_status_is_one_line(monkeypatch, capsys)
 
     for answer in ({"state": "idle"}, ["x"]):
         monkeypatch.setattr(http, "request", lambda *a, answer=answer, **k: answer)
-        assert main(["status", "--token", "t"]) == 1
-        assert "/hotweights/status: not a hotweights status (no 'version' string" in \
-            capsys.readouterr().err
+        assert main(["status", "--token", "t", "--json"]) == 1
+        out, err = capsys.readouterr()
+        assert "/hotweights/status: not a hotweights status (no 'version' string" in err
+        assert json.loads(out)["error"] == err.removeprefix("error: ").rstrip("\n")

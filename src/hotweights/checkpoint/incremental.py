@@ -82,8 +82,8 @@ WHOLE_FRACTION = 0.5  # auto: a shard with more of its bytes changed is rewritte
 FRAGMENT_BYTES = 64 << 10
 FRAGMENTS_MIN = 1024
 UNREADABLE = ("A sync reads every shard's header and the index before it writes anything: "
-              "restore the file from a copy, or sync into an empty directory to save the "
-              "whole model anew")
+              "fix what is named (or restore it from a copy), or sync into an empty "
+              "directory to save the whole model anew")
 
 
 def check_mode(mode: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 
@@ -354,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except HotweightsError as e:
         print(f"error: {e}", file=sys.stderr)
+        if getattr(args, "json", False):  # a script reading stdout gets JSON all the same
+            print(json.dumps({"error": str(e)}))
         return 1
     except KeyboardInterrupt:  # a sync's commit is never cut in two (`checkpoint.held`)
         print("interrupted", file=sys.stderr)
