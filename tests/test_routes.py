@@ -30,7 +30,8 @@ class StubClient:
         self.prefix_reset = True
         self.broken = False  # what the workers' apply says of their channel
         self.model_config = SimpleNamespace(model="/m", dtype=torch.float32, max_model_len=256,
-                                            max_logprobs=20, logprobs_mode="processed_logprobs")
+                                            max_logprobs=20, logprobs_mode="processed_logprobs",
+                                            get_vocab_size=lambda: 300)
         self.vllm_config = SimpleNamespace(device_config=SimpleNamespace(device_type="cpu"))
 
     async def pause_generation(self, mode, clear_cache):
@@ -135,7 +136,8 @@ def test_server_info_answers_what_a_trainer_reads_behind_the_token():
         r = await client.get("/hotweights/server_info", headers=AUTH)
         assert r.json() == {"model_config": {
             "model": "/m", "dtype": "float32", "max_model_len": 256, "max_logprobs": 20,
-            "logprobs_mode": "processed_logprobs"}, "weight_transfer_config": None}
+            "logprobs_mode": "processed_logprobs", "vocab_size": 300},
+            "weight_transfer_config": None}
 
     serve(test)
 

@@ -67,6 +67,8 @@ def test_the_bridge_compares_only_while_the_server_serves_what_it_loaded(model_d
     b = Bridge.__new__(Bridge)  # no server: its status and manifest stand in
     b.tensors = served
     b.manifests = [shm.Manifest(shm.FORMAT, "s", "/dev/shm/x", 1, (), model=str(model_dir))]
+    vocab = tiny.make_config("llama", 1).__class__.from_pretrained(model_dir).vocab_size
+    monkeypatch.setattr(b, "server_info", lambda: {"model_config": {"vocab_size": vocab}})
     for status in ({"n": 3, "state": "idle"}, {"n": 0, "state": "paused"}):
         monkeypatch.setattr(b, "status", lambda status=status: status)
         assert b.model().model.norm.weight.data_ptr() == served["model.norm.weight"].data_ptr()
@@ -78,6 +80,11 @@ def test_the_bridge_compares_only_while_the_server_serves_what_it_loaded(model_d
     statuses = iter([{"n": 0, "state": "idle"}, {"n": 0, "state": "paused"}])
     monkeypatch.setattr(b, "status", lambda: next(statuses))  # another trainer began
     b.model()  # meanwhile: its writes are no reorder (a warning, no error)
+    # a vocabulary that differs inside vLLM's padding of the rows (300 vs 310 in 320)
+    monkeypatch.setattr(b, "server_info", lambda: {"model_config": {"vocab_size": vocab + 3}})
+    with pytest.raises(LayoutError, match=rf"vocab_size: the config says {vocab}, the server "
+                       rf"loaded {vocab + 3}"):
+        b.model(check_loaded=False)
 
 
 def test_fused_experts_are_compared_as_the_checkpoint_s_own_experts(tmp_path):

@@ -100,6 +100,7 @@ class Bridge:
         if config is None:
             config = _local_model_dir(source, kwargs.get("trust_remote_code", False))
         model, self.report = build_hf_model(config, self.tensors, **kwargs)
+        _check_vocab(model.config, self.server_info())
         if check_loaded and os.path.isdir(source) and _as_loaded(before := self.status()):
             try:
                 loaded.check_loaded(model, source, self.report.mapped)
@@ -299,6 +300,17 @@ class Bridge:
         body = dict(holder=self.holder, server_id=self.server_id, **body)
         return request(self.url, "POST", route, self._token, body, timeout=timeout,
                        cafile=self.cafile)
+
+
+def _check_vocab(config: Any, info: dict) -> None:
+    """The model's vocabulary is the server's: one that differs inside vLLM's padding of the
+    rows maps all the same, and would leave tokens out of the trainer's softmax."""
+    served = (info.get("model_config") or {}).get("vocab_size")  # None: an older server
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    mine = getattr(text, "vocab_size", None)
+    if isinstance(served, int) and isinstance(mine, int) and served != mine:
+        raise LayoutError(f"vocab_size: the config says {mine}, the server loaded {served}: "
+                          "build the model from the config the server loaded")
 
 
 def _as_loaded(status: dict) -> bool:

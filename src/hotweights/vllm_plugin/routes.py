@@ -207,6 +207,7 @@ def _server_info(model_config, remote: bool) -> dict:
         "max_model_len": model_config.max_model_len,
         "max_logprobs": model_config.max_logprobs,
         "logprobs_mode": str(model_config.logprobs_mode),
+        "vocab_size": model_config.get_vocab_size(),  # the rows a trainer's config must have
     }, "weight_transfer_config": {"backend": REMOTE_ENGINE} if remote else None}
 
 
