@@ -292,7 +292,7 @@ class Bridge:
 
     def server_info(self) -> dict:
         """The served model's settings (`model_config`: model, dtype, max_model_len,
-        max_logprobs, logprobs_mode), shaped like vLLM's dev-mode `/server_info`."""
+        max_logprobs, logprobs_mode, vocab_size), shaped like vLLM's dev-mode `/server_info`."""
         return request(self.url, "GET", "/hotweights/server_info", self._token,
                        cafile=self.cafile)
 
