@@ -1,6 +1,7 @@
 """checkpoint.sync on checkpoints written by transformers' save_pretrained."""
 
 import json
+import os
 import re
 import threading
 import time
@@ -89,6 +90,28 @@ def test_a_shard_changed_behind_the_sidecar_is_compared_with_the_file(saved):
     result = sync(d, live)
     assert result.bytes_compared > 0 and result.bytes_written > 0
     assert torch.equal(_disk(d)[name], live[name])
+
+
+def test_a_shard_copied_back_in_place_with_its_mtime_kept_is_compared_with_the_file(
+        saved, tmp_path):
+    """`cp -p backup/shard DIR/shard` (a backup put back: same inode, size and mtime): the
+    sidecar describes other bytes; only the ctime tells, and the sync compares."""
+    d, live = saved
+    name = "model.norm.weight"
+    shard = d / _shard_of(d, name)
+    backup = tmp_path / "backup"
+    backup.write_bytes(shard.read_bytes())
+    live[name] += 1
+    sync(d, live)
+    finisher.finish()
+    st = shard.stat()
+    with open(shard, "r+b") as f:  # in place, as cp onto an existing file writes
+        f.write(backup.read_bytes())
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))  # cp -p: the mtime kept
+    assert (shard.stat().st_ino, shard.stat().st_size, shard.stat().st_mtime_ns) == (
+        st.st_ino, st.st_size, st.st_mtime_ns)
+    result = sync(d, live)
+    assert result.bytes_compared > 0 and torch.equal(_disk(d)[name], live[name])
 
 
 def test_a_sidecar_of_the_other_hash_kind_is_compared_with_the_file(saved, monkeypatch):

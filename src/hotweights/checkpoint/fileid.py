@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import xxhash
 
@@ -24,6 +24,10 @@ class FileId:
     # of it with its 8-byte length; 0 and None if not asked for or not a safetensors file.
     header_end: int = 0
     header: str | None = None
+    # Changed by every write, rename or link, and settable by no one: what a sidecar also
+    # records (a shard copied back in place with its mtime kept). Not compared here: a
+    # link into the trash, say, leaves the file the same one.
+    ctime_ns: int = field(default=0, compare=False)
 
     @classmethod
     def of(cls, path: str | os.PathLike, *, header: bool = False) -> FileId:
@@ -42,4 +46,5 @@ class FileId:
     @classmethod
     def of_stat(cls, st: os.stat_result, header_end: int = 0,
                 header: str | None = None) -> FileId:
-        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, header_end, header)
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, header_end, header,
+                   st.st_ctime_ns)

@@ -1,8 +1,9 @@
 """Per-shard sidecars: the block fingerprints of a shard and the weight version they describe.
 
-`DIR/.hotweights/SHARD.blocks.json` records the shard's size, mtime and inode beside the
-fingerprints. A missing, corrupt or stale one (the shard changed behind its back) is never
-trusted: `load` returns None and the caller compares with the file instead.
+`DIR/.hotweights/SHARD.blocks.json` records the shard's size, mtime, ctime and inode
+beside the fingerprints (ctime: no one can set it back, `cp -p` or `touch -r` onto the
+shard in place change it). A missing, corrupt or stale one (the shard changed behind its
+back) is never trusted: `load` returns None and the caller compares with the file instead.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def path_of(shard_path: str | os.PathLike) -> Path:
 
 def _stat(shard: Shard) -> dict:
     f = shard.file
-    return dict(size=f.size, mtime_ns=f.mtime_ns, inode=f.ino)
+    return dict(size=f.size, mtime_ns=f.mtime_ns, ctime_ns=f.ctime_ns, inode=f.ino)
 
 
 def state(shard: Shard) -> tuple[str, dict | None]:
