@@ -234,6 +234,7 @@ def test_a_source_that_does_not_exist_is_named_so(dirs, tmp_path, capsys):
     ["diagnose", "x", "--model-dir", "x"],
     ["diagnose"],
     ["recover", "x", "--bogus"],
+    ["diagnose", "x", "--server", "http://127.0.0.1:1", "--cafile", "ca.pem"],
 ])
 def test_usage_errors_exit_2(argv, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -333,6 +333,23 @@ def _run_recover(args: argparse.Namespace) -> int:
     return run_recover(args)
 
 
+def _check_args(args: argparse.Namespace, usage_error) -> None:
+    """What argparse cannot check by itself: the checkpoint directory given one way or the
+    other (`_model_dir`), a CA bundle only for an https server."""
+    if hasattr(args, "model_dir_flag"):
+        if args.model_dir_flag is not None:
+            args.model_dir = args.model_dir_flag
+        elif args.model_dir is None:
+            usage_error("the checkpoint directory is required: DIR or --model-dir DIR"
+                        + (" (every word after --changed is a pattern: put DIR before "
+                           "--changed, or end the patterns with --)"
+                           if getattr(args, "changed", None) else ""))
+    server = getattr(args, "server", None) or getattr(args, "url", None)
+    if getattr(args, "cafile", None) and isinstance(server, str) and server.strip(
+            ).lower().startswith("http://"):
+        usage_error(f"--cafile is for an https server; {server} is plain http (no TLS)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
@@ -340,13 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     if extra and not getattr(args, "passthrough", False):
         usage_error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra = extra
-    if getattr(args, "model_dir_flag", None) is not None:  # `_model_dir`
-        args.model_dir = args.model_dir_flag
-    elif hasattr(args, "model_dir_flag") and args.model_dir is None:
-        usage_error("the checkpoint directory is required: DIR or --model-dir DIR"
-                    + (" (every word after --changed is a pattern: put DIR before "
-                       "--changed, or end the patterns with --)"
-                       if getattr(args, "changed", None) else ""))
+    _check_args(args, usage_error)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
