@@ -598,3 +598,20 @@ def test_open_dir_maps_without_copying_and_never_writes_back(dirs):
 def test_open_dir_without_safetensors(tmp_path):
     with pytest.raises(CheckpointError, match=r"no safetensors checkpoint \(neither"):
         open_dir(tmp_path)
+
+
+def test_warnings_the_command_restates_are_left_out_unless_verbose(caplog):
+    import argparse
+    import logging
+
+    from hotweights.cli.checkpoint import _said_below
+
+    log = logging.getLogger("hotweights.checkpoint.journal")
+    log.warning("before")  # the logger's level cache filled: still obeyed below
+    for verbose, seen in ((False, []), (True, ["said", "told"])):
+        caplog.clear()
+        with caplog.at_level(logging.INFO), _said_below(argparse.Namespace(verbose=verbose),
+                                                        log.name):
+            log.warning("said")
+            log.info("told")
+        assert [r.message for r in caplog.records] == seen

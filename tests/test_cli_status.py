@@ -54,14 +54,16 @@ def test_the_token_comes_from_token_file_and_an_unreadable_one_is_named(tmp_path
     (tmp_path / "t").write_text("s3cret\n")
     assert main(["status", "--token-file", str(tmp_path / "t"), "--json"]) == 0
     assert asked == ["s3cret\n"]  # stripped and checked where it is sent (find_token)
+    (tmp_path / "empty").write_text("\n")  # not a reason to look for the token elsewhere
     for argv in (["--token-file", str(tmp_path / "nope")],
+                 ["--token-file", str(tmp_path / "empty")],
                  ["--token", "x", "--token-file", str(tmp_path / "t")]):
         with pytest.raises(SystemExit) as e:
             main(["status", *argv])
         assert e.value.code == 2
     err = capsys.readouterr().err
     assert f"{tmp_path / 'nope'}: cannot read a token: No such file or directory" in err
-    assert "not allowed with argument" in err
+    assert "not allowed with argument" in err and f"{tmp_path / 'empty'}: empty" in err
 
 
 def test_an_answer_that_is_no_hotweights_status_is_one_line(monkeypatch, capsys):

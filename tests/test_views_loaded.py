@@ -92,7 +92,7 @@ def test_fused_experts_are_compared_as_the_checkpoint_s_own_experts(tmp_path):
     spread of the experts is converted back and compared (gate and up swapped: refused)."""
     from transformers import AutoModelForCausalLM
 
-    model_dir = tiny.build("qwen3_moe", tmp_path / "moe", dtype="bfloat16")
+    model_dir = tiny.build("qwen3_moe", tmp_path / "moe", dtype="bfloat16", num_experts=16)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     assert check_loaded(model, model_dir) == len(list(model.parameters()))
     name = "model.layers.1.mlp.experts.gate_up_proj"
@@ -100,7 +100,8 @@ def test_fused_experts_are_compared_as_the_checkpoint_s_own_experts(tmp_path):
     half = fused.shape[1] // 2
     with torch.no_grad():
         fused.copy_(torch.cat([fused[:, half:], fused[:, :half]], 1))
-    with pytest.raises(LayoutError, match=rf"{name} \(model.layers.1.mlp.experts.0.gate_proj"):
+    # experts 1, 3, ..., 15 of 16 compared, each under its own number
+    with pytest.raises(LayoutError, match=rf"{name} \(model.layers.1.mlp.experts.1.gate_proj"):
         check_loaded(model, model_dir)
 
 

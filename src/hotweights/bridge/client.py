@@ -135,7 +135,7 @@ class Bridge:
         """
         from hotweights.checkpoint import recover, sync
 
-        model = self._model or self.model()
+        model = self._model or self.model(check_loaded=False)  # what it serves, as is
         if not exclusive:
             return sync(model_dir, model, version=self.version, config=model.config, **kwargs)
         if os.path.isdir(model_dir):  # another writer's sync first, and what a crashed one
@@ -233,7 +233,7 @@ class Bridge:
         if self.remote is None:
             self.version = self._post("/hotweights/commit")["version"]
             return
-        model = self._model or self.model()
+        model = self._model or self.model(check_loaded=False)  # what it serves, as is
         if floor is not None:
             n = max(floor, began["n"]) + 1
             try:

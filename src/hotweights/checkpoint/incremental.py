@@ -246,10 +246,14 @@ def _existing(model_dir: Path) -> Path:
         path = path.parent
     try:
         model_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"{model_dir}: cannot create the directory: {e.strerror}") from e
+    try:
         for path in reversed(made):
             journal.fsync_dir(path.parent)
     except OSError as e:
-        raise CheckpointError(f"{model_dir}: cannot create the directory: {e.strerror}") from e
+        raise CheckpointError(f"{model_dir}: created, but its entry in {path.parent} cannot "
+                              f"be made durable: {e.strerror}") from e
     return model_dir
 
 

@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shlex
 import sys
 from collections.abc import Iterator, Sequence
@@ -44,10 +45,10 @@ def run_sync(args: argparse.Namespace) -> int:
     with _status(sys.stderr.isatty() and not args.json, "fsync: making the commit durable"):
         finisher.finish()  # the command ends with the files fsync'd and the journal removed
     if why := journal.not_durable(args.model_dir):
-        print(f"error: {args.model_dir}: the files hold this sync, but it could not be made "
-              f"durable ({why}): its journal is kept; run hotweights recover "
-              f"{shlex.quote(str(args.model_dir))} once the cause is fixed", file=sys.stderr)
-        return 1
+        raise CheckpointError(f"{args.model_dir}: the files hold this sync, but it could not "
+                              f"be made durable ({why}): its journal is kept; run hotweights "
+                              f"recover {shlex.quote(str(args.model_dir))} once the cause is "
+                              "fixed")
     if args.json:
         print(result.to_json())
     else:
@@ -168,7 +169,8 @@ def run_recover(args: argparse.Namespace) -> int:
                     args, "hotweights.checkpoint.journal"):
                 outcome = journal.recover(d, lock=False)
         except CheckpointError as e:  # e.g. the files were replaced since the commit
-            kept = "" if "kept" in str(e) else ", its journal is kept"
+            kept = "" if re.search(r"\b(journal|it) is kept\b", str(e)) else \
+                ", its journal is kept"
             raise CheckpointError(f"{d}: cannot finish the interrupted sync{kept}: {e}") from e
         except OSError as e:
             raise CheckpointError(f"{d}: cannot recover: {e}") from e
@@ -277,8 +279,12 @@ def _size(n: float) -> str:
 def _said_below(args: argparse.Namespace, module: str) -> Iterator[None]:
     """The warnings of `module` left out while the block runs, unless -v: what the command
     prints once it returns says the same (a sync's tensors with no place, a recovery)."""
+    if args.verbose:
+        yield
+        return
     log = logging.getLogger(module)
-    level, log.level = log.level, logging.WARNING if args.verbose else logging.ERROR
+    level = log.level
+    log.setLevel(logging.ERROR)
     try:
         yield
     finally:

@@ -250,10 +250,13 @@ def _token_file(path: str) -> str:
     """An argparse type: the token a file holds."""
     try:
         with open(path) as f:
-            return f.read()
+            text = f.read()
     except (OSError, UnicodeDecodeError) as e:
         raise argparse.ArgumentTypeError(f"{path}: cannot read a token: "
                                          f"{getattr(e, 'strerror', None) or e}") from None
+    if not text.strip():  # else the token would be looked for elsewhere
+        raise argparse.ArgumentTypeError(f"{path}: empty, no token in it")
+    return text
 
 
 def _model_dir(p: argparse.ArgumentParser, what: str) -> None:

@@ -22,6 +22,9 @@ def server_url(url: str) -> str:
 
     if not isinstance(url, str):
         raise bad(f"a {type(url).__name__}, not a str")
+    if "@" in url.split("://", 1)[-1].split("/", 1)[0]:  # before any message shows the URL
+        raise ConfigError("a server URL with a user or password in it (USER:PASSWORD@) is "
+                          "not one: the server's token is its only credential")
     try:
         parts = urllib.parse.urlsplit(url.strip())
         port = parts.port
@@ -33,9 +36,6 @@ def server_url(url: str) -> str:
         raise bad(f"the scheme is {parts.scheme!r}")
     if not parts.hostname:
         raise bad("no host")
-    if parts.username is not None or parts.password is not None:  # never echoed again
-        raise ConfigError("a server URL with a user or password in it (USER:PASSWORD@) is "
-                          "not one: the server's token is its only credential")
     if port == 0:
         raise bad("port 0")
     if parts.query or parts.fragment:
