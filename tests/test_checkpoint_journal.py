@@ -569,10 +569,12 @@ import logging, os, sys, threading, time
 import torch
 from hotweights.checkpoint import finisher, sync
 logging.basicConfig(level=logging.INFO)
-real = os.fsync
-def slow(fd):  # the commit's fsyncs in the finisher thread take a while
-    if threading.current_thread().name == "hotweights-finish":
-        time.sleep(1.0)
+real, waiting = os.fsync, sys.argv[1] + ".waiting"
+def slow(fd):  # the commit's fsyncs in the finisher thread last until the test's writer
+    if threading.current_thread().name == "hotweights-finish":  # waits for them
+        deadline = time.monotonic() + 60
+        while not os.path.exists(waiting) and time.monotonic() < deadline:
+            time.sleep(0.01)
     return real(fd)
 os.fsync = slow
 live = {"w": torch.full((256, 256), 2.0)}
@@ -587,12 +589,23 @@ def test_a_second_writer_waits_for_the_first_one_s_commit_to_be_durable(tmp_path
     its process's finisher thread, under the lock the sync held: another process's
     writer waits for them, never replays a journal whose writer lives (as if it had
     crashed) and never keeps that writer from recording its sidecars."""
+    import logging
+
     import torch
 
     from hotweights.checkpoint import sync
+
     d = tmp_path / "ckpt"
     sync(d, {"w": torch.full((256, 256), 1.0)})
     finisher.finish()
+
+    class Waiting(logging.Handler):  # lets the writer's fsyncs end once this one waits
+        def emit(self, record):
+            if "waiting for it" in record.getMessage():
+                Path(f"{d}.waiting").touch()
+
+    handler = Waiting()
+    logging.getLogger("hotweights.checkpoint.lock").addHandler(handler)
     child = subprocess.Popen([sys.executable, "-c", WRITER, str(d)], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     try:
@@ -600,7 +613,8 @@ def test_a_second_writer_waits_for_the_first_one_s_commit_to_be_durable(tmp_path
         sync(d, {"w": torch.full((256, 256), 3.0)})  # while the writer's fsyncs go on
         finisher.finish()
     finally:
-        out, err = child.communicate(timeout=60)
+        logging.getLogger("hotweights.checkpoint.lock").removeHandler(handler)
+        out, err = child.communicate(timeout=90)
     assert child.returncode == 0, err
     assert "replayed an interrupted journal" not in caplog.text
     assert "removed before this process could" not in err and "sidecar" not in err
