@@ -108,3 +108,24 @@ def test_fused_experts_are_compared_as_the_checkpoint_s_own_experts(tmp_path):
 def test_a_directory_without_safetensors_is_not_compared(model_dir, tmp_path):
     model, _ = build_hf_model(model_dir, _served(model_dir))
     assert check_loaded(model, tmp_path) == 0
+
+
+def test_a_tensor_of_a_dtype_torch_lacks_leaves_the_others_compared(tmp_path):
+    import json
+    import struct
+
+    class One(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(4, 4))
+
+    model = One()
+    header = {"w": {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 64]},
+              "mtp.extra": {"dtype": "F4", "shape": [2, 2], "data_offsets": [64, 66]}}
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(tmp_path / "model.safetensors", "wb") as f:  # w differs on disk
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.write((model.w.detach() + 1).numpy().tobytes() + b"\0\0")
+    with pytest.raises(LayoutError, match=r"1 of 1 views compared hold other values"):
+        check_loaded(model, tmp_path)

@@ -106,7 +106,7 @@ def check_loaded(model: torch.nn.Module, model_dir: str | os.PathLike,
     """
     where = os.fspath(model_dir)
     try:
-        disk = open_dir(model_dir)
+        disk = open_dir(model_dir, skip_unknown=True)  # the others are still compared
     except CheckpointError as e:
         logger.warning("views not compared with the checkpoint the server loaded: %s", e)
         return 0
@@ -132,7 +132,8 @@ def check_loaded(model: torch.nn.Module, model_dir: str | os.PathLike,
 
 
 def _message(model: torch.nn.Module, where: str, wrong: dict[str, str], compared: int) -> str:
-    arch = ", ".join(getattr(model.config, "architectures", None) or ["?"])
+    config = getattr(model, "config", None)  # any module: a transformers model has one
+    arch = ", ".join(getattr(config, "architectures", None) or ["?"])
     named = ", ".join(f"{n} ({k})" if k != n else n for n, k in list(wrong.items())[:3])
     head = (f"{len(wrong)} of {compared} views compared hold other values than {where} "
             f"holds for them: {named}{' ...' if len(wrong) > 3 else ''}. ")

@@ -39,7 +39,7 @@ class Tensors(dict):
         self.mmaps = {}
 
 
-def open_dir(model_dir: str | os.PathLike) -> Tensors:
+def open_dir(model_dir: str | os.PathLike, *, skip_unknown: bool = False) -> Tensors:
     """Map every tensor of the safetensors checkpoint in `model_dir`, without copying.
 
     Each shard is mapped copy-on-write (`mmap.ACCESS_COPY`): the tensors read the file's
@@ -48,6 +48,8 @@ def open_dir(model_dir: str | os.PathLike) -> Tensors:
 
     Args:
         model_dir: a directory with `model.safetensors` or a sharded index.
+        skip_unknown: leave out the tensors of a dtype with no torch equivalent here (e.g.
+            F4) instead of raising.
 
     Returns:
         A `Tensors` mapping (a dict) of name -> CPU tensor, in the file's dtype and shape.
@@ -67,6 +69,8 @@ def open_dir(model_dir: str | os.PathLike) -> Tensors:
     tensors: dict[str, torch.Tensor] = {}
     for name, (shard, info) in disk.items():
         dtype = TORCH.get(info.dtype)
+        if dtype is None and skip_unknown:
+            continue
         if dtype is None:
             raise CheckpointError(f"{Path(shard.path).name}: tensor {name} is {info.dtype}; "
                                   f"supported: {', '.join(TORCH)}")
