@@ -43,6 +43,7 @@ def test_layout_prints_the_map(tiny_model):
     assert "model.layers.0.self_attn.k_proj.weight" in out
     assert "0:300 (0)" in out  # the HF vocab rows of the padded embedding
     assert "0 vLLM unmapped, 0 HF missing" in out
+    assert "values: 25 HF parameters hold what the checkpoint holds" in " ".join(out.split())
 
 
 def test_layout_of_a_missing_directory_is_one_clear_line(tmp_path, capsys):

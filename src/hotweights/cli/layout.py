@@ -24,14 +24,17 @@ def run(args: argparse.Namespace) -> int:
     trust = args.trust_remote_code
     config = load_config(_model_dir(args.model_dir), trust_remote_code=trust)  # fail fast
     console = make_console()
-    from hotweights.vllm_plugin.local import live_params, start_engine, stop_engine
+    from hotweights.vllm_plugin.local import hf_context, live_params, start_engine, stop_engine
 
     with console.status(f"loading {args.model_dir} in vLLM"):
         llm = start_engine(args.model_dir, model_impl=args.model_impl, dtype=args.dtype,
                            trust_remote_code=trust, environ={} if args.verbose else
                            {"VLLM_LOGGING_LEVEL": "ERROR"})
         try:
-            params = {n: (tuple(t.shape), t.dtype) for n, t in live_params(llm).items()}
+            live = live_params(llm)
+            params = {n: (tuple(t.shape), t.dtype) for n, t in live.items()}
+            with hf_context(llm):
+                same, values = _values(config, live, args.model_dir, trust)
         finally:  # the environment put back too: a server started later logs as usual
             stop_engine(llm)
     layout = plan(config, {n: s for n, (s, _) in params.items()}, strict=False,
@@ -58,4 +61,21 @@ def run(args: argparse.Namespace) -> int:
         f"{layout.num_mapped} HF parameters mapped from {len(params)} vLLM parameters; "
         f"{len(layout.unused)} vLLM unmapped, {len(layout.missing)} HF missing"
     )
-    return 0 if ok else 1
+    console.print(values if same else f"[red]{values}[/red]")
+    return 0 if ok and same else 1
+
+
+def _values(config, live: dict, model_dir: str, trust: bool) -> tuple[bool, str]:
+    """What the views over the just-loaded weights hold against the checkpoint: a loader
+    that reorders a tensor keeping its name and shape maps by names and shapes all the
+    same (`bridge.loaded.check_loaded`)."""
+    from hotweights.bridge.loaded import check_loaded
+    from hotweights.layout.views import build_hf_model
+
+    try:
+        model, report = build_hf_model(config, live, allow_missing=True,
+                                       trust_remote_code=trust)
+        n = check_loaded(model, model_dir, report.mapped)
+    except LayoutError as e:
+        return False, f"values: {e}"
+    return True, f"values: {n} HF parameters hold what the checkpoint holds (rows compared)"

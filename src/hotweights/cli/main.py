@@ -110,7 +110,10 @@ def _parser() -> argparse.ArgumentParser:
         help="show how vLLM's parameters map to the HF model's",
         description="Load MODEL_DIR in vLLM (in this process, CPU or GPU build) and print, "
         "for every vLLM parameter, the HF parameters it holds (rows on the split dim, "
-        "HF shape). Anything unmapped is flagged, and the exit code is then 1.",
+        "HF shape); then compare a spread of rows of every HF view with the checkpoint "
+        "(a vLLM loader that reorders a tensor but keeps its name and shape maps all the "
+        "same: this names it). Anything unmapped or different is flagged, and the exit "
+        "code is then 1.",
     )
     p.add_argument("model_dir", help="a local HF model directory (config + safetensors)")
     p.add_argument("--model-impl", default="auto", choices=["auto", "vllm", "transformers"],
