@@ -30,15 +30,9 @@ def start(run: Callable[[], None]) -> None:
                 before.join()
             run()
 
-        if not threads.exiting():
-            t = threading.Thread(target=chained, name="hotweights-finish")
-            try:
-                t.start()
-            except RuntimeError:  # "can't start new thread"
-                pass
-            else:
-                _finisher = t  # started before `finish` can see it
-                return
+        if (t := threads.started(chained, name="hotweights-finish")) is not None:
+            _finisher = t  # started before `finish` can see it
+            return
     chained()
 
 

@@ -8,13 +8,27 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
-__all__ = ["exiting", "pool"]
+__all__ = ["exiting", "pool", "started"]
 
 
 def exiting() -> bool:
     """Whether the interpreter is exiting (the main thread has ended: atexit handlers run
     then)."""
     return not threading.main_thread().is_alive()
+
+
+def started(target, *args, name: str) -> threading.Thread | None:
+    """`target(*args)` in a new thread (not a daemon: the interpreter waits for it),
+    started; None where none can run it: the interpreter exiting (nothing would wait for
+    it), or no thread can be started (a limit on threads). The caller then runs it."""
+    if exiting():
+        return None
+    t = threading.Thread(target=target, args=args, name=name)
+    try:
+        t.start()
+    except RuntimeError:  # "can't start new thread"
+        return None
+    return t
 
 
 class _Here(Executor):

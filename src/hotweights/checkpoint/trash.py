@@ -47,13 +47,8 @@ def sweep(directory: str, *, background: bool) -> None:
     if not os.path.lexists(trash):
         return
     wait()
-    if background and not threads.exiting():  # (nothing would wait for it then) not a
-        # daemon: the interpreter waits for it; a kill leaves it to recover
-        _sweeper = threading.Thread(target=shutil.rmtree, args=(trash, True),
-                                    name="hotweights-sweep")
-        try:
-            _sweeper.start()
+    if background:  # a kill leaves the trash to recover
+        if (t := threads.started(shutil.rmtree, trash, True, name="hotweights-sweep")):
+            _sweeper = t
             return
-        except RuntimeError:  # "can't start new thread"
-            _sweeper = None
     shutil.rmtree(trash, ignore_errors=True)
