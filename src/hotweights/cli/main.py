@@ -99,9 +99,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("url", nargs="?", default="http://127.0.0.1:8000",
                    help="the server (default: http://127.0.0.1:8000)")
-    _client_token(p)
-    p.add_argument("--cafile", metavar="PEM", help="for an https server: the CA bundle that "
-                   "signed its certificate (default: $HOTWEIGHTS_CA_FILE, else the system's)")
+    _client_auth(p)
     p.add_argument("--json", action="store_true", help="print the raw JSON")
     p.set_defaults(run=_run_status)
 
@@ -172,9 +170,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="how changed shards are written (default: auto; see below)")
     p.add_argument("--version", metavar="TEXT", help="with --from: the weight version "
                    "recorded in the sidecars (default: none; with --server, the server's)")
-    _client_token(p)
-    p.add_argument("--cafile", metavar="PEM", help="for an https server: the CA bundle that "
-                   "signed its certificate (default: $HOTWEIGHTS_CA_FILE, else the system's)")
+    _client_auth(p)
     p.add_argument("--convert-dtype", action="store_true",
                    help="cast tensors to the file's dtype instead of refusing them")
     p.add_argument("--changed", action="extend", nargs="+", metavar="GLOB",
@@ -207,9 +203,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="check another checkpoint directory's tensors against it")
     p.add_argument("--mode", default="auto", choices=MODES,
                    help="the write mode to check (default: auto)")
-    _client_token(p)
-    p.add_argument("--cafile", metavar="PEM", help="for an https server: the CA bundle that "
-                   "signed its certificate (default: $HOTWEIGHTS_CA_FILE, else the system's)")
+    _client_auth(p)
     p.add_argument("--convert-dtype", action="store_true", help="as for sync: a dtype "
                    "other than the file's is cast, not counted as a mismatch")
     p.add_argument("--json", action="store_true", help="print the diagnosis as JSON only")
@@ -238,8 +232,9 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _client_token(p: argparse.ArgumentParser) -> None:
-    """--token TOKEN or --token-file FILE: how a client command finds a server's token."""
+def _client_auth(p: argparse.ArgumentParser) -> None:
+    """--token TOKEN or --token-file FILE, and --cafile: how a client command finds a
+    server's token, and the CA bundle an https server's certificate must chain to."""
     token = p.add_mutually_exclusive_group()
     token.add_argument("--token", help="the server's access token (default: "
                        "$HOTWEIGHTS_TOKEN, else the token file a server on this machine "
@@ -247,6 +242,8 @@ def _client_token(p: argparse.ArgumentParser) -> None:
     token.add_argument("--token-file", dest="token", metavar="FILE", type=_token_file,
                        help="read the token from FILE (the --token-file the server was "
                        "started with; keeps the token off the command line)")
+    p.add_argument("--cafile", metavar="PEM", help="for an https server: the CA bundle that "
+                   "signed its certificate (default: $HOTWEIGHTS_CA_FILE, else the system's)")
 
 
 def _token_file(path: str) -> str:
