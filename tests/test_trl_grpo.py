@@ -22,11 +22,11 @@ pytest.importorskip("trl")
 
 from datasets import Dataset  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
-from trl import GRPOConfig  # noqa: E402
+from trl import GRPOConfig, RLOOConfig  # noqa: E402
 
 from hotweights.bridge.client import Bridge  # noqa: E402
 from hotweights.errors import ConfigError  # noqa: E402
-from hotweights.integrations.trl import GRPOTrainer, outside_served  # noqa: E402
+from hotweights.integrations.trl import GRPOTrainer, RLOOTrainer, outside_served  # noqa: E402
 from hotweights.protocol.version import parse_version  # noqa: E402
 from hotweights.server import launch  # noqa: E402
 from hotweights.testing import tiny  # noqa: E402
@@ -72,6 +72,15 @@ def _config(tmp, **overrides) -> GRPOConfig:
         "learning_rate": 1e-2, "max_steps": STEPS, "logging_steps": 1, "report_to": "none",
         "use_cpu": True, "bf16": False, "save_strategy": "no", "seed": 0, "disable_tqdm": True,
         "vllm_importance_sampling_correction": True, **overrides})
+
+
+def _rloo_config(tmp, **overrides) -> RLOOConfig:
+    return RLOOConfig(**{
+        "output_dir": str(tmp / "rloo"), "use_vllm": True, "vllm_mode": "server",
+        "per_device_train_batch_size": 8, "num_generations": 4, "max_completion_length": 8,
+        "learning_rate": 1e-2, "max_steps": STEPS, "logging_steps": 1, "report_to": "none",
+        "use_cpu": True, "bf16": False, "save_strategy": "no", "seed": 0, "disable_tqdm": True,
+        **overrides})
 
 
 def _data() -> Dataset:
@@ -325,3 +334,35 @@ def test_steps_of_one_generation_report_their_lag_in_every_update_mode(served, m
             if "hotweights/sample_version" in e] == [before]
     status = bridge.status()
     assert (status["n"], status["dirty"]) == (before + 2, False)
+
+
+def test_rloo_trains_the_served_weights_in_place(served):
+    url, tmp = served
+    bridge = Bridge.connect(url, token=TOKEN)
+    model = bridge.model()
+    before = parse_version(bridge.version)[0]
+    trainer = RLOOTrainer(model=model, bridge=bridge, reward_funcs=_reward,
+                          args=_rloo_config(tmp), train_dataset=_data())
+    assert trainer.model is model
+    lm_head = model.get_output_embeddings().weight.detach().clone()
+    trainer.train()
+
+    assert parse_version(bridge.version)[0] == before + STEPS
+    assert outside_served(trainer.model, bridge.tensors) == []
+    assert not torch.equal(model.get_output_embeddings().weight.detach(), lm_head)
+    logs = [entry for entry in trainer.state.log_history if "reward" in entry]
+    assert [entry["hotweights/sample_version"] for entry in logs] == \
+        [float(before + i) for i in range(STEPS)]
+    assert all(entry["hotweights/version_lag"] == 0 for entry in logs)
+    assert bridge.status()["dirty"] is False
+
+
+def test_rloo_refuses_what_grpo_refuses_and_a_grpo_config(served):
+    url, tmp = served
+    bridge = Bridge.connect(url, token=TOKEN)
+    with pytest.raises(ConfigError, match="RLOOConfig.vllm_enable_sleep_mode"):
+        RLOOTrainer(bridge=bridge, reward_funcs=_reward, train_dataset=_data(),
+                    args=_rloo_config(tmp, vllm_enable_sleep_mode=True))
+    with pytest.raises(ConfigError, match="GRPOConfig; RLOOTrainer takes its own config"):
+        RLOOTrainer(bridge=bridge, reward_funcs=_reward, train_dataset=_data(),
+                    args=_config(tmp))

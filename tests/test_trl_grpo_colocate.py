@@ -8,9 +8,9 @@ import torch
 
 pytest.importorskip("trl")
 
-from hotweights.integrations.trl import GRPOTrainer, outside_served  # noqa: E402
+from hotweights.integrations.trl import GRPOTrainer, RLOOTrainer, outside_served  # noqa: E402
 from hotweights.testing import tiny  # noqa: E402
-from test_trl_grpo import _config, _data, _reward  # noqa: E402
+from test_trl_grpo import _config, _data, _reward, _rloo_config  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -46,6 +46,22 @@ def test_grpo_trains_vllm_s_own_parameters_in_this_process(colocated):
     assert [entry["hotweights/sample_version"] for entry in logs] == [0.0, 1.0, 2.0]
     gaps = [entry["sampling/sampling_logp_difference/mean"] for entry in logs]
     assert max(gaps) <= 1e-4, gaps
+
+
+@pytest.mark.timeout(400)
+def test_rloo_trains_vllm_s_own_parameters_in_this_process(colocated):
+    tmp, trainers = colocated
+    model_dir = tiny.build("llama", tmp / "llama", dtype="float32")
+    with RLOOTrainer(model=str(model_dir), reward_funcs=_reward, train_dataset=_data(),
+                     args=_rloo_config(tmp, vllm_mode="colocate", max_steps=2)) as trainer:
+        live = trainer.weights.tensors
+        before = {name: t.detach().clone() for name, t in live.items()}
+        trainer.train()
+        assert outside_served(trainer.model, live) == []
+        assert trainer.weights.version == 2
+        assert any(not torch.equal(t, before[name]) for name, t in live.items())
+        logs = [entry for entry in trainer.state.log_history if "reward" in entry]
+        assert [entry["hotweights/sample_version"] for entry in logs] == [0.0, 1.0]
 
 
 @pytest.mark.timeout(400)

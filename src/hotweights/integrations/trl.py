@@ -1,4 +1,5 @@
-"""TRL's `GRPOTrainer` on the served weights: the policy TRL trains is vLLM's own copy.
+"""TRL's `GRPOTrainer` and `RLOOTrainer` on the served weights: the policy TRL trains is
+vLLM's own copy.
 
 Server mode, a `hotweights serve` on this machine:
 
@@ -13,6 +14,8 @@ Colocate mode, vLLM in this process (no bridge; the model is a local directory):
 
     trainer = GRPOTrainer(model="./my-model", reward_funcs=reward, train_dataset=data,
                           args=GRPOConfig(use_vllm=True, vllm_mode="colocate", ...))
+
+`RLOOTrainer` is the same with an `RLOOConfig`.
 
 How: the model's parameters are views into vLLM's weights (`bridge.model()`, or
 `build_hf_model` over the in-process engine's parameters); every optimizer step runs
@@ -170,7 +173,7 @@ class _Colocated:
             self.version += 1
 
 
-def _colocated_engine(model_dir: str, args: trl.GRPOConfig):
+def _colocated_engine(model_dir: str, args: trl.GRPOConfig | trl.RLOOConfig):
     """vLLM in this process on `model_dir`, in the checkpoint's dtype (vLLM's "auto"
     would serve a float32 checkpoint in bf16: TRL would sample another policy than it
     trains), with hotweights' layout-keeping plugin; the HF model of views over it."""
@@ -216,7 +219,7 @@ _UPDATE_MODES = ("wait", "keep", "abort")  # `Bridge.update`'s
 
 def _check_process(update_mode: object, lease_s: object) -> None:
     """Refuse several training processes, and the update's options where they are bad,
-    before anything is built (a GRPOConfig too: under a launcher it sets up accelerate)."""
+    before anything is built (a TRL config too: under a launcher it sets up accelerate)."""
     if (world := os.environ.get("WORLD_SIZE", "1")) != "1":
         raise ConfigError(
             f"WORLD_SIZE={world}: one training process trains the served weights; several "
@@ -231,33 +234,35 @@ def _check_process(update_mode: object, lease_s: object) -> None:
                           "trainer during a step before it drops the update")
 
 
-def _check_args(args: trl.GRPOConfig, bridge: Bridge | None, peft_config: Any) -> None:
+def _check_args(args: trl.GRPOConfig | trl.RLOOConfig, bridge: Bridge | None,
+                peft_config: Any) -> None:
     """Refuse, naming the option, a config that would copy or re-create the shared weights
     (or generate from another copy than the one trained); point TRL at the bridge's
     server."""
+    config = type(args).__name__
     if not args.use_vllm:
-        raise ConfigError("GRPOConfig.use_vllm=False: TRL would sample from a model of "
+        raise ConfigError(f"{config}.use_vllm=False: TRL would sample from a model of "
                           "its own, not vLLM's; set use_vllm=True")
     want = "server" if bridge is not None else "colocate"
     if args.vllm_mode != want:
         raise ConfigError(
-            f"GRPOConfig.vllm_mode={args.vllm_mode!r}: " + (
+            f"{config}.vllm_mode={args.vllm_mode!r}: " + (
                 "with a Bridge the server is a `hotweights serve`; set vllm_mode='server'"
                 if bridge is not None else "without a Bridge, hotweights runs vLLM in this "
                 "process; set vllm_mode='colocate', or pass bridge= for a server"))
     if bridge is not None:
         url = (args.vllm_server_base_url or "").rstrip("/")
         if url and url != bridge.url:
-            raise ConfigError(f"GRPOConfig.vllm_server_base_url={url!r}: the bridge trains "
+            raise ConfigError(f"{config}.vllm_server_base_url={url!r}: the bridge trains "
                               f"{bridge.url}; leave it unset or give that URL")
         args.vllm_server_base_url = bridge.url
     elif args.vllm_tensor_parallel_size != 1:
-        raise ConfigError(f"GRPOConfig.vllm_tensor_parallel_size="
+        raise ConfigError(f"{config}.vllm_tensor_parallel_size="
                           f"{args.vllm_tensor_parallel_size}: colocate mode trains one "
                           "unsharded copy; use 1")
     for option, why in _REFUSED.items():
         if getattr(args, option, None):
-            raise ConfigError(f"GRPOConfig.{option}={getattr(args, option)!r}: {why}; "
+            raise ConfigError(f"{config}.{option}={getattr(args, option)!r}: {why}; "
                               f"hotweights trains vLLM's tensors in place")
     if peft_config is not None:
         raise ConfigError("peft_config: LoRA adapters are not vLLM's weights (vLLM would "
@@ -265,15 +270,16 @@ def _check_args(args: trl.GRPOConfig, bridge: Bridge | None, peft_config: Any) -
                           "bridge.model(trainable=...)")
 
 
-def _warn_mixed_precision(args: trl.GRPOConfig, tensors: Mapping[str, torch.Tensor]) -> None:
+def _warn_mixed_precision(args: trl.GRPOConfig | trl.RLOOConfig,
+                          tensors: Mapping[str, torch.Tensor]) -> None:
     served = {t.dtype for t in tensors.values() if t.is_floating_point()}
     if args.bf16 and served == {torch.float32}:
-        logger.warning("hotweights: GRPOConfig.bf16=True on float32 weights: the trainer "
-                       "computes in bf16 (autocast) while vLLM samples in float32, so their "
-                       "logprobs differ by ~1e-3; set bf16=False for an exact match")
+        logger.warning("hotweights: %s.bf16=True on float32 weights: the trainer computes "
+                       "in bf16 (autocast) while vLLM samples in float32, so their logprobs "
+                       "differ by ~1e-3; set bf16=False for an exact match", type(args).__name__)
 
 
-def _check_device(trainer: torch.device, served: set[torch.device]) -> None:
+def _check_device(trainer: torch.device, served: set[torch.device], config: str) -> None:
     """Refuse a trainer whose device is not where the served tensors lie: its inputs would
     meet the weights in the first forward pass, after a whole generation."""
     def same(a: torch.device, b: torch.device) -> bool:
@@ -281,7 +287,7 @@ def _check_device(trainer: torch.device, served: set[torch.device]) -> None:
                                      or a.index == b.index)
     if off := sorted(str(d) for d in served if not same(trainer, d)):
         raise ConfigError(f"the trainer computes on {trainer} and the served weights lie on "
-                          f"{', '.join(off)}: set GRPOConfig.use_cpu to match the server "
+                          f"{', '.join(off)}: set {config}.use_cpu to match the server "
                           "(use_cpu=True only for a CPU server) and CUDA_VISIBLE_DEVICES so "
                           "that the trainer's device is the server's GPU")
 
@@ -294,31 +300,26 @@ def outside_served(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) 
             and (param.device, param.untyped_storage().data_ptr()) not in served]
 
 
-class GRPOTrainer(trl.GRPOTrainer):
-    """TRL's `GRPOTrainer` training vLLM's own weights in place.
+class _OnServedWeights:
+    """What makes a TRL trainer train vLLM's own weights in place (`GRPOTrainer`,
+    `RLOOTrainer`: TRL's trainer after this class in the bases; `_config` its config)."""
 
-    Takes what TRL's takes, plus:
-        bridge: the `Bridge` to a `hotweights serve` (server mode). Without it, colocate
-            mode: vLLM runs in this process on `model`, a local model directory.
-        model: server mode: `bridge.model(...)` (default: `bridge.model()`), never a name
-            or a model of its own, which would be a second copy; colocate mode: the
-            model directory.
-        update_mode: server mode: how the server pauses for each optimizer step
-            (`Bridge.update`): "wait" (default: every response is computed with one
-            version), "keep" or "abort".
-        lease_s: server mode: the update lease (renewed while a step runs).
-    """
+    _config: type
 
     def __init__(self, model: torch.nn.Module | str | None = None, reward_funcs: Any = None,
-                 args: trl.GRPOConfig | None = None, *rest: Any, bridge: Bridge | None = None,
+                 args: Any = None, *rest: Any, bridge: Bridge | None = None,
                  update_mode: str = "wait", lease_s: float = 120.0, **kwargs: Any) -> None:
         if not trl.__version__.startswith(TESTED):
             logger.warning("hotweights: TRL %s; this integration is tested with TRL %sx",
                            trl.__version__, TESTED)
         _check_process(update_mode, lease_s)
+        if args is not None and not isinstance(args, self._config):
+            raise ConfigError(f"args is a {type(args).__name__}; {type(self).__name__} "
+                              f"takes its own config, {self._config.__name__}")
         if args is None:
-            args = trl.GRPOConfig(output_dir="hotweights-grpo", use_vllm=True,
-                                  vllm_mode="server" if bridge is not None else "colocate")
+            args = self._config(output_dir=f"hotweights-{type(self).__name__.lower()}",
+                                use_vllm=True,
+                                vllm_mode="server" if bridge is not None else "colocate")
         _check_args(args, bridge, kwargs.get("peft_config"))
         if bridge is not None and model is None:
             model = bridge.model()
@@ -351,7 +352,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             # launcher (RANK set) that device is `cpu:0`, and the move copies every view
             self.accelerator.device_placement = False
             _check_device(self.accelerator.device, {t.device for t in self.weights.tensors
-                                                    .values()})
+                                                    .values()}, type(args).__name__)
             self._check_shared("TRL's setup")
         except BaseException:
             self.close()
@@ -376,7 +377,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             stop_engine(llm)
             restore_environ(self._environ_before)  # TRL's setup's variables too
 
-    def __enter__(self) -> GRPOTrainer:
+    def __enter__(self) -> _OnServedWeights:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -451,3 +452,28 @@ class GRPOTrainer(trl.GRPOTrainer):
 
         step_in_update.hotweights_update = True
         return step_in_update
+
+
+class GRPOTrainer(_OnServedWeights, trl.GRPOTrainer):
+    """TRL's `GRPOTrainer` training vLLM's own weights in place.
+
+    Takes what TRL's takes, plus:
+        bridge: the `Bridge` to a `hotweights serve` (server mode). Without it, colocate
+            mode: vLLM runs in this process on `model`, a local model directory.
+        model: server mode: `bridge.model(...)` (default: `bridge.model()`), never a name
+            or a model of its own, which would be a second copy; colocate mode: the
+            model directory.
+        update_mode: server mode: how the server pauses for each optimizer step
+            (`Bridge.update`): "wait" (default: every response is computed with one
+            version), "keep" or "abort".
+        lease_s: server mode: the update lease (renewed while a step runs).
+    """
+
+    _config = trl.GRPOConfig
+
+
+class RLOOTrainer(_OnServedWeights, trl.RLOOTrainer):
+    """TRL's `RLOOTrainer` training vLLM's own weights in place: as `GRPOTrainer` (the same
+    arguments, modes and refusals), with an `RLOOConfig`."""
+
+    _config = trl.RLOOConfig
