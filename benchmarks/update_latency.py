@@ -166,13 +166,14 @@ def hotweights_run(name: str, model_dir: Path, args: argparse.Namespace,
             last = logprob
         result = dict(times=times, idle=idle, changed=changed)
         if overhead is not None:
-            result["overhead"] = overhead.attempt("trainer-overhead", overhead_run, url, token)
+            result["overhead"] = overhead.attempt("trainer-overhead", overhead_run, url, token,
+                                                 model_dir)
     return result
 
 
-def overhead_run(url: str, token: str) -> dict:
+def overhead_run(url: str, token: str, model_dir: Path) -> dict:
     """The trainer's memory over connect+model, measured in a fresh child process."""
-    out = subprocess.run([sys.executable, __file__, "--overhead", url],
+    out = subprocess.run([sys.executable, __file__, "--overhead", url, str(model_dir)],
                          env=dict(os.environ, HOTWEIGHTS_TOKEN=token),
                          capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
@@ -212,7 +213,7 @@ def reload_run(name: str, model_dir: Path, args: argparse.Namespace) -> dict:
     return dict(times=times, idle=idle, changed=changed, split=split)
 
 
-def overhead_child(url: str) -> None:
+def overhead_child(url: str, model_dir: str) -> None:
     """Child mode: RSS/USS growth of Bridge.connect + bridge.model, one JSON line."""
     import gc
 
@@ -222,12 +223,11 @@ def overhead_child(url: str) -> None:
     start = proc.memory_full_info()
     from hotweights.bridge.client import Bridge
 
-    bridge = Bridge.connect(url)
-    kind = json.loads((Path(bridge.manifests[0].model) / "config.json").read_text())[
-        "model_type"]
+    kind = json.loads((Path(model_dir) / "config.json").read_text())["model_type"]
     importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")  # a trainer has
     gc.collect()  # its model code loaded: imports are measured apart
     before = proc.memory_full_info()
+    bridge = Bridge.connect(url)
     model = bridge.model()
     gc.collect()
     after = proc.memory_full_info()
@@ -254,12 +254,13 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: %(default)s)")
     parser.add_argument("--start-timeout", type=float, default=600,
                         help="seconds allowed for a server to start (default: %(default)s)")
-    parser.add_argument("--overhead", metavar="URL", help=argparse.SUPPRESS)  # child mode
+    parser.add_argument("--overhead", nargs=2, metavar=("URL", "MODEL_DIR"),
+                        help=argparse.SUPPRESS)  # child mode
     args = parser.parse_args(argv)
     if min(args.updates, args.reloads) < 2:
         parser.error("--updates and --reloads need at least 2 (percentiles)")
     if args.overhead:
-        overhead_child(args.overhead)
+        overhead_child(*args.overhead)
         return 0
 
     args.workdir.mkdir(parents=True, exist_ok=True)
