@@ -28,6 +28,9 @@ LOGPROB_TOL = {"bfloat16": 0.05, "float32": 1e-3}
 # measured with qwen3_next (GDN) on an AVX-512 BF16 CPU (AMD EPYC); a missed update differs
 # by far more (other top tokens)
 STEP_TOL = {"bfloat16": 0.15, "float32": 1e-3}
+# Gemma 2 soft-caps its attention scores (tanh) inside vLLM's CPU attention kernel, eager
+# torch in HF: 1.02e-3 nats measured after the step in float32
+STEP_TOL_ARCH = {("gemma2", "float32"): 5e-3}
 
 
 @dataclass
@@ -36,6 +39,7 @@ class Engine:
     params: dict[str, torch.Tensor]
     model_dir: Path
     dtype: str
+    arch: str
 
     def hf_reference(self) -> torch.nn.Module:
         with hf_context(self.llm):
@@ -64,7 +68,7 @@ def engine(engine_key, vllm_engines, tiny_model, servable):
     arch, dtype, impl = engine_key
     servable(arch)
     llm = vllm_engines.get(arch, dtype, impl)
-    return Engine(llm, live_params(llm), tiny_model(arch), dtype)
+    return Engine(llm, live_params(llm), tiny_model(arch), dtype, arch)
 
 
 def _last_logprobs(model) -> torch.Tensor:
@@ -134,10 +138,11 @@ def test_backward_and_inplace_step_write_vllm_weights_and_nothing_else(engine):
         assert changed and all(".layers.0." in n for n in changed)
 
         served_after = engine.vllm_logprobs()  # vLLM serves the update, with no copy
+        tol = STEP_TOL_ARCH.get((engine.arch, engine.dtype), STEP_TOL[engine.dtype])
         assert served_after != served_before
         ours = _last_logprobs(model)
         for token, logprob in served_after.items():
-            assert abs(ours[token].item() - logprob) < STEP_TOL[engine.dtype], token
+            assert abs(ours[token].item() - logprob) < tol, token
     finally:
         with torch.no_grad():
             for name, tensor in engine.params.items():

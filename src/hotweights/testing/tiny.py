@@ -16,7 +16,9 @@ logger = logging.getLogger(__name__)
 
 # What vLLM CPU serves. vLLM's Qwen3.5 module imports torchvision (through transformers'
 # Qwen2-VL image processor), which has no CPU wheel for torch 2.13 here: see docs/qwen3_5.md.
-ARCHS = ("llama", "llama_tied", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5")
+ARCHS = ("llama", "llama_tied", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5",
+         "mistral", "phi3", "gemma2", "gemma3_text", "olmo2", "olmoe", "qwen2_moe", "glm4",
+         "granite", "smollm3")
 GDN_ARCHS = ("qwen3_next", "qwen3_5")  # vLLM's CPU gated-delta-net kernels run bf16 only
 
 _CORPUS = """\
@@ -75,6 +77,21 @@ _ARCH_CONFIG: dict[str, tuple[str, dict[str, Any]]] = {
     # Qwen3.5 text: like Qwen3-Next, but the checkpoint keeps the gated-delta-net input
     # projections apart (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a), and a dense MLP.
     "qwen3_5": ("Qwen3_5TextConfig", _GDN),
+    "mistral": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=None)),
+    "phi3": ("Phi3Config", dict(tie_word_embeddings=False)),  # fused qkv and gate_up on disk
+    # Gemma: tied, scaled embeddings, (1 + w) norms, sliding-window layers, soft-capping (2)
+    "gemma2": ("Gemma2Config", dict(sliding_window=64, query_pre_attn_scalar=64)),
+    "gemma3_text": ("Gemma3TextConfig", dict(sliding_window=64, query_pre_attn_scalar=64)),
+    "olmo2": ("Olmo2Config", dict(tie_word_embeddings=False)),  # q/k norm over all heads
+    # vLLM's Qwen2-MoE and OLMoE ignore `head_dim` too; both with MoE, Qwen2-MoE with a
+    # gated shared expert
+    "olmoe": ("OlmoeConfig", dict(tie_word_embeddings=False, hidden_size=256, num_experts=4,
+                                  num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(_MOE, tie_word_embeddings=False, hidden_size=256,
+                                         shared_expert_intermediate_size=160)),
+    "glm4": ("Glm4Config", dict(tie_word_embeddings=False)),  # fused gate_up, post-norms
+    "granite": ("GraniteConfig", dict(tie_word_embeddings=False)),  # scaled residuals, logits
+    "smollm3": ("SmolLM3Config", dict(tie_word_embeddings=False)),  # layers without RoPE
 }
 
 
