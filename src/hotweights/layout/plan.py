@@ -166,13 +166,29 @@ def hf_params(config: Any, *, trust_remote_code: bool = False
     return shapes, ties
 
 
-def hf_name_candidates(vname: str) -> tuple[str, list[str] | None]:
-    """The HF name a vLLM name stands for, and the HF parts if its module is packed."""
+def renamings(config: Any) -> list:
+    """transformers' renames of checkpoint names for `config`'s model type (Mixtral's
+    `.block_sparse_moe.` -> `.mlp.`), the pure renames only: vLLM keeps the checkpoint's
+    names, and its fused experts are matched by `_RENAMES`."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+    except ImportError:  # a transformers without conversions: names as on disk
+        return []
+    found = get_checkpoint_conversion_mapping(getattr(config, "model_type", None)) or []
+    return [t for t in found if type(t) is WeightRenaming]
+
+
+def hf_name_candidates(vname: str, renames: list = ()) -> tuple[str, list[str] | None]:
+    """The HF name a vLLM name stands for, and the HF parts if its module is packed
+    (`renames`: `renamings(config)`)."""
     name = vname
     for v_prefix, hf_prefix in _PREFIXES:
         if name.startswith(v_prefix):
             name = hf_prefix + name[len(v_prefix) :]
             break
+    for rename in renames:
+        name = rename.rename_source_key(name)[0]
     for v_leaf, hf_leaf in _RENAMES:
         if name.endswith(v_leaf):
             name = name[: -len(v_leaf)] + hf_leaf
@@ -227,12 +243,13 @@ def plan(
     for alias, target in ties.items():
         aliases.setdefault(target, []).append(alias)
 
+    renames = renamings(config)
     pieces: dict[str, tuple[Piece, ...]] = {}
     covered: set[str] = set()  # HF names with a vLLM home (some ranks may hold no rows)
     unused: list[str] = []
     for vname, value in params.items():
         live = tuple(value.shape) if hasattr(value, "shape") else tuple(value)
-        name, parts = hf_name_candidates(vname)
+        name, parts = hf_name_candidates(vname, renames)
         if name in ties:  # vLLM keeps apart what the config ties: training one would
             raise LayoutError(  # leave the other, which vLLM computes with, behind
                 f"{vname}: vLLM holds it as a tensor of its own, but the config ties "

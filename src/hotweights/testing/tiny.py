@@ -17,8 +17,8 @@ logger = logging.getLogger(__name__)
 # What vLLM CPU serves. vLLM's Qwen3.5 module imports torchvision (through transformers'
 # Qwen2-VL image processor), which has no CPU wheel for torch 2.13 here: see docs/qwen3_5.md.
 ARCHS = ("llama", "llama_tied", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5",
-         "mistral", "phi3", "gemma2", "gemma3_text", "olmo2", "olmoe", "qwen2_moe", "glm4",
-         "granite", "smollm3")
+         "mistral", "mixtral", "phi3", "gemma2", "gemma3_text", "olmo2", "olmoe", "qwen2_moe",
+         "glm4", "granite", "smollm3", "starcoder2", "stablelm")
 GDN_ARCHS = ("qwen3_next", "qwen3_5")  # vLLM's CPU gated-delta-net kernels run bf16 only
 
 _CORPUS = """\
@@ -78,6 +78,9 @@ _ARCH_CONFIG: dict[str, tuple[str, dict[str, Any]]] = {
     # projections apart (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a), and a dense MLP.
     "qwen3_5": ("Qwen3_5TextConfig", _GDN),
     "mistral": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=None)),
+    # transformers renames Mixtral's `block_sparse_moe` to `mlp`; vLLM keeps the former
+    "mixtral": ("MixtralConfig", dict(tie_word_embeddings=False, sliding_window=None,
+                                      num_local_experts=4, num_experts_per_tok=2)),
     "phi3": ("Phi3Config", dict(tie_word_embeddings=False)),  # fused qkv and gate_up on disk
     # Gemma: tied, scaled embeddings, (1 + w) norms, sliding-window layers, soft-capping (2)
     "gemma2": ("Gemma2Config", dict(sliding_window=64, query_pre_attn_scalar=64)),
@@ -92,6 +95,11 @@ _ARCH_CONFIG: dict[str, tuple[str, dict[str, Any]]] = {
     "glm4": ("Glm4Config", dict(tie_word_embeddings=False)),  # fused gate_up, post-norms
     "granite": ("GraniteConfig", dict(tie_word_embeddings=False)),  # scaled residuals, logits
     "smollm3": ("SmolLM3Config", dict(tie_word_embeddings=False)),  # layers without RoPE
+    # LayerNorms with biases, a plain (ungated) MLP; vLLM's derive head_dim from the hidden
+    # size as Qwen2's does
+    "starcoder2": ("Starcoder2Config", dict(tie_word_embeddings=False, hidden_size=256,
+                                            sliding_window=None)),
+    "stablelm": ("StableLmConfig", dict(tie_word_embeddings=False, hidden_size=256)),
 }
 
 
