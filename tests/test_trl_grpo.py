@@ -21,12 +21,17 @@ import torch
 pytest.importorskip("trl")
 
 from datasets import Dataset  # noqa: E402
-from transformers import TrainerCallback  # noqa: E402
-from trl import GRPOConfig, RLOOConfig  # noqa: E402
+from transformers import AutoModelForCausalLM, TrainerCallback  # noqa: E402
+from trl import DistillationConfig, GRPOConfig, RLOOConfig  # noqa: E402
 
 from hotweights.bridge.client import Bridge  # noqa: E402
 from hotweights.errors import ConfigError  # noqa: E402
-from hotweights.integrations.trl import GRPOTrainer, RLOOTrainer, outside_served  # noqa: E402
+from hotweights.integrations.trl import (  # noqa: E402
+    DistillationTrainer,
+    GRPOTrainer,
+    RLOOTrainer,
+    outside_served,
+)
 from hotweights.protocol.version import parse_version  # noqa: E402
 from hotweights.server import launch  # noqa: E402
 from hotweights.testing import tiny  # noqa: E402
@@ -366,3 +371,33 @@ def test_rloo_refuses_what_grpo_refuses_and_a_grpo_config(served):
     with pytest.raises(ConfigError, match="GRPOConfig; RLOOTrainer takes its own config"):
         RLOOTrainer(bridge=bridge, reward_funcs=_reward, train_dataset=_data(),
                     args=_config(tmp))
+
+
+def test_on_policy_distillation_trains_the_served_student_in_place(served):
+    """The student is the served model (its completions come from the server); the teacher
+    is TRL's own model, loaded from the same directory and moved away from the student."""
+    url, tmp = served
+    bridge = Bridge.connect(url, token=TOKEN)
+    model = bridge.model()
+    before = parse_version(bridge.version)[0]
+    teacher = AutoModelForCausalLM.from_pretrained(tmp / "llama", dtype=torch.float32)
+    with torch.no_grad():
+        teacher.get_output_embeddings().weight.mul_(2.0)  # a teacher unlike the student
+    trainer = DistillationTrainer(
+        model=model, teacher_model=teacher, bridge=bridge, train_dataset=_data(),
+        args=DistillationConfig(
+            output_dir=str(tmp / "distill"), use_vllm=True, vllm_mode="server",
+            per_device_train_batch_size=4, max_completion_length=8, learning_rate=1e-2,
+            max_steps=2, logging_steps=1, report_to="none", use_cpu=True, bf16=False,
+            save_strategy="no", seed=0, disable_tqdm=True))
+    assert trainer.model is model
+    lm_head = model.get_output_embeddings().weight.detach().clone()
+    trainer.train()
+
+    assert parse_version(bridge.version)[0] == before + 2
+    assert outside_served(trainer.model, bridge.tensors) == []
+    assert not torch.equal(model.get_output_embeddings().weight.detach(), lm_head)
+    versions = [e["hotweights/sample_version"] for e in trainer.state.log_history
+                if "hotweights/sample_version" in e]
+    assert versions and versions[0] == float(before)
+    assert bridge.status()["dirty"] is False

@@ -1,5 +1,5 @@
-"""TRL's `GRPOTrainer` and `RLOOTrainer` on the served weights: the policy TRL trains is
-vLLM's own copy.
+"""TRL's `GRPOTrainer`, `RLOOTrainer` and `DistillationTrainer` on the served weights: the
+policy (the student) TRL trains is vLLM's own copy.
 
 Server mode, a `hotweights serve` on this machine:
 
@@ -15,7 +15,9 @@ Colocate mode, vLLM in this process (no bridge; the model is a local directory):
     trainer = GRPOTrainer(model="./my-model", reward_funcs=reward, train_dataset=data,
                           args=GRPOConfig(use_vllm=True, vllm_mode="colocate", ...))
 
-`RLOOTrainer` is the same with an `RLOOConfig`.
+`RLOOTrainer` is the same with an `RLOOConfig`; `DistillationTrainer` (on-policy
+distillation: the served model is the student) with a `DistillationConfig` and
+`teacher_model=` in place of the reward functions.
 
 How: the model's parameters are views into vLLM's weights (`bridge.model()`, or
 `build_hf_model` over the in-process engine's parameters); every optimizer step runs
@@ -191,7 +193,8 @@ def _colocated_engine(model_dir: str, args: trl.GRPOConfig | trl.RLOOConfig):
     llm = start_engine(
         model_dir, dtype=dtype, logprobs_mode="processed_logprobs", seed=args.seed,
         max_model_len=args.vllm_max_model_length,  # None: the model's own
-        max_num_seqs=args.per_device_train_batch_size * (args.steps_per_generation or 1),
+        max_num_seqs=args.per_device_train_batch_size * (  # a generation's sequences
+            getattr(args, "steps_per_generation", None) or args.gradient_accumulation_steps),
         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
         model_impl=args.vllm_model_impl, trust_remote_code=args.trust_remote_code)
     try:
@@ -302,7 +305,9 @@ def outside_served(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) 
 
 class _OnServedWeights:
     """What makes a TRL trainer train vLLM's own weights in place (`GRPOTrainer`,
-    `RLOOTrainer`: TRL's trainer after this class in the bases; `_config` its config)."""
+    `RLOOTrainer`, `DistillationTrainer`: TRL's trainer after this class in the bases;
+    `_config` its config). The second argument goes to TRL's as its second (the reward
+    functions, or the teacher)."""
 
     _config: type
 
@@ -477,3 +482,16 @@ class RLOOTrainer(_OnServedWeights, trl.RLOOTrainer):
     arguments, modes and refusals), with an `RLOOConfig`."""
 
     _config = trl.RLOOConfig
+
+
+class DistillationTrainer(_OnServedWeights, trl.DistillationTrainer):
+    """TRL's on-policy `DistillationTrainer` training vLLM's own weights in place: the
+    student is the served model, and its completions come from the server; as
+    `GRPOTrainer` otherwise (the same arguments, modes and refusals), with a
+    `DistillationConfig`. The teacher is TRL's own (a model of its own, by design)."""
+
+    _config = trl.DistillationConfig
+
+    def __init__(self, model: torch.nn.Module | str | None = None, teacher_model: Any = None,
+                 args: trl.DistillationConfig | None = None, *rest: Any, **kwargs: Any) -> None:
+        super().__init__(model, teacher_model, args, *rest, **kwargs)
