@@ -376,6 +376,24 @@ def test_synthetic_names_match_transformers(arch: str) -> None:
     assert (shapes, ties) == _hf_shapes(m)
 
 
+def test_transformers_renames_of_the_model_type_map_vllm_s_names() -> None:
+    """Mixtral: vLLM keeps the checkpoint's `block_sparse_moe`, transformers 5 calls it
+    `mlp` (its conversion mapping): the plan maps one to the other."""
+    from hotweights.testing import tiny
+
+    config = tiny.make_config("mixtral", 300)
+    shapes, _ = hf_params(config)
+    vllm = {n.replace(".mlp.", ".block_sparse_moe.")
+            .replace(".experts.gate_up_proj", ".experts.w13_weight")
+            .replace(".experts.down_proj", ".experts.w2_weight"): s for n, s in shapes.items()}
+    assert any(".block_sparse_moe.gate." in n for n in vllm)
+    layout = plan(config, vllm)
+    assert layout.pieces["model.layers.0.block_sparse_moe.experts.w13_weight"][0].hf_name == \
+        "model.layers.0.mlp.experts.gate_up_proj"
+    assert layout.pieces["model.layers.1.block_sparse_moe.gate.weight"][0].hf_name == \
+        "model.layers.1.mlp.gate.weight"
+
+
 # ------------------------------------------------------------------ error messages
 
 

@@ -126,6 +126,9 @@ def test_grpo_trains_the_served_weights_in_place(served):
                                            ("use_vllm", False),
                                            ("vllm_enable_sleep_mode", True),
                                            ("vllm_server_base_url", "http://127.0.0.1:1"),
+                                           ("optim", "lomo"),  # steps inside backward
+                                           ("optim", "galore_adamw_layerwise"),
+                                           ("bf16_full_eval", True),  # fp32 weights: a cast
                                            ("peft_config", "a LoRA config")])
 def test_what_would_copy_the_weights_is_refused_by_option(served, option, value):
     url, tmp = served
@@ -283,11 +286,11 @@ def test_several_training_processes_are_refused(served, monkeypatch):
 def test_a_trainer_on_another_device_than_the_weights_is_refused(trainer, served, ok):
     from hotweights.integrations.trl import _check_device
 
-    args = torch.device(trainer), {torch.device(d) for d in served}
+    args = torch.device(trainer), {torch.device(d) for d in served}, "RLOOConfig"
     if ok:
         _check_device(*args)
     else:
-        with pytest.raises(ConfigError, match="use_cpu"):
+        with pytest.raises(ConfigError, match="set RLOOConfig.use_cpu"):
             _check_device(*args)
 
 
@@ -401,3 +404,10 @@ def test_on_policy_distillation_trains_the_served_student_in_place(served):
                 if "hotweights/sample_version" in e]
     assert versions and versions[0] == float(before)
     assert bridge.status()["dirty"] is False
+
+
+def test_distillation_wants_a_teacher(served):
+    url, tmp = served
+    bridge = Bridge.connect(url, token=TOKEN)
+    with pytest.raises(ConfigError, match="teacher_model=None"):
+        DistillationTrainer(bridge=bridge, train_dataset=_data())

@@ -8,7 +8,12 @@ import torch
 
 pytest.importorskip("trl")
 
-from hotweights.integrations.trl import GRPOTrainer, RLOOTrainer, outside_served  # noqa: E402
+from hotweights.integrations.trl import (  # noqa: E402
+    DistillationTrainer,
+    GRPOTrainer,
+    RLOOTrainer,
+    outside_served,
+)
 from hotweights.testing import tiny  # noqa: E402
 from test_trl_grpo import _config, _data, _reward, _rloo_config  # noqa: E402
 
@@ -62,6 +67,31 @@ def test_rloo_trains_vllm_s_own_parameters_in_this_process(colocated):
         assert any(not torch.equal(t, before[name]) for name, t in live.items())
         logs = [entry for entry in trainer.state.log_history if "reward" in entry]
         assert [entry["hotweights/sample_version"] for entry in logs] == [0.0, 1.0]
+
+
+@pytest.mark.timeout(400)
+def test_distillation_trains_vllm_s_own_student_in_this_process(colocated):
+    from transformers import AutoModelForCausalLM
+    from trl import DistillationConfig
+
+    tmp, trainers = colocated
+    model_dir = tiny.build("llama", tmp / "llama", dtype="float32")
+    teacher = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        teacher.get_output_embeddings().weight.mul_(2.0)
+    args = DistillationConfig(
+        output_dir=str(tmp / "distill"), use_vllm=True, vllm_mode="colocate",
+        per_device_train_batch_size=4, max_completion_length=8, learning_rate=1e-2,
+        max_steps=2, logging_steps=1, report_to="none", use_cpu=True, bf16=False,
+        save_strategy="no", seed=0, disable_tqdm=True)
+    with DistillationTrainer(model=str(model_dir), teacher_model=teacher,
+                             train_dataset=_data(), args=args) as trainer:
+        live = trainer.weights.tensors
+        before = {name: t.detach().clone() for name, t in live.items()}
+        trainer.train()
+        assert outside_served(trainer.model, live) == []
+        assert trainer.weights.version == 2
+        assert any(not torch.equal(t, before[name]) for name, t in live.items())
 
 
 @pytest.mark.timeout(400)

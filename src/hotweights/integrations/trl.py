@@ -175,7 +175,10 @@ class _Colocated:
             self.version += 1
 
 
-def _colocated_engine(model_dir: str, args: trl.GRPOConfig | trl.RLOOConfig):
+_Config = trl.GRPOConfig | trl.RLOOConfig | trl.DistillationConfig  # the trainers' configs
+
+
+def _colocated_engine(model_dir: str, args: _Config):
     """vLLM in this process on `model_dir`, in the checkpoint's dtype (vLLM's "auto"
     would serve a float32 checkpoint in bf16: TRL would sample another policy than it
     trains), with hotweights' layout-keeping plugin; the HF model of views over it."""
@@ -237,7 +240,7 @@ def _check_process(update_mode: object, lease_s: object) -> None:
                           "trainer during a step before it drops the update")
 
 
-def _check_args(args: trl.GRPOConfig | trl.RLOOConfig, bridge: Bridge | None,
+def _check_args(args: _Config, bridge: Bridge | None,
                 peft_config: Any) -> None:
     """Refuse, naming the option, a config that would copy or re-create the shared weights
     (or generate from another copy than the one trained); point TRL at the bridge's
@@ -267,15 +270,29 @@ def _check_args(args: trl.GRPOConfig | trl.RLOOConfig, bridge: Bridge | None,
         if getattr(args, option, None):
             raise ConfigError(f"{config}.{option}={getattr(args, option)!r}: {why}; "
                               f"hotweights trains vLLM's tensors in place")
+    optim = getattr(args.optim, "value", args.optim)
+    if optim in ("lomo", "adalomo") or str(optim).endswith("layerwise"):
+        raise ConfigError(f"{config}.optim={optim!r}: it writes the weights during the "
+                          "backward pass, outside the optimizer step that hotweights runs "
+                          "inside an update (vLLM would serve half-written tensors); pick "
+                          "an optimizer that steps in optimizer.step()")
     if peft_config is not None:
         raise ConfigError("peft_config: LoRA adapters are not vLLM's weights (vLLM would "
                           "never see them); train the base weights, e.g. "
                           "bridge.model(trainable=...)")
 
 
-def _warn_mixed_precision(args: trl.GRPOConfig | trl.RLOOConfig,
-                          tensors: Mapping[str, torch.Tensor]) -> None:
+def _check_dtypes(args: _Config, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Refuse `bf16_full_eval` / `fp16_full_eval` on weights of another dtype (evaluation
+    would `.to()` the model: a copy); warn of bf16 autocast on float32 weights."""
     served = {t.dtype for t in tensors.values() if t.is_floating_point()}
+    for option, dtype in (("bf16_full_eval", torch.bfloat16), ("fp16_full_eval", torch.float16)):
+        if getattr(args, option, False) and served != {dtype}:
+            raise ConfigError(f"{type(args).__name__}.{option}=True: evaluation would cast "
+                              f"the model to {dtype} and compute with a copy of the served "
+                              f"weights ({', '.join(sorted(map(str, served)))}), then training "
+                              "would find its parameters gone from vLLM's memory; leave it "
+                              "False")
     if args.bf16 and served == {torch.float32}:
         logger.warning("hotweights: %s.bf16=True on float32 weights: the trainer computes "
                        "in bf16 (autocast) while vLLM samples in float32, so their logprobs "
@@ -346,7 +363,7 @@ class _OnServedWeights:
             llm = self.weights.llm
             setup = _in_trl("LLM", lambda *a, **k: llm)  # TRL's engine is this one
         try:  # colocate mode: the engine stopped and the environment put back on failure
-            _warn_mixed_precision(args, self.weights.tensors)
+            _check_dtypes(args, self.weights.tensors)
             with setup:
                 super().__init__(model, reward_funcs, args, *rest, **kwargs)
             if self.is_deepspeed_enabled or self.is_fsdp_enabled:  # from accelerate's config
@@ -494,4 +511,7 @@ class DistillationTrainer(_OnServedWeights, trl.DistillationTrainer):
 
     def __init__(self, model: torch.nn.Module | str | None = None, teacher_model: Any = None,
                  args: trl.DistillationConfig | None = None, *rest: Any, **kwargs: Any) -> None:
+        if teacher_model is None:  # TRL would fail in the first loss, after a generation
+            raise ConfigError("teacher_model=None: pass the teacher (a model or its name); "
+                              "the student is the served model")
         super().__init__(model, teacher_model, args, *rest, **kwargs)

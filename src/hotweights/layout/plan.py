@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -166,10 +166,13 @@ def hf_params(config: Any, *, trust_remote_code: bool = False
     return shapes, ties
 
 
-def renamings(config: Any) -> list:
+def renamings(config: Any, *, trust_remote_code: bool = False) -> list:
     """transformers' renames of checkpoint names for `config`'s model type (Mixtral's
-    `.block_sparse_moe.` -> `.mlp.`), the pure renames only: vLLM keeps the checkpoint's
-    names, and its fused experts are matched by `_RENAMES`."""
+    `.block_sparse_moe.` -> `.mlp.`), the pure renames only: vLLM mostly keeps the names on
+    disk (`plan` tries a name as it is first), and its fused experts are matched by
+    `_RENAMES`. None for a model of its own code (`auto_map`), as transformers has it."""
+    if trust_remote_code and getattr(config, "auto_map", None):
+        return []
     try:
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
         from transformers.core_model_loading import WeightRenaming
@@ -179,7 +182,7 @@ def renamings(config: Any) -> list:
     return [t for t in found if type(t) is WeightRenaming]
 
 
-def hf_name_candidates(vname: str, renames: list = ()) -> tuple[str, list[str] | None]:
+def hf_name_candidates(vname: str, renames: Sequence = ()) -> tuple[str, list[str] | None]:
     """The HF name a vLLM name stands for, and the HF parts if its module is packed
     (`renames`: `renamings(config)`)."""
     name = vname
@@ -243,13 +246,15 @@ def plan(
     for alias, target in ties.items():
         aliases.setdefault(target, []).append(alias)
 
-    renames = renamings(config)
+    renames = renamings(config, trust_remote_code=trust_remote_code)
     pieces: dict[str, tuple[Piece, ...]] = {}
     covered: set[str] = set()  # HF names with a vLLM home (some ranks may hold no rows)
     unused: list[str] = []
     for vname, value in params.items():
         live = tuple(value.shape) if hasattr(value, "shape") else tuple(value)
-        name, parts = hf_name_candidates(vname, renames)
+        name, parts = hf_name_candidates(vname)
+        if renames and name not in shapes and not (parts and all(p in shapes for p in parts)):
+            name, parts = hf_name_candidates(vname, renames)
         if name in ties:  # vLLM keeps apart what the config ties: training one would
             raise LayoutError(  # leave the other, which vLLM computes with, behind
                 f"{vname}: vLLM holds it as a tensor of its own, but the config ties "
