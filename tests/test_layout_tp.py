@@ -397,6 +397,17 @@ def test_transformers_renames_of_the_model_type_map_vllm_s_names() -> None:
 # ------------------------------------------------------------------ error messages
 
 
+def test_vllm_parameters_derived_at_load_are_named_with_why() -> None:
+    """MLA's W_UV / W_UK_T are copies vLLM computes from kv_b_proj: refused, saying so."""
+    from hotweights.testing import tiny
+
+    config = tiny.make_config("llama", 300)
+    shapes, _ = hf_params(config)
+    derived = "model.layers.0.self_attn.mla_attn.mla_attn."
+    with pytest.raises(LayoutError, match="MLA models cannot be trained in place"):
+        plan(config, {**shapes, derived + "W_UV": (4, 8, 8), derived + "W_UK_T": (4, 8, 8)})
+
+
 def _qkv_case(kv: int, heads: int, hd: int = 4, hidden: int = 8):
     config = SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv)
     p = "model.layers.0.self_attn."

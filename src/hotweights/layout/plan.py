@@ -282,8 +282,17 @@ def plan(
     return Layout(pieces, tuple(missing), tuple(unused), tp_size, tp_rank, dict(ties))
 
 
+# vLLM parameters computed from others at load (a copy): in-place training cannot reach them
+_DERIVED = {
+    "W_UV": "vLLM's multi-head latent attention (DeepSeek-V2/V3, Kimi) derives W_UV and "
+            "W_UK_T from kv_b_proj at load: a copy, which training kv_b_proj in place would "
+            "leave behind; MLA models cannot be trained in place",
+}
+
+
 def _unmapped_message(unused: list[str], missing: list[str]) -> str:
-    lines = []
+    lines = [why for leaf, why in _DERIVED.items()
+             if any(n.rpartition(".")[2] == leaf for n in unused)]
     if unused:
         lines.append(
             f"{len(unused)} vLLM parameter(s) match no HF parameter (unknown name or packing,"
