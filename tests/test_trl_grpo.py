@@ -70,22 +70,53 @@ def _reward(completion_ids, **_) -> list[float]:
     return [sum(t < 30 for t in ids) / max(len(ids), 1) for ids in completion_ids]
 
 
+_COMMON = {"use_vllm": True, "vllm_mode": "server", "max_completion_length": 8,
+           "learning_rate": 1e-2, "logging_steps": 1, "report_to": "none", "use_cpu": True,
+           "bf16": False, "save_strategy": "no", "seed": 0, "disable_tqdm": True}
+
+
 def _config(tmp, **overrides) -> GRPOConfig:
     return GRPOConfig(**{
-        "output_dir": str(tmp / "out"), "use_vllm": True, "vllm_mode": "server",
-        "per_device_train_batch_size": 8, "num_generations": 4, "max_completion_length": 8,
-        "learning_rate": 1e-2, "max_steps": STEPS, "logging_steps": 1, "report_to": "none",
-        "use_cpu": True, "bf16": False, "save_strategy": "no", "seed": 0, "disable_tqdm": True,
-        "vllm_importance_sampling_correction": True, **overrides})
+        **_COMMON, "output_dir": str(tmp / "out"), "per_device_train_batch_size": 8,
+        "num_generations": 4, "max_steps": STEPS, "vllm_importance_sampling_correction": True,
+        **overrides})
 
 
 def _rloo_config(tmp, **overrides) -> RLOOConfig:
-    return RLOOConfig(**{
-        "output_dir": str(tmp / "rloo"), "use_vllm": True, "vllm_mode": "server",
-        "per_device_train_batch_size": 8, "num_generations": 4, "max_completion_length": 8,
-        "learning_rate": 1e-2, "max_steps": STEPS, "logging_steps": 1, "report_to": "none",
-        "use_cpu": True, "bf16": False, "save_strategy": "no", "seed": 0, "disable_tqdm": True,
-        **overrides})
+    return RLOOConfig(**{**_COMMON, "output_dir": str(tmp / "rloo"),
+                         "per_device_train_batch_size": 8, "num_generations": 4,
+                         "max_steps": STEPS, **overrides})
+
+
+def _distill_config(tmp, **overrides) -> DistillationConfig:
+    return DistillationConfig(**{**_COMMON, "output_dir": str(tmp / "distill"),
+                                 "per_device_train_batch_size": 4, "max_steps": 2,
+                                 **overrides})
+
+
+def _teacher(model_dir: Path) -> torch.nn.Module:
+    """TRL's own teacher: the model of `model_dir`, its output embeddings doubled (a
+    teacher unlike the student)."""
+    teacher = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        teacher.get_output_embeddings().weight.mul_(2.0)
+    return teacher
+
+
+def _trains_the_served_weights(trainer, bridge: Bridge, steps: int) -> list[float]:
+    """Train; one version per optimizer step, every trainable parameter still a view of
+    the server's memory, the output embeddings moved, a clean commit. Returns the sample
+    versions logged (one per generation)."""
+    model = trainer.model
+    before = parse_version(bridge.version)[0]
+    lm_head = model.get_output_embeddings().weight.detach().clone()
+    trainer.train()
+    assert parse_version(bridge.version)[0] == before + steps
+    assert outside_served(model, bridge.tensors) == []
+    assert not torch.equal(model.get_output_embeddings().weight.detach(), lm_head)
+    assert bridge.status()["dirty"] is False
+    return [e["hotweights/sample_version"] for e in trainer.state.log_history
+            if "hotweights/sample_version" in e]
 
 
 def _data() -> Dataset:
@@ -102,23 +133,15 @@ def test_grpo_trains_the_served_weights_in_place(served):
     trainer = GRPOTrainer(model=model, bridge=bridge, reward_funcs=_reward,
                           args=_config(tmp), train_dataset=_data())
     assert trainer.model is model
-    lm_head = model.get_output_embeddings().weight.detach().clone()
-    trainer.train()
-
-    # one version per optimizer step, and the steps changed what the server serves
-    assert parse_version(bridge.version)[0] == before + STEPS
-    assert outside_served(trainer.model, bridge.tensors) == []
-    assert not torch.equal(model.get_output_embeddings().weight.detach(), lm_head)
+    # each batch was sampled by the weights of the step before it (steps_per_generation 1)
+    assert _trains_the_served_weights(trainer, bridge, STEPS) == \
+        [float(before + i) for i in range(STEPS)]
     logs = [entry for entry in trainer.state.log_history if "reward" in entry]
     assert len(logs) == STEPS
-    # each batch was sampled by the weights of the step before it (steps_per_generation 1)
-    assert [entry["hotweights/sample_version"] for entry in logs] == \
-        [float(before + i) for i in range(STEPS)]
     assert all(entry["hotweights/version_lag"] == 0 for entry in logs)
     # the trainer and vLLM agree on the sampled tokens' logprobs (fp32 both sides)
     gaps = [entry["sampling/sampling_logp_difference/mean"] for entry in logs]
     assert max(gaps) <= 1e-4, gaps
-    assert bridge.status()["dirty"] is False
 
 
 @pytest.mark.parametrize("option, value", [("cast_lm_head_to_fp32", True),
@@ -352,17 +375,10 @@ def test_rloo_trains_the_served_weights_in_place(served):
     trainer = RLOOTrainer(model=model, bridge=bridge, reward_funcs=_reward,
                           args=_rloo_config(tmp), train_dataset=_data())
     assert trainer.model is model
-    lm_head = model.get_output_embeddings().weight.detach().clone()
-    trainer.train()
-
-    assert parse_version(bridge.version)[0] == before + STEPS
-    assert outside_served(trainer.model, bridge.tensors) == []
-    assert not torch.equal(model.get_output_embeddings().weight.detach(), lm_head)
-    logs = [entry for entry in trainer.state.log_history if "reward" in entry]
-    assert [entry["hotweights/sample_version"] for entry in logs] == \
+    assert _trains_the_served_weights(trainer, bridge, STEPS) == \
         [float(before + i) for i in range(STEPS)]
+    logs = [entry for entry in trainer.state.log_history if "reward" in entry]
     assert all(entry["hotweights/version_lag"] == 0 for entry in logs)
-    assert bridge.status()["dirty"] is False
 
 
 def test_rloo_refuses_what_grpo_refuses_and_a_grpo_config(served):
@@ -378,32 +394,17 @@ def test_rloo_refuses_what_grpo_refuses_and_a_grpo_config(served):
 
 def test_on_policy_distillation_trains_the_served_student_in_place(served):
     """The student is the served model (its completions come from the server); the teacher
-    is TRL's own model, loaded from the same directory and moved away from the student."""
+    is TRL's own model."""
     url, tmp = served
     bridge = Bridge.connect(url, token=TOKEN)
     model = bridge.model()
     before = parse_version(bridge.version)[0]
-    teacher = AutoModelForCausalLM.from_pretrained(tmp / "llama", dtype=torch.float32)
-    with torch.no_grad():
-        teacher.get_output_embeddings().weight.mul_(2.0)  # a teacher unlike the student
-    trainer = DistillationTrainer(
-        model=model, teacher_model=teacher, bridge=bridge, train_dataset=_data(),
-        args=DistillationConfig(
-            output_dir=str(tmp / "distill"), use_vllm=True, vllm_mode="server",
-            per_device_train_batch_size=4, max_completion_length=8, learning_rate=1e-2,
-            max_steps=2, logging_steps=1, report_to="none", use_cpu=True, bf16=False,
-            save_strategy="no", seed=0, disable_tqdm=True))
+    trainer = DistillationTrainer(model=model, teacher_model=_teacher(tmp / "llama"),
+                                  bridge=bridge, train_dataset=_data(),
+                                  args=_distill_config(tmp))
     assert trainer.model is model
-    lm_head = model.get_output_embeddings().weight.detach().clone()
-    trainer.train()
-
-    assert parse_version(bridge.version)[0] == before + 2
-    assert outside_served(trainer.model, bridge.tensors) == []
-    assert not torch.equal(model.get_output_embeddings().weight.detach(), lm_head)
-    versions = [e["hotweights/sample_version"] for e in trainer.state.log_history
-                if "hotweights/sample_version" in e]
+    versions = _trains_the_served_weights(trainer, bridge, 2)
     assert versions and versions[0] == float(before)
-    assert bridge.status()["dirty"] is False
 
 
 def test_distillation_wants_a_teacher(served):

@@ -15,7 +15,14 @@ from hotweights.integrations.trl import (  # noqa: E402
     outside_served,
 )
 from hotweights.testing import tiny  # noqa: E402
-from test_trl_grpo import _config, _data, _reward, _rloo_config  # noqa: E402
+from test_trl_grpo import (  # noqa: E402
+    _config,
+    _data,
+    _distill_config,
+    _reward,
+    _rloo_config,
+    _teacher,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -30,6 +37,19 @@ def colocated(tmp_path):
         trainer.close()
 
 
+def _trains_vllm_s_tensors(trainer, steps: int) -> list[float]:
+    """Train; every trainable parameter still a view of the engine's, the engine's tensors
+    written, one version per step. Returns the sample versions logged."""
+    live = trainer.weights.tensors
+    before = {name: t.detach().clone() for name, t in live.items()}
+    trainer.train()
+    assert outside_served(trainer.model, live) == []
+    assert trainer.weights.version == steps
+    assert any(not torch.equal(t, before[name]) for name, t in live.items())
+    return [e["hotweights/sample_version"] for e in trainer.state.log_history
+            if "hotweights/sample_version" in e]
+
+
 @pytest.mark.timeout(400)
 def test_grpo_trains_vllm_s_own_parameters_in_this_process(colocated):
     tmp, trainers = colocated
@@ -40,58 +60,28 @@ def test_grpo_trains_vllm_s_own_parameters_in_this_process(colocated):
     live = trainer.weights.tensors
     assert {t.dtype for t in live.values()} == {torch.float32}  # not vLLM's "auto" bf16
     assert outside_served(trainer.model, live) == []
-    before = {name: t.detach().clone() for name, t in live.items()}
-    trainer.train()
-
-    assert outside_served(trainer.model, live) == []
-    assert trainer.weights.version == STEPS
-    changed = [name for name, t in live.items() if not torch.equal(t, before[name])]
-    assert changed, "the steps wrote vLLM's own tensors"
+    assert _trains_vllm_s_tensors(trainer, STEPS) == [0.0, 1.0, 2.0]
     logs = [entry for entry in trainer.state.log_history if "reward" in entry]
-    assert [entry["hotweights/sample_version"] for entry in logs] == [0.0, 1.0, 2.0]
     gaps = [entry["sampling/sampling_logp_difference/mean"] for entry in logs]
     assert max(gaps) <= 1e-4, gaps
 
 
 @pytest.mark.timeout(400)
-def test_rloo_trains_vllm_s_own_parameters_in_this_process(colocated):
-    tmp, trainers = colocated
-    model_dir = tiny.build("llama", tmp / "llama", dtype="float32")
+def test_rloo_trains_vllm_s_own_parameters_in_this_process(tmp_path):
+    model_dir = tiny.build("llama", tmp_path / "llama", dtype="float32")
     with RLOOTrainer(model=str(model_dir), reward_funcs=_reward, train_dataset=_data(),
-                     args=_rloo_config(tmp, vllm_mode="colocate", max_steps=2)) as trainer:
-        live = trainer.weights.tensors
-        before = {name: t.detach().clone() for name, t in live.items()}
-        trainer.train()
-        assert outside_served(trainer.model, live) == []
-        assert trainer.weights.version == 2
-        assert any(not torch.equal(t, before[name]) for name, t in live.items())
-        logs = [entry for entry in trainer.state.log_history if "reward" in entry]
-        assert [entry["hotweights/sample_version"] for entry in logs] == [0.0, 1.0]
+                     args=_rloo_config(tmp_path, vllm_mode="colocate", max_steps=2)
+                     ) as trainer:
+        assert _trains_vllm_s_tensors(trainer, 2) == [0.0, 1.0]
 
 
 @pytest.mark.timeout(400)
-def test_distillation_trains_vllm_s_own_student_in_this_process(colocated):
-    from transformers import AutoModelForCausalLM
-    from trl import DistillationConfig
-
-    tmp, trainers = colocated
-    model_dir = tiny.build("llama", tmp / "llama", dtype="float32")
-    teacher = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    with torch.no_grad():
-        teacher.get_output_embeddings().weight.mul_(2.0)
-    args = DistillationConfig(
-        output_dir=str(tmp / "distill"), use_vllm=True, vllm_mode="colocate",
-        per_device_train_batch_size=4, max_completion_length=8, learning_rate=1e-2,
-        max_steps=2, logging_steps=1, report_to="none", use_cpu=True, bf16=False,
-        save_strategy="no", seed=0, disable_tqdm=True)
-    with DistillationTrainer(model=str(model_dir), teacher_model=teacher,
-                             train_dataset=_data(), args=args) as trainer:
-        live = trainer.weights.tensors
-        before = {name: t.detach().clone() for name, t in live.items()}
-        trainer.train()
-        assert outside_served(trainer.model, live) == []
-        assert trainer.weights.version == 2
-        assert any(not torch.equal(t, before[name]) for name, t in live.items())
+def test_distillation_trains_vllm_s_own_student_in_this_process(tmp_path):
+    model_dir = tiny.build("llama", tmp_path / "llama", dtype="float32")
+    with DistillationTrainer(model=str(model_dir), teacher_model=_teacher(model_dir),
+                             train_dataset=_data(),
+                             args=_distill_config(tmp_path, vllm_mode="colocate")) as trainer:
+        assert _trains_vllm_s_tensors(trainer, 2)[0] == 0.0
 
 
 @pytest.mark.timeout(400)

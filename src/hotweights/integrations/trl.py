@@ -31,9 +31,10 @@ TRL's own. The weight version that sampled each completion is kept
 `hotweights/version_lag`: optimizer steps between the weights that sampled a batch and
 the weights it updates).
 
-What would copy, cast or re-create the shared parameters is refused before anything runs,
-naming the TRL option at fault; after TRL has set up, every trainable parameter is
-checked to still lie in vLLM's memory.
+What would copy, cast or re-create the shared parameters is refused naming the TRL option
+at fault: most before anything runs, a few once TRL has set up (accelerate's DeepSpeed or
+FSDP, the trainer's device) or, in colocate mode, once the engine runs (the eval dtype);
+after TRL has set up, every trainable parameter is checked to still lie in vLLM's memory.
 """
 
 from __future__ import annotations
@@ -240,8 +241,7 @@ def _check_process(update_mode: object, lease_s: object) -> None:
                           "trainer during a step before it drops the update")
 
 
-def _check_args(args: _Config, bridge: Bridge | None,
-                peft_config: Any) -> None:
+def _check_args(args: _Config, bridge: Bridge | None, peft_config: Any) -> None:
     """Refuse, naming the option, a config that would copy or re-create the shared weights
     (or generate from another copy than the one trained); point TRL at the bridge's
     server."""
