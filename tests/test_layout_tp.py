@@ -397,6 +397,19 @@ def test_transformers_renames_of_the_model_type_map_vllm_s_names() -> None:
 # ------------------------------------------------------------------ error messages
 
 
+def test_experts_transformers_keeps_transposed_are_named_as_such() -> None:
+    from hotweights.testing import tiny
+
+    config = tiny.make_config("qwen3_moe", 300)
+    shapes, _ = hf_params(config)
+    vllm = dict(shapes)
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    e, rows, cols = vllm.pop(name)
+    vllm["model.layers.0.mlp.experts.w13_weight"] = (e, cols, rows)  # HF's, transposed
+    with pytest.raises(LayoutError, match="experts transposed .* not supported"):
+        plan(config, vllm)
+
+
 def test_vllm_parameters_derived_at_load_are_named_with_why() -> None:
     """MLA's W_UV / W_UK_T are copies vLLM computes from kv_b_proj: refused, saying so."""
     from hotweights.testing import tiny

@@ -353,9 +353,12 @@ def _pieces(
 def _check_other_dims(vname: str, live: Shape, hf_name: str, hf_shape: Shape, dim: int):
     for d, (a, b) in enumerate(zip(live, hf_shape, strict=True)):
         if d != dim and a != b:
+            transposed = len(live) == 3 and live == (hf_shape[0], hf_shape[2], hf_shape[1])
             raise LayoutError(
                 f"{vname}: vLLM shape {live} does not hold HF {hf_name} shape {hf_shape} "
-                f"(dim {d}: {a} != {b})"
+                f"(dim {d}: {a} != {b})" + (
+                    "; transformers keeps these experts transposed (Llama 4, GPT-OSS): not "
+                    "supported (the HF views keep vLLM's order of dims)" if transposed else "")
             )
 
 
