@@ -18,7 +18,8 @@ logger = logging.getLogger(__name__)
 # Qwen2-VL image processor), which has no CPU wheel for torch 2.13 here: see docs/qwen3_5.md.
 ARCHS = ("llama", "llama_tied", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5",
          "mistral", "mixtral", "phi3", "gemma2", "gemma3_text", "olmo2", "olmoe", "qwen2_moe",
-         "glm4", "granite", "smollm3", "starcoder2", "stablelm")
+         "glm4", "granite", "smollm3", "starcoder2", "stablelm", "exaone4", "ernie4_5",
+         "hunyuan_v1_dense")
 GDN_ARCHS = ("qwen3_next", "qwen3_5")  # vLLM's CPU gated-delta-net kernels run bf16 only
 
 _CORPUS = """\
@@ -100,6 +101,9 @@ _ARCH_CONFIG: dict[str, tuple[str, dict[str, Any]]] = {
     "starcoder2": ("Starcoder2Config", dict(tie_word_embeddings=False, hidden_size=256,
                                             sliding_window=None)),
     "stablelm": ("StableLmConfig", dict(tie_word_embeddings=False, hidden_size=256)),
+    "exaone4": ("Exaone4Config", dict(tie_word_embeddings=False)),  # post-norms, q/k norm
+    "ernie4_5": ("Ernie4_5Config", dict(tie_word_embeddings=False)),
+    "hunyuan_v1_dense": ("HunYuanDenseV1Config", dict(tie_word_embeddings=False)),
 }
 
 
