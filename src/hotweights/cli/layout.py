@@ -34,11 +34,10 @@ def run(args: argparse.Namespace) -> int:
             live = live_params(llm)
             params = {n: (tuple(t.shape), t.dtype) for n, t in live.items()}
             with hf_context(llm):
-                same, values = _values(config, live, args.model_dir, trust)
+                layout = plan(config, live, strict=False, trust_remote_code=trust)
+                same, values = _values(config, live, layout, args.model_dir, trust)
         finally:  # the environment put back too: a server started later logs as usual
             stop_engine(llm)
-    layout = plan(config, {n: s for n, (s, _) in params.items()}, strict=False,
-                  trust_remote_code=trust)
 
     table = Table(title=f"vLLM -> HF parameters of {args.model_dir}")
     for col in ("vLLM parameter", "shape", "dtype", "HF parameter", "rows (dim)", "HF shape"):
@@ -65,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     return 0 if ok and same else 1
 
 
-def _values(config, live: dict, model_dir: str, trust: bool) -> tuple[bool, str]:
+def _values(config, live: dict, layout, model_dir: str, trust: bool) -> tuple[bool, str]:
     """What the views over the just-loaded weights hold against the checkpoint: a loader
     that reorders a tensor keeping its name and shape maps by names and shapes all the
     same (`bridge.loaded.check_loaded`)."""
@@ -73,7 +72,7 @@ def _values(config, live: dict, model_dir: str, trust: bool) -> tuple[bool, str]
     from hotweights.layout.views import build_hf_model
 
     try:
-        model, report = build_hf_model(config, live, allow_missing=True,
+        model, report = build_hf_model(config, live, allow_missing=True, layout=layout,
                                        trust_remote_code=trust)
         n = check_loaded(model, model_dir, report.mapped)
     except LayoutError as e:
