@@ -40,7 +40,8 @@ import _survive
 from hotweights.testing import tiny
 
 ARCHS = ("llama", "llama_tied", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_next",
-         "transformers_backend")
+         "transformers_backend")  # the default run; --archs takes any of `CHOICES`
+CHOICES = (*tiny.ARCHS, "transformers_backend")
 # Config overrides per --size. "large" (~300 MB of bf16 weights) makes the fixed cost of
 # creating a transformers model object (~2 MiB of Python objects) negligible, as it is for
 # real models; "medium" is ~50 MB.
@@ -186,8 +187,9 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__.split("\n\n")[0],
         epilog="Each arch runs in its own subprocess; the last stdout line is JSON.",
     )
-    parser.add_argument("--archs", nargs="+", choices=ARCHS, default=list(ARCHS),
-                        metavar="ARCH", help=f"subset to run (default: all of {', '.join(ARCHS)})")
+    parser.add_argument("--archs", nargs="+", choices=CHOICES, default=list(ARCHS),
+                        metavar="ARCH", help=f"what to run, of {', '.join(CHOICES)} "
+                        f"(default: {', '.join(ARCHS)})")
     parser.add_argument("--size", choices=tuple(SIZES), default="large",
                         help="small: tiny.build defaults; medium: 8 layers, hidden 512; "
                         "large (default): 12 layers, hidden 1024, ~300 MB")
@@ -195,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="where models are built and reused (default: %(default)s)")
     parser.add_argument("--timeout", type=int, default=900,
                         help="seconds allowed per arch (default: %(default)s)")
-    parser.add_argument("--one", choices=ARCHS, help=argparse.SUPPRESS)  # child mode
+    parser.add_argument("--one", choices=CHOICES, help=argparse.SUPPRESS)  # child mode
     args = parser.parse_args(argv)
 
     if args.one:
