@@ -250,6 +250,21 @@ def test_a_symlinked_shard_is_replaced_never_written_through(tmp_path, mode):
     assert torch.equal(load_file(other / shard)[name], _live(_model())[name])
 
 
+def test_a_shard_linked_onto_another_filesystem_is_rewritten_not_cloned(tmp_path, xfs_dir):
+    mine, _, live = _hf_cache(tmp_path)  # its blobs here, the snapshot on the XFS
+    d = xfs_dir / "linked-snapshot"
+    d.mkdir()
+    for f in mine.iterdir():
+        (d / f.name).symlink_to(f.resolve())
+    name = "model.layers.1.mlp.down_proj.weight"
+    live[name][3] += 1.0  # a few rows: cloned and patched, were the file on the XFS
+    result = sync(d, live)
+    shard = _shard_of(d, name)
+    assert result.write_mode == "reflink" and result.writes == {shard: "whole"}
+    assert not (d / shard).is_symlink()
+    _equal(d, live)
+
+
 def test_a_hard_linked_shard_is_not_patched_in_place(tmp_path):
     d = tmp_path / "model"
     live = _saved(d)

@@ -142,6 +142,8 @@ CORRUPT = {
     "len_absurd": (_bytes(lambda r: struct.pack("<Q", 2**40) + r[8:]), r"is absurd"),
     "not_json": (_bytes(lambda r: r[:8] + b"#" * _header_len(r) + r[8 + _header_len(r):]),
                  r"header is not valid JSON"),
+    "nested_too_deep": (_bytes(lambda r: struct.pack("<Q", 10**5) + b"[" * 10**5),
+                        r"header is not valid JSON"),  # past Python's recursion limit
     "not_object": (_bytes(lambda r: r[:8] + b"[1]".ljust(_header_len(r))
                           + r[8 + _header_len(r):]), r"header is a JSON list, expected"),
     "no_dtype": (_del("b.bias", "dtype"), r"tensor b.bias: missing field 'dtype'"),
@@ -235,6 +237,8 @@ def _edit_index(d: Path, edit) -> None:
 INDEX_CASES = {
     "not_json": (lambda d: (d / "model.safetensors.index.json").write_text("{oops"),
                  r"model.safetensors.index.json: not valid JSON"),
+    "nested_too_deep": (lambda d: (d / "model.safetensors.index.json").write_text("[" * 10**5),
+                        r"model.safetensors.index.json: not valid JSON"),
     "no_weight_map": (lambda d: _edit_index(d, lambda doc: doc.pop("weight_map")),
                       r"no 'weight_map' object"),
     "missing_shard": (lambda d: (d / "m-2.safetensors").unlink(),

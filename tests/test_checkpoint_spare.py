@@ -60,7 +60,7 @@ def test_the_next_sync_links_the_spare_instead_of_cloning(d, monkeypatch):
     assert set(os.listdir(d)) == before  # a spare has no name in the directory
 
 
-@pytest.mark.parametrize("how", ["in place", "replaced"])
+@pytest.mark.parametrize("how", ["in place", "in place, its mtime put back", "replaced"])
 def test_a_spare_of_a_shard_changed_since_is_not_used(d, monkeypatch, how):
     """The shard written by someone else after the spare was taken: the spare (a clone of
     the file before) would bring back what they overwrote; the sync clones the file."""
@@ -69,8 +69,13 @@ def test_a_spare_of_a_shard_changed_since_is_not_used(d, monkeypatch, how):
     sync(d, live)
     finisher.finish()
     live["a"][::2048] += 2.0  # someone else writes this (save_file: in place, or renamed)
-    if how == "in place":
-        save_file(live, d / "model.safetensors")
+    if how.startswith("in place"):
+        st = os.stat(d / "model.safetensors")
+        save_file(live, d / "other")
+        with open(d / "model.safetensors", "r+b") as f:  # the same inode, the same size
+            f.write((d / "other").read_bytes())
+        if how.endswith("put back"):  # cp --preserve, touch -r: only the ctime tells
+            os.utime(d / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns))
     else:
         save_file(live, d / "other")
         os.replace(d / "other", d / "model.safetensors")

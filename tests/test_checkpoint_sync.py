@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -290,12 +291,13 @@ def test_a_tensor_left_out_of_changed_keeps_the_file_s_bytes(saved, mode):
         assert torch.equal(t.view(torch.int16), live[n].view(torch.int16)), n
 
 
-def test_a_corrupt_sidecar_is_never_trusted(saved):
+@pytest.mark.parametrize("text", ["{not json", "[" * 10**5])  # past the recursion limit
+def test_a_corrupt_sidecar_is_never_trusted(saved, text):
     d, live = saved
     sync(d, live)
     finisher.finish()  # the sidecars are written in a thread
     for sidecar in (d / ".hotweights").glob("*.json"):
-        sidecar.write_text("{not json")
+        sidecar.write_text(text)
     name = "model.norm.weight"
     live[name] += 1
     result = sync(d, live)
@@ -317,6 +319,40 @@ def test_a_mismatch_is_named_and_nothing_is_written(saved, change, message):
         sync(d, live)
     assert {p: p.read_bytes() for p in d.iterdir() if p.is_file()} == before
     assert not (d / ".hotweights").exists()
+
+
+@pytest.mark.parametrize("mode", ["auto", "copy", "journal", "auto on xfs"])
+@pytest.mark.parametrize("how", ["replaced", "rewritten in place"])
+def test_a_shard_another_program_writes_during_the_sync_is_left_to_it(saved, monkeypatch,
+                                                                    request, mode, how):
+    # the bytes would be staged (or patched) by the header read before: another layout
+    d, live = saved
+    if mode == "auto on xfs":  # sidecars, then a few rows changed: patched in a clone
+        d = shutil.copytree(d, request.getfixturevalue("xfs_dir") / f"{how}-{os.getpid()}")
+        sync(d, live)
+        mode = "auto"  # elsewhere: no sidecars, the live bytes compared with the file
+    name = "model.layers.0.mlp.up_proj.weight"
+    shard = next(p for p in d.glob("*.safetensors") if name in load_file(p))
+    theirs = {k: t * 2 for k, t in reversed(load_file(shard).items())}  # reordered, changed
+    read = incremental.read_to_sync
+
+    def and_another_writer(model_dir):
+        disk = read(model_dir)
+        if how == "replaced":
+            save_file(theirs, d / "theirs.tmp")
+            os.replace(d / "theirs.tmp", shard)
+        else:
+            save_file(theirs, shard)
+        return disk
+
+    monkeypatch.setattr(incremental, "read_to_sync", and_another_writer)
+    live[name][:2] += 1
+    with pytest.raises(CheckpointError, match=f"{re.escape(str(shard))}: changed while this "
+                                              "sync ran .*nothing was written"):
+        sync(d, live, mode=mode)
+    assert load_file(shard).keys() == theirs.keys()
+    assert all(torch.equal(t, theirs[k]) for k, t in load_file(shard).items())
+    assert not list(d.glob(".hotweights/stage*/*")) and not (d / ".hotweights/journal").exists()
 
 
 def test_names_missing_on_either_side_are_reported(saved, caplog):

@@ -206,7 +206,7 @@ def _differing(shard: Shard, tensors: Mapping[str, torch.Tensor], ranges: Ranges
     for name, lo, hi in ranges:  # from page starts: a block size under a page, or not a
         per.setdefault(name, []).append((lo - lo % PAGE, hi))  # multiple of it, is fine
     out = []
-    with mapped(shard.path) as view:
+    with mapped(shard.path, shard.check) as view:
         for name, spans in per.items():
             info = shard.tensors[name]
             change = blocks.compare_bytes(name, tensors[name], view[info.begin:info.end],

@@ -377,6 +377,11 @@ def _how(shard: Shard, changed_bytes: int, mode: str, patch_mode: str) -> str:
     if patch_mode == "journal" and (why := shared_file(shard.path)):
         logger.info("%s: %s; rewritten whole, not patched in place", shard.path, why)
         return "whole"
+    if patch_mode == "reflink" and shard.file.dev != os.stat(os.path.dirname(shard.path)
+                                                             ).st_dev:
+        logger.info("%s: a link to %s, on another filesystem: rewritten whole, not cloned",
+                    shard.path, os.path.realpath(shard.path))
+        return "whole"
     if patch_mode == "reflink" and (n := _extents(shard.path)) > max(
             FRAGMENTS_MIN, shard.size // FRAGMENT_BYTES):
         logger.info("%s lies in %d extents (its earlier patches split them): rewritten "
@@ -501,7 +506,15 @@ class _Stager:
 
 def _journal(model_dir: Path, writes: list[_ShardWrite], version: str | None,
              step: Callable[[int], None]) -> None:
-    """The commit's journal: the staged shards' moves, the journaled shards' patches."""
+    """The commit's journal: the staged shards' moves, the journaled shards' patches; none
+    if a shard to write is no longer the file this sync read (its bytes were staged from,
+    or its patches placed by, the header read then)."""
+    for w in writes:
+        try:
+            now = os.stat(w.shard.path)
+        except FileNotFoundError:
+            now = None
+        w.shard.check(now)
     if writes:
         journal.write_journal(model_dir, _patches(writes, step),
                               moves=[w.name for w in writes if w.how != "journal"],

@@ -55,6 +55,15 @@ class Shard:
     def data_start(self) -> int:
         return 8 + self.header_len
 
+    def check(self, now: os.stat_result | None) -> None:
+        """Raise unless `now` (the file at `path` now; None: gone) is the one whose header
+        was read: bytes placed by that header would land elsewhere in another."""
+        if now is None or FileId.of_stat(now) != self.file:
+            raise CheckpointError(
+                f"{self.path}: {'removed' if now is None else 'changed'} while this sync "
+                f"ran (another program writing into {os.path.dirname(self.path)}?); nothing "
+                "was written: sync again once it is done")
+
 
 def _no_dup_keys(pairs: list) -> dict:
     out = dict(pairs)
@@ -93,7 +102,7 @@ def read_shard(path: str | os.PathLike) -> Shard:
         return replace(seen[2], file=FileId.of_stat(st))
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_dup_keys)
-    except (UnicodeDecodeError, ValueError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # nested past Python's stack
         raise CheckpointError(f"{path}: header is not valid JSON: {e}") from e
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: header is a JSON {type(header).__name__}, "
@@ -178,7 +187,7 @@ def read_index(model_dir: str | os.PathLike) -> dict[str, str] | None:
     if index.is_file():
         try:
             doc = json.loads(index.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError) as e:
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
             raise CheckpointError(f"{index}: not valid JSON: {e}") from e
         wm = doc.get("weight_map") if isinstance(doc, dict) else None
         if not isinstance(wm, dict):

@@ -49,7 +49,7 @@ def state(shard: Shard) -> tuple[str, dict | None]:
         return ("fresh" if doc["shard"] == _stat(shard) else "stale"), doc
     except FileNotFoundError:
         return "missing", None
-    except (ValueError, KeyError, TypeError, AttributeError):
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return "corrupt", None
 
 

@@ -119,9 +119,11 @@ def release() -> None:
 
 
 def _current(path: str, of: FileId) -> bool:
-    """Whether the file at `path` is still `of`, the file a spare was cloned from."""
+    """Whether the file at `path` is still `of`, the file a spare was cloned from (its
+    ctime too: a file rewritten in place with its mtime put back is another)."""
     try:
-        return FileId.of_stat(os.stat(path)) == of
+        now = FileId.of_stat(os.stat(path))
+        return now == of and now.ctime_ns == of.ctime_ns
     except OSError:
         return False
 

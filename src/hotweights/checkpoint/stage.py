@@ -227,6 +227,7 @@ def whole(shard: Shard, tensors: Mapping[str, torch.Tensor], dst: Path,
     with _naming(shard.path):
         src, fd = os.open(shard.path, os.O_RDONLY), _create(dst, shard.path)
         try:
+            shard.check(os.fstat(src))
             sink, pos = _sink(fd), 0
             for name, info in sorted(shard.tensors.items(), key=lambda kv: kv[1].begin):
                 if info.begin > pos:  # the header, or a gap between tensors
@@ -279,7 +280,7 @@ def patched(shard: Shard, tensors: Mapping[str, torch.Tensor],
             os.fchmod(fd, os.stat(shard.path).st_mode & 0o7777)
             pages = os.open(scratch, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
-                with mapped(shard.path) as old_view:
+                with mapped(shard.path, shard.check) as old_view:  # what was cloned
                     _write_pages(pages, offsets, np.frombuffer(old_view, np.uint8), live)
                 for pos, at, n in runs:
                     copy_all(pages, fd, n, pos, at)
