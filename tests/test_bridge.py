@@ -57,6 +57,10 @@ def test_the_body_runs_under_background_renewals_and_commits(monkeypatch):
     assert routes[0] == "/hotweights/begin" and routes[-1] == "/hotweights/commit"
     assert routes.count("/hotweights/renew") >= 2 and b.version == "1@s"
     assert all(c[1]["server_id"] == "s" for c in rec.calls)
+    # a renewal stuck on a dead connection must not outlast the lease it renews
+    assert {c[2] for c in rec.calls if c[0] == "/hotweights/renew"} == {1.0}
+    b.renew(lease_s=30)
+    assert rec.calls[-1][2] == 10
 
 
 def test_this_server_s_lease_is_renewed_while_the_remotes_stage(monkeypatch):

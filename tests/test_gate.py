@@ -83,7 +83,8 @@ def test_a_finished_stream_gets_nothing_added(abort):
     ("POST", "/hotweights/commit", False), ("GET", "/health", False),
     ("GET", "/metrics", False),
 ])
-def test_what_may_reach_the_engine_waits_for_the_commit(method, path, gated):
+@pytest.mark.parametrize("root", ["", "/api"])  # vLLM's --root-path: in the scope's path
+def test_what_may_reach_the_engine_waits_for_the_commit(method, path, gated, root):
     gate = Gate()
 
     async def app(scope, receive, send):
@@ -100,7 +101,8 @@ def test_what_may_reach_the_engine_waits_for_the_commit(method, path, gated):
             pass
 
         call = GateMiddleware(app, gate, lambda: 0)({"type": "http", "method": method,
-                                                     "path": path}, receive, send)
+                                                     "path": root + path, "root_path": root},
+                                                    receive, send)
         try:
             await asyncio.wait_for(call, 0.2)
             return False

@@ -3,6 +3,7 @@
 import contextlib
 import http.server
 import logging
+import socket
 import threading
 
 import pytest
@@ -114,6 +115,33 @@ def test_a_server_without_the_route_is_told_apart_from_a_hotweights_error():
     with pytest.raises(ServerError, match=r"cannot reach .*refused \(is a `hotweights serve` "
                        r"running there\?\)"):
         request(url, "GET", "/hotweights/status", "t")
+
+
+@pytest.mark.parametrize(("reply", "named"), [
+    (b"SSH-2.0-OpenSSH_9.6\r\n", "BadStatusLine"),  # another service on the port
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{\"a\":", "IncompleteRead"),  # died
+])
+def test_a_broken_http_exchange_is_a_server_error_naming_the_route(reply, named):
+    # http.client's errors are no OSError: a renewer or a rollback catching ServerError
+    # would otherwise die of them
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def answer():
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(reply)
+
+    thread = threading.Thread(target=answer)
+    thread.start()
+    try:
+        with pytest.raises(ServerError, match=rf"POST /hotweights/renew: http://127.0.0.1:\d+ "
+                                              rf"broke the HTTP exchange: {named}"):
+            request(f"http://127.0.0.1:{listener.getsockname()[1]}", "POST",
+                    "/hotweights/renew", "t", {}, timeout=10)
+    finally:
+        thread.join()
+        listener.close()
 
 
 def test_a_url_with_a_password_is_refused_without_echoing_it():

@@ -281,6 +281,12 @@ def test_a_remote_server_stages_on_receive_applies_on_commit_and_discards_on_abo
         r = await client.post("/hotweights/remote/join", json={**join, "protocol": 2},
                               headers=AUTH)
         assert r.status_code == 400 and "channel protocol 2" in r.json()["error"]
+        for bad in ({"timeout": 0.0}, {"timeout": -5.0}, {"timeout": 1e12},
+                    {"master_port": 70000}, {"rank_offset": 3}):  # the channel kept
+            r = await client.post("/hotweights/remote/join", json={
+                **join, "protocol": PROTOCOL, **bad}, headers=AUTH)
+            assert r.status_code == 400 and f"field '{next(iter(bad))}' must be" in \
+                r.json()["error"]
         assert "init_weight_transfer_engine" not in stub.calls  # refused before the workers
         join["protocol"] = PROTOCOL
         r = await client.post("/hotweights/remote/join", json=join, headers=AUTH)

@@ -238,9 +238,12 @@ def test_lease_expiry_in_each_state():
         assert status["expired"]["holder"] == "h1" and not engine.paused and not engine.held
         # a drain longer than the lease: 503, serving again, nothing written, same version
         engine.block["pause"] = asyncio.Event()
-        with pytest.raises(Refused, match="did not finish within lease_s=0.02") as e:
+        with pytest.raises(Refused, match="did not finish within lease_s=0.02 s; generation "
+                           "resumed; update again with a longer lease, or mode=abort") as e:
             await tx.begin(begin(lease_s=0.02))
         assert e.value.status == 503 and tx.state is State.IDLE and tx.n == 1
+        with pytest.raises(Refused, match=r"with a longer lease, or mode=keep \(freezes"):
+            await tx.begin(begin(lease_s=0.02, mode="abort"))  # abort is the mode asked
         assert not engine.held
         del engine.block["pause"]
         # committing: a commit that outlasts the lease is not cut short

@@ -268,8 +268,10 @@ class Bridge:
                               f"take it (the next update catches them up): {e}") from e
 
     def renew(self, lease_s: float = 60.0) -> None:
-        """Extend the lease of the current update (`update()` does it by itself)."""
-        self._post("/hotweights/renew", lease_s=lease_s)
+        """Extend the lease of the current update (`update()` does it by itself). A renewal
+        waits for its answer a third of the lease at most (a renewer tries again at the
+        next), so that one stuck on a dead connection cannot outlast the lease."""
+        self._post("/hotweights/renew", timeout=max(1.0, lease_s / 3), lease_s=lease_s)
 
     def _begin(self, *, timeout: float = 120, **body: Any) -> dict:
         """Begin an update; if the begin fails or is interrupted (a timeout, a Ctrl-C), it

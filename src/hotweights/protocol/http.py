@@ -75,7 +75,10 @@ def request(url: str, method: str, route: str, token: str, body: dict | None = N
             raise ServerError(f"{method} {route}: {url} answered {_what(answer, resp.headers)}"
                               ", not JSON: is it a `hotweights serve`?") from None
     except urllib.error.HTTPError as e:
-        detail = _what(e.read(), e.headers, whole=True)
+        try:
+            detail = _what(e.read(), e.headers, whole=True)
+        except (OSError, http.client.HTTPException) as broke:  # cut off mid-body
+            detail = f"(the answer broke off: {broke!r})"
         if e.code == 404:  # every hotweights serve has its routes (the remote ones: --remote)
             serve = "hotweights serve" + (" --remote" if "/remote/" in route else "")
             detail += (f" ({url} has no such route: is it a `{serve}`, not plain vLLM or "
@@ -97,6 +100,9 @@ def request(url: str, method: str, route: str, token: str, body: dict | None = N
             parts.scheme == "http" and isinstance(e, http.client.RemoteDisconnected)) else ""
         raise ServerError(f"{method} {route}: the connection to {url} broke: {e}{hint}") \
             from None
+    except http.client.HTTPException as e:  # not HTTP (another service), or cut off
+        raise ServerError(f"{method} {route}: {url} broke the HTTP exchange: {e!r} (is it a "
+                          "`hotweights serve`, and did it stay up?)") from None
 
 
 def _what(answer: bytes, headers, whole: bool = False) -> str:

@@ -274,8 +274,8 @@ class Transaction:
                     await self._resume("drain failed")
             if isinstance(e, TimeoutError):
                 raise Refused(503, f"in-flight requests did not finish within lease_s="
-                              f"{req.lease_s} s; generation resumed, try again with a longer "
-                              "lease or mode=abort") from None
+                              f"{req.lease_s} s; generation resumed; {_retry(req.mode)}") \
+                    from None
             if isinstance(e, asyncio.CancelledError):
                 raise Refused(409, f"{req.holder} aborted its begin") from None
             raise
@@ -312,8 +312,7 @@ class Transaction:
             why = (f"in-flight requests did not finish within lease_s={self._drain_s} s"
                    if isinstance(e, TimeoutError) else f"pausing failed ({e!r})")
             raise Refused(503, f"{why}; the staged update was dropped, the server serves "
-                          f"{self.version}; update again (mode=abort or keep does not "
-                          "wait)") from None
+                          f"{self.version}; {_retry(self.mode)}") from None
         self.last_pause_s = self._paused_at - self._held_at
 
     async def renew(self, req: Renew) -> dict:
@@ -502,3 +501,10 @@ class Transaction:
             self._held_at = self._paused_at = None
             logger.info("hotweights: %s; serving version %s", why, self.version)
 
+
+def _retry(mode: str) -> str:
+    """What to try after a pause in `mode` timed out."""
+    return "update again with a longer lease" + {
+        "wait": ", or mode=abort (ends the requests in flight) or keep (freezes them)",
+        "abort": ", or mode=keep (freezes the requests in flight instead of ending them)",
+    }.get(mode, "")

@@ -53,7 +53,9 @@ class GateMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path = scope["path"]
+        path, root = scope["path"], scope.get("root_path", "")
+        if root and path.startswith(root):  # vLLM's --root-path: routed without it
+            path = path[len(root):]
         if not (path.startswith("/v1/") or scope.get("method") == "POST"
                 and not path.startswith("/hotweights/")):  # what may reach the engine
             exchange = _Exchange(scope["path"], self.version())

@@ -36,7 +36,16 @@ from hotweights.checkpoint.hub import local_dir
 from hotweights.errors import ConfigError, ServerError
 from hotweights.protocol.tokens import remove_token
 from hotweights.remote.rendezvous import PROTOCOL, channel_id
-from hotweights.server.bodies import Abort, Begin, Body, Commit, Receive, Refused, Renew
+from hotweights.server.bodies import (
+    MAX_LEASE_S,
+    Abort,
+    Begin,
+    Body,
+    Commit,
+    Receive,
+    Refused,
+    Renew,
+)
 from hotweights.server.env import CHECKPOINT_STATS, REMOTE, REMOTE_ENGINE
 from hotweights.server.launch import free_port
 from hotweights.server.transaction import Transaction
@@ -180,6 +189,14 @@ class Join(Body):
         if self.max_round_bytes < 64:  # packing.MIN_ROUND_BYTES
             raise Refused(400, f"field 'max_round_bytes' must be >= 64, got "
                           f"{self.max_round_bytes}")
+        if not 0 < self.timeout <= MAX_LEASE_S:  # also refuses nan and inf
+            raise Refused(400, f"field 'timeout' must be in (0, {MAX_LEASE_S:.0f}] seconds, "
+                          f"got {self.timeout!r}")
+        if not 0 < self.master_port <= 65535:
+            raise Refused(400, f"field 'master_port' must be a port, got {self.master_port}")
+        if not 0 < self.rank_offset < self.world_size:  # rank 0: the trainer
+            raise Refused(400, f"field 'rank_offset' must be in [1, world_size="
+                          f"{self.world_size}), got {self.rank_offset}")
 
 
 def _loaded(model: str, revision: str | None = None) -> str | None:
