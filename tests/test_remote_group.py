@@ -117,6 +117,11 @@ def test_a_step_that_changed_a_tensor_that_cannot_change_is_not_taken_as_undone(
     new["b.weight"][0] += 1
     assert not group.restore(new)
     assert "b.weight" in caplog.text and "cannot be written back" in caplog.text
+    caplog.clear()
+    assert not group.restore({"a.fused": new["a.weight"],  # not the checkpoint's names
+                              "b.weight": weights["b.weight"]})
+    assert "the step cannot be undone: 1 (of 1) is no tensor of the model under its " \
+        "checkpoint name (e.g. a.weight" in caplog.text
 
 
 def test_trainable_defaults_to_the_parameters_that_require_grad():
@@ -235,6 +240,20 @@ def test_a_fixed_master_port_takes_the_next_free_ports_for_more_channels():
         assert group.links.port() > base and free_port("127.0.0.1", group.links.port())
 
 
+def test_a_channel_port_on_an_ipv6_address_or_none_of_this_host_s():
+    import socket
+
+    from hotweights.remote.hosts import free_port
+
+    if socket.has_ipv6 and free_port("::1"):  # a host with IPv6 on its loopback
+        assert RemoteGroup(["http://[::1]:1"], token="t" * 32,
+                           master_addr="::1").links.port() > 0
+    group = RemoteGroup(["http://127.0.0.1:1"], token="t" * 32, master_addr="192.0.2.1")
+    with pytest.raises(RemoteError, match=r"no free port on 192\.0\.2\.1 for a channel: is "
+                                          r"it an address of this host"):
+        group.links.port()  # not port 0 handed to the servers
+
+
 def test_the_default_master_addr_is_this_hosts_address_on_the_route_to_the_servers():
     from hotweights.remote.hosts import route_address
 
@@ -247,6 +266,8 @@ def test_the_default_master_addr_is_this_hosts_address_on_the_route_to_the_serve
     if far is not None:
         assert far != "127.0.1.1"
         assert RemoteGroup(["http://10.255.255.1:8000"], token="t" * 32).master_addr == far
+        assert RemoteGroup(["http://127.0.0.1:1", "http://10.255.255.1:8000"],  # local first
+                           token="t" * 32).master_addr == far
     with pytest.raises(RemoteError, match=r"http://no-such-host\.invalid:8000: no route to "
                        r"its host from here .*pass RemoteGroup\(master_addr=\)"):
         route_address("http://no-such-host.invalid:8000")
@@ -410,3 +431,20 @@ def test_weights_changed_between_prepare_and_commit_are_synced_again(caplog):
     weight.add_(1)  # the trainer's next step, before this commit
     group.commit(pending, 2)
     assert group._held == {} and "1 tensor(s) changed between prepare and commit" in caplog.text
+
+
+def test_a_commit_that_fails_before_it_knows_the_servers_leaves_none_held(monkeypatch):
+    # the reference is the new weights by then: a server still named as holding it would
+    # get deltas against values it never received
+    urls = ["http://127.0.0.1:1"]
+    group = RemoteGroup(urls, token="t" * 32)
+    _posting(group)
+    group.commit(_pending(urls, new={"w": torch.zeros(4)}), 1)
+    assert group._held == {urls[0]: ("s", 1)}
+
+    def no_memory(*args):
+        raise MemoryError("the host copy")
+    monkeypatch.setattr(group.reference, "remember", no_memory)
+    with pytest.raises(MemoryError):
+        group.commit(_pending(urls, new={"w": torch.ones(4)}), 2)
+    assert group._held == {}

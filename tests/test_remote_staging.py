@@ -102,6 +102,28 @@ def test_xor_values_stay_xors_until_the_commit_applies_them(compiled, max_bytes,
     assert _same_bits(merged, new)
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+def test_tied_weights_sent_under_both_names_are_applied_once(compiled, monkeypatch):
+    # one slab on the server for both names: xors applied once per name would cancel out
+    from hotweights.remote import jit
+    if not compiled:
+        monkeypatch.setattr(jit, "_loops", False)
+    elif not jit.enabled():
+        pytest.skip("numba is not installed: no compiled loops")
+    emb = torch.randn(64, 16).to(torch.bfloat16)
+    old = {"model.embed_tokens.weight": emb, "lm_head.weight": emb}
+    new = {k: v.clone() for k, v in old.items()}
+    for v in new.values():
+        v[::7, 3] += 1
+    slab = emb.clone()  # the server's tied weight
+    staged = Staged(_specs(old), old={k: slab for k in old},
+                    shards={k: shards.whole(slab) for k in old})
+    for r in pack(encode_all(old, new), max_bytes=1 << 20, values="xor"):
+        staged(r)
+    staged.apply_in_place()
+    assert torch.equal(slab, new["lm_head.weight"])
+
+
 def test_unknown_name_and_shape_mismatch_are_refused_before_anything_is_held():
     old, new = _state()
     specs = _specs(old)

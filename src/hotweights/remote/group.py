@@ -146,7 +146,7 @@ class RemoteGroup:
             `Bridge.connect`: HOTWEIGHTS_TOKEN, else the token file of a local server).
         master_addr: the address the servers reach this process at for the channel
             (default: 127.0.0.1 when every server is local, else this host's address on the
-            route to the first server, `route_address`).
+            route to the first server on another host, `route_address`).
         master_port: the channel's port on this process (default: a free one). Servers that
             hold different old values get channels of their own (see the module doc): those
             take the next free ports above it.
@@ -183,7 +183,8 @@ class RemoteGroup:
             local server waits until every remote has staged the update: if one fails the
             trainer's step is undone and every server stays at the old version (not with
             ``reference="checkpoint"`` nor at the first update, which keep no copy of the
-            old weights: the local server then serves the new ones, dirty).
+            old weights, nor for a model whose parameters are not the checkpoint's tensors,
+            e.g. fused MoE experts: the local server then serves the new ones, dirty).
         cafile: the CA bundle that checks https servers' certificates (default:
             HOTWEIGHTS_CA_FILE, else the system's trust store; see docs/remote.md, TLS).
     """
@@ -202,9 +203,9 @@ class RemoteGroup:
         self.cafile = cafile
         self._tokens = {u: find_token(u, token.get(u) if isinstance(token, Mapping) else token)
                         for u in self.urls}
-        local = all(is_loopback(urllib.parse.urlsplit(u).hostname) for u in self.urls)
-        self.master_addr = master_addr or ("127.0.0.1" if local else
-                                           route_address(self.urls[0]))
+        remote = [u for u in self.urls if not is_loopback(urllib.parse.urlsplit(u).hostname)]
+        self.master_addr = master_addr or (route_address(remote[0]) if remote else
+                                           "127.0.0.1")
         self.timeout = timeout
         self.max_round_bytes, self.require, self.compress = max_round_bytes, require, compress
         self.reference_mode = reference
@@ -253,6 +254,8 @@ class RemoteGroup:
         Raises:
             RemoteError: naming the server that failed (see the module doc for the state
                 every server is left in).
+            DeltaError: bad input, naming the tensor (NaN or Inf in a patch, a dtype the
+                channel cannot carry): every server at its old version.
         """
         return self.commit(self.prepare(weights, mode=mode, lease_s=lease_s), n)
 
@@ -394,6 +397,9 @@ class RemoteGroup:
         for link in self.links:
             link.next = uuid.uuid4().hex
             nexts |= {u: link.next for u, _ in link.members}
+        # the reference changes now: until the commits are known, no server holds it (if
+        # what follows raises, the next update syncs every server again whole)
+        self._held = {}
         with ThreadPoolExecutor(1) as pool:  # while the servers commit
             remembered = pool.submit(self.checkpoint.sync, pending.new, n) \
                 if self.reference_mode == "checkpoint" else \

@@ -77,6 +77,10 @@ def server_urls(servers: str | Iterable[str], port: int = DEFAULT_PORT) -> list[
         scheme, sep, rest = item.partition("://")
         if not sep:
             scheme, rest = "http", item
+            if rest.startswith("["):  # an IPv6 literal: [::1] or [::1]:8000
+                urls.append(server_url(f"http://{rest}" + ("" if "]:" in rest else
+                                                           f":{port}")))
+                continue
         elif not re.match(r"[^/\[]+\[", rest):  # a URL, not a node list
             urls.append(server_url(item))
             continue
@@ -130,8 +134,8 @@ def route_address(url: str) -> str:
 
 
 def free_port(addr: str, port: int = 0) -> int:
-    """`port` (any free one for 0) if it can be bound on `addr` now, else 0."""
-    with socket.socket() as s:
+    """`port` (any free one for 0) if it can be bound on `addr` (IPv4 or IPv6) now, else 0."""
+    with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET) as s:
         try:
             s.bind((addr, port))
         except OSError:

@@ -114,7 +114,10 @@ class Links:
         """A port for a new channel: `master_port`, else the first free one above it that
         no channel here holds; any free one if not given."""
         if not self.master_port:
-            return free_port(self.master_addr)
+            if port := free_port(self.master_addr):
+                return port
+            raise RemoteError(f"no free port on {self.master_addr} for a channel: is it an "
+                              "address of this host? (RemoteGroup(master_addr=))")
         held = {link.channel.port for link in self}
         for port in range(self.master_port, min(self.master_port + 64, 65536)):
             if port not in held and free_port(self.master_addr, port):

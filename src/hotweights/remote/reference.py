@@ -106,7 +106,11 @@ class Reference:
             return False
         live = dict(weights.named_parameters()) if isinstance(weights, torch.nn.Module) \
             else dict(weights)
-        if any(k not in live or live[k].shape != r.shape for k, r in self.tensors.items()):
+        if off := [k for k, r in self.tensors.items() if k not in live
+                   or live[k].shape != r.shape]:
+            logger.warning("hotweights: the step cannot be undone: %s (of %d) is no tensor of "
+                           "the model under its checkpoint name (e.g. %s: experts transformers "
+                           "fuses, a wrapped model)", len(off), len(self.tensors), off[0])
             return False
         with torch.no_grad():
             for k, r in self.tensors.items():

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import Counter
 from collections.abc import Mapping
 from typing import NamedTuple
 
@@ -88,9 +89,13 @@ class Staged:
         self.specs, self.old, self.pin = specs, old, pin
         self.shards = {name: s for name, s in (shards or {}).items()
                        if name in specs and s.shape == tuple(specs[name].shape)}
-        # the tensors whose xor values stay xors until the commit applies them in place
+        # the tensors whose xor values stay xors until the commit applies them in place;
+        # not two names of one slab (tied weights sent under both): a second xor would undo
+        # the first, while values written twice are the same values
+        slabs = Counter(_storages(s) for s in self.shards.values())
         self._bare = frozenset(name for name, s in self.shards.items() if not pin and (
-            not s.runs or s.dests[0][0].device.type == "cpu")) if jit.enabled() else ()
+            not s.runs or s.dests[0][0].device.type == "cpu") and (
+            not s.runs or slabs[_storages(s)] == 1)) if jit.enabled() else ()
         self.nbytes = self.peak = self.rounds = 0
         self._pieces: dict[str, list[tuple]] = {}  # name -> [(entry, host tensors)]
         self._writes: dict[str, list] = {}  # name -> its pieces' writes, made ready
@@ -210,3 +215,10 @@ class Staged:
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _storages(shard: Shard) -> frozenset[tuple[str, int, int]]:
+    """Where `shard`'s slabs lie: (device, address, bytes) of each (one shared file holds
+    every weight of a server: its storage tells none apart)."""
+    return frozenset((str(t.device), t.data_ptr(), t.nbytes)
+                     for dests in shard.dests for t in dests)
