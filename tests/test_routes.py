@@ -130,6 +130,26 @@ def test_the_scheduler_is_paused_through_the_engine_core_where_vllm_has_it():
     serve(test)
 
 
+def test_the_checksum_waits_for_an_update_to_end_instead_of_hashing_meanwhile(monkeypatch):
+    from hotweights.vllm_plugin import routes as routes_module
+
+    monkeypatch.setattr(routes_module, "_CHECKSUM_WAIT_S", 0.3)
+
+    async def test(client, stub):
+        await client.post("/hotweights/begin", json=body(), headers=AUTH)  # paused
+        r = await client.get("/hotweights/checksum", headers=AUTH)
+        assert r.status_code == 503 and "an update has been in progress" in r.json()["error"]
+        assert "hotweights_checksum" not in stub.calls  # not hashed while it writes
+        checksum = asyncio.ensure_future(client.get("/hotweights/checksum", headers=AUTH))
+        await asyncio.sleep(0.1)
+        await client.post("/hotweights/commit", json=body(), headers=AUTH)
+        r = await checksum
+        assert r.status_code == 200 and r.json()["version"] == f"1@{SID}"
+        assert stub.calls.count("hotweights_checksum") == 1
+
+    serve(test)
+
+
 def test_server_info_answers_what_a_trainer_reads_behind_the_token():
     async def test(client, stub):
         assert (await client.get("/hotweights/server_info")).status_code == 401
@@ -442,10 +462,45 @@ def test_a_remote_commit_waits_for_the_receive_in_flight_and_a_failed_one_applie
         failing.append(True)
         applied = stub.calls.count("hotweights_remote_apply")
         receive, commit = await update(3)
-        assert receive.status_code == 502 and commit.status_code == 500
-        assert "after_update failed; see the server log" in commit.json()["error"]
-        assert "the update's receive failed" in caplog.text
-        assert commit.json()["dirty"] and stub.calls.count("hotweights_remote_apply") == applied
+        assert receive.status_code == 502 and commit.status_code == 503
+        assert commit.json() == {"error": "the update was not applied (the update's receive "
+                                 "failed: Refused('hotweights_remote_receive failed on a "
+                                 "worker: channel rank 1: round 1/1 failed: the sender is "
+                                 f"gone')); the server serves 2@{SID}, unchanged; update "
+                                 "again", "n": 2}
+        assert stub.calls.count("hotweights_remote_apply") == applied  # nothing applied
+        status = (await client.get("/hotweights/status", headers=AUTH)).json()
+        assert status["version"] == f"2@{SID}" and not status["dirty"]
+        assert status["state"] == "idle"
+
+    serve(test)
+
+
+@pytest.mark.parametrize("workers", [["failed"], ["failed", "applied"]])
+def test_a_staged_update_no_worker_applied_keeps_the_version(monkeypatch, workers):
+    monkeypatch.setenv("HOTWEIGHTS_REMOTE", "1")
+
+    async def test(client, stub):
+        rpc = stub.collective_rpc
+
+        async def apply(method, args=()):
+            if method != "hotweights_remote_apply":
+                return await rpc(method, args)
+            stub.calls.append(method)
+            return [{"applied": False, "error": "RemoteError('round 2/3: digest mismatch')"}
+                    if w == "failed" else {"applied": True, "armed": False, "broken": False}
+                    for w in workers]
+        stub.collective_rpc = apply
+        await client.post("/hotweights/begin", json=body(stage=True), headers=AUTH)
+        r = await client.post("/hotweights/commit", json=body(n=5), headers=AUTH)
+        status = (await client.get("/hotweights/status", headers=AUTH)).json()
+        if workers == ["failed"]:  # nothing written anywhere: the old weights, old version
+            assert r.status_code == 503 and "the workers' receive failed: RemoteError(" \
+                "'round 2/3: digest mismatch')" in r.json()["error"]
+            assert status["version"] == f"0@{SID}" and not status["dirty"]
+        else:  # some workers wrote: a new version, dirty
+            assert r.status_code == 500 and r.json()["dirty"]
+            assert status["version"] == f"5@{SID}" and status["dirty"]
 
     serve(test)
 

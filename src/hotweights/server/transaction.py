@@ -65,6 +65,11 @@ class State(enum.Enum):
     EXPIRED = "expired"  # serving again after a lease expired; weights dirty
 
 
+class NothingApplied(Exception):
+    """`Engine.after_update` wrote nothing (a remote server whose receive failed): the
+    weights are the old ones, and the version stays."""
+
+
 class Engine(Protocol):
     """What the transaction needs from the server (vLLM in production, a stub in tests)."""
 
@@ -84,7 +89,7 @@ class Engine(Protocol):
 
     async def after_update(self) -> None:
         """Apply what was staged (remote servers), then the workers' post-update hook;
-        raises on failure."""
+        raises on failure (`NothingApplied` where no weight was written)."""
 
     async def discard(self) -> None:
         """Drop a staged update (remote servers); the weights stay as they are."""
@@ -345,12 +350,14 @@ class Transaction:
                     await self._discard_quietly()
                     await self._resume("commit cancelled")
                     raise
-            failed = ["the commit (cut short)"]  # until both steps have answered
+            failed, kept = ["the commit (cut short)"], None  # until both steps answered
             try:  # both at once, each while paused: the engine serves them in order, at
                 # the cost of one round trip
                 steps = (self.engine.after_update, self.engine.reset_caches)
                 outs = await asyncio.gather(*(step() for step in steps),
                                             return_exceptions=True)
+                if isinstance(outs[0], NothingApplied):
+                    kept, outs = outs[0], (None, outs[1])
                 failed = [step.__name__ for step, out in zip(steps, outs, strict=True)
                           if isinstance(out, BaseException)]
                 for step, out in zip(steps, outs, strict=True):
@@ -363,9 +370,17 @@ class Transaction:
                 self.updates += 1
                 # our version (status, headers) is set before resume lets requests in;
                 # vLLM's own label goes beside the resume
-                await asyncio.gather(self._new_version(
-                    f"commit by {req.holder}: {', '.join(failed)} failed" if failed else None,
-                    req.n), self._resume("committed"))
+                if kept is not None and not failed:  # it did not: the version stays
+                    await self._resume("nothing applied")
+                else:
+                    await asyncio.gather(self._new_version(
+                        f"commit by {req.holder}: {', '.join(failed)} failed" if failed
+                        else None, req.n), self._resume("committed"))
+            if kept is not None and not failed:
+                logger.warning("hotweights: the update of %s was not applied (%s); still "
+                               "serving %s", req.holder, kept, self.version)
+                raise Refused(503, f"the update was not applied ({kept}); the server serves "
+                              f"{self.version}, unchanged; update again", n=self.n)
             self.last_commit_s = time.perf_counter() - started
             self.last_update_s = time.perf_counter() - self._began
             return {"version": self.version, "n": self.n, "dirty": self.dirty,

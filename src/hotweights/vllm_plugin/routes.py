@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import secrets
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,10 +49,12 @@ from hotweights.server.bodies import (
 )
 from hotweights.server.env import CHECKPOINT_STATS, REMOTE, REMOTE_ENGINE
 from hotweights.server.launch import free_port
-from hotweights.server.transaction import Transaction
+from hotweights.server.transaction import NothingApplied, Transaction
 from hotweights.vllm_plugin.gate import Gate, GateMiddleware
 
 logger = logging.getLogger(__name__)
+
+_CHECKSUM_WAIT_S = 60.0  # how long /hotweights/checksum waits for an update to end
 
 _METRICS: dict = {}
 
@@ -143,9 +146,13 @@ class VllmEngine:
             return
         next_update, self.next_update, self.armed = self.next_update, "", ""
         if (failed := await self._received()) is not None:
-            raise ServerError(f"the update's receive failed ({failed!r}): nothing staged")
+            raise NothingApplied(f"the update's receive failed: {failed!r}")
         applied = await self.client.collective_rpc("hotweights_remote_apply",
                                                    args=(next_update or None,))
+        if not any(a.get("applied", True) for a in applied):  # each worker's receive failed
+            raise NothingApplied(f"the workers' receive failed: {applied[0]['error']}")
+        if failed := [a["error"] for a in applied if not a.get("applied", True)]:
+            raise ServerError(f"some workers applied the update, others not: {failed[0]}")
         self.armed = next_update if next_update and all(a["armed"] for a in applied) else ""
         self.broken = any(a["broken"] for a in applied)
 
@@ -355,14 +362,20 @@ class HotweightsRoutes:
         """The version served and one xxh3-64 per worker over its weights (hashes them all)."""
         if refused := self._refuse(request):
             return refused
+        settled = ("idle", "expired", "staging")  # (a staged update has not touched them)
+        deadline = time.monotonic() + _CHECKSUM_WAIT_S
         while True:
+            while self.tx.state.value not in settled:  # not hashed while an update writes
+                if time.monotonic() > deadline:
+                    return JSONResponse({"error": f"an update has been in progress for "
+                                         f"{_CHECKSUM_WAIT_S:.0f} s; ask again once it "
+                                         "ends"}, status_code=503)
+                await asyncio.sleep(0.05)
             version = self.tx.version
             sums = await self.tx.engine.client.collective_rpc("hotweights_checksum")
-            # (a staged update has not touched the weights)
-            if version == self.tx.version and self.tx.state.value in ("idle", "expired",
-                                                                      "staging"):
+            if version == self.tx.version and self.tx.state.value in settled:
                 return {"version": version, "checksum": list(sums)}
-            await asyncio.sleep(0.05)  # an update ran meanwhile: hash again
+            # an update ran meanwhile: hashed again once it has ended
 
     async def join(self, request: Request):
         """Join a trainer's channel (`hotweights.RemoteGroup`); returns once every rank has.

@@ -82,36 +82,39 @@ class HotweightsWorker:
         return self.weight_transfer_engine.decodes_xor()
 
     def hotweights_remote_apply(self, next_update: str | None = None) -> dict:
-        """Apply the staged update (see the engine), then the post-update hook. Raises what
-        the receive raised (nothing applied). With `next_update`, then wait for that update
-        on a thread (the engine's `arm`), so that its receive needs no request to the
-        engine. Returns ``{"armed": whether it does, "broken": whether this worker's channel
-        broke (its acknowledgement failed after the trainer's had ended: the update stands,
-        the next one needs a new channel)}``."""
+        """Apply the staged update (see the engine), then the post-update hook. With
+        `next_update`, then wait for that update on a thread (the engine's `arm`), so that
+        its receive needs no request to the engine. Returns ``{"applied": True, "armed":
+        whether it does, "broken": whether this worker's channel broke (its acknowledgement
+        failed after the trainer's had ended: the update stands, the next one needs a new
+        channel)}``, or ``{"applied": False, "error": what the receive raised}`` (nothing
+        applied)."""
         staged = self._weight_update_active
         engine = self.weight_transfer_engine
         if staged:
             try:
                 engine.received()
-            except BaseException:
+            except BaseException as e:
                 engine.discard()
                 self.finish_weight_update()  # applies nothing: the staging is empty
-                raise
+                if not isinstance(e, Exception):
+                    raise
+                return {"applied": False, "error": repr(e)}
             self.finish_weight_update()
         self.hotweights_after_update()
         if engine.broken:
             logger.warning("hotweights: the channel to the trainer broke after this update "
                            "was staged; the next update comes on a new one")
-            return {"armed": False, "broken": True}
+            return {"applied": True, "armed": False, "broken": True}
         if not next_update:
-            return {"armed": False, "broken": False}
+            return {"applied": True, "armed": False, "broken": False}
         try:
             self.start_weight_update()
             engine.arm(next_update)
         except Exception:  # the update is applied: its receive will be requested instead
             logger.exception("hotweights: could not wait for the next update ahead")
-            return {"armed": False, "broken": False}
-        return {"armed": True, "broken": False}
+            return {"applied": True, "armed": False, "broken": False}
+        return {"applied": True, "armed": True, "broken": False}
 
     def hotweights_remote_discard(self) -> None:
         """Drop a staged update, leaving the weights untouched."""
