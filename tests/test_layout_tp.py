@@ -410,15 +410,46 @@ def test_experts_transformers_keeps_transposed_are_named_as_such() -> None:
         plan(config, vllm)
 
 
-def test_vllm_parameters_derived_at_load_are_named_with_why() -> None:
-    """MLA's W_UV / W_UK_T are copies vLLM computes from kv_b_proj: refused, saying so."""
+def test_vllm_parameters_derived_at_load_as_copies_are_named_with_why() -> None:
+    """MLA's W_UV / W_UK_T, where vLLM made them copies of kv_b_proj (views are left out
+    of the map by the plugin: `vllm_plugin.aliases`): refused, saying so."""
     from hotweights.testing import tiny
 
     config = tiny.make_config("llama", 300)
     shapes, _ = hf_params(config)
     derived = "model.layers.0.self_attn.mla_attn.mla_attn."
-    with pytest.raises(LayoutError, match="MLA models cannot be trained in place"):
+    with pytest.raises(LayoutError, match="derived W_UV and W_UK_T from kv_b_proj at load as "
+                                          "a copy, not as views of it"):
         plan(config, {**shapes, derived + "W_UV": (4, 8, 8), derived + "W_UK_T": (4, 8, 8)})
+
+
+def test_latent_attention_at_tp_2() -> None:
+    """DeepSeek-V3's attention as vLLM holds it on rank 1 of 2: q_a_proj and
+    kv_a_proj_with_mqa fused and whole on every rank, q_b_proj and kv_b_proj split by
+    heads, o_proj by its input; the router's correction bias (a buffer in transformers)."""
+    from hotweights.testing import tiny
+
+    config = tiny.make_config("deepseek_v3", 300)
+    shapes, _ = hf_params(config)
+    a, b = "model.layers.0.self_attn.", "model.layers.1.mlp.gate."
+    assert shapes[b + "e_score_correction_bias"] == (4,)
+    q_a, kv_a = shapes[a + "q_a_proj.weight"], shapes[a + "kv_a_proj_with_mqa.weight"]
+    q_b, kv_b, o = (shapes[a + n + ".weight"] for n in ("q_b_proj", "kv_b_proj", "o_proj"))
+    vllm = {a + "fused_qkv_a_proj.weight": (q_a[0] + kv_a[0], q_a[1]),
+            a + "q_b_proj.weight": (q_b[0] // 2, q_b[1]),
+            a + "kv_b_proj.weight": (kv_b[0] // 2, kv_b[1]),
+            a + "o_proj.weight": (o[0], o[1] // 2), b + "e_score_correction_bias": (4,)}
+    layout = plan(config, vllm, tp_size=2, tp_rank=1, strict=False)
+    assert layout.unused == ()
+    assert layout.pieces[a + "fused_qkv_a_proj.weight"] == (
+        Piece(a + "q_a_proj.weight", q_a, (0, q_a[0])),
+        Piece(a + "kv_a_proj_with_mqa.weight", kv_a, (q_a[0], q_a[0] + kv_a[0])))
+    assert layout.pieces[a + "kv_b_proj.weight"] == (
+        Piece(a + "kv_b_proj.weight", kv_b, (0, kv_b[0] // 2), 0, kv_b[0] // 2),)
+    assert layout.pieces[a + "o_proj.weight"] == (
+        Piece(a + "o_proj.weight", o, (0, o[1] // 2), 1, o[1] // 2),)
+    assert layout.pieces[b + "e_score_correction_bias"] == (
+        Piece(b + "e_score_correction_bias", (4,), (0, 4)),)
 
 
 def _qkv_case(kv: int, heads: int, hd: int = 4, hidden: int = 8):

@@ -41,11 +41,13 @@ PACKED = {
     "gate_up_proj": ("gate_proj", "up_proj"),
     "in_proj_qkvz": ("in_proj_qkv", "in_proj_z"),
     "in_proj_ba": ("in_proj_b", "in_proj_a"),
+    "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"),  # MLA with a q_lora_rank
 }
 # How tensor parallelism cuts a parameter, by the name of its module.
 _COLUMN = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "in_proj_qkvz", "in_proj_ba",
-           "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"}
+           "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "q_b_proj", "kv_b_proj"}
 _ROW = {"o_proj", "down_proj", "out_proj"}
+_REPLICATED = {"q_a_proj", "kv_a_proj_with_mqa"}  # whole on every rank (packed or not)
 _VOCAB = {"embed_tokens", "lm_head"}
 _KV = {"k_proj", "v_proj"}
 
@@ -151,7 +153,9 @@ def meta_model(config: Any, *, dtype: torch.dtype | None = None,
 
 def hf_params(config: Any, *, trust_remote_code: bool = False
               ) -> tuple[dict[str, Shape], dict[str, str]]:
-    """HF parameter shapes by name, and the tied aliases (alias -> name it shares)."""
+    """HF parameter shapes by name, and the tied aliases (alias -> name it shares). Persistent
+    buffers count as parameters: the checkpoint holds them, vLLM keeps them as parameters
+    (DeepSeek-V3's router `e_score_correction_bias`), and the HF model computes with them."""
     model = config if isinstance(config, torch.nn.Module) else meta_model(
         config, trust_remote_code=trust_remote_code)
     shapes: dict[str, Shape] = {}
@@ -163,6 +167,10 @@ def hf_params(config: Any, *, trust_remote_code: bool = False
         else:
             first[id(param)] = name
             shapes[name] = tuple(param.shape)
+    for prefix, module in model.named_modules():
+        for leaf, buf in module._buffers.items():
+            if buf is not None and leaf not in module._non_persistent_buffers_set:
+                shapes[f"{prefix}.{leaf}" if prefix else leaf] = tuple(buf.shape)
     return shapes, ties
 
 
@@ -282,11 +290,13 @@ def plan(
     return Layout(pieces, tuple(missing), tuple(unused), tp_size, tp_rank, dict(ties))
 
 
-# vLLM parameters computed from others at load (a copy): in-place training cannot reach them
+# vLLM parameters computed from others at load: views of them are left out of the map
+# (`vllm_plugin.aliases`); a copy cannot be reached by training in place
 _DERIVED = {
-    "W_UV": "vLLM's multi-head latent attention (DeepSeek-V2/V3, Kimi) derives W_UV and "
-            "W_UK_T from kv_b_proj at load: a copy, which training kv_b_proj in place would "
-            "leave behind; MLA models cannot be trained in place",
+    "W_UV": "vLLM's multi-head latent attention (DeepSeek-V2/V3, Kimi) derived W_UV and "
+            "W_UK_T from kv_b_proj at load as a copy, not as views of it (a quantized "
+            "kv_b_proj, or one cast to another dtype), which training kv_b_proj in place "
+            "would leave behind; serve it unquantized, in its own dtype",
 }
 
 
@@ -338,8 +348,10 @@ def _pieces(
         return _column_pieces(vname, live, halves, config, tp, rank, dim=1)
     if module == "experts" and leaf == "down_proj":  # [E, H, I]
         return _row_pieces(vname, live, parts[0], tp, rank, dim=2)
-    if module in _COLUMN:
+    if module in _COLUMN or module in _REPLICATED:
         subparts = [(n, s, 0, s[0]) for n, s in parts]
+        if module in _REPLICATED:
+            tp, rank = 1, 0
         return _column_pieces(vname, live, subparts, config, tp, rank, dim=0)
     if module in _ROW and leaf == "weight":
         return _row_pieces(vname, live, parts[0], tp, rank, dim=1)

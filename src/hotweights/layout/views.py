@@ -68,7 +68,17 @@ def _check_selection(trainable: Selection, model: torch.nn.Module) -> None:
 def _set_param(model: torch.nn.Module, name: str, param: torch.nn.Parameter) -> None:
     module_name, _, leaf = name.rpartition(".")
     module = model.get_submodule(module_name)
-    module._parameters[leaf] = param
+    if leaf in module._buffers:  # a persistent buffer (`hf_params`): the same bytes
+        module._buffers[leaf] = param.detach()
+    else:
+        module._parameters[leaf] = param
+
+
+def _tensor_of(model: torch.nn.Module, name: str) -> torch.Tensor:
+    """The parameter, or persistent buffer, `name` of `model`."""
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    return module._buffers[leaf] if leaf in module._buffers else module.get_parameter(leaf)
 
 
 def view_of(tensor: torch.Tensor, piece) -> torch.Tensor:
@@ -160,7 +170,7 @@ def build_hf_model(
     for name in layout.missing:
         canonical = layout.ties.get(name, name)
         if canonical not in made:
-            meta = model.get_parameter(name)
+            meta = _tensor_of(model, name)
             made[canonical] = torch.nn.Parameter(
                 torch.zeros(meta.shape, dtype=meta.dtype, device=device), requires_grad=False
             )
@@ -205,7 +215,7 @@ def verify_shared(model: torch.nn.Module, vllm_params: Mapping[str, torch.Tensor
     for vname, pieces in layout.pieces.items():
         tensor = vllm_params[vname]
         for piece in pieces:
-            param = model.get_parameter(piece.hf_name)
+            param = _tensor_of(model, piece.hf_name)
             want = view_of(tensor.detach(), piece)
             if (param.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr()
                     or param.data_ptr() != want.data_ptr() or param.stride() != want.stride()):

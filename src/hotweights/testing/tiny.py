@@ -21,6 +21,9 @@ ARCHS = ("llama", "llama_tied", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "qw
          "glm4", "granite", "smollm3", "starcoder2", "stablelm", "exaone4", "ernie4_5",
          "hunyuan_v1_dense")
 GDN_ARCHS = ("qwen3_next", "qwen3_5")  # vLLM's CPU gated-delta-net kernels run bf16 only
+# Multi-head latent attention: tested apart (tests/test_mla_vllm.py), as vLLM's reference
+# CPU MLA kernels differ from transformers by up to ~0.2 nats on these random models
+MLA_ARCHS = ("deepseek_v2", "deepseek_v3")
 
 _CORPUS = """\
 One copy of the weights, two jobs. The server generates, the trainer learns.
@@ -65,6 +68,23 @@ _MOE = dict(
     norm_topk_prob=True,
 )
 
+_MLA = dict(
+    tie_word_embeddings=False,
+    hidden_size=256,
+    num_key_value_heads=4,  # transformers' MLA expands k and v to every head
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=64,
+    v_head_dim=64,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=96,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+)
+
 _ARCH_CONFIG: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", dict(tie_word_embeddings=False)),
     "llama_tied": ("LlamaConfig", dict(tie_word_embeddings=True)),
@@ -104,6 +124,11 @@ _ARCH_CONFIG: dict[str, tuple[str, dict[str, Any]]] = {
     "exaone4": ("Exaone4Config", dict(tie_word_embeddings=False)),  # post-norms, q/k norm
     "ernie4_5": ("Ernie4_5Config", dict(tie_word_embeddings=False)),
     "hunyuan_v1_dense": ("HunYuanDenseV1Config", dict(tie_word_embeddings=False)),
+    # Multi-head latent attention (vLLM's CPU kernel: kv_lora_rank + rope dim = 576 only),
+    # a dense layer, then MoE with a shared expert; DeepSeek-V3 with a q_lora_rank (vLLM
+    # fuses q_a_proj and kv_a_proj_with_mqa) and the router's score correction bias
+    "deepseek_v2": ("DeepseekV2Config", dict(_MLA, q_lora_rank=None)),
+    "deepseek_v3": ("DeepseekV3Config", dict(_MLA, q_lora_rank=64, topk_method="noaux_tc")),
 }
 
 

