@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 from hotweights.changes import blocks
 from hotweights.checkpoint import changed, finisher, incremental, journal, sync
 from hotweights.errors import CheckpointError
+from hotweights.testing import tiny
 from hotweights.testing.tiny import make_config
 
 
@@ -616,3 +617,18 @@ def test_a_sync_from_an_atexit_handler_completes(tmp_path, mode):
     after = load_file(tmp_path / "model.safetensors")
     assert all(torch.equal(after[n][:3], before[n][:3] + 1) for n in before)
     assert sorted(p.name for p in tmp_path.iterdir()) == [".hotweights", "model.safetensors"]
+
+
+@pytest.mark.parametrize("arch", tiny.MLA_ARCHS)
+def test_latent_attention_models_round_trip_their_buffers_too(tmp_path, arch):
+    # DeepSeek-V3's router bias is a persistent buffer, kept in float32 by transformers
+    d = tiny.build(arch, tmp_path / arch)
+    model = AutoModelForCausalLM.from_pretrained(d)
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            if ".layers.1." in name:
+                t[..., :3] += 1
+    result = sync(d, model)
+    assert result.missing_on_disk == () and result.missing_live == ()
+    reloaded = AutoModelForCausalLM.from_pretrained(d).state_dict()
+    assert all(torch.equal(t, reloaded[n]) for n, t in model.state_dict().items())

@@ -192,12 +192,19 @@ def build(arch: str, out_dir: str | Path, *, dtype: str = "bfloat16", seed: int 
     config.dtype = dtype
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    fp32 = getattr(model, "_keep_in_fp32_modules_strict", None) or ()
     with torch.no_grad():
         for name, p in model.named_parameters():  # norms too: ones would hide a swap
             if "norm" in name:
                 p.normal_(1.0, 0.2)
             else:
                 p.normal_(0.0, 0.05)
+        for module in model.modules():  # persistent buffers (DeepSeek-V3's router bias),
+            for leaf, buf in module._buffers.items():  # in the dtype transformers keeps
+                if buf is not None and buf.is_floating_point() and \
+                        leaf not in module._non_persistent_buffers_set:
+                    module._buffers[leaf] = buf.to(torch.float32 if leaf in fp32 else
+                                                   buf.dtype).normal_(0.0, 0.05)
     model.save_pretrained(out)
     (out / ".tiny").write_text(stamp)
     logger.info("built tiny %s model in %s", arch, out)
