@@ -73,3 +73,22 @@ def test_unshareable_cuda_memory_is_a_config_error(monkeypatch):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     with pytest.raises(HotweightsError, match=r"PYTORCH_CUDA_ALLOC_CONF enables expandable"):
         _refuse_unshareable_cuda_memory(_config())
+
+
+@pytest.mark.parametrize(("backend", "refused"), [
+    ("TRITON", False), ("BATCHED_TRITON", False), ("FLASHINFER_CUTLASS", True),
+    ("FLASHINFER_TRTLLM", True), ("AITER", True)])
+def test_experts_on_kernels_that_rearrange_them_are_refused(backend, refused):
+    # FlashInfer CUTLASS swaps gate and up ([w3; w1]), TRTLLM permutes, AITER shuffles
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
+
+    model = _model()
+    model.layers[1].experts = torch.nn.Module()
+    model.layers[1].experts.quant_method = SimpleNamespace(
+        unquantized_backend=UnquantizedMoeBackend[backend])
+    if not refused:
+        _refuse_repacked_weights(_config(), model)
+        return
+    with pytest.raises(UnsupportedModelError, match=r"layers.1.experts computes its experts "
+                       r"with vLLM's .* MoE kernels, which rearrange .* --moe-backend triton"):
+        _refuse_repacked_weights(_config(), model)

@@ -299,7 +299,7 @@ class HotweightsRoutes:
         self.metrics["version"].set_function(lambda: self.tx.n)
         self.metrics["dirty"].set_function(lambda: int(self.tx.dirty))
         if self.remote:  # updates come over the transfer engine: nothing to share
-            self.workers = len(await engine_client.collective_rpc("hotweights_after_update"))
+            self.workers = len(await engine_client.collective_rpc("hotweights_check_in_place"))
             self.loaded = await asyncio.to_thread(_loaded, str(getattr(args, "model", "")),
                                                   getattr(args, "revision", None))
             logger.info("hotweights: server %s, %d worker(s) receive updates from a "

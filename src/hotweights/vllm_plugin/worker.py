@@ -55,6 +55,13 @@ class HotweightsWorker:
         logger.info("hotweights: %d parameters in %s", len(params), manifest.path)
         return manifest.to_dict()
 
+    def hotweights_check_in_place(self) -> None:
+        """What `hotweights_share` refuses on a GPU, for a server that shares nothing
+        (`--remote`: updates are written in place all the same)."""
+        model = self.model_runner.model
+        if any(p.is_cuda for p in model.parameters()):
+            _refuse_repacked_weights(self.vllm_config, model)
+
     def hotweights_after_update(self) -> None:
         """Post-update hook: re-derive anything the backend computed from the weights.
 
@@ -183,3 +190,10 @@ def _refuse_repacked_weights(vllm_config, model) -> None:
                 f"hotweights: {name} computes with {kinds[0]}, which may repack its weights "
                 "at load, so an in-place update would not reach it; hotweights trains only "
                 "layers on vLLM's UnquantizedLinearMethod")
+        backend = getattr(method, "unquantized_backend", None)  # FusedMoE's kernels
+        if backend is not None and backend.name not in ("TRITON", "BATCHED_TRITON"):
+            raise UnsupportedModelError(
+                f"hotweights: {name} computes its experts with vLLM's {backend.value} MoE "
+                "kernels, which rearrange the expert weights at load (gate and up swapped, "
+                "permuted or shuffled): an in-place update would write the wrong rows; "
+                "start the server with --moe-backend triton")
