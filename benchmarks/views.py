@@ -97,6 +97,8 @@ def build_model(arch: str, size: str, workdir: Path) -> Path:
     if model_arch == "qwen3_moe":  # it has no shared expert
         moe = {k: v for k, v in moe.items() if not k.startswith("shared")}
     overrides = SIZES[size] | moe
+    if model_arch in tiny.MLA_ARCHS and "num_attention_heads" in overrides:  # transformers'
+        overrides["num_key_value_heads"] = overrides["num_attention_heads"]  # MLA: as many
     return tiny.build(model_arch, workdir / size / model_arch, **overrides)
 
 

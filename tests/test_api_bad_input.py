@@ -193,8 +193,9 @@ def test_a_long_node_list_with_a_server_named_twice_is_found_at_once():
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
-    (dict(timeout=0), "field 'timeout' must be a number of seconds > 0, found 0"),
-    (dict(timeout=float("nan")), "field 'timeout' must be a number of seconds > 0"),
+    (dict(timeout=0), r"field 'timeout' must be a number of seconds in \(0, 21600\], found 0"),
+    (dict(timeout=float("nan")), "field 'timeout' must be a number of seconds in"),
+    (dict(timeout=7 * 3600), r"in \(0, 21600\], found 25200"),  # a lease over the servers'
     (dict(timeout="60"), "field 'timeout'"),
     (dict(master_port=70000), "field 'master_port' must be a port"),
     (dict(master_port="x"), "field 'master_port' must be a port"),

@@ -356,6 +356,31 @@ def test_a_shard_another_program_writes_during_the_sync_is_left_to_it(saved, mon
     assert not list(d.glob(".hotweights/stage*/*")) and not (d / ".hotweights/journal").exists()
 
 
+def test_a_shard_written_after_it_was_staged_is_refused_before_the_commit(saved, monkeypatch):
+    # the staged copy holds the old file's other tensors: replacing theirs would lose them
+    from hotweights.checkpoint import stage
+
+    d, live = saved
+    sync(d, live)  # sidecars: nothing compared with the file, nothing read after staging
+    name = "model.layers.0.mlp.up_proj.weight"
+    shard = next(p for p in d.glob("*.safetensors") if name in load_file(p))
+    theirs = {k: t * 2 for k, t in load_file(shard).items()}
+    whole = stage.whole
+
+    def then_another_writer(*args, **kwargs):
+        written = whole(*args, **kwargs)
+        save_file(theirs, shard)
+        return written
+
+    monkeypatch.setattr(stage, "whole", then_another_writer)
+    live[name] += 1
+    with pytest.raises(CheckpointError, match=f"{re.escape(str(shard))}: changed while this "
+                                              "sync ran"):
+        sync(d, live, mode="copy")
+    assert all(torch.equal(t, theirs[k]) for k, t in load_file(shard).items())
+    assert not (d / ".hotweights/journal").exists()
+
+
 def test_names_missing_on_either_side_are_reported(saved, caplog):
     d, live = saved
     live["extra.weight"] = torch.zeros(2, dtype=torch.bfloat16)

@@ -448,3 +448,17 @@ def test_a_commit_that_fails_before_it_knows_the_servers_leaves_none_held(monkey
     with pytest.raises(MemoryError):
         group.commit(_pending(urls, new={"w": torch.ones(4)}), 2)
     assert group._held == {}
+
+
+def test_the_buffers_a_checkpoint_holds_are_weights_that_cannot_change():
+    # DeepSeek-V3's router bias: a persistent buffer, which the servers map as a weight
+    from hotweights.remote.group import _weights
+
+    model = torch.nn.Linear(4, 4)
+    model.register_buffer("correction", torch.zeros(4))
+    model.register_buffer("table", torch.ones(2), persistent=False)  # computed, not saved
+    new = _weights(model)
+    assert set(new) == {"weight", "bias", "correction"}
+    group = RemoteGroup(["http://127.0.0.1:1"], token="t" * 32)
+    assert group.reference.frozen(model, new) == {"correction"}  # fingerprinted: a change
+    # (aux-loss-free balancing) is sent whole, and copied from then on

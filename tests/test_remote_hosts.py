@@ -21,8 +21,8 @@ def test_server_urls_from_every_form():
     assert server_urls("https://n[1-2]") == ["https://n1", "https://n2"]  # as https://n1
     assert server_urls("https://n1, http://n2") == ["https://n1", "http://n2"]
     assert server_urls({"http://a:1": "t", "b": "u"}) == ["http://a:1", "http://b:8000"]
-    assert server_urls("[::1]:9000, [fd00::2]") == ["http://[::1]:9000",  # IPv6, no scheme
-                                                   "http://[fd00::2]:8000"]
+    assert server_urls("[::1]:9000, [fd00::2]/") == ["http://[::1]:9000",  # IPv6, no scheme
+                                                     "http://[fd00::2]:8000"]
 
 
 @pytest.mark.parametrize("bad, match", [

@@ -42,3 +42,19 @@ def test_servers_that_did_not_answer_are_tried_again_a_refusal_among_them_stops(
     blip = RemoteError("http://b:8000: POST /hotweights/renew: no answer", no_answer=True)
     assert len(_renewals([blip, blip, "ok"])) >= 3
     assert len(_renewals([RemoteError("http://b:8000: HTTP 409"), "never"], lease_s=0.02)) == 1
+
+
+def test_a_renewal_that_waited_out_its_timeout_is_followed_by_the_next_at_once():
+    # each renewal may wait a third of the lease for its answer: counted from the answer,
+    # the next would come a third of the lease later, as the lease runs out
+    lease_s, starts = 0.6, []
+
+    def renew(lease):
+        starts.append(time.monotonic())
+        if len(starts) == 2:
+            time.sleep(lease / 3)  # no answer until its timeout
+
+    with Renewer(renew, lease_s):
+        time.sleep(1.5 * lease_s)
+    assert len(starts) >= 3
+    assert starts[2] - (starts[1] + lease_s / 3) < 0.25 * lease_s  # not lease_s / 3 later

@@ -269,8 +269,8 @@ class Bridge:
 
     def renew(self, lease_s: float = 60.0) -> None:
         """Extend the lease of the current update (`update()` does it by itself). A renewal
-        waits for its answer a third of the lease at most (a renewer tries again at the
-        next), so that one stuck on a dead connection cannot outlast the lease."""
+        waits for its answer a third of the lease at most (`Renewer` then tries again at
+        once), so that one stuck on a dead connection cannot outlast the lease."""
         self._post("/hotweights/renew", timeout=max(1.0, lease_s / 3), lease_s=lease_s)
 
     def _begin(self, *, timeout: float = 120, **body: Any) -> dict:

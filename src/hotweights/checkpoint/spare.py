@@ -9,7 +9,8 @@ sync that patches the shard links the spare into its stage area (~0.1 ms) instea
 cloning.
 
 A spare is used only while the shard is still the file it was cloned from (device, inode,
-size, mtime: `FileId`); else it is closed and the shard cloned as before. Spares hold the
+size, mtime: `FileId`, and ctime: a rewrite in place that put the mtime back); else it is
+closed and the shard cloned as before. Spares hold the
 blocks of what they cloned and nothing else, live only in this process (the filesystem
 frees them when it exits, after a crash too; a forked child gets none), are closed at the
 next `keep` once their shard is gone or changed, and `MOST` at a time; `release` closes

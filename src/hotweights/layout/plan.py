@@ -167,11 +167,17 @@ def hf_params(config: Any, *, trust_remote_code: bool = False
         else:
             first[id(param)] = name
             shapes[name] = tuple(param.shape)
-    for prefix, module in model.named_modules():
-        for leaf, buf in module._buffers.items():
-            if buf is not None and leaf not in module._non_persistent_buffers_set:
-                shapes[f"{prefix}.{leaf}" if prefix else leaf] = tuple(buf.shape)
+    shapes.update((name, tuple(buf.shape)) for name, buf in persistent_buffers(model).items())
     return shapes, ties
+
+
+def persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers of `model` its checkpoint holds (DeepSeek-V3's router bias), by name;
+    not the ones it computes (rotary tables)."""
+    return {f"{prefix}.{leaf}" if prefix else leaf: buf
+            for prefix, module in model.named_modules()
+            for leaf, buf in module._buffers.items()
+            if buf is not None and leaf not in module._non_persistent_buffers_set}
 
 
 def renamings(config: Any, *, trust_remote_code: bool = False) -> list:

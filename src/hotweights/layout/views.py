@@ -111,7 +111,9 @@ def build_hf_model(
 
     The model is created on `meta` (no parameter memory), then every parameter is replaced
     by a view of the vLLM tensor slab that holds it, so the model trains vLLM's weights
-    in place. Buffers (rotary tables) are real and follow the device of the vLLM tensors.
+    in place; so is every buffer a checkpoint holds (DeepSeek-V3's router bias). The
+    buffers the model computes (rotary tables) are real and follow the device of the vLLM
+    tensors.
 
     Args:
         config: a transformers config or a model directory.

@@ -71,7 +71,7 @@ def request(url: str, method: str, route: str, token: str, body: dict | None = N
             answer = resp.read()
         try:
             return json.loads(answer)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past Python's stack
             raise ServerError(f"{method} {route}: {url} answered {_what(answer, resp.headers)}"
                               ", not JSON: is it a `hotweights serve`?") from None
     except urllib.error.HTTPError as e:

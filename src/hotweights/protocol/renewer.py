@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from hotweights.errors import HotweightsError, RemoteError, ServerError
@@ -32,7 +33,12 @@ class Renewer(threading.Thread):
         self.join()
 
     def run(self) -> None:
-        while not self.done.wait(self.lease_s / 3):
+        # due every lease_s / 3 from the start, not from the last answer: a renewal that
+        # waited out its timeout (a third of the lease) is followed by the next at once
+        period = self.lease_s / 3
+        due = time.monotonic() + period
+        while not self.done.wait(max(0.0, due - time.monotonic())):
+            due += period
             try:
                 self.renew(self.lease_s)
             except HotweightsError as e:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import os
 import socket
 import threading
@@ -52,6 +51,7 @@ import torch
 
 from hotweights.checkpoint.names import reverted
 from hotweights.errors import DeltaError, HotweightsError, RemoteError, ServerError
+from hotweights.layout.plan import persistent_buffers
 from hotweights.protocol.http import request
 from hotweights.protocol.renewer import Renewer
 from hotweights.protocol.tokens import find_token, is_loopback
@@ -81,6 +81,8 @@ _AHEAD_BYTES = 2 << 20  # a last round up to this size (uncompressed) is staged 
 # keep them paused while they stage it: a 1 % scattered update, 2.6 MB in one round, paused
 # the benchmark's busy servers 70-170 ms so, 65-90 ms without)
 _HINT_S = 5.0  # how long that hint may take (the update waits for its answers)
+_MAX_TIMEOUT = 6 * 3600.0  # the lease is 4x the timeout, and a server's longest is 24 h
+# (server.bodies.MAX_LEASE_S)
 REQUIRE = ("any", "all")
 REFERENCES = ("copy", "checkpoint")
 
@@ -674,8 +676,9 @@ def _check_args(*, timeout, master_addr, master_port, checkpoint, trainable, max
         raise RemoteError(f"field 'reference' must be one of {REFERENCES}, 'checkpoint' "
                           f"with checkpoint=DIR; found {reference!r}")
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or \
-            not 0 < timeout < math.inf:
-        raise RemoteError(f"field 'timeout' must be a number of seconds > 0, found {timeout!r}")
+            not 0 < timeout <= _MAX_TIMEOUT:
+        raise RemoteError(f"field 'timeout' must be a number of seconds in (0, "
+                          f"{_MAX_TIMEOUT:.0f}], found {timeout!r}")
     if master_addr is not None and not isinstance(master_addr, str):
         raise RemoteError(f"field 'master_addr' must be an address (a str), found "
                           f"{master_addr!r}")
@@ -720,6 +723,7 @@ def _changed_since(pending: Pending) -> list[str]:
 def _weights(weights: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     if isinstance(weights, torch.nn.Module):  # named_parameters lists a tied weight once;
         # the checkpoint's names: transformers' fused MoE experts split back, per expert
-        weights = reverted(dict(weights.named_parameters()), model=weights)
+        weights = reverted(dict(weights.named_parameters()) | persistent_buffers(weights),
+                           model=weights)
     return {k: t.detach() if t.is_contiguous() else t.detach().contiguous()
             for k, t in weights.items()}

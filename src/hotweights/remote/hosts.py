@@ -78,6 +78,7 @@ def server_urls(servers: str | Iterable[str], port: int = DEFAULT_PORT) -> list[
         if not sep:
             scheme, rest = "http", item
             if rest.startswith("["):  # an IPv6 literal: [::1] or [::1]:8000
+                rest = rest.rstrip("/")
                 urls.append(server_url(f"http://{rest}" + ("" if "]:" in rest else
                                                            f":{port}")))
                 continue

@@ -356,8 +356,10 @@ class Transaction:
                 steps = (self.engine.after_update, self.engine.reset_caches)
                 outs = await asyncio.gather(*(step() for step in steps),
                                             return_exceptions=True)
-                if isinstance(outs[0], NothingApplied):
-                    kept, outs = outs[0], (None, outs[1])
+                if isinstance(outs[0], NothingApplied):  # the weights, and so the caches,
+                    # are the old ones: the version stays, whatever the cache reset did
+                    kept = outs[0]
+                    outs = (None, None if isinstance(outs[1], Exception) else outs[1])
                 failed = [step.__name__ for step, out in zip(steps, outs, strict=True)
                           if isinstance(out, BaseException)]
                 for step, out in zip(steps, outs, strict=True):
@@ -367,12 +369,12 @@ class Transaction:
                     elif isinstance(out, BaseException):
                         raise out
             finally:  # whatever happened, the trainer wrote: a new version, and resume
-                self.updates += 1
                 # our version (status, headers) is set before resume lets requests in;
                 # vLLM's own label goes beside the resume
                 if kept is not None and not failed:  # it did not: the version stays
                     await self._resume("nothing applied")
                 else:
+                    self.updates += 1
                     await asyncio.gather(self._new_version(
                         f"commit by {req.holder}: {', '.join(failed)} failed" if failed
                         else None, req.n), self._resume("committed"))

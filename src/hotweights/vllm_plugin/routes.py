@@ -145,7 +145,8 @@ class VllmEngine:
             await self.client.collective_rpc("hotweights_after_update")
             return
         next_update, self.next_update, self.armed = self.next_update, "", ""
-        if (failed := await self._received()) is not None:
+        if (failed := await self._received()) is not None:  # the workers' staging freed
+            await self.client.collective_rpc("hotweights_remote_discard")
             raise NothingApplied(f"the update's receive failed: {failed!r}")
         applied = await self.client.collective_rpc("hotweights_remote_apply",
                                                    args=(next_update or None,))
