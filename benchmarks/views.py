@@ -41,7 +41,7 @@ from hotweights.testing import tiny
 
 ARCHS = ("llama", "llama_tied", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_next",
          "transformers_backend")  # the default run; --archs takes any of `CHOICES`
-CHOICES = (*tiny.ARCHS, *tiny.MLA_ARCHS, "transformers_backend")
+CHOICES = (*tiny.ARCHS, "transformers_backend")
 # Config overrides per --size. "large" (~300 MB of bf16 weights) makes the fixed cost of
 # creating a transformers model object (~2 MiB of Python objects) negligible, as it is for
 # real models; "medium" is ~50 MB.

@@ -19,11 +19,9 @@ logger = logging.getLogger(__name__)
 ARCHS = ("llama", "llama_tied", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5",
          "mistral", "mixtral", "phi3", "gemma2", "gemma3_text", "olmo2", "olmoe", "qwen2_moe",
          "glm4", "granite", "smollm3", "starcoder2", "stablelm", "exaone4", "ernie4_5",
-         "hunyuan_v1_dense")
+         "hunyuan_v1_dense", "deepseek_v2", "deepseek_v3")
 GDN_ARCHS = ("qwen3_next", "qwen3_5")  # vLLM's CPU gated-delta-net kernels run bf16 only
-# Multi-head latent attention: tested apart (tests/test_mla_vllm.py), as vLLM's reference
-# CPU MLA kernels differ from transformers by up to ~0.2 nats on these random models
-MLA_ARCHS = ("deepseek_v2", "deepseek_v3")
+MLA_ARCHS = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention
 
 _CORPUS = """\
 One copy of the weights, two jobs. The server generates, the trainer learns.
@@ -128,7 +126,10 @@ _ARCH_CONFIG: dict[str, tuple[str, dict[str, Any]]] = {
     # a dense layer, then MoE with a shared expert; DeepSeek-V3 with a q_lora_rank (vLLM
     # fuses q_a_proj and kv_a_proj_with_mqa) and the router's score correction bias
     "deepseek_v2": ("DeepseekV2Config", dict(_MLA, q_lora_rank=None)),
-    "deepseek_v3": ("DeepseekV3Config", dict(_MLA, q_lora_rank=64, topk_method="noaux_tc")),
+    # (transformers' DeepSeek-V3 routes by sigmoid and always has the bias; vLLM reads both
+    # from the keys DeepSeek's own configs carry, as does a real checkpoint)
+    "deepseek_v3": ("DeepseekV3Config", dict(_MLA, q_lora_rank=64, topk_method="noaux_tc",
+                                            scoring_func="sigmoid")),
 }
 
 

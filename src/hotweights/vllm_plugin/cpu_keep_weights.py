@@ -8,7 +8,8 @@ AMX and ARM BF16 CPUs it also repacks the gated-delta-net conv1d weight ([D, 1, 
 (DeepSeek-V2/V3) packs `kv_b_proj` and empties it. We keep the checkpoint layout, bit for
 bit, and compute with plain torch ops on it (vLLM's own torch path for the GDN conv, its
 reference CPU MLA backend). The result does not depend on which CPU kernel vLLM would have
-picked (AVX2, AVX-512, AMX, ARM).
+picked (AVX2, AVX-512, AMX, ARM). One fix beside: vLLM's CPU rotary kernel leaves a query
+whose heads lie apart unrotated (DeepSeek's q_pe): those take vLLM's torch path.
 """
 
 from __future__ import annotations
@@ -65,6 +66,26 @@ def _mla_reference_backend(cpu_platform) -> None:
                                                         _is_amx_tile_supported=_no))
 
 
+def _heads_packed(t: torch.Tensor | None) -> bool:
+    # each token's heads side by side: a [tokens, heads * size] view (Llama's q and k,
+    # slices of qkv), or [tokens, heads, size] with heads `size` apart
+    return t is None or t.stride(-1) == 1 and (t.dim() < 3 or t.stride(-2) == t.shape[-1])
+
+
+def _rope_of_views(forward_cpu):
+    # vLLM's CPU rotary kernel leaves a query whose heads lie apart unrotated: DeepSeek's
+    # q_pe (the last 64 of every 192 of a head) got no position at all, in prefill and
+    # decode. Those take vLLM's own torch path, which returns what it rotated (the
+    # callers use what it returns).
+    def forward(self, positions, query, key=None):
+        if _heads_packed(query) and _heads_packed(key):
+            return forward_cpu(self, positions, query, key)
+        return self.forward_native(positions, query, key)
+
+    forward.hotweights = True
+    return forward
+
+
 def _experts_keep_layout(self, layer: torch.nn.Module) -> None:
     # Replaces CPUUnquantizedExperts.process_weights_after_loading: no zero-padding of the
     # intermediate dim, no ISA-specific repack. w13 [E, 2I, H] (gate; up), w2 [E, H, I].
@@ -116,11 +137,14 @@ def install() -> None:
     from vllm.model_executor.layers import utils
     from vllm.model_executor.layers.fused_moe.experts import cpu_moe
     from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
     from vllm.platforms import cpu as cpu_platform
 
     utils.dispatch_cpu_unquantized_gemm = _keep_weight_gemm
     _gdn_conv_torch_path(gdn_attention)
     _mla_reference_backend(cpu_platform)
+    if not getattr(RotaryEmbedding.forward_cpu, "hotweights", False):
+        RotaryEmbedding.forward_cpu = _rope_of_views(RotaryEmbedding.forward_cpu)
     experts = cpu_moe.CPUUnquantizedExperts
     experts.process_weights_after_loading = _experts_keep_layout
     experts.apply = _experts_torch_apply
