@@ -171,6 +171,12 @@ def hf_params(config: Any, *, trust_remote_code: bool = False
     return shapes, ties
 
 
+def model_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a checkpoint of `model` holds, by live name: its parameters (a tied one once)
+    and its persistent buffers."""
+    return dict(model.named_parameters()) | persistent_buffers(model)
+
+
 def persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The buffers of `model` its checkpoint holds (DeepSeek-V3's router bias), by name;
     not the ones it computes (rotary tables)."""

@@ -51,7 +51,7 @@ import torch
 
 from hotweights.checkpoint.names import reverted
 from hotweights.errors import DeltaError, HotweightsError, RemoteError, ServerError
-from hotweights.layout.plan import persistent_buffers
+from hotweights.layout.plan import model_weights
 from hotweights.protocol.http import request
 from hotweights.protocol.renewer import Renewer
 from hotweights.protocol.tokens import find_token, is_loopback
@@ -721,9 +721,8 @@ def _changed_since(pending: Pending) -> list[str]:
 
 
 def _weights(weights: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    if isinstance(weights, torch.nn.Module):  # named_parameters lists a tied weight once;
-        # the checkpoint's names: transformers' fused MoE experts split back, per expert
-        weights = reverted(dict(weights.named_parameters()) | persistent_buffers(weights),
-                           model=weights)
+    if isinstance(weights, torch.nn.Module):  # a tied weight once, under the checkpoint's
+        # names: transformers' fused MoE experts split back, per expert
+        weights = reverted(model_weights(weights), model=weights)
     return {k: t.detach() if t.is_contiguous() else t.detach().contiguous()
             for k, t in weights.items()}

@@ -18,7 +18,7 @@ import torch
 
 from hotweights.checkpoint.names import reverted
 from hotweights.errors import RemoteError
-from hotweights.layout.plan import persistent_buffers
+from hotweights.layout.plan import model_weights
 from hotweights.remote import delta, prefilter
 
 __all__ = ["Reference"]
@@ -49,9 +49,9 @@ class Reference:
                                   f"weights (e.g. {sorted(new)[:3]})")
             return {k for k in new if not any(fnmatch.fnmatchcase(k, p)
                                                for p in self.trainable)}
-        if isinstance(weights, torch.nn.Module):  # and the buffers the checkpoint holds
-            if fixed := {n: p for n, p in weights.named_parameters() if not p.requires_grad
-                         } | persistent_buffers(weights):
+        if isinstance(weights, torch.nn.Module):  # buffers too (none requires grad)
+            if fixed := {n: t for n, t in model_weights(weights).items()
+                         if not t.requires_grad}:
                 return set(reverted(fixed, model=weights)) & set(new)
         return set()
 
@@ -106,8 +106,8 @@ class Reference:
                     prefilter.fingerprints({k: new[k] for k in self.frozen_prints}),
                     "they cannot be written back"):
             return False
-        live = dict(weights.named_parameters()) | persistent_buffers(weights) \
-            if isinstance(weights, torch.nn.Module) else dict(weights)
+        live = model_weights(weights) if isinstance(weights, torch.nn.Module) \
+            else dict(weights)
         if off := [k for k, r in self.tensors.items() if k not in live
                    or live[k].shape != r.shape]:
             logger.warning("hotweights: the step cannot be undone: %s (of %d) is no tensor of "
