@@ -657,3 +657,23 @@ def test_latent_attention_models_round_trip_their_buffers_too(tmp_path, arch):
     assert result.missing_on_disk == () and result.missing_live == ()
     reloaded = AutoModelForCausalLM.from_pretrained(d).state_dict()
     assert all(torch.equal(t, reloaded[n]) for n, t in model.state_dict().items())
+
+
+@pytest.mark.parametrize("mode", ["auto", "journal", "copy"])
+def test_transposed_expert_views_sync_the_rows_that_changed(tmp_path, mode):
+    """GPT-OSS's experts, trained as views of vLLM's [E, out, in] tensors, are transposed
+    (not contiguous) in the live model: a few changed rows of them reach the checkpoint."""
+    d = tiny.build("gpt_oss", tmp_path / "gpt_oss", dtype="float32")
+    model = AutoModelForCausalLM.from_pretrained(d)
+    experts = model.model.layers[1].mlp.experts
+    for leaf in ("gate_up_proj", "down_proj"):  # as `build_hf_model` makes them
+        vllm = getattr(experts, leaf).detach().transpose(1, 2).contiguous()
+        experts._parameters[leaf] = torch.nn.Parameter(vllm.transpose(1, 2))
+        assert not getattr(experts, leaf).is_contiguous()
+    with torch.no_grad():
+        experts.gate_up_proj[1, 3:5] += 1
+        experts.down_proj[2, :, 7] -= 1
+    result = sync(d, model, mode=mode)
+    assert result.tensors_changed == 2
+    reloaded = AutoModelForCausalLM.from_pretrained(d).state_dict()
+    assert all(torch.equal(t, reloaded[n]) for n, t in model.state_dict().items())

@@ -99,7 +99,11 @@ def test_view_model_logits_equal_hf_model_exactly(engine):
     model, _, _ = engine.views()
     ids = torch.tensor([PROMPT])
     with torch.no_grad():
-        assert torch.equal(model(ids).logits, engine.hf_reference()(ids).logits)
+        ours, ref = model(ids).logits, engine.hf_reference()(ids).logits
+    if engine.arch in tiny.TRANSPOSED_ARCHS:  # experts viewed transposed: the matmul sums
+        torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)  # in another order
+    else:
+        assert torch.equal(ours, ref)
 
 
 def test_vllm_logprobs_match_the_view_model(engine):

@@ -8,6 +8,7 @@ so no model dimension is written down anywhere in this file; only naming rules a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
@@ -29,12 +30,19 @@ _PREFIXES = (
     ("visual.", "model.visual."),
 )
 # vLLM leaf -> HF leaf. FusedMoE keeps gate and up in one tensor, like transformers >= 5.
-_RENAMES = (
-    (".experts.routed_experts.w13_weight", ".experts.gate_up_proj"),
-    (".experts.routed_experts.w2_weight", ".experts.down_proj"),
-    (".experts.w13_weight", ".experts.gate_up_proj"),
-    (".experts.w2_weight", ".experts.down_proj"),
+_RENAMES = tuple(
+    (f".experts.{routed}{v_leaf}", f".experts.{hf_leaf}")
+    for routed in ("routed_experts.", "")
+    for v_leaf, hf_leaf in (("w13_weight", "gate_up_proj"), ("w2_weight", "down_proj"),
+                            ("w13_bias", "gate_up_proj_bias"), ("w2_bias", "down_proj_bias"))
 )
+# vLLM part -> HF part, tried when a name is found neither as it is nor under transformers'
+# renames: models whose vLLM module names differ from the checkpoint's (GPT-OSS)
+_VLLM_RENAMES = ((".attn.", ".self_attn."), ("model.embedding.", "model.embed_tokens."))
+# Model types whose transformers experts are [E, in, out] (`x @ w`), vLLM's [E, out, in]:
+# the HF tensor is vLLM's with its last two dims swapped. GPT-OSS keeps gate and up
+# interleaved, as vLLM's swigluoai reads them, so only the order of the dims differs.
+_TRANSPOSED_EXPERTS = {"gpt_oss"}
 # A vLLM module that packs several HF modules, concatenated on dim 0 in this order.
 PACKED = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
@@ -66,13 +74,21 @@ class Piece:
     rows: tuple[int, int]  # [start, stop) on `dim` of the vLLM parameter
     dim: int = 0
     hf_start: int = 0
+    transposed: bool = False  # the HF tensor is the slab with its last two dims swapped
+
+    @property
+    def hf_dim(self) -> int:
+        """The HF tensor's dim that `dim` of the vLLM parameter is."""
+        if self.transposed and self.dim >= len(self.hf_shape) - 2:
+            return 2 * len(self.hf_shape) - 3 - self.dim
+        return self.dim
 
     @property
     def whole(self) -> bool:
         """True when the piece is the entire HF tensor (a view can stand in for it)."""
         if not self.hf_shape:  # a scalar (0-d) parameter: rows (0, 1)
             return True
-        return self.hf_start == 0 and self.rows[1] - self.rows[0] == self.hf_shape[self.dim]
+        return self.hf_start == 0 and self.rows[1] - self.rows[0] == self.hf_shape[self.hf_dim]
 
 
 @dataclass(frozen=True)
@@ -202,9 +218,10 @@ def renamings(config: Any, *, trust_remote_code: bool = False) -> list:
     return [t for t in found if type(t) is WeightRenaming]
 
 
-def hf_name_candidates(vname: str, renames: Sequence = ()) -> tuple[str, list[str] | None]:
+def hf_name_candidates(vname: str, renames: Sequence = (), *, vllm_renames: bool = False
+                       ) -> tuple[str, list[str] | None]:
     """The HF name a vLLM name stands for, and the HF parts if its module is packed
-    (`renames`: `renamings(config)`)."""
+    (`renames`: `renamings(config)`; `vllm_renames`: vLLM's own module names undone)."""
     name = vname
     for v_prefix, hf_prefix in _PREFIXES:
         if name.startswith(v_prefix):
@@ -212,6 +229,9 @@ def hf_name_candidates(vname: str, renames: Sequence = ()) -> tuple[str, list[st
             break
     for rename in renames:
         name = rename.rename_source_key(name)[0]
+    if vllm_renames:
+        for v_part, hf_part in _VLLM_RENAMES:
+            name = name.replace(v_part, hf_part)
     for v_leaf, hf_leaf in _RENAMES:
         if name.endswith(v_leaf):
             name = name[: -len(v_leaf)] + hf_leaf
@@ -272,9 +292,10 @@ def plan(
     unused: list[str] = []
     for vname, value in params.items():
         live = tuple(value.shape) if hasattr(value, "shape") else tuple(value)
-        name, parts = hf_name_candidates(vname)
-        if renames and name not in shapes and not (parts and all(p in shapes for p in parts)):
-            name, parts = hf_name_candidates(vname, renames)
+        for kwargs in ({}, {"renames": renames}, {"renames": renames, "vllm_renames": True}):
+            name, parts = hf_name_candidates(vname, **kwargs)
+            if name in shapes or (parts and all(p in shapes for p in parts)):
+                break
         if name in ties:  # vLLM keeps apart what the config ties: training one would
             raise LayoutError(  # leave the other, which vLLM computes with, behind
                 f"{vname}: vLLM holds it as a tensor of its own, but the config ties "
@@ -288,7 +309,7 @@ def plan(
         covered.update(parts, *(aliases.get(p, ()) for p in parts))
         found = _pieces(vname, live, [(p, shapes[p]) for p in parts], config, tp_size, tp_rank)
         found += [
-            Piece(alias, p.hf_shape, p.rows, p.dim, p.hf_start)
+            dataclasses.replace(p, hf_name=alias)
             for p in found
             for alias in aliases.get(p.hf_name, ())
         ]
@@ -352,6 +373,8 @@ def _pieces(
         )
     if module in _VOCAB:
         return _vocab_pieces(vname, live, parts[0], tp, rank)
+    if module == "experts" and getattr(config, "model_type", None) in _TRANSPOSED_EXPERTS:
+        return _transposed_pieces(vname, live, parts[0], tp)
     if module == "experts" and leaf == "gate_up_proj":  # [E, 2I, H]: gate then up on dim 1
         halves = [(hf_name, hf_shape, 0, hf_shape[1])]
         if tp > 1:  # each rank holds its chunk of gate, then its chunk of up
@@ -374,6 +397,23 @@ def _pieces(
     return [Piece(hf_name, hf_shape, (0, hf_shape[0] if hf_shape else 1))]
 
 
+def _transposed_pieces(vname: str, live: Shape, part: tuple[str, Shape], tp: int
+                       ) -> list[Piece]:
+    """An expert tensor of a `_TRANSPOSED_EXPERTS` model: the HF weight [E, in, out] is
+    vLLM's [E, out, in] with its last two dims swapped; a bias is held as it is."""
+    hf_name, hf_shape = part
+    if tp > 1:  # vLLM cuts GPT-OSS's interleaved gate/up columns and zeroes the down bias
+        raise LayoutError(  # on every rank but the first
+            f"{vname}: tensor parallelism over GPT-OSS experts is not mapped yet (HF "
+            f"{hf_name}); use tp=1")
+    transposed = len(hf_shape) == 3
+    want = (hf_shape[0], hf_shape[2], hf_shape[1]) if transposed else hf_shape
+    if live != want:
+        raise LayoutError(f"{vname}: vLLM shape {live} does not hold HF {hf_name} shape "
+                          f"{hf_shape}" + (" transposed" if transposed else ""))
+    return [Piece(hf_name, hf_shape, (0, live[0]), transposed=transposed)]
+
+
 def _check_other_dims(vname: str, live: Shape, hf_name: str, hf_shape: Shape, dim: int):
     for d, (a, b) in enumerate(zip(live, hf_shape, strict=True)):
         if d != dim and a != b:
@@ -381,8 +421,8 @@ def _check_other_dims(vname: str, live: Shape, hf_name: str, hf_shape: Shape, di
             raise LayoutError(
                 f"{vname}: vLLM shape {live} does not hold HF {hf_name} shape {hf_shape} "
                 f"(dim {d}: {a} != {b})" + (
-                    "; transformers keeps these experts transposed (Llama 4, GPT-OSS): not "
-                    "supported (the HF views keep vLLM's order of dims)" if transposed else "")
+                    "; transformers keeps these experts transposed (Llama 4): not "
+                    "supported yet (GPT-OSS is)" if transposed else "")
             )
 
 

@@ -88,12 +88,19 @@ def view_of(tensor: torch.Tensor, piece) -> torch.Tensor:
             f"{piece.hf_name}: this rank holds only a shard of it (rows {piece.rows} on dim "
             f"{piece.dim}); views need tp=1"
         )
-    if tensor.dim() == 0:
-        return tensor
-    out = tensor.narrow(piece.dim, piece.rows[0], piece.rows[1] - piece.rows[0])
+    out = slab_of(tensor, piece)
     if tuple(out.shape) != piece.hf_shape:
         out = out.view(piece.hf_shape)
     return out
+
+
+def slab_of(tensor: torch.Tensor, piece) -> torch.Tensor:
+    """The rows of `tensor` that `piece` holds, as a view in the HF order of dims (its last
+    two swapped for a `transposed` piece)."""
+    if tensor.dim() == 0:
+        return tensor
+    out = tensor.narrow(piece.dim, piece.rows[0], piece.rows[1] - piece.rows[0])
+    return out.transpose(-2, -1) if piece.transposed else out
 
 
 def build_hf_model(

@@ -22,6 +22,7 @@ import torch
 
 from hotweights.errors import LayoutError
 from hotweights.layout.plan import Layout
+from hotweights.layout.views import slab_of
 from hotweights.remote import delta_apply
 from hotweights.remote.delta import DENSE, PATCH, ROWS, _row_index
 
@@ -217,16 +218,13 @@ def of(layout: Layout, params: Mapping[str, torch.Tensor],
     """
     out: dict[str, Shard] = {}
     for hf_name, held in layout.inverse().items():
-        dims = {p.dim for _, p in held}
+        dims = {p.hf_dim for _, p in held}
         if len(dims) > 1:
             raise LayoutError(f"{hf_name}: held split on dims {sorted(dims)}; one expected")
         by_run: dict[tuple[int, int], list[torch.Tensor]] = {}
         for vname, p in held:
             n = p.rows[1] - p.rows[0]
-            slab = params[vname].detach()
-            if slab.dim():  # a scalar (0-d) parameter is its own slab
-                slab = slab.narrow(p.dim, p.rows[0], n)
-            by_run.setdefault((p.hf_start, n), []).append(slab)
+            by_run.setdefault((p.hf_start, n), []).append(slab_of(params[vname].detach(), p))
         runs = sorted(by_run)
         for (a, n), (b, _) in itertools.pairwise(runs):
             if a + n > b:

@@ -19,9 +19,10 @@ logger = logging.getLogger(__name__)
 ARCHS = ("llama", "llama_tied", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5",
          "mistral", "mixtral", "phi3", "gemma2", "gemma3_text", "olmo2", "olmoe", "qwen2_moe",
          "glm4", "granite", "smollm3", "starcoder2", "stablelm", "exaone4", "ernie4_5",
-         "hunyuan_v1_dense", "deepseek_v2", "deepseek_v3")
+         "hunyuan_v1_dense", "deepseek_v2", "deepseek_v3", "gpt_oss")
 GDN_ARCHS = ("qwen3_next", "qwen3_5")  # vLLM's CPU gated-delta-net kernels run bf16 only
 MLA_ARCHS = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention
+TRANSPOSED_ARCHS = ("gpt_oss",)  # experts [E, in, out] in transformers, [E, out, in] in vLLM
 
 _CORPUS = """\
 One copy of the weights, two jobs. The server generates, the trainer learns.
@@ -130,6 +131,20 @@ _ARCH_CONFIG: dict[str, tuple[str, dict[str, Any]]] = {
     # from the keys DeepSeek's own configs carry, as does a real checkpoint)
     "deepseek_v3": ("DeepseekV3Config", dict(_MLA, q_lora_rank=64, topk_method="noaux_tc",
                                             scoring_func="sigmoid")),
+    # Experts kept [E, in, out] by transformers (vLLM: [E, out, in]), gate and up
+    # interleaved, biases everywhere, attention sinks, sliding-window layers; the MLP as
+    # wide as the model, as in gpt-oss-20b/120b, so a view of down_proj that is not
+    # transposed has the right shape and the wrong values (vLLM's norms: eps 1e-5, fixed)
+    "gpt_oss": ("GptOssConfig", dict(tie_word_embeddings=False, intermediate_size=128,
+                                      rms_norm_eps=1e-5,
+                                      num_local_experts=4, num_experts_per_tok=2,
+                                      sliding_window=64,
+                                      layer_types=["sliding_attention", "full_attention"],
+                                      rope_parameters=dict(  # YaRN beyond position 16
+                                          rope_type="yarn", factor=32.0,
+                                          original_max_position_embeddings=16,
+                                          beta_fast=32.0, beta_slow=1.0, rope_theta=150000.0,
+                                          truncate=False))),
 }
 
 

@@ -111,8 +111,6 @@ def _experts_torch_apply(
     apply_router_weight_on_input: bool,
 ) -> None:
     # Replaces CPUUnquantizedExperts.apply with a torch loop over the experts hit.
-    from vllm.model_executor.layers.fused_moe.activation import apply_moe_activation
-
     if expert_map is not None:
         topk_ids = expert_map[topk_ids]
     acc = torch.zeros(output.shape, dtype=torch.float32, device=output.device)
@@ -123,13 +121,37 @@ def _experts_torch_apply(
         token, slot = (topk_ids == expert).nonzero(as_tuple=True)
         x = hidden_states[token]
         h = F.linear(x, w1[expert], None if self.w1_bias is None else self.w1_bias[expert])
-        act = h.new_empty(h.shape[0], half)
-        apply_moe_activation(activation, act, h)
+        act = _activated(activation, h, half)
         y = F.linear(act, w2[expert], None if self.w2_bias is None else self.w2_bias[expert])
         if not apply_router_weight_on_input:  # otherwise prepare() applied it already
             y = y.float() * topk_weights[token, slot, None].float()
         acc.index_add_(0, token, y.float())
     output.copy_(acc.to(output.dtype))
+
+
+def _activated(activation, h: torch.Tensor, half: int) -> torch.Tensor:
+    """vLLM's MoE `activation` of `h` (gate and up together: `half` columns out)."""
+    from vllm.model_executor.layers.activation import SwigluOAIAndMul
+    from vllm.model_executor.layers.fused_moe.activation import (
+        MoEActivation,
+        apply_moe_activation,
+    )
+
+    if activation == MoEActivation.SWIGLUOAI and not hasattr(torch.ops._C,
+                                                             "swigluoai_and_mul"):
+        # GPT-OSS: vLLM's CPU build has no such op (its fused CPU kernel computes it); its
+        # torch form, with the constants of the op's defaults
+        return SwigluOAIAndMul.forward_native(_SWIGLUOAI, h)
+    act = h.new_empty(h.shape[0], half)
+    apply_moe_activation(activation, act, h)
+    return act
+
+
+class _SwigluOAI:  # what SwigluOAIAndMul.forward_native reads: the kernel's defaults
+    alpha, limit = 1.702, 7.0
+
+
+_SWIGLUOAI = _SwigluOAI()
 
 
 def install() -> None:
