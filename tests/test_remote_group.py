@@ -121,7 +121,7 @@ def test_a_step_that_changed_a_tensor_that_cannot_change_is_not_taken_as_undone(
     assert not group.restore({"a.fused": new["a.weight"],  # not the checkpoint's names
                               "b.weight": weights["b.weight"]})
     assert "the step cannot be undone: 1 (of 1) is no tensor of the model under its " \
-        "checkpoint name (e.g. a.weight" in caplog.text
+        "checkpoint name, nor a view of one (e.g. a.weight" in caplog.text
 
 
 def test_trainable_defaults_to_the_parameters_that_require_grad():
@@ -462,3 +462,30 @@ def test_the_buffers_a_checkpoint_holds_are_weights_that_cannot_change():
     group = RemoteGroup(["http://127.0.0.1:1"], token="t" * 32)
     assert group.reference.frozen(model, new) == {"correction"}  # fingerprinted: a change
     # (aux-loss-free balancing) is sent whole, and copied from then on
+
+
+def test_fused_experts_are_sent_as_views_and_a_step_on_them_undone():
+    """transformers 5 fuses MoE experts ([E, 2I, H] gate_up_proj): the group sends them per
+    expert under the checkpoint's names as views of the live tensors, not copies (no
+    second copy of the experts on the trainer's device; a write during the encode is seen),
+    so `restore` writes the old values back through them."""
+    from transformers import AutoModelForCausalLM
+
+    from hotweights.remote.group import _weights
+    from hotweights.testing import tiny
+
+    model = AutoModelForCausalLM.from_config(tiny.make_config("qwen3_moe", 300))
+    live = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    new = _weights(model)
+    gate = "model.layers.0.mlp.experts.1.gate_proj.weight"
+    assert gate in new and all(t.untyped_storage().data_ptr() in live for t in new.values())
+    fused = model.model.layers[0].mlp.experts.gate_up_proj
+    assert torch.equal(new[gate], fused[1, :fused.shape[1] // 2])
+    group = RemoteGroup(["http://127.0.0.1:1"], token="t" * 32)
+    _update(group, model, new)
+    before = {k: t.clone() for k, t in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    assert group.restore(model)
+    assert all(torch.equal(t, before[k]) for k, t in model.state_dict().items())

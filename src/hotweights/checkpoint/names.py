@@ -20,6 +20,7 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from hotweights.errors import CheckpointError
 
@@ -73,8 +74,8 @@ def to_disk(
             Some conversions read it (config fields, parameter shapes).
 
     Returns:
-        A `NameMap`. Tensors keep the live dtype; some are copies (transformers' `Chunk`
-        makes one per piece) and some non-contiguous views.
+        A `NameMap`. Tensors keep the live dtype; converted ones are views of the live
+        tensors where transformers' ops allow (`reverted(views=True)`), some not contiguous.
 
     Raises:
         CheckpointError: a conversion fails, gives a name the checkpoint lacks for a live
@@ -106,7 +107,7 @@ def to_disk(
                 only_live.append(n)
             else:
                 placed[n] = t
-        for name, t in _revert(saved, placed).items():
+        for name, t in _revert(saved, placed, views=True).items():
             if name not in disk:
                 raise CheckpointError(
                     f"{name}: converted from live {sorted(placed)} by transformers, but the "
@@ -123,6 +124,7 @@ def reverted(
     *,
     model_type: str | None = None,
     model: torch.nn.Module | None = None,
+    views: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Live tensors under the names `save_pretrained` writes, converted as it converts them.
 
@@ -134,17 +136,30 @@ def reverted(
         live: live name -> tensor.
         model_type: picks transformers' conversions when given (as in `to_disk`).
         model: the live model; without `model_type` its conversions are used.
+        views: views of `live` where the conversion's ops allow, not contiguous copies
+            (transformers' `Chunk` copies each expert's gate and up rows apart; seen as
+            views they are contiguous and share the live tensor's bytes and version).
 
     Returns:
         Checkpoint name -> tensor, in the order `save_pretrained` shards them; with no
-        conversion registered, `live` unchanged. Some tensors are copies or views.
+        conversion registered, `live` unchanged. Some tensors are copies or views, and
+        with `views` some views may not be contiguous.
 
     Raises:
         CheckpointError: transformers' conversion fails.
     """
     if model_type is None and model is None:
         return dict(live)  # nothing to pick conversions by (and no transformers import)
-    return _revert(_Saved(model_type, model), dict(live))
+    return _revert(_Saved(model_type, model), dict(live), views=views)
+
+
+class _ContiguousAsIs(TorchFunctionMode):
+    """`Tensor.contiguous()` returns the tensor as it is: a view stays a view."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.contiguous:
+            return args[0]
+        return func(*args, **(kwargs or {}))
 
 
 # What wrappers put into the names of the model they wrap: torch.compile (`_orig_mod`),
@@ -312,12 +327,16 @@ class _Saved:
         return self._model.get_parameter(name)
 
 
-def _revert(saved: _Saved, live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _revert(saved: _Saved, live: dict[str, torch.Tensor], *, views: bool = False
+            ) -> dict[str, torch.Tensor]:
     if not saved._weight_conversions or not live:
         return dict(live)  # nothing registered: names pass through unchanged
     from transformers.core_model_loading import revert_weight_conversion
 
     try:
+        if views:
+            with _ContiguousAsIs():
+                return revert_weight_conversion(saved, live)
         return revert_weight_conversion(saved, live)
     except CheckpointError:
         raise

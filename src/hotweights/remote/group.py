@@ -722,7 +722,7 @@ def _changed_since(pending: Pending) -> list[str]:
 
 def _weights(weights: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     if isinstance(weights, torch.nn.Module):  # a tied weight once, under the checkpoint's
-        # names: transformers' fused MoE experts split back, per expert
-        weights = reverted(model_weights(weights), model=weights)
+        # names: transformers' fused MoE experts split back, per expert, as views of them
+        weights = reverted(model_weights(weights), model=weights, views=True)
     return {k: t.detach() if t.is_contiguous() else t.detach().contiguous()
             for k, t in weights.items()}

@@ -108,15 +108,19 @@ class Reference:
             return False
         live = model_weights(weights) if isinstance(weights, torch.nn.Module) \
             else dict(weights)
-        if off := [k for k, r in self.tensors.items() if k not in live
-                   or live[k].shape != r.shape]:
+        held = {t.untyped_storage().data_ptr() for t in live.values()}
+        into = {k: live[k] if k in live else new[k] for k in self.tensors if k in live or (
+            k in new and new[k].untyped_storage().data_ptr() in held)}  # a view of them
+        if off := [k for k, r in self.tensors.items() if k not in into
+                   or into[k].shape != r.shape]:
             logger.warning("hotweights: the step cannot be undone: %s (of %d) is no tensor of "
-                           "the model under its checkpoint name (e.g. %s: experts transformers "
-                           "fuses, a wrapped model)", len(off), len(self.tensors), off[0])
+                           "the model under its checkpoint name, nor a view of one (e.g. %s: "
+                           "a wrapped model, experts transformers keeps in another layout)",
+                           len(off), len(self.tensors), off[0])
             return False
         with torch.no_grad():
             for k, r in self.tensors.items():
-                live[k].copy_(r)
+                into[k].copy_(r)
         return True
 
 
