@@ -14,6 +14,7 @@ from hotweights.layout.plan import Piece, hf_params, plan
 from hotweights.layout.views import build_hf_model, slab_of, verify_shared, view_of
 from hotweights.remote import shards
 from hotweights.remote.delta import DENSE, PATCH, ROWS, encode_all
+from hotweights.remote.packing import pack
 from hotweights.testing import tiny
 from test_remote_shards import _changed, _stage
 
@@ -34,28 +35,59 @@ def _hf(config, seed: int = 0) -> dict[str, torch.Tensor]:
     return {n: torch.randn(s, generator=g) for n, s in shapes.items()}
 
 
-def _vllm(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """What vLLM's GPT-OSS holds at tp=1 for the HF tensors `hf`."""
+def _vllm(hf: dict[str, torch.Tensor], tp: int = 1, rank: int = 0) -> dict[str, torch.Tensor]:
+    """What vLLM's GPT-OSS holds on TP rank `rank` of `tp` for the HF tensors `hf` (its
+    loader's cuts: q/k/v and the sinks by head, o_proj by its input, the vocabulary padded
+    then in equal runs, gate/up columns and down rows in equal runs, the down bias on the
+    first rank only)."""
+    def run(t: torch.Tensor, dim: int) -> torch.Tensor:
+        n = t.shape[dim] // tp
+        return t.narrow(dim, rank * n, n)
+
     out = {}
     for name, t in hf.items():
-        name = name.replace(".self_attn.", ".attn.").replace("embed_tokens", "embedding")
-        if name.endswith(("embedding.weight", "lm_head.weight")):
-            t = torch.cat([t, t.new_zeros(-t.shape[0] % 64, t.shape[1])])
-        for hf_leaf, v_leaf in (("gate_up_proj", "w13_weight"), ("down_proj", "w2_weight")):
-            if name.endswith(f".experts.{hf_leaf}"):
-                name = name.replace(f".experts.{hf_leaf}", f".experts.routed_experts.{v_leaf}")
-                t = t.transpose(1, 2)
-            elif name.endswith(f".experts.{hf_leaf}_bias"):
-                name = name.replace(f".experts.{hf_leaf}_bias", ".experts.routed_experts."
-                                    + v_leaf.replace("weight", "bias"))
-        for leaf in ("weight", "bias"):
-            if name.endswith(f".q_proj.{leaf}"):
-                qkv = [hf[name.replace(".attn.", ".self_attn.").replace("q_proj", p)]
-                       for p in ("q_proj", "k_proj", "v_proj")]
-                name, t = name.replace("q_proj", "qkv_proj"), torch.cat(qkv)
+        v = name.replace(".self_attn.", ".attn.").replace("embed_tokens", "embedding")
+        leaf = name.rpartition(".")[2]
+        if v.endswith(("embedding.weight", "lm_head.weight")):
+            t = run(torch.cat([t, t.new_zeros(-t.shape[0] % 64, t.shape[1])]), 0)
+        elif ".experts." in name:
+            v = v.replace(".experts.", ".experts.routed_experts.").replace(
+                "gate_up_proj", "w13").replace("down_proj", "w2")
+            v += "" if leaf.endswith("_bias") else "_weight"
+            if leaf == "gate_up_proj":
+                t = run(t, 2).transpose(1, 2)
+            elif leaf == "down_proj":
+                t = run(t, 1).transpose(1, 2)
+            elif leaf == "gate_up_proj_bias":
+                t = run(t, 1)
+            elif rank:
+                t = torch.zeros_like(t)
+        elif leaf == "sinks" or ".q_proj." in name:
+            qkv = [run(hf[name.replace("q_proj", p)], 0) for p in ("q_proj", "k_proj", "v_proj")]
+            v, t = v.replace("q_proj", "qkv_proj"), run(t, 0) if leaf == "sinks" else \
+                torch.cat(qkv)
+        elif name.endswith("o_proj.weight"):
+            t = run(t, 1)
         if ".k_proj." not in name and ".v_proj." not in name:
-            out[name] = t.contiguous()
+            out[v] = t.contiguous()
     return out
+
+
+def _xor(old: dict, new: dict, held: dict) -> None:
+    """Stage and apply `new` as xors of `old`, decoded against the live slabs as a remote
+    server's workers read them (`RemoteEngine._old`): views that are not contiguous."""
+    from hotweights.remote.staging import Staged
+    from test_remote_shards import _specs
+
+    olds = {n: s.dests[0][0] if s.whole else s for n, s in held.items()
+            if s.whole or s.gathers}
+    assert olds.keys() == new.keys()  # every tensor decodes xor values
+    staged = Staged(_specs(new), shards=held, old=olds)
+    rounds = list(pack(encode_all(old, new), max_bytes=1 << 16, values="xor"))
+    assert any(e.get("values") == "xor" for rd in rounds for e in rd.header["entries"])
+    for rd in rounds:
+        staged(rd)
+    staged.apply_in_place()
 
 
 def test_every_tensor_is_mapped_and_the_experts_transposed(config):
@@ -94,11 +126,38 @@ def test_the_hf_model_trains_vllm_s_experts_in_place(config):
     assert vllm[W2][3, 0, 1] == hf[DOWN][3, 1, 0] + 1.0
 
 
-def test_tensor_parallel_experts_are_refused_by_name(config):
+@pytest.mark.parametrize("values", ["plain", "xor"])
+def test_each_tensor_parallel_rank_writes_its_shard_of_an_update(config, values):
+    """TP=2: each rank's slabs of the experts (its run of gate/up columns and down rows,
+    seen transposed), of the sinks (its heads) and the rest take exactly its share of an
+    update; the down bias only on the first rank (vLLM holds zeros on the others)."""
+    from hotweights.remote import jit
+
+    if values == "xor" and not jit.enabled():
+        pytest.skip("numba is not installed: no compiled loops")
+    old = _hf(config, seed=2)
+    new = _changed(old)
+    shapes = {k: tuple(v.shape) for k, v in old.items()}
+    for rank in range(2):
+        params = _vllm(old, 2, rank)
+        layout = plan(config, params, tp_size=2, tp_rank=rank)
+        held = shards.of(layout, params, shapes)
+        assert held[GATE_UP].held == (4, 128, 128) and held[DOWN].held == (4, 64, 128)
+        bias = "model.layers.1.mlp.experts.down_proj_bias"
+        assert held[bias].whole if rank == 0 else held[bias].runs == ()
+        if values == "plain":
+            _stage(old, new, held, max_bytes=4096).apply_in_place()
+        else:
+            _xor(old, new, held)
+        for name, t in _vllm(new, 2, rank).items():
+            assert torch.equal(params[name].view(torch.int32), t.view(torch.int32)), \
+                (name, rank)
+
+
+def test_a_run_that_does_not_split_evenly_is_refused(config):
     vllm = {W13: tuple(_vllm(_hf(config))[W13].shape)}
-    vllm[W13] = (vllm[W13][0], vllm[W13][1] // 2, vllm[W13][2])
-    with pytest.raises(LayoutError, match="tensor parallelism over GPT-OSS experts"):
-        plan(config, vllm, tp_size=2, tp_rank=0, strict=False)
+    with pytest.raises(LayoutError, match="cannot be split over tp=3"):
+        plan(config, vllm, tp_size=3, tp_rank=0, strict=False)
 
 
 @pytest.mark.parametrize("values", ["plain", "xor"])
@@ -106,9 +165,6 @@ def test_a_remote_update_lands_in_the_transposed_experts(config, values):
     """A remote server's shards of the experts are vLLM's slabs seen transposed: dense,
     row and patch pieces of the HF tensors land there, and xor values decode against them."""
     from hotweights.remote import jit
-    from hotweights.remote.packing import pack
-    from hotweights.remote.staging import Staged
-    from test_remote_shards import _specs
 
     old = _hf(config, seed=1)
     new = _changed(old)
@@ -122,10 +178,7 @@ def test_a_remote_update_lands_in_the_transposed_experts(config, values):
     else:
         if not jit.enabled():
             pytest.skip("numba is not installed: no compiled loops")
-        staged = Staged(_specs(new), shards=held, old=held)
-        for rd in pack(encode_all(old, new), max_bytes=1 << 16, values="xor"):
-            staged(rd)
-        staged.apply_in_place()
+        _xor(old, new, held)
     for name, t in _vllm(new).items():
         assert torch.equal(params[name].view(torch.int32), t.view(torch.int32)), name
 

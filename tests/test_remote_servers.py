@@ -599,16 +599,19 @@ def test_a_server_killed_between_send_and_commit_is_named_and_the_other_serves_n
     assert {_status(s)["n"] for s in remotes[:2]} == {group.n}
 
 
-def test_a_tensor_parallel_server_is_updated_shard_by_shard(tiny_model, tmp_path, monkeypatch):
+@pytest.mark.parametrize("arch", ["llama", "gpt_oss"])
+def test_a_tensor_parallel_server_is_updated_shard_by_shard(tiny_model, tmp_path, monkeypatch,
+                                                            arch):
     # TP=2: each worker holds slices of the merged tensors; it stages only its shard of each
-    # HF tensor and writes it straight into its slabs of them. The server takes one rank of
-    # the trainer's channel: its first worker receives each byte once and hands it on to the
-    # other over the server's relay.
+    # HF tensor and writes it straight into its slabs of them (GPT-OSS: its runs of expert
+    # columns and rows, seen transposed; the down bias on the first worker only). The server
+    # takes one rank of the trainer's channel: its first worker receives each byte once and
+    # hands it on to the other over the server's relay.
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         pytest.skip("a TP=2 vLLM CPU server needs 2 cores, one per worker")
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cores[0]}|{cores[1]}")  # one NUMA node
-    server = Server(tiny_model("llama"), tmp_path, "--remote", "--tensor-parallel-size", "2")
+    server = Server(tiny_model(arch), tmp_path, "--remote", "--tensor-parallel-size", "2")
     try:
         model = AutoModelForCausalLM.from_pretrained(server.model_dir, dtype=torch.bfloat16)
         ids, g = torch.tensor([PROMPT]), torch.Generator().manual_seed(3)

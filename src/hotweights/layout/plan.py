@@ -374,7 +374,7 @@ def _pieces(
     if module in _VOCAB:
         return _vocab_pieces(vname, live, parts[0], tp, rank)
     if module == "experts" and getattr(config, "model_type", None) in _TRANSPOSED_EXPERTS:
-        return _transposed_pieces(vname, live, parts[0], tp)
+        return _transposed_pieces(vname, live, parts[0], tp, rank)
     if module == "experts" and leaf == "gate_up_proj":  # [E, 2I, H]: gate then up on dim 1
         halves = [(hf_name, hf_shape, 0, hf_shape[1])]
         if tp > 1:  # each rank holds its chunk of gate, then its chunk of up
@@ -383,7 +383,7 @@ def _pieces(
         return _column_pieces(vname, live, halves, config, tp, rank, dim=1)
     if module == "experts" and leaf == "down_proj":  # [E, H, I]
         return _row_pieces(vname, live, parts[0], tp, rank, dim=2)
-    if module in _COLUMN or module in _REPLICATED:
+    if module in _COLUMN or module in _REPLICATED or leaf == "sinks":  # GPT-OSS's: by head
         subparts = [(n, s, 0, s[0]) for n, s in parts]
         if module in _REPLICATED:
             tp, rank = 1, 0
@@ -397,20 +397,33 @@ def _pieces(
     return [Piece(hf_name, hf_shape, (0, hf_shape[0] if hf_shape else 1))]
 
 
-def _transposed_pieces(vname: str, live: Shape, part: tuple[str, Shape], tp: int
+# GPT-OSS's expert tensors: the HF dim vLLM cuts among the ranks (the down bias: none, it is
+# whole on the first rank and zero on the others, so that the reduce adds it once)
+_TRANSPOSED_SPLIT = {"gate_up_proj": 2, "down_proj": 1, "gate_up_proj_bias": 1}
+
+
+def _transposed_pieces(vname: str, live: Shape, part: tuple[str, Shape], tp: int, rank: int
                        ) -> list[Piece]:
     """An expert tensor of a `_TRANSPOSED_EXPERTS` model: the HF weight [E, in, out] is
-    vLLM's [E, out, in] with its last two dims swapped; a bias is held as it is."""
+    vLLM's [E, out, in] with its last two dims swapped (vLLM's dim 1 is HF's 2, and back);
+    a bias is held as it is. Each rank holds its equal run of gate/up columns (interleaved:
+    the run holds both) and of down rows."""
     hf_name, hf_shape = part
-    if tp > 1:  # vLLM cuts GPT-OSS's interleaved gate/up columns and zeroes the down bias
-        raise LayoutError(  # on every rank but the first
-            f"{vname}: tensor parallelism over GPT-OSS experts is not mapped yet (HF "
-            f"{hf_name}); use tp=1")
+    leaf = hf_name.rpartition(".")[2]
     transposed = len(hf_shape) == 3
-    want = (hf_shape[0], hf_shape[2], hf_shape[1]) if transposed else hf_shape
-    if live != want:
+    want = [hf_shape[0], hf_shape[2], hf_shape[1]] if transposed else list(hf_shape)
+    split = _TRANSPOSED_SPLIT.get(leaf) if tp > 1 else None
+    dim = 3 - split if transposed and split else split
+    if split is not None:
+        want[dim] = _split(vname, hf_name, hf_shape, split, tp)
+    if live != tuple(want):
         raise LayoutError(f"{vname}: vLLM shape {live} does not hold HF {hf_name} shape "
-                          f"{hf_shape}" + (" transposed" if transposed else ""))
+                          f"{hf_shape}" + (" transposed" if transposed else "")
+                          + (f" split over tp={tp} on dim {split}" if split else ""))
+    if split is not None:
+        return [Piece(hf_name, hf_shape, (0, live[dim]), dim, rank * live[dim], transposed)]
+    if tp > 1 and leaf == "down_proj_bias" and rank:
+        return []  # zero here: what the checkpoint holds is on the first rank
     return [Piece(hf_name, hf_shape, (0, live[0]), transposed=transposed)]
 
 

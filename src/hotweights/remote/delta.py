@@ -62,6 +62,14 @@ def _runs(flags: np.ndarray) -> np.ndarray:
     return np.flatnonzero(padded[1:] != padded[:-1]).astype(np.int64, copy=False).reshape(-1, 2)
 
 
+def values_at(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """The values of `t` at flat (row-major) indices `idx` (int64, on `t`'s device), read
+    where they lie: no copy of a `t` that is not contiguous (GPT-OSS's experts, transposed)."""
+    if t.is_contiguous():
+        return t.view(-1).index_select(0, idx)
+    return t[torch.unravel_index(idx, t.shape)]
+
+
 def _row_index(ranges: torch.Tensor) -> torch.Tensor:
     # (k, 2) int64 [start, stop) pairs -> the int64 row numbers they cover, in order.
     if ranges.device.type == "cpu":  # numpy: ~10x less per call on the few runs of a tensor

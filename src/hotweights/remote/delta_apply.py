@@ -186,13 +186,13 @@ def _decoded(e: dict, t: torch.Tensor, buf: torch.Tensor, nb, old, bad,
     data = data if isinstance(data, np.ndarray) else data.cpu().numpy()
 
     def old_bits(idx: np.ndarray) -> np.ndarray:
-        if isinstance(src, torch.Tensor):
-            flat = src.detach().reshape(-1)
-            got = flat.index_select(0, torch.from_numpy(idx).to(flat.device))
+        if isinstance(src, torch.Tensor):  # where it lies (GPT-OSS's experts: transposed)
+            got = delta.values_at(src.detach(), torch.from_numpy(idx).to(src.device))
         else:  # a TP worker's `shards.Shard`: 0 where it holds none (cut away later)
             got = src.gather(torch.from_numpy(idx), t.dtype)
         return got.view(_BITS[s]).cpu().numpy().view(codec.UINT[s])
-    on_cpu = isinstance(src, torch.Tensor) and src.device.type == "cpu"  # read where decoded
+    on_cpu = isinstance(src, torch.Tensor) and src.device.type == "cpu" and \
+        src.is_contiguous()  # read where decoded; one not contiguous: the values decoded
     try:
         idx, bits = codec.decode(e, data, numel=t.numel(), itemsize=s,
                                  floating=t.dtype.is_floating_point,

@@ -24,7 +24,7 @@ from hotweights.errors import LayoutError
 from hotweights.layout.plan import Layout
 from hotweights.layout.views import slab_of
 from hotweights.remote import delta_apply
-from hotweights.remote.delta import DENSE, PATCH, ROWS, _row_index
+from hotweights.remote.delta import DENSE, PATCH, ROWS, _row_index, values_at
 
 __all__ = ["Shard", "of", "whole"]
 
@@ -150,9 +150,9 @@ class Shard:
 
     @property
     def gathers(self) -> bool:
-        """Whether `gather` can read this shard's old values: nothing held, or one run in one
-        contiguous slab (every split of q/k/v, o, gate/up, down and the vocabulary)."""
-        return not self.runs or (len(self.runs) == 1 and self.dests[0][0].is_contiguous())
+        """Whether `gather` can read this shard's old values: nothing held, or one run (every
+        split of q/k/v, o, gate/up, down and the vocabulary)."""
+        return len(self.runs) <= 1
 
     def gather(self, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The live values at HF flat indices `idx` (int64), 0 where this worker holds none:
@@ -161,14 +161,14 @@ class Shard:
         if not self.runs:
             return torch.zeros(len(idx), dtype=dtype)
         block, sblock, inner = self._geometry()
-        (a, n), slab = self.runs[0], self.dests[0][0].detach().reshape(-1)
+        (a, n), slab = self.runs[0], self.dests[0][0].detach()
         idx = idx.to(slab.device)
         o, rest = idx.div(block, rounding_mode="floor"), idx.remainder(block)
         j = rest.div(inner, rounding_mode="floor") - a
         held = (j >= 0) & (j < n)
         at = torch.where(held, o * sblock + j * inner + rest.remainder(inner), 0)
-        return torch.where(held, slab.index_select(0, at), torch.zeros((), dtype=slab.dtype,
-                                                                       device=slab.device))
+        return torch.where(held, values_at(slab, at), torch.zeros((), dtype=slab.dtype,
+                                                                  device=slab.device))
 
     @property
     def target(self) -> torch.Tensor | None:
