@@ -435,7 +435,8 @@ def _check_other_dims(vname: str, live: Shape, hf_name: str, hf_shape: Shape, di
                 f"{vname}: vLLM shape {live} does not hold HF {hf_name} shape {hf_shape} "
                 f"(dim {d}: {a} != {b})" + (
                     "; transformers keeps these experts transposed (Llama 4): not "
-                    "supported yet (GPT-OSS is)" if transposed else "")
+                    "supported (vLLM also reorders Llama 4's q/k rows for its rotary, which "
+                    "no view can undo)" if transposed else "")
             )
 
 
