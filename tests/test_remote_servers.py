@@ -599,6 +599,37 @@ def test_a_server_killed_between_send_and_commit_is_named_and_the_other_serves_n
     assert {_status(s)["n"] for s in remotes[:2]} == {group.n}
 
 
+def test_fused_experts_reach_a_remote_server_through_its_loader(tiny_model, tmp_path):
+    # transformers 5 fuses the experts ([E, 2I, H] gate_up_proj); the checkpoint, which the
+    # server checks updates against, holds one tensor per expert. The group sends each
+    # expert's gate, up and down under the checkpoint's names, as views of the fused
+    # tensors; the server applies them through vLLM's loader into its FusedMoE w13 / w2.
+    server = Server(tiny_model("qwen3_moe"), tmp_path, "--remote", cores=_core(0))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(server.model_dir, dtype=torch.bfloat16)
+        ids = torch.tensor([PROMPT])
+        with RemoteGroup([server.url], token=TOKEN, timeout=10.0) as group:
+            assert group.update(model)["full"]
+            for _ in range(2):
+                model.zero_grad(set_to_none=True)
+                model(ids, labels=ids).loss.backward()
+                _sign_step(model, 0.005)
+                out = group.update(model)
+                assert not out["full"] and out["version"] == group.n
+        tokens, logprobs = _greedy(server, PROMPT, 8)
+        with torch.no_grad():
+            logits = model(torch.tensor([PROMPT + tokens])).logits[0, len(PROMPT) - 1:-1]
+        ours = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(tokens)[:, None])
+        assert (ours[:, 0] - torch.tensor(logprobs)).abs().max() < LOAD_TOL
+        before = AutoModelForCausalLM.from_pretrained(server.model_dir, dtype=torch.bfloat16)
+        with torch.no_grad():
+            logits = before(torch.tensor([PROMPT + tokens])).logits[0, len(PROMPT) - 1:-1]
+        old = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(tokens)[:, None])
+        assert (ours - old).abs().max() > 5 * LOAD_TOL  # the updates moved them
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt_oss"])
 def test_a_tensor_parallel_server_is_updated_shard_by_shard(tiny_model, tmp_path, monkeypatch,
                                                             arch):

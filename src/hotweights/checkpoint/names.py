@@ -14,6 +14,7 @@ and no conversion runs (most dense models never reach transformers at all).
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import re
 from collections.abc import Collection, Iterable, Mapping
@@ -334,10 +335,8 @@ def _revert(saved: _Saved, live: dict[str, torch.Tensor], *, views: bool = False
     from transformers.core_model_loading import revert_weight_conversion
 
     try:
-        if views:
-            with _ContiguousAsIs():
-                return revert_weight_conversion(saved, live)
-        return revert_weight_conversion(saved, live)
+        with _ContiguousAsIs() if views else contextlib.nullcontext():
+            return revert_weight_conversion(saved, live)
     except CheckpointError:
         raise
     except Exception as e:

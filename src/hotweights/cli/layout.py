@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
             head = (vname, str(shape), str(dtype).removeprefix("torch.")) if i == 0 \
                 else ("", "", "")
             table.add_row(*head, p.hf_name, f"{p.rows[0]}:{p.rows[1]} ({p.dim})",
-                          str(p.hf_shape))
+                          str(p.hf_shape) + (" (transposed)" if p.transposed else ""))
     console.print(table)
     for name in layout.missing:
         console.print(f"[red]HF parameter with no vLLM source:[/red] {name}")

@@ -15,6 +15,7 @@ whose heads lie apart unrotated (DeepSeek's q_pe): those take vLLM's torch path.
 from __future__ import annotations
 
 import logging
+import types
 
 import torch
 import torch.nn.functional as F
@@ -147,11 +148,8 @@ def _activated(activation, h: torch.Tensor, half: int) -> torch.Tensor:
     return act
 
 
-class _SwigluOAI:  # what SwigluOAIAndMul.forward_native reads: the kernel's defaults
-    alpha, limit = 1.702, 7.0
-
-
-_SWIGLUOAI = _SwigluOAI()
+_SWIGLUOAI = types.SimpleNamespace(alpha=1.702, limit=7.0)  # the op's defaults, as
+# SwigluOAIAndMul.forward_native reads them
 
 
 def install() -> None:
