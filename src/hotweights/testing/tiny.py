@@ -19,7 +19,8 @@ logger = logging.getLogger(__name__)
 ARCHS = ("llama", "llama_tied", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5",
          "mistral", "mixtral", "phi3", "gemma2", "gemma3_text", "olmo2", "olmoe", "qwen2_moe",
          "glm4", "granite", "smollm3", "starcoder2", "stablelm", "exaone4", "ernie4_5",
-         "hunyuan_v1_dense", "deepseek_v2", "deepseek_v3", "gpt_oss")
+         "hunyuan_v1_dense", "deepseek_v2", "deepseek_v3", "gpt_oss", "glm4_moe", "olmo3",
+         "seed_oss")
 GDN_ARCHS = ("qwen3_next", "qwen3_5")  # vLLM's CPU gated-delta-net kernels run bf16 only
 MLA_ARCHS = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention
 TRANSPOSED_ARCHS = ("gpt_oss",)  # experts [E, in, out] in transformers, [E, out, in] in vLLM
@@ -145,6 +146,14 @@ _ARCH_CONFIG: dict[str, tuple[str, dict[str, Any]]] = {
                                           original_max_position_embeddings=16,
                                           beta_fast=32.0, beta_slow=1.0, rope_theta=150000.0,
                                           truncate=False))),
+    # GLM-4.5/4.6: partial rotary, a dense layer, then sigmoid-routed MoE with a shared
+    # expert and the router's correction bias (as DeepSeek-V3's)
+    "glm4_moe": ("Glm4MoeConfig", dict(tie_word_embeddings=False, n_routed_experts=4,
+                                       num_experts_per_tok=2, moe_intermediate_size=96,
+                                       n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+                                       topk_group=1)),
+    "olmo3": ("Olmo3Config", dict(tie_word_embeddings=False, sliding_window=64)),  # + OLMo 2's
+    "seed_oss": ("SeedOssConfig", dict(tie_word_embeddings=False)),  # q/k/v and o biases
 }
 
 
