@@ -37,8 +37,9 @@ _RENAMES = tuple(
                             ("w13_bias", "gate_up_proj_bias"), ("w2_bias", "down_proj_bias"))
 )
 # vLLM part -> HF part, tried when a name is found neither as it is nor under transformers'
-# renames: models whose vLLM module names differ from the checkpoint's (GPT-OSS)
-_VLLM_RENAMES = ((".attn.", ".self_attn."), ("model.embedding.", "model.embed_tokens."))
+# renames: models whose vLLM module names differ from the checkpoint's (GPT-OSS, GraniteMoE)
+_VLLM_RENAMES = ((".attn.", ".self_attn."), ("model.embedding.", "model.embed_tokens."),
+                 (".block_sparse_moe.gate.", ".block_sparse_moe.router."))
 # Model types whose transformers experts are [E, in, out] (`x @ w`), vLLM's [E, out, in]:
 # the HF tensor is vLLM's with its last two dims swapped. GPT-OSS keeps gate and up
 # interleaved, as vLLM's swigluoai reads them, so only the order of the dims differs.

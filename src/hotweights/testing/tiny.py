@@ -20,7 +20,7 @@ ARCHS = ("llama", "llama_tied", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "qw
          "mistral", "mixtral", "phi3", "gemma2", "gemma3_text", "olmo2", "olmoe", "qwen2_moe",
          "glm4", "granite", "smollm3", "starcoder2", "stablelm", "exaone4", "ernie4_5",
          "hunyuan_v1_dense", "deepseek_v2", "deepseek_v3", "gpt_oss", "glm4_moe", "olmo3",
-         "seed_oss")
+         "seed_oss", "granitemoe")
 GDN_ARCHS = ("qwen3_next", "qwen3_5")  # vLLM's CPU gated-delta-net kernels run bf16 only
 MLA_ARCHS = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention
 TRANSPOSED_ARCHS = ("gpt_oss",)  # experts [E, in, out] in transformers, [E, out, in] in vLLM
@@ -154,6 +154,9 @@ _ARCH_CONFIG: dict[str, tuple[str, dict[str, Any]]] = {
                                        topk_group=1)),
     "olmo3": ("Olmo3Config", dict(tie_word_embeddings=False, sliding_window=64)),  # + OLMo 2's
     "seed_oss": ("SeedOssConfig", dict(tie_word_embeddings=False)),  # q/k/v and o biases
+    # Granite's scalings with MoE experts; vLLM's derives head_dim from the hidden size
+    "granitemoe": ("GraniteMoeConfig", dict(tie_word_embeddings=False, hidden_size=256,
+                                            num_local_experts=4, num_experts_per_tok=2)),
 }
 
 
