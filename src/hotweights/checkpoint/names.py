@@ -138,8 +138,9 @@ def reverted(
         model_type: picks transformers' conversions when given (as in `to_disk`).
         model: the live model; without `model_type` its conversions are used.
         views: views of `live` where the conversion's ops allow, not contiguous copies
-            (transformers' `Chunk` copies each expert's gate and up rows apart; seen as
-            views they are contiguous and share the live tensor's bytes and version).
+            (transformers' `Chunk` copies the gate and up halves of fused experts apart;
+            split per expert, as the merging conversions of Qwen3-MoE, Mixtral or DeepSeek
+            do, the views are contiguous and share the live tensor's bytes and version).
 
     Returns:
         Checkpoint name -> tensor, in the order `save_pretrained` shards them; with no

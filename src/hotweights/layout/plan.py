@@ -66,8 +66,9 @@ class Piece:
     """A slab of a vLLM parameter that holds (a slab of) one HF parameter.
 
     On `dim` of the vLLM parameter, indices `[rows[0], rows[1])` hold the HF indices
-    `[hf_start, hf_start + rows[1] - rows[0])` of `hf_name` on the same dim; every other
-    dim is whole. At tp=1 a piece always covers its whole HF tensor.
+    `[hf_start, hf_start + rows[1] - rows[0])` of `hf_name` on the same dim (`hf_dim`, for a
+    `transposed` piece: the HF tensor is the slab with its last two dims swapped); every
+    other dim is whole. At tp=1 a piece always covers its whole HF tensor.
     """
 
     hf_name: str  # "model.layers.3.self_attn.k_proj.weight"

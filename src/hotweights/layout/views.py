@@ -85,8 +85,8 @@ def view_of(tensor: torch.Tensor, piece) -> torch.Tensor:
     """The slab of `tensor` that `piece` names, as a view (never a copy)."""
     if not piece.whole:
         raise LayoutError(
-            f"{piece.hf_name}: this rank holds only a shard of it (rows {piece.rows} on dim "
-            f"{piece.dim}); views need tp=1"
+            f"{piece.hf_name}: this rank holds only a shard of it (rows {piece.rows} on its "
+            f"dim {piece.hf_dim}); views need tp=1"
         )
     out = slab_of(tensor, piece)
     if tuple(out.shape) != piece.hf_shape:
