@@ -599,6 +599,19 @@ def test_a_server_killed_between_send_and_commit_is_named_and_the_other_serves_n
     assert {_status(s)["n"] for s in remotes[:2]} == {group.n}
 
 
+def _assert_serves_as_trained(server, model) -> None:
+    """The server's greedy continuation has the trained model's logprobs, not those of the
+    checkpoint it loaded (the updates moved them: ~5 here)."""
+    tokens, logprobs = _greedy(server, PROMPT, 8)
+    ids = torch.tensor([PROMPT + tokens])
+    before = AutoModelForCausalLM.from_pretrained(server.model_dir, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ours, old = (torch.log_softmax(m(ids).logits[0, len(PROMPT) - 1:-1].float(), -1)
+                     .gather(1, torch.tensor(tokens)[:, None]) for m in (model, before))
+    assert (ours[:, 0] - torch.tensor(logprobs)).abs().max() < LOAD_TOL
+    assert (ours - old).abs().max() > 5 * LOAD_TOL
+
+
 def test_fused_experts_reach_a_remote_server_through_its_loader(tiny_model, tmp_path):
     # transformers 5 fuses the experts ([E, 2I, H] gate_up_proj); the checkpoint, which the
     # server checks updates against, holds one tensor per expert. The group sends each
@@ -616,16 +629,7 @@ def test_fused_experts_reach_a_remote_server_through_its_loader(tiny_model, tmp_
                 _sign_step(model, 0.005)
                 out = group.update(model)
                 assert not out["full"] and out["version"] == group.n
-        tokens, logprobs = _greedy(server, PROMPT, 8)
-        with torch.no_grad():
-            logits = model(torch.tensor([PROMPT + tokens])).logits[0, len(PROMPT) - 1:-1]
-        ours = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(tokens)[:, None])
-        assert (ours[:, 0] - torch.tensor(logprobs)).abs().max() < LOAD_TOL
-        before = AutoModelForCausalLM.from_pretrained(server.model_dir, dtype=torch.bfloat16)
-        with torch.no_grad():
-            logits = before(torch.tensor([PROMPT + tokens])).logits[0, len(PROMPT) - 1:-1]
-        old = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(tokens)[:, None])
-        assert (ours - old).abs().max() > 5 * LOAD_TOL  # the updates moved them
+        _assert_serves_as_trained(server, model)
     finally:
         server.stop()
 
@@ -676,15 +680,6 @@ def test_a_tensor_parallel_server_is_updated_shard_by_shard(tiny_model, tmp_path
         assert {k: got[k] for k in ("trainer_bytes", "relay_bytes")} == {
             "trainer_bytes": [sent, 0], "relay_bytes": [0, sent]}  # since the server joined
         assert len(_checksum(server)) == 2
-        tokens, logprobs = _greedy(server, PROMPT, 8)
-        with torch.no_grad():
-            logits = model(torch.tensor([PROMPT + tokens])).logits[0, len(PROMPT) - 1:-1]
-        ours = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(tokens)[:, None])
-        before = AutoModelForCausalLM.from_pretrained(server.model_dir, dtype=torch.bfloat16)
-        with torch.no_grad():
-            logits = before(torch.tensor([PROMPT + tokens])).logits[0, len(PROMPT) - 1:-1]
-        old = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(tokens)[:, None])
-        assert (ours[:, 0] - torch.tensor(logprobs)).abs().max() < LOAD_TOL
-        assert (ours - old).abs().max() > 5 * LOAD_TOL  # the updates moved them (~5 here)
+        _assert_serves_as_trained(server, model)
     finally:
         server.stop()
