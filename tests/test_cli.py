@@ -147,3 +147,16 @@ def test_demo_rl_teaches_the_served_model_with_grpo(tmp_path, capsys):
     # trained (the untrained model's is ~0); greedy, on other kernels than vLLM's: a
     # token may differ from the served model's (CI once saw 0.50 where the server had 0.6+)
     assert float(reloaded.split("reward ")[1]) >= 0.5, reloaded
+
+
+@pytest.mark.parametrize("argv", [["sync", "d", "--from", "a", "--from", "b"],
+                                  ["sync", "d", "--server", "http://a", "--server", "http://b"],
+                                  ["sync", "d", "--from", "a", "--version", "1", "--version", "2"],
+                                  ["diagnose", "d", "--from", "a", "--from", "b"]])
+def test_an_option_given_twice_is_refused_not_the_last_taken(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    option = argv[-2]
+    assert f"error: argument {option}: given twice ({argv[-3]} and {argv[-1]}); give it once" \
+        in capsys.readouterr().err

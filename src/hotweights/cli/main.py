@@ -20,6 +20,17 @@ def _path(text: str) -> str:
     return text
 
 
+class _Once(argparse.Action):
+    """Store an option's value, refusing the option given twice (argparse would keep the
+    last, silently: `sync --from A --from B` writing from B)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if (before := getattr(namespace, self.dest, None)) is not None:
+            parser.error(f"argument {option_string}: given twice ({before} and {values}); "
+                         "give it once")
+        setattr(namespace, self.dest, values)
+
+
 def _port(text: str) -> int:
     """An argparse type: a TCP port a server can listen on, 1 to 65535."""
     n = _count(1)(text)
@@ -162,14 +173,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     _model_dir(p, "the checkpoint directory to write (model.safetensors or an index)")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--server", metavar="URL", help="a running hotweights serve, e.g. "
-                     "http://127.0.0.1:8000 (same machine)")
-    src.add_argument("--from", dest="source", metavar="DIR", type=_path,
+    src.add_argument("--server", action=_Once, metavar="URL", help="a running hotweights "
+                     "serve, e.g. http://127.0.0.1:8000 (same machine)")
+    src.add_argument("--from", dest="source", action=_Once, metavar="DIR", type=_path,
                      help="another safetensors checkpoint directory of the same model")
     p.add_argument("--mode", default="auto", choices=MODES,
                    help="how changed shards are written (default: auto; see below)")
-    p.add_argument("--version", metavar="TEXT", help="with --from: the weight version "
-                   "recorded in the sidecars (default: none; with --server, the server's)")
+    p.add_argument("--version", action=_Once, metavar="TEXT", help="with --from: the weight "
+                   "version recorded in the sidecars (default: none; with --server, the "
+                   "server's)")
     _client_auth(p)
     p.add_argument("--convert-dtype", action="store_true",
                    help="cast tensors to the file's dtype instead of refusing them")
@@ -197,9 +209,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     _model_dir(p, "the checkpoint directory to check")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--server", metavar="URL", help="check a running hotweights serve's "
-                     "weights against it (same machine)")
-    src.add_argument("--from", dest="source", metavar="DIR", type=_path,
+    src.add_argument("--server", action=_Once, metavar="URL", help="check a running "
+                     "hotweights serve's weights against it (same machine)")
+    src.add_argument("--from", dest="source", action=_Once, metavar="DIR", type=_path,
                      help="check another checkpoint directory's tensors against it")
     p.add_argument("--mode", default="auto", choices=MODES,
                    help="the write mode to check (default: auto)")
