@@ -104,8 +104,7 @@ def test_every_tensor_is_mapped_and_the_experts_transposed(config):
     assert down.transposed and down.whole and down.hf_dim == 0
     for name, pieces in layout.pieces.items():
         for p in pieces:
-            assert p.transposed == name.endswith("_weight") and ".experts." in name or \
-                not p.transposed, name
+            assert p.transposed == (".experts." in name and name.endswith("_weight")), name
             if p.whole:
                 assert torch.equal(view_of(vllm[name], p), hf[p.hf_name]), p.hf_name
 
