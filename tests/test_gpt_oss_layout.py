@@ -14,9 +14,8 @@ from hotweights.layout.plan import Piece, hf_params, plan
 from hotweights.layout.views import build_hf_model, slab_of, verify_shared, view_of
 from hotweights.remote import shards
 from hotweights.remote.delta import DENSE, PATCH, ROWS, encode_all
-from hotweights.remote.packing import pack
 from hotweights.testing import tiny
-from test_remote_shards import _changed, _stage
+from test_remote_shards import _changed, _stage, _stage_xor
 
 VOCAB = 300  # vLLM pads it to 320
 W13, W2 = "model.layers.1.mlp.experts.routed_experts.w13_weight", \
@@ -76,18 +75,10 @@ def _vllm(hf: dict[str, torch.Tensor], tp: int = 1, rank: int = 0) -> dict[str, 
 def _xor(old: dict, new: dict, held: dict) -> None:
     """Stage and apply `new` as xors of `old`, decoded against the live slabs as a remote
     server's workers read them (`RemoteEngine._old`): views that are not contiguous."""
-    from hotweights.remote.staging import Staged
-    from test_remote_shards import _specs
-
     olds = {n: s.dests[0][0] if s.whole else s for n, s in held.items()
             if s.whole or s.gathers}
     assert olds.keys() == new.keys()  # every tensor decodes xor values
-    staged = Staged(_specs(new), shards=held, old=olds)
-    rounds = list(pack(encode_all(old, new), max_bytes=1 << 16, values="xor"))
-    assert any(e.get("values") == "xor" for rd in rounds for e in rd.header["entries"])
-    for rd in rounds:
-        staged(rd)
-    staged.apply_in_place()
+    _stage_xor(old, new, held, olds)
 
 
 def test_every_tensor_is_mapped_and_the_experts_transposed(config):

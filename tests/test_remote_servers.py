@@ -115,6 +115,17 @@ def _kill_during_the_send(victim) -> threading.Thread:
     return killer
 
 
+def _step_and_update(model, group) -> dict:
+    """A sign-SGD step of the trainer's model on PROMPT, then the group's update (a delta)."""
+    ids = torch.tensor([PROMPT])
+    model.zero_grad(set_to_none=True)
+    model(ids, labels=ids).loss.backward()
+    _sign_step(model, 0.005)
+    out = group.update(model)
+    assert not out["full"] and out["version"] == group.n
+    return out
+
+
 def _nbytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -147,13 +158,8 @@ def test_fresh_servers_are_synced_from_the_checkpoint_they_loaded(remotes, tmp_p
 
 def test_k_updates_are_served_identically_with_one_version_number(remotes, trainer):
     model, group = trainer
-    ids = torch.tensor([PROMPT])
     for _ in range(3):
-        model.zero_grad(set_to_none=True)
-        model(ids, labels=ids).loss.backward()
-        _sign_step(model, 0.005)
-        out = group.update(model)
-        assert not out["full"] and out["version"] == group.n
+        out = _step_and_update(model, group)
         assert [v.split("@")[0] for v in out["servers"].values()] == [str(group.n)] * 2
         # the workers wait for the next update already: its receive needs no engine request
         assert all(_status(s)["armed"] for s in remotes[:2])
@@ -620,15 +626,10 @@ def test_fused_experts_reach_a_remote_server_through_its_loader(tiny_model, tmp_
     server = Server(tiny_model("qwen3_moe"), tmp_path, "--remote", cores=_core(0))
     try:
         model = AutoModelForCausalLM.from_pretrained(server.model_dir, dtype=torch.bfloat16)
-        ids = torch.tensor([PROMPT])
         with RemoteGroup([server.url], token=TOKEN, timeout=10.0) as group:
             assert group.update(model)["full"]
             for _ in range(2):
-                model.zero_grad(set_to_none=True)
-                model(ids, labels=ids).loss.backward()
-                _sign_step(model, 0.005)
-                out = group.update(model)
-                assert not out["full"] and out["version"] == group.n
+                _step_and_update(model, group)
         _assert_serves_as_trained(server, model)
     finally:
         server.stop()
@@ -649,7 +650,7 @@ def test_a_tensor_parallel_server_is_updated_shard_by_shard(tiny_model, tmp_path
     server = Server(tiny_model(arch), tmp_path, "--remote", "--tensor-parallel-size", "2")
     try:
         model = AutoModelForCausalLM.from_pretrained(server.model_dir, dtype=torch.bfloat16)
-        ids, g = torch.tensor([PROMPT]), torch.Generator().manual_seed(3)
+        g = torch.Generator().manual_seed(3)
         with RemoteGroup([server.url], token=TOKEN, timeout=10.0) as group:
             out = group.update(model)
             assert out["full"]
@@ -670,12 +671,7 @@ def test_a_tensor_parallel_server_is_updated_shard_by_shard(tiny_model, tmp_path
                         rows = torch.randperm(model.model.embed_tokens.weight.shape[0],
                                               generator=g)[:4]
                         model.model.embed_tokens.weight[rows] += 0.05
-                model.zero_grad(set_to_none=True)
-                model(ids, labels=ids).loss.backward()
-                _sign_step(model, 0.005)
-                out = group.update(model)
-                assert not out["full"] and out["version"] == group.n
-                sent += out["bytes_sent"]
+                sent += _step_and_update(model, group)["bytes_sent"]
         got = _http(server.url, "/hotweights/remote/received")[2]
         assert {k: got[k] for k in ("trainer_bytes", "relay_bytes")} == {
             "trainer_bytes": [sent, 0], "relay_bytes": [0, sent]}  # since the server joined

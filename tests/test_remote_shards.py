@@ -48,6 +48,17 @@ def _stage(old: dict, new: dict, held: dict, *, full: bool = False, **options) -
     return staged
 
 
+def _stage_xor(old: dict, new: dict, held: dict, olds: dict) -> None:
+    """Stage `new` as xor-coded values of `old` (some, at least), decoded against `olds` (the
+    live values, or the shards of them), and apply it in place."""
+    staged = Staged(_specs(new), shards=held, old=olds)
+    rounds = list(pack(encode_all(old, new), max_bytes=1 << 16, values="xor"))
+    assert any(e.get("values") == "xor" for rd in rounds for e in rd.header["entries"])
+    for rd in rounds:
+        staged(rd)
+    staged.apply_in_place()
+
+
 def _ranks(m: Model, old: dict, ties: dict):
     """(rank, its vLLM parameters holding `old`, its shards) for each TP rank of `m`."""
     shapes = {k: tuple(v.shape) for k, v in old.items()}
@@ -173,12 +184,7 @@ def test_each_rank_applies_xor_values_to_its_own_shard(model, compiled, monkeypa
         t.view(-1)[::7] = 2.0
     for r, params, held in _ranks(m, old, ties):
         assert all(s.gathers for s in held.values())
-        staged = Staged(_specs(new), shards=held, old=held)
-        rounds = list(pack(encode_all(old, new), max_bytes=1 << 20, values="xor"))
-        assert any(e.get("values") == "xor" for rd in rounds for e in rd.header["entries"])
-        for rd in rounds:
-            staged(rd)
-        staged.apply_in_place()
+        _stage_xor(old, new, held, held)
         for name, t in reference_local(m, new, r).items():
             assert torch.equal(params[name].view(torch.int32), t.view(torch.int32)), (name, r)
 
