@@ -65,9 +65,14 @@ def _check_selection(trainable: Selection, model: torch.nn.Module) -> None:
                           + f" (they are named like {names[0]!r})")
 
 
-def _set_param(model: torch.nn.Module, name: str, param: torch.nn.Parameter) -> None:
+def _owner(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
+    """The module of `model` that holds the tensor `name`, and its name there."""
     module_name, _, leaf = name.rpartition(".")
-    module = model.get_submodule(module_name)
+    return model.get_submodule(module_name), leaf
+
+
+def _set_param(model: torch.nn.Module, name: str, param: torch.nn.Parameter) -> None:
+    module, leaf = _owner(model, name)
     if leaf in module._buffers:  # a persistent buffer (`hf_params`): the same bytes
         module._buffers[leaf] = param.detach()
     else:
@@ -76,8 +81,7 @@ def _set_param(model: torch.nn.Module, name: str, param: torch.nn.Parameter) -> 
 
 def _tensor_of(model: torch.nn.Module, name: str) -> torch.Tensor:
     """The parameter, or persistent buffer, `name` of `model`."""
-    module_name, _, leaf = name.rpartition(".")
-    module = model.get_submodule(module_name)
+    module, leaf = _owner(model, name)
     return module._buffers[leaf] if leaf in module._buffers else module.get_parameter(leaf)
 
 

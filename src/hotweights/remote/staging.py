@@ -94,8 +94,8 @@ class Staged:
         # the first, while values written twice are the same values
         slabs = Counter(_storages(s) for s in self.shards.values())
         self._bare = frozenset(name for name, s in self.shards.items() if not pin and (
-            not s.runs or s.dests[0][0].device.type == "cpu") and (
-            not s.runs or slabs[_storages(s)] == 1)) if jit.enabled() else ()
+            not s.runs or s.dests[0][0].device.type == "cpu" and slabs[_storages(s)] == 1)
+        ) if jit.enabled() else ()
         self.nbytes = self.peak = self.rounds = 0
         self._pieces: dict[str, list[tuple]] = {}  # name -> [(entry, host tensors)]
         self._writes: dict[str, list] = {}  # name -> its pieces' writes, made ready

@@ -31,6 +31,12 @@ def aliases(params: Mapping[str, torch.Tensor]) -> dict[str, str]:
     return out
 
 
+def owned(params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`params` but for the aliases: each weight once, under the name that holds it."""
+    alias_of = aliases(params)
+    return {name: t for name, t in params.items() if name not in alias_of}
+
+
 def rebased(alias: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """`alias`, a view into `old`'s bytes, as the same view into `new` (`old`'s bytes
     moved: the same shape and layout elsewhere)."""

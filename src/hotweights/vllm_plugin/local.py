@@ -48,11 +48,9 @@ def start_engine(model_dir: str | Path, *, environ: Mapping[str, str] | None = N
 def live_params(llm) -> dict[str, torch.Tensor]:
     """vLLM's live parameters by name (the very tensors the engine computes with), but for
     views of another's bytes (`aliases`: written through it)."""
-    from hotweights.vllm_plugin.aliases import aliases
+    from hotweights.vllm_plugin.aliases import owned
 
-    params = llm.apply_model(lambda model: dict(model.named_parameters()))[0]
-    alias_of = aliases(params)
-    return {name: t for name, t in params.items() if name not in alias_of}
+    return owned(llm.apply_model(lambda model: dict(model.named_parameters()))[0])
 
 
 def stop_engine(llm) -> None:

@@ -224,12 +224,11 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
         if self._shards is None:
             from vllm.distributed import parallel_state
 
-            from hotweights.vllm_plugin.aliases import aliases
+            from hotweights.vllm_plugin.aliases import owned
 
-            params, trust = dict(self.model.named_parameters()), \
-                self.model_config.trust_remote_code
-            for name in aliases(params):  # written through what holds them (MLA's W_UV)
-                del params[name]
+            # aliases (MLA's W_UV) are written through what holds them
+            params = owned(dict(self.model.named_parameters()))
+            trust = self.model_config.trust_remote_code
             try:
                 shapes, ties = hf_params(str(self.model_dir), trust_remote_code=trust)
                 layout = plan(str(self.model_dir),
