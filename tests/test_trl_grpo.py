@@ -12,6 +12,7 @@ import contextlib
 import importlib.util
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +23,11 @@ pytest.importorskip("trl")
 
 from datasets import Dataset  # noqa: E402
 from transformers import AutoModelForCausalLM, TrainerCallback  # noqa: E402
-from trl import DistillationConfig, GRPOConfig, RLOOConfig  # noqa: E402
+from trl import DistillationConfig, GRPOConfig, RLOOConfig, SFTTrainer  # noqa: E402
+
+with warnings.catch_warnings():  # "You are importing from 'trl.experimental'"
+    warnings.simplefilter("ignore")
+    import trl.experimental.gmpo as gmpo  # noqa: E402
 
 from hotweights.bridge.client import Bridge  # noqa: E402
 from hotweights.errors import ConfigError  # noqa: E402
@@ -30,6 +35,7 @@ from hotweights.integrations.trl import (  # noqa: E402
     DistillationTrainer,
     GRPOTrainer,
     RLOOTrainer,
+    on_served_weights,
     outside_served,
 )
 from hotweights.protocol.version import parse_version  # noqa: E402
@@ -82,6 +88,13 @@ def _config(tmp, **overrides) -> GRPOConfig:
         **overrides})
 
 
+def _gmpo_config(tmp, **overrides) -> gmpo.GMPOConfig:
+    return gmpo.GMPOConfig(**{
+        **_COMMON, "output_dir": str(tmp / "gmpo"), "per_device_train_batch_size": 8,
+        "num_generations": 4, "max_steps": STEPS, "vllm_importance_sampling_correction": True,
+        **overrides})
+
+
 def _rloo_config(tmp, **overrides) -> RLOOConfig:
     return RLOOConfig(**{**_COMMON, "output_dir": str(tmp / "rloo"),
                          "per_device_train_batch_size": 8, "num_generations": 4,
@@ -124,9 +137,13 @@ def _data() -> Dataset:
                                          "weights in place"] * 8})
 
 
+GMPOTrainer = on_served_weights(gmpo.GMPOTrainer, gmpo.GMPOConfig)  # a GRPO derivative
+
+
 @pytest.mark.parametrize("trainer_class, config", [(GRPOTrainer, _config),
-                                                   (RLOOTrainer, _rloo_config)],
-                         ids=["grpo", "rloo"])
+                                                   (RLOOTrainer, _rloo_config),
+                                                   (GMPOTrainer, _gmpo_config)],
+                         ids=["grpo", "rloo", "gmpo"])
 def test_trains_the_served_weights_in_place(served, trainer_class, config):
     url, tmp = served
     bridge = Bridge.connect(url, token=TOKEN)
@@ -142,7 +159,7 @@ def test_trains_the_served_weights_in_place(served, trainer_class, config):
     logs = [entry for entry in trainer.state.log_history if "reward" in entry]
     assert len(logs) == STEPS
     assert all(entry["hotweights/version_lag"] == 0 for entry in logs)
-    if trainer_class is GRPOTrainer:  # RLOO asks vLLM for no logprobs
+    if issubclass(trainer_class, GRPOTrainer):  # RLOO asks vLLM for no logprobs
         # the trainer and vLLM agree on the sampled tokens' logprobs (fp32 both sides)
         gaps = [entry["sampling/sampling_logp_difference/mean"] for entry in logs]
         assert max(gaps) <= 1e-4, gaps
@@ -380,6 +397,25 @@ def test_rloo_refuses_what_grpo_refuses_and_a_grpo_config(served):
     with pytest.raises(ConfigError, match="GRPOConfig; RLOOTrainer takes its own config"):
         RLOOTrainer(bridge=bridge, reward_funcs=_reward, train_dataset=_data(),
                     args=_config(tmp))
+
+
+def test_a_trainer_derived_from_trl_s_is_wrapped_or_refused_by_name(served):
+    import trl
+
+    assert on_served_weights(trl.GRPOTrainer) is GRPOTrainer
+    assert on_served_weights(GMPOTrainer) is GMPOTrainer
+    assert GMPOTrainer.__mro__[1:4] == (GRPOTrainer, GRPOTrainer.__mro__[1], gmpo.GMPOTrainer)
+    with pytest.raises(ConfigError, match="SFTTrainer derives from none of TRL's "
+                                          "GRPOTrainer, RLOOTrainer, DistillationTrainer"):
+        on_served_weights(SFTTrainer)
+    with pytest.raises(ConfigError, match="GMPOTrainer derives from TRL's GRPOTrainer; "
+                                          "pass a subclass of GRPOConfig"):
+        on_served_weights(gmpo.GMPOTrainer, RLOOConfig)
+    url, tmp = served
+    with pytest.raises(ConfigError, match="GRPOConfig; GMPOTrainer takes its own config, "
+                                          "GMPOConfig"):
+        GMPOTrainer(bridge=Bridge.connect(url, token=TOKEN), reward_funcs=_reward,
+                    train_dataset=_data(), args=_config(tmp))
 
 
 def test_on_policy_distillation_trains_the_served_student_in_place(served):

@@ -17,7 +17,14 @@ Colocate mode, vLLM in this process (no bridge; the model is a local directory):
 
 `RLOOTrainer` is the same with an `RLOOConfig`; `DistillationTrainer` (on-policy
 distillation: the served model is the student) with a `DistillationConfig` and
-`teacher_model=` in place of the reward functions.
+`teacher_model=` in place of the reward functions. A trainer derived from one of TRL's
+three (one of your own, or TRL's experimental `GMPOTrainer`) gets the same through
+`on_served_weights`:
+
+    from trl.experimental.gmpo import GMPOConfig, GMPOTrainer
+    from hotweights.integrations.trl import on_served_weights
+
+    trainer = on_served_weights(GMPOTrainer, GMPOConfig)(bridge=bridge, reward_funcs=...)
 
 How: the model's parameters are views into vLLM's weights (`bridge.model()`, or
 `build_hf_model` over the in-process engine's parameters); every optimizer step runs
@@ -515,3 +522,48 @@ class DistillationTrainer(_OnServedWeights, trl.DistillationTrainer):
             raise ConfigError("teacher_model=None: pass the teacher (a model or its name); "
                               "the student is the served model")
         super().__init__(model, teacher_model, args, *rest, **kwargs)
+
+
+_OURS = {trl.GRPOTrainer: GRPOTrainer, trl.RLOOTrainer: RLOOTrainer,
+         trl.DistillationTrainer: DistillationTrainer}  # TRL's base -> ours
+
+
+def on_served_weights(trainer: type, config: type | None = None) -> type:
+    """`trainer`, a subclass of TRL's `GRPOTrainer`, `RLOOTrainer` or
+    `DistillationTrainer` (one of your own, or TRL's experimental `GMPOTrainer`), training
+    vLLM's own weights in place: a subclass of it that takes and checks what this module's
+    trainer of the same TRL base does (`bridge=`, `update_mode=`, `lease_s=`; server or
+    colocate mode).
+
+    Args:
+        trainer: the trainer class. Its `__init__` must take TRL's first three arguments
+            in TRL's order (the model; the reward functions or the teacher; the config)
+            and pass them on to TRL's.
+        config: the config class it takes (default: its TRL base's, as `GRPOConfig`): a
+            config given to the trainer is checked to be one, and one is made when none is.
+
+    Raises:
+        ConfigError: `trainer` derives from none of the three, or `config` is not a
+            subclass of its base's config.
+    """
+    if not isinstance(trainer, type):
+        raise ConfigError(f"on_served_weights({trainer!r}): pass a trainer class")
+    if issubclass(trainer, _OnServedWeights):
+        return trainer
+    base = next((b for b in _OURS if issubclass(trainer, b)), None)
+    if base is None:
+        raise ConfigError(
+            f"{trainer.__qualname__} derives from none of TRL's "
+            f"{', '.join(b.__name__ for b in _OURS)}: hotweights knows where those generate "
+            "with vLLM and step the optimizer, and no other trainer's")
+    ours = _OURS[base]
+    if config is not None and not (isinstance(config, type)
+                                   and issubclass(config, ours._config)):
+        raise ConfigError(f"config={config!r}: {trainer.__qualname__} derives from TRL's "
+                          f"{base.__name__}; pass a subclass of {ours._config.__name__}")
+    if trainer is base and config in (None, ours._config):
+        return ours
+    return type(trainer.__name__, (ours, trainer), {
+        "_config": config or ours._config, "__module__": __name__,
+        "__doc__": f"{trainer.__qualname__} training vLLM's own weights in place, as "
+                   f"hotweights' {ours.__name__} (its arguments, modes and refusals)."})
