@@ -155,12 +155,18 @@ def test_a_url_with_a_password_is_refused_without_echoing_it():
 
 
 @contextlib.contextmanager
-def _served(status: int, body: bytes, content_type: str | None = None):
-    """The URL of an HTTP server on localhost answering every GET with `status` and
-    `body`, while the block runs."""
+def _served(status: int, body: bytes, content_type: str | None = None, *,
+            headers: dict[str, str] | None = None, seen: list | None = None):
+    """The URL of an HTTP server on localhost answering every GET with `status`, `body`
+    and `headers`, while the block runs; each request's path and headers added to
+    `seen`."""
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 - the stdlib's name
+            if seen is not None:
+                seen.append((self.path, dict(self.headers)))
             self.send_response(status)
+            for key, value in (headers or {}).items():
+                self.send_header(key, value)
             if content_type:
                 self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))
@@ -186,3 +192,30 @@ def test_an_html_page_is_named_by_its_size_not_printed(status):
         with pytest.raises(ServerError, match=rf"an HTML page \({len(page)} bytes\)") as e:
             request(url, "GET", "/hotweights/status", "t")
     assert "<" not in str(e.value) and len(str(e.value)) < 300
+
+
+def test_a_loopback_server_is_reached_past_the_environment_s_proxy(monkeypatch):
+    """The token goes to the server named: a proxy set in the environment (clusters often
+    set one) never sees a loopback request; another host's requests still go through it."""
+    for name in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    proxied = []
+    with _served(200, b'{"via": "proxy"}', "application/json", seen=proxied) as proxy, \
+            _served(200, b'{"via": "server"}', "application/json") as url:
+        monkeypatch.setenv("http_proxy", proxy)
+        assert request(url, "GET", "/hotweights/status", "secret") == {"via": "server"}
+        assert proxied == []
+        assert request("http://10.255.255.1:8000", "GET", "/hotweights/status",
+                       "t") == {"via": "proxy"}
+        assert proxied[0][0] == "http://10.255.255.1:8000/hotweights/status"
+
+
+def test_a_redirect_is_refused_naming_where_it_points_and_the_token_stays():
+    elsewhere = []
+    with _served(200, b"{}", "application/json", seen=elsewhere) as target, \
+            _served(307, b"", headers={"Location": target + "/x"}) as url:
+        with pytest.raises(ServerError, match=rf"GET /hotweights/status: HTTP 307: it "
+                                              rf"redirects to '{target}/x', which hotweights "
+                                              rf"does not follow \(the token would go along\)"):
+            request(url, "GET", "/hotweights/status", "secret")
+    assert elsewhere == []

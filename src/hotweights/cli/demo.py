@@ -19,6 +19,7 @@ from rich.progress import Progress
 
 from hotweights.cli.console import make_console
 from hotweights.errors import ConfigError
+from hotweights.protocol.http import opener
 from hotweights.protocol.version import VERSION_HEADER, parse_version
 
 PROMPT = "The server generates,"
@@ -29,7 +30,7 @@ def _complete(url: str, model: str) -> tuple[str, int]:
     body = dict(model=model, prompt=PROMPT, max_tokens=8, temperature=0.0)
     req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as resp:
+    with opener(url).open(req, timeout=120) as resp:
         text = json.loads(resp.read())["choices"][0]["text"]
         return text, parse_version(resp.headers[VERSION_HEADER])[0]
 

@@ -3,7 +3,9 @@
 Both ends agree on this: the bridge, `RemoteGroup` and `hotweights status` speak it, the
 plugin's routes (`vllm_plugin.routes`) answer it. An https server's certificate and host
 name are always checked (`tls_context`); a token about to cross the network in plain http
-is warned about, once per host.
+is warned about, once per host. A loopback server is reached directly, never through
+the environment's proxy (`http_proxy`), and no answer's redirect is followed: the token
+goes to the server named and nowhere else.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ def request(url: str, method: str, route: str, token: str, body: dict | None = N
         headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
     )
     try:
-        with urllib.request.urlopen(req, timeout=timeout, context=context) as resp:
+        with opener(url, context).open(req, timeout=timeout) as resp:
             answer = resp.read()
         try:
             return json.loads(answer)
@@ -86,6 +88,9 @@ def request(url: str, method: str, route: str, token: str, body: dict | None = N
                            " A server's URL has no /v1: the OpenAI routes' prefix is not "
                            "part of it" if parts.path.rstrip("/").endswith("/v1") else "")
                        + ")")
+        elif 300 <= e.code < 400:
+            detail = (f"it redirects to {e.headers.get('Location')!r}, which hotweights does "
+                      f"not follow (the token would go along): give the server's own URL")
         elif e.code == 401:
             detail += (" (the token is not this server's: `hotweights serve` writes its "
                        "token file, or takes --token / $HOTWEIGHTS_TOKEN, at each start)")
@@ -103,6 +108,24 @@ def request(url: str, method: str, route: str, token: str, body: dict | None = N
     except http.client.HTTPException as e:  # not HTTP (another service), or cut off
         raise ServerError(f"{method} {route}: {url} broke the HTTP exchange: {e!r} (is it a "
                           "`hotweights serve`, and did it stay up?)") from None
+
+
+def opener(url: str, context: ssl.SSLContext | None = None, *, direct: bool = False
+           ) -> urllib.request.OpenerDirector:
+    """What opens every request to the server at `url`: https checked with `context`, a
+    redirect answered as the HTTPError it is (not followed, with the request's headers), the
+    environment's proxy skipped for a loopback host (any host: `direct`)."""
+    handlers: list[urllib.request.BaseHandler] = [_NoRedirect()]
+    if context is not None:
+        handlers.append(urllib.request.HTTPSHandler(context=context))
+    if direct or is_loopback(urllib.parse.urlsplit(url).hostname):
+        handlers.append(urllib.request.ProxyHandler({}))
+    return urllib.request.build_opener(*handlers)
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *_args) -> None:
+        return None  # urllib then raises the 3xx as an HTTPError
 
 
 def _what(answer: bytes, headers, whole: bool = False) -> str:

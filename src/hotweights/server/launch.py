@@ -7,11 +7,10 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 from hotweights.errors import ServerError
-from hotweights.protocol.http import tls_context
+from hotweights.protocol.http import opener, tls_context
 from hotweights.server.serve import term_with_parent
 
 
@@ -50,14 +49,14 @@ def wait_ready(proc: subprocess.Popen, url: str, *, log: Path, timeout: float = 
 
     An https `url` is checked against `cafile` as every request is (`http.tls_context`).
     """
-    context = tls_context(cafile) if url.startswith("https:") else None
+    probe = opener(url, tls_context(cafile) if url.startswith("https:") else None)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             tail = log.read_text(errors="replace")[-3000:]
             raise ServerError(f"{url}: server exited with {proc.returncode}; {log}:\n{tail}")
         try:
-            with urllib.request.urlopen(url + "/health", timeout=2, context=context) as resp:
+            with probe.open(url + "/health", timeout=2) as resp:
                 if resp.status == 200:
                     return
         except OSError:

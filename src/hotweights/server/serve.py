@@ -25,6 +25,7 @@ from hotweights.checkpoint.digest import stats as checkpoint_stats
 from hotweights.checkpoint.hub import local_dir
 from hotweights.errors import ConfigError
 from hotweights.protocol import shm
+from hotweights.protocol.http import opener
 from hotweights.protocol.tokens import checked, remove_token, token_path, write_token
 from hotweights.server import tls
 from hotweights.server.env import ACTIVE, CHECKPOINT_STATS, REMOTE, REMOTE_ENGINE
@@ -274,13 +275,12 @@ def _wait_answering(proc: subprocess.Popen, url: str, token: str, server_id: str
     """Wait until our server answers at `url` (its status names our server id: not
     another server on the same port); False if it exits first."""
 
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}),
-                                         urllib.request.HTTPSHandler(context=context))
+    probe = opener(url, context, direct=True)  # this machine's own server
     req = urllib.request.Request(url + "/hotweights/status",
                                  headers={"Authorization": f"Bearer {token}"})
     while proc.poll() is None:
         try:
-            with opener.open(req, timeout=5) as resp:
+            with probe.open(req, timeout=5) as resp:
                 answer = json.loads(resp.read())
                 if isinstance(answer, dict) and answer.get("server_id") == server_id:
                     return True
