@@ -635,6 +635,27 @@ def test_fused_experts_reach_a_remote_server_through_its_loader(tiny_model, tmp_
         server.stop()
 
 
+def test_a_tensor_vllm_keeps_in_float32_is_updated_through_its_loader(tiny_model, tmp_path):
+    # vLLM keeps Qwen3-Next's GDN A_log in float32 whatever it serves; the trainer's bf16
+    # values go through vLLM's loader (which casts), not bit for bit into the float32 slab
+    server = Server(tiny_model("qwen3_next"), tmp_path, "--remote", cores=_core(0))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(server.model_dir, dtype=torch.bfloat16)
+        a_log = [p for n, p in model.named_parameters() if n.endswith("A_log")]
+        assert a_log and all(p.numel() > 2 for p in a_log)
+        with RemoteGroup([server.url], token=TOKEN, timeout=10.0) as group:
+            assert group.update(model)["full"]
+            _step_and_update(model, group)  # every head's: sent dense
+            with torch.no_grad():  # one head's: sent as a patch
+                for p in a_log:
+                    p[1] = 2.0
+            out = group.update(model)
+            assert not out["full"] and out["bytes_sent"] < 64 * 1024
+        _assert_serves_as_trained(server, model)
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt_oss"])
 def test_a_tensor_parallel_server_is_updated_shard_by_shard(tiny_model, tmp_path, monkeypatch,
                                                             arch):

@@ -23,8 +23,9 @@ def _load(weights: dict, patches: tuple[list, list]) -> None:
     for p in dense:
         assert p.indices is None and p.values.numel() == weights[p.name].numel()
         weights[p.name].view(-1).copy_(p.values)
-    for p in sparse:
-        weights[p.name].view(-1).index_copy_(0, p.indices.long(), p.values)
+    for p in sparse:  # cast as the loader's copy_ does
+        w = weights[p.name]
+        w.view(-1).index_copy_(0, p.indices.long(), p.values.to(w.dtype))
 
 
 @pytest.mark.parametrize("max_bytes", [64, 200, 1 << 20])
@@ -100,6 +101,35 @@ def test_xor_values_stay_xors_until_the_commit_applies_them(compiled, max_bytes,
     merged = live | {"a": old["a"].clone()}
     _load(merged, staged.patches())
     assert _same_bits(merged, new)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("values", ["raw", "xor"])
+def test_a_slab_vllm_keeps_in_float32_is_written_through_the_loader(values, compiled,
+                                                                     monkeypatch):
+    # vLLM keeps GDN's A_log, some routers and correction biases in float32 whatever it
+    # serves: bf16 values written into them in place would land as bit patterns
+    from hotweights.remote import jit
+    if not compiled:
+        monkeypatch.setattr(jit, "_loops", False)
+    elif not jit.enabled():
+        pytest.skip("numba is not installed: no compiled loops")
+    old = {"a_log": torch.randn(300, 64).to(torch.bfloat16),
+           "gate": torch.randn(1000).to(torch.bfloat16)}
+    new = {"a_log": _flip(old["a_log"], slice(5 * 64, 9 * 64)),  # rows
+           "gate": _flip(old["gate"], [3, 7, 99, 998])}  # a patch
+    live = {k: v.float() for k, v in old.items()}  # the server's float32 slabs
+    whole = {k: shards.whole(v) for k, v in live.items()}
+    staged = Staged(_specs(old), old=live, shards=whole)
+    for r in pack(encode_all(old, new), max_bytes=1 << 20, values=values):
+        staged(r)
+    assert staged.apply_in_place() == set()  # no bf16 bits in float32 words
+    assert torch.equal(live["a_log"], old["a_log"].float())
+    _load(live, staged.patches())
+    assert all(torch.equal(live[k], new[k].float()) for k in new)
+    # a TP worker's shard of one: its xors decode against its values cast to bf16
+    assert torch.equal(whole["gate"].gather(torch.tensor([3, 4]), torch.bfloat16),
+                       new["gate"][3:5])
 
 
 @pytest.mark.parametrize("compiled", [True, False])

@@ -178,8 +178,8 @@ def _decoded(e: dict, t: torch.Tensor, buf: torch.Tensor, nb, old, bad,
     elif xor and src is None:
         raise DeltaError(f"`{name}`: this receiver cannot decode xor values for `{name}` "
                          "(it was given no old value for it); refused")
-    if xor and src is not None and (src.dtype not in (t.dtype, None) or
-                                    tuple(src.shape) != tuple(t.shape)):
+    if xor and src is not None and (tuple(src.shape) != tuple(t.shape) or src.dtype not in (
+            t.dtype, None) and not (src.dtype.is_floating_point and t.dtype.is_floating_point)):
         raise bad("values", f"xor against an old value of {src.dtype} {tuple(src.shape)}, "
                   f"the target is {t.dtype} {tuple(t.shape)}")
     data = nb[e["offset"]:e["offset"] + sum(e["sections"])]
@@ -190,9 +190,11 @@ def _decoded(e: dict, t: torch.Tensor, buf: torch.Tensor, nb, old, bad,
             got = delta.values_at(src.detach(), torch.from_numpy(idx).to(src.device))
         else:  # a TP worker's `shards.Shard`: 0 where it holds none (cut away later)
             got = src.gather(torch.from_numpy(idx), t.dtype)
-        return got.view(_BITS[s]).cpu().numpy().view(codec.UINT[s])
+        # a float slab vLLM keeps in another dtype (float32 A_log): the sender's xors are
+        # of its values in the update's dtype, as the loader last wrote them
+        return got.to(t.dtype).view(_BITS[s]).cpu().numpy().view(codec.UINT[s])
     on_cpu = isinstance(src, torch.Tensor) and src.device.type == "cpu" and \
-        src.is_contiguous()  # read where decoded; one not contiguous: the values decoded
+        src.is_contiguous() and src.dtype == t.dtype  # read whole; else only the values decoded
     try:
         idx, bits = codec.decode(e, data, numel=t.numel(), itemsize=s,
                                  floating=t.dtype.is_floating_point,

@@ -155,9 +155,9 @@ class Shard:
         return len(self.runs) <= 1
 
     def gather(self, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The live values at HF flat indices `idx` (int64), 0 where this worker holds none:
-        what xor-coded values decode against here (`Staged`: those elements are cut away
-        before anything is kept). Needs `gathers`."""
+        """The live values at HF flat indices `idx` (int64) as `dtype`, 0 where this worker
+        holds none: what xor-coded values decode against here (`Staged`: those elements are
+        cut away before anything is kept). Needs `gathers`."""
         if not self.runs:
             return torch.zeros(len(idx), dtype=dtype)
         block, sblock, inner = self._geometry()
@@ -167,8 +167,8 @@ class Shard:
         j = rest.div(inner, rounding_mode="floor") - a
         held = (j >= 0) & (j < n)
         at = torch.where(held, o * sblock + j * inner + rest.remainder(inner), 0)
-        return torch.where(held, values_at(slab, at), torch.zeros((), dtype=slab.dtype,
-                                                                  device=slab.device))
+        return torch.where(held, values_at(slab, at).to(dtype),
+                           torch.zeros((), dtype=dtype, device=slab.device))
 
     @property
     def target(self) -> torch.Tensor | None:

@@ -74,7 +74,8 @@ class Staged:
             values for a tensor it lacks is refused.
         shards: HF name -> what this worker holds of it and where (`remote.shards.of`);
             only those parts are kept, and `apply_in_place` writes them. A tensor without
-            one (or with one of another shape than its spec) is kept whole, for `patches`.
+            one (or with one of another shape or dtype than its spec) is kept whole, for
+            `patches`.
         pin: keep the staged data in pinned host memory (a CUDA worker's).
     Attributes:
         nbytes: bytes of staged data held.
@@ -87,8 +88,12 @@ class Staged:
                  old: Mapping[str, torch.Tensor] | None = None,
                  shards: Mapping[str, Shard] | None = None, pin: bool = False):
         self.specs, self.old, self.pin = specs, old, pin
+        # written in place only where the slabs hold the update's dtype: vLLM keeps a few
+        # tensors in float32 whatever it serves (GDN's A_log, some routers and correction
+        # biases); the loader casts those
         self.shards = {name: s for name, s in (shards or {}).items()
-                       if name in specs and s.shape == tuple(specs[name].shape)}
+                       if name in specs and s.shape == tuple(specs[name].shape)
+                       and s.dtype in (None, specs[name].dtype)}
         # the tensors whose xor values stay xors until the commit applies them in place;
         # not two names of one slab (tied weights sent under both): a second xor would undo
         # the first, while values written twice are the same values
