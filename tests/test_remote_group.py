@@ -124,6 +124,24 @@ def test_a_step_that_changed_a_tensor_that_cannot_change_is_not_taken_as_undone(
         "checkpoint name, nor a view of one (e.g. a.weight" in caplog.text
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.uint16, torch.bfloat16])
+def test_the_reference_takes_a_patch_in_every_dtype(dtype):
+    # torch's index_copy_ has no CPU kernel for FP8 or uint16: the commit raised after every
+    # server had committed, and each later patch update sent the whole model again
+    from hotweights.remote.reference import Reference
+
+    old = (torch.arange(64) % 50).to(dtype).reshape(8, 8)
+    new = old.clone()
+    new.view(-1).view(torch.uint8 if dtype.itemsize == 1 else torch.int16)[[3, 40]] ^= 1
+    ref = Reference()
+    ref.remember({"w": old}, None, {})
+    d = delta.encode("w", old, new)
+    assert d.kind == delta.PATCH
+    ref.remember({"w": new}, [d], {})
+    assert torch.equal(ref.tensors["w"].view(-1).view(torch.uint8),
+                       new.view(-1).view(torch.uint8))
+
+
 def test_trainable_defaults_to_the_parameters_that_require_grad():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     model[0].requires_grad_(False)

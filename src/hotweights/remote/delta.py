@@ -62,6 +62,15 @@ def _runs(flags: np.ndarray) -> np.ndarray:
     return np.flatnonzero(padded[1:] != padded[:-1]).astype(np.int64, copy=False).reshape(-1, 2)
 
 
+def index_copy(t: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> None:
+    """``t.index_copy_(0, idx, values)`` bit for bit, in every dtype (torch's has no CPU
+    kernel for FP8 or the unsigned integers)."""
+    bits = _BITS.get(t.element_size())
+    if bits is not None:
+        t, values = t.view(bits), values.view(bits)
+    t.index_copy_(0, idx, values)
+
+
 def values_at(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """The values of `t` at flat (row-major) indices `idx` (int64, on `t`'s device), read
     where they lie: no copy of a `t` that is not contiguous (GPT-OSS's experts, transposed)."""

@@ -328,14 +328,14 @@ def writer(entry: dict, target: torch.Tensor, views: tuple) -> Callable[[], None
                 t[a:b] = rows[at:at + b - a]
                 at += b - a
         return copy_runs
-    return lambda: target.detach().index_copy_(0, _row_index(views[0].to(target.device)),
-                                               views[1].to(target.device))
+    return lambda: delta.index_copy(target.detach(), _row_index(views[0].to(target.device)),
+                                    views[1].to(target.device))
 
 
 def _index_copy(flat: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor) -> None:
     # bounded chunks: the indices cross to the target's device a chunk at a time
     for lo in range(0, idx.numel(), _CHUNK):
-        flat.index_copy_(0, idx[lo:lo + _CHUNK].to(flat.device, torch.int64),
+        delta.index_copy(flat, idx[lo:lo + _CHUNK].to(flat.device, torch.int64),
                          vals[lo:lo + _CHUNK].to(flat.device))
 
 

@@ -86,8 +86,8 @@ class Reference:
                 continue
             ref = self.tensors[d.name]
             if d.kind == delta.PATCH:
-                ref.view(-1).index_copy_(0, d.indices.to(ref.device, torch.int64),
-                                         d.values.to(ref.device))
+                delta.index_copy(ref.view(-1), d.indices.to(ref.device, torch.int64),
+                                 d.values.to(ref.device))
             elif d.kind == delta.ROWS:
                 for a, b in d.ranges.tolist():
                     ref[a:b].copy_(d.tensor[a:b])
