@@ -150,6 +150,30 @@ def test_the_checksum_waits_for_an_update_to_end_instead_of_hashing_meanwhile(mo
     serve(test)
 
 
+def test_a_checksum_that_updates_keep_outrunning_gives_up(monkeypatch):
+    # every hash stalls generation: one commit landing during each must not loop forever
+    from hotweights.vllm_plugin import routes as routes_module
+
+    monkeypatch.setattr(routes_module, "_CHECKSUM_WAIT_S", 0.3)
+
+    async def test(client, stub):
+        rpc = stub.collective_rpc
+
+        async def hash_while_an_update_lands(method, args=()):
+            if method == "hotweights_checksum":
+                await client.post("/hotweights/begin", json=body(), headers=AUTH)
+                await client.post("/hotweights/commit", json=body(), headers=AUTH)
+                await asyncio.sleep(0.05)
+            return await rpc(method, args)
+
+        stub.collective_rpc = hash_while_an_update_lands
+        r = await client.get("/hotweights/checksum", headers=AUTH)
+        assert r.status_code == 503 and "updates kept landing" in r.json()["error"]
+        assert 2 <= stub.calls.count("hotweights_checksum") <= 10
+
+    serve(test)
+
+
 def test_server_info_answers_what_a_trainer_reads_behind_the_token():
     async def test(client, stub):
         assert (await client.get("/hotweights/server_info")).status_code == 401

@@ -376,6 +376,10 @@ class HotweightsRoutes:
             sums = await self.tx.engine.client.collective_rpc("hotweights_checksum")
             if version == self.tx.version and self.tx.state.value in settled:
                 return {"version": version, "checksum": list(sums)}
+            if time.monotonic() > deadline:  # each hash stalls generation: not forever
+                return JSONResponse({"error": f"updates kept landing during the hash for "
+                                     f"{_CHECKSUM_WAIT_S:.0f} s; ask again between updates"},
+                                    status_code=503)
             # an update ran meanwhile: hashed again once it has ended
 
     async def join(self, request: Request):
