@@ -95,6 +95,15 @@ def test_an_exception_in_the_body_aborts_dirty_and_is_reraised(monkeypatch):
     assert rec.calls[-1][0] == "/hotweights/abort" and rec.calls[-1][1]["dirty"] is True
 
 
+def test_connecting_to_a_remote_server_says_how_to_update_it(monkeypatch):
+    monkeypatch.setattr(bridge_module, "request", lambda *a, **k: {
+        "manifests": [], "version": "0@s", "server_id": "s", "remote": True})
+    with pytest.raises(ServerError, match=r"http://127.0.0.1:8000 is a `hotweights serve "
+                                          r"--remote`: it shares no memory; update it with "
+                                          r"RemoteGroup"):
+        Bridge.connect("http://127.0.0.1:8000", token="t")
+
+
 def test_the_model_dir_comes_from_this_machine_not_the_servers_word(tmp_path):
     from hotweights.protocol import shm
 

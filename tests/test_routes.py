@@ -93,7 +93,7 @@ def test_an_update_over_http():
     async def test(client, stub):
         r = await client.get("/hotweights/manifest", headers=AUTH)
         assert r.json() == {"manifests": [{"server_id": SID}], "version": f"0@{SID}",
-                            "server_id": SID}
+                            "server_id": SID, "remote": False}
         assert stub.label == f"0@{SID}"
         r = await client.post("/hotweights/begin", json=body(lease_s=30), headers=AUTH)
         assert r.status_code == 200 and r.json()["version"] == f"0@{SID}"

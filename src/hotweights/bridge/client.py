@@ -72,6 +72,10 @@ class Bridge:
                                   "a `hotweights serve` of this hotweights version?")
         manifests = [shm.Manifest.from_dict(m, source=f"{url}/hotweights/manifest")
                      for m in data["manifests"]]
+        if not manifests and data.get("remote"):
+            raise ServerError(f"{url} is a `hotweights serve --remote`: it shares no memory; "
+                              "update it with RemoteGroup, or bridge.add_remote(...) from the "
+                              "bridge of a server on the trainer's machine")
         if len(manifests) != 1:
             raise ServerError(f"{url}: {len(manifests)} workers; the bridge maps tp=1 servers")
         if manifests[0].server_id != data.get("server_id"):

@@ -339,7 +339,7 @@ class HotweightsRoutes:
         if refused := self._refuse(request):
             return refused
         return {"manifests": self.manifests, "version": self.tx.version,
-                "server_id": self.server_id}
+                "server_id": self.server_id, "remote": self.remote}
 
     async def status(self, request: Request):
         if refused := self._refuse(request):
