@@ -265,6 +265,10 @@ def test_commit_after_expiry_names_the_expiry():
         with pytest.raises(Refused, match=r"lease of h1 expired .* serves version 1@s1"):
             await tx.commit(Commit("h1", SID))
         assert tx.n == 1  # the expiry's version; the late commit changed nothing
+        await tx.begin(begin())  # a clean update of h1's since: the expiry is not news
+        await tx.commit(Commit("h1", SID))
+        with pytest.raises(Refused, match=r"^no update in progress for h1$"):
+            await tx.commit(Commit("h1", SID))  # a retried commit, say
 
     run(test)
 

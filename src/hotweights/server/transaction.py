@@ -455,7 +455,8 @@ class Transaction:
         if self.holder is not None:
             if req.holder != self.holder:
                 raise self._held()
-        elif self.expired and self.expired["holder"] == req.holder:
+        elif self.expired and self.expired["holder"] == req.holder and \
+                self.expired["version"] == self.version:  # still what is served
             raise Refused(409, f"the lease of {req.holder} expired at "
                           f"{self.expired['at']:.0f} (unix time); the server "
                           f"{'dropped the staged update' if self.expired['staged'] else 'resumed'}"
