@@ -384,19 +384,21 @@ def _damaged(path: str, e: _Corrupt) -> str:
 
 
 def pending(directory: str | os.PathLike) -> dict | None:
-    """The meta of a committed, intact journal in `directory`, or None if there is none
-    (or it is damaged: `inspect`).
+    """The meta of a committed journal in `directory`, or None if there is none.
 
     Raises:
-        CheckpointError: the journal is of a format this version does not know, or a
-            directory stands in its place.
+        CheckpointError: the journal is damaged (an apply it began may have left a shard
+            half written: `inspect` says so without raising), of a format this version does
+            not know, or a directory stands in its place.
     """
     finisher.finish()  # a journal this process is still removing is not pending
     path = os.path.join(os.fspath(directory), JOURNAL_NAME)
     try:
         return _scan(path)[0]
-    except (FileNotFoundError, _Corrupt):
+    except FileNotFoundError:
         return None
+    except _Corrupt as e:
+        raise CheckpointError(_damaged(path, e)) from None
 
 
 def _moved(directory: str, name: str, ino: int, size: int) -> bool:

@@ -163,8 +163,8 @@ def run_recover(args: argparse.Namespace) -> int:
     if not os.path.isdir(d):
         raise CheckpointError(f"{d}: not a directory")
     with locked(d):  # a sync running there ends first
-        meta = journal.pending(d)  # what a committed journal brings, for the line below
         try:
+            meta = journal.pending(d)  # what a committed journal brings, for the line below
             with _status(sys.stderr.isatty(), "recovering"), _said_below(
                     args, "hotweights.checkpoint.journal"):
                 outcome = journal.recover(d, lock=False)
