@@ -394,6 +394,40 @@ def test_a_whole_shard_write_the_disk_refuses_names_the_shard_and_writes_nothing
     assert sync(d, live, mode="copy").shards_changed == (shard,)
 
 
+def test_a_staged_file_that_cannot_be_created_leaks_no_descriptor(tmp_path, monkeypatch):
+    """Out of inodes or quota in the stage area: the sync fails naming the shard, and the
+    shard it had opened to copy from is closed (a trainer syncing every step would run out
+    of descriptors)."""
+    import errno
+
+    from hotweights.checkpoint import stage
+    d = tmp_path / "m"
+    live = _saved(d)
+    sync(d, live)
+    live["model.layers.1.mlp.down_proj.weight"] += 1.0
+    real_open = stage.os.open
+
+    def no_inodes(path, flags, *mode):
+        if flags & os.O_CREAT and journal.STAGE_DIR in str(path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real_open(path, flags, *mode)
+    monkeypatch.setattr(stage.os, "open", no_inodes)
+    with pytest.raises(CheckpointError, match="No space left on device; nothing was written"):
+        sync(d, live, mode="copy")
+
+    def opened() -> list[str]:
+        fds = (os.path.join("/proc/self/fd", fd) for fd in os.listdir("/proc/self/fd"))
+        return [path for path in map(_target, fds) if path.startswith(f"{d}{os.sep}")]
+    assert opened() == []
+
+
+def _target(link: str) -> str:
+    try:
+        return os.readlink(link)
+    except OSError:  # closed since it was listed
+        return ""
+
+
 def test_two_writers_take_turns(tmp_path):
     d = tmp_path / "m"
     live = _saved(d)

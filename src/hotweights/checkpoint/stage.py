@@ -163,9 +163,14 @@ def range_chunks(tensors: Mapping[str, torch.Tensor], ranges: Sequence[tuple[str
             lo += chunk.nbytes
 
 
-def _create(dst: Path, like: str) -> int:
+def _create(dst: Path, like: int) -> int:
+    """A new file at `dst` with the mode of the open file `like`."""
     fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    os.fchmod(fd, os.stat(like).st_mode & 0o7777)
+    try:
+        os.fchmod(fd, os.fstat(like).st_mode & 0o7777)
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
 
 
@@ -225,7 +230,12 @@ def whole(shard: Shard, tensors: Mapping[str, torch.Tensor], dst: Path,
     """Write `shard` anew at `dst` with the `tensors` (contiguous, the header's dtypes and
     shapes) in place of their bytes; fsync. Returns the bytes written."""
     with _naming(shard.path):
-        src, fd = os.open(shard.path, os.O_RDONLY), _create(dst, shard.path)
+        src = os.open(shard.path, os.O_RDONLY)
+        try:
+            fd = _create(dst, src)
+        except BaseException:
+            os.close(src)
+            raise
         try:
             shard.check(os.fstat(src))
             sink, pos = _sink(fd), 0
