@@ -192,3 +192,28 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def test_two_threads_probing_one_directory_both_get_the_filesystem_s_answer(tmp_path,
+                                                                            monkeypatch):
+    # a probe file named by the process alone: the second thread found it taken ("cannot
+    # probe"), and `auto` rewrote whole shards on a filesystem that clones
+    import threading
+
+    both_in = threading.Barrier(2, timeout=10)
+
+    def unsupported(src, dst):  # both probes at once, each with a file of its own
+        both_in.wait()
+        raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+    monkeypatch.setattr(clone, "_clone", unsupported)
+    monkeypatch.setattr(clone, "_probed", {})
+    answers = []
+    threads = [threading.Thread(target=lambda: answers.append(clone.supports_reflink(tmp_path)))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(answers) == 2
+    assert all(not ok and "does not support reflinks (FICLONE" in why for ok, why in answers)
+    assert list(tmp_path.iterdir()) == []

@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import struct
+import tempfile
 
 from hotweights.errors import CheckpointError
 
@@ -101,7 +102,7 @@ def extents(path: str | os.PathLike | int) -> int | None:
 
 def supports_reflink(directory: str | os.PathLike) -> tuple[bool, str]:
     """Whether files in `directory` can be cloned, found by cloning a small probe file
-    (`.hotweights-probe-<pid>`, removed again).
+    (`.hotweights-probe-*`, removed again).
 
     Args:
         directory: an existing directory.
@@ -123,9 +124,10 @@ def supports_reflink(directory: str | os.PathLike) -> tuple[bool, str]:
     if dev in _probed:
         return _probed[dev]
     kind, mount = fs_type(directory)
-    src = os.path.join(directory, f".hotweights-probe-{os.getpid()}")
-    try:
-        with open(src, "xb") as f:
+    src = None
+    try:  # a name of this call's own: another thread may probe the directory meanwhile
+        fd, src = tempfile.mkstemp(prefix=".hotweights-probe-", dir=directory)
+        with open(fd, "wb") as f:
             f.write(b"\0" * 4096)
         _clone(src, src + ".clone")
         os.unlink(src + ".clone")
@@ -135,8 +137,9 @@ def supports_reflink(directory: str | os.PathLike) -> tuple[bool, str]:
             return False, f"{directory}: cannot probe for reflinks: {e.strerror}"
         answer = False, f"{kind} at {mount} does not support reflinks (FICLONE: {e.strerror})"
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(src)
+        if src is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(src)
     _probed[dev] = answer
     logger.debug("%s: %s", directory, answer[1])
     return answer
