@@ -93,3 +93,13 @@ def test_a_file_dtype_torch_lacks_is_refused_by_name(tmp_path, dtype, nbytes, me
         with pytest.raises(CheckpointError, match=message):
             sync(tmp_path, {"w": torch.ones(4, dtype=torch.uint8)}, convert_dtype=convert)
     assert path.read_bytes() == before
+
+
+def test_fp4_is_refused_for_its_dtype_not_the_shape_of_torch_s_packed_form(tmp_path):
+    from hotweights.checkpoint import diagnose
+
+    _shard_of_dtype(tmp_path / "model.safetensors", "F4", [8], 4)
+    live = {"w": torch.empty(4, dtype=torch.float4_e2m1fn_x2)}  # two values an element
+    with pytest.raises(CheckpointError, match=r"the file holds F4, which has no torch dtype"):
+        sync(tmp_path, live)
+    assert [m.field for m in diagnose(tmp_path, live).mismatches] == ["dtype"]

@@ -308,13 +308,13 @@ def _resolve(model_dir: Path, live: Mapping[str, torch.Tensor],
 def _check(name: str, t: torch.Tensor, shard: Shard, info: TensorInfo,
            convert: bool) -> torch.Tensor:
     where = f"{name} in {os.path.basename(shard.path)}"  # no Path per tensor
+    want = TORCH.get(info.dtype)
+    if want is None:  # first: F4's torch form packs two values an element, another shape
+        raise CheckpointError(f"{where}: the file holds {info.dtype}, which has no torch "
+                              "dtype: hotweights cannot sync it; nothing was written")
     if tuple(t.shape) != info.shape:
         raise CheckpointError(f"{where}: the file holds shape {list(info.shape)}, the live "
                               f"tensor {list(t.shape)}; nothing was written")
-    want = TORCH.get(info.dtype)
-    if want is None:
-        raise CheckpointError(f"{where}: the file holds {info.dtype}, which has no torch "
-                              "dtype: hotweights cannot sync it; nothing was written")
     if want != t.dtype:
         if convert:
             return t.detach().to(want).contiguous()
