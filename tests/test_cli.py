@@ -95,6 +95,16 @@ def test_serve_refuses_a_model_path_that_is_no_directory_and_a_bad_port(tmp_path
         assert e.value.code == 2 and "--port" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [["--dtype", "float32", "MODEL"],
+                                  ["--enforce-eager", "MODEL", "--dtype", "float32"]])
+def test_serve_wants_vllm_s_flags_after_the_model(argv, tmp_path, capsys):
+    # argparse took the flag's value for the model: vLLM then got "--dtype ./model"
+    with pytest.raises(SystemExit) as e:
+        main(["serve", *[str(tmp_path) if w == "MODEL" else w for w in argv]])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "vLLM's flags go after MODEL" in err and argv[0] in err
+
+
 def test_serve_passes_other_data_parallel_flags_to_vllm():
     from hotweights.server.serve import refuse_unshareable
 

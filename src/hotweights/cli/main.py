@@ -127,7 +127,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("model_dir", help="a local HF model directory (config + safetensors)")
     p.add_argument("--model-impl", default="auto", choices=["auto", "vllm", "transformers"],
                    help="vLLM model implementation (default: auto)")
-    p.add_argument("--dtype", default="auto", help="vLLM dtype (default: the model's)")
+    p.add_argument("--dtype", default="auto",
+                   help="vLLM dtype (default: vLLM's auto, which loads a float32 "
+                   "checkpoint in bf16 or fp16)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow custom modeling code from the model dir (auto_map)")
     p.set_defaults(run=_run_layout)
@@ -365,12 +367,23 @@ def _check_args(args: argparse.Namespace, usage_error) -> None:
         usage_error(f"--cafile is for an https server; {server} is plain http (no TLS)")
 
 
+def _before_model(words: list[str], model: str, extra: list[str]) -> str | None:
+    """The first of vLLM's flags (`extra`) given before `serve`'s MODEL, if any: argparse
+    took the word after it as the model (``serve --dtype float32 ./m``: "float32")."""
+    at = words.index(model) if model in words else len(words)
+    return next((w for w in words[:at] if w in extra and w.startswith("-")), None)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     usage_error = getattr(args, "usage_error", parser.error)
     if extra and not getattr(args, "passthrough", False):
         usage_error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra and (flag := _before_model(sys.argv[1:] if argv is None else argv, args.model,
+                                        extra)):
+        usage_error(f"vLLM's flags go after MODEL ({flag} came before {args.model!r}, "
+                    "which may be its value): hotweights serve MODEL [vLLM flags]")
     args.extra = extra
     _check_args(args, usage_error)
     logging.basicConfig(
