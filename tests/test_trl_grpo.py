@@ -172,6 +172,7 @@ def test_trains_the_served_weights_in_place(served, trainer_class, config):
                                            ("vllm_server_base_url", "http://127.0.0.1:1"),
                                            ("optim", "lomo"),  # steps inside backward
                                            ("optim", "galore_adamw_layerwise"),
+                                           ("optim", "schedule_free_adamw"),  # train()/eval()
                                            ("bf16_full_eval", True),  # fp32 weights: a cast
                                            ("peft_config", "a LoRA config")])
 def test_what_would_copy_the_weights_is_refused_by_option(served, option, value):
@@ -388,6 +389,46 @@ def test_steps_of_one_generation_report_their_lag_in_every_update_mode(served, m
     assert (status["n"], status["dirty"]) == (before + 2, False)
 
 
+def test_an_evaluation_between_steps_of_one_generation_keeps_their_lag(served):
+    """An evaluation generates too: its batch (sampled by the current weights) is logged,
+    and the step after it still trains on, and reports the lag of, the training batch."""
+    url, tmp = served
+    bridge = Bridge.connect(url, token=TOKEN)
+    before = parse_version(bridge.version)[0]
+    trainer = GRPOTrainer(bridge=bridge, reward_funcs=_reward, train_dataset=_data(),
+                          eval_dataset=_data().select(range(8)),
+                          args=_config(tmp, max_steps=2, steps_per_generation=2,
+                                       eval_strategy="steps", eval_steps=1,
+                                       per_device_eval_batch_size=8))
+    trainer.train()
+    logs = [e for e in trainer.state.log_history if "hotweights/version_lag" in e]
+    assert [e["hotweights/version_lag"] for e in logs] == [0, 1]
+    assert trainer.sample_versions == [before] * len(trainer.sample_versions)
+    assert [e["eval_hotweights/sample_version"] for e in trainer.state.log_history
+            if "eval_hotweights/sample_version" in e] == [before + 1, before + 2]
+
+
+def test_an_optimizer_that_moves_the_weights_outside_its_step_is_refused(served):
+    class ScheduleFree(torch.optim.SGD):  # as schedulefree's: train() / eval() move weights
+        def train(self):
+            pass
+
+        def eval(self):
+            pass
+
+    url, tmp = served
+    bridge = Bridge.connect(url, token=TOKEN)
+    model = bridge.model()
+    before = bridge.version
+    trainer = GRPOTrainer(model=model, bridge=bridge, reward_funcs=_reward,
+                          train_dataset=_data(), args=_config(tmp, max_steps=1),
+                          optimizers=(ScheduleFree(model.parameters(), lr=0.1), None))
+    with pytest.raises(ConfigError, match=r"ScheduleFree: a schedule-free optimizer moves "
+                                          r"every weight in its train\(\) and eval\(\)"):
+        trainer.train()
+    assert bridge.version == before
+
+
 def test_rloo_refuses_what_grpo_refuses_and_a_grpo_config(served):
     url, tmp = served
     bridge = Bridge.connect(url, token=TOKEN)
@@ -412,10 +453,15 @@ def test_a_trainer_derived_from_trl_s_is_wrapped_or_refused_by_name(served):
                                           "pass a subclass of GRPOConfig"):
         on_served_weights(gmpo.GMPOTrainer, RLOOConfig)
     url, tmp = served
+    bridge = Bridge.connect(url, token=TOKEN)
     with pytest.raises(ConfigError, match="GRPOConfig; GMPOTrainer takes its own config, "
                                           "GMPOConfig"):
-        GMPOTrainer(bridge=Bridge.connect(url, token=TOKEN), reward_funcs=_reward,
-                    train_dataset=_data(), args=_config(tmp))
+        GMPOTrainer(bridge=bridge, reward_funcs=_reward, train_dataset=_data(),
+                    args=_config(tmp))
+    # no config class named: GMPO's own default (a wider clipping) is not GRPO's
+    with pytest.raises(ConfigError, match=r"args=None: pass GMPOTrainer's config as args="):
+        on_served_weights(gmpo.GMPOTrainer)(bridge=bridge, reward_funcs=_reward,
+                                            train_dataset=_data())
 
 
 def test_on_policy_distillation_trains_the_served_student_in_place(served):

@@ -283,10 +283,18 @@ def _check_args(args: _Config, bridge: Bridge | None, peft_config: Any) -> None:
                           "backward pass, outside the optimizer step that hotweights runs "
                           "inside an update (vLLM would serve half-written tensors); pick "
                           "an optimizer that steps in optimizer.step()")
+    if str(optim).startswith("schedule_free"):
+        raise ConfigError(f"{config}.optim={optim!r}: {_SCHEDULE_FREE}")
     if peft_config is not None:
         raise ConfigError("peft_config: LoRA adapters are not vLLM's weights (vLLM would "
                           "never see them); train the base weights, e.g. "
                           "bridge.model(trainable=...)")
+
+
+_SCHEDULE_FREE = ("a schedule-free optimizer moves every weight in its train() and eval(), "
+                  "which the Trainer calls at each training step and evaluation, outside "
+                  "any optimizer step: vLLM would serve weights no version names; pick an "
+                  "optimizer that writes the weights only in optimizer.step()")
 
 
 def _check_dtypes(args: _Config, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -334,6 +342,7 @@ class _OnServedWeights:
     functions, or the teacher)."""
 
     _config: type
+    _makes_config = True  # args=None: a `_config` is made (TRL's own trainers)
 
     def __init__(self, model: torch.nn.Module | str | None = None, reward_funcs: Any = None,
                  args: Any = None, *rest: Any, bridge: Bridge | None = None,
@@ -345,6 +354,11 @@ class _OnServedWeights:
         if args is not None and not isinstance(args, self._config):
             raise ConfigError(f"args is a {type(args).__name__}; {type(self).__name__} "
                               f"takes its own config, {self._config.__name__}")
+        if args is None and not self._makes_config:
+            raise ConfigError(f"args=None: pass {type(self).__name__}'s config as args= "
+                              "(hotweights cannot tell which config class it makes by "
+                              f"itself), or name it: on_served_weights({type(self).__name__}, "
+                              "ItsConfig)")
         if args is None:
             args = self._config(output_dir=f"hotweights-{type(self).__name__.lower()}",
                                 use_vllm=True,
@@ -423,17 +437,19 @@ class _OnServedWeights:
 
     def _generate(self, prompts: list):
         """TRL's generation of a batch; `sample_versions` := the versions of the weights
-        that generated it (one per sequence of each vLLM generation: a tool call's turns
-        count each; none where a `rollout_func` bypasses TRL's vLLM generation)."""
+        that generated a training batch (one per sequence of each vLLM generation: a tool
+        call's turns count each; none where a `rollout_func` bypasses TRL's vLLM
+        generation); an evaluation's batch is only logged."""
         self._batch_versions = []
         try:
             return super()._generate(prompts)
         finally:
-            self.sample_versions = self._batch_versions
-            if self.sample_versions:
-                mode = "train" if self.model.training else "eval"
+            versions, mode = self._batch_versions, "train" if self.model.training else "eval"
+            if mode == "train":  # an evaluation's batch is not what the next steps train on
+                self.sample_versions = versions
+            if versions:
                 self._metrics[mode]["hotweights/sample_version"].append(
-                    sum(self.sample_versions) / len(self.sample_versions))
+                    sum(versions) / len(versions))
 
     def _generate_and_keep_versions(self, *args: Any, **kwargs: Any) -> tuple:
         out = self._vllm_generate(*args, **kwargs)
@@ -461,6 +477,9 @@ class _OnServedWeights:
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         optimizer = super().create_optimizer(model)
+        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper forwards
+        if any(callable(getattr(inner, mode, None)) for mode in ("train", "eval")):
+            raise ConfigError(f"{type(inner).__name__}: {_SCHEDULE_FREE}")
         if not getattr(optimizer.step, "hotweights_update", False):
             # a bound method, as torch's LR schedulers expect of `optimizer.step`
             optimizer.step = types.MethodType(self._step_in_update(optimizer.step), optimizer)
@@ -539,8 +558,10 @@ def on_served_weights(trainer: type, config: type | None = None) -> type:
         trainer: the trainer class. Its `__init__` must take TRL's first three arguments
             in TRL's order (the model; the reward functions or the teacher; the config)
             and pass them on to TRL's.
-        config: the config class it takes (default: its TRL base's, as `GRPOConfig`): a
-            config given to the trainer is checked to be one, and one is made when none is.
+        config: the config class it takes: a config given to the trainer is checked to be
+            one, and one is made when none is given. Default: its TRL base's (as
+            `GRPOConfig`), and a config must then be given (`args=`): the trainer's own
+            default (GMPO's wider clipping) is not known here.
 
     Raises:
         ConfigError: `trainer` derives from none of the three, or `config` is not a
@@ -564,6 +585,7 @@ def on_served_weights(trainer: type, config: type | None = None) -> type:
     if trainer is base and config in (None, ours._config):
         return ours
     return type(trainer.__name__, (ours, trainer), {
-        "_config": config or ours._config, "__module__": __name__,
+        "_config": config or ours._config, "_makes_config": config is not None,
+        "__module__": __name__,
         "__doc__": f"{trainer.__qualname__} training vLLM's own weights in place, as "
                    f"hotweights' {ours.__name__} (its arguments, modes and refusals)."})
