@@ -60,6 +60,19 @@ def test_a_tensor_reordered_on_load_keeping_its_shape_is_refused(model_dir):
         check_loaded(model, model_dir)
 
 
+def test_a_bias_regrouped_with_its_weight_is_a_loader_s_order_not_a_stale_checkpoint():
+    # vLLM's Bloom loader regroups query_key_value's weight and bias; a bias or norm that
+    # differs alone says the server serves another checkpoint
+    from hotweights.bridge.loaded import _message
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.LayerNorm(6))
+    both = {"0.weight": "0.weight", "0.bias": "0.bias"}
+    assert "stores them in another order" in _message(model, "m", both, 4)
+    assert "does not serve this checkpoint" in _message(model, "m", {
+        **both, "1.weight": "1.weight"}, 4)
+    assert "does not serve this checkpoint" in _message(model, "m", both, 2)  # every one
+
+
 def test_the_bridge_compares_only_while_the_server_serves_what_it_loaded(model_dir,
                                                                          monkeypatch):
     served = _served(model_dir)

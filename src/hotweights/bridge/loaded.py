@@ -137,7 +137,9 @@ def _message(model: torch.nn.Module, where: str, wrong: dict[str, str], compared
     named = ", ".join(f"{n} ({k})" if k != n else n for n, k in list(wrong.items())[:3])
     head = (f"{len(wrong)} of {compared} views compared hold other values than {where} "
             f"holds for them: {named}{' ...' if len(wrong) > 3 else ''}. ")
-    if len(wrong) == compared or any(_flat(model, n) for n in wrong):
+    regrouped = {n.rpartition(".")[0] for n in wrong if not _flat(model, n)}
+    if len(wrong) == compared or any(_flat(model, n) and n.rpartition(".")[0] not in regrouped
+                                     for n in wrong):  # a norm, a lone bias: not a loader's
         return head + ("The server does not serve this checkpoint as it is now: another "
                        "revision, weights loaded otherwise (--load-format dummy), or the "
                        "directory rewritten since the server loaded it. To build the model "
@@ -149,5 +151,6 @@ def _message(model: torch.nn.Module, where: str, wrong: dict[str, str], compared
 
 
 def _flat(model: torch.nn.Module, name: str) -> bool:
-    """Whether a parameter has one dim (a norm or a bias: no loader regroups those)."""
+    """Whether a parameter has one dim (a norm or a bias: a loader regroups one only with
+    its module's weight, as Bloom's does its query_key_value's)."""
     return model.get_parameter(name).dim() <= 1
