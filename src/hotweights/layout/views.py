@@ -42,6 +42,14 @@ def _selector(selection: Selection) -> Callable[[str], bool]:
     return lambda name: name in names
 
 
+def _listed(selection: Selection) -> Selection:
+    """Names given as an iterator (a generator, `filter`) as a tuple: read more than once."""
+    if isinstance(selection, bool | str) or callable(selection) or \
+            not isinstance(selection, Iterable):
+        return selection
+    return tuple(selection)
+
+
 def _check_selection(trainable: Selection, model: torch.nn.Module) -> None:
     """Refuse a `trainable` that selects nothing it was meant to: a regex that matches no
     HF parameter, names that are no HF parameter (a buffer, a vLLM name): it would train
@@ -147,6 +155,7 @@ def build_hf_model(
     Raises:
         LayoutError: a missing HF parameter not allowed, or shapes that disagree.
     """
+    trainable, allow_missing = _listed(trainable), _listed(allow_missing)
     config = load_config(config, trust_remote_code=trust_remote_code)
     dtypes = [t.dtype for t in vllm_params.values() if t.is_floating_point()]
     dtype = max(set(dtypes), key=dtypes.count) if dtypes else None
