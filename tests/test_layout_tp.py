@@ -483,6 +483,13 @@ def test_error_qkv_wrong_row_count() -> None:
         plan(config, {vname: (10, 8)}, tp_size=4, tp_rank=3, hf_shapes=hf)
 
 
+def test_a_multimodal_config_s_heads_come_from_its_text_config() -> None:
+    # Qwen2.5-VL, Gemma 3, Qwen3.5: no num_key_value_heads at the top
+    text, vname, hf = _qkv_case(kv=2, heads=4)
+    config = SimpleNamespace(get_text_config=lambda: text)
+    plan(config, {vname: (12, 8)}, tp_size=4, tp_rank=3, hf_shapes=hf)  # kv replicated
+
+
 @pytest.mark.parametrize("rank,size", [(2, 2), (-1, 2), (0, 0), (1, 1)])
 def test_error_tp_rank_out_of_range(rank: int, size: int) -> None:
     config, vname, hf = _qkv_case(kv=2, heads=4)

@@ -484,6 +484,8 @@ def _column_pieces(vname, live, subparts, config, tp, rank, *, dim) -> list[Piec
     # `dim`, stacked in this order in the unsharded vLLM parameter. Rank r holds its
     # 1/tp chunk of each, stacked in the same order.
     pieces, at = [], 0
+    # a multimodal config keeps its heads in its text config
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     kv_heads = getattr(config, "num_key_value_heads", None)
     for hf_name, hf_shape, base, n in subparts:
         _check_other_dims(vname, live, hf_name, hf_shape, dim)
