@@ -3,6 +3,7 @@
 import contextlib
 import http.server
 import logging
+import re
 import socket
 import threading
 
@@ -129,8 +130,13 @@ def test_a_broken_http_exchange_is_a_server_error_naming_the_route(reply, named)
     def answer():
         conn, _ = listener.accept()
         with conn:
-            conn.recv(65536)
-            conn.sendall(reply)
+            _read_request(conn)  # all of it: unread bytes at close would reset the
+            conn.sendall(reply)  # connection before the client reads the reply
+            conn.shutdown(socket.SHUT_WR)
+            conn.settimeout(10)
+            with contextlib.suppress(OSError):
+                while conn.recv(65536):  # until the client closes
+                    pass
 
     thread = threading.Thread(target=answer)
     thread.start()
@@ -142,6 +148,16 @@ def test_a_broken_http_exchange_is_a_server_error_naming_the_route(reply, named)
     finally:
         thread.join()
         listener.close()
+
+
+def _read_request(conn: socket.socket) -> None:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += conn.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = re.search(rb"(?i)content-length: *(\d+)", head)
+    while length and len(body) < int(length[1]):
+        body += conn.recv(65536)
 
 
 def test_a_url_with_a_password_is_refused_without_echoing_it():
