@@ -307,7 +307,7 @@ def _bad_rounds():
         "unknown": (r, {k: v for k, v in old.items() if k != "c"}, r"unknown tensor `c`"),
         "shape": (_with(r, "c", shape=[50, 32]), old, r"`c`: field 'shape'"),
         "dtype": (_with(r, "c", dtype="float32"), old, r"`c`: field 'dtype'"),
-        "target_dtype": (r, {**old, "c": old["c"].float()}, r"`c`: field 'dtype'"),
+        "target_dtype": (r, {**old, "c": old["c"].to(torch.bfloat16)}, r"`c`: field 'dtype'"),
         "index_high": (_set_bytes(r, b["offset"] + 4, torch.tensor([1000], dtype=torch.int32)),
                        old, r"`b`: field 'indices' hold \[3, 1000\], out of the 1000"),
         "index_low": (_set_bytes(r, b["offset"], torch.tensor([-1], dtype=torch.int32)), old,
@@ -702,3 +702,14 @@ def test_the_compiled_compare_gives_numpys_deltas(dtype, shape, how, monkeypatch
             assert (x is None) == (y is None) and (x is None or torch.equal(_bits(x), _bits(y)))
         assert (a.ranges is None) == (b.ranges is None)
         assert a.ranges is None or np.array_equal(a.ranges, b.ranges)
+
+
+@pytest.mark.parametrize("options", [{}, {"values": "xor"}])
+def test_values_of_a_narrower_float_are_widened_into_the_target_exactly(options):
+    # a bf16 trainer's values for a slab vLLM keeps in float32 (GDN's A_log, routers)
+    old, new = _state()
+    old, new = ({k: v.to(torch.bfloat16) for k, v in d.items() if k in "ab"} for d in (old, new))
+    got = {k: v.float() for k, v in old.items()}
+    for r in pack(encode_all(old, new), max_bytes=1 << 20, **options):
+        apply(r, got)
+    assert all(torch.equal(got[k], new[k].float()) for k in new)

@@ -635,15 +635,22 @@ def test_fused_experts_reach_a_remote_server_through_its_loader(tiny_model, tmp_
         server.stop()
 
 
-def test_a_tensor_vllm_keeps_in_float32_is_updated_through_its_loader(tiny_model, tmp_path):
-    # vLLM keeps Qwen3-Next's GDN A_log in float32 whatever it serves; the trainer's bf16
-    # values go through vLLM's loader (which casts), not bit for bit into the float32 slab
-    server = Server(tiny_model("qwen3_next"), tmp_path, "--remote", cores=_core(0))
+def test_a_tensor_vllm_keeps_in_float32_takes_bf16_and_float32_updates(tiny_model, tmp_path):
+    # vLLM keeps Qwen3-Next's GDN A_log in float32 whatever it serves. A bf16 trainer's
+    # values are widened into it (they were written bit for bit into the float32 slab); a
+    # view model's are its float32 (they were refused: the servers expected bf16).
+    model_dir = tiny_model("qwen3_next")
+    (tmp_path / "far").mkdir()
+    (tmp_path / "local").mkdir()
+    far = Server(model_dir, tmp_path / "far", "--remote", wait=False, cores=_core(0))
+    local = Server(model_dir, tmp_path / "local", wait=False, cores=_core(1))
     try:
-        model = AutoModelForCausalLM.from_pretrained(server.model_dir, dtype=torch.bfloat16)
+        far.wait()
+        local.wait()
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
         a_log = [p for n, p in model.named_parameters() if n.endswith("A_log")]
         assert a_log and all(p.numel() > 2 for p in a_log)
-        with RemoteGroup([server.url], token=TOKEN, timeout=10.0) as group:
+        with RemoteGroup([far.url], token=TOKEN, timeout=10.0) as group:
             assert group.update(model)["full"]
             _step_and_update(model, group)  # every head's: sent dense
             with torch.no_grad():  # one head's: sent as a patch
@@ -651,9 +658,21 @@ def test_a_tensor_vllm_keeps_in_float32_is_updated_through_its_loader(tiny_model
                     p[1] = 2.0
             out = group.update(model)
             assert not out["full"] and out["bytes_sent"] < 64 * 1024
-        _assert_serves_as_trained(server, model)
+        _assert_serves_as_trained(far, model)
+        bridge = Bridge.connect(local.url, token=TOKEN)
+        views = bridge.model(trainable=True)
+        assert {p.dtype for n, p in views.named_parameters() if n.endswith("A_log")} == {
+            torch.float32}
+        group = bridge.add_remote([far.url], token=TOKEN, timeout=10.0)
+        for value in (1.5, 1.25):  # a full sync, then a patch
+            with bridge.update(), torch.no_grad():
+                for n, p in views.named_parameters():
+                    if n.endswith("A_log"):
+                        p[0] = value
+        assert _checksum(far) == _checksum(local)  # the same bytes, float32 A_log too
     finally:
-        server.stop()
+        far.stop()
+        local.stop()
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt_oss"])

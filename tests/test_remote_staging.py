@@ -105,10 +105,13 @@ def test_xor_values_stay_xors_until_the_commit_applies_them(compiled, max_bytes,
 
 @pytest.mark.parametrize("compiled", [True, False])
 @pytest.mark.parametrize("values", ["raw", "xor"])
-def test_a_slab_vllm_keeps_in_float32_is_written_through_the_loader(values, compiled,
-                                                                     monkeypatch):
+@pytest.mark.parametrize("spec", [torch.float32, torch.bfloat16])
+def test_a_slab_vllm_keeps_in_float32_takes_bf16_values_exactly(spec, values, compiled,
+                                                               monkeypatch):
     # vLLM keeps GDN's A_log, some routers and correction biases in float32 whatever it
-    # serves: bf16 values written into them in place would land as bit patterns
+    # serves: bf16 values written into them in place would land as bit patterns. The
+    # engine's spec is the slab's float32 (bf16 values widened, written in place); a spec
+    # in bf16 (no map of the weights) sends them through the loader, which casts
     from hotweights.remote import jit
     if not compiled:
         monkeypatch.setattr(jit, "_loops", False)
@@ -120,16 +123,35 @@ def test_a_slab_vllm_keeps_in_float32_is_written_through_the_loader(values, comp
            "gate": _flip(old["gate"], [3, 7, 99, 998])}  # a patch
     live = {k: v.float() for k, v in old.items()}  # the server's float32 slabs
     whole = {k: shards.whole(v) for k, v in live.items()}
-    staged = Staged(_specs(old), old=live, shards=whole)
+    staged = Staged({k: torch.empty(v.shape, dtype=spec, device="meta")
+                     for k, v in old.items()}, old=live, shards=whole)
     for r in pack(encode_all(old, new), max_bytes=1 << 20, values=values):
         staged(r)
-    assert staged.apply_in_place() == set()  # no bf16 bits in float32 words
-    assert torch.equal(live["a_log"], old["a_log"].float())
-    _load(live, staged.patches())
+    if spec == torch.float32:
+        assert staged.apply_in_place() == {"a_log", "gate"}
+        assert staged.patches() == ([], [])
+    else:
+        assert staged.apply_in_place() == set()  # no bf16 bits in float32 words
+        assert torch.equal(live["a_log"], old["a_log"].float())
+        _load(live, staged.patches())
     assert all(torch.equal(live[k], new[k].float()) for k in new)
     # a TP worker's shard of one: its xors decode against its values cast to bf16
     assert torch.equal(whole["gate"].gather(torch.tensor([3, 4]), torch.bfloat16),
                        new["gate"][3:5])
+
+
+def test_a_narrower_or_another_kind_of_dtype_is_refused_by_name():
+    old = {"w": torch.randn(8, 4)}
+    new = {"w": old["w"] + 1}
+    for target in (torch.bfloat16, torch.int32, torch.float16):
+        with pytest.raises(DeltaError, match=r"`w`: field 'dtype' is 'float32', the target's "
+                                             rf"is '{str(target).removeprefix('torch.')}'"):
+            Staged({"w": torch.empty(8, 4, dtype=target, device="meta")})(_round(old, new))
+    bf16 = {k: v.to(torch.bfloat16) for k, v in (old | {"x": new["w"]}).items()}
+    with pytest.raises(DeltaError, match=r"field 'dtype' is 'bfloat16', the target's is "
+                                         r"'float16'"):  # fp16 holds no bf16's range
+        Staged({"w": torch.empty(8, 4, dtype=torch.float16, device="meta")})(
+            _round({"w": bf16["w"]}, {"w": bf16["x"]}))
 
 
 @pytest.mark.parametrize("compiled", [True, False])

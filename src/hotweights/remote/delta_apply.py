@@ -84,8 +84,10 @@ def _parse(header: object, targets: Mapping[str, torch.Tensor]) -> list[tuple[di
         if kind not in (PATCH, ROWS, DENSE):
             raise bad("kind", f"must be one of {[PATCH, ROWS, DENSE]}, found {kind!r}")
         if e.get("dtype") != _dtype_name(t.dtype):
-            raise bad("dtype", f"is {e.get('dtype')!r}, the target's is "
-                      f"{_dtype_name(t.dtype)!r}")
+            t = _widened(e.get("dtype"), t)
+            if t is None:
+                raise bad("dtype", f"is {e.get('dtype')!r}, the target's is "
+                          f"{_dtype_name(targets[name].dtype)!r}")
         if e.get("shape") != list(t.shape):
             raise bad("shape", f"is {e.get('shape')!r}, the target's is {list(t.shape)}")
         if not t.is_contiguous():
@@ -123,6 +125,19 @@ def _parse(header: object, targets: Mapping[str, torch.Tensor]) -> list[tuple[di
         raise DeltaError(f"{where}: field 'raw_nbytes' is {total}, the entries make "
                          f"{sum(e['nbytes'] for e, _ in out)}")
     return out
+
+
+def _widened(name: object, t: torch.Tensor) -> torch.Tensor | None:
+    """A meta tensor of `t`'s shape in the float dtype `name` if `t`'s dtype holds its every
+    value exactly (bf16 values for a slab vLLM keeps in float32), else None."""
+    dtype = next((d for d in _WIDER if _dtype_name(d) == name), None)
+    if dtype is None or t.dtype not in _WIDER[dtype]:
+        return None
+    return torch.empty(t.shape, dtype=dtype, device="meta")
+
+
+_WIDER = {torch.bfloat16: (torch.float32, torch.float64),  # dtype -> those holding it exactly
+          torch.float16: (torch.float32, torch.float64), torch.float32: (torch.float64,)}
 
 
 def check(header: dict, targets: Mapping[str, torch.Tensor]) -> None:
@@ -282,7 +297,15 @@ def checked(round: Round, targets: Mapping[str, torch.Tensor], *,
     for e, t in entries:
         def bad(field: str, msg: str, name=e["name"]) -> DeltaError:
             return DeltaError(f"{where}: `{name}`: field '{field}' {msg}")
-        out.append((e, t, _views(e, t, buf, nb, check_finite, bad, old, bare)))
+        target = targets[e["name"]]
+        if t.dtype == target.dtype:
+            out.append((e, t, _views(e, t, buf, nb, check_finite, bad, old, bare)))
+            continue
+        # values of a narrower float (`_widened`): decoded whole, then cast, exactly
+        *index, values = _views(e, t, buf, nb, check_finite, bad, old)
+        e = {**e, "dtype": _dtype_name(target.dtype)} | ({"values": codec.RAW}
+                                                          if "values" in e else {})
+        out.append((e, target, (*index, values.to(target.dtype))))
     return out
 
 

@@ -103,7 +103,9 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
         self.model_dir = _local_dir(self.model_config)
 
     def _specs(self) -> dict[str, torch.Tensor]:
-        """HF name -> meta tensor of its shape and the served dtype, from the checkpoint."""
+        """HF name -> meta tensor of its shape and the served dtype, from the checkpoint; a
+        tensor whose slabs vLLM keeps in a wider float (GDN's A_log, some routers: float32)
+        in theirs (values in the served dtype are widened to it, exactly)."""
         found = read_dir(self.model_dir)
         if not found:
             raise ConfigError(f"hotweights: no safetensors in {self.model_dir}; the remote engine "
@@ -114,8 +116,14 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
             stored = TORCH.get(name, torch.int8)
             return served if stored.is_floating_point and stored.itemsize > 1 else \
                 TORCH[name]
-        return {name: torch.empty(info.shape, device="meta", dtype=dtype(info.dtype))
-                for name, (_, info) in found.items()}
+        specs = {name: torch.empty(info.shape, device="meta", dtype=dtype(info.dtype))
+                 for name, (_, info) in found.items()}
+        for name, shard in self._held().items():
+            spec = specs.get(name)
+            if spec is not None and spec.is_floating_point() and shard.dtype is not None and \
+                    shard.dtype.is_floating_point and shard.dtype.itemsize > spec.itemsize:
+                specs[name] = torch.empty(spec.shape, device="meta", dtype=shard.dtype)
+        return specs
 
     def init_transfer_engine(self, init_info: RemoteInit) -> None:
         self.shutdown()
