@@ -104,6 +104,12 @@ def test_serve_wants_vllm_s_flags_after_the_model(argv, tmp_path, capsys):
     err = capsys.readouterr().err
     assert e.value.code == 2 and "vLLM's flags go after MODEL" in err and argv[0] in err
 
+    from hotweights.cli.main import _before_model  # a flag=value took no word: fine
+
+    assert _before_model(["serve", "--max-model-len=2048", "./m", "--served-model-name",
+                          "./m"], "./m", ["--max-model-len=2048", "--served-model-name",
+                                          "./m"]) is None
+
 
 def test_serve_passes_other_data_parallel_flags_to_vllm():
     from hotweights.server.serve import refuse_unshareable

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hotweights.errors import DeltaError
-from hotweights.remote import delta, jit
+from hotweights.remote import delta, delta_apply, jit
 from hotweights.remote.delta import encode, encode_all
 from hotweights.remote.delta_apply import apply, check
 from hotweights.remote.packing import Round, pack
@@ -115,8 +115,6 @@ def test_bit_patterns_minus_zero_and_nan_payloads(dtype, zero, nan_a, nan_b):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
 def test_finite_reads_bounded_chunks_of_elements_whatever_the_shape(monkeypatch, dtype):
-    from hotweights.remote import delta_apply
-
     monkeypatch.setattr(delta_apply, "_CHUNK", 8)
     seen, real = [], torch.aminmax
     monkeypatch.setattr(torch, "aminmax", lambda c: seen.append(c.numel()) or real(c))
@@ -713,3 +711,15 @@ def test_values_of_a_narrower_float_are_widened_into_the_target_exactly(options)
     for r in pack(encode_all(old, new), max_bytes=1 << 20, **options):
         apply(r, got)
     assert all(torch.equal(got[k], new[k].float()) for k in new)
+
+
+def test_a_widened_entry_into_a_non_contiguous_target_is_refused_before_any_write():
+    old = {"a": torch.randn(4, 8).to(torch.bfloat16), "b": torch.randn(8, 4).to(torch.bfloat16)}
+    new = {k: v + 1 for k, v in old.items()}
+    got = {"a": old["a"].float(), "b": old["b"].float().t().contiguous().t()}  # strided
+    before = {k: v.clone() for k, v in got.items()}
+    (r,) = pack(encode_all(old, new), max_bytes=1 << 20)
+    with pytest.raises(DeltaError, match=r"`b`: field 'shape' the target is not contiguous"):
+        apply(r, got)
+    assert all(torch.equal(got[k], before[k]) for k in got)
+    assert not delta_apply.widens(torch.float8_e4m3fn, torch.bfloat16)  # FP8 stays FP8

@@ -488,6 +488,10 @@ def test_a_multimodal_config_s_heads_come_from_its_text_config() -> None:
     text, vname, hf = _qkv_case(kv=2, heads=4)
     config = SimpleNamespace(get_text_config=lambda: text)
     plan(config, {vname: (12, 8)}, tp_size=4, tp_rank=3, hf_shapes=hf)  # kv replicated
+    # its vision tower's attention has a KV head per head: split as any rows
+    vision = {k.replace("model.layers.", "model.vision_tower.layers."): (16, 8) for k in hf[0]}
+    plan(config, {vname.replace("model.layers.", "model.vision_tower.layers."): (12, 8)},
+         tp_size=4, tp_rank=3, hf_shapes=(vision, {}))  # 16 / 4 rows of each of q, k, v
 
 
 @pytest.mark.parametrize("rank,size", [(2, 2), (-1, 2), (0, 0), (1, 1)])

@@ -269,6 +269,12 @@ def test_commit_after_expiry_names_the_expiry():
         await tx.commit(Commit("h1", SID))
         with pytest.raises(Refused, match=r"^no update in progress for h1$"):
             await tx.commit(Commit("h1", SID))  # a retried commit, say
+        await tx.begin(begin(lease_s=0.01))  # expired again, then a lease that changes no
+        await asyncio.sleep(0.05)  # version (an abort of nothing written)
+        await tx.begin(begin())
+        await tx.abort(Abort("h1", SID, dirty=False))
+        with pytest.raises(Refused, match=r"^no update in progress for h1$"):
+            await tx.renew(Renew("h1", SID, lease_s=1.0))
 
     run(test)
 

@@ -371,7 +371,8 @@ def _before_model(words: list[str], model: str, extra: list[str]) -> str | None:
     """The first of vLLM's flags (`extra`) given before `serve`'s MODEL, if any: argparse
     took the word after it as the model (``serve --dtype float32 ./m``: "float32")."""
     at = words.index(model) if model in words else len(words)
-    return next((w for w in words[:at] if w in extra and w.startswith("-")), None)
+    return next((w for w in words[:at] if w in extra and w.startswith("-") and "=" not in w),
+                None)
 
 
 def main(argv: list[str] | None = None) -> int:

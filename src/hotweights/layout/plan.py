@@ -479,14 +479,19 @@ def _row_pieces(vname, live, part, tp, rank, *, dim) -> list[Piece]:
     return [Piece(hf_name, hf_shape, (0, size), dim, rank * size)]
 
 
+_VISION = ("visual.", "vision_tower.", "vision_model.")  # an image encoder's module names
+
+
 def _column_pieces(vname, live, subparts, config, tp, rank, *, dim) -> list[Piece]:
     # `subparts`: (hf_name, hf_shape, base, n): rows [base, base + n) of an HF tensor on
     # `dim`, stacked in this order in the unsharded vLLM parameter. Rank r holds its
     # 1/tp chunk of each, stacked in the same order.
     pieces, at = [], 0
-    # a multimodal config keeps its heads in its text config
+    # a multimodal config keeps its heads in its text config; a vision tower has as many
+    # KV heads as heads (split as any rows)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    kv_heads = getattr(config, "num_key_value_heads", None)
+    kv_heads = None if any(v in vname for v in _VISION) else \
+        getattr(config, "num_key_value_heads", None)
     for hf_name, hf_shape, base, n in subparts:
         _check_other_dims(vname, live, hf_name, hf_shape, dim)
         if _module_of(hf_name)[0] in _KV and kv_heads and tp > kv_heads:

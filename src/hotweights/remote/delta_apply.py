@@ -128,12 +128,18 @@ def _parse(header: object, targets: Mapping[str, torch.Tensor]) -> list[tuple[di
 
 
 def _widened(name: object, t: torch.Tensor) -> torch.Tensor | None:
-    """A meta tensor of `t`'s shape in the float dtype `name` if `t`'s dtype holds its every
-    value exactly (bf16 values for a slab vLLM keeps in float32), else None."""
+    """A meta tensor of `t`'s shape and strides in the dtype `name` if `widens` it to `t`'s
+    (bf16 values for a slab vLLM keeps in float32), else None."""
     dtype = next((d for d in _WIDER if _dtype_name(d) == name), None)
-    if dtype is None or t.dtype not in _WIDER[dtype]:
+    if dtype is None or not widens(dtype, t.dtype):
         return None
-    return torch.empty(t.shape, dtype=dtype, device="meta")
+    return torch.empty_strided(t.shape, t.stride(), dtype=dtype, device="meta")
+
+
+def widens(narrow: torch.dtype, wide: torch.dtype) -> bool:
+    """Whether `wide` holds every value of `narrow` exactly: a receiver of `wide` takes
+    values in `narrow` (widened as staged)."""
+    return wide in _WIDER.get(narrow, ())
 
 
 _WIDER = {torch.bfloat16: (torch.float32, torch.float64),  # dtype -> those holding it exactly

@@ -88,9 +88,9 @@ class Staged:
                  old: Mapping[str, torch.Tensor] | None = None,
                  shards: Mapping[str, Shard] | None = None, pin: bool = False):
         self.specs, self.old, self.pin = specs, old, pin
-        # written in place only where the slabs hold the update's dtype: vLLM keeps a few
-        # tensors in float32 whatever it serves (GDN's A_log, some routers and correction
-        # biases); the loader casts those
+        # written in place only where the slabs hold the spec's dtype (a remote engine's
+        # specs follow the slabs vLLM keeps in a wider float: `delta_apply.widens`); the
+        # loader casts into any other
         self.shards = {name: s for name, s in (shards or {}).items()
                        if name in specs and s.shape == tuple(specs[name].shape)
                        and s.dtype in (None, specs[name].dtype)}

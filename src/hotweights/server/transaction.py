@@ -188,6 +188,7 @@ class Transaction:
         self.holder: str | None = None
         self.mode: str | None = None
         self.expired: dict | None = None  # holder, at, version of the last expired lease
+        self._expiry_news: str | None = None  # its holder, until a lease is taken again
         self.updates = 0
         self.last_pause_s: float | None = None
         self.last_paused_s: float | None = None  # generation paused: pause to resume
@@ -249,11 +250,13 @@ class Transaction:
                 pausing = self._pausing
             elif req.stage:
                 self.state, self.holder, self.mode = State.STAGING, req.holder, req.mode
+                self._expiry_news = None  # a lease since: old news
                 self._began, self._drain_s = time.perf_counter(), req.lease_s
                 self.lease.arm(self.holder, req.lease_s)
                 return self._granted()
             else:
                 self.state, self.holder, self.mode = State.DRAINING, req.holder, req.mode
+                self._expiry_news = None  # a lease since: old news
                 self.lease.expires = self.clock() + req.lease_s  # the drain's deadline
                 self._began = time.perf_counter()
                 self._hold()
@@ -420,6 +423,7 @@ class Transaction:
                 await self._discard_quietly()
                 self.expired = dict(holder=holder, at=self.clock(), version=self.version,
                                     staged=True)
+                self._expiry_news = holder
                 await self._resume("expired")
                 return
             logger.warning("hotweights: lease of %s expired; resuming, weights marked dirty",
@@ -429,6 +433,7 @@ class Transaction:
             await self._new_version(f"lease of {holder} expired")
             self.expired = dict(holder=holder, at=self.clock(), version=self.version,
                                 staged=False)
+            self._expiry_news = holder
             try:
                 await self._resume("expired")
             finally:  # also if the engine's resume failed (logged by the timer's task)
@@ -455,8 +460,7 @@ class Transaction:
         if self.holder is not None:
             if req.holder != self.holder:
                 raise self._held()
-        elif self.expired and self.expired["holder"] == req.holder and \
-                self.expired["version"] == self.version:  # still what is served
+        elif self.expired and self._expiry_news == req.holder:
             raise Refused(409, f"the lease of {req.holder} expired at "
                           f"{self.expired['at']:.0f} (unix time); the server "
                           f"{'dropped the staged update' if self.expired['staged'] else 'resumed'}"

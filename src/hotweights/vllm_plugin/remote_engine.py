@@ -52,7 +52,7 @@ from hotweights.checkpoint.hub import local_dir
 from hotweights.checkpoint.shards import read_dir
 from hotweights.errors import ConfigError, HotweightsError, RemoteError
 from hotweights.layout.plan import hf_params, plan
-from hotweights.remote import jit, shards
+from hotweights.remote import delta_apply, jit, shards
 from hotweights.remote.channel import Channel
 from hotweights.remote.staging import Staged
 
@@ -120,8 +120,8 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
                  for name, (_, info) in found.items()}
         for name, shard in self._held().items():
             spec = specs.get(name)
-            if spec is not None and spec.is_floating_point() and shard.dtype is not None and \
-                    shard.dtype.is_floating_point and shard.dtype.itemsize > spec.itemsize:
+            if spec is not None and shard.dtype is not None and \
+                    delta_apply.widens(spec.dtype, shard.dtype):
                 specs[name] = torch.empty(spec.shape, device="meta", dtype=shard.dtype)
         return specs
 
