@@ -233,32 +233,30 @@ def whole(shard: Shard, tensors: Mapping[str, torch.Tensor], dst: Path,
         src = os.open(shard.path, os.O_RDONLY)
         try:
             fd = _create(dst, src)
-        except BaseException:
-            os.close(src)
-            raise
-        try:
-            shard.check(os.fstat(src))
-            sink, pos = _sink(fd), 0
-            for name, info in sorted(shard.tensors.items(), key=lambda kv: kv[1].begin):
-                if info.begin > pos:  # the header, or a gap between tensors
-                    sink.copy(src, pos, info.begin - pos)
-                if name in tensors:
-                    for chunk in host_chunks(raw(tensors[name])):
-                        sink.write(chunk)
-                else:
-                    sink.copy(src, info.begin, info.nbytes)
-                progress(info.nbytes)
-                pos = max(pos, info.end)
-            if shard.size > pos:
-                sink.copy(src, pos, shard.size - pos)
-            sink.end()
-            # not after an error: its traceback still holds slices of the buffer, and
-            # closing it would raise a BufferError in place of the error; freed with them
-            sink.close()
-            os.fsync(fd)
+            try:
+                shard.check(os.fstat(src))
+                sink, pos = _sink(fd), 0
+                for name, info in sorted(shard.tensors.items(), key=lambda kv: kv[1].begin):
+                    if info.begin > pos:  # the header, or a gap between tensors
+                        sink.copy(src, pos, info.begin - pos)
+                    if name in tensors:
+                        for chunk in host_chunks(raw(tensors[name])):
+                            sink.write(chunk)
+                    else:
+                        sink.copy(src, info.begin, info.nbytes)
+                    progress(info.nbytes)
+                    pos = max(pos, info.end)
+                if shard.size > pos:
+                    sink.copy(src, pos, shard.size - pos)
+                sink.end()
+                # not after an error: its traceback still holds slices of the buffer, and
+                # closing it would raise a BufferError in place of the error; freed with them
+                sink.close()
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         finally:
             os.close(src)
-            os.close(fd)
     return shard.size
 
 
