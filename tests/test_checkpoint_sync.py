@@ -1,11 +1,13 @@
 """checkpoint.sync on checkpoints written by transformers' save_pretrained."""
 
+import collections
 import json
 import os
 import re
 import shutil
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -677,3 +679,40 @@ def test_transposed_expert_views_sync_the_rows_that_changed(tmp_path, mode):
     assert result.tensors_changed == 2
     reloaded = AutoModelForCausalLM.from_pretrained(d).state_dict()
     assert all(torch.equal(t, reloaded[n]) for n, t in model.state_dict().items())
+
+
+@pytest.mark.parametrize("form", ["cast", "transposed"])
+def test_a_sync_copies_what_it_must_convert_shard_by_shard(saved, monkeypatch, form):
+    """A live tensor in another dtype (`convert_dtype`) or not contiguous (a transposed
+    view, as GPT-OSS's experts are) is copied as its shard is hashed and let go once the
+    shard is staged: a sync holds a few shards' copies at once, not the whole model's."""
+    d, live = saved
+    live["model.norm.weight"][3] += 1
+    want = {n: t.clone() for n, t in live.items()}
+    if form == "cast":
+        live = {n: t.float() for n, t in live.items()}
+    else:  # the same values, column-major
+        live = {n: t.t().contiguous().t() if t.dim() == 2 else t for n, t in live.items()}
+    copies = []
+
+    def counting(real):
+        def counted(t, *args, **kwargs):
+            out = real(t, *args, **kwargs)
+            if out.data_ptr() != t.data_ptr():
+                copies.append(weakref.ref(out))
+            return out
+        return counted
+    for method in ("to", "contiguous"):
+        monkeypatch.setattr(torch.Tensor, method, counting(getattr(torch.Tensor, method)))
+    held = []
+    monkeypatch.setattr(changed, "HASH_THREADS", 1)
+    r = sync(d, live, convert_dtype=form == "cast", progress=lambda phase, done, total: (
+        held.append(sum(c() is not None for c in copies)) if phase == "hash" else None))
+    monkeypatch.undo()
+    copied = [n for n, t in live.items() if t.dtype != torch.bfloat16 or not t.is_contiguous()]
+    per_shard = sorted(collections.Counter(_shard_of(d, n) for n in copied).values())
+    assert len(copies) == len(copied) > sum(per_shard[-3:])  # each copied once
+    assert 0 < max(held) <= sum(per_shard[-3:])  # the shard handed on, the next one
+    # hashed, one hashed before it was handed on: not all of them
+    assert r.shards_changed == (_shard_of(d, "model.norm.weight"),)
+    assert all(torch.equal(_disk(d)[n], want[n]) for n in want)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -25,6 +25,7 @@ import torch
 from hotweights.changes import blocks
 from hotweights.changes.writewatch import WriteWatch
 from hotweights.checkpoint import sidecar, threads
+from hotweights.checkpoint.dtypes import TORCH
 from hotweights.checkpoint.mapped import mapped
 from hotweights.checkpoint.result import Progress
 from hotweights.checkpoint.shards import Shard
@@ -40,15 +41,23 @@ _syncs = itertools.count(1)  # this process's syncs that found a change, numbere
 
 @dataclass(frozen=True)
 class ShardTensors:
-    """The live tensors of one shard, by disk name: contiguous, the file's dtypes and
-    shapes."""
+    """The live tensors of one shard, by disk name, in the file's shapes; some may not be
+    contiguous (a transposed view) or in the file's dtype (`convert_dtype`) until `ready`."""
 
     shard: Shard
     tensors: dict[str, torch.Tensor]
 
     @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors.values())
+    def nbytes(self) -> int:  # as the file holds them
+        return sum(self.shard.tensors[n].nbytes for n in self.tensors)
+
+    def ready(self) -> ShardTensors:
+        """The tensors contiguous, in the file's dtypes: copies made now, one shard at a
+        time, of those that are not (a sync holds the copies of the shards it hashes or
+        stages, not the whole model's)."""
+        return ShardTensors(self.shard, {
+            n: t.to(TORCH[self.shard.tensors[n].dtype]).contiguous()
+            for n, t in self.tensors.items()})
 
 
 @dataclass(frozen=True)
@@ -102,12 +111,12 @@ def find_changes(shards: list[ShardTensors], *, block_size: int,
     try:
         jobs = {i: pool.submit(_shard_changes, shards[i], block_size, trusted, watch, written)
                 for i in _order(shards)}
-        for i, job in jobs.items():  # in that order: `then` stages each
-            changes, n, from_file = job.result()
+        for i in list(jobs):  # in that order: `then` stages each (a job done is let go,
+            changes, n, from_file = jobs.pop(i).result()  # with the copies it made)
             hashed += n
             compared += shards[i].nbytes if from_file else 0
-            found[i] = changes
-            then(changes)
+            then(changes)  # stages it: its tensors are held till then, not after
+            found[i] = replace(changes, tensors={})
             done += shards[i].nbytes
             progress("hash", done, total)
     finally:
@@ -146,6 +155,7 @@ def _shard_changes(s: ShardTensors, block_size: int, trusted: frozenset[str] | N
                    ) -> tuple[ShardChanges, int, bool]:
     """One shard's changes, the bytes hashed, and whether it was compared with the file
     (no usable sidecar)."""
+    s = s.ready()
     kind = blocks.kind_of(s.tensors.values())
     old = sidecar.load(s.shard, block_size, kind)
     if old is not None and set(old.tensors) >= set(s.tensors):

@@ -298,8 +298,9 @@ def _resolve(model_dir: Path, live: Mapping[str, torch.Tensor],
         shard = disk[name][0]
         per_shard.setdefault(shard.path, ShardTensors(shard, {})).tensors[name] = t
     storages = {(t.device, t.untyped_storage().data_ptr()) for t in live.values()}
-    own = {n: t for n, t in tensors.items()
-           if (t.device, t.untyped_storage().data_ptr()) in storages}
+    own = {n: t for n, t in tensors.items()  # the bytes a sync reads: not a copy's to be
+           if t.is_contiguous() and t.dtype == TORCH[disk[n][1].dtype]  # (`ready`)
+           and (t.device, t.untyped_storage().data_ptr()) in storages}
     return _Resolved(list(per_shard.values()), own,
                      None if changed is None else _unchanged(live, changed, own),
                      tuple(sorted(names.tied)), names.only_live, names.only_disk)
@@ -315,13 +316,11 @@ def _check(name: str, t: torch.Tensor, shard: Shard, info: TensorInfo,
     if tuple(t.shape) != info.shape:
         raise CheckpointError(f"{where}: the file holds shape {list(info.shape)}, the live "
                               f"tensor {list(t.shape)}; nothing was written")
-    if want != t.dtype:
-        if convert:
-            return t.detach().to(want).contiguous()
+    if want != t.dtype and not convert:
         raise CheckpointError(f"{where}: the file holds {info.dtype}, the live tensor is "
                               f"{str(t.dtype).removeprefix('torch.')}; nothing was written "
                               "(convert_dtype=True, or --convert-dtype, casts it)")
-    return t.detach().contiguous()
+    return t.detach()  # cast and made contiguous shard by shard (`ShardTensors.ready`)
 
 
 def _unchanged(live: Mapping[str, torch.Tensor], changed: Collection[str],
@@ -474,12 +473,14 @@ class _Stager:
         with self.counted:
             self.total += w.shard.size if how == "whole" else w.changed_bytes
         dst = self.area / w.name
+        if how == "journal":
+            return w, w.changed_bytes  # journaled by `_journal`, from its tensors
         if how == "whole":  # the tensors `changed=` left out keep the file's bytes, which
             hashed = {n: w.tensors[n] for n in c.hashed}  # their sidecar describes
-            return w, stage.whole(w.shard, hashed, dst, self.step)
-        if how == "reflink":
-            return w, stage.patched(w.shard, w.tensors, w.ranges, dst, self.step)
-        return w, w.changed_bytes  # journaled: `_journal`
+            n = stage.whole(w.shard, hashed, dst, self.step)
+        else:
+            n = stage.patched(w.shard, w.tensors, w.ranges, dst, self.step)
+        return replace(w, tensors={}), n  # staged: the copies made for it go
 
     def step(self, n: int) -> None:
         with self.counted:
