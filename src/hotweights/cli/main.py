@@ -69,8 +69,10 @@ def _parser() -> argparse.ArgumentParser:
         description="Start vLLM's OpenAI-compatible server on MODEL with the hotweights "
         "plugins: the weights move to shared memory (CPU) so that a trainer on this "
         "machine can train them in place through hotweights.Bridge, and /hotweights/* "
-        "routes (bearer token) pause, commit and report updates. Any other flag is "
-        "passed to vLLM unchanged (e.g. --dtype bfloat16 --max-model-len 2048).",
+        "routes (bearer token) pause, commit and report updates. Any other flag, "
+        "after MODEL, is passed to vLLM unchanged (e.g. --dtype bfloat16 --max-model-len "
+        "2048), except those hotweights sets itself: --model, --worker-extension-cls, "
+        "--uds, and --weight-transfer-config with --remote.",
         epilog="Memory: vLLM's CPU backend reserves 92 % of the memory node unless told, "
         "which fails beside a trainer. Unless VLLM_CPU_KVCACHE_SPACE, "
         "--gpu-memory-utilization (or --device-memory-utilization) or "
