@@ -106,6 +106,8 @@ def test_a_version_that_is_no_str_is_named(ckpt, version):
     (dict(config="llama"), r"field 'config' must be a dict or a transformers PretrainedConfig"
                            r" .* found str"),
     (dict(config={"t": torch.ones(1)}), r"field 'config' .* found dict"),
+    (dict(config={"model_type": ["llama"]}),
+     r"field 'config.model_type' must be a str \(e.g. 'llama'\), found \['llama'\]"),
 ])
 def test_a_first_save_refuses_bad_options_before_making_anything(tmp_path, kwargs, match):
     d = tmp_path / "new"

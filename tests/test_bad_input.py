@@ -98,6 +98,24 @@ def test_unreadable_config_names_the_directory(tmp_path):
         plan(tmp_path, {})
 
 
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("hidden_size", "128", r"cannot read a transformers config \(\w+"),
+    ("num_hidden_layers", None, r"cannot read a transformers config \(\w+"),
+    ("num_attention_heads", 0, r"\(ZeroDivisionError"),
+    ("vocab_size", -5, r"transformers cannot build the model of this config"),
+])
+def test_a_config_field_transformers_refuses_is_a_named_layout_error(tmp_path, field, value,
+                                                                     message):
+    """`hotweights layout DIR` and `plan` say which config, not a traceback."""
+    from hotweights.cli.main import main
+
+    (tmp_path / "config.json").write_text(json.dumps({**LIVE["config"], field: value}))
+    with pytest.raises(LayoutError, match=rf"{tmp_path}.*{message}"):
+        plan(tmp_path, {})
+    if field != "vocab_size":  # (that one the CLI finds once vLLM has started)
+        assert main(["layout", str(tmp_path)]) == 1
+
+
 @pytest.mark.vllm
 @pytest.mark.parametrize("engine_key", [("llama", "bfloat16", "auto")], ids="-".join)
 def test_recorded_table_is_what_vllm_serves(engine_key, vllm_engines, tiny_model):

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import struct
 from pathlib import Path
@@ -169,6 +170,12 @@ CORRUPT = {
     "trailing": (_bytes(lambda r: r + b"\0" * 4), r"4 trailing bytes after the last tensor"),
     "metadata_type": (lambda p: _rewrite(p, lambda h: h.__setitem__("__metadata__", {"a": 1})),
                       r"__metadata__ must map strings to strings"),
+    "metadata_false": (lambda p: _rewrite(p, lambda h: h.__setitem__("__metadata__", False)),
+                       r"__metadata__ must map strings to strings"),  # as the loader says
+    "nan": (lambda p: _rewrite(p, lambda h: h["b.bias"].__setitem__("x", float("nan"))),
+            r"header is not valid JSON: NaN is not JSON"),
+    "huge_dim": (_set("e.empty", "shape", [0, 2**64]),
+                 r"tensor e.empty: shape \[0, 18446744073709551616\] .*< 2\*\*63"),
     "duplicate": (_bytes(lambda r: r[:8] + r[8:8 + _header_len(r)].replace(
         b'"b.bias"', b'"a.weight"') + r[8 + _header_len(r):]), r"duplicate key 'a.weight'"),
 }
@@ -252,6 +259,20 @@ INDEX_CASES = {
     "absent_tensor": (lambda d: _edit_index(d, lambda doc: doc["weight_map"].__setitem__(
         "z.weight", "m-1.safetensors")),
         r"1 tensors listed but absent from their shard's header: z.weight \(in m-1"),
+    "a_tensor_in_two_shards": (  # both loaders take every tensor of each shard
+        lambda d: save_file({**{k: v for k, v in _tensors().items() if k in (
+            "c.weight", "d.scalar")}, "a.weight": torch.zeros(3, 5, dtype=torch.bfloat16)},
+            d / "m-2.safetensors"),
+        r"tensor a.weight is in m-1.safetensors \(the index's\) and in m-2.safetensors: "
+        r"transformers and vLLM load both"),
+    "an_unnamed_tensor_in_two_shards": (
+        lambda d: [save_file({**{k: v for k, v in _tensors().items() if k in names},
+                              "z.stale": torch.zeros(2)}, d / f"m-{i}.safetensors")
+                   for i, names in ((1, ("a.weight", "b.bias")), (2, ("c.weight", "d.scalar")))],
+        r"tensor z.stale is in m-1.safetensors and in m-2.safetensors"),
+    "no_tensor_in_the_weight_map": (
+        lambda d: _edit_index(d, lambda doc: doc.__setitem__("weight_map", {})),
+        r"index.json: its 'weight_map' names no tensor: remove the index"),
     "a_stale_single_file_beside": (  # transformers would load it, vLLM the index's shards
         lambda d: shutil.copy(d / "m-1.safetensors", d / "model.safetensors"),
         r"both model.safetensors and model.safetensors.index.json \(of other shards\): "
@@ -274,6 +295,22 @@ def test_bad_index_named_error(sharded: Path, case: str):
     with pytest.raises(CheckpointError, match=message):
         read_dir(sharded)
     assert _snapshot(sharded) == before
+
+
+def test_a_tensor_a_shard_holds_beyond_the_index_is_on_disk(sharded: Path):
+    t = _tensors()  # transformers and vLLM load it: a sync must write it
+    save_file({k: t[k] for k in ("c.weight", "d.scalar", "e.empty")},
+              sharded / "m-2.safetensors")
+    entries = read_dir(sharded)
+    assert Path(entries["e.empty"][0].path).name == "m-2.safetensors"
+
+
+@pytest.mark.parametrize("name", ["model.safetensors.index.json", "model.safetensors"])
+def test_a_directory_where_the_index_or_the_single_shard_belongs_is_named(tmp_path: Path,
+                                                                           name: str):
+    (tmp_path / name).mkdir()  # not taken as no checkpoint (a first save would fail last)
+    with pytest.raises(CheckpointError, match=rf"{re.escape(name)}: not a file \(a directory"):
+        read_dir(tmp_path)
 
 
 def test_single_file_and_empty_dir(tmp_path: Path, shard: Path):

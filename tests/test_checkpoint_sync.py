@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from hotweights.changes import blocks
-from hotweights.checkpoint import changed, finisher, incremental, journal, sync
+from hotweights.checkpoint import changed, diagnose, finisher, incremental, journal, sync
 from hotweights.errors import CheckpointError
 from hotweights.testing import tiny
 from hotweights.testing.tiny import make_config
@@ -305,6 +305,33 @@ def test_a_corrupt_sidecar_is_never_trusted(saved, text):
     live[name] += 1
     result = sync(d, live)
     assert result.bytes_compared > 0 and torch.equal(_disk(d)[name], live[name])
+
+
+@pytest.mark.parametrize("where", ["the sidecar", "its directory"])
+def test_a_sidecar_that_is_not_a_file_is_distrusted_not_fatal(saved, where):
+    d, live = saved
+    sync(d, live)
+    finisher.finish()
+    if where == "the sidecar":
+        for sidecar in (d / ".hotweights").glob("*.json"):
+            sidecar.unlink()
+            sidecar.mkdir()
+    else:
+        shutil.rmtree(d / ".hotweights")
+        (d / ".hotweights").write_text("")
+    assert not diagnose(d).problems
+    name = "model.norm.weight"
+    live[name] += 1
+    result = sync(d, live)
+    assert result.bytes_compared > 0 and torch.equal(_disk(d)[name], live[name])
+
+
+def test_a_directory_where_the_uncommitted_journal_belongs_is_named(saved):
+    d, live = saved
+    (d / ".hotweights-journal.tmp").mkdir()
+    with pytest.raises(CheckpointError, match=r"hotweights-journal.tmp: a directory where a "
+                                              r"sync's uncommitted journal belongs: move it"):
+        sync(d, live)
 
 
 @pytest.mark.parametrize(("change", "message"), [

@@ -139,6 +139,11 @@ def check_options(max_shard_size: object, config: object) -> int | str:
         _config_text(config, None)  # not serialized here, at every sync that passes it)
     elif config is not None and not hasattr(config, "to_json_string"):
         raise _bad_config(config, "no to_json_string")
+    model_type = (config.get("model_type") if isinstance(config, dict)
+                  else getattr(config, "model_type", None))
+    if model_type is not None and not isinstance(model_type, str):  # it picks conversions
+        raise CheckpointError(f"sync: field 'config.model_type' must be a str (e.g. "
+                              f"'llama'), found {model_type!r}")
     return max_shard_size
 
 

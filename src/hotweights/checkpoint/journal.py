@@ -647,6 +647,9 @@ def recover(directory: str | os.PathLike, *, lock: bool = True) -> str:
     outcome = "none"
     tmp = os.path.join(directory, _TMP_NAME)
     if os.path.exists(tmp):
+        if os.path.isdir(tmp) and not os.path.islink(tmp):
+            raise CheckpointError(f"{tmp}: a directory where a sync's uncommitted journal "
+                                  "belongs: move it away")
         os.unlink(tmp)
         logger.warning("%s: discarded an uncommitted journal", tmp)
         outcome = "discarded"

@@ -74,6 +74,10 @@ def _no_dup_keys(pairs: list) -> dict:
     return out
 
 
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON (the safetensors loader refuses it)")
+
+
 def read_shard(path: str | os.PathLike) -> Shard:
     """Read and validate the header of one safetensors file (never its data).
 
@@ -101,13 +105,15 @@ def read_shard(path: str | os.PathLike) -> Shard:
     if (seen := _parsed.get(path)) is not None and seen[:2] == (raw, st.st_size):
         return replace(seen[2], file=FileId.of_stat(st))
     try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_dup_keys)
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_dup_keys,
+                            parse_constant=_no_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:  # nested past Python's stack
         raise CheckpointError(f"{path}: header is not valid JSON: {e}") from e
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: header is a JSON {type(header).__name__}, "
                               "expected an object")
-    metadata = header.pop("__metadata__", None) or {}
+    metadata = header.pop("__metadata__", None)  # null: none, as the loader takes it
+    metadata = {} if metadata is None else metadata
     if not isinstance(metadata, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise CheckpointError(f"{path}: __metadata__ must map strings to strings")
@@ -150,8 +156,9 @@ def _tensor(path: str, name: str, entry: object, base: int, data_len: int) -> Te
         raise CheckpointError(f"{where}: unknown dtype {dtype!r}; known: "
                               f"{', '.join(BITS)}")
     if not isinstance(shape, list) or not all(
-            type(d) is int and d >= 0 for d in shape):
-        raise CheckpointError(f"{where}: shape {shape!r} is not a list of integers >= 0")
+            type(d) is int and 0 <= d < 2**63 for d in shape):
+        raise CheckpointError(f"{where}: shape {shape!r} is not a list of integers >= 0 "
+                              "(and < 2**63)")
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(
             type(o) is int and o >= 0 for o in offsets):
         raise CheckpointError(f"{where}: data_offsets {offsets!r} is not [begin, end] "
@@ -184,6 +191,9 @@ def read_index(model_dir: str | os.PathLike) -> dict[str, str] | None:
     """
     d = Path(model_dir)
     index = d / INDEX_NAME
+    for p in (index, d / SINGLE_NAME):
+        if p.exists() and not p.is_file():
+            raise CheckpointError(f"{p}: not a file (a directory?): move it away")
     if index.is_file():
         try:
             doc = json.loads(index.read_text(encoding="utf-8"))
@@ -192,6 +202,9 @@ def read_index(model_dir: str | os.PathLike) -> dict[str, str] | None:
         wm = doc.get("weight_map") if isinstance(doc, dict) else None
         if not isinstance(wm, dict):
             raise CheckpointError(f"{index}: no 'weight_map' object")
+        if not wm:
+            raise CheckpointError(f"{index}: its 'weight_map' names no tensor: remove the "
+                                  "index (a sync then saves the model anew)")
         checked = set()  # each shard is looked for once, not once per tensor
         for name, fn in wm.items():
             if isinstance(fn, str) and fn in checked:
@@ -226,12 +239,13 @@ def read_dir(model_dir: str | os.PathLike) -> dict[str, tuple[Shard, TensorInfo]
     """Every tensor of the checkpoint in `model_dir`: name -> (its Shard, its TensorInfo).
 
     Reads each shard's header once. Returns None when there are no safetensors (see
-    `read_index`). Tensors a shard holds but the index does not name are left out, as
-    transformers' loader leaves them.
+    `read_index`). A tensor a shard holds but the index does not name is in it too:
+    transformers and vLLM load every tensor of each shard the index lists.
 
     Raises:
-        CheckpointError: as `read_shard` and `read_index`, and for a tensor the index
-            places in a shard whose header does not hold it (named with the shard).
+        CheckpointError: as `read_shard` and `read_index`; for a tensor the index places
+            in a shard whose header does not hold it (named with the shard), and for one
+            that two shards hold (named with both: a loader would take the later file's).
     """
     wm = read_index(model_dir)
     if wm is None:
@@ -243,4 +257,12 @@ def read_dir(model_dir: str | os.PathLike) -> dict[str, tuple[Shard, TensorInfo]
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise CheckpointError(f"{Path(model_dir) / INDEX_NAME}: {len(missing)} tensors "
                               f"listed but absent from their shard's header: {shown}{more}")
-    return {n: (shards[fn], shards[fn].tensors[n]) for n, fn in wm.items()}
+    out = {n: (shards[fn], shards[fn].tensors[n]) for n, fn in wm.items()}
+    for fn, shard in shards.items():
+        for n, info in shard.tensors.items():
+            if (held := out.setdefault(n, (shard, info))[0]) is not shard:
+                first = Path(held.path).name + (" (the index's)" if n in wm else "")
+                raise CheckpointError(
+                    f"{Path(model_dir)}: tensor {n} is in {first} and in {fn}: transformers "
+                    "and vLLM load both, the later file's last; remove the stale copy")
+    return out

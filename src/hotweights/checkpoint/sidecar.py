@@ -49,8 +49,8 @@ def state(shard: Shard) -> tuple[str, dict | None]:
         return ("fresh" if doc["shard"] == _stat(shard) else "stale"), doc
     except FileNotFoundError:
         return "missing", None
-    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
-        return "corrupt", None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        return "corrupt", None  # e.g. a directory where it belongs: distrusted, as a bad one
 
 
 def load(shard: Shard, block_size: int, kind: str) -> blocks.Fingerprints | None:
@@ -62,8 +62,8 @@ def load(shard: Shard, block_size: int, kind: str) -> blocks.Fingerprints | None
     try:
         if mine is not None and mine[0] != FileId.of(path):
             mine = None  # not the file this process wrote
-    except FileNotFoundError:
-        mine = None  # gone: `state` says so below
+    except OSError:
+        mine = None  # gone (or not a file): `state` says so below
     if mine is not None:  # as this process wrote it
         if mine[1] != _stat(shard):
             logger.warning("%s: stale sidecar; comparing with the file", path)

@@ -27,9 +27,13 @@ def run(args: argparse.Namespace) -> int:
     from hotweights.vllm_plugin.local import hf_context, live_params, start_engine, stop_engine
 
     with console.status(f"loading {args.model_dir} in vLLM"):
-        llm = start_engine(args.model_dir, model_impl=args.model_impl, dtype=args.dtype,
-                           trust_remote_code=trust, environ={} if args.verbose else
-                           {"VLLM_LOGGING_LEVEL": "ERROR"})
+        try:
+            llm = start_engine(args.model_dir, model_impl=args.model_impl, dtype=args.dtype,
+                               trust_remote_code=trust, environ={} if args.verbose else
+                               {"VLLM_LOGGING_LEVEL": "ERROR"})
+        except Exception as e:  # no tokenizer, a field vLLM refuses, ...: named, no trace
+            raise LayoutError(f"{args.model_dir}: vLLM cannot load it ({type(e).__name__}: "
+                              f"{e}); --verbose shows vLLM's log") from e
         try:
             live = live_params(llm)
             params = {n: (tuple(t.shape), t.dtype) for n, t in live.items()}

@@ -129,8 +129,9 @@ def load_config(config_or_dir: Any, *, trust_remote_code: bool = False):
     try:
         return AutoConfig.from_pretrained(os.fspath(config_or_dir),
                                           trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
-        raise LayoutError(f"{config_or_dir}: cannot read a transformers config: {e}") from e
+    except Exception as e:  # transformers' field checks raise their own kinds
+        raise LayoutError(f"{config_or_dir}: cannot read a transformers config "
+                          f"({type(e).__name__}: {e})") from e
 
 
 @contextlib.contextmanager
@@ -165,8 +166,12 @@ def meta_model(config: Any, *, dtype: torch.dtype | None = None,
     if hasattr(config, "vision_config") and hasattr(config, "text_config"):
         auto = transformers.AutoModelForImageTextToText
     with _params_on_meta():
-        model = auto.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
-    return model
+        try:
+            return auto.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+        except Exception as e:  # a field out of range: heads 0, a negative size, ...
+            where = getattr(config, "_name_or_path", "") or type(config).__name__
+            raise LayoutError(f"{where}: transformers cannot build the model of this config "
+                              f"({type(e).__name__}: {e}); check its fields") from e
 
 
 def hf_params(config: Any, *, trust_remote_code: bool = False
