@@ -29,6 +29,12 @@ def test_a_renewal_with_no_answer_is_tried_again():
     assert len(_renewals([blip, blip, "ok"])) >= 3
 
 
+def test_a_gateway_s_5xx_in_place_of_the_server_s_answer_is_tried_again():
+    for status in (502, 503, 504):  # a reverse proxy in front: hotweights never answers so
+        blip = ServerError(f"POST /hotweights/renew: HTTP {status}: Bad Gateway", status)
+        assert len(_renewals([blip, "ok"])) >= 2
+
+
 def test_a_refusal_stops_the_renewals(caplog):
     refused = ServerError("POST /hotweights/renew: HTTP 409: lease held by h2", 409)
     calls = _renewals([refused, "never asked"], lease_s=0.02)

@@ -51,5 +51,10 @@ class Renewer(threading.Thread):
 
 def _no_answer(e: HotweightsError) -> bool:
     """Whether `e` says only that no answer came (a server's, or every remote server's)."""
-    return (isinstance(e, ServerError) and e.status is None
-            or isinstance(e, RemoteError) and e.no_answer)
+    return unanswered(e) or isinstance(e, RemoteError) and e.no_answer
+
+
+def unanswered(e: Exception) -> bool:
+    """Whether `e` says only that a server's answer did not come: none, or a proxy's or
+    gateway's 502/503/504 in its place (hotweights' routes never answer a renewal so)."""
+    return isinstance(e, ServerError) and e.status in (None, 502, 503, 504)

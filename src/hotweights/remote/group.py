@@ -50,10 +50,10 @@ from typing import Any
 import torch
 
 from hotweights.checkpoint.names import reverted
-from hotweights.errors import DeltaError, HotweightsError, RemoteError, ServerError
+from hotweights.errors import DeltaError, HotweightsError, RemoteError
 from hotweights.layout.plan import model_weights
 from hotweights.protocol.http import request
-from hotweights.protocol.renewer import Renewer
+from hotweights.protocol.renewer import Renewer, unanswered
 from hotweights.protocol.tokens import find_token, is_loopback
 from hotweights.remote import delta, delta_apply, packing, prefilter
 from hotweights.remote.hosts import channel_backend, route_address, server_urls
@@ -471,7 +471,7 @@ class RemoteGroup:
         if failed := {u: e for u, e in outs.items() if isinstance(e, Exception)}:
             if self.require == "all" or len(failed) == len(outs):
                 raise RemoteError(named(failed), no_answer=all(
-                    isinstance(e, ServerError) and e.status is None for e in failed.values()))
+                    map(unanswered, failed.values())))
             logger.warning("hotweights: lease renewal failed on %s (the others go on)",
                            named(failed))
 

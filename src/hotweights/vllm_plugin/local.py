@@ -23,7 +23,8 @@ def start_engine(model_dir: str | Path, *, environ: Mapping[str, str] | None = N
     changes it (vLLM's LD_PRELOAD and its own settings, this engine's), and every process
     started after, a vLLM server among them, would inherit that."""
     global _environ
-    _environ = dict(os.environ)
+    if _environ is None:  # (not an environment this module set up already)
+        _environ = dict(os.environ)
     try:
         for k, v in (environ or {}).items():
             os.environ.setdefault(k, v)
@@ -62,12 +63,14 @@ def stop_engine(llm) -> None:
         destroy_model_parallel,
     )
 
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    destroy_model_parallel()
-    destroy_distributed_environment()
-    gc.collect()
-    _put_back()
+    try:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        destroy_model_parallel()
+        destroy_distributed_environment()
+        gc.collect()
+    finally:  # the environment put back also when a step of the shutdown failed
+        _put_back()
 
 
 def restore_environ(before: dict[str, str]) -> None:
