@@ -95,6 +95,40 @@ def test_an_exception_in_the_body_aborts_dirty_and_is_reraised(monkeypatch):
     assert rec.calls[-1][0] == "/hotweights/abort" and rec.calls[-1][1]["dirty"] is True
 
 
+def test_after_a_failed_body_the_version_is_the_dirty_one_served(monkeypatch):
+    monkeypatch.setattr(bridge_module, "request", Recorder({}))  # abort answers "1@s"
+    b = _bridge()
+    with pytest.raises(ValueError):
+        with b.update():
+            raise ValueError("step failed")
+    assert b.version == "1@s"  # what a checkpoint records, what TRL's version_lag reads
+
+
+def test_after_a_failed_commit_the_version_is_read_from_the_server(monkeypatch):
+    monkeypatch.setattr(bridge_module, "request", Recorder({
+        "/hotweights/commit": ServerError("HTTP 409: the lease expired", 409)}))
+    monkeypatch.setattr(bridge_module, "server_status", lambda *a, **k: {"version": "2@s"})
+    b = _bridge()
+    b.tensors = {"w": torch.zeros(1)}
+    with pytest.raises(ServerError, match="lease expired"):
+        with b.update():
+            pass
+    assert b.version == "2@s"
+
+
+def test_a_body_that_raised_waits_for_its_device_work_before_the_abort(monkeypatch):
+    rec = Recorder({})
+    monkeypatch.setattr(bridge_module, "request", rec)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device: rec.calls.append(
+        ("synchronize", device, None)))
+    b = _bridge()
+    b.tensors = {"w": types.SimpleNamespace(device=torch.device("cuda", 0))}
+    with pytest.raises(KeyboardInterrupt):
+        with b.update():
+            raise KeyboardInterrupt  # mid optimizer.step(): kernels may still be queued
+    assert [c[0] for c in rec.calls[-2:]] == ["synchronize", "/hotweights/abort"]
+
+
 def test_connecting_to_a_remote_server_says_how_to_update_it(monkeypatch):
     monkeypatch.setattr(bridge_module, "request", lambda *a, **k: {
         "manifests": [], "version": "0@s", "server_id": "s", "remote": True})

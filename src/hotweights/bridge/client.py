@@ -230,21 +230,24 @@ class Bridge:
         renewer = Renewer(self.renew, lease_s)
         try:
             with renewer:
-                yield
-                device = next(iter(self.tensors.values())).device
-                if device.type == "cuda":  # the server's stream is not ordered after ours
-                    torch.cuda.synchronize(device)
+                try:
+                    yield
+                except BaseException:  # what the body queued lands before the server
+                    with contextlib.suppress(Exception):  # resumes (its error is the news)
+                        self._synchronize()
+                    raise
+                self._synchronize()
         except BaseException:
             self._abort(dirty=True)
             raise
         if self.remote is None:
-            self.version = self._post("/hotweights/commit")["version"]
+            self._commit()
             return
         model = self._model or self.model(check_loaded=False)  # what it serves, as is
         if floor is not None:
             n = max(floor, began["n"]) + 1
             try:
-                self.version = self._post("/hotweights/commit", n=n)["version"]
+                self._commit(n=n)
             except Exception:  # the weights here are the new ones whatever became of it
                 self._update_remotes(model, n, mode, lease_s)
                 raise
@@ -258,7 +261,7 @@ class Bridge:
             raise
         n = max(pending.floor, began["n"]) + 1
         try:
-            self.version = self._post("/hotweights/commit", n=n)["version"]
+            self._commit(n=n)
         except Exception:  # the weights here are the new ones whatever became of the commit
             self.remote.commit(pending, n)  # (served, dirty, or at the lease's expiry): so
             raise  # are the remotes'
@@ -290,11 +293,31 @@ class Bridge:
             self._abort(dirty=False, quiet=True)
             raise
 
-    def _abort(self, *, dirty: bool, quiet: bool = False) -> None:
+    def _synchronize(self) -> None:
+        """Wait for this process's device work: the server's stream is not ordered after
+        ours (CUDA IPC)."""
+        device = next(iter(self.tensors.values())).device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def _commit(self, **body: Any) -> None:
+        """Commit; if that fails, `version` is still what the server serves (a commit that
+        failed, or came after the lease expired, leaves a new dirty version there)."""
         try:
-            self._post("/hotweights/abort", dirty=dirty)
+            self.version = self._post("/hotweights/commit", **body)["version"]
+        except Exception:
+            self._refresh_version()
+            raise
+
+    def _abort(self, *, dirty: bool, quiet: bool = False) -> None:
+        try:  # its answer: the version served now (a new, dirty one where weights changed)
+            self.version = self._post("/hotweights/abort", dirty=dirty)["version"]
         except ServerError as e:  # keep the caller's exception; the lease will expire
             (logger.debug if quiet else logger.warning)("hotweights: abort failed: %s", e)
+
+    def _refresh_version(self) -> None:
+        with contextlib.suppress(HotweightsError):  # (the caller's error is the news)
+            self.version = self.status()["version"]
 
     def status(self) -> dict:
         return server_status(self.url, self._token, cafile=self.cafile)
