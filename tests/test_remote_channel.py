@@ -256,9 +256,11 @@ def test_reading_ahead_sends_every_round_intact_and_an_encode_failing_aborts_it(
     with Channel(master_addr="127.0.0.1", master_port=port, rank=0, world_size=3,
                  token=TOKEN, timeout=TIMEOUT) as ch:
         ch.send(rounds(old, new), ahead=True)
-        before = ch.bytes_sent
+        before, update = ch.bytes_sent, ch._updates
         with pytest.raises(ValueError, match="the encode failed"):
             ch.send(failing(rounds(new, old)), ahead=True)
+        assert ch._updates == update + 1  # the next update signs anew: the aborted one's
+        # rounds (recorded on the way) cannot be replayed into it; the receivers agree
         went = [r.buffer.numel() for r in itertools.islice(rounds(new, old), 2)]
         assert ch.bytes_sent - before > sum(went) > 0  # the rounds that went count
         ch.send([whole], ahead=True)

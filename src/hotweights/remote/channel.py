@@ -414,6 +414,8 @@ class Channel:
         first = torch.zeros(_FIRST, dtype=torch.uint8)
         first[:_FIELDS * 8] = torch.tensor([_ABORT, 0, i, 0]).view(torch.uint8)
         self._broadcast(first.to(self.device), f"abort at round {i + 1}")
+        self._updates += 1  # as every receiver counts it: the next update's rounds are
+        # signed anew, this one's cannot be replayed into it
 
     def receive(self, stage: Callable[[Round], None], *, update: str | None = None,
                 wait: float | None = None, relay: Channel | None = None) -> int:
@@ -484,6 +486,7 @@ class Channel:
             meta = first[:_META * 8].view(torch.int64)
             hlen, blen, idx, total = meta[:_FIELDS].tolist()
             if hlen == _ABORT:
+                self._updates += 1  # as the sender counts it (`_abort`)
                 why = self._peers.opened(f"{self._ns}/aborted") or "no reason given"
                 raise RemoteError(f"{self._where()}: the sender aborted the update at round "
                                   f"{i + 1} ({why}); nothing of it is applied")
@@ -517,7 +520,8 @@ class Channel:
         return total
 
     def _digest(self, hashes: list[bytes]) -> torch.Tensor:
-        # bound to the update: `_updates` counts the updates acknowledged, the same everywhere
+        # bound to the update: `_updates` counts the updates acknowledged or aborted, the
+        # same everywhere
         d = signing.round_digest(self._mac, self._updates, hashes=hashes)
         return torch.frombuffer(bytearray(d), dtype=torch.int64)
 
