@@ -68,7 +68,7 @@ def test_this_server_s_lease_is_renewed_while_the_remotes_stage(monkeypatch):
     class Remote:
         require = "all"
 
-        def prepare(self, model, mode, lease_s):
+        def prepare(self, model, mode, lease_s, pause_ahead):
             time.sleep(0.45)  # a long encode and send, beyond the lease
             return types.SimpleNamespace(floor=0)
 

@@ -255,7 +255,8 @@ class Bridge:
             return
         try:  # this server stays paused while the remotes stage: its lease is renewed
             with Renewer(self.renew, lease_s):
-                pending = self.remote.prepare(model, mode=mode, lease_s=lease_s)
+                pending = self.remote.prepare(model, mode=mode, lease_s=lease_s,
+                                              pause_ahead=True)  # the commits follow
         except BaseException:
             self._abort(dirty=not self.remote.restore(model))  # restored: the old version
             raise

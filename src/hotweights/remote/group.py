@@ -259,7 +259,8 @@ class RemoteGroup:
             DeltaError: bad input, naming the tensor (NaN or Inf in a patch, a dtype the
                 channel cannot carry): every server at its old version.
         """
-        return self.commit(self.prepare(weights, mode=mode, lease_s=lease_s), n)
+        return self.commit(self.prepare(weights, mode=mode, lease_s=lease_s,
+                                        pause_ahead=True), n)
 
     def floor(self) -> int:
         """The highest version number a server serves or this group committed: an update's
@@ -270,13 +271,16 @@ class RemoteGroup:
         return max(self.n, *(st["n"] for st in status.values()))
 
     def prepare(self, weights: torch.nn.Module | Mapping[str, torch.Tensor], *,
-                mode: str = "wait", lease_s: float | None = None) -> Pending:
+                mode: str = "wait", lease_s: float | None = None,
+                pause_ahead: bool = False) -> Pending:
         """The first half of `update`: every server holding the whole update staged, still
         serving its old version.
 
         Follow with `commit` (or `abort`) within the lease (`renew` extends it). On failure
         every server is at its old version with nothing applied, and the error names the
-        server that failed.
+        server that failed. `pause_ahead`: the commit follows at once (as in `update`), so
+        the servers may begin its pause as the last round travels; else they serve until
+        the commit, however late.
         """
         started, self._lost = time.perf_counter(), 0
         new = _weights(weights)
@@ -290,7 +294,7 @@ class RemoteGroup:
             while True:
                 try:
                     return self._prepare(weights, new, status, mode, lease_s, started,
-                                         dropped)
+                                         dropped, pause_ahead)
                 except RemoteError as e:
                     if self.require == "all":
                         raise
@@ -329,7 +333,7 @@ class RemoteGroup:
         return status, {**dropped, **down}
 
     def _prepare(self, weights, new: dict, status: dict, mode: str, lease_s: float | None,
-                 started: float, dropped: dict) -> Pending:
+                 started: float, dropped: dict, pause_ahead: bool) -> Pending:
         """`prepare` on the servers of `status`: who holds which old values (`_plans`), the
         encode and the send for each set of them."""
         written = {k: t._version for k, t in new.items()}  # before the encode reads them
@@ -354,7 +358,7 @@ class RemoteGroup:
         sends = self._send(status, list(zip(plans, links, strict=True)),
                            lambda p: self._encode(p, new, kept, found[0][0]),
                            max(_MIN_CUT, -(-sum(t.nbytes for t in new.values()) // _CUTS)),
-                           mode, lease_s, meanwhile=fingerprint)
+                           mode, lease_s, meanwhile=fingerprint, pause_ahead=pause_ahead)
         done, prints = list(zip(plans, sends, strict=True)), found[0][1]
         return Pending(status, new,
                        next((d for p, (d, _, _) in done if p.held and p.reference is
@@ -510,7 +514,8 @@ class RemoteGroup:
 
     def _send(self, status: dict, plans: list[tuple[_Plan, Link]],
               encode: Callable[[_Plan], Iterator[delta.Delta]], cut_bytes: int, mode: str,
-              lease_s: float, meanwhile: Callable[[], None] = lambda: None) -> list[tuple]:
+              lease_s: float, meanwhile: Callable[[], None] = lambda: None,
+              pause_ahead: bool = False) -> list[tuple]:
         """Begin everywhere, then for each plan encode and broadcast on its channel while
         its servers receive; on failure abort all. Returns (the deltas, bytes each of its
         servers received, bytes that left this process) for each plan once every server's
@@ -522,10 +527,11 @@ class RemoteGroup:
         they wait for its start on the channel up to the lease), then the encode runs as the
         rounds are sent: a round goes once it is full or its deltas cover `cut_bytes` of the
         weights and it holds `_CUT_PAYLOAD` bytes (or was opened `_CUT_WAIT` s ago), and the
-        servers stage it while the next one is encoded. Once the last
-        plan's last round is on its way, if it is small (`_AHEAD_BYTES`), every server is
-        told to start its commit's pause (a renew with `pause`): the engine step in flight
-        ends while that round travels and is staged, not in the commit. The lease is renewed
+        servers stage it while the next one is encoded. Once the last plan's last round is
+        on its way, if it is small (`_AHEAD_BYTES`) and `pause_ahead` (the commit follows at
+        once), every server is told to start its commit's pause (a renew with `pause`): the
+        engine step in flight ends while that round travels and is staged, not in the
+        commit. The lease is renewed
         every `lease_s / 3` until the sends end, however long they take. `meanwhile` runs on
         a thread while the begins travel, the lease renewed from theirs on until it ends."""
         pool = ThreadPoolExecutor(2 * len(status) + 1)
@@ -539,7 +545,7 @@ class RemoteGroup:
             _raise_failed(begins, "begin")
             self._leased = dict(status)
 
-            def pause_ahead(last: packing.Round) -> None:  # a server that does not answer it
+            def hint_pause(last: packing.Round) -> None:  # a server that does not answer it
                 # (in _HINT_S) pauses in its commit
                 if last.header.get("raw_nbytes", last.header["nbytes"]) <= _AHEAD_BYTES:
                     hints.extend(pool.submit(self._post, u, status[u], "/hotweights/renew",
@@ -558,8 +564,8 @@ class RemoteGroup:
                         staging=self._round_buffers(link.channel.device),
                         values="xor" if link.xor else "raw", compress=self.compress,
                         cut_bytes=cut_bytes, cut_payload=_CUT_PAYLOAD, cut_wait=_CUT_WAIT)
-                    if i == len(plans) - 1:
-                        rounds = _then_last(rounds, pause_ahead)
+                    if i == len(plans) - 1 and pause_ahead:
+                        rounds = _then_last(rounds, hint_pause)
                     first = next(rounds)  # the receivers wait for the start in the store,
                     # up to the lease, while it is encoded (in the collective: the timeout)
                     try:
