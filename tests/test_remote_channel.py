@@ -2,6 +2,7 @@
 
 import itertools
 import json
+import math
 import os
 import socket
 import subprocess
@@ -484,6 +485,33 @@ def test_a_wake_deleted_as_stale_does_not_hide_the_interrupt_or_word_written_mea
     else:
         rx.await_word("u", 30.0)
     assert time.monotonic() - t0 < 5
+
+
+def test_an_interrupt_whose_wake_cannot_reach_the_store_ends_the_wait_within_a_slice(
+        monkeypatch):
+    # the trainer's host gone without a word: the interrupt cannot connect; the worker's
+    # main thread waits for the dropped receive, so it must end soon, not at the wait's end
+    from hotweights.remote import announce
+    store = TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=10))
+    rx = Announcements(store, "t", rank=1, world_size=2, addr="127.0.0.1", port=store.port,
+                       timeout=5.0, where="test")
+    ended = []
+
+    def wait():
+        with pytest.raises(RemoteError, match="stopped waiting for update u"):
+            rx.await_word("u", math.inf)
+        ended.append(time.monotonic())
+    waiting = threading.Thread(target=wait, daemon=True)
+    waiting.start()
+    time.sleep(0.2)
+
+    def unreachable(*args, **kwargs):
+        raise OSError("no route to host (the test)")
+    monkeypatch.setattr(announce.socket, "create_connection", unreachable)
+    t0 = time.monotonic()
+    rx.interrupt("u")
+    waiting.join(15)
+    assert ended and ended[0] - t0 < 2 * announce._WAIT_SLICE_S + 1
 
 
 def test_receivers_waiting_for_an_announced_update_learn_the_sender_is_gone():

@@ -26,8 +26,9 @@ __all__ = ["Announcements"]
 
 logger = logging.getLogger(__name__)
 
-_WAIT_SLICE_S = 300.0  # an unbounded wait for an announced update waits this long at once:
-# an `interrupt` whose wake cannot reach the store (a hung sender) ends it within one
+_WAIT_SLICE_S = 2.0  # a wait for an announced update waits this long at once: an
+# `interrupt` whose wake cannot reach the store (a sender's host gone without a word) ends
+# it within one, not at the wait's end (the worker's main thread waits for it)
 
 
 class Announcements:
@@ -118,12 +119,11 @@ class Announcements:
                 self.store.wait([wake], timedelta(seconds=max(0.001, min(
                     _WAIT_SLICE_S, deadline - time.monotonic()))))
             except dist.DistStoreError as e:
-                if update not in self._interrupted:  # (interrupted: even if its wake failed)
-                    if time.monotonic() < deadline:
-                        continue  # a slice of a longer wait
-                    raise RemoteError(f"{self.where}: the sender did not start the "
-                                      f"update within {wait} s; nothing of it is applied"
-                                      ) from e
+                if update in self._interrupted or time.monotonic() < deadline:
+                    continue  # interrupted (its wake may not have reached the store: not
+                    # touched again), or a slice of a longer wait
+                raise RemoteError(f"{self.where}: the sender did not start the update "
+                                  f"within {wait} s; nothing of it is applied") from e
             except RuntimeError as e:  # the store lives in the sender
                 raise RemoteError(f"{self.where}: the sender (rank 0) at {self.addr}:"
                                   f"{self.port} is gone ({e}); nothing of the update is "
