@@ -228,6 +228,38 @@ def test_the_servers_serve_their_old_version_until_the_commit(remotes, trainer, 
     assert not any(_status(s)["dirty"] for s in remotes[:2])
 
 
+def test_require_all_a_lease_lost_during_the_send_aborts_it_everywhere(remotes, trainer,
+                                                                       monkeypatch):
+    # a server refuses a renewal mid-send (its lease expired while its answers were lost):
+    # its commit would fail after the others committed; the send fails, nothing applied
+    model, group = trainer
+    monkeypatch.setattr(group, "require", "all")
+    post, rows = group._post, group._prefilter.rows
+
+    def refused(url, status, route, **body):
+        out = post(url, status, route, **body)
+        if url == remotes[1].url and route == "/hotweights/renew":  # (its lease kept here:
+            # the receive goes on, only the trainer's word on the lease is lost)
+            raise ServerError(f"{url}: POST {route}: HTTP 409: no lease held", 409)
+        return out
+
+    def slow_fingerprints(*args, **kwargs):  # renewals go out meanwhile
+        time.sleep(1.5)
+        return rows(*args, **kwargs)
+    monkeypatch.setattr(group, "_post", refused)
+    monkeypatch.setattr(group._prefilter, "rows", slow_fingerprints)
+    before = [(_status(s)["n"], _checksum(s)) for s in remotes[:2]]
+    with torch.no_grad():
+        model.model.norm.weight[0] += 1
+    with pytest.raises(RemoteError, match=rf"lease of this update was lost during its send "
+                                          rf"on .*{remotes[1].url}.*aborted everywhere"):
+        group.update(model, lease_s=1.5)
+    assert [(_status(s)["n"], _checksum(s)) for s in remotes[:2]] == before
+    monkeypatch.undo()
+    group.update(model)  # the next update takes it
+    assert _checksum(remotes[0]) == _checksum(remotes[1]) != before[0][1]
+
+
 def test_the_servers_start_the_commits_pause_as_a_small_last_round_goes_out(
         remotes, trainer, monkeypatch):
     # the engine step in flight ends while the last round travels, not in the commit; a

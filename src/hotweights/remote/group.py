@@ -222,6 +222,7 @@ class RemoteGroup:
         self.links = Links(master_addr=self.master_addr, master_port=master_port,
                            timeout=timeout, max_round_bytes=max_round_bytes, post=self._post)
         self._leased: dict = {}  # url -> status, of the servers an update in progress began
+        self._lease_lost = ""  # require="all": the servers that refused a renewal meanwhile
         self._lost = 0  # bytes that left this process in the update's sends that failed
         self._warm: threading.Thread | None = None  # compiles the encode's loops ahead
 
@@ -473,6 +474,9 @@ class RemoteGroup:
             http_timeout=max(1.0, min(self.timeout, lease_s / 3))),  # holds no one else's
             errors=True, urls=list(leased))  # renewal past its lease
         if failed := {u: e for u, e in outs.items() if isinstance(e, Exception)}:
+            if self.require == "all" and (refused := {
+                    u: e for u, e in failed.items() if not unanswered(e)}):
+                self._lease_lost = named(refused)  # the send then fails (`_send`)
             if self.require == "all" or len(failed) == len(outs):
                 raise RemoteError(named(failed), no_answer=all(
                     map(unanswered, failed.values())))
@@ -543,7 +547,7 @@ class RemoteGroup:
                                      lease_s=lease_s, stage=True) for u in status}
             meantime.append(pool.submit(meanwhile))
             _raise_failed(begins, "begin")
-            self._leased = dict(status)
+            self._leased, self._lease_lost = dict(status), ""
 
             def hint_pause(last: packing.Round) -> None:  # a server that does not answer it
                 # (in _HINT_S) pauses in its commit
@@ -579,6 +583,10 @@ class RemoteGroup:
                         raise RemoteError(link.named(str(e))) from e
                     out.append((deltas, sent, sent * link.channel.copies))
                     on = None
+            if self._lease_lost:  # require="all": its commit would fail after the others'
+                raise RemoteError(f"the lease of this update was lost during its send on "
+                                  f"{self._lease_lost}: aborted everywhere, every server at "
+                                  "its old version")
             # every worker has staged it all (the channel's acknowledgement): a server's
             # commit waits for its own receive to answer, so this process need not; a late
             # pause must not reach the server's next update
