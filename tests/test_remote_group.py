@@ -193,11 +193,11 @@ def test_a_server_restarted_from_the_synced_checkpoint_shares_the_delta(checkpoi
 def _prepared(group, status, new, monkeypatch):
     """`prepare`'s bookkeeping without servers: each plan encoded, nothing sent."""
     monkeypatch.setattr(group.links, "connect", lambda status, backend: None)
-    def send(status, plans, encode, cut, mode, lease_s, meanwhile):
+    def send(status, plans, encode, cut, mode, lease_s, meanwhile, pause_ahead):
         meanwhile()
         return [(list(encode(plan)), 0, 0) for plan, _ in plans]
     monkeypatch.setattr(group, "_send", send)
-    return group._prepare(new, new, status, "wait", None, 0.0, {})
+    return group._prepare(new, new, status, "wait", None, 0.0, {}, False)
 
 
 def test_servers_all_synced_from_the_checkpoint_leave_the_reference_whole(checkpoint,
