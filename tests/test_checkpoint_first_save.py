@@ -131,3 +131,19 @@ def test_a_first_save_into_new_directories_makes_each_one_s_entry_durable(tmp_pa
     synced.clear()
     sync(target, _live())  # there already: no parent synced again
     assert str(tmp_path) not in synced and str(tmp_path / "runs") not in synced
+
+
+def test_views_of_one_storage_are_sharded_by_size_not_kept_together(tmp_path):
+    """A bridge's tensors are views of one shared-memory file: not one tied tensor, whose
+    names huggingface_hub's splitter keeps in one shard (the whole model in one file). A
+    view that is not contiguous (transposed) is written as its values."""
+    flat = torch.randn(4 * 64 * 256, generator=torch.Generator().manual_seed(0))
+    live = {f"layers.{i}.weight": flat[i * 64 * 256:(i + 1) * 64 * 256].view(64, 256)
+            for i in range(4)}
+    live["layers.3.weight"] = live["layers.3.weight"].view(256, 64).t()
+    r = sync(tmp_path / "new", live, max_shard_size=70_000)  # one 64 KiB tensor a shard
+    assert len(r.shards_changed) == 4
+    disk = {}
+    for shard in (tmp_path / "new").glob("*.safetensors"):
+        disk.update(load_file(shard))
+    assert disk.keys() == live.keys() and all(torch.equal(disk[n], t) for n, t in live.items())

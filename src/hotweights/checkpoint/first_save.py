@@ -18,6 +18,7 @@ import os
 import shutil
 import struct
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -55,9 +56,16 @@ def save(model_dir: Path, live: Mapping[str, torch.Tensor], *, mode: str,
             seen[key] = name
             untied[name] = t.detach()
     # ties dropped first, then transformers' conversions reverted, as save_pretrained does
-    tensors = {n: t.contiguous() for n, t in
-               reverted(untied, model_type=model_type, model=model).items()}
-    split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size)
+    storages = Counter(t.untyped_storage().data_ptr() for t in untied.values())
+    if any(n > 1 for n in storages.values()):  # views of one storage under many names (a
+        # bridge's, of vLLM's tensors): not one tied tensor, which save_pretrained's split
+        # keeps in one shard (here, the whole model); sized apart, and converted to views
+        # where they can be (copies are made shard by shard, as each is written)
+        tensors = reverted(untied, model_type=model_type, model=model, views=True)
+        sizing = {n: t.to("meta") for n, t in tensors.items()}
+    else:  # as save_pretrained shards them
+        tensors = sizing = reverted(untied, model_type=model_type, model=model)
+    split = split_torch_state_dict_into_shards(sizing, max_shard_size=max_shard_size)
     for filename, names in split.filename_to_tensors.items():
         if bad := next((n for n in names if tensors[n].dtype not in NAMES), None):
             raise CheckpointError(f"{bad} in {filename}: the live tensor is "
@@ -76,8 +84,8 @@ def save(model_dir: Path, live: Mapping[str, torch.Tensor], *, mode: str,
     with stage.staging(model_dir, "write the first save") as area:
         area.mkdir()
         for filename, names in split.filename_to_tensors.items():
-            fingerprints[filename] = _write_shard(area / filename,
-                                                  {n: tensors[n] for n in names}, block_size)
+            fingerprints[filename] = _write_shard(
+                area / filename, {n: tensors[n].contiguous() for n in names}, block_size)
             done += sum(tensors[n].numel() * tensors[n].element_size() for n in names)
             progress("write", done, total)
         extra = []
