@@ -14,6 +14,7 @@ rather than rewritten.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 from collections.abc import Callable, Mapping
@@ -70,6 +71,7 @@ class ShardChanges:
     compared: bool  # `ranges` are the pages that differ from the file; else whole blocks
     fresh: blocks.Fingerprints  # of the live tensors: the sidecar to record
     hashed: tuple[str, ...]  # the tensors whose block hashes were taken now
+    copied: bool = False  # some `tensors` are copies (`ShardTensors.ready`)
 
 
 @dataclass(frozen=True)
@@ -106,13 +108,21 @@ def find_changes(shards: list[ShardTensors], *, block_size: int,
     total = sum(s.nbytes for s in shards)
     done = hashed = compared = 0
     found: list[ShardChanges] = [None] * len(shards)  # type: ignore[list-item]
-    pool = threads.pool(min(len(shards), _threads()) or 1,
-                        thread_name_prefix="hotweights-hash")
+    workers = min(len(shards), _threads()) or 1
+    pool = threads.pool(workers, thread_name_prefix="hotweights-hash")
+    order, jobs = iter(_order(shards)), collections.deque()
+
+    def submit() -> None:  # one job more than workers at a time: a job done holds the
+        if (i := next(order, None)) is not None:  # copies it made until it is handed on
+            jobs.append((i, pool.submit(_shard_changes, shards[i], block_size, trusted,
+                                        watch, written)))
     try:
-        jobs = {i: pool.submit(_shard_changes, shards[i], block_size, trusted, watch, written)
-                for i in _order(shards)}
-        for i in list(jobs):  # in that order: `then` stages each (a job done is let go,
-            changes, n, from_file = jobs.pop(i).result()  # with the copies it made)
+        for _ in range(workers + 1):
+            submit()
+        while jobs:  # in that order: `then` stages each
+            i, job = jobs.popleft()
+            changes, n, from_file = job.result()
+            submit()
             hashed += n
             compared += shards[i].nbytes if from_file else 0
             then(changes)  # stages it: its tensors are held till then, not after
@@ -155,12 +165,16 @@ def _shard_changes(s: ShardTensors, block_size: int, trusted: frozenset[str] | N
                    ) -> tuple[ShardChanges, int, bool]:
     """One shard's changes, the bytes hashed, and whether it was compared with the file
     (no usable sidecar)."""
-    s = s.ready()
+    live, s = s.tensors, s.ready()
     kind = blocks.kind_of(s.tensors.values())
     old = sidecar.load(s.shard, block_size, kind)
     if old is not None and set(old.tensors) >= set(s.tensors):
-        return *_from_sidecar(s, old, trusted, watch, written), False
-    return _from_file(s, block_size, kind), s.nbytes, True
+        changes, hashed = _from_sidecar(s, old, trusted, watch, written)
+        from_file = False
+    else:
+        changes, hashed, from_file = _from_file(s, block_size, kind), s.nbytes, True
+    copied = any(t is not live[n] for n, t in s.tensors.items())
+    return replace(changes, copied=copied) if copied else changes, hashed, from_file
 
 
 def ranges_bytes(ranges: Ranges) -> int:

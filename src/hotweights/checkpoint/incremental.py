@@ -46,6 +46,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -444,6 +445,9 @@ class _Stager:
         if how != "journal":
             self.staged += need
             self.area.mkdir(exist_ok=True)
+        if c.copied:  # its copies are held until it is staged: the hashing waits while
+            # two shards wait for the stager, not every shard's copies pile up behind it
+            futures.wait([j for j in self.jobs if not j.done()][:-1])
         self.jobs.append(self.pool.submit(self._stage, c, how))
 
     def _room(self, need: int, journaled: bool) -> bool:
