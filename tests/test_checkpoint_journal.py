@@ -2,6 +2,7 @@
 
 import fcntl
 import json
+import logging
 import os
 import random
 import shutil
@@ -558,8 +559,18 @@ def test_a_writer_waiting_for_another_says_so_and_one_alone_says_nothing(shards,
     t = threading.Thread(target=other_writer)
     t.start()
     held.wait(10)
-    threading.Timer(0.2, go.set).start()
-    assert journal.recover(d) == "none"  # waited for it
+
+    class Waiting(logging.Handler):  # the other writer lets go once this one waits for it
+        def emit(self, record):
+            if "waiting for it" in record.getMessage():
+                go.set()
+    handler = Waiting()
+    logging.getLogger("hotweights.checkpoint.lock").addHandler(handler)
+    try:
+        assert journal.recover(d) == "none"  # waited for it
+    finally:
+        logging.getLogger("hotweights.checkpoint.lock").removeHandler(handler)
+        go.set()
     t.join()
     assert caplog.text.count(f"{d}: another writer holds the directory; waiting for it") == 1
 
@@ -589,8 +600,6 @@ def test_a_second_writer_waits_for_the_first_one_s_commit_to_be_durable(tmp_path
     its process's finisher thread, under the lock the sync held: another process's
     writer waits for them, never replays a journal whose writer lives (as if it had
     crashed) and never keeps that writer from recording its sidecars."""
-    import logging
-
     import torch
 
     from hotweights.checkpoint import sync

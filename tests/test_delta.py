@@ -2,14 +2,14 @@
 
 import json
 import math
-import time
+import types
 
 import numpy as np
 import pytest
 import torch
 
 from hotweights.errors import DeltaError
-from hotweights.remote import delta, delta_apply, jit
+from hotweights.remote import delta, delta_apply, jit, packing
 from hotweights.remote.delta import encode, encode_all
 from hotweights.remote.delta_apply import apply, check
 from hotweights.remote.packing import Round, pack
@@ -230,13 +230,15 @@ def test_rounds_go_while_later_tensors_are_still_encoded(cut_bytes, options):
     (1 << 30, 0.03, True, [["a", "b"], ["c"]]),  # "c" comes 0.05 s after the round opened
 ])
 def test_a_small_round_is_cut_once_it_holds_enough_or_was_open_long_enough(
-        payload, wait, slow, names):
+        payload, wait, slow, names, monkeypatch):
     old, new = _state()
+    now = [0.0]  # the pack's clock, moved by hand: the machine's pace cannot cut a round
+    monkeypatch.setattr(packing, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
 
     def deltas():
         for d in delta.encode_each(old, new):
             if slow and d.name == "c":
-                time.sleep(0.05)
+                now[0] += 0.05
             yield d
     got, rounds = {k: v.clone() for k, v in old.items()}, []
     for r in pack(deltas(), max_bytes=1 << 20, cut_bytes=1, cut_payload=payload,

@@ -519,7 +519,10 @@ def test_receivers_waiting_for_an_announced_update_learn_the_sender_is_gone():
     procs = _receivers(port, 3, 1, r1={"mode": "announced"}, r2={"mode": "announced"})
     ch = Channel(master_addr="127.0.0.1", master_port=port, rank=0, world_size=3, token=TOKEN,
                  timeout=TIMEOUT)
-    time.sleep(0.5)
+    ready = [ch.announced.key("ready", "u0", r) for r in (1, 2)]
+    deadline = time.monotonic() + 60  # both wait for the update (not a fixed sleep: a
+    while not ch._store.check(ready) and time.monotonic() < deadline:  # loaded machine)
+        time.sleep(0.01)
     t = time.monotonic()
     ch.close()
     for p in procs:
@@ -564,8 +567,10 @@ def _ready(*procs: subprocess.Popen) -> None:
 
 def test_a_relay_hands_each_round_to_the_servers_workers_and_the_sender_sends_it_once():
     port, old = _port(), weights()
-    server, plain = _server(port, 1, 3, 2), _spawn(port, 2, 3, 2)  # and a one-worker server
-    _ready(*server, plain)
+    plain = _spawn(port, 2, 3, 2)  # a one-worker server, ready first: the followers' clock
+    _ready(plain)  # starts once the relay forms
+    server = _server(port, 1, 3, 2)
+    _ready(*server)
     g = torch.Generator().manual_seed(5)
     sums = []
     with Channel(master_addr="127.0.0.1", master_port=port, rank=0, world_size=3,
@@ -587,8 +592,10 @@ def test_a_relay_hands_each_round_to_the_servers_workers_and_the_sender_sends_it
 
 def test_a_followers_refusal_is_its_servers_and_no_one_applies_the_update():
     port, old = _port(), weights()
-    server, plain = _server(port, 1, 3, 2, f2={"mode": "refuse"}), _spawn(port, 2, 3, 2)
-    _ready(*server, plain)
+    plain = _spawn(port, 2, 3, 2)  # ready first, as above
+    _ready(plain)
+    server = _server(port, 1, 3, 2, f2={"mode": "refuse"})
+    _ready(*server)
     g = torch.Generator().manual_seed(6)
     first, second = _full(old, g), _scattered(old, g)
     with Channel(master_addr="127.0.0.1", master_port=port, rank=0, world_size=3,

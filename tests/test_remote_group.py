@@ -16,6 +16,7 @@ from hotweights.errors import ServerError
 from hotweights.remote import delta, packing
 from hotweights.remote.group import _Plan
 from hotweights.remote.links import Links
+from hotweights.testing import tiny
 
 
 @pytest.fixture
@@ -140,6 +141,42 @@ def test_the_reference_takes_a_patch_in_every_dtype(dtype):
     ref.remember({"w": new}, [d], {})
     assert torch.equal(ref.tensors["w"].view(-1).view(torch.uint8),
                        new.view(-1).view(torch.uint8))
+
+
+def test_a_full_resync_writes_into_the_reference_it_holds_not_a_second_copy():
+    from hotweights.remote.reference import Reference
+
+    ref, new = Reference(), {"w": torch.randn(8, 8), "b": torch.randn(8)}
+    ref.remember(new, None, {})
+    held = {k: t.data_ptr() for k, t in ref.tensors.items()}
+    newer = {"w": torch.randn(8, 8), "b": torch.randn(4)}  # "b" another shape: a new copy
+    ref.remember(newer, None, {})  # no server held the reference: copied whole again
+    assert ref.tensors["w"].data_ptr() == held["w"]
+    assert all(torch.equal(ref.tensors[k], t) for k, t in newer.items())
+
+
+def test_frozen_fused_experts_are_named_without_copying_them(monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    from hotweights.checkpoint.names import reverted
+    model = AutoModelForCausalLM.from_config(tiny.make_config("qwen3_moe", 256))
+    for n, p in model.named_parameters():
+        p.requires_grad_("experts" not in n)
+    new = reverted(model.state_dict(), model=model)  # the checkpoint's names
+    copies = []
+
+    def counting(real):
+        def counted(t, *args, **kwargs):
+            out = real(t, *args, **kwargs)
+            if out.device.type != "meta" and out.data_ptr() != t.data_ptr():
+                copies.append(tuple(out.shape))
+            return out
+        return counted
+    monkeypatch.setattr(torch.Tensor, "contiguous", counting(torch.Tensor.contiguous))
+    frozen = RemoteGroup(["http://127.0.0.1:1"], token="t" * 32).reference.frozen(model, new)
+    monkeypatch.undo()
+    assert frozen == {k for k in new if ".experts." in k} and frozen
+    assert not copies  # (each prepare asks: the experts' copies, on the trainer's device)
 
 
 def test_trainable_defaults_to_the_parameters_that_require_grad():

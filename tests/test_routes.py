@@ -140,6 +140,7 @@ def test_the_checksum_waits_for_an_update_to_end_instead_of_hashing_meanwhile(mo
         r = await client.get("/hotweights/checksum", headers=AUTH)
         assert r.status_code == 503 and "an update has been in progress" in r.json()["error"]
         assert "hotweights_checksum" not in stub.calls  # not hashed while it writes
+        monkeypatch.setattr(routes_module, "_CHECKSUM_WAIT_S", 30)  # (read per request)
         checksum = asyncio.ensure_future(client.get("/hotweights/checksum", headers=AUTH))
         await asyncio.sleep(0.1)
         await client.post("/hotweights/commit", json=body(), headers=AUTH)
@@ -154,7 +155,7 @@ def test_a_checksum_that_updates_keep_outrunning_gives_up(monkeypatch):
     # every hash stalls generation: one commit landing during each must not loop forever
     from hotweights.vllm_plugin import routes as routes_module
 
-    monkeypatch.setattr(routes_module, "_CHECKSUM_WAIT_S", 0.3)
+    monkeypatch.setattr(routes_module, "_CHECKSUM_WAIT_S", 1.0)
 
     async def test(client, stub):
         rpc = stub.collective_rpc
@@ -169,7 +170,7 @@ def test_a_checksum_that_updates_keep_outrunning_gives_up(monkeypatch):
         stub.collective_rpc = hash_while_an_update_lands
         r = await client.get("/hotweights/checksum", headers=AUTH)
         assert r.status_code == 503 and "updates kept landing" in r.json()["error"]
-        assert 2 <= stub.calls.count("hotweights_checksum") <= 10
+        assert 2 <= stub.calls.count("hotweights_checksum") <= 100  # tried again, and ended
 
     serve(test)
 

@@ -37,6 +37,32 @@ def test_share_copies_once_and_maps_the_file(shared):
     assert again["a"][0, 0].item() == 42
 
 
+def test_each_tensor_is_handed_over_as_it_is_copied_and_its_old_bytes_let_go(tmp_path):
+    # a server's host memory holds the model once: each parameter computes on its shared
+    # copy, and its old bytes are freed, before the next one is copied
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    olds = {n: torch.full((64,), float(i)) for i, n in enumerate("abc")}
+    alive = {n: StorageWeakRef(t.untyped_storage()) for n, t in olds.items()}
+    params, seen = {n: torch.nn.Parameter(t, requires_grad=False) for n, t in olds.items()}, []
+    del olds
+
+    def moved(name, tensor):
+        seen.append((name, [n for n, r in alive.items() if not r.expired()]))
+        params[name].data = tensor
+    tensors = {n: p.data for n, p in params.items()}
+    manifest, mapped = shm.share(tensors, directory=tmp_path, moved=moved)
+    try:
+        assert not tensors and [n for n, _ in seen] == ["a", "b", "c"]
+        # each call: the ones not repointed yet (itself among them) still hold their bytes
+        assert [left for _, left in seen] == [["a", "b", "c"], ["b", "c"], ["c"]]
+        assert all(r.expired() for r in alive.values())
+        assert all(params[n].data.data_ptr() == mapped[n].data_ptr() for n in "abc")
+        assert [params[n][0].item() for n in "abc"] == [0.0, 1.0, 2.0]
+    finally:
+        shm.release(manifest)
+
+
 def test_another_process_writes_the_same_bytes(shared):
     _, manifest, mapped = shared
     code = (

@@ -27,7 +27,7 @@ import os
 import re
 import stat
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -279,12 +279,17 @@ def share(
     *,
     directory: str | os.PathLike = "/dev/shm",
     server_id: str | None = None,
+    moved: Callable[[str, torch.Tensor], None] | None = None,
     **manifest_fields,
 ) -> tuple[Manifest, dict[str, torch.Tensor]]:
     """Copy `tensors` into one new shared-memory file (mode 0600).
 
     Returns the manifest and, by name, tensors mapped over the file (the caller computes
-    on these from now on). Nothing is left behind on failure.
+    on these from now on). Nothing is left behind on failure. `moved`: called with each
+    name and its shared tensor as soon as it is copied, when `tensors` (a dict) lets go of
+    it: the caller computes on it from then on, and the old bytes are freed as the copy
+    goes, not at its end (a server's host memory holds the model once, not twice). CUDA
+    tensors are shared where they lie: no copy, no call.
     """
     server_id = server_id or uuid.uuid4().hex[:12]
     devices = {t.device for t in tensors.values()}
@@ -311,6 +316,9 @@ def share(
         for entry in entries:
             shared[entry.name] = _tensor(storage, entry)
             shared[entry.name].copy_(tensors[entry.name])
+            if moved is not None:
+                del tensors[entry.name]
+                moved(entry.name, shared[entry.name])
     except BaseException:
         path.unlink(missing_ok=True)
         os.close(fd)

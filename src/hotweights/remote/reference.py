@@ -50,8 +50,8 @@ class Reference:
             return {k for k in new if not any(fnmatch.fnmatchcase(k, p)
                                                for p in self.trainable)}
         if isinstance(weights, torch.nn.Module):  # buffers too (none requires grad)
-            if fixed := {n: t for n, t in model_weights(weights).items()
-                         if not t.requires_grad}:
+            if fixed := {n: t.to("meta") for n, t in model_weights(weights).items()
+                         if not t.requires_grad}:  # names only (meta: no conversion copies)
                 return set(reverted(fixed, model=weights)) & set(new)
         return set()
 
@@ -76,7 +76,10 @@ class Reference:
         None: copied whole)."""
         self.frozen_prints = frozen
         if deltas is None or self.tensors is None:
-            self.tensors = {k: _host_copy(t) for k, t in new.items() if k not in frozen}
+            old, self.tensors = self.tensors or {}, {}  # the old copies are reused or let
+            for k, t in new.items():  # go as the new ones are made: never two at once
+                if k not in frozen:
+                    self.tensors[k] = _host_copy(t, old.pop(k, None))
             return
         for d in deltas:
             if d.name in frozen:
@@ -124,9 +127,13 @@ class Reference:
         return True
 
 
-def _host_copy(t: torch.Tensor) -> torch.Tensor:
-    """A host copy of `t`; pinned when `t` is on a GPU (deltas and restores copy faster)."""
-    return torch.empty_like(t, device="cpu", pin_memory=t.is_cuda).copy_(t.detach())
+def _host_copy(t: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+    """A host copy of `t`, into `into` where it fits (its shape, dtype, pinning); pinned
+    when `t` is on a GPU (deltas and restores copy faster)."""
+    if into is None or into.shape != t.shape or into.dtype != t.dtype or \
+            into.is_pinned() != t.is_cuda:
+        into = torch.empty_like(t, device="cpu", pin_memory=t.is_cuda)
+    return into.copy_(t.detach())
 
 
 def _changed(before: prefilter.Prints, now: prefilter.Prints, then: str) -> set[str]:

@@ -38,16 +38,20 @@ class HotweightsWorker:
             _refuse_unshareable_cuda_memory(self.vllm_config)
             _refuse_repacked_weights(self.vllm_config, model)
         alias_of = aliases(params)  # shared as views of what holds them, not copies
+        placed = {name: (params[name].data, params[holder].data)  # (a few: views kept for
+                  for name, holder in alias_of.items()}  # their place in what holds them)
+
+        def moved(name: str, tensor: torch.Tensor) -> None:  # the old bytes go as it copies
+            params[name].data = tensor
         manifest, shared = shm.share(
             {name: p.data for name, p in params.items() if name not in alias_of},
-            server_id=server_id,
+            moved=moved, server_id=server_id,
             model=str(self.model_runner.model_config.model),
             tp_rank=parallel_state.get_tensor_model_parallel_rank(),
             tp_size=parallel_state.get_tensor_model_parallel_world_size(),
         )
         for name, holder in alias_of.items():
-            params[name].data = rebased(params[name].data, params[holder].data,
-                                        shared[holder])
+            params[name].data = rebased(*placed[name], shared[holder])
         for name, tensor in shared.items():
             params[name].data = tensor  # the engine now computes on the shared bytes
         atexit.register(shm.release, manifest)
