@@ -1,5 +1,6 @@
 """The `hotweights` command line, run in this process against real vLLM engines."""
 
+import json
 import subprocess
 import sys
 
@@ -29,6 +30,35 @@ def test_demo_refuses_bad_values_before_building_anything(argv, capsys):
         main(argv)
     assert e.value.code == 2
     assert "hotweights demo: error: argument" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["demo", "--workdir", "FILE"], "argument --workdir: FILE is not a directory"),
+    (["demo", "--rl", "--arch", "qwen2"], "--arch qwen2 with --rl: the RL demo trains"),
+    (["diagnose", "DIR", "--cafile", "ca.pem"], "--token, --token-file and --cafile go with "
+                                                "--server"),
+    (["sync", "DIR", "--from", "DIR", "--token", "t" * 32], "go with --server"),
+    (["serve", "DIR", "--ssl-keyfile", "k.pem"], "--ssl-keyfile and --ssl-certfile go "
+                                                 "together"),
+])
+def test_usage_mistakes_are_named_with_the_command_s_usage_and_exit_2(argv, message,
+                                                                      tmp_path, capsys):
+    (tmp_path / "FILE").write_text("")
+    argv = [str(tmp_path / w) if w in ("FILE", "DIR") else w for w in argv]
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and f"hotweights {argv[0]}: error: " in err
+    assert message.replace("FILE", str(tmp_path / "FILE")) in err and not out
+
+
+def test_a_usage_error_under_json_is_json_on_stdout_too(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:  # a script reading stdout gets JSON whatever failed
+        main(["status", "--json", "--token-file", str(tmp_path / "missing"),
+              "http://127.0.0.1:1"])
+    out = json.loads(capsys.readouterr().out)
+    assert e.value.code == 2 and out["error"].startswith("hotweights status: argument "
+                                                         "--token-file: ")
 
 
 @pytest.mark.vllm
@@ -89,6 +119,9 @@ def test_serve_refuses_what_it_cannot_serve_by_name_before_vllm_starts(argv, nam
 def test_serve_refuses_a_model_path_that_is_no_directory_and_a_bad_port(tmp_path, capsys):
     assert main(["serve", str(tmp_path / "nope"), "--token-file", str(tmp_path / "t")]) == 1
     assert f"error: MODEL {tmp_path / 'nope'}: no such directory" in capsys.readouterr().err
+    (tmp_path / "afile").write_text("")
+    assert main(["serve", str(tmp_path / "afile"), "--token-file", str(tmp_path / "t")]) == 1
+    assert f"error: MODEL {tmp_path / 'afile'}: not a directory" in capsys.readouterr().err
     for port in ("0", "70000"):
         with pytest.raises(SystemExit) as e:
             main(["serve", str(tmp_path), "--port", port])
@@ -141,11 +174,6 @@ def test_demo_checkpoint_every_without_rl_is_refused(capsys):
         main(["demo", "--checkpoint-every", "3"])
     assert e.value.code == 2
     assert "hotweights demo: error: --checkpoint-every goes with --rl" in capsys.readouterr().err
-
-
-def test_demo_rl_with_another_arch_is_one_line(capsys):
-    assert main(["demo", "--rl", "--arch", "qwen3"]) == 1
-    assert "error: --arch qwen3 with --rl" in capsys.readouterr().err
 
 
 @pytest.mark.vllm

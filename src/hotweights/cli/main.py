@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from hotweights.checkpoint import MODES
-from hotweights.errors import ConfigError, HotweightsError
+from hotweights.errors import HotweightsError
 from hotweights.testing.tiny import ARCHS
 
 
@@ -52,10 +53,22 @@ def _count(least: int):
     return parse
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's, whose usage errors also go to stdout as JSON under --json: a script
+    reading stdout gets JSON whatever failed. (Its commands' parsers are of this class.)"""
+
+    as_json = False  # set by `main` for the command line it parses
+
+    def error(self, message: str):
+        if _Parser.as_json:
+            print(json.dumps({"error": f"{self.prog}: {message}"}))
+        super().error(message)
+
+
 def _parser() -> argparse.ArgumentParser:
     from hotweights import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="hotweights",
         description="Train an LLM in place while vLLM serves it: one copy of the weights.",
     )
@@ -323,8 +336,8 @@ def _run_demo(args: argparse.Namespace) -> int:
         from hotweights.cli.demo_rl import run
 
         if args.arch != "llama":
-            raise ConfigError(f"--arch {args.arch} with --rl: the RL demo trains a tiny "
-                              "llama (float32); leave --arch out")
+            args.usage_error(f"--arch {args.arch} with --rl: the RL demo trains a tiny llama "
+                             "(float32); leave --arch out")
         args.steps = 20 if args.steps is None else args.steps
         args.checkpoint_every = 5 if args.checkpoint_every is None else args.checkpoint_every
         return run(args)
@@ -367,6 +380,18 @@ def _check_args(args: argparse.Namespace, usage_error) -> None:
     if getattr(args, "cafile", None) and isinstance(server, str) and server.strip(
             ).lower().startswith("http://"):
         usage_error(f"--cafile is for an https server; {server} is plain http (no TLS)")
+    if hasattr(args, "source") and args.server is None and (
+            getattr(args, "token", None) or getattr(args, "cafile", None)):
+        usage_error("--token, --token-file and --cafile go with --server (a checkpoint "
+                    "directory needs none of them)")
+    if hasattr(args, "ssl_keyfile") and (args.ssl_keyfile is None) != (
+            args.ssl_certfile is None):
+        usage_error("--ssl-keyfile and --ssl-certfile go together: https needs both the "
+                    "certificate chain and its private key")
+    if (workdir := getattr(args, "workdir", None)) and os.path.exists(workdir) and \
+            not os.path.isdir(workdir):
+        usage_error(f"argument --workdir: {workdir} is not a directory (one is made where "
+                    "none exists)")
 
 
 def _before_model(words: list[str], model: str, extra: list[str]) -> str | None:
@@ -379,6 +404,7 @@ def _before_model(words: list[str], model: str, extra: list[str]) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
+    _Parser.as_json = "--json" in (sys.argv[1:] if argv is None else argv)
     args, extra = parser.parse_known_args(argv)
     usage_error = getattr(args, "usage_error", parser.error)
     if extra and not getattr(args, "passthrough", False):

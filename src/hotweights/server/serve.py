@@ -151,8 +151,9 @@ def refuse_ours(vllm_args: list[str]) -> None:
 def check_model(model: str) -> None:
     """Refuse a MODEL that is written as a path (./x, /x, ~/x) but is no directory: vLLM
     would take it for a hub name and fail late."""
-    if model.startswith((".", "/", "~")) and not Path(model).expanduser().is_dir():
-        raise ConfigError(f"MODEL {model}: no such directory")
+    if model.startswith((".", "/", "~")) and not (path := Path(model).expanduser()).is_dir():
+        raise ConfigError(f"MODEL {model}: " + ("not a directory" if path.exists() else
+                                                "no such directory"))
 
 
 def check_token_file(path: Path) -> None:
