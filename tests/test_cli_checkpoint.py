@@ -411,7 +411,7 @@ def test_diagnose_leftovers_and_an_empty_directory(dirs, tmp_path, capsys):
     rc, out, _ = _run(capsys, "diagnose", "--model-dir", empty)
     assert rc == 0 and "no safetensors yet: a sync makes a first full save" in out
     rc, _, err = _run(capsys, "diagnose", "--model-dir", tmp_path / "absent")
-    assert rc == 1 and err == f"error: {tmp_path / 'absent'}: not a directory\n"
+    assert rc == 1 and err == f"error: {tmp_path / 'absent'}: no such directory\n"
 
 
 def _interrupt(a: Path, b: Path, *, commit: bool) -> list[str]:
@@ -479,7 +479,7 @@ def test_recover_a_clean_directory_and_a_missing_one(dirs, tmp_path, capsys):
     assert _run(capsys, "recover", a) == (0, f"{a}: nothing to recover\n", "")
     assert {p.name: p.read_bytes() for p in a.iterdir()} == files
     absent = tmp_path / "absent"
-    assert _run(capsys, "recover", absent) == (1, "", f"error: {absent}: not a directory\n")
+    assert _run(capsys, "recover", absent) == (1, "", f"error: {absent}: no such directory\n")
     assert not absent.exists()
     assert _run(capsys, "recover", "--model-dir", a, "-v") == (  # as sync and diagnose take it
         0, f"{a}: nothing to recover\n", "")

@@ -16,6 +16,7 @@ from hotweights.checkpoint import clone, journal, lock, sidecar, trash
 from hotweights.checkpoint.dtypes import TORCH
 from hotweights.checkpoint.incremental import check_mode, read_to_sync, shared_file, write_mode
 from hotweights.checkpoint.names import to_disk, unpack
+from hotweights.checkpoint.result import not_a_directory
 from hotweights.checkpoint.writable import why_not_replaceable, why_not_writable
 from hotweights.errors import CheckpointError
 
@@ -149,7 +150,7 @@ def diagnose(model_dir: str | os.PathLike,
     """
     d = Path(model_dir)
     if not d.is_dir():
-        raise CheckpointError(f"{d}: not a directory")
+        raise not_a_directory(d)
     check_mode(mode)
     blocks.check_block_size(block_size, "diagnose")
     try:

@@ -1,11 +1,15 @@
 """`SyncResult`: what a sync or a first save did; `Progress`: what it tells as it goes;
-`mib`: a size as its errors say it."""
+`mib`: a size as its errors say it; `not_a_directory`: the error for a directory that is
+none."""
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+
+from hotweights.errors import CheckpointError
 
 Progress = Callable[[str, int, int], None]  # (phase "hash" | "write", bytes done, total)
 
@@ -36,6 +40,12 @@ class SyncResult:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
+
+
+def not_a_directory(path: str | os.PathLike) -> CheckpointError:
+    """The error for a checkpoint directory that is none: missing, or something else."""
+    return CheckpointError(f"{path}: " + ("not a directory" if os.path.lexists(path) else
+                                          "no such directory"))
 
 
 def mib(n: int, up: bool = False) -> str:

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from hotweights.checkpoint.dtypes import TORCH
+from hotweights.checkpoint.result import not_a_directory
 from hotweights.checkpoint.shards import INDEX_NAME, SINGLE_NAME, read_dir
 from hotweights.errors import CheckpointError
 
@@ -59,8 +60,7 @@ def open_dir(model_dir: str | os.PathLike, *, skip_unknown: bool = False) -> Ten
             `shards.read_dir`), or a tensor's dtype has no torch equivalent here.
     """
     if not os.path.isdir(model_dir):
-        raise CheckpointError(f"{model_dir}: " + ("not a directory" if os.path.exists(model_dir)
-                                                  else "no such directory"))
+        raise not_a_directory(model_dir)
     disk = read_dir(model_dir)
     if disk is None:
         raise CheckpointError(f"{model_dir}: no safetensors checkpoint (neither "

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from hotweights.checkpoint.result import not_a_directory
 from hotweights.errors import CheckpointError
 
 _PHASES = {"hash": "hashing", "write": "writing"}
@@ -161,7 +162,7 @@ def run_recover(args: argparse.Namespace) -> int:
 
     d = args.model_dir
     if not os.path.isdir(d):
-        raise CheckpointError(f"{d}: not a directory")
+        raise not_a_directory(d)
     with locked(d):  # a sync running there ends first
         try:
             meta = journal.pending(d)  # what a committed journal brings, for the line below
