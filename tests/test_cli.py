@@ -18,6 +18,23 @@ def test_help_explains_every_command():
     assert out.startswith("hotweights ")
 
 
+def test_every_command_s_help_ends_with_examples_that_parse(capsys):
+    import shlex
+
+    from hotweights.cli.main import _EXAMPLES, _parser
+
+    parser = _parser()
+    for name, lines in _EXAMPLES.items():
+        with pytest.raises(SystemExit):
+            parser.parse_args([name, "--help"])
+        assert capsys.readouterr().out.rstrip().endswith(lines[-1])
+        for line in lines:
+            words = shlex.split(line, comments=True)
+            assert words[0] == "hotweights"
+            args, extra = parser.parse_known_args(words[1:])  # a usage error exits
+            assert args.command == name and (not extra or name == "serve"), line
+
+
 @pytest.mark.parametrize("argv", [
     ["demo", "--steps", "0"],
     ["demo", "--steps", "x"],

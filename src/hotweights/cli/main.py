@@ -53,11 +53,42 @@ def _count(least: int):
     return parse
 
 
+class _Help(argparse.HelpFormatter):
+    """argparse's, but an ``examples:`` paragraph keeps its lines as written."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        fill = super()._fill_text  # (not in the generator below: no zero-argument super)
+        return "\n\n".join(
+            "\n".join(indent + line for line in part.splitlines())
+            if part.startswith("examples:") else fill(part, width, indent)
+            for part in text.split("\n\n"))
+
+
+_EXAMPLES = {  # each command's --help ends with these
+    "serve": ["hotweights serve ./my-model --port 8000 --dtype bfloat16",
+              "hotweights serve ./my-model --remote --port 8000   # on a server machine"],
+    "status": ["hotweights status", "hotweights status https://gpu01:8000 --cafile ca.pem"],
+    "layout": ["hotweights layout ./my-model"],
+    "demo": ["hotweights demo", "hotweights demo --rl --steps 20"],
+    "sync": ["hotweights sync ./ckpt --server http://127.0.0.1:8000",
+             "hotweights sync ./ckpt --from ./other-ckpt --version step-100",
+             "hotweights sync ./ckpt --server http://127.0.0.1:8000 "
+             "--changed 'model.layers.2[4-7].*'"],
+    "diagnose": ["hotweights diagnose ./ckpt",
+                 "hotweights diagnose ./ckpt --server http://127.0.0.1:8000 --json"],
+    "recover": ["hotweights recover ./ckpt"],
+}
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse's, whose usage errors also go to stdout as JSON under --json: a script
     reading stdout gets JSON whatever failed. (Its commands' parsers are of this class.)"""
 
     as_json = False  # set by `main` for the command line it parses
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _Help)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         if _Parser.as_json:
@@ -255,6 +286,8 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_run_recover)
     for name, p in sub.choices.items():  # -v after the command too (vLLM's flags follow serve's)
         p.set_defaults(usage_error=p.error)  # a usage error shows the command's usage
+        p.epilog = "\n\n".join([*([p.epilog] if p.epilog else []), "examples:\n" + "\n".join(
+            f"  {line}" for line in _EXAMPLES[name])])
         if name != "serve":
             p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                            help="show library logs")
