@@ -293,8 +293,17 @@ def test_bad_index_named_error(sharded: Path, case: str):
     corrupt(sharded)
     before = _snapshot(sharded)
     with pytest.raises(CheckpointError, match=message):
-        read_dir(sharded)
+        read_dir(sharded, strict=True)  # (as a sync reads it)
     assert _snapshot(sharded) == before
+
+
+def test_a_tensor_two_shards_hold_is_the_index_s_unless_strict(sharded: Path):
+    corrupt, message = INDEX_CASES["a_tensor_in_two_shards"]  # a server, a RemoteGroup's
+    corrupt(sharded)  # checkpoint read it as vLLM loads it; a sync refuses it (above)
+    shard, info = read_dir(sharded)["a.weight"]
+    assert Path(shard.path).name == "m-1.safetensors"
+    with pytest.raises(CheckpointError, match=message):
+        sync(sharded, _tensors())
 
 
 def test_a_tensor_a_shard_holds_beyond_the_index_is_on_disk(sharded: Path):

@@ -317,8 +317,9 @@ class Bridge:
             (logger.debug if quiet else logger.warning)("hotweights: abort failed: %s", e)
 
     def _refresh_version(self) -> None:
-        with contextlib.suppress(HotweightsError):  # (the caller's error is the news)
-            self.version = self.status()["version"]
+        with contextlib.suppress(HotweightsError):  # (the caller's error is the news; the
+            self.version = server_status(self.url, self._token, cafile=self.cafile,  # remotes'
+                                         timeout=10)["version"]  # commit may follow)
 
     def status(self) -> dict:
         return server_status(self.url, self._token, cafile=self.cafile)

@@ -55,7 +55,8 @@ class ShardTensors:
     def ready(self) -> ShardTensors:
         """The tensors contiguous, in the file's dtypes: copies made now, one shard at a
         time, of those that are not (a sync holds the copies of the shards it hashes or
-        stages, not the whole model's)."""
+        stages, not the whole model's; in journal mode, those of the changed tensors until
+        the journal is written)."""
         return ShardTensors(self.shard, {
             n: t.to(TORCH[self.shard.tensors[n].dtype]).contiguous()
             for n, t in self.tensors.items()})

@@ -56,7 +56,7 @@ def save(model_dir: Path, live: Mapping[str, torch.Tensor], *, mode: str,
             seen[key] = name
             untied[name] = t.detach()
     # ties dropped first, then transformers' conversions reverted, as save_pretrained does
-    storages = Counter(t.untyped_storage().data_ptr() for t in untied.values())
+    storages = Counter(p for t in untied.values() if (p := t.untyped_storage().data_ptr()))
     if any(n > 1 for n in storages.values()):  # views of one storage under many names (a
         # bridge's, of vLLM's tensors): not one tied tensor, which save_pretrained's split
         # keeps in one shard (here, the whole model); sized apart, and converted to views
@@ -64,7 +64,8 @@ def save(model_dir: Path, live: Mapping[str, torch.Tensor], *, mode: str,
         tensors = reverted(untied, model_type=model_type, model=model, views=True)
         sizing = {n: t.to("meta") for n, t in tensors.items()}
     else:  # as save_pretrained shards them
-        tensors = sizing = reverted(untied, model_type=model_type, model=model)
+        tensors = sizing = {n: t.contiguous() for n, t in  # (sized as written)
+                            reverted(untied, model_type=model_type, model=model).items()}
     split = split_torch_state_dict_into_shards(sizing, max_shard_size=max_shard_size)
     for filename, names in split.filename_to_tensors.items():
         if bad := next((n for n in names if tensors[n].dtype not in NAMES), None):

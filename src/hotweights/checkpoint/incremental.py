@@ -227,9 +227,10 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
 
 
 def read_to_sync(model_dir: Path) -> dict[str, tuple[Shard, TensorInfo]] | None:
-    """`read_dir`, its errors about a file's contents ending with what to do."""
+    """`read_dir` (strict: a tensor two shards hold is refused), its errors about a file's
+    contents ending with what to do."""
     try:
-        return read_dir(model_dir)
+        return read_dir(model_dir, strict=True)
     except CheckpointError as e:
         if isinstance(e.__cause__, OSError):  # cannot read it (permissions, I/O): as is
             raise
@@ -477,8 +478,9 @@ class _Stager:
         with self.counted:
             self.total += w.shard.size if how == "whole" else w.changed_bytes
         dst = self.area / w.name
-        if how == "journal":
-            return w, w.changed_bytes  # journaled by `_journal`, from its tensors
+        if how == "journal":  # journaled by `_journal`, from the tensors that changed (the
+            return replace(w, tensors={n: w.tensors[n] for n, _, _ in w.ranges}), \
+                w.changed_bytes  # others' copies go now)
         if how == "whole":  # the tensors `changed=` left out keep the file's bytes, which
             hashed = {n: w.tensors[n] for n in c.hashed}  # their sidecar describes
             n = stage.whole(w.shard, hashed, dst, self.step)

@@ -235,17 +235,20 @@ def read_index(model_dir: str | os.PathLike) -> dict[str, str] | None:
     return None
 
 
-def read_dir(model_dir: str | os.PathLike) -> dict[str, tuple[Shard, TensorInfo]] | None:
+def read_dir(model_dir: str | os.PathLike, *, strict: bool = False
+             ) -> dict[str, tuple[Shard, TensorInfo]] | None:
     """Every tensor of the checkpoint in `model_dir`: name -> (its Shard, its TensorInfo).
 
     Reads each shard's header once. Returns None when there are no safetensors (see
     `read_index`). A tensor a shard holds but the index does not name is in it too:
-    transformers and vLLM load every tensor of each shard the index lists.
+    transformers and vLLM load every tensor of each shard the index lists. One that two
+    shards hold is the index's (else the first shard's), unless `strict` (a sync: it would
+    write one copy, and a loader may take the other, the later file's).
 
     Raises:
         CheckpointError: as `read_shard` and `read_index`; for a tensor the index places
-            in a shard whose header does not hold it (named with the shard), and for one
-            that two shards hold (named with both: a loader would take the later file's).
+            in a shard whose header does not hold it (named with the shard), and, with
+            `strict`, for one that two shards hold (named with both).
     """
     wm = read_index(model_dir)
     if wm is None:
@@ -260,7 +263,7 @@ def read_dir(model_dir: str | os.PathLike) -> dict[str, tuple[Shard, TensorInfo]
     out = {n: (shards[fn], shards[fn].tensors[n]) for n, fn in wm.items()}
     for fn, shard in shards.items():
         for n, info in shard.tensors.items():
-            if (held := out.setdefault(n, (shard, info))[0]) is not shard:
+            if (held := out.setdefault(n, (shard, info))[0]) is not shard and strict:
                 first = Path(held.path).name + (" (the index's)" if n in wm else "")
                 raise CheckpointError(
                     f"{Path(model_dir)}: tensor {n} is in {first} and in {fn}: transformers "

@@ -33,11 +33,12 @@ _warned: set[str | None] = set()  # hosts told that their token travels in plain
 
 
 def server_status(url: str, token: str | None = None, *,
-                  cafile: str | os.PathLike | None = None) -> dict:
+                  cafile: str | os.PathLike | None = None, timeout: float = 120) -> dict:
     """GET /hotweights/status of the server at `url` (token and cafile as for
     `Bridge.connect`)."""
     url = server_url(url)
-    status = request(url, "GET", "/hotweights/status", find_token(url, token), cafile=cafile)
+    status = request(url, "GET", "/hotweights/status", find_token(url, token), cafile=cafile,
+                     timeout=timeout)
     if not isinstance(status, dict) or not isinstance(status.get("version"), str):
         raise ServerError(f"{url}/hotweights/status: not a hotweights status (no 'version' "
                           f"string in {str(status)[:200]!r}): is it a `hotweights serve` of "

@@ -27,8 +27,10 @@ __all__ = ["Announcements"]
 logger = logging.getLogger(__name__)
 
 _WAIT_SLICE_S = 2.0  # a wait for an announced update waits this long at once: an
-# `interrupt` whose wake cannot reach the store (a sender's host gone without a word) ends
-# it within one, not at the wait's end (the worker's main thread waits for it)
+# `interrupt` whose wake cannot be set (its own connection refused) ends it within one, not
+# at the wait's end (the worker's main thread waits for it). A store whose host vanished
+# without a reset still holds a slice's end up to the store's timeout: torch cancels a
+# wait with a round trip of its own
 
 
 class Announcements:

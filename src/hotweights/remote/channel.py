@@ -164,6 +164,7 @@ class Channel:
         self.device = torch.device(device if device is not None else "cpu" if backend ==
                                    "gloo" else f"cuda:{torch.cuda.current_device()}")
         self.bytes_sent = self.bytes_received = self._updates = 0
+        self._verdict: int | None = None  # the update whose verdict the store holds (rank 0)
         self._staging: torch.Tensor | None = None
         self._pg = self._peers = None
         self.announced: Announcements | None = None  # (after the rendezvous)
@@ -269,7 +270,9 @@ class Channel:
         if self.rank == 0:
             with contextlib.suppress(RuntimeError):  # (a receiver then fails by itself)
                 self._peers.say(key, str(int(t.item())))
-                self._store.delete_key(self._verdict_key(self._updates - 1))
+                if self._verdict is not None:  # the last one written (not an abort's number)
+                    self._store.delete_key(self._verdict_key(self._verdict))
+                self._verdict = self._updates
         keys = [(r, self._refusal_key(r)) for r in range(1, self.world_size)]
         self._updates += 1
         if int(t.item()) and not refused:
