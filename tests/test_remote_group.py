@@ -143,6 +143,18 @@ def test_the_reference_takes_a_patch_in_every_dtype(dtype):
                        new.view(-1).view(torch.uint8))
 
 
+def test_the_deltas_kept_for_the_commit_let_go_of_the_old_values_the_send_read():
+    from hotweights.remote.group import _Encoded
+
+    old = torch.zeros(64, dtype=torch.bfloat16)
+    new = old.clone()
+    new[[3, 40]] = 1
+    kept = _Encoded()
+    (sent,) = kept.read(iter([delta.encode("w", old, new)]))
+    assert sent.kind == delta.PATCH and sent.old_values is not None  # the send's xor reads
+    assert kept[0].old_values is None and torch.equal(kept[0].values, sent.values)
+
+
 def test_a_full_resync_writes_into_the_reference_it_holds_not_a_second_copy():
     from hotweights.remote.reference import Reference
 

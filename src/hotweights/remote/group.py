@@ -43,7 +43,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -108,15 +108,16 @@ class Pending:
 
 
 class _Encoded(list):
-    """A plan's deltas, kept as the send reads them from the encode (for after the send);
-    `failed`: what the encode raised (bad input, named), if it did."""
+    """A plan's deltas, kept as the send reads them from the encode (for after the send:
+    without the old values a patch carries for the send's xor, until the commit on the
+    trainer's device); `failed`: what the encode raised (bad input, named), if it did."""
 
     failed: BaseException | None = None
 
     def read(self, deltas: Iterator[delta.Delta]) -> Iterator[delta.Delta]:
         try:
             for d in deltas:
-                self.append(d)
+                self.append(d if d.old_values is None else replace(d, old_values=None))
                 yield d
         except Exception as e:
             self.failed = e
