@@ -246,7 +246,7 @@ def _prepared(group, status, new, monkeypatch):
         meanwhile()
         return [(list(encode(plan)), 0, 0) for plan, _ in plans]
     monkeypatch.setattr(group, "_send", send)
-    return group._prepare(new, new, status, "wait", None, 0.0, {}, False)
+    return group._prepare(new, new, status, "wait", None, 0.0, {}, False, {})
 
 
 def test_servers_all_synced_from_the_checkpoint_leave_the_reference_whole(checkpoint,
@@ -429,8 +429,14 @@ def test_the_first_update_compiles_the_encode_ahead_on_a_thread_of_its_own(monke
     monkeypatch.setattr(packing, "warm", lambda dtypes: warmed.append(
         (threading.current_thread().name, dtypes)))
     group = RemoteGroup(["http://127.0.0.1:1"], token="t" * 32, timeout=1)
-    weights = {"w": torch.zeros(4, 8, dtype=torch.bfloat16),
-               "b": torch.zeros(3, dtype=torch.float32)}
+    status = {group.urls[0]: {"server_id": "s", "n": 0, "dtypes": {
+        "default": "bfloat16", "others": {"b": "float32"}}}}
+    monkeypatch.setattr(group, "_status", lambda urls, dropped: (status, dropped))
+
+    def fail(*args):
+        raise RemoteError("no answer")
+    monkeypatch.setattr(group, "_prepare", fail)
+    weights = {"w": torch.zeros(4, 8), "b": torch.zeros(3)}  # w: sent in bf16
     with pytest.raises(RemoteError, match="no answer"):
         group.prepare(weights)
     warm = group._warm
@@ -442,6 +448,51 @@ def test_the_first_update_compiles_the_encode_ahead_on_a_thread_of_its_own(monke
     assert warmed == [("hotweights-jit-warm", {torch.bfloat16, torch.float32})]
 
 
+def test_a_float32_trainer_sends_bf16_servers_its_weights_as_they_hold_them(monkeypatch):
+    # as vLLM's loader loads a float32 checkpoint into a bf16 model: each value rounded to
+    # the nearest bf16; a tensor the servers keep in float32 stays float32, integers as
+    # they are. The deltas are taken against what the servers hold.
+    monkeypatch.setattr(packing, "warm", lambda dtypes: None)
+    group = RemoteGroup(["http://127.0.0.1:1"], token="t" * 32)
+    status = {group.urls[0]: {"server_id": "s", "n": 0, "device": "cpu", "dtypes": {
+        "default": "bfloat16", "others": {"router": "float32", "ids": "int64"}}}}
+    monkeypatch.setattr(group, "_status", lambda urls, dropped: (status, dropped))
+    monkeypatch.setattr(group.links, "connect", lambda status, backend: None)
+    sent = []
+
+    def send(status, plans, encode, cut, mode, lease_s, meanwhile, pause_ahead):
+        meanwhile()
+        sent[:] = [d for plan, _ in plans for d in encode(plan)]
+        return [(list(sent), 0, 0) for plan, _ in plans]
+    monkeypatch.setattr(group, "_send", send)
+    monkeypatch.setattr(group, "_each", lambda fn, **kw: {u: {"version": "1@s"}
+                                                           for u in group.urls})
+    torch.manual_seed(0)
+    weights = {"w": torch.randn(8, 16), "router": torch.randn(4, 16), "ids": torch.arange(4)}
+    before = {k: t.clone() for k, t in weights.items()}
+    group.commit(group.prepare(weights))
+    assert {d.name: (d.kind, d.dtype) for d in sent} == {
+        "w": ("dense", torch.bfloat16), "router": ("dense", torch.float32),
+        "ids": ("dense", torch.int64)}
+    held = group.reference.tensors
+    assert torch.equal(held["w"], before["w"].to(torch.bfloat16))
+    assert torch.equal(held["router"], before["router"]) and held["router"].dtype == \
+        torch.float32
+    status[group.urls[0]]["n"] = 1  # it holds what this group sent
+    weights["w"][0, 0] += 1e-6  # below bf16's resolution there: the servers hold the same
+    weights["w"][5] += 1.0
+    group.commit(group.prepare(weights), 2)
+    assert {d.name: d.kind for d in sent} == {"w": "rows", "router": "same", "ids": "same"}
+    assert torch.equal(held["w"], weights["w"].to(torch.bfloat16))
+    pending = group.prepare(weights)  # a write between prepare and commit, seen on the
+    weights["router"][0, 0] += 1  # trainer's own float32 tensor
+    group.commit(pending, 3)
+    assert group._held == {}
+    weights["w"] += 1
+    assert group.restore(weights)  # what the servers hold, in the trainer's float32
+    assert torch.equal(weights["w"], group.reference.tensors["w"].float())
+
+
 def _pending(urls, *, sent=0, floor=0, new=None):
     """A prepared update as `prepare` leaves it (every server staged it)."""
     from hotweights.remote.group import Pending
@@ -449,7 +500,7 @@ def _pending(urls, *, sent=0, floor=0, new=None):
     return Pending(status={u: {"server_id": "s"} for u in urls}, new=new, deltas=None,
                    full=(), from_checkpoint=(), prints=None, sent=sent, carried={},
                    started=0.0, floor=floor, frozen={}, dropped={}, lease_s=240.0,
-                   written={k: t._version for k, t in new.items()})
+                   written={k: (t, t._version) for k, t in new.items()})
 
 
 def _posting(group):

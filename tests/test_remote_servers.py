@@ -348,6 +348,22 @@ def test_only_what_changed_goes_on_the_wire(remotes, trainer):
     _assert_serves(model, _greedy(remotes[0], PROMPT, 8))  # xor decoded to the new values
 
 
+def test_a_float32_trainer_updates_servers_that_serve_its_weights_in_bf16(remotes):
+    # vLLM's dtype="auto" serves a float32 checkpoint in bf16: the group sends each value
+    # rounded to the nearest bf16, as vLLM's loader would load it (it was refused: "dtype
+    # float32, the target's bfloat16"), and takes the next delta against what they hold
+    model = AutoModelForCausalLM.from_pretrained(remotes[0].model_dir, dtype=torch.float32)
+    assert _status(remotes[0])["dtypes"] == {"default": "bfloat16", "others": {}}
+    with RemoteGroup([s.url for s in remotes[:2]], token=TOKEN, timeout=10.0) as group:
+        assert group.update(model)["full"]
+        _step_and_update(model, group)
+        with torch.no_grad():  # below bf16's resolution: the servers hold the same
+            model.model.norm.weight.mul_(1 + 1e-6)
+        assert group.update(model)["bytes_sent"] < 64 * 1024
+    assert _checksum(remotes[0]) == _checksum(remotes[1])
+    _assert_serves(model.to(torch.bfloat16), _greedy(remotes[0], PROMPT, 8))
+
+
 def test_a_trainer_with_frozen_layers_keeps_a_copy_of_the_trainable_ones_only(remotes):
     model = AutoModelForCausalLM.from_pretrained(remotes[0].model_dir, dtype=torch.bfloat16)
     model.requires_grad_(False)
@@ -688,6 +704,9 @@ def test_a_tensor_vllm_keeps_in_float32_takes_bf16_and_float32_updates(tiny_mode
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
         a_log = [p for n, p in model.named_parameters() if n.endswith("A_log")]
         assert a_log and all(p.numel() > 2 for p in a_log)
+        held = _status(far)["dtypes"]  # a float32 trainer's A_log is sent as it is
+        assert held["default"] == "bfloat16" and held["others"] == {
+            n: "float32" for n, _ in model.named_parameters() if n.endswith("A_log")}
         with RemoteGroup([far.url], token=TOKEN, timeout=10.0) as group:
             assert group.update(model)["full"]
             _step_and_update(model, group)  # every head's: sent dense

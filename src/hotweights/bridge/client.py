@@ -318,11 +318,10 @@ class Bridge:
 
     def _refresh_version(self) -> None:
         with contextlib.suppress(HotweightsError):  # (the caller's error is the news; the
-            self.version = server_status(self.url, self._token, cafile=self.cafile,  # remotes'
-                                         timeout=10)["version"]  # commit may follow)
+            self.version = self.status(timeout=10)["version"]  # remotes' commit may follow)
 
-    def status(self) -> dict:
-        return server_status(self.url, self._token, cafile=self.cafile)
+    def status(self, *, timeout: float = 120) -> dict:
+        return server_status(self.url, self._token, cafile=self.cafile, timeout=timeout)
 
     def server_info(self) -> dict:
         """The served model's settings (`model_config`: model, dtype, max_model_len,

@@ -437,13 +437,13 @@ def _before_model(words: list[str], model: str, extra: list[str]) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
-    _Parser.as_json = "--json" in (sys.argv[1:] if argv is None else argv)
-    args, extra = parser.parse_known_args(argv)
+    words = sys.argv[1:] if argv is None else argv
+    _Parser.as_json = "--json" in words
+    args, extra = parser.parse_known_args(words)
     usage_error = getattr(args, "usage_error", parser.error)
     if extra and not getattr(args, "passthrough", False):
         usage_error(f"unrecognized arguments: {' '.join(extra)}")
-    if extra and (flag := _before_model(sys.argv[1:] if argv is None else argv, args.model,
-                                        extra)):
+    if extra and (flag := _before_model(words, args.model, extra)):
         usage_error(f"vLLM's flags go after MODEL ({flag} came before {args.model!r}, "
                     "which may be its value): hotweights serve MODEL [vLLM flags]")
     args.extra = extra

@@ -55,7 +55,7 @@ from hotweights.layout.plan import model_weights
 from hotweights.protocol.http import request
 from hotweights.protocol.renewer import Renewer, unanswered
 from hotweights.protocol.tokens import find_token, is_loopback
-from hotweights.remote import delta, delta_apply, packing, prefilter
+from hotweights.remote import delta, delta_apply, packing, prefilter, served
 from hotweights.remote.hosts import channel_backend, route_address, server_urls
 from hotweights.remote.links import Link, Links, named, outcome
 from hotweights.remote.loaded import LoadedCheckpoint
@@ -104,7 +104,7 @@ class Pending:
     frozen: prefilter.Prints  # of the tensors that cannot change, once the servers hold them
     dropped: dict  # url -> why: servers down at the start or dead during the send
     lease_s: float  # the servers' lease: their commit may wait this long for its pause
-    written: dict  # name -> the tensor's version counter when it was read (`_changed_since`)
+    written: dict  # name -> (the trainer's tensor, its version counter when it was read)
 
 
 class _Encoded(list):
@@ -225,6 +225,7 @@ class RemoteGroup:
         self._leased: dict = {}  # url -> status, of the servers an update in progress began
         self._lease_lost = ""  # require="all": the servers that refused a renewal meanwhile
         self._lost = 0  # bytes that left this process in the update's sends that failed
+        self._casts: dict[str, torch.dtype] = {}  # name -> the servers' narrower float
         self._warm: threading.Thread | None = None  # compiles the encode's loops ahead
 
     # -- the update ------------------------------------------------------------------------
@@ -286,17 +287,20 @@ class RemoteGroup:
         """
         started, self._lost = time.perf_counter(), 0
         new = _weights(weights)
+        written = {k: (t, t._version) for k, t in new.items()}  # before the encode reads them
+        status, dropped = self._status(self.urls, {})
+        self._casts = served.narrowed_to(status, new)  # a float32 trainer, bf16 servers
+        new = served.cast(new, self._casts)
         if self._warm is None:  # while the first update (a full sync) travels, not at the
             # second (not a daemon: numba must not be cut off at exit)
             self._warm = threading.Thread(target=packing.warm, name="hotweights-jit-warm",
                                           args=({t.dtype for t in new.values()},))
             self._warm.start()
-        status, dropped = self._status(self.urls, {})
         try:
             while True:
                 try:
                     return self._prepare(weights, new, status, mode, lease_s, started,
-                                         dropped, pause_ahead)
+                                         dropped, pause_ahead, written)
                 except RemoteError as e:
                     if self.require == "all":
                         raise
@@ -335,10 +339,9 @@ class RemoteGroup:
         return status, {**dropped, **down}
 
     def _prepare(self, weights, new: dict, status: dict, mode: str, lease_s: float | None,
-                 started: float, dropped: dict, pause_ahead: bool) -> Pending:
+                 started: float, dropped: dict, pause_ahead: bool, written: dict) -> Pending:
         """`prepare` on the servers of `status`: who holds which old values (`_plans`), the
         encode and the send for each set of them."""
-        written = {k: t._version for k, t in new.items()}  # before the encode reads them
         lease_s = lease_s or self._lease_s()
         plans = self._plans(status, new)
         if self.reference_mode == "checkpoint":
@@ -490,7 +493,7 @@ class RemoteGroup:
     def restore(self, weights: torch.nn.Module | Mapping[str, torch.Tensor]) -> bool:
         """Write what the servers hold back into `weights`, in place: undoes a trainer's
         step that the servers did not take (`Reference.restore`; False if it cannot)."""
-        return self.reference.restore(weights, _weights(weights))
+        return self.reference.restore(weights, served.cast(_weights(weights), self._casts))
 
     def _encode(self, plan: _Plan, new: dict, kept: set[str], rows: dict | None
                 ) -> Iterator[delta.Delta]:
@@ -732,7 +735,7 @@ def _raise_failed(futures: dict, what: str, *, wait: bool = True) -> None:
 def _changed_since(pending: Pending) -> list[str]:
     """The tensors of `pending` written in place since `prepare` read them (their version
     counters moved): the servers received the values read then, not these."""
-    return [k for k, t in pending.new.items() if t._version != pending.written[k]]
+    return [k for k, (t, version) in pending.written.items() if t._version != version]
 
 
 def _weights(weights: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

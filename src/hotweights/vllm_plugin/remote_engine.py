@@ -125,6 +125,12 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
                 specs[name] = torch.empty(spec.shape, device="meta", dtype=shard.dtype)
         return specs
 
+    def served_dtypes(self) -> dict[str, str]:
+        """HF name -> the dtype (torch's name) this worker holds it in: an update's values
+        come in it, or in a narrower float it widens exactly."""
+        specs = self.staged.specs if self.staged is not None else self._specs()
+        return {name: str(t.dtype).removeprefix("torch.") for name, t in specs.items()}
+
     def init_transfer_engine(self, init_info: RemoteInit) -> None:
         self.shutdown()
         pc = self.parallel_config

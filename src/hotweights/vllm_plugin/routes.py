@@ -26,6 +26,7 @@ import logging
 import os
 import secrets
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -222,6 +223,14 @@ def _loaded(model: str, revision: str | None = None) -> str | None:
     return found
 
 
+def _dtypes(workers: list[dict[str, str]]) -> dict:
+    """What a status says of the dtypes the workers hold tensors in (`served.narrowed_to`
+    reads it): the most common one, and the tensors held in another."""
+    held = {k: v for worker in workers for k, v in worker.items()}
+    default = Counter(held.values()).most_common(1)[0][0] if held else None
+    return {"default": default, "others": {k: v for k, v in held.items() if v != default}}
+
+
 def _server_info(model_config, remote: bool) -> dict:
     """The served model's settings, shaped like vLLM's `/server_info` (a `VllmConfig` tree,
     only what a trainer reads); the weight-transfer engine is hotweights' own on a
@@ -262,6 +271,7 @@ class HotweightsRoutes:
         self.channel: str | None = None  # the trainer channel joined (remote servers)
         self.device: str | None = None  # where the workers hold the weights (cuda, cpu)
         self.loaded: str | None = None  # remote: digest of the checkpoint vLLM loaded
+        self.dtypes: dict | None = None  # remote: the dtypes its workers hold tensors in
         self.info: dict = {}  # what /server_info answers (the served model's settings)
 
     def attach_router(self, app: FastAPI) -> None:
@@ -303,6 +313,8 @@ class HotweightsRoutes:
             self.workers = len(await engine_client.collective_rpc("hotweights_check_in_place"))
             self.loaded = await asyncio.to_thread(_loaded, str(getattr(args, "model", "")),
                                                   getattr(args, "revision", None))
+            self.dtypes = _dtypes(await engine_client.collective_rpc(
+                "hotweights_remote_dtypes"))
             logger.info("hotweights: server %s, %d worker(s) receive updates from a "
                         "trainer (--remote)", self.server_id, self.workers)
             return
@@ -350,7 +362,7 @@ class HotweightsRoutes:
                 "channel": None if self.tx.engine.broken else self.channel,
                 "protocol": PROTOCOL,
                 "armed": bool(self.remote and self.tx.engine.armed), "device": self.device,
-                "checkpoint": self.loaded if untouched else None}
+                "checkpoint": self.loaded if untouched else None, "dtypes": self.dtypes}
 
     async def server_info(self, request: Request):
         """The served model's settings a trainer checks (TRL reads `logprobs_mode`): what

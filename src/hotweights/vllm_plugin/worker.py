@@ -93,6 +93,10 @@ class HotweightsWorker:
         ``"peak_staging"`` (their high-water mark, with one round's buffer)."""
         return self.weight_transfer_engine.received_bytes()
 
+    def hotweights_remote_dtypes(self) -> dict[str, str]:
+        """HF name -> the dtype this worker holds it in (`HotweightsEngine.served_dtypes`)."""
+        return self.weight_transfer_engine.served_dtypes()
+
     def hotweights_remote_decodes_xor(self) -> bool:
         """Whether this worker can decode xor-coded values (after joining a channel)."""
         return self.weight_transfer_engine.decodes_xor()

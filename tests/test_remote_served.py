@@ -1,0 +1,34 @@
+"""`hotweights.remote.served`: which tensors a trainer sends its servers in a narrower float."""
+
+import pytest
+import torch
+
+from hotweights import RemoteError
+from hotweights.remote.served import cast, narrowed_to
+
+NEW = {"w": torch.ones(2, dtype=torch.float32), "a_log": torch.ones(2),
+       "half": torch.ones(2, dtype=torch.bfloat16), "ids": torch.arange(2)}
+
+
+def _status(default, others=None):
+    return {"dtypes": {"default": default, "others": others or {}}}
+
+
+def test_only_floats_wider_than_the_servers_are_narrowed():
+    status = {"a": _status("bfloat16", {"a_log": "float32", "ids": "int64"})}
+    assert narrowed_to(status, NEW) == {"w": torch.bfloat16}
+    out = cast(NEW, {"w": torch.bfloat16})
+    assert out["w"].dtype == torch.bfloat16 and out["a_log"] is NEW["a_log"]
+    assert narrowed_to({"a": _status("float32")}, NEW) == {}  # bf16 is widened there
+
+
+def test_a_server_that_names_no_dtypes_takes_what_it_is_sent():
+    assert narrowed_to({"a": {"n": 0}, "b": _status("float16")}, NEW) == {
+        "w": torch.float16, "a_log": torch.float16}
+    assert narrowed_to({"a": _status("no_such_dtype")}, NEW) == {}
+
+
+def test_servers_that_hold_a_tensor_in_different_floats_are_named():
+    with pytest.raises(RemoteError, match="`w`: a holds it in torch.bfloat16, b in "
+                       "torch.float16: serve the model in one dtype on every server"):
+        narrowed_to({"a": _status("bfloat16"), "b": _status("float16")}, NEW)
