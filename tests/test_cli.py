@@ -93,8 +93,9 @@ def test_layout_prints_the_map(tiny_model):
     assert "values: 25 HF parameters hold what the checkpoint holds" in " ".join(out.split())
 
 
-def test_layout_of_a_missing_directory_is_one_clear_line(tmp_path, capsys):
-    assert main(["layout", str(tmp_path / "nope")]) == 1
+@pytest.mark.parametrize("flag", [[], ["--model-dir"]])  # as sync, diagnose, recover
+def test_layout_of_a_missing_directory_is_one_clear_line(tmp_path, capsys, flag):
+    assert main(["layout", *flag, str(tmp_path / "nope")]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "nope" in err
 

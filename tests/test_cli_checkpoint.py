@@ -87,7 +87,8 @@ def test_sync_from_writes_only_the_changed_rows(dirs, capsys):
 
 def test_sync_from_records_the_version_in_the_sidecars(dirs, capsys):
     a, b = dirs["A"], dirs["B"]
-    rc, out, _ = _run(capsys, "sync", "--model-dir", a, "--from", b, "--version", "7@run")
+    rc, out, _ = _run(capsys, "sync", "--model-dir", a, "--from", b, "--weight-version",
+                      "7@run")
     assert rc == 0 and ", version 7@run" in out.splitlines()[0]
     sidecars = sorted((a / ".hotweights").glob("*.blocks.json"))
     assert len(sidecars) == len(list(a.glob("*.safetensors")))

@@ -76,3 +76,18 @@ def test_an_answer_that_is_no_hotweights_status_is_one_line(monkeypatch, capsys)
         out, err = capsys.readouterr()
         assert "/hotweights/status: not a hotweights status (no 'version' string" in err
         assert json.loads(out)["error"] == err.removeprefix("error: ").rstrip("\n")
+
+
+def test_the_server_is_a_word_or_the_flag_sync_and_diagnose_take(monkeypatch, capsys):
+    from hotweights.cli import status
+    from hotweights.cli.main import main
+
+    asked = []
+    monkeypatch.setattr(status, "server_status", lambda url, token, cafile=None: (
+        asked.append(url), dict(BASE, state="idle"))[1])
+    for argv in ([], ["http://h:1"], ["--server", "http://h:2"]):
+        assert main(["status", *argv, "--token", "t", "--json"]) == 0
+    assert asked == ["http://127.0.0.1:8000", "http://h:1", "http://h:2"]
+    with pytest.raises(SystemExit) as e:
+        main(["status", "http://h:1", "--server", "http://h:2"])
+    assert e.value.code == 2 and "not allowed with argument" in capsys.readouterr().err

@@ -271,7 +271,7 @@ def test_sync_and_diagnose_commands_against_the_server(server, capsys, tmp_path)
     assert "matched" in out and "fresh" in out
     with pytest.raises(SystemExit) as usage:  # the server's version is the one recorded
         main(["sync", *args, "--version", "v9"])
-    assert usage.value.code == 2 and "--version goes with --from" in capsys.readouterr().err
+    assert usage.value.code == 2 and "--weight-version goes with --from" in capsys.readouterr().err
     assert main(["sync", *args[:2], "--server", server.url, "--token", "wrong"]) == 1
     assert "401" in capsys.readouterr().err
     status = _http(server.url, "/hotweights/status")[2]

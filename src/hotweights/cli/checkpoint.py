@@ -26,7 +26,7 @@ def run_sync(args: argparse.Namespace) -> int:
     from hotweights.checkpoint.shards import read_dir
 
     if args.version is not None and args.source is None:
-        args.usage_error("--version goes with --from: with --server, the server's version "
+        args.usage_error("--weight-version goes with --from: with --server, the server's version "
                          "is recorded")
     created = not os.path.lexists(args.model_dir)
     with (_progress(sys.stderr.isatty() and not args.json) as progress,

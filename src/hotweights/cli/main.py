@@ -67,11 +67,12 @@ class _Help(argparse.HelpFormatter):
 _EXAMPLES = {  # each command's --help ends with these
     "serve": ["hotweights serve ./my-model --port 8000 --dtype bfloat16",
               "hotweights serve ./my-model --remote --port 8000   # on a server machine"],
-    "status": ["hotweights status", "hotweights status https://gpu01:8000 --cafile ca.pem"],
+    "status": ["hotweights status", "hotweights status --server https://gpu01:8000 "
+               "--cafile ca.pem"],
     "layout": ["hotweights layout ./my-model"],
     "demo": ["hotweights demo", "hotweights demo --rl --steps 20"],
     "sync": ["hotweights sync ./ckpt --server http://127.0.0.1:8000",
-             "hotweights sync ./ckpt --from ./other-ckpt --version step-100",
+             "hotweights sync ./ckpt --from ./other-ckpt --weight-version step-100",
              "hotweights sync ./ckpt --server http://127.0.0.1:8000 "
              "--changed 'model.layers.2[4-7].*'"],
     "diagnose": ["hotweights diagnose ./ckpt",
@@ -154,11 +155,13 @@ def _parser() -> argparse.ArgumentParser:
         "is paused, who holds the update lease and until when, whether the weights are "
         "dirty (an update was interrupted), and the last update's timings.",
     )
-    p.add_argument("url", nargs="?", default="http://127.0.0.1:8000",
-                   help="the server (default: http://127.0.0.1:8000)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("url", nargs="?", help="the server (default: http://127.0.0.1:8000)")
+    where.add_argument("--server", dest="server_flag", action=_Once, metavar="URL",
+                       help="the same, as a flag (as sync and diagnose take it)")
     _client_auth(p)
     p.add_argument("--json", action="store_true", help="print the raw JSON")
-    p.set_defaults(run=_run_status)
+    p.set_defaults(run=_run_status, server_flag=None)
 
     p = sub.add_parser(
         "layout",
@@ -170,7 +173,7 @@ def _parser() -> argparse.ArgumentParser:
         "same: this names it). Anything unmapped or different is flagged, and the exit "
         "code is then 1.",
     )
-    p.add_argument("model_dir", help="a local HF model directory (config + safetensors)")
+    _model_dir(p, "a local HF model directory (config + safetensors)")
     p.add_argument("--model-impl", default="auto", choices=["auto", "vllm", "transformers"],
                    help="vLLM model implementation (default: auto)")
     p.add_argument("--dtype", default="auto",
@@ -227,9 +230,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="another safetensors checkpoint directory of the same model")
     p.add_argument("--mode", default="auto", choices=MODES,
                    help="how changed shards are written (default: auto; see below)")
-    p.add_argument("--version", action=_Once, metavar="TEXT", help="with --from: the weight "
-                   "version recorded in the sidecars (default: none; with --server, the "
-                   "server's)")
+    p.add_argument("--weight-version", "--version", dest="version", action=_Once,
+                   metavar="TEXT", help="with --from: the weight version recorded in the "
+                   "sidecars (default: none; with --server, the server's)")
     _client_auth(p)
     p.add_argument("--convert-dtype", action="store_true",
                    help="cast tensors to the file's dtype instead of refusing them")
@@ -322,7 +325,7 @@ def _token_file(path: str) -> str:
 
 
 def _model_dir(p: argparse.ArgumentParser, what: str) -> None:
-    """The checkpoint directory of sync, diagnose and recover: DIR or --model-dir DIR."""
+    """The directory of sync, diagnose, recover and layout: DIR or --model-dir DIR."""
     where = p.add_mutually_exclusive_group()  # one of them: `main` says so
     where.add_argument("model_dir", metavar="DIR", nargs="?", type=_path, help=what)
     where.add_argument("--model-dir", dest="model_dir_flag", metavar="DIR", type=_path,
@@ -401,6 +404,8 @@ def _run_recover(args: argparse.Namespace) -> int:
 def _check_args(args: argparse.Namespace, usage_error) -> None:
     """What argparse cannot check by itself: the checkpoint directory given one way or the
     other (`_model_dir`), a CA bundle only for an https server."""
+    if hasattr(args, "server_flag"):
+        args.url = args.server_flag or args.url or "http://127.0.0.1:8000"
     if hasattr(args, "model_dir_flag"):
         if args.model_dir_flag is not None:
             args.model_dir = args.model_dir_flag
