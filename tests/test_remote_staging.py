@@ -17,15 +17,19 @@ def _specs(w: dict) -> dict:
     return {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in w.items()}
 
 
-def _load(weights: dict, patches: tuple[list, list]) -> None:
+def _load(weights: dict, patches) -> None:
     """What vLLM's loader does with the patches, on plain tensors."""
-    dense, sparse = patches
-    for p in dense:
-        assert p.indices is None and p.values.numel() == weights[p.name].numel()
-        weights[p.name].view(-1).copy_(p.values)
-    for p in sparse:  # cast as the loader's copy_ does
+    for p in patches:
         w = weights[p.name]
-        w.view(-1).index_copy_(0, p.indices.long(), p.values.to(w.dtype))
+        if p.indices is None:
+            assert p.values.numel() == w.numel()
+            w.view(-1).copy_(p.values)
+        else:  # cast as the loader's copy_ does
+            w.view(-1).index_copy_(0, p.indices.long(), p.values.to(w.dtype))
+
+
+def _kinds(patches) -> dict:
+    return {p.name: "dense" if p.indices is None else "sparse" for p in patches}
 
 
 @pytest.mark.parametrize("max_bytes", [64, 200, 1 << 20])
@@ -36,22 +40,23 @@ def test_staged_rounds_load_bit_identical(max_bytes):
     for r in pack(encode_all(old, new), max_bytes=max_bytes, staging=staging):
         staged(r)
     got = {k: v.clone() for k, v in old.items()}
-    dense, sparse = staged.patches()
-    assert [p.name for p in dense] == ["c"] and sorted(p.name for p in sparse) == ["a", "b"]
-    _load(got, (dense, sparse))
+    patches = list(staged.patches())
+    assert _kinds(patches) == {"a": "sparse", "b": "sparse", "c": "dense"}
+    assert not list(staged.patches())  # each taken out of the staging as it was made
+    _load(got, patches)
     assert _same_bits(got, new)
     direct = {k: v.clone() for k, v in old.items() if k != "b"}  # "b" through the loader
     staged = Staged(_specs(old), shards={k: shards.whole(v) for k, v in direct.items()})
     for r in pack(encode_all(old, new), max_bytes=max_bytes, staging=staging):
         staged(r)
     assert staged.apply_in_place() == {"a", "c"}
-    rest = staged.patches()
-    assert [p.name for p in rest[1]] == ["b"] and rest[0] == []
+    rest = list(staged.patches())
+    assert _kinds(rest) == {"b": "sparse"}
     merged = direct | {"b": old["b"].clone()}
     _load(merged, rest)
     assert _same_bits(merged, new)
     staged.clear()
-    assert staged.patches() == ([], []) and staged.nbytes == 0
+    assert not list(staged.patches()) and staged.nbytes == 0
 
 
 def _round(old, new) -> Round:
@@ -129,7 +134,7 @@ def test_a_slab_vllm_keeps_in_float32_takes_bf16_values_exactly(spec, values, co
         staged(r)
     if spec == torch.float32:
         assert staged.apply_in_place() == {"a_log", "gate"}
-        assert staged.patches() == ([], [])
+        assert not list(staged.patches())
     else:
         assert staged.apply_in_place() == set()  # no bf16 bits in float32 words
         assert torch.equal(live["a_log"], old["a_log"].float())
@@ -212,3 +217,30 @@ def test_indices_the_compiled_loop_writes_are_held_as_int32():
     assert staged.nbytes == len(changed) * (4 + 2)  # int32 indices, bf16 xors
     assert staged.apply_in_place() == {"w"}
     assert _same_bits(live, new)
+
+
+def test_the_loader_gets_the_patches_a_bounded_chunk_of_one_kind_at_a_time(monkeypatch):
+    # each made from the staging as the chunks before it are loaded, so a worker holds one
+    # chunk's index arrays (int64 per element) and device copies, not the whole update's
+    from hotweights.vllm_plugin import remote_engine
+    old, new = _state()
+    engine = object.__new__(remote_engine.HotweightsEngine)  # the parts the apply reads
+    engine.staged, engine.model, engine.device = Staged(_specs(old)), None, torch.device(
+        "cpu")
+    for r in pack(encode_all(old, new), max_bytes=1 << 20):
+        engine.staged(r)
+    calls, made = [], []
+    patches = engine.staged.patches
+
+    def counted():
+        for p in patches():
+            made.append(p.name)
+            yield p
+    monkeypatch.setattr(engine.staged, "patches", counted)
+    monkeypatch.setattr(remote_engine, "PATCH_CHUNK", 1)  # a call per tensor
+    monkeypatch.setattr(remote_engine, "load_checkpoint_weight_patches",
+                        lambda model, chunk, **kw: calls.append(
+                            (list(made), [p.name for p in chunk])))
+    engine.finish_weight_update()
+    # (the next tensor's patch is made before a chunk goes: it may be another kind)
+    assert calls == [(["a", "b"], ["a"]), (["a", "b", "c"], ["b"]), (["a", "b", "c"], ["c"])]

@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import NamedTuple
 
 import torch
@@ -186,19 +186,18 @@ class Staged:
                 self.shards[name].write(self._pieces.pop(name))
         return done
 
-    def patches(self) -> tuple[list[Patch], list[Patch]]:
-        """(dense patches, sparse patches), one per staged tensor without a shard: dense
-        where a tensor came whole (the held values if in one piece), else flat indices and
-        values; on the host."""
-        dense, sparse = [], []
-        for name, pieces in self._pieces.items():
-            if name in self.shards:
-                continue
+    def patches(self) -> Iterator[Patch]:
+        """One patch per staged tensor without a shard, each taken out of the staging as it
+        is made (its pieces go once the caller lets go of the patch: one tensor's index
+        arrays at a time): dense where a tensor came whole (the held values if in one
+        piece), else flat indices and values; on the host."""
+        for name in [n for n in self._pieces if n not in self.shards]:
+            pieces = self._pieces.pop(name)
             spec = self.specs[name]
             shape, row = tuple(spec.shape), spec[0].numel() if spec.dim() else 1
             if all(e["kind"] == DENSE for e, _ in pieces) and \
                     sum(v.numel() for _, (v,) in pieces) == spec.numel():
-                dense.append(Patch(name, shape, spec.dtype, _cat([v for _, (v,) in pieces])))
+                yield Patch(name, shape, spec.dtype, _cat([v for _, (v,) in pieces]))
                 continue
             idx, vals = [], []
             for e, views in pieces:
@@ -211,8 +210,8 @@ class Staged:
                     cols = torch.arange(row, dtype=torch.int64, device=dev)
                     idx.append((_row_index(views[0])[:, None] * row + cols).view(-1))
                 vals.append(views[-1].reshape(-1))
-            sparse.append(Patch(name, shape, spec.dtype, _cat(vals), _cat(idx)))
-        return dense, sparse
+            del pieces
+            yield Patch(name, shape, spec.dtype, _cat(vals), _cat(idx))
 
     def clear(self) -> None:
         self.__init__(self.specs, old=self.old, shards=self.shards, pin=self.pin)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,7 +59,7 @@ from hotweights.remote.staging import Staged
 
 logger = logging.getLogger(__name__)
 
-SPARSE_CHUNK = 1 << 24  # values per load_checkpoint_weight_patches call of sparse patches
+PATCH_CHUNK = 1 << 24  # values per load_checkpoint_weight_patches call (one tensor's more)
 
 
 @dataclass
@@ -272,20 +273,24 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
         if self.staged is None:
             return
         direct = self.staged.apply_in_place()
-        dense, sparse = self.staged.patches()
-        if dense:  # one tensor at a time on the device
-            load_checkpoint_weight_patches(self.model, (self._vllm(p) for p in dense))
-        chunk, size = [], 0
-        for p in sparse:
+        chunk, size, loaded = [], 0, Counter()
+        for p in self.staged.patches():  # made, and on the device, a chunk at a time
+            if chunk and (size >= PATCH_CHUNK or (p.indices is None) != (
+                    chunk[0].indices is None)):  # (one call takes one kind)
+                self._load(chunk)
+                chunk, size = [], 0
             chunk.append(self._vllm(p))
             size += p.values.numel()
-            if size >= SPARSE_CHUNK or p is sparse[-1]:
-                # our indices are increasing, so unique: skip vLLM's sort
-                load_checkpoint_weight_patches(self.model, chunk, validate_unique_indices=False)
-                chunk, size = [], 0
+            loaded["dense" if p.indices is None else "sparse"] += 1
+        if chunk:
+            self._load(chunk)
         logger.info("hotweights: applied %d tensor updates in place, %d dense and %d sparse "
-                    "through the loader", len(direct), len(dense), len(sparse))
+                    "through the loader", len(direct), loaded["dense"], loaded["sparse"])
         self.staged.clear()
+
+    def _load(self, patches: list[CheckpointWeightPatch]) -> None:
+        # our indices are increasing, so unique: skip vLLM's sort
+        load_checkpoint_weight_patches(self.model, patches, validate_unique_indices=False)
 
     def discard(self) -> None:
         self._drop_receiving()
