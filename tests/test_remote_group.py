@@ -42,6 +42,40 @@ def test_the_checkpoint_serves_as_old_values_only_when_it_is_what_the_servers_ho
         is None
 
 
+def test_a_float32_checkpoint_serves_bf16_servers_as_they_rounded_it(tmp_path):
+    # vLLM serves a float32 checkpoint in bf16: a restarted server holds each value rounded
+    g = torch.Generator().manual_seed(0)
+    weights = {"a.weight": torch.randn(64, 32, generator=g), "b.weight": torch.randn(32)}
+    save_file(weights, tmp_path / "model.safetensors")
+    group = RemoteGroup(["http://127.0.0.1:1"], token="t" * 32, checkpoint=tmp_path)
+    new = {"a.weight": weights["a.weight"].to(torch.bfloat16), "b.weight": weights["b.weight"]}
+    new["a.weight"][3] += 1
+    held = [{"checkpoint": digest(tmp_path)}]
+    old = group._checkpoint_for(held, new)
+    assert old is group._checkpoint_for(held, new)  # one channel for every such server
+    assert torch.equal(old["a.weight"], weights["a.weight"].to(torch.bfloat16))
+    assert old["b.weight"].dtype == torch.float32  # the servers keep it so
+    deltas = list(group._encode(_Plan(["u"], old, False), new, set(), None))
+    assert [(d.kind, d.dtype) for d in deltas] == [("rows", torch.bfloat16),
+                                                  ("same", torch.float32)]
+    wider = dict(new, **{"b.weight": torch.zeros(32, dtype=torch.float64)})
+    assert group._checkpoint_for(held, wider) is None  # no server rounds a checkpoint up
+
+
+def test_reference_checkpoint_refuses_servers_that_round_the_trainer_s_floats(checkpoint,
+                                                                              monkeypatch):
+    ckpt, weights = checkpoint
+    group = RemoteGroup(["http://127.0.0.1:1"], token="t" * 32, checkpoint=ckpt,
+                        reference="checkpoint")
+    status = {group.urls[0]: {"server_id": "s", "n": 0, "dtypes": {"default": "bfloat16"}}}
+    monkeypatch.setattr(group, "_status", lambda urls, dropped: (status, dropped))
+    monkeypatch.setattr(packing, "warm", lambda dtypes: None)
+    with pytest.raises(RemoteError, match=r"reference='checkpoint': the servers hold "
+                       r"`a.weight` \(and 1 more\) in torch.bfloat16, narrower than the "
+                       r"trainer's torch.float32, .* use reference='copy'"):
+        group.prepare({k: t.float() for k, t in weights.items()})
+
+
 def test_an_encode_that_sees_the_checkpoint_written_is_refused(checkpoint, monkeypatch):
     ckpt, weights = checkpoint
     group = RemoteGroup(["http://127.0.0.1:1"], token="t" * 32, checkpoint=ckpt)
@@ -489,8 +523,9 @@ def test_a_float32_trainer_sends_bf16_servers_its_weights_as_they_hold_them(monk
     group.commit(pending, 3)
     assert group._held == {}
     weights["w"] += 1
-    assert group.restore(weights)  # what the servers hold, in the trainer's float32
-    assert torch.equal(weights["w"], group.reference.tensors["w"].float())
+    stepped = weights["w"].clone()
+    assert not group.restore(weights)  # the servers' values would round the trainer's
+    assert torch.equal(weights["w"], stepped)
 
 
 def _pending(urls, *, sent=0, floor=0, new=None):

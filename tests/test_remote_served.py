@@ -28,7 +28,10 @@ def test_a_server_that_names_no_dtypes_takes_what_it_is_sent():
     assert narrowed_to({"a": _status("no_such_dtype")}, NEW) == {}
 
 
-def test_servers_that_hold_a_tensor_in_different_floats_are_named():
-    with pytest.raises(RemoteError, match="`w`: a holds it in torch.bfloat16, b in "
-                       "torch.float16: serve the model in one dtype on every server"):
-        narrowed_to({"a": _status("bfloat16"), "b": _status("float16")}, NEW)
+@pytest.mark.parametrize("other", ["float16", "float32"])
+def test_servers_that_hold_a_tensor_in_different_dtypes_are_named(other):
+    # one would get the trainer's values rounded, the other expected them otherwise
+    with pytest.raises(RemoteError, match=f"`w`: a holds it in torch.bfloat16, b in torch."
+                       f"{other} \\(the trainer's is torch.float32\\): serve the model in "
+                       "one dtype on every server"):
+        narrowed_to({"a": _status("bfloat16"), "b": _status(other)}, NEW)

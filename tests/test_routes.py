@@ -580,3 +580,15 @@ def test_stage_is_refused_on_a_local_server():
         assert (await client.get("/hotweights/status", headers=AUTH)).json()["state"] == "idle"
 
     serve(test)
+
+
+def test_the_dtypes_a_remote_status_names_do_not_depend_on_the_workers_order():
+    # each worker names every tensor; one that keeps a slab in float32 says so (a pipeline
+    # stage that does not hold it names the served dtype)
+    from hotweights.vllm_plugin.routes import _dtypes
+    holds = {"x": "bfloat16", "a_log": "float32", "ids": "int64"}
+    other = {"x": "bfloat16", "a_log": "bfloat16", "ids": "int64"}
+    for workers in ([holds, other], [other, holds]):
+        assert _dtypes(workers) == {"default": "bfloat16",
+                                    "others": {"a_log": "float32", "ids": "int64"}}
+    assert _dtypes([]) == {"default": None, "others": {}}

@@ -208,8 +208,8 @@ class Bridge:
         writes are undone here (from the group's copy of the old weights), every server
         resumes at its old version, and the error names the remote; where the group
         holds no such copy (its first update, ``reference="checkpoint"``, a tensor outside
-        ``trainable=`` written, fused MoE experts), this server serves the new weights as
-        a dirty version. Either way, if this
+        ``trainable=`` written, fused MoE experts, remotes that hold a narrower float than
+        this server), this server serves the new weights as a dirty version. Either way, if this
         server's commit fails, the remotes commit anyway (this server's weights are the new
         ones, written in place) and its error is raised.
 

@@ -290,6 +290,13 @@ class RemoteGroup:
         written = {k: (t, t._version) for k, t in new.items()}  # before the encode reads them
         status, dropped = self._status(self.urls, {})
         self._casts = served.narrowed_to(status, new)  # a float32 trainer, bf16 servers
+        if self._casts and self.reference_mode == "checkpoint":
+            name, dtype = next(iter(self._casts.items()))
+            raise RemoteError(f"reference='checkpoint': the servers hold `{name}` (and "
+                              f"{len(self._casts) - 1} more) in {dtype}, narrower than the "
+                              f"trainer's {new[name].dtype}, and the checkpoint would have to "
+                              "hold their rounded values, not the trainer's: use "
+                              "reference='copy' (the default), or train in the served dtype")
         new = served.cast(new, self._casts)
         if self._warm is None:  # while the first update (a full sync) travels, not at the
             # second (not a daemon: numba must not be cut off at exit)
@@ -493,7 +500,13 @@ class RemoteGroup:
     def restore(self, weights: torch.nn.Module | Mapping[str, torch.Tensor]) -> bool:
         """Write what the servers hold back into `weights`, in place: undoes a trainer's
         step that the servers did not take (`Reference.restore`; False if it cannot)."""
-        return self.reference.restore(weights, served.cast(_weights(weights), self._casts))
+        if self._casts:
+            logger.warning("hotweights: the step cannot be undone: the servers hold %d "
+                           "tensor(s) in a narrower float than the trainer's (e.g. %s), and "
+                           "their values would round the trainer's", len(self._casts),
+                           next(iter(self._casts)))
+            return False
+        return self.reference.restore(weights, _weights(weights))
 
     def _encode(self, plan: _Plan, new: dict, kept: set[str], rows: dict | None
                 ) -> Iterator[delta.Delta]:

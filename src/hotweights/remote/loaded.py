@@ -14,6 +14,8 @@ import torch
 from hotweights.checkpoint.digest import digest, stats
 from hotweights.checkpoint.source import open_dir
 from hotweights.errors import RemoteError
+from hotweights.remote.delta_apply import widens
+from hotweights.remote.served import Cast
 
 __all__ = ["LoadedCheckpoint"]
 
@@ -31,6 +33,7 @@ class LoadedCheckpoint:
         self.path = path
         self.synced_at: int | None = None
         self._loaded: tuple[dict, str | None, dict] | None = None  # (stats, digest, tensors)
+        self._cast: Cast | None = None  # its tensors as the servers rounded them
 
     def tensors(self) -> dict:
         """Its tensors, memory-mapped (opened again when its files changed)."""
@@ -68,9 +71,11 @@ class LoadedCheckpoint:
             return
         self.synced_at = n
 
-    def held_by(self, stale: list[dict], new: dict) -> dict | None:
+    def held_by(self, stale: list[dict], new: dict) -> Mapping[str, torch.Tensor] | None:
         """Its tensors (memory-mapped) when every server of `stale` (their statuses) holds
-        exactly this checkpoint and it matches the new weights' names, dtypes and shapes."""
+        exactly this checkpoint and it matches the new weights' names, dtypes and shapes;
+        a tensor it holds in a wider float than the new weights' (a float32 checkpoint,
+        served in bf16: `served`) is read rounded to theirs, as the servers loaded it."""
         if any(st.get("checkpoint") is None for st in stale):
             return None
         now = stats(self.path)
@@ -88,14 +93,23 @@ class LoadedCheckpoint:
             logger.info("hotweights: %s differs from what the servers loaded: a full sync",
                         self.path)
             return None
-        if bad := _unlike(tensors, new):
+        if bad := _unlike(tensors, new, rounded=True):
             logger.info("hotweights: %s: %s differs from the checkpoint's (dtype, shape or "
                         "missing): a full sync", self.path, bad)
             return None
-        return tensors
+        casts = {k: t.dtype for k, t in new.items() if tensors[k].dtype != t.dtype}
+        if not casts:
+            return tensors
+        if self._cast is None or self._cast.tensors is not tensors or self._cast.casts != casts:
+            self._cast = Cast(tensors, casts)  # one for every stale server: one channel
+        return self._cast
 
 
-def _unlike(held: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> str | None:
-    """The first name of `new` that `held` lacks or holds in another dtype or shape."""
-    return next((k for k, t in new.items() if k not in held or held[k].dtype != t.dtype
-                 or held[k].shape != t.shape), None)
+def _unlike(held: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], *,
+            rounded: bool = False) -> str | None:
+    """The first name of `new` that `held` lacks or holds in another dtype (`rounded`: in
+    one that neither is nor `widens` the new one's) or shape."""
+    return next((k for k, t in new.items() if k not in held or held[k].shape != t.shape
+                 or held[k].dtype != t.dtype and not (rounded and widens(t.dtype,
+                                                                         held[k].dtype))),
+                None)

@@ -27,25 +27,43 @@ def narrowed_to(status: Mapping[str, dict], new: Mapping[str, torch.Tensor]
     the tensors the servers hold in their own dtype (or a wider float) are left out.
 
     Raises:
-        RemoteError: two servers hold a tensor in different floats narrower than the
-            trainer's (not one model served alike), naming both.
+        RemoteError: a server holds a tensor in a float narrower than the trainer's and
+            another in another dtype (not one model served alike), naming both.
     """
-    casts: dict[str, tuple[torch.dtype, str]] = {}
-    for url, st in status.items():
-        held = st.get("dtypes")
-        if not isinstance(held, dict):  # an older server
+    held = {url: (st["dtypes"].get("default"), st["dtypes"].get("others") or {})
+            for url, st in status.items() if isinstance(st.get("dtypes"), dict)}  # (an
+    casts = {}  # older server names none)
+    for name, t in new.items():
+        wants = {url: w for url, (default, others) in held.items()
+                 if (w := _dtype(others.get(name, default))) is not None}
+        narrower = {url: w for url, w in wants.items() if widens(w, t.dtype)}
+        if not narrower:
             continue
-        default, others = held.get("default"), held.get("others") or {}
-        for name, t in new.items():
-            want = _dtype(others.get(name, default))
-            if want is None or not widens(want, t.dtype):
-                continue
-            if name in casts and casts[name][0] != want:
-                other, where = casts[name]
-                raise RemoteError(f"`{name}`: {where} holds it in {other}, {url} in {want}: "
-                                  "serve the model in one dtype on every server")
-            casts[name] = (want, url)
-    return {name: dtype for name, (dtype, _) in casts.items()}
+        url, want = next(iter(narrower.items()))
+        if other := next(((u, w) for u, w in wants.items() if w != want), None):
+            raise RemoteError(f"`{name}`: {url} holds it in {want}, {other[0]} in {other[1]} "
+                              f"(the trainer's is {t.dtype}): serve the model in one dtype on "
+                              "every server")
+        casts[name] = want
+    return casts
+
+
+class Cast(Mapping):
+    """`tensors` read in the dtypes `casts` names (each a copy, made as it is read): the
+    values a server holds that rounded them so as it loaded them."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], casts: Mapping[str, torch.dtype]):
+        self.tensors, self.casts = tensors, casts
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        t = self.tensors[name]
+        return t.to(self.casts[name]) if name in self.casts else t
+
+    def __iter__(self):
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
 
 
 def cast(new: Mapping[str, torch.Tensor], casts: Mapping[str, torch.dtype]

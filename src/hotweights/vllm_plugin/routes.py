@@ -226,9 +226,14 @@ def _loaded(model: str, revision: str | None = None) -> str | None:
 def _dtypes(workers: list[dict[str, str]]) -> dict:
     """What a status says of the dtypes the workers hold tensors in (`served.narrowed_to`
     reads it): the most common one, and the tensors held in another."""
-    held = {k: v for worker in workers for k, v in worker.items()}
-    default = Counter(held.values()).most_common(1)[0][0] if held else None
-    return {"default": default, "others": {k: v for k, v in held.items() if v != default}}
+    counts = Counter(v for worker in workers for v in worker.values())
+    default = counts.most_common(1)[0][0] if counts else None
+    others: dict[str, str] = {}  # each worker names every tensor: one holding it in
+    for worker in workers:  # another dtype (a float32 slab) says so, whatever the order
+        for k, v in worker.items():
+            if v != default:
+                others[k] = min(others.get(k, v), v)
+    return {"default": default, "others": others}
 
 
 def _server_info(model_config, remote: bool) -> dict:
