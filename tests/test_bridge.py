@@ -1,5 +1,6 @@
 """Bridge.update's client side: what it sends when begin fails, and the lease renewal."""
 
+import threading
 import time
 import types
 
@@ -8,7 +9,7 @@ import torch
 
 from hotweights.bridge import client as bridge_module
 from hotweights.bridge.client import Bridge
-from hotweights.errors import ServerError
+from hotweights.errors import RemoteError, ServerError
 
 
 class Recorder:
@@ -28,7 +29,8 @@ class Recorder:
 def _bridge() -> Bridge:
     b = Bridge.__new__(Bridge)  # no server: only the transaction's client side
     b.url, b._token, b.server_id, b.holder, b.version = "http://x", "t", "s", "h", "0@s"
-    b.tensors, b.remote, b.cafile = {}, None, None
+    b.tensors, b.remote, b.cafile, b._leased = {}, None, None, threading.Lock()
+    b._model = None
     return b
 
 
@@ -138,10 +140,11 @@ def test_connecting_to_a_remote_server_says_how_to_update_it(monkeypatch):
         Bridge.connect("http://127.0.0.1:8000", token="t")
 
 
-def test_the_model_dir_comes_from_this_machine_not_the_servers_word(tmp_path):
+def test_the_model_dir_comes_from_this_machine_not_the_servers_word(tmp_path, monkeypatch):
     from hotweights.protocol import shm
 
     b = _bridge()
+    monkeypatch.setattr(b, "status", lambda: {"server_id": "s"})
     b.manifests = [shm.Manifest(shm.FORMAT, "s", "/dev/shm/x", 1, (), model="org/model")]
     with pytest.raises(ServerError, match=r"'org/model', which is not a directory .*"
                        r"bridge.model\(config=\.\.\.\)"):
@@ -152,3 +155,102 @@ def test_the_model_dir_comes_from_this_machine_not_the_servers_word(tmp_path):
     b.manifests = [shm.Manifest(shm.FORMAT, "s", "/dev/shm/x", 1, (), model=str(shared))]
     with pytest.raises(ServerError, match="another user owns or can write"):
         b.model(trust_remote_code=True)
+
+
+def test_a_second_update_of_the_same_bridge_is_refused_and_ends_nothing(monkeypatch):
+    # its begin would be refused (the lease is this bridge's), and its abort, in this
+    # bridge's name, would end the first update: served clean, half written
+    rec = Recorder({})
+    monkeypatch.setattr(bridge_module, "request", rec)
+    b = _bridge()
+    b.tensors, b._model = {"w": torch.zeros(1)}, object()
+    with b.update():
+        for nested in (lambda: b.update().__enter__(),
+                       lambda: b.checkpoint("/nonexistent", exclusive=True)):
+            with pytest.raises(ServerError, match="this bridge is updating or reading the "
+                               "server already .*: one at a time"):
+                nested()
+    assert [c[0] for c in rec.calls] == ["/hotweights/begin", "/hotweights/commit"]
+    with b.update():  # free again
+        pass
+
+
+def test_a_server_that_restarted_is_named_before_a_model_is_built_on_its_old_memory(
+        monkeypatch):
+    b = _bridge()
+    monkeypatch.setattr(b, "status", lambda: {"server_id": "t"})
+    with pytest.raises(ServerError, match=r"http://x is server t now, not s: it restarted and "
+                       r"the weights this bridge mapped are gone; reconnect"):
+        b.model()
+
+
+def test_remotes_need_the_model_before_the_pause_not_after_it(monkeypatch):
+    rec = Recorder({})
+    monkeypatch.setattr(bridge_module, "request", rec)
+    b = _bridge()
+    b.remote = types.SimpleNamespace(require="all")
+    monkeypatch.setattr(b, "model", lambda **kw: (_ for _ in ()).throw(
+        ServerError("not a directory on this machine")))
+    with pytest.raises(ServerError, match="not a directory"):
+        with b.update():
+            pytest.fail("the body must not run")
+    assert rec.calls == []  # never paused
+
+
+@pytest.mark.parametrize("where", ["commit", "restore"])
+def test_an_interrupted_commit_or_a_failed_restore_does_not_leave_the_server_paused(
+        monkeypatch, where):
+    class Remote:
+        require = "all"
+
+        def prepare(self, model, **kw):
+            if where == "restore":
+                raise RemoteError("a remote died")
+            return types.SimpleNamespace(floor=0)
+
+        def restore(self, model):
+            raise RuntimeError("restore failed")
+
+        def abort(self, pending):
+            pass
+    error = KeyboardInterrupt() if where == "commit" else RuntimeError("restore failed")
+    rec = Recorder({"/hotweights/commit": error} if where == "commit" else {})
+    monkeypatch.setattr(bridge_module, "request", lambda *a, **k: {**rec(*a, **k), "n": 0})
+    b = _bridge()
+    b.tensors, b.remote, b._model = {"w": torch.zeros(1)}, Remote(), object()
+    with pytest.raises(type(error)):
+        with b.update():
+            pass
+    assert rec.calls[-1][0] == "/hotweights/abort" and rec.calls[-1][1]["dirty"] is True
+
+
+def test_a_failed_abort_reads_the_version_served(monkeypatch):
+    monkeypatch.setattr(bridge_module, "request", Recorder({
+        "/hotweights/abort": ServerError("HTTP 409: the lease expired", 409)}))
+    monkeypatch.setattr(bridge_module, "server_status", lambda *a, **k: {"version": "2@s"})
+    b = _bridge()
+    with pytest.raises(ValueError):
+        with b.update():
+            raise ValueError("step failed")
+    assert b.version == "2@s"  # the expiry's dirty version, not the one before the step
+
+
+def test_a_failed_local_commit_is_the_error_raised_the_remotes_noted(monkeypatch):
+    class Remote:
+        require, n = "any", 0
+
+        def floor(self):
+            return 0
+
+        def update(self, model, **kw):
+            raise RemoteError("gpu01:8000 died")
+    rec = Recorder({"/hotweights/commit": ServerError("HTTP 409: the lease expired", 409)})
+    monkeypatch.setattr(bridge_module, "request", lambda *a, **k: {**rec(*a, **k), "n": 0})
+    monkeypatch.setattr(bridge_module, "server_status", lambda *a, **k: {"version": "2@s"})
+    b = _bridge()
+    b.tensors, b.remote, b._model = {"w": torch.zeros(1)}, Remote(), object()
+    with pytest.raises(ServerError, match="lease expired") as e:
+        with b.update():
+            pass
+    assert e.value.__notes__ == ["the remote servers did not take version 1 either: "
+                                 "gpu01:8000 died"]

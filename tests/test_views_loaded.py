@@ -78,22 +78,25 @@ def test_the_bridge_compares_only_while_the_server_serves_what_it_loaded(model_d
     served = _served(model_dir)
     served["model.norm.weight"].mul_(2)  # as after a step: the server's weights moved on
     b = Bridge.__new__(Bridge)  # no server: its status and manifest stand in
-    b.tensors = served
+    b.tensors, b.server_id = served, "s"
     b.manifests = [shm.Manifest(shm.FORMAT, "s", "/dev/shm/x", 1, (), model=str(model_dir))]
     vocab = tiny.make_config("llama", 1).__class__.from_pretrained(model_dir).vocab_size
     monkeypatch.setattr(b, "server_info", lambda: {"model_config": {"vocab_size": vocab}})
-    for status in ({"n": 3, "state": "idle"}, {"n": 0, "state": "paused"}):
+    for status in ({"n": 3, "state": "idle", "server_id": "s"},
+                   {"n": 0, "state": "paused", "server_id": "s"}):
         monkeypatch.setattr(b, "status", lambda status=status: status)
         assert b.model().model.norm.weight.data_ptr() == served["model.norm.weight"].data_ptr()
-    monkeypatch.setattr(b, "status", lambda: {"n": 0, "state": "idle"})
+    monkeypatch.setattr(b, "status", lambda: {"n": 0, "state": "idle", "server_id": "s"})
     with pytest.raises(LayoutError, match=r"model.norm.weight\. The server does not serve "
                        r"this checkpoint as it is now"):
         b.model()
     b.model(check_loaded=False)
-    statuses = iter([{"n": 0, "state": "idle"}, {"n": 0, "state": "paused"}])
+    statuses = iter([{"n": 0, "state": "idle", "server_id": "s"},
+                     {"n": 0, "state": "paused", "server_id": "s"}])
     monkeypatch.setattr(b, "status", lambda: next(statuses))  # another trainer began
     b.model()  # meanwhile: its writes are no reorder (a warning, no error)
     # a vocabulary that differs inside vLLM's padding of the rows (300 vs 310 in 320)
+    monkeypatch.setattr(b, "status", lambda: {"n": 0, "state": "idle", "server_id": "s"})
     monkeypatch.setattr(b, "server_info", lambda: {"model_config": {"vocab_size": vocab + 3}})
     with pytest.raises(LayoutError, match=rf"vocab_size: the config says {vocab}, the server "
                        rf"loaded {vocab + 3}"):

@@ -6,6 +6,7 @@ import contextlib
 import logging
 import os
 import socket
+import threading
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -47,6 +48,7 @@ class Bridge:
         self._model: torch.nn.Module | None = None
         self.remote = None  # a RemoteGroup updated with this server (add_remote)
         self.remote_result: dict | None = None  # its last update's (`RemoteGroup.update`)
+        self._leased = threading.Lock()  # held by this bridge's update or exclusive read
 
     @classmethod
     def connect(cls, url: str, *, token: str | None = None,
@@ -100,12 +102,17 @@ class Bridge:
                 `trust_remote_code=` for a model whose code ships with it, ...); its
                 report is kept in `bridge.report`.
         """
+        if (now := (before := self.status()).get("server_id")) != self.server_id:
+            raise ServerError(f"{self.url} is server {now} now, not {self.server_id}: it "
+                              "restarted and the weights this bridge mapped are gone; "
+                              "reconnect (Bridge.connect), rebuild the model, and drop this "
+                              "bridge and what was built on it (they keep its memory)")
         source = self.manifests[0].model
         if config is None:
             config = _local_model_dir(source, kwargs.get("trust_remote_code", False))
         model, self.report = build_hf_model(config, self.tensors, **kwargs)
         _check_vocab(model.config, self.server_info())
-        if check_loaded and os.path.isdir(source) and _as_loaded(before := self.status()):
+        if check_loaded and os.path.isdir(source) and _as_loaded(before):
             try:
                 loaded.check_loaded(model, source, self.report.mapped)
             except LayoutError:
@@ -144,23 +151,24 @@ class Bridge:
             return sync(model_dir, model, version=self.version, config=model.config, **kwargs)
         if os.path.isdir(model_dir):  # another writer's sync first, and what a crashed one
             recover(model_dir)  # left finished: not while the server is paused
-        self._begin(mode="keep", lease_s=60.0)
-        renewer, released = Renewer(self.renew, 60.0), False
+        with self._exclusive("checkpoint(exclusive=True)"):
+            self._begin(mode="keep", lease_s=60.0)
+            renewer, released = Renewer(self.renew, 60.0), False
 
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                renewer.__exit__()
-                self._abort(dirty=False)  # nothing written: resumed at the same version
+            def release() -> None:
+                nonlocal released
+                if not released:
+                    released = True
+                    renewer.__exit__()
+                    self._abort(dirty=False)  # nothing written: resumed at the same version
 
-        try:
-            renewer.start()
-            version = self.status()["version"]
-            return sync(model_dir, model, version=version, config=model.config,
-                        after_read=release, **kwargs)
-        finally:
-            release()
+            try:
+                renewer.start()
+                version = self.status()["version"]
+                return sync(model_dir, model, version=version, config=model.config,
+                            after_read=release, **kwargs)
+            finally:
+                release()
 
     def add_remote(self, servers, **kwargs: Any):
         """Update remote servers too: every `update()` then serves one version number on
@@ -219,6 +227,25 @@ class Bridge:
                 after the update was aborted.
             RemoteError: a remote server failed (named; see above).
         """
+        with self._exclusive("update()"):
+            yield from self._update(mode, lease_s)
+
+    @contextlib.contextmanager
+    def _exclusive(self, what: str) -> Iterator[None]:
+        """One update or exclusive read of this bridge at a time: a second one's begin
+        would be refused, and its abort, in this bridge's name, would end the first."""
+        if not self._leased.acquire(blocking=False):
+            raise ServerError(f"{what}: this bridge is updating or reading the server already "
+                              "(a nested update or checkpoint(exclusive=True) in `with "
+                              "bridge.update()`, or another thread's): one at a time")
+        try:
+            yield
+        finally:
+            self._leased.release()
+
+    def _update(self, mode: str, lease_s: float) -> Iterator[None]:
+        model = None if self.remote is None else self._model or self.model(
+            check_loaded=False)  # what it serves, as is: before the pause
         floor = None
         if self.remote is not None and self.remote.require == "any":
             try:  # read before the pause: the remotes' versions, which N must be above
@@ -243,13 +270,13 @@ class Bridge:
         if self.remote is None:
             self._commit()
             return
-        model = self._model or self.model(check_loaded=False)  # what it serves, as is
         if floor is not None:
             n = max(floor, began["n"]) + 1
             try:
                 self._commit(n=n)
-            except Exception:  # the weights here are the new ones whatever became of it
-                self._update_remotes(model, n, mode, lease_s)
+            except Exception as e:  # the weights here are the new ones whatever became of
+                with _noted(e, n):  # the commit
+                    self._update_remotes(model, n, mode, lease_s)
                 raise
             self._update_remotes(model, n, mode, lease_s)
             return
@@ -258,14 +285,19 @@ class Bridge:
                 pending = self.remote.prepare(model, mode=mode, lease_s=lease_s,
                                               pause_ahead=True)  # the commits follow
         except BaseException:
-            self._abort(dirty=not self.remote.restore(model))  # restored: the old version
+            restored = False
+            try:
+                restored = self.remote.restore(model)  # restored: the old version
+            finally:
+                self._abort(dirty=not restored)
             raise
         n = max(pending.floor, began["n"]) + 1
         try:
             self._commit(n=n)
-        except Exception:  # the weights here are the new ones whatever became of the commit
-            self.remote.commit(pending, n)  # (served, dirty, or at the lease's expiry): so
-            raise  # are the remotes'
+        except Exception as e:  # the weights here are the new ones whatever became of the
+            with _noted(e, n):  # commit (served, dirty, or at the lease's expiry): so are
+                self.remote.commit(pending, n)  # the remotes'
+            raise
         except BaseException:
             self.remote.abort(pending)
             raise
@@ -309,12 +341,16 @@ class Bridge:
         except Exception:
             self._refresh_version()
             raise
+        except BaseException:  # a Ctrl-C during the round trip: committed or not, the
+            self._abort(dirty=True, quiet=True)  # server does not stay paused (if it was
+            raise  # committed, the abort is refused)
 
     def _abort(self, *, dirty: bool, quiet: bool = False) -> None:
         try:  # its answer: the version served now (a new, dirty one where weights changed)
             self.version = self._post("/hotweights/abort", dirty=dirty)["version"]
         except ServerError as e:  # keep the caller's exception; the lease will expire
             (logger.debug if quiet else logger.warning)("hotweights: abort failed: %s", e)
+            self._refresh_version()  # (it may have expired: a dirty version served)
 
     def _refresh_version(self) -> None:
         with contextlib.suppress(HotweightsError):  # (the caller's error is the news; the
@@ -350,6 +386,17 @@ def _as_loaded(status: dict) -> bool:
     """Whether the server serves what it loaded: no update ever began (an aborted one made
     a version too), none under way."""
     return status.get("n") == 0 and status.get("state") == "idle"
+
+
+@contextlib.contextmanager
+def _noted(error: BaseException, n: int) -> Iterator[None]:
+    """Run what follows a failed commit of version `n` here; its own failure is noted on
+    `error` (which the caller raises), not raised in its place."""
+    try:
+        yield
+    except HotweightsError as e:
+        error.add_note(f"the remote servers did not take version {n} either: "
+                       f"{e.__cause__ or e}")
 
 
 def _local_model_dir(path: str, trust_remote_code: bool) -> str:
