@@ -21,3 +21,20 @@ def test_a_shutdown_that_fails_still_puts_the_environment_back(monkeypatch):
         local.stop_engine(llm)
     assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == before
     assert local._environ is None
+
+
+def test_what_the_program_set_after_the_engine_started_stays(monkeypatch):
+    monkeypatch.delenv("HW_TEST_LATER", raising=False)
+    monkeypatch.delenv("HW_TEST_ENGINE", raising=False)
+    monkeypatch.setenv("HW_TEST_BOTH", "mine")
+    before = dict(os.environ)
+    os.environ["HW_TEST_ENGINE"] = "1"  # the setup's
+    os.environ["HW_TEST_BOTH"] = "setup"
+    after = dict(os.environ)
+    os.environ["HW_TEST_LATER"] = "token"  # the program's, since (HF_TOKEN, WANDB_*)
+    os.environ["HW_TEST_BOTH"] = "changed again"
+    local.restore_environ(before, after)
+    assert "HW_TEST_ENGINE" not in os.environ  # the setup's change undone
+    assert os.environ["HW_TEST_LATER"] == "token"  # what was set since stays
+    assert os.environ["HW_TEST_BOTH"] == "changed again"
+    del os.environ["HW_TEST_LATER"]

@@ -304,9 +304,25 @@ def test_an_lr_scheduler_built_on_the_optimizer_steps_inside_the_update(served):
     assert trainer.create_optimizer() is optimizer and optimizer.step.hotweights_update
 
 
+def test_training_again_steps_once_per_update(served):
+    # a retry or a resume on the same trainer: create_optimizer gets accelerate's wrapper
+    # back, which steps the optimizer the first train() patched (its step was wrapped too:
+    # one update inside another, whose commit the server then refused)
+    url, tmp = served
+    bridge = Bridge.connect(url, token=TOKEN)
+    trainer = GRPOTrainer(bridge=bridge, reward_funcs=_reward, train_dataset=_data(),
+                          args=_config(tmp, max_steps=1))
+    before = parse_version(bridge.version)[0]
+    trainer.train()
+    trainer.train()
+    assert parse_version(bridge.version)[0] == before + 2
+    assert bridge.status()["dirty"] is False
+
+
 @pytest.mark.parametrize("kwargs, field", [({"update_mode": "fast"}, "update_mode"),
                                            ({"lease_s": 0}, "lease_s"),
-                                           ({"lease_s": True}, "lease_s")])
+                                           ({"lease_s": True}, "lease_s"),
+                                           ({"lease_s": 100_000}, "lease_s")])  # > 24 h
 def test_update_options_are_checked_before_anything_runs(served, kwargs, field):
     url, tmp = served
     bridge = Bridge.connect(url, token=TOKEN)

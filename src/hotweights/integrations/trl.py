@@ -59,6 +59,7 @@ import torch
 
 from hotweights.errors import ConfigError, ServerError
 from hotweights.protocol.http import CA_FILE_ENV
+from hotweights.protocol.renewer import MAX_LEASE_S
 from hotweights.protocol.version import VERSION_HEADER, parse_version
 
 # TRL 1.16 warns at every import of its vLLM modules that it supports vLLM up to 0.31; this
@@ -206,6 +207,8 @@ def _colocated_engine(model_dir: str, args: _Config):
         max_model_len=args.vllm_max_model_length,  # None: the model's own
         max_num_seqs=args.per_device_train_batch_size * (  # a generation's sequences
             getattr(args, "steps_per_generation", None) or args.gradient_accumulation_steps),
+        max_num_batched_tokens=4096,  # as TRL's colocate engine: a larger default misleads
+        # vLLM's memory profiler on a GPU
         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
         model_impl=args.vllm_model_impl, trust_remote_code=args.trust_remote_code)
     try:
@@ -243,9 +246,10 @@ def _check_process(update_mode: object, lease_s: object) -> None:
         raise ConfigError(f"update_mode={update_mode!r}: one of {_UPDATE_MODES} (how the "
                           "server treats requests in flight while a step writes)")
     if isinstance(lease_s, bool) or not isinstance(lease_s, int | float) or \
-            not 0 < lease_s < float("inf"):
-        raise ConfigError(f"lease_s={lease_s!r}: seconds (> 0) the server waits for this "
-                          "trainer during a step before it drops the update")
+            not 0 < lease_s <= MAX_LEASE_S:
+        raise ConfigError(f"lease_s={lease_s!r}: seconds (> 0, at most {MAX_LEASE_S:.0f}) "
+                          "the server waits for this trainer during a step before it drops "
+                          "the update")
 
 
 def _check_args(args: _Config, bridge: Bridge | None, peft_config: Any) -> None:
@@ -400,6 +404,7 @@ class _OnServedWeights:
         except BaseException:
             self.close()
             raise
+        self._environ_set = dict(os.environ)  # what `close` undoes: the setup's changes
         self._batch_versions: list[int] = []  # of the batch being generated
         self._vllm_generate = self.vllm_generation.generate
         self.vllm_generation.generate = self._generate_and_keep_versions
@@ -409,8 +414,9 @@ class _OnServedWeights:
     def close(self) -> None:
         """Colocate mode: stop the in-process vLLM engine (its memory and distributed
         state freed, so another can start) and put back the environment variables its
-        setup changed. The model's parameters were the engine's: do not train it after.
-        Server mode: nothing to free (the server keeps serving)."""
+        setup and TRL's changed (those set since, by the program, stay). The model's
+        parameters were the engine's: do not train it after. Server mode: nothing to free
+        (the server keeps serving)."""
         if isinstance(self.weights, _Colocated) and self.weights.llm is not None:
             from hotweights.vllm_plugin.local import restore_environ, stop_engine
 
@@ -418,7 +424,8 @@ class _OnServedWeights:
             if generation := getattr(self, "vllm_generation", None):  # not if TRL's setup failed
                 generation.llm = None
             stop_engine(llm)
-            restore_environ(self._environ_before)  # TRL's setup's variables too
+            # TRL's setup's variables too (a failed setup's: all it changed)
+            restore_environ(self._environ_before, getattr(self, "_environ_set", None))
 
     def __enter__(self) -> _OnServedWeights:
         return self
@@ -480,9 +487,10 @@ class _OnServedWeights:
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper forwards
         if any(callable(getattr(inner, mode, None)) for mode in ("train", "eval")):
             raise ConfigError(f"{type(inner).__name__}: {_SCHEDULE_FREE}")
-        if not getattr(optimizer.step, "hotweights_update", False):
-            # a bound method, as torch's LR schedulers expect of `optimizer.step`
-            optimizer.step = types.MethodType(self._step_in_update(optimizer.step), optimizer)
+        if not getattr(inner.step, "hotweights_update", False):  # the optimizer itself:
+            # a second `train()` gets accelerate's wrapper back, which steps it (one update
+            # a step, not one in another); a bound method, as torch's LR schedulers expect
+            inner.step = types.MethodType(self._step_in_update(inner.step), inner)
         return optimizer
 
     def _step_in_update(self, step):

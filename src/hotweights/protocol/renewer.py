@@ -11,6 +11,8 @@ from hotweights.errors import HotweightsError, RemoteError, ServerError
 
 logger = logging.getLogger(__name__)
 
+MAX_LEASE_S = 24 * 3600.0  # the longest update lease a server grants
+
 
 class Renewer(threading.Thread):
     """``with Renewer(renew, lease_s):`` calls ``renew(lease_s)`` every ``lease_s / 3`` s

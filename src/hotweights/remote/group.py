@@ -53,7 +53,7 @@ from hotweights.checkpoint.names import reverted
 from hotweights.errors import DeltaError, HotweightsError, RemoteError
 from hotweights.layout.plan import model_weights
 from hotweights.protocol.http import request
-from hotweights.protocol.renewer import Renewer, unanswered
+from hotweights.protocol.renewer import MAX_LEASE_S, Renewer, unanswered
 from hotweights.protocol.tokens import find_token, is_loopback
 from hotweights.remote import delta, delta_apply, packing, prefilter, served
 from hotweights.remote.hosts import channel_backend, route_address, server_urls
@@ -81,8 +81,7 @@ _AHEAD_BYTES = 2 << 20  # a last round up to this size (uncompressed) is staged 
 # keep them paused while they stage it: a 1 % scattered update, 2.6 MB in one round, paused
 # the benchmark's busy servers 70-170 ms so, 65-90 ms without)
 _HINT_S = 5.0  # how long that hint may take (the update waits for its answers)
-_MAX_TIMEOUT = 6 * 3600.0  # the lease is 4x the timeout, and a server's longest is 24 h
-# (server.bodies.MAX_LEASE_S)
+_MAX_TIMEOUT = MAX_LEASE_S / 4  # the lease is 4x the timeout
 REQUIRE = ("any", "all")
 REFERENCES = ("copy", "checkpoint")
 

@@ -7,12 +7,12 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 from hotweights.errors import HotweightsError
+from hotweights.protocol.renewer import MAX_LEASE_S
 
 __all__ = ["DEFAULT_LEASE_S", "MAX_LEASE_S", "MODES", "Abort", "Begin", "Body", "Commit",
            "Receive", "Refused", "Renew"]
 
 MODES = ("wait", "abort", "keep")
-MAX_LEASE_S = 24 * 3600.0
 DEFAULT_LEASE_S = 60.0
 
 

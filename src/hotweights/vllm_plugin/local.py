@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 _environ: dict[str, str] | None = None  # os.environ before the engine here started
+_environ_set: dict[str, str] | None = None  # and once it had started
 
 
 def start_engine(model_dir: str | Path, *, environ: Mapping[str, str] | None = None,
@@ -40,7 +41,10 @@ def start_engine(model_dir: str | Path, *, environ: Mapping[str, str] | None = N
 
         args = dict(enforce_eager=True, max_model_len=256, max_num_seqs=4, seed=0)
         args.update(engine_args)
-        return LLM(str(model_dir), **args)
+        llm = LLM(str(model_dir), **args)
+        global _environ_set
+        _environ_set = dict(os.environ)
+        return llm
     except BaseException:
         _put_back()
         raise
@@ -73,18 +77,24 @@ def stop_engine(llm) -> None:
         _put_back()
 
 
-def restore_environ(before: dict[str, str]) -> None:
-    """Make `os.environ` `before` again."""
-    for name in set(os.environ) - set(before):
-        del os.environ[name]
-    os.environ.update(before)
+def restore_environ(before: dict[str, str], after: dict[str, str] | None = None) -> None:
+    """Undo in `os.environ` what changed from `before` to `after` (default: now), where a
+    variable still holds `after`'s value: what the program set since stays."""
+    after = dict(os.environ) if after is None else after
+    for name in set(before) | set(after):
+        if before.get(name) == after.get(name) or os.environ.get(name) != after.get(name):
+            continue
+        if name in before:
+            os.environ[name] = before[name]
+        else:
+            del os.environ[name]
 
 
 def _put_back() -> None:
-    global _environ
+    global _environ, _environ_set
     if _environ is not None:
-        restore_environ(_environ)
-        _environ = None
+        restore_environ(_environ, _environ_set)
+        _environ = _environ_set = None
 
 
 @contextlib.contextmanager
