@@ -244,3 +244,42 @@ def test_the_loader_gets_the_patches_a_bounded_chunk_of_one_kind_at_a_time(monke
     engine.finish_weight_update()
     # (the next tensor's patch is made before a chunk goes: it may be another kind)
     assert calls == [(["a", "b"], ["a"]), (["a", "b", "c"], ["b"]), (["a", "b", "c"], ["c"])]
+
+
+def test_a_dropped_receive_that_does_not_end_is_left_behind_with_its_own_staging(
+        monkeypatch):
+    # an armed wait, or a broadcast, whose trainer's host vanished without a reset: its
+    # store round trip waits for TCP to give up (~15 min), and the worker's main thread,
+    # which drops it (a lease's expiry, a new trainer's join), must not wait that long
+    import math
+    import threading
+
+    from hotweights.vllm_plugin import remote_engine
+    old, _ = _state()
+    release, got = threading.Event(), []
+
+    class Stuck:  # the trainer's channel, its host gone
+        broken = False
+
+        def interrupt(self, update):
+            got.append(("interrupt", update))  # cannot reach the store either
+
+        def give_up(self, why):
+            self.broken = True
+
+        def receive(self, staged, **kwargs):
+            release.wait(30)
+            got.append(staged)
+    monkeypatch.setattr(remote_engine, "_DROP_WAIT_S", 0.2)
+    engine = object.__new__(remote_engine.HotweightsEngine)
+    engine.staged, engine.channel, engine.relay = Staged(_specs(old)), Stuck(), None
+    engine.device, engine._receiving = torch.device("cpu"), None
+    engine.start_receiving({"update": "u", "wait": math.inf})
+    receiving, first = engine._receiving, engine.staged
+    engine.discard()  # within the bound, not at the receive's end
+    assert got == [("interrupt", "u")] and engine._receiving is None
+    assert engine.broken  # the next update comes on a new channel
+    assert engine.staged is not first  # what it may still stage is not applied
+    release.set()
+    receiving.join(5)
+    assert got[-1] is first

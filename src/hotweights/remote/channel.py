@@ -222,6 +222,10 @@ class Channel:
         """A collective failed: the group is unusable; close it and open a new one."""
         return self._broken is not None
 
+    def give_up(self, why: str) -> None:
+        """Take the channel as broken (see `broken`) for `why`."""
+        self._broken = self._broken or why
+
     def _where(self) -> str:
         return f"{self.name} {self.addr}:{self.port} rank {self.rank}"
 

@@ -216,6 +216,10 @@ class Staged:
     def clear(self) -> None:
         self.__init__(self.specs, old=self.old, shards=self.shards, pin=self.pin)
 
+    def fresh(self) -> Staged:
+        """An empty staging of the same specs: another object."""
+        return Staged(self.specs, old=self.old, shards=self.shards, pin=self.pin)
+
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -59,6 +59,8 @@ from hotweights.remote.staging import Staged
 
 logger = logging.getLogger(__name__)
 
+_DROP_WAIT_S = 10.0  # how long a dropped receive may take to end (an interrupted wait:
+# one slice, `announce._WAIT_SLICE_S`) before it is left behind
 PATCH_CHUNK = 1 << 24  # values per load_checkpoint_weight_patches call (one tensor's more)
 
 
@@ -197,14 +199,26 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
         self.start_receiving({"update": update, "wait": math.inf})
 
     def _drop_receiving(self) -> None:
-        """Stop a receive still waiting for its update's start, and wait for it; what it
-        raised is logged, not raised (the update is dropped)."""
+        """Stop a receive still waiting for its update's start, and wait for it, up to
+        `_DROP_WAIT_S`; what it raised is logged, not raised (the update is dropped). One
+        that does not end by then (a store or broadcast whose peer's host vanished without
+        a reset: TCP gives up after ~15 min) is left behind with a staging of its own, and
+        the channel it reads is given up: the trainer opens a new one."""
         source, receiving = self.channel if self.channel is not None else self.relay, \
             self._receiving
         # (one that ended, its sender gone say, has nothing to interrupt)
         if receiving is not None and receiving.is_alive() and receiving.info.update and \
                 source is not None:
             source.interrupt(receiving.info.update)
+        if receiving is not None and (receiving.join(_DROP_WAIT_S) or receiving.is_alive()):
+            self._receiving = None
+            self.staged = self.staged.fresh()  # what it may still stage goes to the old one
+            if source is not None:
+                source.give_up("a receive on it was left behind")
+            logger.warning("hotweights: the dropped update's receive did not end within "
+                           "%.0f s (is the trainer's host gone?); left behind, its channel "
+                           "given up: the next update comes on a new one", _DROP_WAIT_S)
+            return
         try:
             self.received()
         except Exception as e:  # dropped anyway
@@ -220,18 +234,19 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
 
     def receive_weights(self, update_info: RemoteUpdate) -> None:
         self._require()
-        self.staged.clear()
+        staged = self.staged  # (one left behind keeps its own: `_drop_receiving`)
+        staged.clear()
         source, relay = ((self.channel, self.relay) if self.channel is not None else
                          (self.relay, None))
         try:
-            source.receive(self.staged, update=update_info.update, wait=update_info.wait,
+            source.receive(staged, update=update_info.update, wait=update_info.wait,
                            relay=relay)
         except BaseException:
-            self.staged.clear()
+            staged.clear()
             raise
-        self.last_staged = {"staged": self.staged.nbytes, "peak_staging": self.staged.peak}
-        logger.info("hotweights: staged %d rounds, %d bytes (peak %d)", self.staged.rounds,
-                    self.staged.nbytes, self.staged.peak)
+        self.last_staged = {"staged": staged.nbytes, "peak_staging": staged.peak}
+        logger.info("hotweights: staged %d rounds, %d bytes (peak %d)", staged.rounds,
+                    staged.nbytes, staged.peak)
 
     def _held(self) -> dict[str, shards.Shard]:
         """HF name -> what this worker's parameters hold of it (`layout.plan` at its TP

@@ -162,7 +162,8 @@ class VllmEngine:
         if self.remote:
             self.armed = ""
             await self._received()
-            await self.client.collective_rpc("hotweights_remote_discard")
+            dropped = await self.client.collective_rpc("hotweights_remote_discard")
+            self.broken = self.broken or any((d or {}).get("broken") for d in dropped)
 
     async def reset_caches(self) -> None:
         # Cached KV (frozen `keep` requests' too: they recompute it on resume) and

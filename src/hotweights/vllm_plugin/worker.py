@@ -136,12 +136,14 @@ class HotweightsWorker:
             return {"applied": True, "armed": False, "broken": False}
         return {"applied": True, "armed": True, "broken": False}
 
-    def hotweights_remote_discard(self) -> None:
-        """Drop a staged update, leaving the weights untouched."""
+    def hotweights_remote_discard(self) -> dict:
+        """Drop a staged update, leaving the weights untouched. Returns ``{"broken":
+        whether this worker's channel broke (a receive left behind)}``."""
         if (engine := getattr(self, "weight_transfer_engine", None)) is not None:
             engine.discard()
         if getattr(self, "_weight_update_active", False):
             self.finish_weight_update()  # applies nothing: the staging is empty
+        return {"broken": engine is not None and engine.broken}
 
     def hotweights_checksum(self) -> str:
         """xxh3-64 over this worker's parameters (names and bytes, in name order).
