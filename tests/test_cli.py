@@ -90,6 +90,7 @@ def test_layout_prints_the_map(tiny_model):
     assert "model.layers.0.self_attn.k_proj.weight" in out
     assert "0:300 (0)" in out  # the HF vocab rows of the padded embedding
     assert "0 vLLM unmapped, 0 HF missing" in out
+    assert "25 HF parameters mapped (" in out  # each once, not each of its pieces
     assert "values: 25 HF parameters hold what the checkpoint holds" in " ".join(out.split())
 
 

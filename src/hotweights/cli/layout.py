@@ -61,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"[red]HF parameter with no vLLM source:[/red] {name}")
     ok = not layout.missing and not layout.unused
     console.print(
-        f"{layout.num_mapped} HF parameters mapped from {len(params)} vLLM parameters; "
+        f"{len(layout.inverse())} HF parameters mapped ({layout.num_mapped} pieces) from "
+        f"{len(params)} vLLM parameters; "
         f"{len(layout.unused)} vLLM unmapped, {len(layout.missing)} HF missing"
     )
     console.print(values if same else f"[red]{values}[/red]")
