@@ -254,3 +254,13 @@ def test_a_failed_local_commit_is_the_error_raised_the_remotes_noted(monkeypatch
             pass
     assert e.value.__notes__ == ["the remote servers did not take version 1 either: "
                                  "gpu01:8000 died"]
+
+
+def test_close_lets_go_of_the_mapping_and_the_remotes():
+    closed = []
+    b = _bridge()
+    b.tensors, b._model = {"w": torch.zeros(1)}, object()
+    b.remote = types.SimpleNamespace(close=lambda: closed.append(True))
+    with b:
+        pass
+    assert b.tensors == {} and b._model is None and closed == [True]

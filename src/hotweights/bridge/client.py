@@ -106,7 +106,8 @@ class Bridge:
             raise ServerError(f"{self.url} is server {now} now, not {self.server_id}: it "
                               "restarted and the weights this bridge mapped are gone; "
                               "reconnect (Bridge.connect), rebuild the model, and drop this "
-                              "bridge and what was built on it (they keep its memory)")
+                              "bridge and what was built on it (bridge.close(): they keep "
+                              "its memory)")
         source = self.manifests[0].model
         if config is None:
             config = _local_model_dir(source, kwargs.get("trust_remote_code", False))
@@ -169,6 +170,20 @@ class Bridge:
                             after_read=release, **kwargs)
             finally:
                 release()
+
+    def close(self) -> None:
+        """Let go of the server's memory (`tensors`, the model this bridge built: the
+        mapping goes once nothing else holds a view of it, so drop the model and its
+        optimizer too) and close the remote group, if any. The server serves on."""
+        if self.remote is not None:
+            self.remote.close()
+        self.tensors, self._model = {}, None
+
+    def __enter__(self) -> Bridge:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def add_remote(self, servers, **kwargs: Any):
         """Update remote servers too: every `update()` then serves one version number on

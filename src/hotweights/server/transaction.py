@@ -449,7 +449,9 @@ class Transaction:
         if server_id != self.server_id:
             raise Refused(409, f"this is server {self.server_id}, not {server_id}: the server "
                           "restarted and the weights you mapped are gone; reconnect "
-                          "(Bridge.connect) and rebuild the model", server_id=self.server_id)
+                          "(Bridge.connect) and rebuild the model; the old bridge, model and "
+                          "optimizer hold the old weights' memory until dropped (bridge.close())",
+                          server_id=self.server_id)
 
     def _held(self) -> Refused:
         return Refused(409, f"update lease held by {self.holder} ({self.state.value})",
