@@ -56,7 +56,8 @@ class StubClient:
         return [{"server_id": args[0]} if method == "hotweights_share" else
                 {"rounds": 1, "bytes": 8} if method == "hotweights_remote_receive" else
                 {"armed": bool(args and args[0]) and not self.broken, "broken": self.broken}
-                if method == "hotweights_remote_apply" else None]
+                if method == "hotweights_remote_apply" else
+                {"w": "bfloat16"} if method == "hotweights_remote_dtypes" else None]
 
 
 def serve(test, *, server_id=SID, args=None):
@@ -311,6 +312,7 @@ def test_a_remote_server_stages_on_receive_applies_on_commit_and_discards_on_abo
         assert status["remote"] is True and status["workers"] == 1
         assert status["channel_ranks"] == 1 and status["device"] == "cpu"  # a Gloo channel
         assert status["protocol"] == PROTOCOL
+        assert status["dtypes"] == {"default": "bfloat16", "others": {}}  # the workers'
         info = (await client.get("/hotweights/server_info", headers=AUTH)).json()
         assert info["weight_transfer_config"] == {"backend": REMOTE_ENGINE}
         r = await client.post("/hotweights/remote/receive", json=body(), headers=AUTH)
