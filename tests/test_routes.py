@@ -57,7 +57,8 @@ class StubClient:
                 {"rounds": 1, "bytes": 8} if method == "hotweights_remote_receive" else
                 {"armed": bool(args and args[0]) and not self.broken, "broken": self.broken}
                 if method == "hotweights_remote_apply" else
-                {"w": "bfloat16"} if method == "hotweights_remote_dtypes" else None]
+                {"w": "bfloat16"} if method == "hotweights_remote_dtypes" else
+                {"broken": self.broken} if method == "hotweights_remote_discard" else None]
 
 
 def serve(test, *, server_id=SID, args=None):
@@ -450,6 +451,11 @@ def test_a_remote_server_whose_channel_broke_reports_none_so_the_trainer_opens_a
         stub.broken = False
         await client.post("/hotweights/remote/join", json=JOIN, headers=AUTH)
         assert (await client.get("/hotweights/status", headers=AUTH)).json()["channel"] == joined
+        stub.broken = True  # a dropped receive left behind (its trainer's host gone)
+        await client.post("/hotweights/begin", json=body(stage=True), headers=AUTH)
+        await client.post("/hotweights/remote/receive", json=body(update="u3"), headers=AUTH)
+        await client.post("/hotweights/abort", json=body(dirty=False), headers=AUTH)
+        assert (await client.get("/hotweights/status", headers=AUTH)).json()["channel"] is None
 
     serve(test)
 
