@@ -78,7 +78,7 @@ def test_the_bridge_compares_only_while_the_server_serves_what_it_loaded(model_d
     served = _served(model_dir)
     served["model.norm.weight"].mul_(2)  # as after a step: the server's weights moved on
     b = Bridge.__new__(Bridge)  # no server: its status and manifest stand in
-    b.tensors, b.server_id = served, "s"
+    b.tensors, b.server_id, b.closed = served, "s", False
     b.manifests = [shm.Manifest(shm.FORMAT, "s", "/dev/shm/x", 1, (), model=str(model_dir))]
     vocab = tiny.make_config("llama", 1).__class__.from_pretrained(model_dir).vocab_size
     monkeypatch.setattr(b, "server_info", lambda: {"model_config": {"vocab_size": vocab}})

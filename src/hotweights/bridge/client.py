@@ -49,6 +49,7 @@ class Bridge:
         self.remote = None  # a RemoteGroup updated with this server (add_remote)
         self.remote_result: dict | None = None  # its last update's (`RemoteGroup.update`)
         self._leased = threading.Lock()  # held by this bridge's update or exclusive read
+        self.closed = False  # `close` let go of the mapping
 
     @classmethod
     def connect(cls, url: str, *, token: str | None = None,
@@ -102,6 +103,8 @@ class Bridge:
                 `trust_remote_code=` for a model whose code ships with it, ...); its
                 report is kept in `bridge.report`.
         """
+        if self.closed:
+            raise ServerError("model(): this bridge was closed; connect again (Bridge.connect)")
         if (now := (before := self.status()).get("server_id")) != self.server_id:
             raise ServerError(f"{self.url} is server {now} now, not {self.server_id}: it "
                               "restarted and the weights this bridge mapped are gone; "
@@ -177,7 +180,7 @@ class Bridge:
         optimizer too) and close the remote group, if any. The server serves on."""
         if self.remote is not None:
             self.remote.close()
-        self.tensors, self._model = {}, None
+        self.tensors, self._model, self.closed = {}, None, True
 
     def __enter__(self) -> Bridge:
         return self
@@ -249,6 +252,9 @@ class Bridge:
     def _exclusive(self, what: str) -> Iterator[None]:
         """One update or exclusive read of this bridge at a time: a second one's begin
         would be refused, and its abort, in this bridge's name, would end the first."""
+        if self.closed:
+            raise ServerError(f"{what}: this bridge was closed; connect again "
+                              "(Bridge.connect)")
         if not self._leased.acquire(blocking=False):
             raise ServerError(f"{what}: this bridge is updating or reading the server already "
                               "(a nested update or checkpoint(exclusive=True) in `with "
@@ -299,12 +305,13 @@ class Bridge:
             with Renewer(self.renew, lease_s):
                 pending = self.remote.prepare(model, mode=mode, lease_s=lease_s,
                                               pause_ahead=True)  # the commits follow
-        except BaseException:
+        except BaseException as e:
             restored = False
             try:
                 restored = self.remote.restore(model)  # restored: the old version
-            finally:
-                self._abort(dirty=not restored)
+            except Exception as failed:  # the remote's error stays the news
+                e.add_note(f"the step could not be undone here: {failed!r}")
+            self._abort(dirty=not restored)
             raise
         n = max(pending.floor, began["n"]) + 1
         try:
@@ -369,7 +376,9 @@ class Bridge:
 
     def _refresh_version(self) -> None:
         with contextlib.suppress(HotweightsError):  # (the caller's error is the news; the
-            self.version = self.status(timeout=10)["version"]  # remotes' commit may follow)
+            status = self.status(timeout=10)  # remotes' commit may follow)
+            if status.get("server_id") == self.server_id:  # not a restarted server's
+                self.version = status["version"]
 
     def status(self, *, timeout: float = 120) -> dict:
         return server_status(self.url, self._token, cafile=self.cafile, timeout=timeout)

@@ -59,8 +59,8 @@ from hotweights.remote.staging import Staged
 
 logger = logging.getLogger(__name__)
 
-_DROP_WAIT_S = 10.0  # how long a dropped receive may take to end (an interrupted wait:
-# one slice, `announce._WAIT_SLICE_S`) before it is left behind
+_DROP_WAIT_S = 10.0  # how long a dropped receive may go without a round (an interrupted
+# wait ends within one slice, `announce._WAIT_SLICE_S`) before it is left behind
 PATCH_CHUNK = 1 << 24  # values per load_checkpoint_weight_patches call (one tensor's more)
 
 
@@ -103,6 +103,7 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
         self.last_staged = {"staged": 0, "peak_staging": 0}  # the last update's bytes
         self._shards: dict[str, shards.Shard] | None = None
         self._receiving: _Receiving | None = None
+        self._gave_up = False  # a receive was left behind with the channels
         self.model_dir = _local_dir(self.model_config)
 
     def _specs(self) -> dict[str, torch.Tensor]:
@@ -136,6 +137,7 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
 
     def init_transfer_engine(self, init_info: RemoteInit) -> None:
         self.shutdown()
+        self._gave_up = False
         pc = self.parallel_config
         index = pc.data_parallel_index * pc.world_size + pc.rank  # this worker in its server
         cuda = self.device.type == "cuda"
@@ -176,9 +178,11 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
 
     @property
     def broken(self) -> bool:
-        """Whether this worker's channel (the trainer's, or its server's relay) broke: its
-        next receive would fail; the trainer opens a new one when the status says none."""
-        return any(c is not None and c.broken for c in (self.channel, self.relay))
+        """Whether this worker's channel (the trainer's, or its server's relay) broke or
+        was given up: its next receive would fail; the trainer opens a new one when the
+        status says none."""
+        return self._gave_up or any(c is not None and c.broken
+                                    for c in (self.channel, self.relay))
 
     def start_receiving(self, update_info: dict[str, Any]) -> None:
         """`update_weights` on a thread of its own; `received` waits for it."""
@@ -199,23 +203,31 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
         self.start_receiving({"update": update, "wait": math.inf})
 
     def _drop_receiving(self) -> None:
-        """Stop a receive still waiting for its update's start, and wait for it, up to
-        `_DROP_WAIT_S`; what it raised is logged, not raised (the update is dropped). One
-        that does not end by then (a store or broadcast whose peer's host vanished without
-        a reset: TCP gives up after ~15 min) is left behind with a staging of its own, and
-        the channel it reads is given up: the trainer opens a new one."""
+        """Stop a receive still waiting for its update's start, and wait for it while it
+        receives rounds; what it raised is logged, not raised (the update is dropped). One
+        that receives none for `_DROP_WAIT_S` (a store or broadcast whose peer's host
+        vanished without a reset: TCP gives up after ~15 min) is left behind with a
+        staging of its own and the channels it reads, given up: the trainer opens a new
+        one."""
         source, receiving = self.channel if self.channel is not None else self.relay, \
             self._receiving
         # (one that ended, its sender gone say, has nothing to interrupt)
         if receiving is not None and receiving.is_alive() and receiving.info.update and \
                 source is not None:
             source.interrupt(receiving.info.update)
-        if receiving is not None and (receiving.join(_DROP_WAIT_S) or receiving.is_alive()):
+        if receiving is not None and self._stuck(receiving, source):
             self._receiving = None
             self.staged = self.staged.fresh()  # what it may still stage goes to the old one
-            if source is not None:
-                source.give_up("a receive on it was left behind")
-            logger.warning("hotweights: the dropped update's receive did not end within "
+            # its channels go with it, closed once it ends (closing a group under a
+            # collective in flight waits for the collective)
+            receiving.closes = [c for c in (self.channel, self.relay) if c is not None]
+            for channel in receiving.closes:
+                channel.give_up("a receive on it was left behind")
+            self.channel = self.relay = None
+            self._gave_up = True
+            if not receiving.is_alive():  # it ended meanwhile, before it could close them
+                receiving.close_channels()
+            logger.warning("hotweights: the dropped update's receive made no progress for "
                            "%.0f s (is the trainer's host gone?); left behind, its channel "
                            "given up: the next update comes on a new one", _DROP_WAIT_S)
             return
@@ -223,6 +235,17 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
             self.received()
         except Exception as e:  # dropped anyway
             logger.info("hotweights: the dropped update's receive failed: %r", e)
+
+    @staticmethod
+    def _stuck(receiving: _Receiving, source: Channel | None) -> bool:
+        """Wait for `receiving` to end while it receives: whether it went `_DROP_WAIT_S`
+        without receiving a round."""
+        seen = None if source is None else source.bytes_received
+        while receiving.join(_DROP_WAIT_S) or receiving.is_alive():
+            if (now := None if source is None else source.bytes_received) == seen:
+                return True
+            seen = now
+        return False
 
     def received(self) -> None:
         """Wait for the receive started by `start_receiving`, if any; raise what it raised."""
@@ -244,6 +267,8 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
         except BaseException:
             staged.clear()
             raise
+        if staged is not self.staged:  # left behind meanwhile: dropped
+            return
         self.last_staged = {"staged": staged.nbytes, "peak_staging": staged.peak}
         logger.info("hotweights: staged %d rounds, %d bytes (peak %d)", staged.rounds,
                     staged.nbytes, staged.peak)
@@ -344,6 +369,7 @@ class _Receiving(threading.Thread):
         super().__init__(name="hotweights-receive", daemon=True)
         self.engine, self.info = engine, info
         self.error: BaseException | None = None
+        self.closes: list[Channel] = []  # left behind: the channels it closes at its end
 
     def run(self) -> None:
         try:
@@ -352,6 +378,13 @@ class _Receiving(threading.Thread):
                 torch.cuda.synchronize(self.engine.device)
         except BaseException as e:  # raised where the commit or abort waits for it
             self.error = e
+        finally:
+            self.close_channels()
+
+    def close_channels(self) -> None:
+        closes, self.closes = self.closes, []
+        for channel in closes:
+            channel.close()
 
 
 def _local_dir(model_config) -> Path:
