@@ -282,3 +282,24 @@ def test_a_restore_that_raises_is_noted_on_the_remote_s_error(monkeypatch):
             pass
     assert e.value.__notes__ == ["the step could not be undone here: RuntimeError('no copy')"]
     assert rec.calls[-1][0] == "/hotweights/abort" and rec.calls[-1][1]["dirty"] is True
+
+
+def test_an_exclusive_checkpoint_holds_the_bridge_only_while_it_reads(monkeypatch, tmp_path):
+    # the server resumes once the live bytes are read; the files are written after, while
+    # the trainer's next update may go on
+    import hotweights.checkpoint
+
+    monkeypatch.setattr(bridge_module, "request", lambda *a, **k: {**Recorder({})(*a, **k),
+                                                                    "n": 0})
+    b = _bridge()
+    b._model = types.SimpleNamespace(config=None)
+    monkeypatch.setattr(b, "status", lambda: {"version": "0@s"})
+    held = []
+
+    def sync(model_dir, model, *, after_read, **kw):
+        held.append(b._leased.locked())
+        after_read()
+        held.append(b._leased.locked())  # writing the files
+    monkeypatch.setattr(hotweights.checkpoint, "sync", sync)
+    b.checkpoint(tmp_path / "ckpt", exclusive=True)
+    assert held == [True, False] and not b._leased.locked()

@@ -8,7 +8,7 @@ import os
 import socket
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -155,7 +155,7 @@ class Bridge:
             return sync(model_dir, model, version=self.version, config=model.config, **kwargs)
         if os.path.isdir(model_dir):  # another writer's sync first, and what a crashed one
             recover(model_dir)  # left finished: not while the server is paused
-        with self._exclusive("checkpoint(exclusive=True)"):
+        with self._exclusive("checkpoint(exclusive=True)") as unlock:
             self._begin(mode="keep", lease_s=60.0)
             renewer, released = Renewer(self.renew, 60.0), False
 
@@ -165,6 +165,7 @@ class Bridge:
                     released = True
                     renewer.__exit__()
                     self._abort(dirty=False)  # nothing written: resumed at the same version
+                    unlock()  # the files are written after: an update may go on meanwhile
 
             try:
                 renewer.start()
@@ -249,9 +250,10 @@ class Bridge:
             yield from self._update(mode, lease_s)
 
     @contextlib.contextmanager
-    def _exclusive(self, what: str) -> Iterator[None]:
+    def _exclusive(self, what: str) -> Iterator[Callable[[], None]]:
         """One update or exclusive read of this bridge at a time: a second one's begin
-        would be refused, and its abort, in this bridge's name, would end the first."""
+        would be refused, and its abort, in this bridge's name, would end the first.
+        Yields the unlock, for a holder done with the lease before the block ends."""
         if self.closed:
             raise ServerError(f"{what}: this bridge was closed; connect again "
                               "(Bridge.connect)")
@@ -259,10 +261,16 @@ class Bridge:
             raise ServerError(f"{what}: this bridge is updating or reading the server already "
                               "(a nested update or checkpoint(exclusive=True) in `with "
                               "bridge.update()`, or another thread's): one at a time")
+        held = [True]
+
+        def unlock() -> None:
+            if held:
+                held.clear()
+                self._leased.release()
         try:
-            yield
+            yield unlock
         finally:
-            self._leased.release()
+            unlock()
 
     def _update(self, mode: str, lease_s: float) -> Iterator[None]:
         model = None if self.remote is None else self._model or self.model(
