@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hotweights import RemoteError
-from hotweights.remote.served import cast, narrowed_to
+from hotweights.remote.served import Cast, narrowed_to
 
 NEW = {"w": torch.ones(2, dtype=torch.float32), "a_log": torch.ones(2),
        "half": torch.ones(2, dtype=torch.bfloat16), "ids": torch.arange(2)}
@@ -17,7 +17,7 @@ def _status(default, others=None):
 def test_only_floats_wider_than_the_servers_are_narrowed():
     status = {"a": _status("bfloat16", {"a_log": "float32", "ids": "int64"})}
     assert narrowed_to(status, NEW) == {"w": torch.bfloat16}
-    out = cast(NEW, {"w": torch.bfloat16})
+    out = dict(Cast(NEW, {"w": torch.bfloat16}))
     assert out["w"].dtype == torch.bfloat16 and out["a_log"] is NEW["a_log"]
     assert narrowed_to({"a": _status("float32")}, NEW) == {}  # bf16 is widened there
 

@@ -296,7 +296,7 @@ class RemoteGroup:
                               f"trainer's {new[name].dtype}, and the checkpoint would have to "
                               "hold their rounded values, not the trainer's: use "
                               "reference='copy' (the default), or train in the served dtype")
-        new = served.cast(new, self._casts)
+        new = dict(served.Cast(new, self._casts))  # (the rounded copies made here, once)
         if self._warm is None:  # while the first update (a full sync) travels, not at the
             # second (not a daemon: numba must not be cut off at exit)
             self._warm = threading.Thread(target=packing.warm, name="hotweights-jit-warm",

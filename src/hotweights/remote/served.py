@@ -66,12 +66,6 @@ class Cast(Mapping):
         return len(self.tensors)
 
 
-def cast(new: Mapping[str, torch.Tensor], casts: Mapping[str, torch.dtype]
-         ) -> dict[str, torch.Tensor]:
-    """`new` with each tensor named in `casts` rounded to its dtype (a copy of it)."""
-    return {k: t.to(casts[k]) if k in casts else t for k, t in new.items()}
-
-
 def _dtype(name: object) -> torch.dtype | None:
     dtype = getattr(torch, name, None) if isinstance(name, str) else None
     return dtype if isinstance(dtype, torch.dtype) else None

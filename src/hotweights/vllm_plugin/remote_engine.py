@@ -55,6 +55,7 @@ from hotweights.errors import ConfigError, HotweightsError, RemoteError
 from hotweights.layout.plan import hf_params, plan
 from hotweights.remote import delta_apply, jit, shards
 from hotweights.remote.channel import Channel
+from hotweights.remote.delta import _dtype_name
 from hotweights.remote.staging import Staged
 
 logger = logging.getLogger(__name__)
@@ -102,6 +103,7 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
         self.staged: Staged | None = None
         self.last_staged = {"staged": 0, "peak_staging": 0}  # the last update's bytes
         self._shards: dict[str, shards.Shard] | None = None
+        self._spec_map: dict[str, torch.Tensor] | None = None  # (`_specs`)
         self._receiving: _Receiving | None = None
         self._gave_up = False  # a receive was left behind with the channels
         self.model_dir = _local_dir(self.model_config)
@@ -109,7 +111,10 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
     def _specs(self) -> dict[str, torch.Tensor]:
         """HF name -> meta tensor of its shape and the served dtype, from the checkpoint; a
         tensor whose slabs vLLM keeps in a wider float (GDN's A_log, some routers: float32)
-        in theirs (values in the served dtype are widened to it, exactly)."""
+        in theirs (values in the served dtype are widened to it, exactly). Read once (at
+        the server's start, for its status's `served_dtypes`)."""
+        if self._spec_map is not None:
+            return self._spec_map
         found = read_dir(self.model_dir)
         if not found:
             raise ConfigError(f"hotweights: no safetensors in {self.model_dir}; the remote engine "
@@ -127,13 +132,13 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
             if spec is not None and shard.dtype is not None and \
                     delta_apply.widens(spec.dtype, shard.dtype):
                 specs[name] = torch.empty(spec.shape, device="meta", dtype=shard.dtype)
+        self._spec_map = specs
         return specs
 
     def served_dtypes(self) -> dict[str, str]:
         """HF name -> the dtype (torch's name) this worker holds it in: an update's values
         come in it, or in a narrower float it widens exactly."""
-        specs = self.staged.specs if self.staged is not None else self._specs()
-        return {name: str(t.dtype).removeprefix("torch.") for name, t in specs.items()}
+        return {name: _dtype_name(t.dtype) for name, t in self._specs().items()}
 
     def init_transfer_engine(self, init_info: RemoteInit) -> None:
         self.shutdown()
