@@ -425,6 +425,33 @@ def test_an_evaluation_between_steps_of_one_generation_keeps_their_lag(served):
             if "eval_hotweights/sample_version" in e] == [before + 1, before + 2]
 
 
+def test_a_rollout_func_calling_the_client_itself_gets_each_sample_s_version(served):
+    """A `rollout_func` that generates through `trainer.vllm_generation.vllm_client`
+    (not TRL's generation): each of its samples still gets the version that sampled it."""
+    url, tmp = served
+    bridge = Bridge.connect(url, token=TOKEN)
+    before = parse_version(bridge.version)[0]
+    calls = []
+
+    def rollout(prompts, trainer):
+        out = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
+        for half in (prompts[:len(prompts) // 2], prompts[len(prompts) // 2:]):
+            got = trainer.vllm_generation.vllm_client.generate(prompts=half, max_tokens=8)
+            out["prompt_ids"] += got["prompt_ids"]
+            out["completion_ids"] += got["completion_ids"]
+            out["logprobs"] += [[lp[0] for lp in seq] for seq in got["logprobs"]]
+        calls.append(len(out["completion_ids"]))
+        return out
+
+    trainer = GRPOTrainer(bridge=bridge, reward_funcs=_reward, train_dataset=_data(),
+                          args=_config(tmp, max_steps=2), rollout_func=rollout)
+    trainer.train()
+    assert calls == [8, 8]
+    assert trainer.sample_versions == [before + 1] * 8  # the second batch's, after a step
+    assert [e["hotweights/sample_version"] for e in trainer.state.log_history
+            if "hotweights/sample_version" in e] == [before, before + 1]
+
+
 def test_an_optimizer_that_moves_the_weights_outside_its_step_is_refused(served):
     class ScheduleFree(torch.optim.SGD):  # as schedulefree's: train() / eval() move weights
         def train(self):

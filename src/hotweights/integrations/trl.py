@@ -96,7 +96,9 @@ def _client_for(bridge: Bridge) -> type[VLLMClient]:
         own authenticated route, not vLLM's dev-mode `/server_info`."""
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
-            self.sample_versions: list[int] = []  # the last generate's, one per sample
+            # one per sample of every generate since the trainer's batch began: TRL's
+            # generation and a `rollout_func` calling this client directly alike
+            self.sample_versions: list[int] = []
             self._version: str | None = None  # the last completion response's header
             super().__init__(*args, **kwargs)
             self.session.hooks["response"].append(self._keep_version)
@@ -112,7 +114,7 @@ def _client_for(bridge: Bridge) -> type[VLLMClient]:
                 raise ServerError(f"{self.base_url}: the completion carried no "
                                   f"{VERSION_HEADER} header: is it a `hotweights serve`?")
             n = parse_version(self._version)[0]
-            self.sample_versions = [n] * len(out["completion_ids"])
+            self.sample_versions += [n] * len(out["completion_ids"])
             return out
 
         def check_server(self, *args: Any, **kwargs: Any) -> None:
@@ -154,8 +156,14 @@ class _Server:
     def version(self) -> int:
         return parse_version(self.bridge.version)[0]
 
-    def sample_versions(self, generation, samples: int) -> list[int]:
-        return generation.vllm_client.sample_versions
+    def watch(self, generation) -> None:
+        self.client = generation.vllm_client  # it counts every generate's samples
+
+    def begin_batch(self) -> None:
+        self.client.sample_versions = []
+
+    def batch_versions(self) -> list[int]:
+        return self.client.sample_versions
 
     def update(self):
         return self.bridge.update(mode=self.mode, lease_s=self.lease_s)
@@ -167,11 +175,26 @@ class _Colocated:
     def __init__(self, llm):
         from hotweights.vllm_plugin.local import live_params
 
-        self.llm, self.version = llm, 0
+        self.llm, self.version, self.samples = llm, 0, 0
         self.tensors = live_params(llm)
 
-    def sample_versions(self, generation, samples: int) -> list[int]:
-        return [self.version] * samples  # TRL generates between steps
+    def watch(self, generation) -> None:
+        """Counts the samples of TRL's generations (not of a `rollout_func`'s own calls
+        of the engine)."""
+        generate = generation.generate
+
+        def counted(*args: Any, **kwargs: Any) -> tuple:
+            out = generate(*args, **kwargs)
+            self.samples += len(out[1])
+            return out
+
+        generation.generate = counted
+
+    def begin_batch(self) -> None:
+        self.samples = 0
+
+    def batch_versions(self) -> list[int]:
+        return [self.version] * self.samples  # TRL generates between steps
 
     @contextlib.contextmanager
     def update(self) -> Iterator[None]:
@@ -405,9 +428,7 @@ class _OnServedWeights:
             self.close()
             raise
         self._environ_set = dict(os.environ)  # what `close` undoes: the setup's changes
-        self._batch_versions: list[int] = []  # of the batch being generated
-        self._vllm_generate = self.vllm_generation.generate
-        self.vllm_generation.generate = self._generate_and_keep_versions
+        self.weights.watch(self.vllm_generation)
         # TRL's sync copies the model into vLLM: here vLLM computes with the trained tensors
         self.vllm_generation.sync_weights = lambda: None
 
@@ -445,24 +466,20 @@ class _OnServedWeights:
     def _generate(self, prompts: list):
         """TRL's generation of a batch; `sample_versions` := the versions of the weights
         that generated a training batch (one per sequence of each vLLM generation: a tool
-        call's turns count each; none where a `rollout_func` bypasses TRL's vLLM
-        generation); an evaluation's batch is only logged."""
-        self._batch_versions = []
+        call's turns count each, and so do a `rollout_func`'s own calls of the server's
+        client; in colocate mode, none where it calls the engine itself); an evaluation's
+        batch is only logged."""
+        self.weights.begin_batch()
         try:
             return super()._generate(prompts)
         finally:
-            versions, mode = self._batch_versions, "train" if self.model.training else "eval"
+            versions = self.weights.batch_versions()
+            mode = "train" if self.model.training else "eval"
             if mode == "train":  # an evaluation's batch is not what the next steps train on
                 self.sample_versions = versions
             if versions:
                 self._metrics[mode]["hotweights/sample_version"].append(
                     sum(versions) / len(versions))
-
-    def _generate_and_keep_versions(self, *args: Any, **kwargs: Any) -> tuple:
-        out = self._vllm_generate(*args, **kwargs)
-        self._batch_versions += self.weights.sample_versions(self.vllm_generation,
-                                                             len(out[1]))
-        return out
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str,
                               model: torch.nn.Module | None = None) -> None:
