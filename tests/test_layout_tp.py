@@ -406,9 +406,32 @@ def test_experts_transformers_keeps_transposed_are_named_as_such() -> None:
     name = "model.layers.0.mlp.experts.gate_up_proj"
     e, rows, cols = vllm.pop(name)
     vllm["model.layers.0.mlp.experts.w13_weight"] = (e, cols, rows)  # HF's, transposed
-    with pytest.raises(LayoutError, match=r"experts transposed .* not supported \(vLLM also "
-                       "reorders"):
+    with pytest.raises(LayoutError, match=r"holds it transposed: transformers keeps this "
+                       r"model type's experts \[E, in, out\], and only gpt_oss's"):
         plan(config, vllm)
+
+
+def test_llama_4_is_refused_by_name_before_any_shape() -> None:
+    from transformers import Llama4Config, Llama4TextConfig
+
+    for config in (Llama4TextConfig(), Llama4Config()):
+        with pytest.raises(LayoutError, match=r"Llama 4 is not supported: .* reorders its q/k"):
+            plan(config, {})
+
+
+def test_expert_gate_and_up_halves_are_named_in_a_row_mismatch() -> None:
+    """tp=2: each rank's w13 holds its chunk of gate, then of up; a wrong count names both
+    halves, and no attention heads."""
+    from hotweights.testing import tiny
+
+    config = tiny.make_config("qwen3_moe", 300)
+    e, rows, cols = hf_params(config)[0]["model.layers.0.mlp.experts.gate_up_proj"]
+    vllm = {"model.layers.0.mlp.experts.w13_weight": (e, rows // 2 + 2, cols)}
+    half = rows // 4
+    with pytest.raises(LayoutError, match=rf"w13_weight: expected {rows // 2} rows on dim 1 "
+                       rf"\(gate {half} \+ up {half}\), found {rows // 2 + 2} \(vLLM shape "
+                       r"\([^)]*\)\); tp=2$"):
+        plan(config, vllm, tp_size=2, strict=False)
 
 
 def test_vllm_parameters_derived_at_load_as_copies_are_named_with_why() -> None:

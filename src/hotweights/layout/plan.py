@@ -44,6 +44,11 @@ _VLLM_RENAMES = ((".attn.", ".self_attn."), ("model.embedding.", "model.embed_to
 # the HF tensor is vLLM's with its last two dims swapped. GPT-OSS keeps gate and up
 # interleaved, as vLLM's swigluoai reads them, so only the order of the dims differs.
 _TRANSPOSED_EXPERTS = {"gpt_oss"}
+# model types no map can serve, and why
+_REFUSED = dict.fromkeys(("llama4", "llama4_text"), (
+    "Llama 4 is not supported: transformers keeps its experts transposed (gate and up "
+    "apart), and vLLM reorders its q/k rows for its rotary at load, which no view of "
+    "vLLM's qkv_proj can present in transformers' order"))
 # A vLLM module that packs several HF modules, concatenated on dim 0 in this order.
 PACKED = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
@@ -59,6 +64,7 @@ _ROW = {"o_proj", "down_proj", "out_proj"}
 _REPLICATED = {"q_a_proj", "kv_a_proj_with_mqa"}  # whole on every rank (packed or not)
 _VOCAB = {"embed_tokens", "lm_head"}
 _KV = {"k_proj", "v_proj"}
+_ATTENTION = {"q_proj", *_KV}  # split by heads
 
 
 @dataclass(frozen=True)
@@ -287,6 +293,8 @@ def plan(
     if not 0 <= tp_rank < tp_size:
         raise LayoutError(f"tp_rank={tp_rank} is outside tp_size={tp_size}")
     config = load_config(config, trust_remote_code=trust_remote_code)
+    if why := _REFUSED.get(getattr(config, "model_type", None)):
+        raise LayoutError(why)
     shapes, ties = hf_shapes if hf_shapes is not None else hf_params(
         config, trust_remote_code=trust_remote_code)
     aliases: dict[str, list[str]] = {}
@@ -383,15 +391,15 @@ def _pieces(
     if module == "experts" and getattr(config, "model_type", None) in _TRANSPOSED_EXPERTS:
         return _transposed_pieces(vname, live, parts[0], tp, rank)
     if module == "experts" and leaf == "gate_up_proj":  # [E, 2I, H]: gate then up on dim 1
-        halves = [(hf_name, hf_shape, 0, hf_shape[1])]
+        halves = [(hf_name, hf_shape, 0, hf_shape[1], "gate_up")]
         if tp > 1:  # each rank holds its chunk of gate, then its chunk of up
             half = hf_shape[1] // 2
-            halves = [(hf_name, hf_shape, 0, half), (hf_name, hf_shape, half, half)]
+            halves = [(hf_name, hf_shape, 0, half, "gate"), (hf_name, hf_shape, half, half, "up")]
         return _column_pieces(vname, live, halves, config, tp, rank, dim=1)
     if module == "experts" and leaf == "down_proj":  # [E, H, I]
         return _row_pieces(vname, live, parts[0], tp, rank, dim=2)
     if module in _COLUMN or module in _REPLICATED or leaf == "sinks":  # GPT-OSS's: by head
-        subparts = [(n, s, 0, s[0]) for n, s in parts]
+        subparts = [(n, s, 0, s[0], _module_of(n)[0]) for n, s in parts]
         if module in _REPLICATED:
             tp, rank = 1, 0
         return _column_pieces(vname, live, subparts, config, tp, rank, dim=0)
@@ -441,9 +449,9 @@ def _check_other_dims(vname: str, live: Shape, hf_name: str, hf_shape: Shape, di
             raise LayoutError(
                 f"{vname}: vLLM shape {live} does not hold HF {hf_name} shape {hf_shape} "
                 f"(dim {d}: {a} != {b})" + (
-                    "; transformers keeps these experts transposed (Llama 4): not "
-                    "supported (vLLM also reorders Llama 4's q/k rows for its rotary, which "
-                    "no view can undo)" if transposed else "")
+                    "; it holds it transposed: transformers keeps this model type's experts "
+                    f"[E, in, out], and only {', '.join(sorted(_TRANSPOSED_EXPERTS))}'s are "
+                    "mapped so" if transposed else "")
             )
 
 
@@ -488,16 +496,16 @@ _VISION = ("visual.", "vision_tower.", "vision_model.")  # an image encoder's mo
 
 
 def _column_pieces(vname, live, subparts, config, tp, rank, *, dim) -> list[Piece]:
-    # `subparts`: (hf_name, hf_shape, base, n): rows [base, base + n) of an HF tensor on
-    # `dim`, stacked in this order in the unsharded vLLM parameter. Rank r holds its
-    # 1/tp chunk of each, stacked in the same order.
-    pieces, at = [], 0
+    # `subparts`: (hf_name, hf_shape, base, n, label): rows [base, base + n) of an HF
+    # tensor on `dim`, stacked in this order in the unsharded vLLM parameter. Rank r holds
+    # its 1/tp chunk of each, stacked in the same order.
+    pieces, at, want = [], 0, []
     # a multimodal config keeps its heads in its text config; a vision tower has as many
     # KV heads as heads (split as any rows)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     kv_heads = None if any(v in vname for v in _VISION) else \
         getattr(config, "num_key_value_heads", None)
-    for hf_name, hf_shape, base, n in subparts:
+    for hf_name, hf_shape, base, n, label in subparts:
         _check_other_dims(vname, live, hf_name, hf_shape, dim)
         if _module_of(hf_name)[0] in _KV and kv_heads and tp > kv_heads:
             # Fewer KV heads than ranks: each rank holds one whole head, replicated.
@@ -516,16 +524,15 @@ def _column_pieces(vname, live, subparts, config, tp, rank, *, dim) -> list[Piec
             size = n // tp
             start = base + rank * size
         pieces.append(Piece(hf_name, hf_shape, (at, at + size), dim, start))
+        want.append(f"{label} {size}")
         at += size
     if live[dim] != at:
-        want = " + ".join(
-            f"{_module_of(p.hf_name)[0]} {p.rows[1] - p.rows[0]}" for p in pieces
-        )
+        attention = any(_module_of(p[0])[0] in _ATTENTION for p in subparts)
         raise LayoutError(
-            f"{vname}: expected {at} rows on dim {dim} ({want}), found {live[dim]} "
-            f"(vLLM shape {live}); num_attention_heads="
-            f"{getattr(config, 'num_attention_heads', None)}, "
-            f"num_key_value_heads={kv_heads}, tp={tp}"
+            f"{vname}: expected {at} rows on dim {dim} ({' + '.join(want)}), found "
+            f"{live[dim]} (vLLM shape {live}); " + (
+                f"num_attention_heads={getattr(config, 'num_attention_heads', None)}, "
+                f"num_key_value_heads={kv_heads}, " if attention else "") + f"tp={tp}"
         )
     return pieces
 
