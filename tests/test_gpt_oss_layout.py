@@ -75,8 +75,7 @@ def _vllm(hf: dict[str, torch.Tensor], tp: int = 1, rank: int = 0) -> dict[str, 
 def _xor(old: dict, new: dict, held: dict) -> None:
     """Stage and apply `new` as xors of `old`, decoded against the live slabs as a remote
     server's workers read them (`RemoteEngine._old`): views that are not contiguous."""
-    olds = {n: s.dests[0][0] if s.whole else s for n, s in held.items()
-            if s.whole or s.gathers}
+    olds = {n: s.dests[0][0] if s.whole else s for n, s in held.items()}
     assert olds.keys() == new.keys()  # every tensor decodes xor values
     _stage_xor(old, new, held, olds)
 

@@ -39,6 +39,7 @@ class Model:
     bias: bool  # Qwen2-style q/k/v bias
     tied: bool
     tp: int
+    fused: bool = False  # the checkpoint holds qkv_proj and the dense gate_up_proj (Phi-3)
 
     @property
     def padded(self) -> int:
@@ -53,6 +54,7 @@ def hf_tensors(m: Model, seed: int) -> tuple[dict[str, torch.Tensor], dict[str, 
     """HF parameters (transformers 5 names) with distinct values, and the tied aliases."""
     gen = torch.Generator().manual_seed(seed)
     shapes: dict[str, tuple[int, ...]] = {EMBED: (m.vocab, m.hidden)}
+    fused: dict[str, tuple[str, ...]] = {}  # an HF name -> the parts it packs, in order
     for i in range(m.layers):
         p = f"model.layers.{i}."
         shapes[p + "self_attn.q_proj.weight"] = (m.heads * m.hd, m.hidden)
@@ -71,6 +73,13 @@ def hf_tensors(m: Model, seed: int) -> tuple[dict[str, torch.Tensor], dict[str, 
             shapes[p + "mlp.gate_proj.weight"] = (m.inter, m.hidden)
             shapes[p + "mlp.up_proj.weight"] = (m.inter, m.hidden)
             shapes[p + "mlp.down_proj.weight"] = (m.hidden, m.inter)
+        if m.fused:
+            for leaf in ("weight", "bias") if m.bias else ("weight",):
+                fused[f"{p}self_attn.qkv_proj.{leaf}"] = tuple(
+                    f"{p}self_attn.{x}_proj.{leaf}" for x in "qkv")
+            if not m.experts:
+                fused[p + "mlp.gate_up_proj.weight"] = (p + "mlp.gate_proj.weight",
+                                                        p + "mlp.up_proj.weight")
         shapes[p + "input_layernorm.weight"] = (m.hidden,)
         shapes[p + "post_attention_layernorm.weight"] = (m.hidden,)
     shapes["model.norm.weight"] = (m.hidden,)
@@ -83,13 +92,28 @@ def hf_tensors(m: Model, seed: int) -> tuple[dict[str, torch.Tensor], dict[str, 
         values = torch.randperm(n, generator=gen, dtype=torch.float64) + base
         tensors[name] = values.reshape(shape)
         base += n
+    for name, parts in fused.items():
+        tensors[name] = torch.cat([tensors.pop(part) for part in parts])
     ties = {LM_HEAD: EMBED} if m.tied else {}
     return tensors, ties
 
 
+def split_fused(m: Model, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The parts of the tensors `m.fused` packs, as vLLM's loader cuts them."""
+    q, kv = m.heads * m.hd, m.kv * m.hd
+    out = dict(hf)
+    for name in [n for n in hf if ".qkv_proj." in n]:
+        parts = out.pop(name).split([q, kv, kv])
+        out.update({name.replace("qkv_proj", f"{x}_proj"): t for x, t in zip("qkv", parts)})
+    for name in [n for n in hf if ".gate_up_proj." in n]:
+        gate, up = out.pop(name).chunk(2)
+        out[name.replace("gate_up", "gate")], out[name.replace("gate_up", "up")] = gate, up
+    return out
+
+
 def reference_local(m: Model, hf: dict[str, torch.Tensor], r: int) -> dict[str, torch.Tensor]:
     """Rank r's vLLM parameters, sharded as vLLM shards them."""
-    tp = m.tp
+    tp, hf = m.tp, split_fused(m, hf)
 
     def kv_shard(t: torch.Tensor) -> torch.Tensor:
         if tp <= m.kv:
@@ -175,6 +199,7 @@ def models(draw, *, tp: int | None = None) -> Model:
         bias=draw(st.booleans()),
         tied=draw(st.booleans()),
         tp=tp,
+        fused=draw(st.booleans()),
     )
 
 
@@ -288,8 +313,10 @@ def test_tp1_pieces_are_whole(m: Model, seed: int) -> None:
     [(1, 4, 4), (2, 8, 8), (4, 4, 4), (8, 8, 2), (2, 6, 6), (3, 6, 3), (3, 6, 6)],
 )
 @pytest.mark.parametrize("experts", [0, 3])
-def test_tp_examples(kv: int, heads: int, tp: int, experts: int) -> None:
-    """Fixed corners: kv replicated, kv split, tp == heads, tp=3/6 (padded vocab 192)."""
+@pytest.mark.parametrize("fused", [False, True], ids=["apart", "fused"])
+def test_tp_examples(kv: int, heads: int, tp: int, experts: int, fused: bool) -> None:
+    """Fixed corners: kv replicated, kv split, tp == heads, tp=3/6 (padded vocab 192); the
+    checkpoint's q/k/v and gate/up apart, or packed (Phi-3)."""
     m = Model(
         kv=kv,
         heads=heads,
@@ -303,6 +330,7 @@ def test_tp_examples(kv: int, heads: int, tp: int, experts: int) -> None:
         bias=True,
         tied=experts == 0,
         tp=tp,
+        fused=fused,
     )
     check_model(m, seed=tp)
 
@@ -409,6 +437,15 @@ def test_experts_transformers_keeps_transposed_are_named_as_such() -> None:
     with pytest.raises(LayoutError, match=r"holds it transposed: transformers keeps this "
                        r"model type's experts \[E, in, out\], and only gpt_oss's"):
         plan(config, vllm)
+
+
+def test_a_packed_qkv_of_no_whole_heads_is_named() -> None:
+    config = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2)
+    name = "model.layers.0.self_attn.qkv_proj.weight"
+    with pytest.raises(LayoutError, match=r"qkv_proj\.weight: HF .* shape \(50, 16\) does "
+                       r"not hold num_attention_heads=4 \+ 2 x num_key_value_heads=2 heads"):
+        plan(config, {name: (25, 16)}, tp_size=2, strict=False,
+             hf_shapes=({name: (50, 16)}, {}))
 
 
 def test_llama_4_is_refused_by_name_before_any_shape() -> None:

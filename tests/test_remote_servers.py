@@ -733,12 +733,14 @@ def test_a_tensor_vllm_keeps_in_float32_takes_bf16_and_float32_updates(tiny_mode
 
 
 @pytest.mark.timeout(480)  # starts a server of its own (~75 s, ~150 s loaded)
-@pytest.mark.parametrize("arch", ["llama", "gpt_oss"])
+@pytest.mark.parametrize("arch", ["llama", "gpt_oss", "phi3"])
 def test_a_tensor_parallel_server_is_updated_shard_by_shard(tiny_model, tmp_path, monkeypatch,
                                                             arch):
     # TP=2: each worker holds slices of the merged tensors; it stages only its shard of each
     # HF tensor and writes it straight into its slabs of them (GPT-OSS: its runs of expert
-    # columns and rows, seen transposed; the down bias on the first worker only). The server
+    # columns and rows, seen transposed; the down bias on the first worker only; Phi-3: its
+    # qkv_proj and gate_up_proj, packed in the checkpoint too, cut as vLLM's loader cuts
+    # them, each worker's q/k/v and gate/up runs decoded against their slabs). The server
     # takes one rank of the trainer's channel: its first worker receives each byte once and
     # hands it on to the other over the server's relay.
     cores = sorted(os.sched_getaffinity(0))

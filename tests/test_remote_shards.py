@@ -96,6 +96,9 @@ MODELS = {  # (kv, heads, tp, experts, vocab, tied)
                                          tp=4),
     "tp=1": Model(kv=2, heads=4, hd=4, hidden=16, inter=8, moe_inter=2, experts=2, vocab=70,
                   layers=1, bias=True, tied=False, tp=1),
+    "qkv and gate_up packed on disk (Phi-3: three runs, two runs)": Model(
+        kv=2, heads=4, hd=4, hidden=16, inter=8, moe_inter=2, experts=0, vocab=150, layers=2,
+        bias=True, tied=False, tp=2, fused=True),
 }
 
 
@@ -162,12 +165,15 @@ def test_a_tensor_without_a_shard_goes_to_the_loader_whole():
 
 
 @pytest.mark.parametrize("compiled", [True, False])
-@pytest.mark.parametrize("model", ["kv split, qkv bias", "ranks of vocab padding only"])
+@pytest.mark.parametrize("model", ["kv split, qkv bias", "ranks of vocab padding only",
+                                   "kv replicated, experts (gate|up on dim 1: two runs)",
+                                   "qkv and gate_up packed on disk (Phi-3: three runs, two "
+                                   "runs)"])
 def test_each_rank_applies_xor_values_to_its_own_shard(model, compiled, monkeypatch):
     # a TP worker holds no whole tensor: xor values are cut to its slabs and applied to
     # them at the commit; without the compiled loops they decode against its slabs when
-    # staged (`gather`), 0 where it holds nothing, and those elements are cut away before
-    # anything is kept
+    # staged (`gather`: each run from the slab that holds it), 0 where it holds nothing,
+    # and those elements are cut away before anything is kept
     from hotweights.remote import jit
     if not compiled:
         monkeypatch.setattr(jit, "_loops", False)
@@ -182,7 +188,6 @@ def test_each_rank_applies_xor_values_to_its_own_shard(model, compiled, monkeypa
     for t in new.values():  # 1.0 -> 2.0: their xor, decoded against 0, is +Inf
         t.view(-1)[::7] = 2.0
     for r, params, held in _ranks(m, old, ties):
-        assert all(s.gathers for s in held.values())
         _stage_xor(old, new, held, held)
         for name, t in reference_local(m, new, r).items():
             assert torch.equal(params[name].view(torch.int32), t.view(torch.int32)), (name, r)
@@ -195,6 +200,10 @@ def test_gather_reads_the_held_run_and_zero_elsewhere():
     idx = torch.tensor([0, 2, 4, 5, 9 + 3, 35])
     assert shard.gather(idx, torch.float32).tolist() == [0, 2, 4, 0, 12, 0]
     assert Shard((4, 9), 0, ()).gather(idx, torch.float32).tolist() == [0] * 6
+    runs = Shard((4, 9), 1, ((0, 1), (6, 2)), ((old.narrow(1, 0, 1).contiguous(),),
+                                              (old.narrow(1, 6, 2).contiguous(),)))
+    idx = torch.tensor([0, 1, 6, 7, 8, 9 + 7, 27, 35])  # two runs: columns 0 and 6..7
+    assert runs.gather(idx, torch.float32).tolist() == [0, 0, 6, 7, 0, 16, 27, 0]
 
 
 def test_a_scalar_parameter_is_mapped_viewed_and_staged():

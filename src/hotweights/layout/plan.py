@@ -398,6 +398,9 @@ def _pieces(
         return _column_pieces(vname, live, halves, config, tp, rank, dim=1)
     if module == "experts" and leaf == "down_proj":  # [E, H, I]
         return _row_pieces(vname, live, parts[0], tp, rank, dim=2)
+    if module in PACKED and len(parts) == 1 and tp > 1:  # the checkpoint holds it packed
+        return _column_pieces(vname, live, _packed_parts(vname, parts[0], config), config,
+                              tp, rank, dim=0)
     if module in _COLUMN or module in _REPLICATED or leaf == "sinks":  # GPT-OSS's: by head
         subparts = [(n, s, 0, s[0], _module_of(n)[0]) for n, s in parts]
         if module in _REPLICATED:
@@ -410,6 +413,32 @@ def _pieces(
             f"{vname}: vLLM shape {live} does not match HF {hf_name} shape {hf_shape}"
         )
     return [Piece(hf_name, hf_shape, (0, hf_shape[0] if hf_shape else 1))]
+
+
+def _packed_parts(vname: str, part: tuple[str, Shape], config: Any) -> list[tuple]:
+    """The subparts of an HF tensor that already holds vLLM's packing (Phi-3's `qkv_proj`
+    and `gate_up_proj`, GLM-4's `gate_up_proj`): vLLM's loader cuts it into its parts by
+    their sizes and shards each as it would apart."""
+    hf_name, hf_shape = part
+    module, rows = _module_of(hf_name)[0], hf_shape[0]
+    if module == "qkv_proj":
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = getattr(text, "num_attention_heads", None)
+        kv = getattr(text, "num_key_value_heads", None) or heads
+        head_dim, rest = divmod(rows, heads + 2 * kv) if heads else (0, 1)
+        if rest or not head_dim:
+            raise LayoutError(
+                f"{vname}: HF {hf_name} shape {hf_shape} does not hold num_attention_heads="
+                f"{heads} + 2 x num_key_value_heads={kv} heads of one size")
+        sizes = [heads * head_dim, kv * head_dim, kv * head_dim]
+    elif module == "gate_up_proj" and rows % 2 == 0:
+        sizes = [rows // 2] * 2
+    else:
+        raise LayoutError(f"{vname}: HF {hf_name} shape {hf_shape} packs "
+                          f"{' + '.join(PACKED[module])}; its cut is not mapped at tp > 1")
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [(hf_name, hf_shape, start, n, label)
+            for start, n, label in zip(starts, sizes, PACKED[module], strict=True)]
 
 
 # GPT-OSS's expert tensors: the HF dim vLLM cuts among the ranks (the down bias: none, it is
@@ -507,7 +536,7 @@ def _column_pieces(vname, live, subparts, config, tp, rank, *, dim) -> list[Piec
         getattr(config, "num_key_value_heads", None)
     for hf_name, hf_shape, base, n, label in subparts:
         _check_other_dims(vname, live, hf_name, hf_shape, dim)
-        if _module_of(hf_name)[0] in _KV and kv_heads and tp > kv_heads:
+        if label in _KV and kv_heads and tp > kv_heads:
             # Fewer KV heads than ranks: each rank holds one whole head, replicated.
             if tp % kv_heads:
                 raise LayoutError(
@@ -527,7 +556,7 @@ def _column_pieces(vname, live, subparts, config, tp, rank, *, dim) -> list[Piec
         want.append(f"{label} {size}")
         at += size
     if live[dim] != at:
-        attention = any(_module_of(p[0])[0] in _ATTENTION for p in subparts)
+        attention = any(label in _ATTENTION for *_, label in subparts)
         raise LayoutError(
             f"{vname}: expected {at} rows on dim {dim} ({' + '.join(want)}), found "
             f"{live[dim]} (vLLM shape {live}); " + (

@@ -148,27 +148,23 @@ class Shard:
         """The slabs' dtype; None for a shard holding nothing."""
         return self.dests[0][0].dtype if self.runs else None
 
-    @property
-    def gathers(self) -> bool:
-        """Whether `gather` can read this shard's old values: nothing held, or one run (every
-        split of q/k/v, o, gate/up, down and the vocabulary)."""
-        return len(self.runs) <= 1
-
     def gather(self, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The live values at HF flat indices `idx` (int64) as `dtype`, 0 where this worker
         holds none: what xor-coded values decode against here (`Staged`: those elements are
-        cut away before anything is kept). Needs `gathers`."""
+        cut away before anything is kept)."""
         if not self.runs:
             return torch.zeros(len(idx), dtype=dtype)
-        block, sblock, inner = self._geometry()
-        (a, n), slab = self.runs[0], self.dests[0][0].detach()
-        idx = idx.to(slab.device)
+        block, _, inner = self._geometry()
+        idx = idx.to(self.dests[0][0].device)
         o, rest = idx.div(block, rounding_mode="floor"), idx.remainder(block)
-        j = rest.div(inner, rounding_mode="floor") - a
-        held = (j >= 0) & (j < n)
-        at = torch.where(held, o * sblock + j * inner + rest.remainder(inner), 0)
-        return torch.where(held, values_at(slab, at).to(dtype),
-                           torch.zeros((), dtype=dtype, device=slab.device))
+        row, within = rest.div(inner, rounding_mode="floor"), rest.remainder(inner)
+        out = torch.zeros(len(idx), dtype=dtype, device=idx.device)
+        for (a, n), dests in zip(self.runs, self.dests, strict=True):  # each in its slab
+            j = row - a
+            held = (j >= 0) & (j < n)
+            at = torch.where(held, o * (n * inner) + j * inner + within, 0)
+            out = torch.where(held, values_at(dests[0].detach(), at).to(dtype), out)
+        return out
 
     @property
     def target(self) -> torch.Tensor | None:

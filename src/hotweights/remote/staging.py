@@ -67,7 +67,7 @@ class Staged:
     Args:
         specs: HF name -> a tensor of the model's dtype and shape (a meta tensor will do).
         old: HF name -> the tensor's current value (the live weights or views of them, any
-            device), or the `Shard` of it that this worker holds, if it `gathers`:
+            device), or the `Shard` of it that this worker holds:
             ``values="xor"`` patch pieces of a tensor without a CPU shard (or staged into
             pinned memory) are decoded against it when staged (the weights do not change
             until the commit), so the staged pieces hold new values. A round with such xor

@@ -306,10 +306,9 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
 
     def _old(self) -> dict[str, torch.Tensor | shards.Shard]:
         """HF name -> what xor-coded values decode against: a view of the live slab that
-        holds the tensor whole (tp=1), else its shard where that `gathers` (a rank of
-        vocabulary padding only: a shard holding nothing); none for the loader's tensors."""
-        return {name: s.dests[0][0] if s.whole else s for name, s in self._held().items()
-                if s.whole or s.gathers}
+        holds the tensor whole (tp=1), else its shard (a rank of vocabulary padding only: a
+        shard holding nothing); none for the loader's tensors."""
+        return {name: s.dests[0][0] if s.whole else s for name, s in self._held().items()}
 
     def finish_weight_update(self) -> None:
         """Apply what was staged (nothing after `discard`): tensor by tensor into the slabs
