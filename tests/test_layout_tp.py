@@ -104,7 +104,8 @@ def split_fused(m: Model, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     out = dict(hf)
     for name in [n for n in hf if ".qkv_proj." in n]:
         parts = out.pop(name).split([q, kv, kv])
-        out.update({name.replace("qkv_proj", f"{x}_proj"): t for x, t in zip("qkv", parts)})
+        out.update({name.replace("qkv_proj", f"{x}_proj"): t
+                    for x, t in zip("qkv", parts, strict=True)})
     for name in [n for n in hf if ".gate_up_proj." in n]:
         gate, up = out.pop(name).chunk(2)
         out[name.replace("gate_up", "gate")], out[name.replace("gate_up", "up")] = gate, up
