@@ -663,6 +663,48 @@ def test_a_child_forked_by_a_writer_that_dies_does_not_keep_the_lock(tmp_path):
         os.kill(child, signal.SIGKILL)
 
 
+WAITING_WRITER = f"""
+import os, signal, sys, threading, time, types
+pkg = types.ModuleType("hotweights"); pkg.__path__ = [{SRC!r}]; sys.modules["hotweights"] = pkg
+from hotweights.checkpoint import lock
+got = threading.Event()
+def write():
+    with lock.locked(sys.argv[1], finish_first=False):
+        got.set()
+        time.sleep(60)
+threading.Thread(target=write, daemon=True).start()
+time.sleep(1)  # the writer waits for the lock the test holds
+child = os.fork()
+if child == 0:  # off the parent's pipes (the test reads them to their end)
+    os.dup2(os.open(os.devnull, os.O_RDWR), 1)
+    os.dup2(1, 2)
+    time.sleep(60)
+    os._exit(0)
+print(child, flush=True)
+got.wait(30)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_child_forked_while_a_writer_waits_for_the_lock_does_not_keep_it(tmp_path):
+    """A fork while a writer waits: the child closes its copy of the fd the writer then
+    locks (`_after_fork` knows it from the start), so the writer's death frees the lock."""
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    writer = subprocess.Popen([sys.executable, "-c", WAITING_WRITER, str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True)
+    child = int(writer.stdout.readline())
+    try:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+        assert writer.wait(timeout=60) == -signal.SIGKILL
+        os.kill(child, 0)  # alive
+        assert not lock.held(tmp_path)
+    finally:
+        os.kill(child, signal.SIGKILL)
+        writer.stdout.close()
+
+
 def test_with_no_thread_to_be_had_the_finisher_s_work_runs_at_once(shards, monkeypatch):
     d, _, old, new, spec = shards
     start = threading.Thread.start

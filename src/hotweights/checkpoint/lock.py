@@ -31,6 +31,7 @@ def locked(directory: str | os.PathLike, *, finish_first: bool = True) -> Iterat
     except OSError as e:
         raise CheckpointError(f"{directory}: cannot open the directory: {e.strerror}") from e
     mine = _Held(os.path.realpath(directory), fd)
+    _held.append(mine)  # before any wait: a child forked meanwhile closes its fd too
     try:
         try:
             try:
@@ -44,10 +45,11 @@ def locked(directory: str | os.PathLike, *, finish_first: bool = True) -> Iterat
                 f"{directory}: cannot take the directory's writer lock (flock: {e.strerror}); "
                 "hotweights writes checkpoints on a local filesystem (ext4, XFS, btrfs, "
                 "tmpfs): sync into one and copy the result") from e
-        _held.append(mine)
+        mine.locked = True
         yield
     finally:
-        if taken := mine in _held:
+        taken = mine.locked
+        if mine in _held:
             _held.remove(mine)
         # An flock belongs to the open file description, which a forked child (e.g. a
         # DataLoader worker started during a sync) shares: closing only this fd would
@@ -65,10 +67,10 @@ class _Held:
     """A lock `locked` holds in this process: its directory (real path) and fd."""
 
     def __init__(self, directory: str, fd: int) -> None:
-        self.directory, self.fd, self.handed = directory, fd, False
+        self.directory, self.fd, self.handed, self.locked = directory, fd, False, False
 
 
-_held: list[_Held] = []  # the locks `locked` holds now, innermost last
+_held: list[_Held] = []  # the locks `locked` holds or waits for now, innermost last
 _handed: set[int] = set()  # the fds `hand_over` gave, until `taken_over` ends them
 
 
@@ -97,7 +99,7 @@ def hand_over(directory: str | os.PathLike) -> int | None:
     thread after it, would wait for it in turn."""
     where = os.path.realpath(directory)
     for h in reversed(_held):
-        if h.directory == where and not h.handed:
+        if h.directory == where and h.locked and not h.handed:
             fd = os.dup(h.fd)  # the same open file description: the same lock
             h.handed = True
             _handed.add(fd)
