@@ -4,6 +4,7 @@ tensors do meanwhile."""
 import json
 import os
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from hotweights.changes import blocks
-from hotweights.checkpoint import first_save, sidecar, sync
+from hotweights.checkpoint import finisher, first_save, journal, lock, sidecar, sync
 from hotweights.checkpoint.shards import read_shard
 from hotweights.errors import CheckpointError
 
@@ -41,6 +42,7 @@ def test_the_sidecars_hash_the_bytes_written_not_the_live_tensors_after(tmp_path
         monkeypatch.setattr(blocks, "fingerprint", step_once)
     first = sync(tmp_path, live, max_shard_size=100_000,
                  after_read=train if when == "after_read" else None)
+    finisher.finish()  # the sidecars are written once the shards are durable
     monkeypatch.undo()
     assert first.first_save and len(first.shards_changed) > 1
     for shard in first.shards_changed:  # each sidecar holds the hashes of its file's bytes
@@ -72,6 +74,7 @@ def test_a_first_save_whose_after_read_raises_still_writes_its_sidecars(tmp_path
         raise RuntimeError("the caller's hook failed")
     with pytest.raises(RuntimeError, match="the caller's hook failed"):
         sync(tmp_path, live, max_shard_size=100_000, after_read=hook)
+    finisher.finish()  # the sidecars are written once the shards are durable
     shards = sorted(tmp_path.glob("*.safetensors"))
     assert len(shards) > 1
     for path in shards:
@@ -80,12 +83,32 @@ def test_a_first_save_whose_after_read_raises_still_writes_its_sidecars(tmp_path
     assert again.bytes_compared == 0 and again.bytes_written == 0
 
 
+def test_a_first_save_writes_its_sidecars_under_the_writer_lock(tmp_path, monkeypatch):
+    """Once the lock is free, a writer after this one may replace a shard: a sidecar
+    written after that would vouch for its file with the first save's hashes."""
+    write, held = sidecar.write, []
+    finisher.finish()  # another test's sidecars first
+
+    def write_late(shard, *args, **kwargs):  # as a sidecar written once the commit is durable
+        deadline = time.monotonic() + 10
+        while (tmp_path / journal.JOURNAL_NAME).exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        held.append(lock.held(tmp_path))
+        return write(shard, *args, **kwargs)
+    monkeypatch.setattr(sidecar, "write", write_late)
+    first = sync(tmp_path, _live(), max_shard_size=100_000)
+    finisher.finish()
+    assert len(held) == len(first.shards_changed) > 1 and all(held), held
+
+
 def test_a_sidecar_that_cannot_be_written_is_a_warning_not_a_failed_save(tmp_path, monkeypatch,
                                                                           caplog):
     def full(*args, **kwargs):
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(sidecar, "write", full)
     first = sync(tmp_path, _live(), max_shard_size=100_000)
+    finisher.finish()  # the sidecars are written once the shards are durable
     assert first.first_save and "sidecar not written" in caplog.text
     monkeypatch.undo()
     assert sync(tmp_path, _live()).bytes_written == 0
@@ -114,6 +137,7 @@ def test_a_sidecar_cut_short_by_a_full_disk_leaves_no_partial_file(tmp_path, mon
         return replace(src, dst)
     monkeypatch.setattr(os, "replace", full)
     sync(tmp_path, _live(), max_shard_size=100_000)
+    finisher.finish()  # the sidecars are written once the shards are durable
     monkeypatch.undo()
     assert "sidecar not written" in caplog.text
     assert not list((tmp_path / ".hotweights").glob("*.tmp"))

@@ -100,10 +100,10 @@ def save(model_dir: Path, live: Mapping[str, torch.Tensor], *, mode: str,
             extra.append(INDEX_NAME)
         journal.write_journal(model_dir, [], moves=[*split.filename_to_tensors, *extra],
                               meta={"version": version})
-    try:
-        stage.commit(model_dir, after_read)
-    finally:  # also when after_read raised (the shards are in place all the same)
-        _sidecars(model_dir, fingerprints, version)
+    # the sidecars once the shards are durable, under the lock (a writer after this one
+    # may replace a shard as soon as it is free); also when after_read raised
+    stage.commit(model_dir, after_read, then=lambda: _sidecars(model_dir, fingerprints,
+                                                              version))
     return SyncResult(
         mode=mode, version=version, tensors_synced=len(tensors), tensors_changed=len(tensors),
         shards_changed=tuple(split.filename_to_tensors), bytes_hashed=total,

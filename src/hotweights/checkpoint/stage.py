@@ -212,17 +212,20 @@ def _naming(path: str) -> Iterator[None]:
 def commit(model_dir: Path, after_read: Callable[[], None] | None,
            then: Callable[[], None] | None = None) -> None:
     """Tell the caller every live byte is read, then apply the committed journal (its
-    fsyncs and removal, then `then`, finish in a thread: `finisher.finish`). The journal
-    is committed: it is applied even if `after_read` raises (what it raised goes on up)."""
+    fsyncs and removal, the stage directory's, then `then`, finish in a thread, under the
+    writer lock it is handed: `finisher.finish`). The journal is committed: it is applied
+    even if `after_read` raises (what it raised goes on up)."""
+    def finish() -> None:
+        with suppress(OSError):  # empty once applied (none where nothing was staged)
+            os.rmdir(model_dir / journal.STAGE_DIR)
+        if then:
+            then()
+
     try:
         if after_read:
             after_read()
-    finally:
-        try:
-            journal.apply(model_dir, wait=False, then=then, mine=True)
-        finally:  # empty once applied (a Ctrl-C held through it is raised after); else
-            with suppress(OSError):  # its files are the journal's, for recover
-                os.rmdir(model_dir / journal.STAGE_DIR)
+    finally:  # not applied: the stage directory's files are the journal's, for recover
+        journal.apply(model_dir, wait=False, then=finish, mine=True)
 
 
 def whole(shard: Shard, tensors: Mapping[str, torch.Tensor], dst: Path,
