@@ -381,6 +381,50 @@ def test_diagnose_a_pending_journal_then_sync_finishes_it(dirs, capsys):
     assert _equal(_disk(a), _disk(dirs["B"]))  # the patched byte compared and put back
 
 
+def test_sync_from_a_source_cut_short_after_its_commit_is_refused(dirs, capsys):
+    """Its shards may be half written: read as they are, they would be copied as a clean
+    checkpoint."""
+    a, b = dirs["A"], dirs["B"]
+    shard, info = read_dir(b)["model.norm.weight"]
+    journal.write_journal(b, [(Path(shard.path).name, info.begin, b"x")])
+    before = _disk(a)
+    rc, out, err = _run(capsys, "sync", "--model-dir", a, "--from", b)
+    assert (rc, out) == (1, "")
+    assert err == (f"error: {b}: a sync into it was cut short after its commit (its journal "
+                   "is there): some shards may be half written; run hotweights recover "
+                   f"{b} first\n")
+    assert _equal(_disk(a), before)
+    assert _run(capsys, "recover", b)[0] == 0
+    assert _run(capsys, "sync", "--model-dir", a, "--from", b)[0] == 0
+    assert _equal(_disk(a), _disk(b))
+
+
+def test_sync_from_a_source_written_while_it_is_read_says_so(dirs, capsys, monkeypatch):
+    """Another sync into the source meanwhile (here: one shard rewritten in place, as the
+    journal mode does): the copy may mix its versions, and the command says so."""
+    import hotweights.checkpoint as checkpoint
+
+    a, b = dirs["A"], dirs["B"]
+    shard = read_dir(b)["model.norm.weight"][0].path
+    real = checkpoint.sync
+
+    def written_meanwhile(*args, after_read=None, **kwargs):
+        def read():
+            with open(shard, "r+b") as f:  # the same bytes: only the file's times change
+                f.seek(-1, os.SEEK_END)
+                last = f.read(1)
+                f.seek(-1, os.SEEK_END)
+                f.write(last)
+            after_read()
+        return real(*args, after_read=read, **kwargs)
+    monkeypatch.setattr(checkpoint, "sync", written_meanwhile)
+    rc, out, err = _run(capsys, "sync", "--model-dir", a, "--from", b)
+    assert (rc, out) == (1, "")
+    assert err == (f"error: {shard}: changed while this sync read it (another sync into "
+                   f"{b}?): {a} may hold a mix of its versions; sync again once {b} is "
+                   "still\n")
+
+
 def test_diagnose_a_pending_journal_of_no_version_says_none_of_it(dirs, capsys):
     a = dirs["A"]
     shard, info = read_dir(a)["model.norm.weight"]

@@ -5,11 +5,14 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import shlex
 from pathlib import Path
 
 import torch
 
+from hotweights.checkpoint import journal
 from hotweights.checkpoint.dtypes import TORCH
+from hotweights.checkpoint.fileid import FileId
 from hotweights.checkpoint.result import not_a_directory
 from hotweights.checkpoint.shards import INDEX_NAME, SINGLE_NAME, read_dir
 from hotweights.errors import CheckpointError
@@ -24,9 +27,24 @@ class Tensors(dict):
     buffer); `mmaps` says so explicitly and lets `close` check that none is still in use.
     """
 
-    def __init__(self, tensors: dict[str, torch.Tensor], mmaps: dict[str, mmap.mmap]):
+    def __init__(self, tensors: dict[str, torch.Tensor], mmaps: dict[str, mmap.mmap],
+                 files: dict[str, FileId] | None = None):
         super().__init__(tensors)
         self.mmaps = mmaps  # shard path -> its mapping
+        self.files = files or {}  # shard path -> the file as its header was read
+
+    def changed(self) -> str | None:
+        """The first shard whose file changed or was replaced since it was mapped (a writer
+        into its directory: the tensors read may mix its versions), or None. A private
+        mapping still reads the file's pages it has not copied."""
+        for path, was in self.files.items():
+            try:
+                st = os.stat(path)
+            except OSError:
+                return path
+            if (FileId.of_stat(st), st.st_ctime_ns) != (was, was.ctime_ns):
+                return path
+        return None
 
     def close(self) -> None:
         """Drop the tensors and unmap the shards (a tensor still held elsewhere keeps its
@@ -45,7 +63,7 @@ def open_dir(model_dir: str | os.PathLike, *, skip_unknown: bool = False) -> Ten
 
     Each shard is mapped copy-on-write (`mmap.ACCESS_COPY`): the tensors read the file's
     pages as they are touched, and writing into one changes this process's copy only,
-    never the file.
+    never the file. A writer into the directory meanwhile shows in `Tensors.changed()`.
 
     Args:
         model_dir: a directory with `model.safetensors` or a sharded index.
@@ -56,11 +74,17 @@ def open_dir(model_dir: str | os.PathLike, *, skip_unknown: bool = False) -> Ten
         A `Tensors` mapping (a dict) of name -> CPU tensor, in the file's dtype and shape.
 
     Raises:
-        CheckpointError: the directory holds no safetensors, a header is bad (as
+        CheckpointError: the directory holds no safetensors, a sync into it was cut
+            short after its commit (`hotweights recover` finishes it), a header is bad (as
             `shards.read_dir`), or a tensor's dtype has no torch equivalent here.
     """
     if not os.path.isdir(model_dir):
         raise not_a_directory(model_dir)
+    if journal.pending(model_dir) is not None:
+        raise CheckpointError(
+            f"{model_dir}: a sync into it was cut short after its commit (its journal is "
+            "there): some shards may be half written; run hotweights recover "
+            f"{shlex.quote(os.fspath(model_dir))} first")
     disk = read_dir(model_dir)
     if disk is None:
         raise CheckpointError(f"{model_dir}: no safetensors checkpoint (neither "
@@ -83,7 +107,7 @@ def open_dir(model_dir: str | os.PathLike, *, skip_unknown: bool = False) -> Ten
         flat = torch.frombuffer(mmaps[shard.path], dtype=dtype, count=count,
                                 offset=info.begin)
         tensors[name] = flat.view(info.shape)
-    return Tensors(tensors, mmaps)
+    return Tensors(tensors, mmaps, {shard.path: shard.file for shard, _ in disk.values()})
 
 
 def _map(path: str, size: int) -> mmap.mmap:

@@ -78,10 +78,17 @@ def _sync_from(args: argparse.Namespace, progress):
     config = None  # the names need none; a first save copies it
     with contextlib.suppress(OSError, ValueError):
         config = json.loads((src / "config.json").read_text())
+
+    def read() -> None:
+        if changed := tensors.changed():
+            raise CheckpointError(
+                f"{changed}: changed while this sync read it (another sync into {src}?): "
+                f"{dst} may hold a mix of its versions; sync again once {src} is still")
     try:
         return sync(dst, tensors, mode=args.mode, version=args.version,
                     convert_dtype=args.convert_dtype, changed=_expand(args.changed, tensors),
-                    config=config if isinstance(config, dict) else None, progress=progress)
+                    config=config if isinstance(config, dict) else None, progress=progress,
+                    after_read=read)
     finally:
         tensors.close()
 
