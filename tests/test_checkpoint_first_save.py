@@ -127,6 +127,23 @@ def test_a_first_save_that_cannot_fit_says_so_before_writing(tmp_path, monkeypat
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+def test_a_first_save_whose_write_fails_names_the_shard_and_writes_nothing(tmp_path,
+                                                                           monkeypatch):
+    write, calls = first_save._write_shard, []
+
+    def full_at_the_second(path, *args):
+        calls.append(path)
+        if len(calls) == 2:  # as a file object's write fails: no file name
+            raise OSError(28, "No space left on device")
+        return write(path, *args)
+    monkeypatch.setattr(first_save, "_write_shard", full_at_the_second)
+    with pytest.raises(CheckpointError) as e:
+        sync(tmp_path, _live(), max_shard_size=100_000)
+    assert str(e.value) == (f"{tmp_path}: cannot write the first save: {calls[1]}: No space "
+                            "left on device; nothing was written")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def test_a_sidecar_cut_short_by_a_full_disk_leaves_no_partial_file(tmp_path, monkeypatch,
                                                                    caplog):
     replace = os.replace

@@ -1,10 +1,12 @@
 """checkpoint.journal: SIGKILL at every step leaves every file all old or all new, together."""
 
+import errno
 import fcntl
 import json
 import logging
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -261,6 +263,33 @@ def _safetensors_like(d: Path, name: str, header: bytes) -> None:
     data = bytearray((d / name).read_bytes())
     data[:8 + len(header)] = len(header).to_bytes(8, "little") + header
     (d / name).write_bytes(data)
+
+
+def test_a_write_that_fails_half_way_through_an_apply_names_the_file_and_recover(
+        shards, monkeypatch):
+    """A full disk (a shard's blocks shared with a reflinked copy) half way through: the
+    error names the file, says the journal is kept, and `recover` finishes the sync."""
+    d, _, old, new, spec = shards
+    real, calls = journal.write_all, []
+
+    def full_at_the_third(fd, view, offset=None):
+        calls.append(offset is not None)  # a patch of a shard, not the journal's own write
+        if sum(calls) == 3 and calls[-1]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, view, offset)
+    monkeypatch.setattr(journal, "write_all", full_at_the_third)
+    with lock.locked(d):
+        journal.write_journal(d, [(n, o, new[n][o:o + k]) for n, o, k in spec])
+        third = spec[2][0]
+        with pytest.raises(CheckpointError, match=re.escape(
+                f"{d / third}: No space left on device while applying the committed journal "
+                f"{d / journal.JOURNAL_NAME}: the files may hold part of the sync (this file "
+                "half written); the journal is kept: once the cause is fixed, run hotweights "
+                f"recover {d}")):
+            journal.apply(d)
+    monkeypatch.undo()
+    assert journal.recover(d) == "replayed"
+    assert _state(d, old, new) == "new"
 
 
 @pytest.mark.parametrize("how", ["copied back", "other header"])

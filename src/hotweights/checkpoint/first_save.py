@@ -85,8 +85,9 @@ def save(model_dir: Path, live: Mapping[str, torch.Tensor], *, mode: str,
     with stage.staging(model_dir, "write the first save") as area:
         area.mkdir()
         for filename, names in split.filename_to_tensors.items():
-            fingerprints[filename] = _write_shard(
-                area / filename, {n: tensors[n].contiguous() for n in names}, block_size)
+            with stage.naming(os.fspath(area / filename)):  # a failed write names its file
+                fingerprints[filename] = _write_shard(
+                    area / filename, {n: tensors[n].contiguous() for n in names}, block_size)
             done += sum(tensors[n].numel() * tensors[n].element_size() for n in names)
             progress("write", done, total)
         extra = []

@@ -42,7 +42,7 @@ import shutil
 import signal
 import stat
 import struct
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import xxhash
@@ -479,25 +479,41 @@ def _replay(directory: str, path: str, records: list) -> tuple[list[int], bool]:
     moves, patches, done = _checked(directory, path, records)
     for k, name in enumerate(m[0] for m in moves if m[0] not in done):  # all checked
         target = os.path.join(directory, name)
-        if os.path.exists(target):
-            trash.keep(directory, target, name)
-        os.replace(os.path.join(directory, STAGE_DIR, name), target)
+        with _applying(directory, path, target):
+            if os.path.exists(target):
+                trash.keep(directory, target, name)
+            os.replace(os.path.join(directory, STAGE_DIR, name), target)
         _crash_point("move", k)
     fds: dict[str, int] = {}
     try:
         with mapped(path) as data:
             for k, (name, offset, length, pos) in enumerate(patches):
-                if name not in fds:
-                    fds[name] = os.open(os.path.join(directory, name), os.O_WRONLY)
-                view = data[pos:pos + length]
-                write_all(fds[name], view, offset)
-                view.release()
+                with _applying(directory, path, os.path.join(directory, name)):
+                    if name not in fds:
+                        fds[name] = os.open(os.path.join(directory, name), os.O_WRONLY)
+                    view = data[pos:pos + length]
+                    write_all(fds[name], view, offset)
+                    view.release()
                 _crash_point("apply", k)
     except BaseException:
         for fd in fds.values():
             os.close(fd)
         raise
     return list(fds.values()), bool(moves)
+
+
+@contextlib.contextmanager
+def _applying(directory: str, path: str, target: str) -> Iterator[None]:
+    """An OSError (a full disk: copy-on-write blocks of a shard shared with a reflinked
+    copy; an I/O error) while a committed journal changes `target`, said as what it
+    leaves."""
+    try:
+        yield
+    except OSError as e:
+        raise CheckpointError(
+            f"{target}: {e.strerror or e} while applying the committed journal {path}: the "
+            "files may hold part of the sync (this file half written); the journal is "
+            f"kept: once the cause is fixed, run hotweights recover {directory}") from e
 
 
 def _check_changeable(directory: str, path: str, moved: list[str], patched: set[str]

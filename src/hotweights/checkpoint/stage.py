@@ -199,7 +199,7 @@ def staging(model_dir: Path, what: str) -> Iterator[Path]:
 
 
 @contextmanager
-def _naming(path: str) -> Iterator[None]:
+def naming(path: str) -> Iterator[None]:
     """An OSError of the block that names no file (a failed write, say) names `path`."""
     try:
         yield
@@ -232,7 +232,7 @@ def whole(shard: Shard, tensors: Mapping[str, torch.Tensor], dst: Path,
           progress: Callable[[int], None]) -> int:
     """Write `shard` anew at `dst` with the `tensors` (contiguous, the header's dtypes and
     shapes) in place of their bytes; fsync. Returns the bytes written."""
-    with _naming(shard.path):
+    with naming(shard.path):
         src = os.open(shard.path, os.O_RDONLY)
         try:
             fd = _create(dst, src)
@@ -285,7 +285,7 @@ def patched(shard: Shard, tensors: Mapping[str, torch.Tensor],
     live = [(shard.tensors[n].begin, shard.tensors[n].end, raw(tensors[n]))
             for n in dict.fromkeys(n for n, _, _ in ranges)]
     scratch = dst.with_name(f".{dst.name}.pages")
-    with _naming(shard.path):
+    with naming(shard.path):
         fd = os.open(dst, os.O_WRONLY)
         try:
             os.fchmod(fd, os.stat(shard.path).st_mode & 0o7777)

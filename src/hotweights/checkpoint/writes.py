@@ -5,6 +5,7 @@ take fewer bytes than it is given); `copy_all`, the same for a range of another 
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import os
 
@@ -28,14 +29,27 @@ def write_all(fd: int, data: bytes | memoryview, offset: int | None = None) -> N
 def copy_all(src: int, dst: int, count: int, offset: int, to: int | None = None) -> None:
     """Copy `count` bytes of `src` from `offset` into `dst` at its file position, or at `to`
     (the position stays). `copy_file_range`: where the filesystem clones and the ranges
-    are aligned to its blocks, the blocks are shared, not copied."""
+    are aligned to its blocks, the blocks are shared, not copied; where it cannot copy
+    between these files (another filesystem: EXDEV), read and written."""
     while count:
-        n = os.copy_file_range(src, dst, min(count, _CHUNK), offset, to)
+        try:
+            n = os.copy_file_range(src, dst, min(count, _CHUNK), offset, to)
+        except OSError as e:
+            if e.errno not in _NO_COPY_RANGE:
+                raise
+            n = len(data := os.pread(src, min(count, _CHUNK), offset))
+            if n:
+                write_all(dst, data, to)
         if n == 0:
             raise OSError(f"unexpected end of the source at byte {offset}")
         offset, count = offset + n, count - n
         if to is not None:
             to += n
+
+
+# copy_file_range's errors for a pair of files it cannot copy between (another
+# filesystem, one that does not support it), where a read and a write can
+_NO_COPY_RANGE = {errno.EXDEV, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 
 
 def syncfs(directory: str | os.PathLike) -> None:
