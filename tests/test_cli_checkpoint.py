@@ -572,10 +572,38 @@ def test_ctrl_c_in_a_sync_is_one_line_and_exit_130_with_no_shard_of_two_versions
         replace(src, dst)
     monkeypatch.setattr(os, "replace", ctrl_c_on_the_first_move)
     rc, out, err = _run(capsys, "sync", "--model-dir", a, "--from", b)
-    assert (rc, out, err) == (130, "", "interrupted\n")
+    assert (rc, out, err) == (130, "", f"interrupted: {a} holds this sync, whole\n")
     monkeypatch.undo()
     finisher.finish()
     assert _equal(_disk(a), _disk(b))  # every shard the new version: the commit whole
+
+
+@pytest.mark.parametrize("when", ["before the commit", "between commit and apply"])
+def test_ctrl_c_in_a_sync_says_what_it_left(dirs, capsys, monkeypatch, when):
+    a, b = dirs["A"], dirs["B"]
+    before = _disk(a)
+    if when == "before the commit":
+        def ctrl_c(*args, **kwargs):
+            raise KeyboardInterrupt
+        monkeypatch.setattr(journal, "write_journal", ctrl_c)
+        said = f"{a} is as it was: nothing was written"
+    else:
+        crash_point = journal._crash_point
+
+        def ctrl_c(step, n=0):
+            if step == "after-rename":
+                raise KeyboardInterrupt
+            crash_point(step, n)
+        monkeypatch.setattr(journal, "_crash_point", ctrl_c)
+        said = (f"{a}: the sync is committed but not applied or not durable: run hotweights "
+                f"recover {a} (or sync again) before reading it")
+    rc, out, err = _run(capsys, "sync", "--model-dir", a, "--from", b)
+    assert (rc, out, err) == (130, "", f"interrupted: {said}\n")
+    monkeypatch.undo()
+    assert _equal(_disk(a), before)
+    if when != "before the commit":
+        assert _run(capsys, "recover", a)[0] == 0
+        assert _equal(_disk(a), _disk(b))
 
 
 def test_a_sync_whose_commit_cannot_be_made_durable_exits_1(dirs, capsys, monkeypatch):

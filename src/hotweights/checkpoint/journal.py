@@ -64,6 +64,7 @@ JOURNAL_NAME = ".hotweights-journal"
 _TMP_NAME = JOURNAL_NAME + ".tmp"
 STAGE_DIR = ".hotweights-stage"  # complete files waiting for their move record
 _written: tuple | None = None  # (path, FileId, records) of the journal this process committed
+commits = 0  # the journals this process committed: whether an interrupted sync did
 _MAGIC = b"HWJRNL\r\n"
 # Formats read: 1 (no file records, moves without the staged file's identity), 2 (no
 # record of a move's target), both replayed without those checks; 3, written.
@@ -303,6 +304,8 @@ def write_journal(directory: str | os.PathLike, patches: Iterable[tuple[str, int
     os.close(fd)
     _crash_point("before-rename")
     os.replace(tmp, journal)
+    global commits
+    commits += 1
     _crash_point("after-rename")
     fsync_dir(directory)
     _written = (journal, FileId.of(journal), records)

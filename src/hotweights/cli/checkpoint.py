@@ -28,23 +28,28 @@ def run_sync(args: argparse.Namespace) -> int:
     if args.version is not None and args.source is None:
         args.usage_error("--weight-version goes with --from: with --server, the server's version "
                          "is recorded")
-    created = not os.path.lexists(args.model_dir)
-    with (_progress(sys.stderr.isatty() and not args.json) as progress,
-          _said_below(args, "hotweights.checkpoint.incremental")):
-        if args.source is not None:
-            result = _sync_from(args, progress)
-        else:
-            from hotweights.bridge.client import Bridge
+    created, commits = not os.path.lexists(args.model_dir), journal.commits
+    try:
+        with (_progress(sys.stderr.isatty() and not args.json) as progress,
+              _said_below(args, "hotweights.checkpoint.incremental")):
+            if args.source is not None:
+                result = _sync_from(args, progress)
+            else:
+                from hotweights.bridge.client import Bridge
 
-            # The lease pauses the server while the live bytes are read and staged.
-            bridge = Bridge.connect(args.server, token=args.token, cafile=args.cafile)
-            model = bridge.model(check_loaded=False)  # a checkpoint of what it serves, as is
-            changed = None if args.changed is None else _expand(args.changed, model.state_dict())
-            result = bridge.checkpoint(args.model_dir, exclusive=True, mode=args.mode,
-                                       convert_dtype=args.convert_dtype, progress=progress,
-                                       changed=changed)
-    with _status(sys.stderr.isatty() and not args.json, "fsync: making the commit durable"):
-        finisher.finish()  # the command ends with the files fsync'd and the journal removed
+                # The lease pauses the server while the live bytes are read and staged.
+                bridge = Bridge.connect(args.server, token=args.token, cafile=args.cafile)
+                model = bridge.model(check_loaded=False)  # what it serves, as is
+                changed = (None if args.changed is None
+                           else _expand(args.changed, model.state_dict()))
+                result = bridge.checkpoint(args.model_dir, exclusive=True, mode=args.mode,
+                                           convert_dtype=args.convert_dtype,
+                                           progress=progress, changed=changed)
+        with _status(sys.stderr.isatty() and not args.json, "fsync: making the commit durable"):
+            finisher.finish()  # the command ends with the files fsync'd, the journal removed
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(_interrupted(args.model_dir, journal.commits > commits)
+                                ) from None
     if why := journal.not_durable(args.model_dir):
         raise CheckpointError(f"{args.model_dir}: the files hold this sync, but it could not "
                               f"be made durable ({why}): its journal is kept; run hotweights "
@@ -65,6 +70,21 @@ def run_sync(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     return 0
+
+
+def _interrupted(model_dir: str, committed: bool) -> str:
+    """What an interrupted sync left in `model_dir` (its commit is atomic: every shard as
+    before or as this sync wrote it), once what it committed is durable."""
+    from hotweights.checkpoint import finisher, journal
+
+    finisher.finish()
+    if journal.pending(model_dir) is not None:
+        return (f"{model_dir}: the sync is committed but not applied or not durable: run "
+                f"hotweights recover {shlex.quote(str(model_dir))} (or sync again) before "
+                "reading it")
+    if committed:
+        return f"{model_dir} holds this sync, whole"
+    return f"{model_dir} is as it was: nothing was written"
 
 
 def _sync_from(args: argparse.Namespace, progress):

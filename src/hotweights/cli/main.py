@@ -464,8 +464,8 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "json", False):  # a script reading stdout gets JSON all the same
             print(json.dumps({"error": str(e)}))
         return 1
-    except KeyboardInterrupt:  # a sync's commit is never cut in two (`checkpoint.held`)
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:  # a sync's commit is never cut in two (`checkpoint.held`)
+        print(f"interrupted: {e}" if str(e) else "interrupted", file=sys.stderr)
         return 130
 
 
