@@ -26,12 +26,16 @@ def run(args: argparse.Namespace) -> int:
     console = make_console()
     from hotweights.vllm_plugin.local import hf_context, live_params, start_engine, stop_engine
 
+    # nothing is generated: no tokenizer needed, and a short context within the model's
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    length = min(256, getattr(text, "max_position_embeddings", None) or 256)
     with console.status(f"loading {args.model_dir} in vLLM"):
         try:
             llm = start_engine(args.model_dir, model_impl=args.model_impl, dtype=args.dtype,
-                               trust_remote_code=trust, environ={} if args.verbose else
+                               trust_remote_code=trust, skip_tokenizer_init=True,
+                               max_model_len=length, environ={} if args.verbose else
                                {"VLLM_LOGGING_LEVEL": "ERROR"})
-        except Exception as e:  # no tokenizer, a field vLLM refuses, ...: named, no trace
+        except Exception as e:  # a field vLLM refuses, ...: named, no trace
             raise LayoutError(f"{args.model_dir}: vLLM cannot load it ({type(e).__name__}: "
                               f"{e}); --verbose shows vLLM's log") from e
         try:

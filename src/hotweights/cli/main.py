@@ -177,6 +177,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model-impl", default="auto", choices=["auto", "vllm", "transformers"],
                    help="vLLM model implementation (default: auto)")
     p.add_argument("--dtype", default="auto",
+                   choices=["auto", "bfloat16", "float16", "half", "float32", "float"],
                    help="vLLM dtype (default: vLLM's auto, which loads a float32 "
                    "checkpoint in bf16 or fp16)")
     p.add_argument("--trust-remote-code", action="store_true",
