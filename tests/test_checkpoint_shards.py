@@ -280,6 +280,13 @@ INDEX_CASES = {
 }
 
 
+def test_a_dangling_single_file_link_is_named_so(tmp_path: Path):
+    (tmp_path / "model.safetensors").symlink_to("../blobs/ab12")
+    with pytest.raises(CheckpointError, match=r"model.safetensors: a symlink to "
+                       r"../blobs/ab12, which does not exist \(a Hugging Face cache blob"):
+        read_dir(tmp_path)
+
+
 def test_sharded_dir(sharded: Path):
     entries = read_dir(sharded)
     assert sorted(entries) == ["a.weight", "b.bias", "c.weight", "d.scalar"]

@@ -43,13 +43,20 @@ def test_dirty_weights_say_why_and_what_clears_it():
     assert printed["dirty versions"] == "2@ab12cd34, 3@ab12cd34"
 
 
+def test_fields_of_unexpected_types_print_as_they_are():
+    """Another version's server, say: printed, never a traceback."""
+    status = dict(BASE, state="idle", dirty=True, dirty_versions=[1, 2], last_pause_s="abc")
+    printed = dict(rows(status, now=0.0))
+    assert printed["dirty versions"] == "1, 2" and "to pause" not in printed
+
+
 def test_the_token_comes_from_token_file_and_an_unreadable_one_is_named(tmp_path, capsys,
                                                                          monkeypatch):
     from hotweights.cli import status
     from hotweights.cli.main import main
 
     asked = []
-    monkeypatch.setattr(status, "server_status", lambda url, token, cafile=None: (
+    monkeypatch.setattr(status, "server_status", lambda url, token, cafile=None, timeout=0: (
         asked.append(token), dict(BASE, state="idle"))[1])
     (tmp_path / "t").write_text("s3cret\n")
     assert main(["status", "--token-file", str(tmp_path / "t"), "--json"]) == 0
@@ -83,11 +90,14 @@ def test_the_server_is_a_word_or_the_flag_sync_and_diagnose_take(monkeypatch, ca
     from hotweights.cli.main import main
 
     asked = []
-    monkeypatch.setattr(status, "server_status", lambda url, token, cafile=None: (
-        asked.append(url), dict(BASE, state="idle"))[1])
+    monkeypatch.setattr(status, "server_status", lambda url, token, cafile=None, timeout=0: (
+        asked.append((url, timeout)), dict(BASE, state="idle"))[1])
     for argv in ([], ["http://h:1"], ["--server", "http://h:2"]):
         assert main(["status", *argv, "--token", "t", "--json"]) == 0
-    assert asked == ["http://127.0.0.1:8000", "http://h:1", "http://h:2"]
+    # a status is answered at once: a port that takes the connection and never answers
+    # is given up on in seconds, not the 2 minutes an update's routes may take
+    assert asked == [(url, status.STATUS_TIMEOUT_S) for url in (
+        "http://127.0.0.1:8000", "http://h:1", "http://h:2")] and status.STATUS_TIMEOUT_S <= 15
     with pytest.raises(SystemExit) as e:
         main(["status", "http://h:1", "--server", "http://h:2"])
     assert e.value.code == 2 and "not allowed with argument" in capsys.readouterr().err

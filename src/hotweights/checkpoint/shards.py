@@ -228,6 +228,9 @@ def read_index(model_dir: str | os.PathLike) -> dict[str, str] | None:
     single = d / SINGLE_NAME
     if single.is_file():
         return {name: SINGLE_NAME for name in read_shard(single).tensors}
+    if single.is_symlink():
+        raise CheckpointError(f"{single}: a symlink to {os.readlink(single)}, which does not "
+                              "exist (a Hugging Face cache blob removed?)")
     strays = sorted(p.name for p in d.glob("*.safetensors")) if d.is_dir() else []
     if strays:
         raise CheckpointError(f"{d}: safetensors files {strays[:5]} but neither {INDEX_NAME} "

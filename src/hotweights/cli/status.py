@@ -19,6 +19,9 @@ _STATES = {
 }
 
 
+STATUS_TIMEOUT_S = 15  # a server answers its status at once, even mid-update
+
+
 def rows(status: dict, now: float) -> list[tuple[str, str]]:
     """What `status` prints, line by line (a status of any state, any server version)."""
     lease = status.get("lease_expires")
@@ -36,10 +39,10 @@ def rows(status: dict, now: float) -> list[tuple[str, str]]:
     else:
         out.append(("weights", "clean"))
     if status.get("dirty_versions"):
-        out.append(("dirty versions", ", ".join(status["dirty_versions"])))
+        out.append(("dirty versions", ", ".join(map(str, status["dirty_versions"]))))
     out.append(("updates", str(status.get("updates", 0))))
     for key, label in _TIMINGS:
-        if status.get(key) is not None:
+        if isinstance(status.get(key), int | float):
             out.append((label, f"{1e3 * status[key]:.1f} ms"))
     if status.get("armed"):
         out.append(("remote", "armed: the workers wait for the trainer's next update"))
@@ -56,7 +59,7 @@ _TIMINGS = (  # the last update's, from the server's clock
 
 def run(args: argparse.Namespace) -> int:
     url = server_url(args.url)
-    status = server_status(url, args.token, cafile=args.cafile)
+    status = server_status(url, args.token, cafile=args.cafile, timeout=STATUS_TIMEOUT_S)
     if args.json:
         print(json.dumps(status))
         return 0
