@@ -123,8 +123,12 @@ def test_sync_from_with_tensors_the_checkpoint_has_no_place_for_fails_naming_the
         assert rc == 1, out
         assert err.startswith(f"error: {dirs['A']}: 1 of the 22 live tensors not written, "
                               "no shard holds them: model.extra.weight")
-        assert json.loads(out)["missing_on_disk"] == ["model.extra.weight"] if json_out \
-            else "not on disk" in out
+        if json_out:  # the result, and the error as every command's --json has it
+            got = json.loads(out)
+            assert got["missing_on_disk"] == ["model.extra.weight"]
+            assert got["error"] == err.removeprefix("error: ").rstrip("\n")
+        else:
+            assert "not on disk" in out
     assert not caplog.records  # the library's warning: said once, by the command, not twice
     rc, out, _ = _run(capsys, "diagnose", "--model-dir", dirs["A"], "--from", extra)
     assert rc == 1 and ("1 live tensor(s) have no place in the checkpoint: a sync does not "
@@ -497,6 +501,18 @@ def test_recover_replays_a_committed_sync(dirs, capsys, caplog):
     assert _equal(_disk(a), _disk(b)) and _journal_files(a) == []
     rc, out, _ = _run(capsys, "recover", a)
     assert rc == 0 and out == f"{a}: nothing to recover\n"
+
+
+
+@pytest.mark.parametrize("commit", [True, False])
+def test_recover_json_says_what_it_did(dirs, capsys, commit):
+    a, b = dirs["A"], dirs["B"]
+    _interrupt(a, b, commit=commit)
+    rc, out, _ = _run(capsys, "recover", a, "--json")
+    assert rc == 0 and json.loads(out) == ({"outcome": "replayed", "version": "9"} if commit
+                                           else {"outcome": "discarded", "version": None})
+    assert json.loads(_run(capsys, "recover", a, "--json")[1]) == {"outcome": "none",
+                                                                    "version": None}
 
 
 def test_recover_discards_an_uncommitted_sync(dirs, capsys):

@@ -55,19 +55,22 @@ def run_sync(args: argparse.Namespace) -> int:
                               f"be made durable ({why}): its journal is kept; run hotweights "
                               f"recover {shlex.quote(str(args.model_dir))} once the cause is "
                               "fixed")
-    if args.json:
-        print(result.to_json())
+    error = None
+    if lost := result.missing_on_disk:  # written all else, but a script must not go on
+        total = _n(result.tensors_synced + len(lost), "live tensor")
+        error = (f"{args.model_dir}: {len(lost)} of the {total} not written, no shard holds "
+                 f"them: {_sample(lost)} (the wrong directory, or another model's?)")
+    if args.json:  # the result, and the error as any command's (`cli.main`)
+        print(json.dumps({**json.loads(result.to_json()), **({"error": error} if error
+                                                             else {})}))
     else:
         disk = read_dir(args.model_dir) or {}
         if created:  # a mistyped DIR would be made silently
             print(f"created {args.model_dir}")
         for key, value in sync_rows(result, disk):
             print(f"  {key:<16}{value}" if key else value)
-    if lost := result.missing_on_disk:  # written all else, but a script must not go on
-        total = _n(result.tensors_synced + len(lost), "live tensor")
-        print(f"error: {args.model_dir}: {len(lost)} of the {total} not written, no shard "
-              f"holds them: {_sample(lost)} (the wrong directory, or another model's?)",
-              file=sys.stderr)
+    if error:
+        print(f"error: {error}", file=sys.stderr)
         return 1
     return 0
 
@@ -202,7 +205,10 @@ def run_recover(args: argparse.Namespace) -> int:
             raise CheckpointError(f"{d}: cannot finish the interrupted sync{kept}: {e}") from e
         except OSError as e:
             raise CheckpointError(f"{d}: cannot recover: {e}") from e
-    print(_recover_line(d, outcome, meta))
+    if args.json:
+        print(json.dumps({"outcome": outcome, "version": (meta or {}).get("version")}))
+    else:
+        print(_recover_line(d, outcome, meta))
     return 0
 
 
