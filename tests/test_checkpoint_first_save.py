@@ -125,6 +125,9 @@ def test_a_first_save_that_cannot_fit_says_so_before_writing(tmp_path, monkeypat
                        r"free [\d.]+ MiB more; nothing was written"):
         sync(tmp_path, _live(), max_shard_size=100_000)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+    with pytest.raises(CheckpointError, match="not enough free space"):  # what it made: gone
+        sync(tmp_path / "new" / "model", _live(), max_shard_size=100_000)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 def test_a_first_save_whose_write_fails_names_the_shard_and_writes_nothing(tmp_path,

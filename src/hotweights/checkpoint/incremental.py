@@ -39,6 +39,7 @@ first full save (`checkpoint.first_save`).
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 import logging
 import os
@@ -179,7 +180,8 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
     if changed is not None:
         changed = _check_changed(live, changed)
     progress = progress or (lambda phase, done, total: None)
-    with lock.locked(_existing(model_dir)):
+    made = _existing(model_dir)
+    with lock.locked(model_dir), _removed_on_failure(made):
         journal.recover(model_dir, lock=False)  # an interrupted sync is finished or dropped
         disk = read_to_sync(model_dir)
         if disk is None:
@@ -237,9 +239,9 @@ def read_to_sync(model_dir: Path) -> dict[str, tuple[Shard, TensorInfo]] | None:
         raise CheckpointError(f"{e}. {UNREADABLE}") from None
 
 
-def _existing(model_dir: Path) -> Path:
-    """`model_dir`, made with its missing parents (each one's entry fsync'd: a power loss
-    after the save cannot take the directory away)."""
+def _existing(model_dir: Path) -> list[Path]:
+    """Make `model_dir` with its missing parents (each one's entry fsync'd: a power loss
+    after the save cannot take the directory away); the directories made, deepest first."""
     if os.path.lexists(model_dir) and not model_dir.is_dir():
         raise CheckpointError(f"{model_dir}: not a directory")
     made, path = [], model_dir
@@ -256,7 +258,20 @@ def _existing(model_dir: Path) -> Path:
     except OSError as e:
         raise CheckpointError(f"{model_dir}: created, but its entry in {path.parent} cannot "
                               f"be made durable: {e.strerror}") from e
-    return model_dir
+    return made
+
+
+@contextlib.contextmanager
+def _removed_on_failure(made: list[Path]) -> Iterator[None]:
+    """The directories a sync made (deepest first) removed again if it fails while they
+    are empty: a failed first save leaves nothing behind."""
+    try:
+        yield
+    except BaseException:
+        for path in made:
+            with contextlib.suppress(OSError):  # not empty: kept, with what it holds
+                path.rmdir()
+        raise
 
 
 def _check_changed(live: Mapping[str, torch.Tensor], changed: Iterable[str]
