@@ -103,3 +103,24 @@ def test_fp4_is_refused_for_its_dtype_not_the_shape_of_torch_s_packed_form(tmp_p
     with pytest.raises(CheckpointError, match=r"the file holds F4, which has no torch dtype"):
         sync(tmp_path, live)
     assert [m.field for m in diagnose(tmp_path, live).mismatches] == ["dtype"]
+
+
+def test_convert_dtype_casts_floats_only_and_refuses_an_overflow(tmp_path):
+    """Integer (or quantized) values cast to floats, or floats to integers, lose their
+    meaning: refused even when asked to cast; a float cast that turns finite values into
+    inf (1e6 in F16) is refused naming the tensor. Nothing is written either way."""
+    save_file({"w": torch.zeros(4, dtype=torch.float16)}, tmp_path / "model.safetensors")
+    before = (tmp_path / "model.safetensors").read_bytes()
+    with pytest.raises(CheckpointError, match=r"w in model.safetensors: the file holds F16, "
+                       r"the live tensor is int8; nothing was written: only float dtypes "
+                       r"are cast \(integer or quantized"):
+        sync(tmp_path, {"w": torch.ones(4, dtype=torch.int8)}, convert_dtype=True)
+    with pytest.raises(CheckpointError, match=r"w in model.safetensors: cast to the file's "
+                       r"float16, 1 finite value\(s\) overflow to inf \(beyond 65504\); "
+                       "nothing was written"):
+        sync(tmp_path, {"w": torch.tensor([1.0, 1e6, float("inf"), 2.0])},
+             convert_dtype=True)
+    assert (tmp_path / "model.safetensors").read_bytes() == before
+    sync(tmp_path, {"w": torch.tensor([1.0, 6e4, float("inf"), 2.0])}, convert_dtype=True)
+    assert torch.equal(load_file(tmp_path / "model.safetensors")["w"], torch.tensor(
+        [1.0, 6e4, float("inf"), 2.0]).half())

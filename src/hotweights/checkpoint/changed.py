@@ -30,6 +30,7 @@ from hotweights.checkpoint.dtypes import TORCH
 from hotweights.checkpoint.mapped import mapped
 from hotweights.checkpoint.result import Progress
 from hotweights.checkpoint.shards import Shard
+from hotweights.errors import CheckpointError
 
 HASH_THREADS = 4  # shards hashed at once, at most (`_threads`)
 PAGE = 4096  # a changed block is narrowed page by page: only the pages that differ
@@ -58,8 +59,20 @@ class ShardTensors:
         stages, not the whole model's; in journal mode, those of the changed tensors until
         the journal is written)."""
         return ShardTensors(self.shard, {
-            n: t.to(TORCH[self.shard.tensors[n].dtype]).contiguous()
+            n: _cast(n, t, TORCH[self.shard.tensors[n].dtype], self.shard.path)
             for n, t in self.tensors.items()})
+
+
+def _cast(name: str, t: torch.Tensor, dtype: torch.dtype, path: str) -> torch.Tensor:
+    """`t` in `dtype`, contiguous; a float cast that makes finite values infinite (out of
+    the narrower dtype's range) is refused, naming the tensor."""
+    out = t.to(dtype).contiguous()
+    if t.dtype != dtype and (lost := int((torch.isinf(out) & torch.isfinite(t)).sum())):
+        raise CheckpointError(
+            f"{name} in {os.path.basename(path)}: cast to the file's "
+            f"{str(dtype).removeprefix('torch.')}, {lost} finite value(s) overflow to inf "
+            f"(beyond {torch.finfo(dtype).max:.6g}); nothing was written")
+    return out
 
 
 @dataclass(frozen=True)

@@ -257,7 +257,9 @@ def _compare(d: Path, live, disk, convert_dtype: bool
         if tuple(t.shape) != info.shape and info.dtype in TORCH:  # else the dtype's row
             mismatches.append(Mismatch(name, where, "shape", str(list(info.shape)),
                                        str(list(t.shape))))
-        if TORCH.get(info.dtype) != t.dtype and not (convert_dtype and info.dtype in TORCH):
+        want = TORCH.get(info.dtype)
+        if want != t.dtype and not (convert_dtype and want is not None and
+                                    want.is_floating_point and t.dtype.is_floating_point):
             mismatches.append(Mismatch(name, where, "dtype", info.dtype,
                                        str(t.dtype).removeprefix("torch.")))
     return dict(matched=len(names.tensors), only_live=len(names.only_live),

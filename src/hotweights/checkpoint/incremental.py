@@ -333,10 +333,13 @@ def _check(name: str, t: torch.Tensor, shard: Shard, info: TensorInfo,
     if tuple(t.shape) != info.shape:
         raise CheckpointError(f"{where}: the file holds shape {list(info.shape)}, the live "
                               f"tensor {list(t.shape)}; nothing was written")
-    if want != t.dtype and not convert:
+    floats = want.is_floating_point and t.dtype.is_floating_point
+    if want != t.dtype and not (convert and floats):
         raise CheckpointError(f"{where}: the file holds {info.dtype}, the live tensor is "
-                              f"{str(t.dtype).removeprefix('torch.')}; nothing was written "
-                              "(convert_dtype=True, or --convert-dtype, casts it)")
+                              f"{str(t.dtype).removeprefix('torch.')}; nothing was written" + (
+                                  " (convert_dtype=True, or --convert-dtype, casts it)"
+                                  if floats else ": only float dtypes are cast (integer "
+                                  "or quantized values would not keep their meaning)"))
     return t.detach()  # cast and made contiguous shard by shard (`ShardTensors.ready`)
 
 
