@@ -191,6 +191,20 @@ def test_sync_into_an_empty_directory_is_a_first_save(dirs, tmp_path, capsys):
     assert rc == 1 and err == f"error: {new / 'file'}: not a directory\n"
 
 
+def test_a_first_save_says_what_it_replaced_and_left_beside_it(dirs, tmp_path, capsys):
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "config.json").write_text('{"model_type": "llama", "mine": 1}')
+    (old / "pytorch_model.bin").write_bytes(b"x")
+    rc, out, _ = _run(capsys, "sync", old, "--from", dirs["B"])
+    assert rc == 0 and "first full save" in out
+    assert "  config.json     replaced by the saved model's\n" in out
+    assert ("  left as is      pytorch_model.bin: weights in another format (transformers "
+            "and vLLM load the safetensors)\n") in out
+    rc, out, _ = _run(capsys, "sync", tmp_path / "new", "--from", dirs["B"])
+    assert rc == 0 and "config.json" not in out and "left as is" not in out
+
+
 def test_sync_refuses_reflink_where_there_are_none(dirs, capsys):
     if clone.supports_reflink(dirs["A"])[0]:
         pytest.skip("tmp_path supports reflinks here")

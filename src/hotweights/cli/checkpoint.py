@@ -29,6 +29,7 @@ def run_sync(args: argparse.Namespace) -> int:
         args.usage_error("--weight-version goes with --from: with --server, the server's version "
                          "is recorded")
     created, commits = not os.path.lexists(args.model_dir), journal.commits
+    config = _read(Path(args.model_dir) / "config.json")  # what a first save may replace
     try:
         with (_progress(sys.stderr.isatty() and not args.json) as progress,
               _said_below(args, "hotweights.checkpoint.incremental")):
@@ -67,12 +68,37 @@ def run_sync(args: argparse.Namespace) -> int:
         disk = read_dir(args.model_dir) or {}
         if created:  # a mistyped DIR would be made silently
             print(f"created {args.model_dir}")
-        for key, value in sync_rows(result, disk):
+        rows = sync_rows(result, disk)
+        if result.first_save:
+            rows += _first_save_rows(Path(args.model_dir), config)
+        for key, value in rows:
             print(f"  {key:<16}{value}" if key else value)
     if error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     return 0
+
+
+def _read(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
+
+
+_OTHER_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.gguf")  # other formats' files
+
+
+def _first_save_rows(model_dir: Path, config: bytes | None) -> list[tuple[str, str]]:
+    """What a first save changed or left beside it: a config.json it replaced, weights of
+    another format (loaders take the safetensors first)."""
+    out = []
+    if config is not None and _read(model_dir / "config.json") != config:
+        out.append(("config.json", "replaced by the saved model's"))
+    if others := sorted(p.name for g in _OTHER_WEIGHTS for p in model_dir.glob(g)):
+        out.append(("left as is", f"{_sample(others)}: weights in another format "
+                    "(transformers and vLLM load the safetensors)"))
+    return out
 
 
 def _interrupted(model_dir: str, committed: bool) -> str:
