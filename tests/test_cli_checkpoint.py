@@ -474,7 +474,22 @@ def test_diagnose_leftovers_and_an_empty_directory(dirs, tmp_path, capsys):
     rc, out, _ = _run(capsys, "diagnose", "--model-dir", empty)
     assert rc == 0 and "no safetensors yet: a sync makes a first full save" in out
     rc, _, err = _run(capsys, "diagnose", "--model-dir", tmp_path / "absent")
-    assert rc == 1 and err == f"error: {tmp_path / 'absent'}: no such directory\n"
+    assert rc == 1 and err == (f"error: {tmp_path / 'absent'}: no such directory (a sync "
+                               "would create it and save the model whole)\n")
+
+
+def test_diagnose_a_first_save_that_would_not_fit(dirs, tmp_path, capsys, monkeypatch):
+    from hotweights.checkpoint import diagnosis
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert _run(capsys, "diagnose", empty, "--from", dirs["B"])[0] == 0
+    real = diagnosis.shutil.disk_usage
+    monkeypatch.setattr(diagnosis.shutil, "disk_usage",
+                        lambda path: real(path)._replace(free=1000))
+    rc, out, _ = _run(capsys, "diagnose", empty, "--from", dirs["B"])
+    assert rc == 1 and (f"{empty}: not enough free space: a first save writes ") in out
+    assert "are free" in out
 
 
 def _interrupt(a: Path, b: Path, *, commit: bool) -> list[str]:

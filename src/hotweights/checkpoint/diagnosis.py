@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -16,7 +17,7 @@ from hotweights.checkpoint import clone, journal, lock, sidecar, trash
 from hotweights.checkpoint.dtypes import TORCH
 from hotweights.checkpoint.incremental import check_mode, read_to_sync, shared_file, write_mode
 from hotweights.checkpoint.names import to_disk, unpack
-from hotweights.checkpoint.result import not_a_directory
+from hotweights.checkpoint.result import mib, not_a_directory
 from hotweights.checkpoint.writable import why_not_replaceable, why_not_writable
 from hotweights.errors import CheckpointError
 
@@ -90,6 +91,7 @@ class Diagnosis:
     names_error: str | None = None
     # shards this process could not replace (or, in journal mode, write into), and why
     unchangeable: tuple[str, ...] = ()
+    space: str | None = None  # a first save of the live tensors would not fit
 
     @property
     def problems(self) -> list[str]:
@@ -108,6 +110,8 @@ class Diagnosis:
         if self.write_mode is None:
             out.append(self.write_reason)
         out += self.unchangeable
+        if self.space:
+            out.append(self.space)
         if self.names_error:
             out.append(self.names_error)
         elif self.only_live:  # a few: a sync writes the rest, and `hotweights sync` exits 1
@@ -149,6 +153,9 @@ def diagnose(model_dir: str | os.PathLike,
         FingerprintError: `block_size` not a positive multiple of 8.
     """
     d = Path(model_dir)
+    if not os.path.lexists(d):
+        raise CheckpointError(f"{d}: no such directory (a sync would create it and save the "
+                              "model whole)")
     if not d.is_dir():
         raise not_a_directory(d)
     check_mode(mode)
@@ -173,7 +180,7 @@ def diagnose(model_dir: str | os.PathLike,
                          model_bytes=0, **base)
     if disk is None:
         return Diagnosis(error=None, first_save=True, shards=(), tensors=0, model_bytes=0,
-                         **base)
+                         space=None if live is None else _room(d, live), **base)
     shards = {}
     for shard, _ in disk.values():
         shards.setdefault(shard.path, shard)
@@ -183,6 +190,15 @@ def diagnose(model_dir: str | os.PathLike,
     return Diagnosis(**base, error=None, first_save=False, shards=infos, tensors=len(disk),
                      model_bytes=sum(info.nbytes for _, info in disk.values()),
                      unchangeable=_unchangeable(shards, wmode), **found)
+
+
+def _room(d: Path, live) -> str | None:
+    """Why a first save of `live` would not fit in `d`'s filesystem, if it would not."""
+    need = sum(t.numel() * t.element_size() for t in unpack(live)[0].values())
+    if need > (free := shutil.disk_usage(d).free):
+        return (f"{d}: not enough free space: a first save writes {mib(need)}, {mib(free)} "
+                "are free")
+    return None
 
 
 def _unchangeable(shards: Iterable[str], write_mode: str | None) -> tuple[str, ...]:
