@@ -166,7 +166,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "layout",
         help="show how vLLM's parameters map to the HF model's",
-        description="Load MODEL_DIR in vLLM (in this process, CPU or GPU build) and print, "
+        description="Load DIR in vLLM (in this process, CPU or GPU build) and print, "
         "for every vLLM parameter, the HF parameters it holds (rows on the split dim, "
         "HF shape); then compare a spread of rows of every HF view with the checkpoint "
         "(a vLLM loader that reorders a tensor but keeps its name and shape maps all the "
@@ -413,7 +413,8 @@ def _check_args(args: argparse.Namespace, usage_error) -> None:
         if args.model_dir_flag is not None:
             args.model_dir = args.model_dir_flag
         elif args.model_dir is None:
-            usage_error("the checkpoint directory is required: DIR or --model-dir DIR"
+            usage_error(f"the {'model' if args.run is _run_layout else 'checkpoint'} "
+                        "directory is required: DIR or --model-dir DIR"
                         + (" (every word after --changed is a pattern: put DIR before "
                            "--changed, or end the patterns with --)"
                            if getattr(args, "changed", None) else ""))
