@@ -112,9 +112,12 @@ def test_convert_dtype_casts_floats_only_and_refuses_an_overflow(tmp_path):
     save_file({"w": torch.zeros(4, dtype=torch.float16)}, tmp_path / "model.safetensors")
     before = (tmp_path / "model.safetensors").read_bytes()
     with pytest.raises(CheckpointError, match=r"w in model.safetensors: the file holds F16, "
-                       r"the live tensor is int8; nothing was written: only float dtypes "
-                       r"are cast \(integer or quantized"):
+                       r"the live tensor is int8; nothing was written: only floats of 16 "
+                       r"bits or more are cast \(integer, FP8 or other quantized"):
         sync(tmp_path, {"w": torch.ones(4, dtype=torch.int8)}, convert_dtype=True)
+    with pytest.raises(CheckpointError, match=r"the live tensor is float8_e4m3fn; nothing was "
+                       r"written: only floats of 16 bits or more are cast"):
+        sync(tmp_path, {"w": torch.ones(4, dtype=torch.float8_e4m3fn)}, convert_dtype=True)
     with pytest.raises(CheckpointError, match=r"w in model.safetensors: cast to the file's "
                        r"float16, 1 finite value\(s\) overflow to inf \(beyond 65504\); "
                        "nothing was written"):

@@ -15,7 +15,13 @@ import torch
 from hotweights.changes import blocks
 from hotweights.checkpoint import clone, journal, lock, sidecar, trash
 from hotweights.checkpoint.dtypes import TORCH
-from hotweights.checkpoint.incremental import check_mode, read_to_sync, shared_file, write_mode
+from hotweights.checkpoint.incremental import (
+    castable,
+    check_mode,
+    read_to_sync,
+    shared_file,
+    write_mode,
+)
 from hotweights.checkpoint.names import to_disk, unpack
 from hotweights.checkpoint.result import mib, not_a_directory
 from hotweights.checkpoint.writable import why_not_replaceable, why_not_writable
@@ -275,7 +281,7 @@ def _compare(d: Path, live, disk, convert_dtype: bool
                                        str(list(t.shape))))
         want = TORCH.get(info.dtype)
         if want != t.dtype and not (convert_dtype and want is not None and
-                                    want.is_floating_point and t.dtype.is_floating_point):
+                                    castable(want, t.dtype)):
             mismatches.append(Mismatch(name, where, "dtype", info.dtype,
                                        str(t.dtype).removeprefix("torch.")))
     return dict(matched=len(names.tensors), only_live=len(names.only_live),

@@ -333,14 +333,21 @@ def _check(name: str, t: torch.Tensor, shard: Shard, info: TensorInfo,
     if tuple(t.shape) != info.shape:
         raise CheckpointError(f"{where}: the file holds shape {list(info.shape)}, the live "
                               f"tensor {list(t.shape)}; nothing was written")
-    floats = want.is_floating_point and t.dtype.is_floating_point
+    floats = castable(want, t.dtype)
     if want != t.dtype and not (convert and floats):
         raise CheckpointError(f"{where}: the file holds {info.dtype}, the live tensor is "
                               f"{str(t.dtype).removeprefix('torch.')}; nothing was written" + (
                                   " (convert_dtype=True, or --convert-dtype, casts it)"
-                                  if floats else ": only float dtypes are cast (integer "
-                                  "or quantized values would not keep their meaning)"))
+                                  if floats else ": only floats of 16 bits or more are cast "
+                                  "(integer, FP8 or other quantized values would not keep "
+                                  "their meaning)"))
     return t.detach()  # cast and made contiguous shard by shard (`ShardTensors.ready`)
+
+
+def castable(a: torch.dtype, b: torch.dtype) -> bool:
+    """Whether `convert_dtype` casts between `a` and `b`: floats of 16 bits or more (an
+    FP8 tensor's values mean something only with its scales)."""
+    return all(d.is_floating_point and d.itemsize > 1 for d in (a, b))
 
 
 def _unchanged(live: Mapping[str, torch.Tensor], changed: Collection[str],
