@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -659,6 +660,17 @@ def test_a_second_writer_waits_for_the_first_one_s_commit_to_be_durable(tmp_path
     assert "another writer holds the directory; waiting for it" in caplog.text
 
 
+# Forks a child that lives on, off the parent's pipes (the test reads them to their end),
+# and prints its pid
+FORK = """
+child = os.fork()
+if child == 0:
+    os.dup2(os.open(os.devnull, os.O_RDWR), 1)
+    os.dup2(1, 2)
+    time.sleep(60)
+    os._exit(0)
+print(child, flush=True)
+"""
 # A writer that holds the lock (and has handed it to its finisher), forks a child that lives
 # on, then dies by SIGKILL (the OOM killer); light imports, as CHILD.
 KILLED_WRITER = f"""
@@ -667,13 +679,7 @@ pkg = types.ModuleType("hotweights"); pkg.__path__ = [{SRC!r}]; sys.modules["hot
 from hotweights.checkpoint import lock
 with lock.locked(sys.argv[1]):
     kept = lock.hand_over(sys.argv[1])
-    child = os.fork()
-    if child == 0:  # off the parent's pipes (the test reads them to their end)
-        os.dup2(os.open(os.devnull, os.O_RDWR), 1)
-        os.dup2(1, 2)
-        time.sleep(60)
-        os._exit(0)
-    print(child, flush=True)
+{textwrap.indent(FORK, "    ")}
     os.kill(os.getpid(), signal.SIGKILL)
 """
 
@@ -703,13 +709,7 @@ def write():
         time.sleep(60)
 threading.Thread(target=write, daemon=True).start()
 time.sleep(1)  # the writer waits for the lock the test holds
-child = os.fork()
-if child == 0:  # off the parent's pipes (the test reads them to their end)
-    os.dup2(os.open(os.devnull, os.O_RDWR), 1)
-    os.dup2(1, 2)
-    time.sleep(60)
-    os._exit(0)
-print(child, flush=True)
+{FORK}
 got.wait(30)
 os.kill(os.getpid(), signal.SIGKILL)
 """
