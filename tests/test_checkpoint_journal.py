@@ -284,9 +284,9 @@ def test_a_write_that_fails_half_way_through_an_apply_names_the_file_and_recover
         third = spec[2][0]
         with pytest.raises(CheckpointError, match=re.escape(
                 f"{d / third}: No space left on device while applying the committed journal "
-                f"{d / journal.JOURNAL_NAME}: the files may hold part of the sync (this file "
-                "half written); the journal is kept: once the cause is fixed, run hotweights "
-                f"recover {d}")):
+                f"{d / journal.JOURNAL_NAME}: the files may hold part of the sync (this one "
+                "perhaps half written); the journal is kept: once the cause is fixed, run "
+                f"hotweights recover {d}")):
             journal.apply(d)
     monkeypatch.undo()
     assert journal.recover(d) == "replayed"
@@ -696,6 +696,32 @@ def test_a_child_forked_by_a_writer_that_dies_does_not_keep_the_lock(tmp_path):
         assert not lock.held(tmp_path)
     finally:
         os.kill(child, signal.SIGKILL)
+
+
+def test_a_writer_whose_directory_is_removed_while_it_waits_says_so(tmp_path):
+    """A failed first save removes the directory it made, under its lock: a writer that
+    waited for that lock is told, not left to fail on a missing path."""
+    d = tmp_path / "new"
+    d.mkdir()
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    failed = []
+
+    def wait():
+        try:
+            with lock.locked(d, finish_first=False):
+                pass
+        except CheckpointError as e:
+            failed.append(str(e))
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.5)
+    d.rmdir()
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
+    waiter.join(10)
+    assert failed == [f"{d}: removed while this writer waited for its lock (a sync that had "
+                      "made it failed): nothing was written; run it again"]
 
 
 WAITING_WRITER = f"""

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from hotweights.changes import blocks
-from hotweights.checkpoint import clone, diagnose, finisher, journal, sidecar, sync
+from hotweights.checkpoint import clone, diagnose, finisher, journal, lock, sidecar, sync
 from hotweights.checkpoint.shards import read_dir
 from hotweights.checkpoint.source import open_dir
 from hotweights.cli.main import main
@@ -412,6 +412,10 @@ def test_sync_from_a_source_cut_short_after_its_commit_is_refused(dirs, capsys):
                    "is there): some shards may be half written; run hotweights recover "
                    f"{b} first\n")
     assert _equal(_disk(a), before)
+    with lock.locked(b):  # its writer committing now, not cut short
+        rc, out, err = _run(capsys, "sync", "--model-dir", a, "--from", b)
+    assert (rc, out, err) == (1, "", f"error: {b}: a sync into it is committing now: read it "
+                              "once that sync is done\n")
     assert _run(capsys, "recover", b)[0] == 0
     assert _run(capsys, "sync", "--model-dir", a, "--from", b)[0] == 0
     assert _equal(_disk(a), _disk(b))
@@ -490,6 +494,12 @@ def test_diagnose_a_first_save_that_would_not_fit(dirs, tmp_path, capsys, monkey
     rc, out, _ = _run(capsys, "diagnose", empty, "--from", dirs["B"])
     assert rc == 1 and (f"{empty}: not enough free space: a first save writes ") in out
     assert "are free" in out
+    tied = torch.zeros(1 << 18)  # 1 MiB, under two names: written once
+    for free, fits in ((3 << 19, True), (1 << 19, False)):
+        monkeypatch.setattr(diagnosis.shutil, "disk_usage",
+                            lambda path, free=free: real(path)._replace(free=free))
+        d = diagnose(empty, {"embed.weight": tied, "lm_head.weight": tied})
+        assert (d.space is None) == fits, d.space
 
 
 def _interrupt(a: Path, b: Path, *, commit: bool) -> list[str]:

@@ -22,9 +22,10 @@ from hotweights.checkpoint.incremental import (
     shared_file,
     write_mode,
 )
-from hotweights.checkpoint.names import to_disk, unpack
+from hotweights.checkpoint.names import storage_key, to_disk, unpack
 from hotweights.checkpoint.result import mib, not_a_directory
 from hotweights.checkpoint.writable import why_not_replaceable, why_not_writable
+from hotweights.checkpoint.writes import syncfs
 from hotweights.errors import CheckpointError
 
 __all__ = ["Diagnosis", "Mismatch", "ShardInfo", "diagnose"]
@@ -199,11 +200,15 @@ def diagnose(model_dir: str | os.PathLike,
 
 
 def _room(d: Path, live) -> str | None:
-    """Why a first save of `live` would not fit in `d`'s filesystem, if it would not."""
-    need = sum(t.numel() * t.element_size() for t in unpack(live)[0].values())
-    if need > (free := shutil.disk_usage(d).free):
-        return (f"{d}: not enough free space: a first save writes {mib(need)}, {mib(free)} "
-                "are free")
+    """Why a first save of `live` would not fit in `d`'s filesystem, if it would not (a
+    tied tensor written once, as the save writes it)."""
+    once = {storage_key(t) or name: t for name, t in unpack(live)[0].items()}
+    need = sum(t.numel() * t.element_size() for t in once.values())
+    if need > shutil.disk_usage(d).free:
+        syncfs(d)  # (the blocks of files just deleted may not be free yet)
+        if need > (free := shutil.disk_usage(d).free):
+            return (f"{d}: not enough free space: a first save writes {mib(need)}, "
+                    f"{mib(free)} are free")
     return None
 
 

@@ -482,7 +482,7 @@ def _replay(directory: str, path: str, records: list) -> tuple[list[int], bool]:
     moves, patches, done = _checked(directory, path, records)
     for k, name in enumerate(m[0] for m in moves if m[0] not in done):  # all checked
         target = os.path.join(directory, name)
-        with _applying(directory, path, target):
+        with _applying(directory, path, target, "not moved into place yet"):
             if os.path.exists(target):
                 trash.keep(directory, target, name)
             os.replace(os.path.join(directory, STAGE_DIR, name), target)
@@ -491,7 +491,8 @@ def _replay(directory: str, path: str, records: list) -> tuple[list[int], bool]:
     try:
         with mapped(path) as data:
             for k, (name, offset, length, pos) in enumerate(patches):
-                with _applying(directory, path, os.path.join(directory, name)):
+                with _applying(directory, path, os.path.join(directory, name),
+                               "perhaps half written"):
                     if name not in fds:
                         fds[name] = os.open(os.path.join(directory, name), os.O_WRONLY)
                     view = data[pos:pos + length]
@@ -506,17 +507,17 @@ def _replay(directory: str, path: str, records: list) -> tuple[list[int], bool]:
 
 
 @contextlib.contextmanager
-def _applying(directory: str, path: str, target: str) -> Iterator[None]:
+def _applying(directory: str, path: str, target: str, left: str) -> Iterator[None]:
     """An OSError (a full disk: copy-on-write blocks of a shard shared with a reflinked
     copy; an I/O error) while a committed journal changes `target`, said as what it
-    leaves."""
+    leaves (`left`: of this file)."""
     try:
         yield
     except OSError as e:
         raise CheckpointError(
             f"{target}: {e.strerror or e} while applying the committed journal {path}: the "
-            "files may hold part of the sync (this file half written); the journal is "
-            f"kept: once the cause is fixed, run hotweights recover {directory}") from e
+            f"files may hold part of the sync (this one {left}); the journal is kept: once "
+            f"the cause is fixed, run hotweights recover {directory}") from e
 
 
 def _check_changeable(directory: str, path: str, moved: list[str], patched: set[str]

@@ -46,6 +46,10 @@ def locked(directory: str | os.PathLike, *, finish_first: bool = True) -> Iterat
                 "hotweights writes checkpoints on a local filesystem (ext4, XFS, btrfs, "
                 "tmpfs): sync into one and copy the result") from e
         mine.locked = True
+        if os.fstat(fd).st_nlink == 0:  # removed while this writer waited
+            raise CheckpointError(f"{directory}: removed while this writer waited for its lock "
+                                  "(a sync that had made it failed): nothing was written; "
+                                  "run it again")
         yield
     finally:
         taken = mine.locked

@@ -5,12 +5,10 @@ from __future__ import annotations
 import math
 import mmap
 import os
-import shlex
 from pathlib import Path
 
 import torch
 
-from hotweights.checkpoint import journal
 from hotweights.checkpoint.dtypes import TORCH
 from hotweights.checkpoint.fileid import FileId
 from hotweights.checkpoint.result import not_a_directory
@@ -74,17 +72,11 @@ def open_dir(model_dir: str | os.PathLike, *, skip_unknown: bool = False) -> Ten
         A `Tensors` mapping (a dict) of name -> CPU tensor, in the file's dtype and shape.
 
     Raises:
-        CheckpointError: the directory holds no safetensors, a sync into it was cut
-            short after its commit (`hotweights recover` finishes it), a header is bad (as
+        CheckpointError: the directory holds no safetensors, a header is bad (as
             `shards.read_dir`), or a tensor's dtype has no torch equivalent here.
     """
     if not os.path.isdir(model_dir):
         raise not_a_directory(model_dir)
-    if journal.pending(model_dir) is not None:
-        raise CheckpointError(
-            f"{model_dir}: a sync into it was cut short after its commit (its journal is "
-            "there): some shards may be half written; run hotweights recover "
-            f"{shlex.quote(os.fspath(model_dir))} first")
     disk = read_dir(model_dir)
     if disk is None:
         raise CheckpointError(f"{model_dir}: no safetensors checkpoint (neither "

@@ -101,6 +101,23 @@ def _first_save_rows(model_dir: Path, config: bytes | None) -> list[tuple[str, s
     return out
 
 
+def _open_source(src: Path):
+    """`source.open_dir(src)`, refused while a committed journal there may leave a shard
+    half written: a sync into it committing now, or one cut short (`recover` ends it)."""
+    from hotweights.checkpoint import journal, lock
+    from hotweights.checkpoint.source import open_dir
+
+    if src.is_dir() and journal.pending(src) is not None:
+        if lock.held(src):
+            raise CheckpointError(f"{src}: a sync into it is committing now: read it once "
+                                  "that sync is done")
+        raise CheckpointError(
+            f"{src}: a sync into it was cut short after its commit (its journal is there): "
+            f"some shards may be half written; run hotweights recover {shlex.quote(str(src))} "
+            "first")
+    return open_dir(src)
+
+
 def _interrupted(model_dir: str, committed: bool) -> str:
     """What an interrupted sync left in `model_dir` (its commit is atomic: every shard as
     before or as this sync wrote it), once what it committed is durable."""
@@ -118,12 +135,11 @@ def _interrupted(model_dir: str, committed: bool) -> str:
 
 def _sync_from(args: argparse.Namespace, progress):
     from hotweights.checkpoint import sync
-    from hotweights.checkpoint.source import open_dir
 
     src, dst = Path(args.source), Path(args.model_dir)
     if dst.exists() and src.exists() and os.path.samefile(src, dst):
         raise CheckpointError(f"{dst}: --from and the directory to write are the same one")
-    tensors = open_dir(src)
+    tensors = _open_source(src)
     config = None  # the names need none; a first save copies it
     with contextlib.suppress(OSError, ValueError):
         config = json.loads((src / "config.json").read_text())

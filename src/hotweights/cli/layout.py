@@ -18,6 +18,9 @@ def _model_dir(path: str) -> Path:
     return model_dir
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
 def run(args: argparse.Namespace) -> int:
     from hotweights.layout.plan import load_config, plan
 
@@ -26,13 +29,15 @@ def run(args: argparse.Namespace) -> int:
     console = make_console()
     from hotweights.vllm_plugin.local import hf_context, live_params, start_engine, stop_engine
 
-    # nothing is generated: no tokenizer needed, and a short context within the model's
+    # nothing is generated: a short context within the model's, and no tokenizer where
+    # the directory has none (vLLM's multimodal processors want one where there is)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     length = min(256, getattr(text, "max_position_embeddings", None) or 256)
+    tokenizer = any((Path(args.model_dir) / name).exists() for name in _TOKENIZER_FILES)
     with console.status(f"loading {args.model_dir} in vLLM"):
         try:
             llm = start_engine(args.model_dir, model_impl=args.model_impl, dtype=args.dtype,
-                               trust_remote_code=trust, skip_tokenizer_init=True,
+                               trust_remote_code=trust, skip_tokenizer_init=not tokenizer,
                                max_model_len=length, environ={} if args.verbose else
                                {"VLLM_LOGGING_LEVEL": "ERROR"})
         except Exception as e:  # a field vLLM refuses, ...: named, no trace
