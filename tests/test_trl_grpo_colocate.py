@@ -67,6 +67,31 @@ def test_grpo_trains_vllm_s_own_parameters_in_this_process(colocated):
 
 
 @pytest.mark.timeout(400)
+def test_a_rollout_func_calling_the_engine_itself_gets_each_sample_s_version(colocated):
+    from vllm import SamplingParams
+
+    tmp, trainers = colocated
+    model_dir = tiny.build("llama", tmp / "llama", dtype="float32")
+    calls = []
+
+    def rollout(prompts, trainer):
+        outs = trainer.vllm_generation.llm.generate(
+            prompts, SamplingParams(max_tokens=8, logprobs=0), use_tqdm=False)
+        calls.append(len(outs))
+        return {"prompt_ids": [o.prompt_token_ids for o in outs],
+                "completion_ids": [list(o.outputs[0].token_ids) for o in outs],
+                "logprobs": [[next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs]
+                             for o in outs]}
+
+    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=_reward, train_dataset=_data(),
+                          args=_config(tmp, vllm_mode="colocate", max_steps=2),
+                          rollout_func=rollout)
+    trainers.append(trainer)
+    assert _trains_vllm_s_tensors(trainer, 2) == [0.0, 1.0]
+    assert calls == [8, 8] and trainer.sample_versions == [1] * 8
+
+
+@pytest.mark.timeout(400)
 def test_rloo_trains_vllm_s_own_parameters_in_this_process(tmp_path):
     model_dir = tiny.build("llama", tmp_path / "llama", dtype="float32")
     with RLOOTrainer(model=str(model_dir), reward_funcs=_reward, train_dataset=_data(),

@@ -52,7 +52,7 @@ import logging
 import os
 import types
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -179,16 +179,17 @@ class _Colocated:
         self.tensors = live_params(llm)
 
     def watch(self, generation) -> None:
-        """Counts the samples of TRL's generations (not of a `rollout_func`'s own calls
-        of the engine)."""
-        generate = generation.generate
+        """Counts the samples of every generation of the engine: TRL's, and a
+        `rollout_func`'s own calls of its `generate` or `chat`."""
+        for name in ("generate", "chat"):
+            setattr(self.llm, name, self._counted(getattr(self.llm, name)))
 
-        def counted(*args: Any, **kwargs: Any) -> tuple:
-            out = generate(*args, **kwargs)
-            self.samples += len(out[1])
-            return out
-
-        generation.generate = counted
+    def _counted(self, call: Callable[..., list]) -> Callable[..., list]:
+        def counted(*args: Any, **kwargs: Any) -> list:
+            outs = call(*args, **kwargs)
+            self.samples += sum(len(out.outputs) for out in outs)
+            return outs
+        return counted
 
     def begin_batch(self) -> None:
         self.samples = 0
@@ -467,8 +468,8 @@ class _OnServedWeights:
         """TRL's generation of a batch; `sample_versions` := the versions of the weights
         that generated a training batch (one per sequence of each vLLM generation: a tool
         call's turns count each, and so do a `rollout_func`'s own calls of the server's
-        client; in colocate mode, none where it calls the engine itself); an evaluation's
-        batch is only logged."""
+        client or of the colocated engine's `generate` and `chat`); an evaluation's batch
+        is only logged."""
         self.weights.begin_batch()
         try:
             return super()._generate(prompts)
