@@ -483,20 +483,20 @@ def test_diagnose_leftovers_and_an_empty_directory(dirs, tmp_path, capsys):
 
 
 def test_diagnose_a_first_save_that_would_not_fit(dirs, tmp_path, capsys, monkeypatch):
-    from hotweights.checkpoint import diagnosis
+    from hotweights.checkpoint import first_save
 
     empty = tmp_path / "empty"
     empty.mkdir()
     assert _run(capsys, "diagnose", empty, "--from", dirs["B"])[0] == 0
-    real = diagnosis.shutil.disk_usage
-    monkeypatch.setattr(diagnosis.shutil, "disk_usage",
+    real = first_save.shutil.disk_usage
+    monkeypatch.setattr(first_save.shutil, "disk_usage",
                         lambda path: real(path)._replace(free=1000))
     rc, out, _ = _run(capsys, "diagnose", empty, "--from", dirs["B"])
     assert rc == 1 and (f"{empty}: not enough free space: a first save writes ") in out
     assert "are free" in out
     tied = torch.zeros(1 << 18)  # 1 MiB, under two names: written once
     for free, fits in ((3 << 19, True), (1 << 19, False)):
-        monkeypatch.setattr(diagnosis.shutil, "disk_usage",
+        monkeypatch.setattr(first_save.shutil, "disk_usage",
                             lambda path, free=free: real(path)._replace(free=free))
         d = diagnose(empty, {"embed.weight": tied, "lm_head.weight": tied})
         assert (d.space is None) == fits, d.space

@@ -15,6 +15,7 @@ import torch
 
 from hotweights.bridge import loaded
 from hotweights.errors import HotweightsError, LayoutError, RemoteError, ServerError
+from hotweights.layout.plan import text_config
 from hotweights.layout.views import build_hf_model
 from hotweights.protocol import shm
 from hotweights.protocol.http import request, server_status
@@ -407,7 +408,7 @@ def _check_vocab(config: Any, info: dict) -> None:
     """The model's vocabulary is the server's: one that differs inside vLLM's padding of the
     rows maps all the same, and would leave tokens out of the trainer's softmax."""
     served = (info.get("model_config") or {}).get("vocab_size")  # None: an older server
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     mine = getattr(text, "vocab_size", None)
     if isinstance(served, int) and isinstance(mine, int) and served != mine:
         raise LayoutError(f"vocab_size: the config says {mine}, the server loaded {served}: "

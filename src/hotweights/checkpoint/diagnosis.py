@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import shutil
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -15,6 +14,7 @@ import torch
 from hotweights.changes import blocks
 from hotweights.checkpoint import clone, journal, lock, sidecar, trash
 from hotweights.checkpoint.dtypes import TORCH
+from hotweights.checkpoint.first_save import short_of_space
 from hotweights.checkpoint.incremental import (
     castable,
     check_mode,
@@ -25,7 +25,6 @@ from hotweights.checkpoint.incremental import (
 from hotweights.checkpoint.names import storage_key, to_disk, unpack
 from hotweights.checkpoint.result import mib, not_a_directory
 from hotweights.checkpoint.writable import why_not_replaceable, why_not_writable
-from hotweights.checkpoint.writes import syncfs
 from hotweights.errors import CheckpointError
 
 __all__ = ["Diagnosis", "Mismatch", "ShardInfo", "diagnose"]
@@ -204,11 +203,9 @@ def _room(d: Path, live) -> str | None:
     tied tensor written once, as the save writes it)."""
     once = {storage_key(t) or name: t for name, t in unpack(live)[0].items()}
     need = sum(t.numel() * t.element_size() for t in once.values())
-    if need > shutil.disk_usage(d).free:
-        syncfs(d)  # (the blocks of files just deleted may not be free yet)
-        if need > (free := shutil.disk_usage(d).free):
-            return (f"{d}: not enough free space: a first save writes {mib(need)}, "
-                    f"{mib(free)} are free")
+    if (free := short_of_space(d, need)) is not None:
+        return (f"{d}: not enough free space: a first save writes {mib(need)}, {mib(free)} "
+                "are free")
     return None
 
 

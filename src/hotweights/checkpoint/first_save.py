@@ -74,13 +74,11 @@ def save(model_dir: Path, live: Mapping[str, torch.Tensor], *, mode: str,
                                   "has no safetensors dtype; nothing was written")
     config_text = _config_text(config, model)
     total, done = sum(t.numel() * t.element_size() for t in tensors.values()), 0
-    if total > shutil.disk_usage(model_dir).free:  # known before hours of writing
-        syncfs(model_dir)  # (the blocks of files just deleted may not be free yet)
-        if total > (free := shutil.disk_usage(model_dir).free):
-            raise CheckpointError(
-                f"{model_dir}: not enough free space: a first save writes {mib(total)} "
-                f"({total} bytes) of tensors, {mib(free)} are free: free "
-                f"{mib(total - free, up=True)} more; nothing was written")
+    if (free := short_of_space(model_dir, total)) is not None:  # before hours of writing
+        raise CheckpointError(
+            f"{model_dir}: not enough free space: a first save writes {mib(total)} "
+            f"({total} bytes) of tensors, {mib(free)} are free: free "
+            f"{mib(total - free, up=True)} more; nothing was written")
     fingerprints = {}
     with stage.staging(model_dir, "write the first save") as area:
         area.mkdir()
@@ -112,6 +110,15 @@ def save(model_dir: Path, live: Mapping[str, torch.Tensor], *, mode: str,
         seconds=time.perf_counter() - started,
         writes=dict.fromkeys(split.filename_to_tensors, "whole"), tied=tuple(sorted(tied)),
         first_save=True, reason="no safetensors in the directory", write_mode="copy")
+
+
+def short_of_space(model_dir: Path, need: int) -> int | None:
+    """The bytes free in `model_dir`'s filesystem where fewer than `need`, else None."""
+    if need > shutil.disk_usage(model_dir).free:
+        syncfs(model_dir)  # (the blocks of files just deleted may not be free yet)
+        if need > (free := shutil.disk_usage(model_dir).free):
+            return free
+    return None
 
 
 def _sidecars(model_dir: Path, fingerprints: Mapping[str, blocks.Fingerprints],

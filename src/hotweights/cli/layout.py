@@ -22,7 +22,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 
 def run(args: argparse.Namespace) -> int:
-    from hotweights.layout.plan import load_config, plan
+    from hotweights.layout.plan import load_config, plan, text_config
 
     trust = args.trust_remote_code
     config = load_config(_model_dir(args.model_dir), trust_remote_code=trust)  # fail fast
@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
 
     # nothing is generated: a short context within the model's, and no tokenizer where
     # the directory has none (vLLM's multimodal processors want one where there is)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     length = min(256, getattr(text, "max_position_embeddings", None) or 256)
     tokenizer = any((Path(args.model_dir) / name).exists() for name in _TOKENIZER_FILES)
     with console.status(f"loading {args.model_dir} in vLLM"):

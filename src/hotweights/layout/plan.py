@@ -256,6 +256,11 @@ def hf_name_candidates(vname: str, renames: Sequence = (), *, vllm_renames: bool
     return name, None
 
 
+def text_config(config: Any) -> Any:
+    """The config of the text model: a multimodal config's text config, else `config`."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def _module_of(hf_name: str) -> tuple[str, str]:
     """("k_proj", "weight") for "model.layers.0.self_attn.k_proj.weight"."""
     module, _, leaf = hf_name.rpartition(".")
@@ -422,7 +427,7 @@ def _packed_parts(vname: str, part: tuple[str, Shape], config: Any) -> list[tupl
     hf_name, hf_shape = part
     module, rows = _module_of(hf_name)[0], hf_shape[0]
     if module == "qkv_proj":
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        text = text_config(config)
         heads = getattr(text, "num_attention_heads", None)
         kv = getattr(text, "num_key_value_heads", None) or heads
         head_dim, rest = divmod(rows, heads + 2 * kv) if heads else (0, 1)
@@ -531,7 +536,7 @@ def _column_pieces(vname, live, subparts, config, tp, rank, *, dim) -> list[Piec
     pieces, at, want = [], 0, []
     # a multimodal config keeps its heads in its text config; a vision tower has as many
     # KV heads as heads (split as any rows)
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    config = text_config(config)
     kv_heads = None if any(v in vname for v in _VISION) else \
         getattr(config, "num_key_value_heads", None)
     for hf_name, hf_shape, base, n, label in subparts:
