@@ -660,16 +660,15 @@ def test_a_second_writer_waits_for_the_first_one_s_commit_to_be_durable(tmp_path
     assert "another writer holds the directory; waiting for it" in caplog.text
 
 
-# Forks a child that lives on, off the parent's pipes (the test reads them to their end),
-# and prints its pid
+# Forks a child that lives on, off the parent's pipes (the test reads them to their end).
+# The child prints its pid: once the test reads it, the child's at-fork hooks have run.
 FORK = """
-child = os.fork()
-if child == 0:
+if os.fork() == 0:
+    print(os.getpid(), flush=True)
     os.dup2(os.open(os.devnull, os.O_RDWR), 1)
     os.dup2(1, 2)
     time.sleep(60)
     os._exit(0)
-print(child, flush=True)
 """
 # A writer that holds the lock (and has handed it to its finisher), forks a child that lives
 # on, then dies by SIGKILL (the OOM killer); light imports, as CHILD.
@@ -715,7 +714,8 @@ def test_a_writer_whose_directory_is_removed_while_it_waits_says_so(tmp_path):
             failed.append(str(e))
     waiter = threading.Thread(target=wait)
     waiter.start()
-    time.sleep(0.5)
+    while not lock._held:  # until the waiter has its fd (it then waits, or is about to)
+        time.sleep(0.01)
     d.rmdir()
     fcntl.flock(fd, fcntl.LOCK_UN)
     os.close(fd)
@@ -728,25 +728,38 @@ WAITING_WRITER = f"""
 import os, signal, sys, threading, time, types
 pkg = types.ModuleType("hotweights"); pkg.__path__ = [{SRC!r}]; sys.modules["hotweights"] = pkg
 from hotweights.checkpoint import lock
-got = threading.Event()
+got, opened, real_open = threading.Event(), threading.Event(), os.open
+def slow_open(*args):  # "between": the writer's thread is slow to go on once it has its fd
+    fd = real_open(*args)
+    if threading.current_thread() is not threading.main_thread():
+        opened.set()
+        time.sleep(0.5)
+    return fd
+if sys.argv[2] == "between":
+    os.open = slow_open
 def write():
     with lock.locked(sys.argv[1], finish_first=False):
         got.set()
         time.sleep(60)
 threading.Thread(target=write, daemon=True).start()
-time.sleep(1)  # the writer waits for the lock the test holds
+if sys.argv[2] == "between":  # fork between the writer's open and its listing of the fd
+    opened.wait()
+while sys.argv[2] == "waiting" and not lock._held:  # the writer waits for the test's lock
+    time.sleep(0.01)
 {FORK}
 got.wait(30)
 os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
-def test_a_child_forked_while_a_writer_waits_for_the_lock_does_not_keep_it(tmp_path):
+@pytest.mark.parametrize("when", ["waiting", "between"])
+def test_a_child_forked_while_a_writer_waits_for_the_lock_does_not_keep_it(tmp_path, when):
     """A fork while a writer waits: the child closes its copy of the fd the writer then
-    locks (`_after_fork` knows it from the start), so the writer's death frees the lock."""
+    locks (`_after_fork` knows it from the start), so the writer's death frees the lock.
+    A fork the moment the writer opened its fd waits until the fd is listed."""
     fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     fcntl.flock(fd, fcntl.LOCK_EX)
-    writer = subprocess.Popen([sys.executable, "-c", WAITING_WRITER, str(tmp_path)],
+    writer = subprocess.Popen([sys.executable, "-c", WAITING_WRITER, str(tmp_path), when],
                               stdout=subprocess.PIPE, text=True)
     child = int(writer.stdout.readline())
     try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -26,12 +27,13 @@ def locked(directory: str | os.PathLike, *, finish_first: bool = True) -> Iterat
     process's finisher threads first (False: the caller is one of them)."""
     if finish_first:  # this process's last commit first (its thread takes this lock too;
         finisher.finish()  # a finisher thread never waits for the others: they chain)
-    try:  # O_CLOEXEC (os.open's default too): an exec'd child does not keep the fd
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError as e:
-        raise CheckpointError(f"{directory}: cannot open the directory: {e.strerror}") from e
-    mine = _Held(os.path.realpath(directory), fd)
-    _held.append(mine)  # before any wait: a child forked meanwhile closes its fd too
+    with _registering:  # a fork waits: its child knows every fd it must close
+        try:  # O_CLOEXEC (os.open's default too): an exec'd child does not keep the fd
+            fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:
+            raise CheckpointError(f"{directory}: cannot open the directory: {e.strerror}") from e
+        mine = _Held(os.path.realpath(directory), fd)
+        _held.append(mine)  # before any wait: a child forked meanwhile closes its fd too
     try:
         try:
             try:
@@ -76,6 +78,7 @@ class _Held:
 
 _held: list[_Held] = []  # the locks `locked` holds or waits for now, innermost last
 _handed: set[int] = set()  # the fds `hand_over` gave, until `taken_over` ends them
+_registering = threading.Lock()  # held from opening (or dup'ing) a lock's fd to listing it
 
 
 def _after_fork() -> None:
@@ -83,6 +86,8 @@ def _after_fork() -> None:
     shares their open file descriptions, so it would hold the locks for as long as it
     lives, after its parent died too (a DataLoader worker of a trainer SIGKILLed mid-sync
     kept every later sync, recover and serve waiting)."""
+    global _registering
+    _registering = threading.Lock()  # the parent's was held across the fork
     for h in _held:
         os.close(h.fd)
         h.fd = None
@@ -92,7 +97,8 @@ def _after_fork() -> None:
     _handed.clear()
 
 
-os.register_at_fork(after_in_child=_after_fork)
+os.register_at_fork(before=lambda: _registering.acquire(),
+                    after_in_parent=lambda: _registering.release(), after_in_child=_after_fork)
 
 
 def hand_over(directory: str | os.PathLike) -> int | None:
@@ -104,9 +110,10 @@ def hand_over(directory: str | os.PathLike) -> int | None:
     where = os.path.realpath(directory)
     for h in reversed(_held):
         if h.directory == where and h.locked and not h.handed:
-            fd = os.dup(h.fd)  # the same open file description: the same lock
+            with _registering:
+                fd = os.dup(h.fd)  # the same open file description: the same lock
+                _handed.add(fd)
             h.handed = True
-            _handed.add(fd)
             return fd
     return None
 
