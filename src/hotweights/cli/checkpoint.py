@@ -206,9 +206,7 @@ def run_diagnose(args: argparse.Namespace) -> int:
 
     live, source = None, None
     if args.source is not None:
-        from hotweights.checkpoint.source import open_dir
-
-        live = source = open_dir(args.source)
+        live = source = _open_source(Path(args.source))
     elif args.server is not None:
         from hotweights.bridge.client import Bridge
 

@@ -28,7 +28,8 @@ import torch
 from hotweights.errors import DeltaError
 from hotweights.remote import jit
 
-__all__ = ["INT64_INDEX_FROM", "KINDS", "Delta", "dense", "encode", "encode_all", "encode_each"]
+__all__ = ["INT64_INDEX_FROM", "KINDS", "Delta", "dense", "dtype_name", "encode", "encode_all",
+           "encode_each"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,8 @@ _RANGE = 16  # bytes of one int64 (start, stop) pair
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as the wire names it: "bfloat16", "float32", ..."""
     return str(dtype).removeprefix("torch.")
 
 
@@ -49,7 +51,7 @@ def _flat(name: str, t: torch.Tensor, who: str) -> torch.Tensor:
         raise DeltaError(f"{name}: {who} tensor is not contiguous (shape {tuple(t.shape)}, "
                          f"stride {t.stride()}); pass a contiguous tensor")
     if t.dtype.itemsize not in _BITS or t.dtype.is_complex:
-        raise DeltaError(f"{name}: field 'dtype' {_dtype_name(t.dtype)} is not supported; "
+        raise DeltaError(f"{name}: field 'dtype' {dtype_name(t.dtype)} is not supported; "
                          "use a float, integer or bool tensor")
     return t.detach().reshape(-1)
 

@@ -28,8 +28,8 @@ from hotweights.remote.delta import (
     INT64_INDEX_FROM,
     PATCH,
     ROWS,
-    _dtype_name,
     _row_index,
+    dtype_name,
 )
 from hotweights.remote.packing import FORMAT, Round, _al
 
@@ -83,11 +83,11 @@ def _parse(header: object, targets: Mapping[str, torch.Tensor]) -> list[tuple[di
         t, kind = targets[name], e.get("kind")
         if kind not in (PATCH, ROWS, DENSE):
             raise bad("kind", f"must be one of {[PATCH, ROWS, DENSE]}, found {kind!r}")
-        if e.get("dtype") != _dtype_name(t.dtype):
+        if e.get("dtype") != dtype_name(t.dtype):
             t = _widened(e.get("dtype"), t)
             if t is None:
                 raise bad("dtype", f"is {e.get('dtype')!r}, the target's is "
-                          f"{_dtype_name(targets[name].dtype)!r}")
+                          f"{dtype_name(targets[name].dtype)!r}")
         if e.get("shape") != list(t.shape):
             raise bad("shape", f"is {e.get('shape')!r}, the target's is {list(t.shape)}")
         if not t.is_contiguous():
@@ -130,7 +130,7 @@ def _parse(header: object, targets: Mapping[str, torch.Tensor]) -> list[tuple[di
 def _widened(name: object, t: torch.Tensor) -> torch.Tensor | None:
     """A meta tensor of `t`'s shape and strides in the dtype `name` if `widens` it to `t`'s
     (bf16 values for a slab vLLM keeps in float32), else None."""
-    dtype = next((d for d in _WIDER if _dtype_name(d) == name), None)
+    dtype = next((d for d in _WIDER if dtype_name(d) == name), None)
     if dtype is None or not widens(dtype, t.dtype):
         return None
     return torch.empty_strided(t.shape, t.stride(), dtype=dtype, device="meta")
@@ -309,7 +309,7 @@ def checked(round: Round, targets: Mapping[str, torch.Tensor], *,
             continue
         # values of a narrower float (`_widened`): decoded whole, then cast, exactly
         *index, values = _views(e, t, buf, nb, check_finite, bad, old)
-        e = {**e, "dtype": _dtype_name(target.dtype)} | ({"values": codec.RAW}
+        e = {**e, "dtype": dtype_name(target.dtype)} | ({"values": codec.RAW}
                                                           if "values" in e else {})
         out.append((e, target, (*index, values.to(target.dtype))))
     return out

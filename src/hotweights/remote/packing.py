@@ -34,9 +34,9 @@ from hotweights.remote.delta import (
     ROWS,
     SAME,
     Delta,
-    _dtype_name,
     _np_row_index,
     _row_index,
+    dtype_name,
 )
 
 __all__ = ["COMPRESS", "FORMAT", "MIN_ROUND_BYTES", "PATCHES", "VALUES", "Round", "pack", "warm"]
@@ -130,7 +130,7 @@ class _Plan:
             if (k := min(d.changed - i, (self.room - 16) // (isz + s))) <= 0:
                 self.next()  # 16: both sections' alignment padding
                 continue
-            self.add(_Piece(d, {"count": k, "index_dtype": _dtype_name(d.indices.dtype)},
+            self.add(_Piece(d, {"count": k, "index_dtype": dtype_name(d.indices.dtype)},
                             _al(k * isz) + _al(k * s), (i, i + k)))
             i += k
 
@@ -397,7 +397,7 @@ class _Writer:
             _write(p, buf[off:off + p.nbytes])
             d = p.delta
             entries.append({"name": d.name, "kind": DENSE if "start" in p.fields else d.kind,
-                            "dtype": _dtype_name(d.dtype), "shape": list(d.shape),
+                            "dtype": dtype_name(d.dtype), "shape": list(d.shape),
                             "offset": off, "nbytes": p.nbytes,
                             **{k: int(v) if isinstance(v, np.integer) else v
                                for k, v in p.fields.items()}})

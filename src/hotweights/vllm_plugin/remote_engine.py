@@ -55,7 +55,7 @@ from hotweights.errors import ConfigError, HotweightsError, RemoteError
 from hotweights.layout.plan import hf_params, plan
 from hotweights.remote import delta_apply, jit, shards
 from hotweights.remote.channel import Channel
-from hotweights.remote.delta import _dtype_name
+from hotweights.remote.delta import dtype_name
 from hotweights.remote.staging import Staged
 
 logger = logging.getLogger(__name__)
@@ -138,7 +138,7 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
     def served_dtypes(self) -> dict[str, str]:
         """HF name -> the dtype (torch's name) this worker holds it in: an update's values
         come in it, or in a narrower float it widens exactly."""
-        return {name: _dtype_name(t.dtype) for name, t in self._specs().items()}
+        return {name: dtype_name(t.dtype) for name, t in self._specs().items()}
 
     def init_transfer_engine(self, init_info: RemoteInit) -> None:
         self.shutdown()
