@@ -69,8 +69,9 @@ def test_pss_counts_children(bench):
     child = subprocess.Popen([sys.executable, "-c", "import time; b = bytearray(200 << 20); "
                               "time.sleep(30)"])
     try:
-        for _ in range(100):
-            if (own := sum(bench.tree_pss(child.pid).values())) > 150 << 20:
+        deadline = time.monotonic() + 60  # the child starts and fills its buffer
+        while (own := sum(bench.tree_pss(child.pid).values())) <= 150 << 20:
+            if time.monotonic() > deadline:
                 break
             time.sleep(0.05)
         assert own > 150 << 20

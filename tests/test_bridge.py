@@ -54,7 +54,10 @@ def test_the_body_runs_under_background_renewals_and_commits(monkeypatch):
     b = _bridge()
     b.tensors = {"w": torch.zeros(1)}
     with b.update(lease_s=0.3):
-        time.sleep(0.45)
+        deadline = time.monotonic() + 30  # renewed every 0.1 s (not a fixed sleep: loaded CI)
+        while [c[0] for c in rec.calls].count("/hotweights/renew") < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
     routes = [c[0] for c in rec.calls]
     assert routes[0] == "/hotweights/begin" and routes[-1] == "/hotweights/commit"
     assert routes.count("/hotweights/renew") >= 2 and b.version == "1@s"

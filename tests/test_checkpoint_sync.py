@@ -6,7 +6,6 @@ import os
 import re
 import shutil
 import threading
-import time
 import weakref
 from pathlib import Path
 
@@ -603,12 +602,14 @@ def test_shards_are_hashed_at_once_and_staged_in_order(saved, monkeypatch):
     sync(d, live, version="0@s")
     first = sorted(p.name for p in d.glob("*.safetensors"))[0]
     threads, staged = set(), _staged_names(monkeypatch)
-    shard_changes = changed._shard_changes
+    shard_changes, other = changed._shard_changes, threading.Event()
 
     def slow_first(s, *args):
         threads.add(threading.current_thread().name)
         if Path(s.shard.path).name == first:
-            time.sleep(0.3)  # the others are hashed meanwhile
+            assert other.wait(30)  # another shard is hashed meanwhile, on the other thread
+        else:
+            other.set()
         return shard_changes(s, *args)
 
     monkeypatch.setattr(changed, "_threads", lambda: 2)

@@ -203,24 +203,24 @@ def test_the_servers_serve_their_old_version_until_the_commit(remotes, trainer, 
     encode_each = delta.encode_each
 
     def slow_encode(*args, **kwargs):
-        time.sleep(3.0)
+        time.sleep(4.5)
         yield from encode_each(*args, **kwargs)
     monkeypatch.setattr(delta, "encode_each", slow_encode)
     with torch.no_grad():
         model.model.norm.weight[0] += 1
-    out = group.update(model, lease_s=1.5)  # renewed every 0.5 s
+    out = group.update(model, lease_s=3.0)  # renewed every 1 s
     assert {_status(s)["n"] for s in remotes[:2]} == {out["version"]}
     assert not any(_status(s)["dirty"] for s in remotes[:2])
     monkeypatch.undo()
     rows = group._prefilter.rows
 
     def slow_fingerprints(*args, **kwargs):  # taken while the begins travel
-        time.sleep(3.0)
+        time.sleep(4.5)
         return rows(*args, **kwargs)
     monkeypatch.setattr(group._prefilter, "rows", slow_fingerprints)
     with torch.no_grad():
         model.model.norm.weight[0] += 1
-    out = group.update(model, lease_s=1.5)
+    out = group.update(model, lease_s=3.0)
     assert {_status(s)["n"] for s in remotes[:2]} == {out["version"]}
     assert not any(_status(s)["dirty"] for s in remotes[:2])
 
@@ -451,14 +451,14 @@ def test_the_servers_wait_for_an_encode_longer_than_the_timeout(remotes, trainer
     model, _ = trainer
     from hotweights.remote import delta
     encode_each = delta.encode_each
-    slow = {"s": 4.0, "fail": False}
+    slow = {"s": 11.0, "fail": False}
 
     def slow_encode(*args, **kwargs):
         time.sleep(slow["s"])
         if slow["fail"]:
             raise RuntimeError("the encode failed")
         yield from encode_each(*args, **kwargs)
-    with RemoteGroup([s.url for s in remotes[:2]], token=TOKEN, timeout=3.0) as group:
+    with RemoteGroup([s.url for s in remotes[:2]], token=TOKEN, timeout=10.0) as group:
         group.update(model)  # a full sync: no encode
         monkeypatch.setattr(delta, "encode_each", slow_encode)
         with torch.no_grad():

@@ -157,7 +157,7 @@ def test_a_checksum_that_updates_keep_outrunning_gives_up(monkeypatch):
     # every hash stalls generation: one commit landing during each must not loop forever
     from hotweights.vllm_plugin import routes as routes_module
 
-    monkeypatch.setattr(routes_module, "_CHECKSUM_WAIT_S", 1.0)
+    monkeypatch.setattr(routes_module, "_CHECKSUM_WAIT_S", 3.0)
 
     async def test(client, stub):
         rpc = stub.collective_rpc

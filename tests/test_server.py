@@ -365,8 +365,8 @@ def test_exception_in_update_aborts_resumes_and_serves_a_new_dirty_version(serve
 
 def test_a_step_longer_than_the_lease_is_kept_alive_by_renewal(server):
     bridge = Bridge.connect(server.url, token=TOKEN)
-    with bridge.update(lease_s=1.5):
-        time.sleep(4)  # the lease is renewed every 0.5 s in the background
+    with bridge.update(lease_s=3.0):
+        time.sleep(5)  # the lease is renewed every 1 s in the background
     status = bridge.status()
     assert status["dirty"] is False and status["version"] == bridge.version
 

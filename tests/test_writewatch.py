@@ -135,7 +135,7 @@ def test_syncs_sharing_a_watch_take_turns():
         other.join(0.2)
         assert other.is_alive()  # waits for this turn's record
         w.record({})
-        other.join(5)
+        other.join(60)
         assert not other.is_alive()
 
 
