@@ -1,6 +1,7 @@
 """The `hotweights` command line, run in this process against real vLLM engines."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -80,6 +81,10 @@ def test_a_usage_error_under_json_is_json_on_stdout_too(tmp_path, capsys):
                                                          "--token-file: ")
 
 
+# as a user's: the tests' VLLM_LOGGING_LEVEL (conftest) is the user's choice, which layout keeps
+_UNSET_VLLM_LOG = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_LEVEL"}
+
+
 @pytest.mark.vllm
 def test_layout_prints_the_map(tiny_model, tmp_path):
     # a checkpoint without a tokenizer and of a context shorter than layout's 256 (layout
@@ -91,9 +96,12 @@ def test_layout_prints_the_map(tiny_model, tmp_path):
     config = json.loads((model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps({**config,
                                                        "max_position_embeddings": 128}))
-    out = subprocess.run([sys.executable, "-m", "hotweights.cli.main", "layout",
-                          str(model_dir)], capture_output=True, text=True,
-                         check=True, timeout=200).stdout
+    done = subprocess.run([sys.executable, "-m", "hotweights.cli.main", "layout",
+                           str(model_dir)], capture_output=True, text=True,
+                          check=True, timeout=200, env=_UNSET_VLLM_LOG)
+    # vLLM's start-up log, warnings and loading bar: only with -v
+    assert "vllm" not in done.stderr.lower() and "Loading" not in done.stderr, done.stderr
+    out = done.stdout
     assert "model.layers.1.mlp.experts.routed_experts.w13_weight" in out
     assert "model.layers.1.mlp.experts.gate_up_proj" in out
     assert "model.layers.0.self_attn.k_proj.weight" in out
@@ -101,6 +109,21 @@ def test_layout_prints_the_map(tiny_model, tmp_path):
     assert "0 vLLM unmapped, 0 HF missing" in out
     assert "25 HF parameters mapped (" in out  # each once, not each of its pieces
     assert "values: 25 HF parameters hold what the checkpoint holds" in " ".join(out.split())
+
+
+@pytest.mark.vllm
+def test_layout_of_a_checkpoint_vllm_cannot_load_is_one_clear_line(tiny_model, tmp_path):
+    model_dir = Path(shutil.copytree(tiny_model("llama"), tmp_path / "m"))
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps(
+        {**config, "intermediate_size": 2 * config["intermediate_size"]}))  # not the weights'
+    done = subprocess.run([sys.executable, "-m", "hotweights.cli.main", "layout",
+                           str(model_dir)], capture_output=True, text=True, timeout=200,
+                          env=_UNSET_VLLM_LOG)
+    assert (done.returncode, done.stdout) == (1, "")
+    assert done.stderr.startswith(f"error: {model_dir}: vLLM cannot load it (")
+    assert done.stderr.endswith("); --verbose shows vLLM's log\n")
+    assert len(done.stderr.splitlines()) == 1, done.stderr  # nor its loading bar's last line
 
 
 @pytest.mark.parametrize("flag", [[], ["--model-dir"]])  # as sync, diagnose, recover

@@ -3,6 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import sys
+import tempfile
+import traceback
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from rich.table import Table
@@ -34,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     text = text_config(config)
     length = min(256, getattr(text, "max_position_embeddings", None) or 256)
     tokenizer = any((Path(args.model_dir) / name).exists() for name in _TOKENIZER_FILES)
-    with console.status(f"loading {args.model_dir} in vLLM"):
+    with console.status(f"loading {args.model_dir} in vLLM"), _quiet(not args.verbose):
         try:
             llm = start_engine(args.model_dir, model_impl=args.model_impl, dtype=args.dtype,
                                trust_remote_code=trust, skip_tokenizer_init=not tokenizer,
@@ -76,6 +84,38 @@ def run(args: argparse.Namespace) -> int:
     )
     console.print(values if same else f"[red]{values}[/red]")
     return 0 if ok and same else 1
+
+
+@contextmanager
+def _quiet(on: bool) -> Iterator[None]:
+    """While vLLM loads, its start-up output off the terminal: all of fd 2 (its log, its C++
+    warnings, its loading bar) into a file that is dropped, Python's warnings ignored;
+    hotweights' own log still shows. `on` False (--verbose): all of it shows."""
+    if not on:
+        yield
+        return
+    sys.stderr.flush()
+    own = logging.StreamHandler(open(os.dup(2), "w"))  # closed below
+    own.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))  # as main's
+    log = logging.getLogger("hotweights")
+    with tempfile.TemporaryFile() as dropped, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        os.dup2(dropped.fileno(), 2)
+        log.addHandler(own)
+        log.propagate = False
+        try:
+            yield
+        except BaseException as e:  # vLLM's frames freed now: what their objects write as
+            while e is not None:  # they go (a loading bar's last line) is dropped too
+                traceback.clear_frames(e.__traceback__)
+                e = e.__cause__ or e.__context__
+            raise
+        finally:
+            log.removeHandler(own)
+            log.propagate = True
+            sys.stderr.flush()
+            os.dup2(own.stream.fileno(), 2)
+            own.stream.close()
 
 
 def _values(config, live: dict, layout, model_dir: str, trust: bool) -> tuple[bool, str]:
