@@ -714,7 +714,9 @@ def test_a_writer_whose_directory_is_removed_while_it_waits_says_so(tmp_path):
             failed.append(str(e))
     waiter = threading.Thread(target=wait)
     waiter.start()
-    while not lock._held:  # until the waiter has its fd (it then waits, or is about to)
+    deadline = time.monotonic() + 30  # until the waiter has its fd (it then waits, or is
+    while not any(h.directory == os.path.realpath(d) for h in lock._held):  # about to)
+        assert time.monotonic() < deadline and waiter.is_alive()
         time.sleep(0.01)
     d.rmdir()
     fcntl.flock(fd, fcntl.LOCK_UN)
@@ -743,8 +745,10 @@ def write():
         time.sleep(60)
 threading.Thread(target=write, daemon=True).start()
 if sys.argv[2] == "between":  # fork between the writer's open and its listing of the fd
-    opened.wait()
+    assert opened.wait(30)
+deadline = time.monotonic() + 30
 while sys.argv[2] == "waiting" and not lock._held:  # the writer waits for the test's lock
+    assert time.monotonic() < deadline
     time.sleep(0.01)
 {FORK}
 got.wait(30)
@@ -771,6 +775,32 @@ def test_a_child_forked_while_a_writer_waits_for_the_lock_does_not_keep_it(tmp_p
     finally:
         os.kill(child, signal.SIGKILL)
         writer.stdout.close()
+
+
+def test_a_ctrl_c_while_a_fork_waits_for_a_writer_s_listing_is_kept_for_after_it(monkeypatch):
+    """The fork hook's wait is cut by a Ctrl-C: an exception there would be dropped (and the
+    fork go on unguarded, then release a lock another thread holds); it waits on, and the
+    Ctrl-C comes once the fork is done."""
+    class Interrupted:
+        def __init__(self):
+            self.calls, self.held = 0, 0
+
+        def acquire(self):
+            self.calls += 1
+            if self.calls == 1:
+                raise KeyboardInterrupt
+            self.held += 1
+
+        def release(self):
+            self.held -= 1
+    guard, interrupts = Interrupted(), []
+    monkeypatch.setattr(lock, "_registering", guard)
+    monkeypatch.setattr(lock._thread, "interrupt_main", lambda: interrupts.append(1))
+    lock._before_fork()
+    assert (guard.calls, guard.held, interrupts) == (2, 1, [1])
+    lock._after_fork_in_parent()
+    lock._after_fork_in_parent()  # a second call (no fork of its own): nothing to release
+    assert guard.held == 0
 
 
 def test_with_no_thread_to_be_had_the_finisher_s_work_runs_at_once(shards, monkeypatch):

@@ -4,6 +4,7 @@ caller lets go (`later`)."""
 
 from __future__ import annotations
 
+import _thread
 import fcntl
 import logging
 import os
@@ -27,12 +28,13 @@ def locked(directory: str | os.PathLike, *, finish_first: bool = True) -> Iterat
     process's finisher threads first (False: the caller is one of them)."""
     if finish_first:  # this process's last commit first (its thread takes this lock too;
         finisher.finish()  # a finisher thread never waits for the others: they chain)
+    where = os.path.realpath(directory)
     with _registering:  # a fork waits: its child knows every fd it must close
         try:  # O_CLOEXEC (os.open's default too): an exec'd child does not keep the fd
             fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as e:
             raise CheckpointError(f"{directory}: cannot open the directory: {e.strerror}") from e
-        mine = _Held(os.path.realpath(directory), fd)
+        mine = _Held(where, fd)
         _held.append(mine)  # before any wait: a child forked meanwhile closes its fd too
     try:
         try:
@@ -78,7 +80,31 @@ class _Held:
 
 _held: list[_Held] = []  # the locks `locked` holds or waits for now, innermost last
 _handed: set[int] = set()  # the fds `hand_over` gave, until `taken_over` ends them
-_registering = threading.Lock()  # held from opening (or dup'ing) a lock's fd to listing it
+# Held from opening (or dup'ing) a lock's fd to listing it, and by a fork: re-entrant, for
+# a signal handler that syncs (or forks) in a thread that holds it
+_registering = threading.RLock()
+_fork_held = False  # whether `_before_fork` holds it for the fork under way
+
+
+def _before_fork() -> None:
+    global _fork_held
+    interrupted = False
+    while True:  # an exception here is dropped, and the fork goes on: no Ctrl-C lost,
+        try:  # nor a release of the lock another thread holds
+            _registering.acquire()
+            break
+        except KeyboardInterrupt:
+            interrupted = True
+    _fork_held = True
+    if interrupted:
+        _thread.interrupt_main()  # the Ctrl-C, raised once the fork is done
+
+
+def _after_fork_in_parent() -> None:
+    global _fork_held
+    if _fork_held:
+        _fork_held = False
+        _registering.release()
 
 
 def _after_fork() -> None:
@@ -86,8 +112,8 @@ def _after_fork() -> None:
     shares their open file descriptions, so it would hold the locks for as long as it
     lives, after its parent died too (a DataLoader worker of a trainer SIGKILLed mid-sync
     kept every later sync, recover and serve waiting)."""
-    global _registering
-    _registering = threading.Lock()  # the parent's was held across the fork
+    global _registering, _fork_held
+    _registering, _fork_held = threading.RLock(), False  # the parent's was held for the fork
     for h in _held:
         os.close(h.fd)
         h.fd = None
@@ -97,8 +123,8 @@ def _after_fork() -> None:
     _handed.clear()
 
 
-os.register_at_fork(before=lambda: _registering.acquire(),
-                    after_in_parent=lambda: _registering.release(), after_in_child=_after_fork)
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_after_fork)
 
 
 def hand_over(directory: str | os.PathLike) -> int | None:

@@ -6,7 +6,6 @@ import argparse
 import logging
 import os
 import sys
-import tempfile
 import traceback
 import warnings
 from collections.abc import Iterator
@@ -88,34 +87,37 @@ def run(args: argparse.Namespace) -> int:
 
 @contextmanager
 def _quiet(on: bool) -> Iterator[None]:
-    """While vLLM loads, its start-up output off the terminal: all of fd 2 (its log, its C++
-    warnings, its loading bar) into a file that is dropped, Python's warnings ignored;
+    """While vLLM loads, its start-up output off the terminal: all of fd 2 and sys.stderr
+    (its log, its C++ warnings, its loading bar) dropped, Python's warnings ignored;
     hotweights' own log still shows. `on` False (--verbose): all of it shows."""
     if not on:
         yield
         return
     sys.stderr.flush()
-    own = logging.StreamHandler(open(os.dup(2), "w"))  # closed below
-    own.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))  # as main's
-    log = logging.getLogger("hotweights")
-    with tempfile.TemporaryFile() as dropped, warnings.catch_warnings():
+    log, stderr = logging.getLogger("hotweights"), sys.stderr
+    with open(os.devnull, "w") as dropped, open(os.dup(2), "w") as terminal, \
+            warnings.catch_warnings():
+        own = logging.StreamHandler(terminal)
+        own.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))  # as main's
         warnings.simplefilter("ignore")
-        os.dup2(dropped.fileno(), 2)
-        log.addHandler(own)
-        log.propagate = False
         try:
+            os.dup2(dropped.fileno(), 2)
+            sys.stderr = dropped  # also where rich's status on a terminal proxies it
+            log.addHandler(own)
+            log.propagate = False
             yield
         except BaseException as e:  # vLLM's frames freed now: what their objects write as
-            while e is not None:  # they go (a loading bar's last line) is dropped too
+            seen = set()  # they go (a loading bar's last line) is dropped too
+            while e is not None and id(e) not in seen:
+                seen.add(id(e))
                 traceback.clear_frames(e.__traceback__)
                 e = e.__cause__ or e.__context__
             raise
         finally:
             log.removeHandler(own)
             log.propagate = True
-            sys.stderr.flush()
-            os.dup2(own.stream.fileno(), 2)
-            own.stream.close()
+            sys.stderr = stderr
+            os.dup2(terminal.fileno(), 2)
 
 
 def _values(config, live: dict, layout, model_dir: str, trust: bool) -> tuple[bool, str]:
