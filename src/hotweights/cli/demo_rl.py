@@ -1,7 +1,7 @@
 """`hotweights demo --rl`: GRPO with TRL on a tiny local model, trained in place while vLLM
 serves it to the trainer and to an outside client at once.
 
-The reward is the share of digits in a completion: a random model scores ~0.05, and GRPO
+The reward is the share of digits in a completion: a random model scores ~0.01, and GRPO
 teaches it to answer in numbers within a few dozen steps. No download: the model and its
 tokenizer are built on the spot. Every `--checkpoint-every` steps the served weights are
 written into a checkpoint directory (only what changed); at the end that checkpoint is
