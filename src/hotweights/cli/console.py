@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"  # the CLI's log lines
+
 
 def make_console():
     """A rich console; plain wide lines when the output is not a terminal (logs, tests)."""

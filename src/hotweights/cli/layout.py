@@ -14,7 +14,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from hotweights.cli.console import make_console
+from hotweights.cli.console import LOG_FORMAT, make_console
 from hotweights.errors import LayoutError
 
 
@@ -98,7 +98,7 @@ def _quiet(on: bool) -> Iterator[None]:
     with open(os.devnull, "w") as dropped, open(os.dup(2), "w") as terminal, \
             warnings.catch_warnings():
         own = logging.StreamHandler(terminal)
-        own.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))  # as main's
+        own.setFormatter(logging.Formatter(LOG_FORMAT))
         warnings.simplefilter("ignore")
         try:
             os.dup2(dropped.fileno(), 2)

@@ -9,6 +9,7 @@ import os
 import sys
 
 from hotweights.checkpoint import MODES
+from hotweights.cli.console import LOG_FORMAT
 from hotweights.errors import HotweightsError
 from hotweights.testing.tiny import ARCHS
 
@@ -459,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     _check_args(args, usage_error)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
+        format=LOG_FORMAT,
     )
     try:
         return args.run(args)
