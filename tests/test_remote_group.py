@@ -13,9 +13,11 @@ from safetensors.torch import save_file
 from hotweights import RemoteError, RemoteGroup
 from hotweights.checkpoint.digest import digest
 from hotweights.errors import ServerError
+from hotweights.protocol import tokens
 from hotweights.remote import delta, packing
 from hotweights.remote.group import _Plan
 from hotweights.remote.links import Links
+from hotweights.remote.rendezvous import PROTOCOL
 from hotweights.testing import tiny
 
 
@@ -114,6 +116,7 @@ def _update(group, weights, new, **kw):
     deltas = list(group._encode(plan, new, kept, rows))
     group.reference.remember(new, deltas if plan.held else None, frozen_prints)
     group._prefilter.prints = prints
+    group._held = {"u": ("s", group.n)}  # as a commit leaves it
     return {d.name: d.kind for d in deltas}
 
 
@@ -265,7 +268,8 @@ def test_a_server_restarted_from_the_synced_checkpoint_shares_the_delta(checkpoi
     ckpt, weights = checkpoint
     urls = ["http://127.0.0.1:1", "http://127.0.0.2:1"]
     group = RemoteGroup(urls, token="t" * 32, checkpoint=ckpt, reference="checkpoint")
-    group.n = group.checkpoint.synced_at = 3
+    group.n = 3
+    group.checkpoint.sync(weights, 3)
     group._held = {urls[0]: ("a", 3)}
     status = {urls[0]: {"server_id": "a", "n": 3, "checkpoint": None},
               urls[1]: {"server_id": "b", "n": 0, "checkpoint": digest(ckpt)}}
@@ -642,3 +646,130 @@ def test_fused_experts_are_sent_as_views_and_a_step_on_them_undone():
             p.add_(1.0)
     assert group.restore(model)
     assert all(torch.equal(t, before[k]) for k, t in model.state_dict().items())
+
+
+def test_a_checkpoint_written_since_the_group_synced_it_is_not_what_the_servers_hold(
+        checkpoint):
+    # reference="checkpoint": the trainer's own save (or another program) into the
+    # directory between two updates: deltas against it would skip what it changed
+    ckpt, weights = checkpoint
+    group = RemoteGroup(["http://127.0.0.1:1"], token="t" * 32, checkpoint=ckpt,
+                        reference="checkpoint")
+    group.n = 3
+    group.checkpoint.sync(weights, 3)
+    assert group.checkpoint.held_at(3) is not None and group.checkpoint.held_at(2) is None
+    save_file({k: t + 1 for k, t in weights.items()}, ckpt / "model.safetensors")
+    assert group.checkpoint.held_at(3) is None and group.checkpoint.synced_at is None
+
+
+def test_a_commit_lost_on_its_way_is_aborted_not_left_staged():
+    # else the server stays staged (paused ahead) until its lease ends, and refuses the
+    # next update's join meanwhile
+    urls = ["http://127.0.0.1:1", "http://127.0.0.2:1"]
+    group = RemoteGroup(urls, token="t" * 32)
+    posted = _posting(group)
+    answer = group._post
+
+    def post(url, status, route, **body):
+        if (url, route) == (urls[1], "/hotweights/commit"):
+            raise ServerError(f"POST {route}: the connection to {url} broke")
+        return answer(url, status, route, **body)
+    group._post = post
+    result = group.commit(_pending(urls), 1)
+    assert list(result["servers"]) == [urls[0]] and urls[1] in result["dropped"]
+    assert (urls[1], "/hotweights/abort", None) in posted
+    assert (urls[0], "/hotweights/abort", None) not in posted
+
+
+def test_an_update_aborts_first_what_its_last_one_left_staged(caplog):
+    urls = ["http://127.0.0.1:1", "http://127.0.0.2:1", "http://127.0.0.3:1"]
+    group = RemoteGroup(urls, token="t" * 32)
+    posted = _posting(group)
+    group._abort_left({urls[0]: {"server_id": "s", "holder": group.holder, "state": "staging"},
+                       urls[1]: {"server_id": "s", "holder": "other", "state": "staging"},
+                       urls[2]: {"server_id": "s", "holder": group.holder, "state": "idle"}})
+    assert posted == [(urls[0], "/hotweights/abort", None)]
+    assert "still staged this group's last update" in caplog.text
+
+
+def test_an_abort_that_gets_no_answer_is_named(caplog):
+    urls = ["http://127.0.0.1:1", "http://127.0.0.2:1"]
+    group = RemoteGroup(urls, token="t" * 32)
+
+    def post(url, status, route, **body):
+        if url == urls[1]:
+            raise ServerError(f"POST {route}: no answer from {url} within 70 s")
+        raise ServerError(f"POST {route}: HTTP 409: no update in progress", 409)
+    group._post = post
+    group.abort(_pending(urls))
+    assert f"no answer to the abort from {urls[1]}" in caplog.text
+    assert urls[0] not in caplog.text  # a refusal: nothing staged there
+
+
+def test_a_refused_renewal_does_not_stop_renewing_a_server_that_did_not_answer():
+    # require="any": the refused server's lease is gone (it is dropped); the other's renewal
+    # is tried again (`Renewer` goes on where every failure is a missing answer)
+    urls = ["http://127.0.0.1:1", "http://127.0.0.2:1"]
+    group = RemoteGroup(urls, token="t" * 32)
+    group._leased = {u: {"server_id": "s"} for u in urls}
+
+    def post(url, status, route, **body):
+        if url == urls[1]:
+            raise ServerError("HTTP 409: the lease expired", 409)
+        raise ServerError(f"no answer from {url} within 10 s")
+    group._post = post
+    with pytest.raises(RemoteError) as e:
+        group.renew(30.0)
+    assert e.value.no_answer and list(group._leased) == [urls[0]]
+
+
+def test_a_server_that_answers_the_status_with_an_error_is_named_not_dropped(monkeypatch):
+    from hotweights.remote import group as group_module
+
+    urls = ["http://127.0.0.1:1", "http://127.0.0.2:1"]
+
+    def request(url, method, route, token, **kw):
+        if url == urls[1]:
+            raise ServerError(f"GET {route}: HTTP 401: missing or wrong bearer token", 401)
+        return {"remote": True, "n": 0, "server_id": "s", "protocol": PROTOCOL}
+    monkeypatch.setattr(group_module, "request", request)
+    group = RemoteGroup(urls, token="t" * 32)  # require="any"
+    with pytest.raises(RemoteError, match=rf"^{re.escape(urls[1])}: GET /hotweights/status: "
+                                          "HTTP 401"):
+        group._status(urls, {})
+
+
+def test_a_restarted_local_server_s_new_token_file_is_read(monkeypatch, tmp_path):
+    from hotweights.remote import group as group_module
+
+    monkeypatch.delenv("HOTWEIGHTS_TOKEN", raising=False)
+    monkeypatch.setattr(tokens, "token_path", lambda port: tmp_path / f"{port}.token")
+    (tmp_path / "1.token").write_text("a" * 32)
+    seen = []
+
+    def request(url, method, route, token, **kw):
+        seen.append(token)
+        return {"remote": True, "n": 0, "server_id": "s", "protocol": PROTOCOL}
+    monkeypatch.setattr(group_module, "request", request)
+    group = RemoteGroup(["http://127.0.0.1:1"])
+    group._status(group.urls, {})
+    (tmp_path / "1.token").write_text("b" * 32)  # the server restarted
+    group._status(group.urls, {})
+    assert seen == ["a" * 32, "b" * 32] and group._tokens[group.urls[0]] == "b" * 32
+
+
+def test_a_step_is_not_undone_to_values_no_server_took(caplog):
+    urls = ["http://127.0.0.1:1"]
+    group = RemoteGroup(urls, token="t" * 32)
+    _posting(group)
+    w = torch.zeros(4)
+    group.commit(_pending(urls, new={"w": w}), 1)
+    w += 1
+
+    def broke(url, status, route, **body):
+        raise ServerError(f"POST {route}: the connection to {url} broke")
+    group._post = broke
+    with pytest.raises(RemoteError, match="served by no server"):
+        group.commit(_pending(urls, new={"w": w}), 2)
+    assert not group.restore({"w": w}) and torch.equal(w, torch.ones(4))
+    assert "no server holds what this group keeps" in caplog.text

@@ -332,11 +332,18 @@ class Bridge:
         except BaseException:
             self.remote.abort(pending)
             raise
-        self.remote_result = self.remote.commit(pending, n)
+        with self._served_here(n):
+            self.remote_result = self.remote.commit(pending, n)
 
     def _update_remotes(self, model, n: int, mode: str, lease_s: float) -> None:
-        try:
+        with self._served_here(n):
             self.remote_result = self.remote.update(model, mode=mode, lease_s=lease_s, n=n)
+
+    @contextlib.contextmanager
+    def _served_here(self, n: int) -> Iterator[None]:
+        """A failure of the remote servers' update, said to leave this server at `n`."""
+        try:
+            yield
         except HotweightsError as e:  # refused or failed (named), here or there
             raise RemoteError(f"{self.url} serves version {n}; the remote servers did not "
                               f"take it (the next update catches them up): {e}") from e

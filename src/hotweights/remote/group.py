@@ -203,8 +203,12 @@ class RemoteGroup:
                                 require=require, compress=compress, reference=reference)
         self.urls = server_urls(servers)
         self.cafile = cafile
-        self._tokens = {u: find_token(u, token.get(u) if isinstance(token, Mapping) else token)
-                        for u in self.urls}
+        given = {u: token.get(u) if isinstance(token, Mapping) else token for u in self.urls}
+        self._tokens = {u: find_token(u, given[u]) for u in self.urls}
+        # the loopback servers whose token is their token file's: read again at each update
+        # (a server restarted since wrote a new one)
+        self._token_files = [] if os.environ.get("HOTWEIGHTS_TOKEN") else \
+            [u for u in self.urls if not given[u]]
         remote = [u for u in self.urls if not is_loopback(urllib.parse.urlsplit(u).hostname)]
         self.master_addr = master_addr or (route_address(remote[0]) if remote else
                                            "127.0.0.1")
@@ -288,6 +292,7 @@ class RemoteGroup:
         new = _weights(weights)
         written = {k: (t, t._version) for k, t in new.items()}  # before the encode reads them
         status, dropped = self._status(self.urls, {})
+        self._abort_left(status)
         self._casts = served.narrowed_to(status, new)  # a float32 trainer, bf16 servers
         if self._casts and self.reference_mode == "checkpoint":
             name, dtype = next(iter(self._casts.items()))
@@ -322,10 +327,18 @@ class RemoteGroup:
     def _status(self, urls: list[str], dropped: dict) -> tuple[dict, dict]:
         """(url -> status of each of `urls` that answers, `dropped` plus url -> why for each
         that does not: dropped from this update, or, with require="all", the update fails)."""
+        for u in self._token_files:
+            try:
+                self._tokens[u] = find_token(u)
+            except HotweightsError:  # no file (yet): the request names what is wrong
+                pass
         outs = self._each(lambda u: request(u, "GET", "/hotweights/status", self._tokens[u],
                                             timeout=min(self.timeout, 30.0),
                                             cafile=self.cafile),
                           errors=True, urls=urls)
+        if refused := {u: e for u, e in outs.items()
+                       if isinstance(e, Exception) and not unanswered(e)}:
+            raise RemoteError(named(refused))  # it answers: a wrong token or URL, not down
         down = {u: str(e) for u, e in outs.items() if isinstance(e, Exception)}
         if down and (self.require == "all" or len(down) == len(urls)):
             raise RemoteError(f"no answer from {named(down)}")
@@ -391,7 +404,7 @@ class RemoteGroup:
         one (restarted, dropped from an update) what differs from the checkpoint it loaded
         (`checkpoint`), else the whole model, each set on its own channel."""
         held = self.reference.tensors if self.reference_mode == "copy" else \
-            self.checkpoint.tensors() if self.checkpoint.synced_at == self.n else None
+            self.checkpoint.held_at(self.n)
         plans: dict[int, _Plan] = {}
         for u, st in status.items():
             ref = held if held is not None and not self._stale(u, st) else \
@@ -429,6 +442,8 @@ class RemoteGroup:
             remembered.result()
         for u, out in outs.items():
             (failed if isinstance(out, Exception) else committed)[u] = out
+        if failed:  # a commit lost on its way: not left staged (maybe paused ahead) until
+            self._abort(status, list(failed))  # its lease ends (one made refuses the abort)
         self._prefilter.prints = pending.prints
         self.n = n
         self._held = {u: (status[u]["server_id"], n) for u in committed}
@@ -464,8 +479,33 @@ class RemoteGroup:
         """Drop a prepared update everywhere: every server goes on at its old version."""
         self._leased = {}
         self.bytes_sent += pending.sent  # sent all the same
-        self._each(lambda u: self._post(u, pending.status[u], "/hotweights/abort",
-                                        dirty=False), errors=True, urls=list(pending.status))
+        self._abort(pending.status, list(pending.status))
+
+    def _abort(self, status: dict, urls: list[str], *, http_timeout: float | None = None
+               ) -> dict[str, Exception]:
+        """Abort the update this group staged on `urls` (nothing written: the version
+        stays); return the servers that did not answer, named in a warning: each drops it
+        by itself when its lease ends, and this group's next update aborts it first. A
+        refusal says there is none (committed, expired, or never begun)."""
+        outs = self._each(lambda u: self._post(u, status[u], "/hotweights/abort", dirty=False,
+                                               http_timeout=http_timeout),
+                          errors=True, urls=urls)
+        if silent := {u: e for u, e in outs.items() if isinstance(e, Exception)
+                      and unanswered(e)}:
+            logger.warning("hotweights: no answer to the abort from %s: it drops the update "
+                           "when its lease ends, or at this group's next update",
+                           named(silent))
+        return silent
+
+    def _abort_left(self, status: dict) -> None:
+        """Abort the updates this group left staged on servers of `status` (its commit or
+        abort lost on the way): else such a server refuses every update until its lease
+        ends (a channel's join waits for no update staged)."""
+        if left := [u for u, st in status.items() if st.get("holder") == self.holder
+                    and st.get("state") in ("staging", "draining", "paused")]:
+            logger.warning("hotweights: %s still staged this group's last update (its "
+                           "commit or abort was lost): aborted first", left)
+            self._abort(status, left)
 
     def renew(self, lease_s: float | None = None) -> None:
         """Extend the lease of the update in progress on every server that began it (the
@@ -484,12 +524,14 @@ class RemoteGroup:
             http_timeout=max(1.0, min(self.timeout, lease_s / 3))),  # holds no one else's
             errors=True, urls=list(leased))  # renewal past its lease
         if failed := {u: e for u, e in outs.items() if isinstance(e, Exception)}:
-            if self.require == "all" and (refused := {
-                    u: e for u, e in failed.items() if not unanswered(e)}):
+            refused = {u: e for u, e in failed.items() if not unanswered(e)}
+            if refused and self.require == "all":
                 self._lease_lost = named(refused)  # the send then fails (`_send`)
+            for u in refused if self.require == "any" else ():  # its lease is gone (its
+                leased.pop(u, None)  # commit fails): the others' renewals go on
             if self.require == "all" or len(failed) == len(outs):
-                raise RemoteError(named(failed), no_answer=all(
-                    map(unanswered, failed.values())))
+                raise RemoteError(named(failed), no_answer=not refused or (
+                    self.require == "any" and len(refused) < len(failed)))
             logger.warning("hotweights: lease renewal failed on %s (the others go on)",
                            named(failed))
 
@@ -504,6 +546,12 @@ class RemoteGroup:
                            "tensor(s) in a narrower float than the trainer's (e.g. %s), and "
                            "their values would round the trainer's", len(self._casts),
                            next(iter(self._casts)))
+            return False
+        if self.reference.tensors is not None and not self._held:
+            logger.warning("hotweights: the step cannot be undone: no server holds what this "
+                           "group keeps as their values (the last commit failed, or the "
+                           "weights changed between its prepare and commit); the next update "
+                           "syncs the servers whole")
             return False
         return self.reference.restore(weights, _weights(weights))
 
@@ -584,6 +632,7 @@ class RemoteGroup:
                         staging=self._round_buffers(link.channel.device),
                         values="xor" if link.xor else "raw", compress=self.compress,
                         cut_bytes=cut_bytes, cut_payload=_CUT_PAYLOAD, cut_wait=_CUT_WAIT)
+                    rounds = self._while_leased(rounds)  # a renewal refused: stop
                     if i == len(plans) - 1 and pause_ahead:
                         rounds = _then_last(rounds, hint_pause)
                     first = next(rounds)  # the receivers wait for the start in the store,
@@ -599,10 +648,7 @@ class RemoteGroup:
                         raise RemoteError(link.named(str(e))) from e
                     out.append((deltas, sent, sent * link.channel.copies))
                     on = None
-            if self._lease_lost:  # require="all": its commit would fail after the others'
-                raise RemoteError(f"the lease of this update was lost during its send on "
-                                  f"{self._lease_lost}: aborted everywhere, every server at "
-                                  "its old version")
+            self._check_leased()  # (the last round's renewals)
             # every worker has staged it all (the channel's acknowledgement): a server's
             # commit waits for its own receive to answer, so this process need not; a late
             # pause must not reach the server's next update
@@ -627,14 +673,25 @@ class RemoteGroup:
                 self.links.drop(on[0])
             began = [u for u, f in begins.items() if not f.cancelled() and f.done()
                      and f.exception() is None]
-            aborted = self._each(lambda u: self._post(u, status[u], "/hotweights/abort",
-                                                      dirty=False, http_timeout=self.timeout
-                                                      + 30), errors=True, urls=began)
+            silent = self._abort(status, began, http_timeout=self.timeout + 30)
             if isinstance(e, HotweightsError) and on is not None:  # else: bad input, named
-                left = [u for u, out in aborted.items() if not isinstance(out, Exception)]
+                left = [u for u in began if u not in silent]
                 raise RemoteError(f"update not applied anywhere: {e}; servers at their "
-                                  f"old version: {left}") from e
+                                  f"old version: {left}" + (
+                                      f"; no answer to the abort from {sorted(silent)} (each "
+                                      "drops it when its lease ends)" if silent else "")) from e
             raise
+
+    def _while_leased(self, rounds: Iterator[packing.Round]) -> Iterator[packing.Round]:
+        for r in rounds:
+            self._check_leased()
+            yield r
+
+    def _check_leased(self) -> None:
+        if self._lease_lost:  # require="all": its commit would fail after the others'
+            raise RemoteError(f"the lease of this update was lost during its send on "
+                              f"{self._lease_lost}: aborted everywhere, every server at its "
+                              "old version")
 
     def _round_buffers(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The two buffers the rounds are packed into in turn (one is broadcast while the

@@ -32,6 +32,7 @@ class LoadedCheckpoint:
     def __init__(self, path: str | os.PathLike):
         self.path = path
         self.synced_at: int | None = None
+        self._synced: dict | None = None  # its files' `stats` as that sync left them
         self._loaded: tuple[dict, str | None, dict] | None = None  # (stats, digest, tensors)
         self._cast: Cast | None = None  # its tensors as the servers rounded them
 
@@ -41,6 +42,18 @@ class LoadedCheckpoint:
         if self._loaded is None or self._loaded[0] != now:
             self._loaded = (now, None, open_dir(self.path))  # its digest: when needed
         return self._loaded[2]
+
+    def held_at(self, n: int) -> dict | None:
+        """Its tensors, where they are what the servers hold at version `n`: it was synced
+        to `n`, and nothing wrote into it since (another program, the trainer's own sync)."""
+        if self.synced_at != n:
+            return None
+        if stats(self.path) != self._synced:
+            logger.info("hotweights: %s was written since this group synced it: the servers "
+                        "are synced whole", self.path)
+            self.synced_at = None
+            return None
+        return self.tensors()
 
     def written(self) -> bool:
         """Its files changed since their tensors were mapped (`tensors`, `held_by`)."""
@@ -65,6 +78,7 @@ class LoadedCheckpoint:
         self.synced_at = None
         try:
             sync(self.path, new, version=str(n))
+            self._synced = stats(self.path)
         except Exception:
             logger.exception("hotweights: syncing %s failed; the next update is a full sync",
                              self.path)
