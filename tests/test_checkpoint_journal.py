@@ -910,3 +910,47 @@ def test_a_large_patch_written_in_memory_meanwhile_still_makes_a_sound_journal(t
     data = (tmp_path / "f").read_bytes()
     assert data[:journal._CHUNK] == b"\x01" * journal._CHUNK
     assert data[journal._CHUNK:len(payload)] == b"\x02" * (len(payload) - journal._CHUNK)
+
+
+@pytest.mark.parametrize("link", ["hard", "symlink"])
+def test_a_link_made_after_the_crash_is_not_written_through_by_recover(shards, tmp_path,
+                                                                        link):
+    # e.g. a `cp -al` backup taken before anyone ran recover: the replay would patch it too
+    d, new_dir, old, new, spec = shards
+    assert _run(d, new_dir, spec, "after-rename:0") == -signal.SIGKILL
+    shard, other = d / NAMES[0], tmp_path / "backup.safetensors"
+    if link == "hard":
+        os.link(shard, other)
+    else:  # the file moved out, a symlink to it in its place (a Hugging Face cache blob)
+        os.rename(shard, other)
+        shard.symlink_to(other)
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(shard))}: "
+                       + (r"1 other hard link\(s\)" if link == "hard" else "a symlink to .*")
+                       + r", which journal .* would write through; nothing was written and "
+                         r"the journal is kept: give each other name a copy of its own"):
+        journal.recover(d)
+    assert other.read_bytes() == old[NAMES[0]] and journal.pending(d) == {"version": 2}
+    if link == "hard":
+        shutil.copy(other, tmp_path / "copy")
+        os.replace(tmp_path / "copy", other)  # a copy of its own, as the error says
+    else:
+        os.replace(other, shard)  # its target moved over it, as the error says
+    assert journal.recover(d) == "replayed"
+    assert _state(d, old, new) == "new"
+    if link == "hard":
+        assert other.read_bytes() == old[NAMES[0]]
+
+
+def test_a_link_made_while_the_journal_is_written_fails_the_commit(shards, tmp_path):
+    d, _, old, new, spec = shards
+    other = tmp_path / "backup.safetensors"
+
+    def patches():
+        for k, (name, off, n) in enumerate(spec):
+            if k == 1:  # the first file's identity is recorded, its first patch too
+                os.link(d / NAMES[1], other)
+            yield name, off, new[name][off:off + n]
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(d / NAMES[1]))}: now 1 "
+                       r"other hard link\(s\) \(made while this sync ran\)"):
+        journal.write_journal(d, patches())
+    assert journal.recover(d) == "none" and _state(d, old, new) == "old"

@@ -551,3 +551,24 @@ def test_an_error_right_after_the_commit_keeps_what_the_journal_moves(tmp_path, 
     assert all(torch.equal(t, old[n]) for n, t in _disk(d).items())  # not applied yet
     assert journal.recover(d) == "replayed"
     _equal(d, live)
+
+
+@pytest.mark.parametrize(("place", "mode"), [("ext4", "journal"), ("xfs", "auto")],
+                         indirect=["place"])
+def test_a_relative_directory_syncs_and_its_finisher_runs_after_a_chdir(place, mode,
+                                                                        monkeypatch):
+    # the commit's fsyncs and the journal's removal run in a thread after sync returns:
+    # by then the caller may be in another directory
+    d = place
+    live = _saved(d)
+    monkeypatch.chdir(d)
+    sync(".", live, mode=mode)
+    name = "model.layers.1.mlp.down_proj.weight"
+    live[name][3] += 1.0
+    result = sync(".", live, mode=mode)
+    monkeypatch.chdir(d.parent)
+    finisher.finish()
+    assert result.writes == {_shard_of(d, name): "journal" if mode == "journal" else "reflink"}
+    assert not (d / journal.JOURNAL_NAME).exists() and not (d / journal.STAGE_DIR).exists()
+    _equal(d, live)
+    assert sync(d, live, mode=mode).bytes_written == 0  # its sidecar written too

@@ -19,12 +19,11 @@ from hotweights.checkpoint.incremental import (
     castable,
     check_mode,
     read_to_sync,
-    shared_file,
     write_mode,
 )
 from hotweights.checkpoint.names import storage_key, to_disk, unpack
 from hotweights.checkpoint.result import mib, not_a_directory
-from hotweights.checkpoint.writable import why_not_replaceable, why_not_writable
+from hotweights.checkpoint.writable import shared_file, why_not_replaceable, why_not_writable
 from hotweights.errors import CheckpointError
 
 __all__ = ["Diagnosis", "Mismatch", "ShardInfo", "diagnose"]

@@ -71,6 +71,7 @@ from hotweights.checkpoint.fileid import FileId
 from hotweights.checkpoint.names import matching, to_disk, unpack
 from hotweights.checkpoint.result import Progress, SyncResult, mib
 from hotweights.checkpoint.shards import Shard, TensorInfo, read_dir
+from hotweights.checkpoint.writable import shared_file
 from hotweights.checkpoint.writes import syncfs
 from hotweights.errors import CheckpointError
 
@@ -171,7 +172,7 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
                               f"'3@ab12cd34') or None, found {version!r}")
     from hotweights.checkpoint import first_save
     max_shard_size = first_save.check_options(max_shard_size, config)
-    model_dir = Path(model_dir)
+    model_dir = Path(os.path.abspath(model_dir))  # its finisher thread may run after a chdir
     watch = writewatch.default() if watch is True else watch or None
     live, model, model_type = unpack(live, config)
     if not live:
@@ -421,16 +422,6 @@ def _extents(path: str) -> int:
     (behind the last sync), else counted now; 0 where the filesystem does not say."""
     n = spare.extents(path)
     return (clone.extents(path) if n is None else n) or 0
-
-
-def shared_file(path: str) -> str | None:
-    """Why a write in place into `path` would reach another name too (a symlink, e.g. a
-    Hugging Face cache snapshot onto its blob, or a file with other hard links)."""
-    if os.path.islink(path):
-        return f"a symlink to {os.path.realpath(path)}"
-    if (links := os.stat(path).st_nlink) > 1:
-        return f"{links - 1} other hard link(s)"
-    return None
 
 
 # -- 4. write: staged or journaled, one commit --------------------------------------------

@@ -52,7 +52,7 @@ from hotweights.checkpoint.fileid import FileId
 from hotweights.checkpoint.held import interrupts_held
 from hotweights.checkpoint.lock import locked
 from hotweights.checkpoint.mapped import mapped
-from hotweights.checkpoint.writable import why_not_replaceable, why_not_writable
+from hotweights.checkpoint.writable import shared_file, why_not_replaceable, why_not_writable
 from hotweights.checkpoint.writes import write_all
 from hotweights.errors import CheckpointError
 
@@ -269,6 +269,11 @@ def write_journal(directory: str | os.PathLike, patches: Iterable[tuple[str, int
                 if why := why_not_writable(os.path.join(directory, name)):
                     raise CheckpointError(f"{os.path.join(directory, name)}: this process "
                                           f"cannot write into it ({why}); nothing was written")
+                if why := shared_file(os.path.join(directory, name)):  # since it was planned
+                    raise CheckpointError(f"{os.path.join(directory, name)}: now {why} "
+                                          "(made while this sync ran), which a patch in "
+                                          "place would write through; nothing was written: "
+                                          "sync again (it rewrites the file whole)")
                 ident = _identity(os.path.join(directory, name))
                 header_ends[name] = ident.get("header_end", 0)
                 payload = json.dumps(ident).encode()
@@ -494,7 +499,8 @@ def _replay(directory: str, path: str, records: list) -> tuple[list[int], bool]:
                 with _applying(directory, path, os.path.join(directory, name),
                                "perhaps half written"):
                     if name not in fds:
-                        fds[name] = os.open(os.path.join(directory, name), os.O_WRONLY)
+                        fds[name] = os.open(os.path.join(directory, name),  # checked:
+                                            os.O_WRONLY | os.O_NOFOLLOW)  # no link
                     view = data[pos:pos + length]
                     write_all(fds[name], view, offset)
                     view.release()
@@ -533,6 +539,14 @@ def _check_changeable(directory: str, path: str, moved: list[str], patched: set[
                     f"{os.path.join(directory, name)}: this process cannot {verb} it "
                     f"({why}), so journal {path} cannot be applied; nothing was written and "
                     f"the journal is kept: once it can, run hotweights recover {directory}")
+    for name in sorted(patched):
+        if why := shared_file(os.path.join(directory, name)):
+            raise CheckpointError(
+                f"{os.path.join(directory, name)}: {why}, which journal {path}'s patches "
+                "would write through; nothing was written and the journal is kept: give "
+                "each other name a copy of its own (`cp OTHER OTHER.tmp && mv OTHER.tmp "
+                "OTHER`; for a symlink, `mv` its target over it if nothing else needs the "
+                f"old bytes), then run hotweights recover {directory}")
 
 
 def _fsync_all(fds: list[int]) -> None:
@@ -621,7 +635,7 @@ def apply(directory: str | os.PathLike, *, wait: bool = True,
         CheckpointError: the journal is damaged, stale, or of a
             format this version does not know.
     """
-    directory = os.fspath(directory)
+    directory = os.path.abspath(directory)  # the finisher thread may run after a chdir
     path = os.path.join(directory, JOURNAL_NAME)
     if not os.path.exists(path):
         return False

@@ -1,6 +1,7 @@
-"""Whether this process may replace a file by a rename, or write into it: asked before a
-commit (and before a replay's first rename or write), so that a file it may not change is
-refused with nothing written, never found half way through applying a journal."""
+"""Whether this process may replace a file by a rename, or write into it (and whether a
+write into it would reach another name too): asked before a commit (and before a replay's
+first rename or write), so that a file it may not change is refused with nothing written,
+never found half way through applying a journal."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import fcntl
 import os
 import stat
 
-__all__ = ["why_not_replaceable", "why_not_writable"]
+__all__ = ["shared_file", "why_not_replaceable", "why_not_writable"]
 
 FS_IOC_GETFLAGS = 0x80086601  # _IOR('f', 1, long), linux/fs.h
 _FIXED = {0x10: "immutable", 0x20: "append-only"}  # FS_IMMUTABLE_FL, FS_APPEND_FL
@@ -51,6 +52,16 @@ def why_not_writable(path: str) -> str | None:
         os.close(os.open(path, os.O_WRONLY | os.O_CLOEXEC))
     except OSError as e:
         return e.strerror
+    return None
+
+
+def shared_file(path: str) -> str | None:
+    """Why a write in place into `path` would reach another name too (a symlink, e.g. a
+    Hugging Face cache snapshot onto its blob, or a file with other hard links)."""
+    if os.path.islink(path):
+        return f"a symlink to {os.path.realpath(path)}"
+    if (links := os.stat(path).st_nlink) > 1:
+        return f"{links - 1} other hard link(s)"
     return None
 
 
