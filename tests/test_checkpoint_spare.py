@@ -137,3 +137,28 @@ def test_a_forked_child_holds_no_spares(d):
             os._exit(0 if ok and not (d / "x").exists() else 1)
     assert os.waitpid(pid, 0)[1] == 0
     assert list(spare._spares) == [str(d / "model.safetensors")]  # the parent's, kept
+
+
+def test_a_shard_written_while_its_spare_is_cloned_gets_no_spare(d, monkeypatch):
+    # another program's write between the clone and the look at the file: the spare may
+    # hold the old bytes under the new file's identity, and a sync patching from it would
+    # keep them where the new file already equals the live tensors
+    live = _saved(d)
+    shard = d / "model.safetensors"
+    real = spare.fcntl.ioctl
+
+    def written_meanwhile(fd, request, arg):
+        done = real(fd, request, arg)
+        with open(shard, "r+b") as f:
+            f.seek(-2, os.SEEK_END)
+            f.write(b"\x80\x3f")  # the last element: 1.0
+        return done
+    monkeypatch.setattr(spare.fcntl, "ioctl", written_meanwhile)
+    spare.keep([str(shard)])
+    monkeypatch.undo()
+    assert not spare._spares
+    live["b"][-1] = 1.0  # what the other program wrote: that block needs no patch
+    live["a"][::4096] += 1.0  # a patched sync: from a clone of the file as it is now
+    assert sync(d, live).writes == {"model.safetensors": "reflink"}
+    disk = load_file(shard)
+    assert all(torch.equal(disk[n], t) for n, t in live.items())

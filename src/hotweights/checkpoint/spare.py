@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 MOST = 256  # spares held at once (open files), the oldest closed first
 _lock = threading.Lock()
-_spares: dict[str, tuple[FileId, int, int | None]] = {}  # shard path -> (the file cloned,
+_spares: dict[str, tuple[tuple[FileId, int], int, int | None]] = {}  # shard path -> (the file cloned,
 # the spare's fd, its extents)
 
 
@@ -57,12 +57,14 @@ def keep(paths: Iterable[str]) -> None:
             continue
         try:
             fd = os.open(os.path.dirname(path), os.O_RDWR | os.O_TMPFILE, 0o600)
-            try:
+            try:  # the file before the clone and after: a write between the two (another
+                of = _as_of(os.fstat(src))  # program's) would be in the clone or not
                 fcntl.ioctl(fd, clone.FICLONE, src)
+                if _as_of(os.fstat(src)) != of:
+                    raise OSError(f"{path} was written while it was cloned")
             except BaseException:
                 os.close(fd)
                 raise
-            of = FileId.of_stat(os.fstat(src))
         except OSError as e:  # no O_TMPFILE, no reflinks, no room
             logger.debug("%s: no spare clone: %s", path, e)
             continue
@@ -119,14 +121,17 @@ def release() -> None:
     _close(paths)
 
 
-def _current(path: str, of: FileId) -> bool:
+def _current(path: str, of: tuple[FileId, int]) -> bool:
     """Whether the file at `path` is still `of`, the file a spare was cloned from (its
     ctime too: a file rewritten in place with its mtime put back is another)."""
     try:
-        now = FileId.of_stat(os.stat(path))
-        return now == of and now.ctime_ns == of.ctime_ns
+        return _as_of(os.stat(path)) == of
     except OSError:
         return False
+
+
+def _as_of(st: os.stat_result) -> tuple[FileId, int]:
+    return FileId.of_stat(st), st.st_ctime_ns
 
 
 def _close(paths: list[str]) -> None:
