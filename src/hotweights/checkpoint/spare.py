@@ -35,8 +35,8 @@ logger = logging.getLogger(__name__)
 
 MOST = 256  # spares held at once (open files), the oldest closed first
 _lock = threading.Lock()
-_spares: dict[str, tuple[tuple[FileId, int], int, int | None]] = {}  # shard path -> (the file cloned,
-# the spare's fd, its extents)
+# shard path -> (the file cloned and its ctime, the spare's fd, its extents)
+_spares: dict[str, tuple[tuple[FileId, int], int, int | None]] = {}
 
 
 def keep(paths: Iterable[str]) -> None:
