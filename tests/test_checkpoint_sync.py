@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 import threading
+import time
 import weakref
 from pathlib import Path
 
@@ -744,3 +745,51 @@ def test_a_sync_copies_what_it_must_convert_shard_by_shard(saved, monkeypatch, f
     # hashing, one staging: not all of them
     assert r.shards_changed == (_shard_of(d, "model.norm.weight"),)
     assert all(torch.equal(_disk(d)[n], want[n]) for n in want)
+
+
+@pytest.mark.parametrize("mode", ["copy", "journal"])
+def test_a_shard_another_program_writes_behind_the_commit_gets_no_sidecar(saved, monkeypatch,
+                                                                          mode, caplog):
+    # between the commit and its record (the finisher's fsyncs): a sidecar of the live
+    # bytes would vouch for theirs, and the next sync would leave them
+    d, live = saved
+    sync(d, live, mode=mode)
+    name = "model.layers.0.mlp.up_proj.weight"
+    shard = d / _shard_of(d, name)
+    fsync_all = journal._fsync_all
+
+    def then_another_writer(fds):
+        fsync_all(fds)
+        time.sleep(0.02)  # past the tick of the filesystem's clock: a new mtime
+        with open(shard, "r+b") as f:
+            f.seek(-2, os.SEEK_END)
+            f.write(b"\x80\x7f")  # +inf in its last element, in place
+    monkeypatch.setattr(journal, "_fsync_all", then_another_writer)
+    live[name][:2] += 1
+    assert sync(d, live, mode=mode).shards_changed == (shard.name,)
+    finisher.finish()
+    monkeypatch.undo()
+    assert f"{shard}: changed since this sync wrote it" in caplog.text
+    assert sync(d, live, mode=mode).shards_changed == (shard.name,)  # compared, found
+    finisher.finish()
+    disk = _disk(d)
+    assert all(torch.equal(disk[k], t) for k, t in live.items())
+
+
+def test_a_first_saved_shard_another_program_writes_behind_the_commit_gets_no_sidecar(
+        tmp_path, monkeypatch):
+    live = {"a": torch.zeros(64, dtype=torch.bfloat16), "b": torch.ones(64, dtype=torch.bfloat16)}
+    d, fsync_all = tmp_path / "new", journal._fsync_all
+
+    def then_another_writer(fds):
+        fsync_all(fds)
+        time.sleep(0.02)  # past the tick of the filesystem's clock: a new mtime
+        with open(d / "model.safetensors", "r+b") as f:
+            f.seek(-2, os.SEEK_END)
+            f.write(b"\x80\x7f")
+    monkeypatch.setattr(journal, "_fsync_all", then_another_writer)
+    assert sync(d, live).first_save
+    finisher.finish()
+    monkeypatch.undo()
+    assert sync(d, live).shards_changed == ("model.safetensors",)
+    assert all(torch.equal(load_file(d / "model.safetensors")[k], t) for k, t in live.items())

@@ -29,6 +29,7 @@ from huggingface_hub import split_torch_state_dict_into_shards
 from hotweights.changes import blocks
 from hotweights.checkpoint import journal, sidecar, stage
 from hotweights.checkpoint.dtypes import NAMES
+from hotweights.checkpoint.fileid import FileId
 from hotweights.checkpoint.names import reverted, storage_key
 from hotweights.checkpoint.result import SyncResult, mib
 from hotweights.checkpoint.shards import INDEX_NAME, read_shard
@@ -101,8 +102,8 @@ def save(model_dir: Path, live: Mapping[str, torch.Tensor], *, mode: str,
                               meta={"version": version})
     # the sidecars once the shards are durable, under the lock (a writer after this one
     # may replace a shard as soon as it is free); also when after_read raised
-    stage.commit(model_dir, after_read, then=lambda: _sidecars(model_dir, fingerprints,
-                                                              version))
+    stage.commit(model_dir, after_read, then=lambda placed: _sidecars(
+        model_dir, fingerprints, version, placed))
     return SyncResult(
         mode=mode, version=version, tensors_synced=len(tensors), tensors_changed=len(tensors),
         shards_changed=tuple(split.filename_to_tensors), bytes_hashed=total,
@@ -122,14 +123,16 @@ def short_of_space(model_dir: Path, need: int) -> int | None:
 
 
 def _sidecars(model_dir: Path, fingerprints: Mapping[str, blocks.Fingerprints],
-              version: str | None) -> None:
+              version: str | None, placed: dict[str, FileId]) -> None:
     """Each shard's sidecar, from the bytes written, for the shards in place (none where
-    the commit failed)."""
+    the commit failed, or another program wrote into one since)."""
     for filename, fp in fingerprints.items():
         if not (model_dir / filename).exists():
             continue
         with sidecar.best_effort(model_dir / filename):
-            sidecar.write(read_shard(model_dir / filename), fp, version)
+            shard = read_shard(model_dir / filename)
+            if sidecar.as_placed(shard.path, placed.get(filename)) == shard.file:
+                sidecar.write(shard, fp, version)
 
 
 def check_options(max_shard_size: object, config: object) -> int | str:

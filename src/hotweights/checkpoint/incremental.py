@@ -571,16 +571,22 @@ def _patches(writes: list[_ShardWrite], step: Callable[[int], None]
 # -- 5. record: the sidecars --------------------------------------------------------------
 
 def _record(shards: list[ShardChanges], rewritten: Collection[str],
-            version: str | None, spares: bool) -> None:
+            version: str | None, spares: bool, placed: dict[str, FileId] | None = None
+            ) -> None:
     """Write every shard's sidecar, after its data (a stale sidecar is only ever
     distrusted); a sidecar that cannot be written only costs the next sync a compare.
-    `rewritten`: the paths of the shards just written; with `spares`, each is cloned for
-    the next sync (`spare.keep`)."""
+    `rewritten`: the paths of the shards just written, `placed` (name -> file) as the
+    commit left them; with `spares`, each is cloned for the next sync (`spare.keep`)."""
     for c in shards:
         with sidecar.best_effort(c.shard.path):
             shard = c.shard
             if shard.path in rewritten:  # the same header (names, offsets) in a new file
-                shard = replace(shard, file=FileId.of(shard.path))  # or a new mtime
+                # or with a new mtime, unless another program wrote into it since
+                now = sidecar.as_placed(shard.path, (placed or {}).get(
+                    os.path.basename(shard.path)))
+                if now is None:
+                    continue
+                shard = replace(shard, file=now)
             sidecar.write(shard, c.fresh, version)
     if spares:
         spare.keep(sorted(rewritten))

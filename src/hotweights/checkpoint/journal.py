@@ -481,16 +481,20 @@ def _checked(directory: str, path: str, records: list
     return moves, patches, done
 
 
-def _replay(directory: str, path: str, records: list) -> tuple[list[int], bool]:
+def _replay(directory: str, path: str, records: list
+            ) -> tuple[list[int], bool, dict[str, FileId]]:
     """Move and patch the files as the journal says; (the patched files' fds, whether any
-    file was moved), for `_durable`."""
+    file was moved), for `_durable`, and name -> each file as this replay left it (moved:
+    as staged; patched: after its last write)."""
     moves, patches, done = _checked(directory, path, records)
+    placed: dict[str, FileId] = {}
     for k, name in enumerate(m[0] for m in moves if m[0] not in done):  # all checked
-        target = os.path.join(directory, name)
+        target, staged = os.path.join(directory, name), os.path.join(directory, STAGE_DIR, name)
         with _applying(directory, path, target, "not moved into place yet"):
             if os.path.exists(target):
                 trash.keep(directory, target, name)
-            os.replace(os.path.join(directory, STAGE_DIR, name), target)
+            placed[name] = FileId.of(staged)  # a rename keeps it (but its ctime)
+            os.replace(staged, target)
         _crash_point("move", k)
     fds: dict[str, int] = {}
     try:
@@ -505,11 +509,12 @@ def _replay(directory: str, path: str, records: list) -> tuple[list[int], bool]:
                     write_all(fds[name], view, offset)
                     view.release()
                 _crash_point("apply", k)
+        placed |= {name: FileId.of_stat(os.fstat(fd)) for name, fd in fds.items()}
     except BaseException:
         for fd in fds.values():
             os.close(fd)
         raise
-    return list(fds.values()), bool(moves)
+    return list(fds.values()), bool(moves), placed
 
 
 @contextlib.contextmanager
@@ -577,7 +582,8 @@ def _durable(directory: str, path: str, fds: list[int], moved: bool) -> None:
 
 
 def _durable_later(directory: str, path: str, fds: list[int], moved: bool,
-                   then: Callable[[], None] | None) -> None:
+                   then: Callable[[dict[str, FileId]], None] | None,
+                   placed: dict[str, FileId]) -> None:
     """`_durable` in this process's finisher thread, then `then`, after which the trash is
     swept, all under the writer lock the caller holds, handed over to the thread: a writer
     in another process waits for it all, never takes the journal for a crashed sync's.
@@ -594,7 +600,7 @@ def _durable_later(directory: str, path: str, fds: list[int], moved: bool,
                 if FileId.of(path) == mine:  # else another writer's journal by now
                     _remove(directory, path, moved)
                     if then:
-                        then()
+                        then(placed)
                     trash.sweep(directory, background=True)
         except FileNotFoundError as e:  # replayed and removed by another writer, or the
             logger.info("%s: removed before this process could (%s)", path, e)  # directory
@@ -614,7 +620,8 @@ def not_durable(directory: str | os.PathLike) -> str | None:
 
 
 def apply(directory: str | os.PathLike, *, wait: bool = True,
-          then: Callable[[], None] | None = None, mine: bool = False) -> bool:
+          then: Callable[[dict[str, FileId]], None] | None = None, mine: bool = False
+          ) -> bool:
     """Replay the committed journal of `directory` into its files, then remove it.
 
     Args:
@@ -624,7 +631,9 @@ def apply(directory: str | os.PathLike, *, wait: bool = True,
             removal to a thread (`finisher.finish` waits for it); a crash before they are
             done leaves the committed journal, which `recover` replays.
         then: called once the commit is durable and the journal removed, under the
-            writer lock (in the thread if not `wait`); e.g. to record what the files hold.
+            writer lock (in the thread if not `wait`), with the name of each file the
+            replay moved or patched -> that file as it left it (a file that differs by
+            then was written by another program); e.g. to record what the files hold.
         mine: the journal is the one this process's last `write_journal` committed, under
             the writer lock held since: its records are taken as written, not read back.
 
@@ -644,14 +653,14 @@ def apply(directory: str | os.PathLike, *, wait: bool = True,
     except _Corrupt as e:
         raise CheckpointError(_damaged(path, e)) from None
     with interrupts_held():  # a Ctrl-C between two renames, or before the patched files'
-        fds, moved = _replay(directory, path, records)  # fds are handed on: raised after
-        if wait:
+        fds, moved, placed = _replay(directory, path, records)  # fds are handed on: raised
+        if wait:  # after
             _durable(directory, path, fds, moved)
         else:
-            _durable_later(directory, path, fds, moved, then)
+            _durable_later(directory, path, fds, moved, then, placed)
     if wait:
         if then:
-            then()
+            then(placed)
         trash.sweep(directory, background=True)
     logger.info("%s: journal applied, %d records", path, len(records))
     return True
@@ -694,7 +703,7 @@ def recover(directory: str | os.PathLike, *, lock: bool = True) -> str:
         except _Corrupt as e:
             raise CheckpointError(_damaged(path, e)) from None
         with interrupts_held():  # as in `apply`; the fsyncs and the removal too
-            _durable(directory, path, *_replay(directory, path, records))
+            _durable(directory, path, *_replay(directory, path, records)[:2])
         logger.warning("%s: replayed an interrupted journal, %d records", path, len(records))
         outcome = "replayed"
     trash.sweep(directory, background=False)

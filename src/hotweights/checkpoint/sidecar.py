@@ -105,6 +105,18 @@ def write(shard: Shard, fp: blocks.Fingerprints, version: str | None) -> None:
     _written[str(path)] = (FileId.of(path), doc["shard"], fp)
 
 
+def as_placed(path: str | os.PathLike, placed: FileId | None) -> FileId | None:
+    """The file at `path` now (ctime included), if it is still `placed`, the file a commit
+    left there (`journal.apply`'s `then`); else None, logged: another program wrote it
+    since, and a sidecar of the bytes this sync wrote would vouch for the other's."""
+    now = FileId.of(path)
+    if now != placed:
+        logger.warning("%s: changed since this sync wrote it (another program?); no "
+                       "sidecar: the next sync compares it with the live weights", path)
+        return None
+    return now
+
+
 @contextmanager
 def best_effort(shard_path: str | os.PathLike) -> Iterator[None]:
     """Writing the sidecar of the shard at `shard_path` in the block: an OSError or

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from hotweights.checkpoint import clone, journal, spare
+from hotweights.checkpoint.fileid import FileId
 from hotweights.checkpoint.mapped import mapped
 from hotweights.checkpoint.shards import Shard
 from hotweights.checkpoint.writes import copy_all, write_all
@@ -210,16 +211,17 @@ def naming(path: str) -> Iterator[None]:
 
 
 def commit(model_dir: Path, after_read: Callable[[], None] | None,
-           then: Callable[[], None] | None = None) -> None:
+           then: Callable[[dict[str, FileId]], None] | None = None) -> None:
     """Tell the caller every live byte is read, then apply the committed journal (its
     fsyncs and removal, the stage directory's, then `then`, finish in a thread, under the
-    writer lock it is handed: `finisher.finish`). The journal is committed: it is applied
-    even if `after_read` raises (what it raised goes on up)."""
-    def finish() -> None:
+    writer lock it is handed: `finisher.finish`; `then` as for `journal.apply`). The
+    journal is committed: it is applied even if `after_read` raises (what it raised goes
+    on up)."""
+    def finish(placed: dict[str, FileId]) -> None:
         with suppress(OSError):  # empty once applied (none where nothing was staged)
             os.rmdir(model_dir / journal.STAGE_DIR)
         if then:
-            then()
+            then(placed)
 
     try:
         if after_read:
