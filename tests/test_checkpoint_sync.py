@@ -793,3 +793,32 @@ def test_a_first_saved_shard_another_program_writes_behind_the_commit_gets_no_si
     monkeypatch.undo()
     assert sync(d, live).shards_changed == ("model.safetensors",)
     assert all(torch.equal(load_file(d / "model.safetensors")[k], t) for k, t in live.items())
+
+
+def test_a_shard_replaced_while_the_journal_is_written_is_refused_at_the_commit(
+        saved, monkeypatch):
+    # its identity record would be the new file's: the replay would patch it at the old
+    # header's offsets
+    d, live = saved
+    sync(d, live, mode="journal")
+    names = ["model.layers.0.mlp.up_proj.weight", "model.layers.1.mlp.up_proj.weight"]
+    assert _shard_of(d, names[0]) != _shard_of(d, names[1])
+    patches = incremental._patches
+    replaced = []
+
+    def then_another_writer(writes, step):
+        for k, patch in enumerate(patches(writes, step)):
+            if k == 1:  # the first file's patches are on their way
+                shard = writes[-1].shard.path
+                theirs = {n: t * 2 for n, t in reversed(load_file(shard).items())}
+                save_file(theirs, shard)
+                replaced.append((shard, theirs))
+            yield patch
+    monkeypatch.setattr(incremental, "_patches", then_another_writer)
+    for name in names:
+        live[name][:2] += 1
+    with pytest.raises(CheckpointError, match="changed while this sync ran"):
+        sync(d, live, mode="journal")
+    ((shard, theirs),) = replaced
+    assert all(torch.equal(t, theirs[k]) for k, t in load_file(shard).items())
+    assert journal.recover(d) == "none"

@@ -531,17 +531,20 @@ def _journal(model_dir: Path, writes: list[_ShardWrite], version: str | None,
              step: Callable[[int], None]) -> None:
     """The commit's journal: the staged shards' moves, the journaled shards' patches; none
     if a shard to write is no longer the file this sync read (its bytes were staged from,
-    or its patches placed by, the header read then)."""
-    for w in writes:
-        try:
-            now = os.stat(w.shard.path)
-        except FileNotFoundError:
-            now = None
-        w.shard.check(now)
+    or its patches placed by, the header read then), before the journal is written or
+    while it is."""
+    def unchanged() -> None:
+        for w in writes:
+            try:
+                now = os.stat(w.shard.path)
+            except FileNotFoundError:
+                now = None
+            w.shard.check(now)
+    unchanged()
     if writes:
         journal.write_journal(model_dir, _patches(writes, step),
                               moves=[w.name for w in writes if w.how != "journal"],
-                              meta={"version": version})
+                              meta={"version": version}, check=unchanged)
 
 
 def _commit(model_dir: Path, writes: list[_ShardWrite], after_read: Callable[[], None] | None,

@@ -198,7 +198,8 @@ def _check_identity(path: str, want: dict | None, journal: str) -> None:
 
 
 def write_journal(directory: str | os.PathLike, patches: Iterable[tuple[str, int, Any]],
-                  *, moves: Sequence[str] = (), meta: dict | None = None) -> str:
+                  *, moves: Sequence[str] = (), meta: dict | None = None,
+                  check: Callable[[], None] | None = None) -> str:
     """Write and commit a redo journal of `patches` and `moves`; no file is touched yet.
 
     Args:
@@ -209,6 +210,8 @@ def write_journal(directory: str | os.PathLike, patches: Iterable[tuple[str, int
         moves: names whose new content is staged whole, written and fsync'd, in
             `directory/.hotweights-stage/`; applying renames each over its name.
         meta: JSON-able data kept in the header (e.g. the weight version), see `pending`.
+        check: called once the journal is written, just before its commit; what it
+            raises discards the journal (e.g. a file it was made for changed meanwhile).
 
     Returns:
         The journal's path; `apply(directory)` writes it into the files.
@@ -297,6 +300,8 @@ def write_journal(directory: str | os.PathLike, patches: Iterable[tuple[str, int
         _write_all(fd, buf, hasher)
         _write_all(fd, _COMMIT.pack(b"C", len(records), hasher.intdigest()), xxhash.xxh3_64())
         os.fsync(fd)
+        if check:
+            check()
     except BaseException as e:  # a bad patch, a full disk, ^C: nothing stays behind
         os.close(fd)
         os.unlink(tmp)
