@@ -306,3 +306,26 @@ def test_an_exclusive_checkpoint_holds_the_bridge_only_while_it_reads(monkeypatc
     monkeypatch.setattr(hotweights.checkpoint, "sync", sync)
     b.checkpoint(tmp_path / "ckpt", exclusive=True)
     assert held == [True, False] and not b._leased.locked()
+
+
+def test_remotes_that_fail_their_commit_are_said_to_leave_this_server_at_the_new_version(
+        monkeypatch):
+    # require="all": staged on every remote while this server is paused, then committed
+    class Remote:
+        require, n = "all", 0
+
+        def prepare(self, model, **kw):
+            return types.SimpleNamespace(floor=0)
+
+        def commit(self, pending, n):
+            raise RemoteError(f"version {n} is served by no server; the commit failed on "
+                              "gpu01:8000: the connection broke")
+    monkeypatch.setattr(bridge_module, "request", lambda *a, **k: {
+        **Recorder({})(*a, **k), "n": 0})
+    b = _bridge()
+    b.tensors, b.remote, b._model = {"w": torch.zeros(1)}, Remote(), object()
+    with pytest.raises(RemoteError, match=r"^http://x serves version 1; the remote servers "
+                                          r"did not take it .*: version 1 is served by no "
+                                          "server; the commit failed on gpu01:8000"):
+        with b.update():
+            pass
