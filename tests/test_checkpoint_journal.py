@@ -954,3 +954,47 @@ def test_a_link_made_while_the_journal_is_written_fails_the_commit(shards, tmp_p
                        r"other hard link\(s\) \(made while this sync ran\)"):
         journal.write_journal(d, patches())
     assert journal.recover(d) == "none" and _state(d, old, new) == "old"
+
+
+@pytest.mark.parametrize("left", ["journal", "stage"])
+def test_uncommitted_leftovers_a_read_only_directory_keeps_are_named_not_raised(
+        shards, monkeypatch, caplog, left):
+    # e.g. `hotweights serve` of a checkpoint on a read-only mount: its shards are whole
+    d, new_dir, old, new, spec = shards
+    if left == "journal":
+        assert _run(d, new_dir, spec, "before-rename:0") == -signal.SIGKILL
+        leftover, what = d / journal._TMP_NAME, "an uncommitted journal"
+    else:
+        (d / journal.STAGE_DIR).mkdir()
+        (d / journal.STAGE_DIR / NAMES[0]).write_bytes(new[NAMES[0]])
+        leftover, what = d / journal.STAGE_DIR, "the files staged by an interrupted sync"
+    assert leftover.exists()
+
+    def read_only(path, *args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+    monkeypatch.setattr(os, "unlink", read_only)
+    monkeypatch.setattr(shutil, "rmtree", read_only)
+    assert journal.recover(d) == "none"
+    monkeypatch.undo()
+    assert f"{leftover}: {what}, which this process cannot remove (Read-only file system)" \
+        in caplog.text
+    assert _state(d, old, new) == "old" and leftover.exists()
+    assert journal.recover(d) == "discarded" and not leftover.exists()
+
+
+def test_a_journal_that_could_not_be_removed_once_applied_is_not_applied(shards):
+    # the directory is immutable: the files would hold the commit and the journal stay
+    d, new_dir, old, new, spec = shards
+    assert _run(d, new_dir, spec, "after-rename:0") == -signal.SIGKILL
+    if subprocess.run(["chattr", "+i", str(d)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i: not on this filesystem, or not root")
+    try:
+        with pytest.raises(CheckpointError, match=re.escape(
+                f"{d / journal.JOURNAL_NAME}: this process cannot remove it (its directory "
+                f"{d} is not writable by this process) once applied, so it is not applied; "
+                "nothing was written and the journal is kept")):
+            journal.recover(d)
+        assert _state(d, old, new) == "old"
+    finally:
+        subprocess.run(["chattr", "-i", str(d)], check=True)
+    assert journal.recover(d) == "replayed" and _state(d, old, new) == "new"

@@ -549,6 +549,11 @@ def _check_changeable(directory: str, path: str, moved: list[str], patched: set[
                     f"{os.path.join(directory, name)}: this process cannot {verb} it "
                     f"({why}), so journal {path} cannot be applied; nothing was written and "
                     f"the journal is kept: once it can, run hotweights recover {directory}")
+    if why := why_not_replaceable(path):  # its removal, once the files hold the commit
+        raise CheckpointError(
+            f"{path}: this process cannot remove it ({why}) once applied, so it is not "
+            f"applied; nothing was written and the journal is kept: once it can, run "
+            f"hotweights recover {directory}")
     for name in sorted(patched):
         if why := shared_file(os.path.join(directory, name)):
             raise CheckpointError(
@@ -557,6 +562,20 @@ def _check_changeable(directory: str, path: str, moved: list[str], patched: set[
                 "each other name a copy of its own (`cp OTHER OTHER.tmp && mv OTHER.tmp "
                 "OTHER`; for a symlink, `mv` its target over it if nothing else needs the "
                 f"old bytes), then run hotweights recover {directory}")
+
+
+def _discarded(path: str, what: str, remove: Callable[[str], None]) -> bool:
+    """Remove `path`, `what` a sync left uncommitted; False where this process cannot (a
+    read-only directory, say), logged: the files are whole all the same (a reader may go
+    on), and a sync into the directory fails on it by name."""
+    try:
+        remove(path)
+    except OSError as e:
+        logger.warning("%s: %s, which this process cannot remove (%s); the shards are as "
+                       "they were: remove it once it can", path, what, e.strerror or e)
+        return False
+    logger.warning("%s: discarded %s", path, what)
+    return True
 
 
 def _fsync_all(fds: list[int]) -> None:
@@ -698,9 +717,8 @@ def recover(directory: str | os.PathLike, *, lock: bool = True) -> str:
         if os.path.isdir(tmp) and not os.path.islink(tmp):
             raise CheckpointError(f"{tmp}: a directory where a sync's uncommitted journal "
                                   "belongs: move it away")
-        os.unlink(tmp)
-        logger.warning("%s: discarded an uncommitted journal", tmp)
-        outcome = "discarded"
+        if _discarded(tmp, "an uncommitted journal", os.unlink):
+            outcome = "discarded"
     path = os.path.join(directory, JOURNAL_NAME)
     if os.path.exists(path):
         try:
@@ -715,9 +733,9 @@ def recover(directory: str | os.PathLike, *, lock: bool = True) -> str:
     stage = os.path.join(directory, STAGE_DIR)
     with contextlib.suppress(OSError):  # empty: left by a sync cut short once it applied
         os.rmdir(stage)
-    if os.path.lexists(stage):  # staged for a journal that never committed
-        shutil.rmtree(stage) if os.path.isdir(stage) else os.unlink(stage)
-        logger.warning("%s: discarded files staged by an interrupted sync", stage)
+    if os.path.lexists(stage) and _discarded(  # staged for a journal that never committed
+            stage, "the files staged by an interrupted sync",
+            shutil.rmtree if os.path.isdir(stage) and not os.path.islink(stage) else os.unlink):
         outcome = "discarded" if outcome == "none" else outcome
     if outcome != "none":
         fsync_dir(directory)
