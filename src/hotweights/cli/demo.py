@@ -135,9 +135,11 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from hotweights.bridge.client import Bridge
+    from hotweights.server.serve import require_vllm
     from hotweights.testing import tiny
     from hotweights.vllm_plugin.support import unservable
 
+    require_vllm("hotweights demo")
     if reason := unservable(args.arch):
         raise ConfigError(f"--arch {args.arch}: {reason}")
     console = make_console()

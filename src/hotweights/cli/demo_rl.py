@@ -29,6 +29,7 @@ from hotweights.cli.demo import (
     quiet_transformers,
     serving,
 )
+from hotweights.errors import ConfigError
 from hotweights.protocol.version import parse_version
 
 PROMPTS = ["The answer is", "Count with me:", "My number:", "Call me at", "It costs"]
@@ -46,16 +47,23 @@ def _reward(completions: list[str], **_) -> list[float]:
 
 def run(args: argparse.Namespace) -> int:
     import torch
-    from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback
 
     from hotweights.bridge.client import Bridge
+    from hotweights.server.serve import require_vllm
     from hotweights.testing import tiny
 
+    require_vllm("hotweights demo --rl")
     warnings.filterwarnings("ignore", message="TRL currently supports vLLM")
-    from trl import GRPOConfig
+    try:
+        from datasets import Dataset
+        from trl import GRPOConfig
 
-    from hotweights.integrations.trl import GRPOTrainer
+        from hotweights.integrations.trl import GRPOTrainer
+    except ModuleNotFoundError as e:
+        raise ConfigError(f"hotweights demo --rl needs the trl extra, which is not "
+                          f"installed (no module {e.name!r}): pip install "
+                          "'hotweights[trl]'") from None
 
     console = make_console()
     torch.set_num_threads(1)  # vLLM's CPU worker binds and spins its own (see demo.py)

