@@ -483,7 +483,8 @@ def test_free_space_checked_before_writing(shards, monkeypatch):
     d, _, old, new, spec = shards
     monkeypatch.setattr(journal.shutil, "disk_usage",
                         lambda p: shutil._ntuple_diskusage(1 << 30, 1 << 30, 1000))
-    with pytest.raises(CheckpointError, match=rf"{d}: the journal needs \d+ bytes, only 1000"):
+    with pytest.raises(CheckpointError, match=rf"{d}: the journal needs \d+ bytes, only 1000 "
+                       r"are free; nothing was written: free \d+ bytes more$"):
         journal.write_journal(d, [(n, o, new[n][o:o + k]) for n, o, k in spec])
     assert sorted(os.listdir(d)) == sorted(NAMES)
 
@@ -500,7 +501,8 @@ def test_disk_full_while_streaming(tmp_path):
     try:
         (d / "a").write_bytes(bytes(64 << 10))
         patches = ((("a", 0, bytes(64 << 10))) for _ in range(8))  # 512 KiB > 192 free
-        with pytest.raises(CheckpointError, match=rf"{d}: out of space writing the journal"):
+        with pytest.raises(CheckpointError, match=rf"{d}: out of space writing the journal "
+                           r"after \d+ bytes of patches; nothing was written"):
             journal.write_journal(d, patches)
         assert os.listdir(d) == ["a"]
     finally:
@@ -513,7 +515,8 @@ def test_read_only_directory_named(shards):
         subprocess.run(["umount", str(d)], capture_output=True)
         pytest.skip("cannot make a read-only bind mount here (needs root / CAP_SYS_ADMIN)")
     try:
-        with pytest.raises(CheckpointError, match=rf"{d}: cannot write the journal: Read-only"):
+        with pytest.raises(CheckpointError, match=rf"{d}: cannot write the journal: Read-only "
+                           "file system; nothing was written"):
             journal.write_journal(d, [(n, o, new[n][o:o + k]) for n, o, k in spec])
     finally:
         subprocess.run(["umount", str(d)], check=True)

@@ -219,7 +219,23 @@ def test_sync_refuses_reflink_where_there_are_none(dirs, capsys):
 def test_sync_refuses_a_dtype_mismatch_and_writes_nothing(dirs, capsys):
     before = _disk(dirs["A"])
     rc, _, err = _run(capsys, "sync", "--model-dir", dirs["A"], "--from", dirs["F"])
-    assert rc == 1 and "the file holds BF16, the live tensor is float32" in err
+    assert rc == 1 and re.match(  # which file, and whose are the live tensors
+        rf"error: \S+ in {re.escape(str(dirs['A']))}/model-\S+\.safetensors: the file holds "
+        rf"BF16, the live tensor is float32; .* \(the live tensors: --from "
+        rf"{re.escape(str(dirs['F']))}\)$", err), err
+    assert _equal(_disk(dirs["A"]), before)
+
+
+def test_sync_from_a_directory_of_empty_safetensors_names_it(dirs, capsys, tmp_path):
+    from safetensors.torch import save_file
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    save_file({}, empty / "model.safetensors")
+    before = _disk(dirs["A"])
+    rc, _, err = _run(capsys, "sync", "--model-dir", dirs["A"], "--from", empty)
+    assert (rc, err) == (1, f"error: --from {empty}: holds no tensors (its safetensors are "
+                            f"empty); nothing was written to {dirs['A']}\n")
     assert _equal(_disk(dirs["A"]), before)
 
 

@@ -326,7 +326,7 @@ def _resolve(model_dir: Path, live: Mapping[str, torch.Tensor],
 
 def _check(name: str, t: torch.Tensor, shard: Shard, info: TensorInfo,
            convert: bool) -> torch.Tensor:
-    where = f"{name} in {os.path.basename(shard.path)}"  # no Path per tensor
+    where = f"{name} in {shard.path}"
     want = TORCH.get(info.dtype)
     if want is None:  # first: F4's torch form packs two values an element, another shape
         raise CheckpointError(f"{where}: the file holds {info.dtype}, which has no torch "

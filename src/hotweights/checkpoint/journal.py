@@ -240,12 +240,14 @@ def write_journal(directory: str | os.PathLike, patches: Iterable[tuple[str, int
         free = shutil.disk_usage(directory).free
         if need > free:
             raise CheckpointError(f"{directory}: the journal needs {need} bytes, "
-                                  f"only {free} are free")
+                                  f"only {free} are free; nothing was written: free "
+                                  f"{need - free} bytes more")
     written, records = 0, []  # records as `_scan` reads them back, for `apply`
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     except OSError as e:
-        raise CheckpointError(f"{directory}: cannot write the journal: {e.strerror}") from e
+        raise CheckpointError(f"{directory}: cannot write the journal: {e.strerror}; "
+                              "nothing was written") from e
     try:
         hasher = xxhash.xxh3_64()
         _write_all(fd, _HEAD.pack(_MAGIC, _FORMAT, len(head)) + head, hasher)
@@ -307,9 +309,11 @@ def write_journal(directory: str | os.PathLike, patches: Iterable[tuple[str, int
         os.unlink(tmp)
         if isinstance(e, OSError) and e.errno == errno.ENOSPC:
             raise CheckpointError(f"{directory}: out of space writing the journal after "
-                                  f"{written} bytes of patches") from e
+                                  f"{written} bytes of patches; nothing was written (the "
+                                  "journal is discarded)") from e
         if isinstance(e, OSError):
-            raise CheckpointError(f"{tmp}: cannot write the journal: {e.strerror}") from e
+            raise CheckpointError(f"{tmp}: cannot write the journal: {e.strerror}; nothing "
+                                  "was written (the journal is discarded)") from e
         raise
     os.close(fd)
     _crash_point("before-rename")

@@ -140,6 +140,9 @@ def _sync_from(args: argparse.Namespace, progress):
     if dst.exists() and src.exists() and os.path.samefile(src, dst):
         raise CheckpointError(f"{dst}: --from and the directory to write are the same one")
     tensors = _open_source(src)
+    if not tensors:
+        raise CheckpointError(f"--from {src}: holds no tensors (its safetensors are empty); "
+                              f"nothing was written to {dst}")
     config = None  # the names need none; a first save copies it
     with contextlib.suppress(OSError, ValueError):
         config = json.loads((src / "config.json").read_text())
@@ -154,6 +157,10 @@ def _sync_from(args: argparse.Namespace, progress):
                     convert_dtype=args.convert_dtype, changed=_expand(args.changed, tensors),
                     config=config if isinstance(config, dict) else None, progress=progress,
                     after_read=read)
+    except CheckpointError as e:
+        if "the live tensor" not in str(e):
+            raise
+        raise CheckpointError(f"{e} (the live tensors: --from {src})") from e
     finally:
         tensors.close()
 
