@@ -191,3 +191,20 @@ def test_views_of_one_storage_are_sharded_by_size_not_kept_together(tmp_path):
     for shard in (tmp_path / "new").glob("*.safetensors"):
         disk.update(load_file(shard))
     assert disk.keys() == live.keys() and all(torch.equal(disk[n], t) for n, t in live.items())
+
+
+def test_a_first_save_reports_its_progress_chunk_by_chunk_and_a_sync_from_the_start(
+        tmp_path, monkeypatch):
+    # one shard (every model under max_shard_size) once showed nothing until it was written
+    monkeypatch.setattr(first_save, "_CHUNK", 1 << 20)
+    live = {"w": torch.zeros(4 << 20, dtype=torch.bfloat16)}  # 8 MiB: eight chunks or more
+    seen = []
+    sync(tmp_path, live, progress=lambda *p: seen.append(p))
+    total = 8 << 20
+    assert seen[0] == ("write", 0, total) and seen[-1] == ("write", total, total)
+    assert len(seen) > 3 and [d for _, d, _ in seen] == sorted(d for _, d, _ in seen)
+    finisher.finish()
+    seen.clear()
+    live["w"][0] = 1
+    sync(tmp_path, live, progress=lambda *p: seen.append(p))
+    assert seen[0] == ("hash", 0, total)

@@ -130,6 +130,7 @@ def find_changes(shards: list[ShardTensors], *, block_size: int,
         if (i := next(order, None)) is not None:  # copies it made until it is handed on
             jobs.append((i, pool.submit(_shard_changes, shards[i], block_size, trusted,
                                         watch, written)))
+    progress("hash", 0, total)  # the bar shows from the start (a shard takes seconds)
     try:
         for _ in range(workers + 1):
             submit()

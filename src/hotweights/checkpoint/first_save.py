@@ -81,14 +81,19 @@ def save(model_dir: Path, live: Mapping[str, torch.Tensor], *, mode: str,
             f"({total} bytes) of tensors, {mib(free)} are free: free "
             f"{mib(total - free, up=True)} more; nothing was written")
     fingerprints = {}
+
+    def wrote(n: int) -> None:
+        nonlocal done
+        done += n
+        progress("write", done, total)
     with stage.staging(model_dir, "write the first save") as area:
         area.mkdir()
+        progress("write", 0, total)
         for filename, names in split.filename_to_tensors.items():
             with stage.naming(os.fspath(area / filename)):  # a failed write names its file
                 fingerprints[filename] = _write_shard(
-                    area / filename, {n: tensors[n].contiguous() for n in names}, block_size)
-            done += sum(tensors[n].numel() * tensors[n].element_size() for n in names)
-            progress("write", done, total)
+                    area / filename, {n: tensors[n].contiguous() for n in names}, block_size,
+                    wrote)
         extra = []
         if config_text is not None:
             _text(area / "config.json", config_text)
@@ -190,13 +195,14 @@ def _bad_config(config: object, why: str) -> CheckpointError:
                            f"{type(config).__name__} ({why})")
 
 
-def _write_shard(path: Path, tensors: Mapping[str, torch.Tensor], block_size: int
-                 ) -> blocks.Fingerprints:
+def _write_shard(path: Path, tensors: Mapping[str, torch.Tensor], block_size: int,
+                 wrote: Callable[[int], None] = lambda n: None) -> blocks.Fingerprints:
     """Write `tensors` (contiguous) as the safetensors file `path`, fsync'd, and return the
-    fingerprints of the bytes written: each chunk of a tensor is copied once, and the file
-    and the hashes both take that copy. A live tensor changed meanwhile (training in
-    another thread) may leave the file behind it, never a sidecar that disagrees with the
-    file (a later sync would take the file for the live bytes and skip the change)."""
+    fingerprints of the bytes written (`wrote(n)` after each chunk of n bytes): each chunk
+    of a tensor is copied once, and the file and the hashes both take that copy. A live
+    tensor changed meanwhile (training in another thread) may leave the file behind it,
+    never a sidecar that disagrees with the file (a later sync would take the file for the
+    live bytes and skip the change)."""
     kind = blocks.kind_of(tensors.values())
     # widest items first, as safetensors orders them: each tensor aligned to its item size
     names = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
@@ -224,6 +230,7 @@ def _write_shard(path: Path, tensors: Mapping[str, torch.Tensor], block_size: in
                 parts.append(blocks.fingerprint({n: snap}, block_size=block_size, kind=kind,
                                                 coarse=True))
                 f.write(memoryview(snap.cpu().numpy()))
+                wrote(chunk.numel())
             per[n] = (u8.numel(), np.concatenate([_NONE, *(p.tensors[n][1] for p in parts)]))
             if kind == blocks.XXH3:
                 coarse[n] = np.concatenate([_NONE, *(p.coarse[n] for p in parts)])
