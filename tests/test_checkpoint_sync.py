@@ -319,7 +319,8 @@ def test_a_sidecar_that_is_not_a_file_is_distrusted_not_fatal(saved, where):
     else:
         shutil.rmtree(d / ".hotweights")
         (d / ".hotweights").write_text("")
-    assert not diagnose(d).problems
+    (problem,) = diagnose(d).problems  # every sync pays a compare: said
+    assert problem.startswith(f"{d}/.hotweights") and "byte by byte (remove it)" in problem
     name = "model.norm.weight"
     live[name] += 1
     result = sync(d, live)

@@ -165,3 +165,12 @@ def test_the_sticky_rule_agrees_with_the_kernel_without_cap_fowner(tmp_path):
     if out.returncode != 0:
         pytest.skip(f"setpriv could not drop CAP_FOWNER here: {out.stderr.strip()[-200:]}")
     assert out.stdout.split() == ["refused", "True"]
+
+
+def test_diagnose_names_a_sidecar_directory_no_sync_can_write(saved):
+    assert not diagnose(saved).problems
+    with immutable(saved / ".hotweights"):
+        (problem,) = diagnose(saved).problems
+    assert problem == (f"{saved / '.hotweights'}: the sidecars cannot be written (its directory "
+                       f"{saved / '.hotweights'} is not writable by this process): every sync "
+                       "compares every shard with the file, byte by byte")

@@ -97,6 +97,8 @@ class Diagnosis:
     # shards this process could not replace (or, in journal mode, write into), and why
     unchangeable: tuple[str, ...] = ()
     space: str | None = None  # a first save of the live tensors would not fit
+    # why no sync can write the sidecars (each then compares every shard with the file)
+    sidecars: str | None = None
 
     @property
     def problems(self) -> list[str]:
@@ -115,6 +117,8 @@ class Diagnosis:
         if self.write_mode is None:
             out.append(self.write_reason)
         out += self.unchangeable
+        if self.sidecars:
+            out.append(self.sidecars)
         if self.space:
             out.append(self.space)
         if self.names_error:
@@ -194,7 +198,8 @@ def diagnose(model_dir: str | os.PathLike,
                   for shard in sorted(shards.values(), key=lambda s: s.path))
     return Diagnosis(**base, error=None, first_save=False, shards=infos, tensors=len(disk),
                      model_bytes=sum(info.nbytes for _, info in disk.values()),
-                     unchangeable=_unchangeable(shards, wmode), **found)
+                     unchangeable=_unchangeable(shards, wmode),
+                     sidecars=_sidecars_unwritable(sorted(shards)), **found)
 
 
 def _room(d: Path, live) -> str | None:
@@ -222,6 +227,22 @@ def _unchangeable(shards: Iterable[str], write_mode: str | None) -> tuple[str, .
             out.append(f"{path}: a sync that changes it cannot "
                        f"{'write into' if in_place else 'replace'} it ({why})")
     return tuple(out)
+
+
+def _sidecars_unwritable(shards: list[str]) -> str | None:
+    """Why a sync could not write the sidecars of `shards` (their directory, or a sidecar's
+    name taken by a directory), if it could not."""
+    where = sidecar.path_of(shards[0]).parent
+    costs = "every sync compares every shard with the file, byte by byte"
+    if os.path.lexists(where) and not where.is_dir():
+        return f"{where}: not a directory, where the sidecars belong: {costs} (remove it)"
+    if where.is_dir() and (why := why_not_replaceable(os.fspath(where / "x"))):
+        return f"{where}: the sidecars cannot be written ({why}): {costs}"
+    for path in map(sidecar.path_of, shards):
+        if path.is_dir() and not path.is_symlink():
+            return (f"{path}: a directory where a sidecar belongs: a sync compares its shard "
+                    "with the file, byte by byte (remove it)")
+    return None
 
 
 def _shard_info(shard, live: list[torch.Tensor] | None, block_size: int) -> ShardInfo:
