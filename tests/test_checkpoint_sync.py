@@ -545,6 +545,27 @@ def test_sync_returns_once_the_files_hold_the_commit_and_a_thread_makes_it_durab
     assert sync(d, live).bytes_written == 0
 
 
+def test_a_record_that_fails_behind_a_durable_commit_is_not_taken_for_the_commit_s(
+        saved, monkeypatch, caplog):
+    from hotweights.checkpoint import sidecar
+
+    d, live = saved
+    sync(d, live)
+    finisher.finish()
+    live["model.norm.weight"] += 1
+
+    def broken(*args):
+        raise RuntimeError("a bug in the sidecars")
+    monkeypatch.setattr(sidecar, "write", broken)
+    sync(d, live)
+    finisher.finish()
+    monkeypatch.undo()
+    assert "the commit is durable, but recording it failed (a bug in the sidecars)" \
+        in caplog.text and "the journal is kept" not in caplog.text
+    assert journal.not_durable(d) is None and journal.pending(d) is None
+    assert torch.equal(_disk(d)["model.norm.weight"], live["model.norm.weight"])
+
+
 def test_a_commit_whose_fsync_fails_keeps_its_journal_for_the_next_sync(
         saved, monkeypatch, caplog):
     d, live = saved

@@ -622,20 +622,26 @@ def _durable_later(directory: str, path: str, fds: list[int], moved: bool,
     kept = lock.hand_over(directory)
 
     def run() -> None:
+        removed = False
         try:
             with lock.taken_over(directory, kept):
                 _fsync_all(fds)
                 if FileId.of(path) == mine:  # else another writer's journal by now
                     _remove(directory, path, moved)
+                    removed = True
                     if then:
                         then(placed)
                     trash.sweep(directory, background=True)
-        except FileNotFoundError as e:  # replayed and removed by another writer, or the
-            logger.info("%s: removed before this process could (%s)", path, e)  # directory
-        except Exception as e:  # noqa: BLE001 - the journal stays, to be replayed
-            _failed[key] = str(e)
-            logger.error("%s: could not make the commit durable (%s); the journal is kept "
-                         "and the next sync or recover replays it", path, e)
+        except Exception as e:  # noqa: BLE001
+            if removed:  # the commit is durable: only what follows it failed
+                logger.error("%s: the commit is durable, but recording it failed (%s): the "
+                             "next sync compares the shards with the file", directory, e)
+            elif isinstance(e, FileNotFoundError):  # replayed and removed by another
+                logger.info("%s: removed before this process could (%s)", path, e)  # writer
+            else:  # the journal stays, to be replayed
+                _failed[key] = str(e)
+                logger.error("%s: could not make the commit durable (%s); the journal is "
+                             "kept and the next sync or recover replays it", path, e)
 
     finisher.start(run)
 
