@@ -324,8 +324,8 @@ def test_remotes_that_fail_their_commit_are_said_to_leave_this_server_at_the_new
         **Recorder({})(*a, **k), "n": 0})
     b = _bridge()
     b.tensors, b.remote, b._model = {"w": torch.zeros(1)}, Remote(), object()
-    with pytest.raises(RemoteError, match=r"^http://x serves version 1; the remote servers "
-                                          r"did not take it .*: version 1 is served by no "
+    with pytest.raises(RemoteError, match=r"^http://x serves version 1; not every remote server "
+                                          r"took it .*: version 1 is served by no "
                                           "server; the commit failed on gpu01:8000"):
         with b.update():
             pass

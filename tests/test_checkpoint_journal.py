@@ -977,7 +977,7 @@ def test_uncommitted_leftovers_a_read_only_directory_keeps_are_named_not_raised(
         raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
     monkeypatch.setattr(os, "unlink", read_only)
     monkeypatch.setattr(shutil, "rmtree", read_only)
-    assert journal.recover(d) == "none"
+    assert journal.recover(d) == "kept"
     monkeypatch.undo()
     assert f"{leftover}: {what}, which this process cannot remove (Read-only file system)" \
         in caplog.text

@@ -583,6 +583,36 @@ def test_recover_discards_an_uncommitted_sync(dirs, capsys):
     assert _equal(_disk(a), before) and _journal_files(a) == []
 
 
+def test_recover_says_what_a_read_only_directory_keeps(dirs, capsys, monkeypatch):
+    a, b = dirs["A"], dirs["B"]
+    before = _disk(a)
+    _interrupt(a, b, commit=False)
+
+    def read_only(path, *args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+    monkeypatch.setattr(os, "unlink", read_only)
+    monkeypatch.setattr(shutil, "rmtree", read_only)
+    rc, out, _ = _run(capsys, "recover", a)
+    json_out = _run(capsys, "recover", a, "--json")[1]
+    monkeypatch.undo()
+    assert (rc, out) == (0, f"{a}: an uncommitted sync's leftovers are there, which this "
+                            "process cannot remove (a read-only directory?): the files are as "
+                            "before it; run hotweights recover where it can write to remove "
+                            "them\n")
+    assert json.loads(json_out) == {"outcome": "kept", "version": None}
+    assert _equal(_disk(a), before)
+    assert _run(capsys, "recover", a)[1] == f"{a}: discarded an uncommitted sync: the files " \
+                                            "are as before it\n"
+
+
+def test_diagnose_a_checkpoint_without_tensors(tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    save_file({}, tmp_path / "model.safetensors")
+    rc, out, _ = _run(capsys, "diagnose", tmp_path, "--json")
+    assert rc == 0 and json.loads(out)["tensors"] == 0
+
+
 def test_sync_and_diagnose_take_the_directory_as_recover_does(dirs, capsys):
     """DIR as an argument, or --model-dir DIR: the same run."""
     a, b = dirs["A"], dirs["B"]

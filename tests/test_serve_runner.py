@@ -20,6 +20,7 @@ import sys
 from hotweights.cli.main import main
 from hotweights.server import serve
 serve.command = lambda args, extra: [sys.executable, {fake!r}, str(args.port), {mode!r}]
+serve.require_vllm = lambda what: None  # the fake stands in for it
 sys.exit(main(sys.argv[1:]))
 """
 

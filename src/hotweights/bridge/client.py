@@ -332,21 +332,22 @@ class Bridge:
         except BaseException:
             self.remote.abort(pending)
             raise
-        with self._served_here(n):
+        with self._served_here(n, "not every remote server took it"):
             self.remote_result = self.remote.commit(pending, n)
 
     def _update_remotes(self, model, n: int, mode: str, lease_s: float) -> None:
-        with self._served_here(n):
+        with self._served_here(n, "the remote servers did not take it"):
             self.remote_result = self.remote.update(model, mode=mode, lease_s=lease_s, n=n)
 
     @contextlib.contextmanager
-    def _served_here(self, n: int) -> Iterator[None]:
-        """A failure of the remote servers' update, said to leave this server at `n`."""
+    def _served_here(self, n: int, what: str) -> Iterator[None]:
+        """A failure of the remote servers' update (`what` it left), said to leave this
+        server at `n`."""
         try:
             yield
         except HotweightsError as e:  # refused or failed (named), here or there
-            raise RemoteError(f"{self.url} serves version {n}; the remote servers did not "
-                              f"take it (the next update catches them up): {e}") from e
+            raise RemoteError(f"{self.url} serves version {n}; {what} (the next update "
+                              f"catches them up): {e}") from e
 
     def renew(self, lease_s: float = 60.0) -> None:
         """Extend the lease of the current update (`update()` does it by itself). A renewal

@@ -199,7 +199,8 @@ def diagnose(model_dir: str | os.PathLike,
     return Diagnosis(**base, error=None, first_save=False, shards=infos, tensors=len(disk),
                      model_bytes=sum(info.nbytes for _, info in disk.values()),
                      unchangeable=_unchangeable(shards, wmode),
-                     sidecars=_sidecars_unwritable(sorted(shards)), **found)
+                     sidecars=None if wmode is None else _sidecars_unwritable(sorted(shards)),
+                     **found)
 
 
 def _room(d: Path, live) -> str | None:
@@ -232,6 +233,8 @@ def _unchangeable(shards: Iterable[str], write_mode: str | None) -> tuple[str, .
 def _sidecars_unwritable(shards: list[str]) -> str | None:
     """Why a sync could not write the sidecars of `shards` (their directory, or a sidecar's
     name taken by a directory), if it could not."""
+    if not shards:  # no tensors: nothing to fingerprint
+        return None
     where = sidecar.path_of(shards[0]).parent
     costs = "every sync compares every shard with the file, byte by byte"
     if os.path.lexists(where) and not where.is_dir():

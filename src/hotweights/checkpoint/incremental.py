@@ -548,9 +548,10 @@ def _journal(model_dir: Path, writes: list[_ShardWrite], version: str | None,
 
 
 def _commit(model_dir: Path, writes: list[_ShardWrite], after_read: Callable[[], None] | None,
-            record: Callable[[], None]) -> None:
-    """Apply the journal; `record` runs once the commit is durable, or at once if nothing
-    changed, in the finisher thread (`finisher.finish`)."""
+            record: Callable[..., None]) -> None:
+    """Apply the journal; `record` runs once the commit is durable (given the files as
+    the commit placed them: `journal.apply`'s `then`), or at once if nothing changed (given
+    nothing), in the finisher thread (`finisher.finish`)."""
     if writes:
         stage.commit(model_dir, after_read, record)
         return

@@ -222,7 +222,7 @@ def write_journal(directory: str | os.PathLike, patches: Iterable[tuple[str, int
     """
     global _written
     _written = None
-    directory = os.fspath(directory)
+    directory = os.path.abspath(directory)  # as `apply` takes it (`_records`)
     journal, tmp = os.path.join(directory, JOURNAL_NAME), os.path.join(directory, _TMP_NAME)
     if os.path.exists(journal):
         raise CheckpointError(f"{journal}: a committed journal is pending; "
@@ -709,7 +709,8 @@ def recover(directory: str | os.PathLike, *, lock: bool = True) -> str:
 
     Returns:
         "replayed" (a committed journal was applied), "discarded" (an uncommitted one
-        was removed, the files untouched) or "none".
+        was removed, the files untouched), "kept" (one left as it was, which this process
+        cannot remove, a read-only directory say: the files untouched, whole) or "none".
 
     Raises:
         CheckpointError: a committed journal no longer fits its files (they changed since,
@@ -727,8 +728,8 @@ def recover(directory: str | os.PathLike, *, lock: bool = True) -> str:
         if os.path.isdir(tmp) and not os.path.islink(tmp):
             raise CheckpointError(f"{tmp}: a directory where a sync's uncommitted journal "
                                   "belongs: move it away")
-        if _discarded(tmp, "an uncommitted journal", os.unlink):
-            outcome = "discarded"
+        outcome = "discarded" if _discarded(tmp, "an uncommitted journal", os.unlink) \
+            else "kept"
     path = os.path.join(directory, JOURNAL_NAME)
     if os.path.exists(path):
         try:
@@ -743,10 +744,11 @@ def recover(directory: str | os.PathLike, *, lock: bool = True) -> str:
     stage = os.path.join(directory, STAGE_DIR)
     with contextlib.suppress(OSError):  # empty: left by a sync cut short once it applied
         os.rmdir(stage)
-    if os.path.lexists(stage) and _discarded(  # staged for a journal that never committed
-            stage, "the files staged by an interrupted sync",
-            shutil.rmtree if os.path.isdir(stage) and not os.path.islink(stage) else os.unlink):
-        outcome = "discarded" if outcome == "none" else outcome
-    if outcome != "none":
+    if os.path.lexists(stage):  # staged for a journal that never committed
+        gone = _discarded(stage, "the files staged by an interrupted sync", shutil.rmtree
+                          if os.path.isdir(stage) and not os.path.islink(stage) else os.unlink)
+        outcome = ("discarded" if gone else "kept") if outcome in ("none", "kept") \
+            else outcome
+    if outcome in ("replayed", "discarded"):
         fsync_dir(directory)
     return outcome

@@ -269,6 +269,10 @@ def _recover_line(directory: str, outcome: str, meta: dict | None) -> str:
                 + ": the files hold what it wrote")
     if outcome == "discarded":
         return f"{directory}: discarded an uncommitted sync: the files are as before it"
+    if outcome == "kept":
+        return (f"{directory}: an uncommitted sync's leftovers are there, which this process "
+                "cannot remove (a read-only directory?): the files are as before it; run "
+                "hotweights recover where it can write to remove them")
     return f"{directory}: nothing to recover"
 
 

@@ -289,7 +289,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     _model_dir(p, "the checkpoint directory")
     p.add_argument("--json", action="store_true", help='print {"outcome": "replayed" | '
-                   '"discarded" | "none", "version": the replayed sync\'s or null}')
+                   '"discarded" | "kept" | "none", "version": the replayed sync\'s or null}')
     p.set_defaults(run=_run_recover)
     for name, p in sub.choices.items():  # -v after the command too (vLLM's flags follow serve's)
         p.set_defaults(usage_error=p.error)  # a usage error shows the command's usage

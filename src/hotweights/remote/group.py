@@ -326,7 +326,9 @@ class RemoteGroup:
 
     def _status(self, urls: list[str], dropped: dict) -> tuple[dict, dict]:
         """(url -> status of each of `urls` that answers, `dropped` plus url -> why for each
-        that does not: dropped from this update, or, with require="all", the update fails)."""
+        that does not: dropped from this update, or, with require="all", the update fails).
+        A server that answers with an error (a wrong token or URL) fails it whatever
+        `require`."""
         for u in self._token_files:
             try:
                 self._tokens[u] = find_token(u)
@@ -443,7 +445,9 @@ class RemoteGroup:
         for u, out in outs.items():
             (failed if isinstance(out, Exception) else committed)[u] = out
         if failed:  # a commit lost on its way: not left staged (maybe paused ahead) until
-            self._abort(status, list(failed))  # its lease ends (one made refuses the abort)
+            # its lease ends (one made refuses the abort; one not answered, the next
+            # update's `_abort_left` tries again)
+            self._abort(status, list(failed), http_timeout=min(self.timeout, 30.0))
         self._prefilter.prints = pending.prints
         self.n = n
         self._held = {u: (status[u]["server_id"], n) for u in committed}

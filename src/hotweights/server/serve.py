@@ -176,7 +176,7 @@ def recovered(model: str, revision: str | None) -> str | None:
     """The model's directory here (`model`, or the cached snapshot of hub id `model`), with
     a sync cut short in it finished or undone before vLLM reads it; None: none here."""
     found = local_dir(model, revision)
-    if found and (outcome := journal.recover(found)) != "none":
+    if found and (outcome := journal.recover(found)) in ("replayed", "discarded"):
         print(f"hotweights: {found}: {outcome} an interrupted checkpoint sync")
     return found
 
