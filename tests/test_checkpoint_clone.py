@@ -3,6 +3,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -217,3 +218,16 @@ def test_two_threads_probing_one_directory_both_get_the_filesystem_s_answer(tmp_
     assert len(answers) == 2
     assert all(not ok and "does not support reflinks (FICLONE" in why for ok, why in answers)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_recover_removes_the_probes_of_processes_gone_only(tmp_path):
+    from hotweights.checkpoint import journal
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    left = [f"{clone.PROBE}{dead}-k1ll3d", f"{clone.PROBE}{dead}-k1ll3d.clone"]
+    mine = f"{clone.PROBE}{os.getpid()}-pr0b1ng"  # another thread of this process, probing
+    for name in (*left, mine, ".hotweights-probe-x"):
+        (tmp_path / name).write_bytes(b"\0" * 4096)
+    assert journal.recover(tmp_path) == "none"
+    assert sorted(os.listdir(tmp_path)) == sorted([mine, ".hotweights-probe-x"])

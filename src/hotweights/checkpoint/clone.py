@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 FICLONE = 0x40049409  # _IOW(0x94, 9, int), linux/fs.h
 # FICLONE's answers for "no reflinks here"; ENOTTY where the filesystem has no such ioctl.
 _NO_REFLINK = {errno.EOPNOTSUPP, errno.EINVAL, errno.ENOTTY}
+PROBE = ".hotweights-probe-"  # then the pid of the process probing, and a random part
 _probed: dict[int, tuple[bool, str]] = {}  # st_dev -> supports_reflink's answer
 FS_IOC_FIEMAP = 0xC020660B  # _IOWR('f', 11, struct fiemap), linux/fs.h
 # struct fiemap without its extent array: fm_start, fm_length, fm_flags,
@@ -102,7 +103,7 @@ def extents(path: str | os.PathLike | int) -> int | None:
 
 def supports_reflink(directory: str | os.PathLike) -> tuple[bool, str]:
     """Whether files in `directory` can be cloned, found by cloning a small probe file
-    (`.hotweights-probe-*`, removed again).
+    (`.hotweights-probe-PID-*`, removed again; one a killed process left, by `sweep_probes`).
 
     Args:
         directory: an existing directory.
@@ -126,7 +127,7 @@ def supports_reflink(directory: str | os.PathLike) -> tuple[bool, str]:
     kind, mount = fs_type(directory)
     src = None
     try:  # a name of this call's own: another thread may probe the directory meanwhile
-        fd, src = tempfile.mkstemp(prefix=".hotweights-probe-", dir=directory)
+        fd, src = tempfile.mkstemp(prefix=f"{PROBE}{os.getpid()}-", dir=directory)
         with open(fd, "wb") as f:
             f.write(b"\0" * 4096)
         _clone(src, src + ".clone")
@@ -143,6 +144,31 @@ def supports_reflink(directory: str | os.PathLike) -> tuple[bool, str]:
     _probed[dev] = answer
     logger.debug("%s: %s", directory, answer[1])
     return answer
+
+
+def sweep_probes(directory: str | os.PathLike) -> list[str]:
+    """Remove the probe files (and their clones) that processes no longer running left in
+    `directory` (killed while `supports_reflink` probed); their names."""
+    gone = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir(directory):
+            pid = name[len(PROBE):].split("-", 1)[0]
+            if not (name.startswith(PROBE) and pid.isdigit()) or _alive(int(pid)):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(directory, name))
+                gone.append(name)
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's
+        return True
+    return True
 
 
 def fs_type(path: str | os.PathLike) -> tuple[str, str]:

@@ -47,7 +47,7 @@ from typing import Any
 
 import xxhash
 
-from hotweights.checkpoint import finisher, lock, threads, trash
+from hotweights.checkpoint import clone, finisher, lock, threads, trash
 from hotweights.checkpoint.fileid import FileId
 from hotweights.checkpoint.held import interrupts_held
 from hotweights.checkpoint.lock import locked
@@ -741,6 +741,8 @@ def recover(directory: str | os.PathLike, *, lock: bool = True) -> str:
         logger.warning("%s: replayed an interrupted journal, %d records", path, len(records))
         outcome = "replayed"
     trash.sweep(directory, background=False)
+    if probes := clone.sweep_probes(directory):
+        logger.info("%s: removed the reflink probes of processes gone: %s", directory, probes)
     stage = os.path.join(directory, STAGE_DIR)
     with contextlib.suppress(OSError):  # empty: left by a sync cut short once it applied
         os.rmdir(stage)
