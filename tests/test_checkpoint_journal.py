@@ -1001,3 +1001,27 @@ def test_a_journal_that_could_not_be_removed_once_applied_is_not_applied(shards)
     finally:
         subprocess.run(["chattr", "-i", str(d)], check=True)
     assert journal.recover(d) == "replayed" and _state(d, old, new) == "new"
+
+
+def test_a_file_put_back_after_a_crash_is_refused_when_its_device_changed(
+        shards, tmp_path, monkeypatch):
+    # across a reboot a filesystem's device number can change (loop, device-mapper, NVMe
+    # renumbered): its inodes are then not compared, and a copy of the same size and header
+    # would be patched; the bytes each patch replaces tell it apart
+    d, new_dir, old, new, spec = shards
+    assert _run(d, new_dir, spec, "after-rename:0") == -signal.SIGKILL
+    other = bytes(b ^ 0x55 for b in old[NAMES[1]])  # another version, the same size
+    (tmp_path / "copy").write_bytes(other)
+    os.replace(tmp_path / "copy", d / NAMES[1])
+    identity = journal._identity
+    monkeypatch.setattr(journal, "_identity", lambda p: {**identity(p), "dev": -1}
+                        if os.path.basename(p) in NAMES else identity(p))
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"{d / NAMES[1]}: not the file journal {d / journal.JOURNAL_NAME} was committed "
+            "for (its bytes at offset ") + r"\d+ are neither those the journal replaces nor "
+            r"its own\), e\.g\. a copy put back after a crash; nothing was written"):
+        journal.recover(d)
+    assert (d / NAMES[1]).read_bytes() == other and (d / NAMES[0]).read_bytes() == old[NAMES[0]]
+    assert journal.inspect(d)[1].startswith(f"{d / NAMES[1]}: not the file journal")
+    (d / NAMES[1]).write_bytes(old[NAMES[1]])  # the file it was committed for, back
+    assert journal.recover(d) == "replayed" and _state(d, old, new) == "new"

@@ -173,6 +173,31 @@ def _identity(path: str) -> dict:
     return out
 
 
+def _check_bytes(path: str, old: list[int], patches: list[tuple[int, int, int]],
+                 data: Any, journal: str) -> None:
+    """Refuse to replay onto `path` unless each of its `patches` (offset, length, payload
+    position in the journal's `data`) holds the bytes it replaces (their xxh3 in `old`,
+    in order) or its own (applied before a crash): else it is another file, whatever its
+    identity says (the device of a filesystem can change across a reboot, and the inode
+    is then not compared; a copy of the same size and header put back)."""
+    if len(old) != len(patches):
+        raise CheckpointError(f"{journal}: a damaged journal: {len(patches)} patches of "
+                              f"{path}, {len(old)} of their old bytes' hashes; nothing was "
+                              "written and the journal is kept")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for was, (offset, length, pos) in zip(old, patches, strict=True):
+            now = os.pread(fd, length, offset)
+            if xxhash.xxh3_64_intdigest(now) != was and now != data[pos:pos + length]:
+                raise CheckpointError(
+                    f"{path}: not the file journal {journal} was committed for (its bytes "
+                    f"at offset {offset} are neither those the journal replaces nor its "
+                    "own), e.g. a copy put back after a crash; nothing was written. Remove "
+                    "the journal if these files are the ones to keep")
+    finally:
+        os.close(fd)
+
+
 def _check_identity(path: str, want: dict | None, journal: str) -> None:
     """Refuse to replay onto `path` unless it is the file `want` describes (None: no file
     was there). The inode is compared on the same filesystem only (a move to another one
@@ -243,6 +268,7 @@ def write_journal(directory: str | os.PathLike, patches: Iterable[tuple[str, int
                                   f"only {free} are free; nothing was written: free "
                                   f"{need - free} bytes more")
     written, records = 0, []  # records as `_scan` reads them back, for `apply`
+    readers: dict[str, int] = {}  # per patched file: an fd that reads the bytes it replaces
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     except OSError as e:
@@ -268,6 +294,9 @@ def write_journal(directory: str | os.PathLike, patches: Iterable[tuple[str, int
             add(b"I", name, raw, 0, len(payload), payload)
             add(b"M", name, raw, fid.ino, fid.size)
         header_ends: dict[str, int] = {}  # per patched file: where its header ends
+        # per patched file: its identity record, written after its patches with the xxh3
+        # of the bytes each patch replaces ("old"), which a replay after a crash checks
+        idents: dict[str, tuple[bytes, dict]] = {}
         for name, offset, data in patches:
             raw, view = _validate(directory, name, offset, data, sizes)
             if name not in header_ends:
@@ -281,16 +310,19 @@ def write_journal(directory: str | os.PathLike, patches: Iterable[tuple[str, int
                                           "sync again (it rewrites the file whole)")
                 ident = _identity(os.path.join(directory, name))
                 header_ends[name] = ident.get("header_end", 0)
-                payload = json.dumps(ident).encode()
-                add(b"I", name, raw, 0, len(payload), payload)
+                ident["old"] = []
+                idents[name] = raw, ident
+                readers[name] = os.open(os.path.join(directory, name), os.O_RDONLY)
             if offset < header_ends[name]:
                 raise CheckpointError(f"{os.path.join(directory, name)}: patch at offset "
                                       f"{offset} falls in the safetensors header (it ends "
                                       f"at {header_ends[name]}); patches never change it")
+            idents[name][1]["old"].append(
+                xxhash.xxh3_64_intdigest(os.pread(readers[name], view.nbytes, offset)))
             written += _REC.size + len(raw) + view.nbytes
             add(b"R", name, raw, offset, view.nbytes)
             pos += view.nbytes  # the payload, below
-            _crash_point("record", len(records) - len(header_ends) - 2 * len(moves) - 1)
+            _crash_point("record", len(records) - 2 * len(moves) - 1)
             if len(buf) + view.nbytes > _CHUNK:
                 _write_all(fd, buf, hasher)
                 buf.clear()
@@ -299,6 +331,9 @@ def write_journal(directory: str | os.PathLike, patches: Iterable[tuple[str, int
                     _write_all(fd, bytes(view[at:at + _CHUNK]), hasher)  # cannot differ
             else:
                 buf += view
+        for name, (raw, ident) in idents.items():
+            payload = json.dumps(ident).encode()
+            add(b"I", name, raw, 0, len(payload), payload)
         _write_all(fd, buf, hasher)
         _write_all(fd, _COMMIT.pack(b"C", len(records), hasher.intdigest()), xxhash.xxh3_64())
         os.fsync(fd)
@@ -315,6 +350,9 @@ def write_journal(directory: str | os.PathLike, patches: Iterable[tuple[str, int
             raise CheckpointError(f"{tmp}: cannot write the journal: {e.strerror}; nothing "
                                   "was written (the journal is discarded)") from e
         raise
+    finally:
+        for reader in readers.values():
+            os.close(reader)
     os.close(fd)
     _crash_point("before-rename")
     os.replace(tmp, journal)
@@ -457,7 +495,7 @@ def inspect(directory: str | os.PathLike) -> tuple[dict | None, str | None]:
     except _Corrupt as e:
         return None, _damaged(path, e)
     try:
-        _checked(directory, path, records)
+        _checked(directory, path, records, verify=True)
     except CheckpointError as e:
         return meta, str(e)
     except OSError as e:  # e.g. a file this process may not read
@@ -465,10 +503,11 @@ def inspect(directory: str | os.PathLike) -> tuple[dict | None, str | None]:
     return meta, None
 
 
-def _checked(directory: str, path: str, records: list
+def _checked(directory: str, path: str, records: list, verify: bool
              ) -> tuple[list[tuple], list[tuple], set[str]]:
     """(the moves, the patches, the moves an earlier replay did) of the journal at
-    `path`, once every file it changes is checked; else a CheckpointError naming it."""
+    `path`, once every file it changes is checked (`verify`: and every patched range holds
+    the bytes it replaces or its own); else a CheckpointError naming it."""
     sizes: dict[str, int] = {}
     moves = [r[1:4] for r in records if r[0] == b"M"]
     patches = [r[1:] for r in records if r[0] == b"R"]
@@ -477,9 +516,12 @@ def _checked(directory: str, path: str, records: list
     done = {name for name, ino, size in moves if _moved(directory, name, ino, size)}
     with mapped(path) as data:  # a committed journal may still be for other files
         for _, name, _, length, pos in (r for r in records if r[0] == b"I"):
+            want = json.loads(bytes(data[pos:pos + length]))
             if name not in done:  # a file moved is the staged one by now (`_moved`)
-                _check_identity(os.path.join(directory, name),
-                                json.loads(bytes(data[pos:pos + length])), path)
+                _check_identity(os.path.join(directory, name), want, path)
+            if verify and isinstance(want, dict) and "old" in want:
+                _check_bytes(os.path.join(directory, name), want["old"],
+                             [(o, n, p) for f, o, n, p in patches if f == name], data, path)
     for name, offset, length, _ in patches:
         if offset + length > _target_size(directory, name, sizes):
             raise CheckpointError(f"{os.path.join(directory, name)}: journal {path} patches "
@@ -490,12 +532,12 @@ def _checked(directory: str, path: str, records: list
     return moves, patches, done
 
 
-def _replay(directory: str, path: str, records: list
+def _replay(directory: str, path: str, records: list, verify: bool
             ) -> tuple[list[int], bool, dict[str, FileId]]:
     """Move and patch the files as the journal says; (the patched files' fds, whether any
     file was moved), for `_durable`, and name -> each file as this replay left it (moved:
-    as staged; patched: after its last write)."""
-    moves, patches, done = _checked(directory, path, records)
+    as staged; patched: after its last write). `verify`: see `_checked`."""
+    moves, patches, done = _checked(directory, path, records, verify)
     placed: dict[str, FileId] = {}
     for k, name in enumerate(m[0] for m in moves if m[0] not in done):  # all checked
         target, staged = os.path.join(directory, name), os.path.join(directory, STAGE_DIR, name)
@@ -687,8 +729,8 @@ def apply(directory: str | os.PathLike, *, wait: bool = True,
     except _Corrupt as e:
         raise CheckpointError(_damaged(path, e)) from None
     with interrupts_held():  # a Ctrl-C between two renames, or before the patched files'
-        fds, moved, placed = _replay(directory, path, records)  # fds are handed on: raised
-        if wait:  # after
+        fds, moved, placed = _replay(directory, path, records, verify=not mine)  # fds are
+        if wait:  # handed on: raised after
             _durable(directory, path, fds, moved)
         else:
             _durable_later(directory, path, fds, moved, then, placed)
@@ -737,7 +779,7 @@ def recover(directory: str | os.PathLike, *, lock: bool = True) -> str:
         except _Corrupt as e:
             raise CheckpointError(_damaged(path, e)) from None
         with interrupts_held():  # as in `apply`; the fsyncs and the removal too
-            _durable(directory, path, *_replay(directory, path, records)[:2])
+            _durable(directory, path, *_replay(directory, path, records, verify=True)[:2])
         logger.warning("%s: replayed an interrupted journal, %d records", path, len(records))
         outcome = "replayed"
     trash.sweep(directory, background=False)
