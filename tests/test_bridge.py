@@ -9,7 +9,7 @@ import torch
 
 from hotweights.bridge import client as bridge_module
 from hotweights.bridge.client import Bridge
-from hotweights.errors import RemoteError, ServerError
+from hotweights.errors import CheckpointError, LayoutError, RemoteError, ServerError
 
 
 class Recorder:
@@ -30,7 +30,7 @@ def _bridge() -> Bridge:
     b = Bridge.__new__(Bridge)  # no server: only the transaction's client side
     b.url, b._token, b.server_id, b.holder, b.version = "http://x", "t", "s", "h", "0@s"
     b.tensors, b.remote, b.cafile, b._leased = {}, None, None, threading.Lock()
-    b._model, b.closed = None, False
+    b._model, b.report, b.closed = None, None, False
     return b
 
 
@@ -329,3 +329,45 @@ def test_remotes_that_fail_their_commit_are_said_to_leave_this_server_at_the_new
                                           "server; the commit failed on gpu01:8000"):
         with b.update():
             pass
+
+
+def test_an_update_of_a_model_whose_parameters_became_copies_is_refused(monkeypatch):
+    # `.float()` or `.to(...)` of the model gives its parameters storages of their own: a
+    # step on them would not reach the server, which would publish the old bytes anew
+    rec = Recorder({})
+    monkeypatch.setattr(bridge_module, "request", rec)
+    served = torch.zeros(4, 4, dtype=torch.bfloat16)
+    model = torch.nn.Linear(4, 4, bias=False, dtype=torch.bfloat16)
+    model.weight = torch.nn.Parameter(served)  # a view of the server's tensor
+    b = _bridge()
+    b.tensors, b._model = {"w": served}, model
+    model.float()
+    with pytest.raises(LayoutError, match=r"^update\(\): 1 trainable parameter\(s\) of the "
+                       r"model `model\(\)` built are copies, .*\(e\.g\. weight\)"):
+        with b.update():
+            pytest.fail("the body must not run")
+    assert rec.calls == [] and not b._leased.locked()
+
+
+def test_a_checkpoint_never_writes_the_zeros_of_parameters_no_vllm_tensor_holds(tmp_path):
+    b = _bridge()
+    b._model = torch.nn.Linear(2, 2)
+    b.report = types.SimpleNamespace(missing=("bias",), mapped=("weight",))
+    with pytest.raises(CheckpointError, match=r"^checkpoint\(\): 1 parameter\(s\) of the "
+                       r"model no vLLM tensor holds \(allow_missing=; zeros here, e\.g\. bias\)"):
+        b.checkpoint(tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_an_exclusive_checkpoint_whose_renewals_cannot_start_resumes_the_server(
+        monkeypatch, tmp_path):
+    rec = Recorder({})
+    monkeypatch.setattr(bridge_module, "request", lambda *a, **k: {**rec(*a, **k), "n": 0})
+    monkeypatch.setattr(bridge_module.Renewer, "start", lambda self: (_ for _ in ()).throw(
+        RuntimeError("can't start new thread")))
+    b = _bridge()
+    b._model = types.SimpleNamespace(config=None)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        b.checkpoint(tmp_path / "ckpt", exclusive=True)
+    assert [route for route, _, _ in rec.calls] == ["/hotweights/begin", "/hotweights/abort"]
+    assert not b._leased.locked()

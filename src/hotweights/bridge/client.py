@@ -14,9 +14,15 @@ from typing import Any
 import torch
 
 from hotweights.bridge import loaded
-from hotweights.errors import HotweightsError, LayoutError, RemoteError, ServerError
+from hotweights.errors import (
+    CheckpointError,
+    HotweightsError,
+    LayoutError,
+    RemoteError,
+    ServerError,
+)
 from hotweights.layout.plan import text_config
-from hotweights.layout.views import build_hf_model
+from hotweights.layout.views import ViewReport, build_hf_model, outside_served
 from hotweights.protocol import shm
 from hotweights.protocol.http import request, server_status
 from hotweights.protocol.renewer import Renewer
@@ -47,6 +53,7 @@ class Bridge:
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.tensors = shm.attach(manifests[0])
         self._model: torch.nn.Module | None = None
+        self.report: ViewReport | None = None  # of the model `model()` built
         self.remote = None  # a RemoteGroup updated with this server (add_remote)
         self.remote_result: dict | None = None  # its last update's (`RemoteGroup.update`)
         self._leased = threading.Lock()  # held by this bridge's update or exclusive read
@@ -152,6 +159,12 @@ class Bridge:
         from hotweights.checkpoint import recover, sync
 
         model = self._model or self.model(check_loaded=False)  # what it serves, as is
+        if missing := self.report.missing if self.report else ():
+            raise CheckpointError(
+                f"checkpoint(): {len(missing)} parameter(s) of the model no vLLM tensor holds "
+                f"(allow_missing=; zeros here, e.g. {missing[0]}) would be written over the "
+                "checkpoint's values; sync the served ones yourself "
+                "(hotweights.checkpoint.sync with a state dict that leaves them out)")
         if not exclusive:
             return sync(model_dir, model, version=self.version, config=model.config, **kwargs)
         if os.path.isdir(model_dir):  # another writer's sync first, and what a crashed one
@@ -164,9 +177,13 @@ class Bridge:
                 nonlocal released
                 if not released:
                     released = True
-                    renewer.__exit__()
-                    self._abort(dirty=False)  # nothing written: resumed at the same version
-                    unlock()  # the files are written after: an update may go on meanwhile
+                    try:
+                        renewer.__exit__()
+                    finally:  # (a Ctrl-C in the join): resumed all the same
+                        try:
+                            self._abort(dirty=False)  # nothing written: the same version
+                        finally:  # the files are written after: an update may go on
+                            unlock()
 
             try:
                 renewer.start()
@@ -251,6 +268,23 @@ class Bridge:
             yield from self._update(mode, lease_s)
 
     @contextlib.contextmanager
+    def _check_views(self, what: str) -> None:
+        """Refuse where the model this bridge built has trainable parameters that are no
+        longer views of the server's weights: training them would not reach the server."""
+        if not isinstance(self._model, torch.nn.Module):
+            return
+        missing = set(self.report.missing if self.report else ())  # `allow_missing`'s
+        # zeros: copies by design
+        if outside := [n for n in outside_served(self._model, self.tensors)
+                       if n not in missing]:
+            raise LayoutError(
+                f"{what}: {len(outside)} trainable parameter(s) of the model `model()` built "
+                f"are copies, no longer the server's weights (e.g. {outside[0]}): a "
+                "`.float()`, `.to(...)` or `.half()` of the model copies them, and a step on "
+                "them would not reach the server; train the model as built, in the served "
+                "dtype and on the server's device (bf16: see docs/training.md)")
+
+    @contextlib.contextmanager
     def _exclusive(self, what: str) -> Iterator[Callable[[], None]]:
         """One update or exclusive read of this bridge at a time: a second one's begin
         would be refused, and its abort, in this bridge's name, would end the first.
@@ -274,6 +308,7 @@ class Bridge:
             unlock()
 
     def _update(self, mode: str, lease_s: float) -> Iterator[None]:
+        self._check_views("update()")
         model = None if self.remote is None else self._model or self.model(
             check_loaded=False)  # what it serves, as is: before the pause
         floor = None
@@ -283,8 +318,8 @@ class Bridge:
             except RemoteError:  # no remote answers: this server commits all the same (the
                 floor = self.remote.n  # remotes' error follows, naming them)
         # the server bounds the drain by lease_s; a client that gives up aborts
+        renewer = Renewer(self.renew, lease_s)  # (made first: nothing between begin and try)
         began = self._begin(timeout=lease_s + 30, mode=mode, lease_s=lease_s)
-        renewer = Renewer(self.renew, lease_s)
         try:
             with renewer:
                 try:

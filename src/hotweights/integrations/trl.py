@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hotweights.errors import ConfigError, ServerError
+from hotweights.layout.views import outside_served
 from hotweights.protocol.http import CA_FILE_ENV
 from hotweights.protocol.renewer import MAX_LEASE_S
 from hotweights.protocol.version import VERSION_HEADER, parse_version
@@ -353,14 +354,6 @@ def _check_device(trainer: torch.device, served: set[torch.device], config: str)
                           f"{', '.join(off)}: set {config}.use_cpu to match the server "
                           "(use_cpu=True only for a CPU server) and CUDA_VISIBLE_DEVICES so "
                           "that the trainer's device is the server's GPU")
-
-
-def outside_served(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> list[str]:
-    """The trainable parameters of `model` that are not views of `tensors` (vLLM's
-    weights): a copy has a storage of its own."""
-    served = {(t.device, t.untyped_storage().data_ptr()) for t in tensors.values()}
-    return [name for name, param in model.named_parameters() if param.requires_grad
-            and (param.device, param.untyped_storage().data_ptr()) not in served]
 
 
 class _OnServedWeights:

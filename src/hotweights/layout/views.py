@@ -248,3 +248,10 @@ def verify_shared(model: torch.nn.Module, vllm_params: Mapping[str, torch.Tensor
             checked += 1
     return checked
 
+
+def outside_served(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    """The trainable parameters of `model` that are not views of `tensors` (vLLM's
+    weights): a copy has a storage of its own (a `.float()`, `.to(...)` of the model)."""
+    served = {(t.device, t.untyped_storage().data_ptr()) for t in tensors.values()}
+    return [name for name, param in model.named_parameters() if param.requires_grad
+            and (param.device, param.untyped_storage().data_ptr()) not in served]

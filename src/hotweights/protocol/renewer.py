@@ -32,7 +32,8 @@ class Renewer(threading.Thread):
 
     def __exit__(self, *exc) -> None:
         self.done.set()
-        self.join()
+        if self.ident is not None:  # started (a start that failed: nothing to join)
+            self.join()
 
     def run(self) -> None:
         # due every lease_s / 3 from the start, not from the last answer: a renewal that
