@@ -40,7 +40,8 @@ class StubClient:
     async def resume_generation(self):
         self.calls.append("resume")
 
-    async def reset_prefix_cache(self, reset_running_requests):
+    async def reset_prefix_cache(self, reset_running_requests, reset_connector=False):
+        assert reset_running_requests and reset_connector  # an offloaded tier's KV too
         self.calls.append("reset_prefix")
         return self.prefix_reset
 

@@ -166,11 +166,13 @@ class VllmEngine:
             self.broken = self.broken or any((d or {}).get("broken") for d in dropped)
 
     async def reset_caches(self) -> None:
-        # Cached KV (frozen `keep` requests' too: they recompute it on resume) and
+        # Cached KV (frozen `keep` requests' too: they recompute it on resume; a KV
+        # connector's, e.g. an offloading tier, as vLLM's own weight updates clear it) and
         # encoder outputs were computed with the old weights.
         # both at once: the engine core serves them in order, at the cost of one round trip
         reset, _ = await asyncio.gather(self.client.reset_prefix_cache(
-            reset_running_requests=True), self.client.reset_encoder_cache())
+            reset_running_requests=True, reset_connector=True),
+            self.client.reset_encoder_cache())
         if not reset:
             raise ServerError("vLLM did not reset its prefix cache")
 
