@@ -350,6 +350,8 @@ def test_a_restarted_server_refuses_the_old_server_id(route):
     ({"holder": "h", "server_id": SID, "lease_s": "soon"}, "field 'lease_s' must be a float"),
     ({"holder": "h", "server_id": SID, "lease_s": float("inf")}, "'lease_s' must be in"),
     ({"holder": "h", "server_id": SID, "lease_s": -1}, "'lease_s' must be in"),
+    ({"holder": "h", "server_id": SID, "lease_s": 10**400},  # a float cannot hold it
+     "field 'lease_s' is out of range, got a number of 401 digits"),
     ({"holder": "h", "server_id": SID, "mode": "later"}, "field 'mode' must be one of"),
     ({"holder": "h", "server_id": SID, "lease": 5}, r"unknown field\(s\) \['lease'\]"),
     ({"holder": "", "server_id": SID}, "'holder' must be 1 to 200 characters"),
@@ -366,6 +368,8 @@ def test_bad_requests_are_400_naming_the_field(body, message):
 
 @pytest.mark.parametrize(("kind", "fields", "message"), [
     (Commit, {"n": -3}, r"field 'n' must be a version number \(>= 0"),
+    (Commit, {"n": 10**400}, r"field 'n' must be a version number .*got a larger one$"),
+    (Commit, {"n": 2**53}, r"field 'n' must be a version number .*below 2\*\*53"),
     (Receive, {"update": "u" * 201}, "field 'update' must be at most 200"),
     (Receive, {"wait_s": -1.0}, r"field 'wait_s' must be in \[0, 86400\] seconds, got -1.0$"),
 ])

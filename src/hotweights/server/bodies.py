@@ -65,7 +65,11 @@ class Body:
                 continue
             value, kind = data[f.name], _KINDS[f.type]
             if kind is float and type(value) is int:
-                value = float(value)
+                try:
+                    value = float(value)
+                except OverflowError:  # hundreds of digits
+                    raise Refused(400, f"field {f.name!r} is out of range, got a number of "
+                                  f"{len(str(value))} digits") from None
             if type(value) is not kind:  # bool is not taken for a number, nor 1 for a bool
                 raise Refused(400, f"field {f.name!r} must be a {kind.__name__}, "
                               f"got {value!r}")
@@ -97,9 +101,9 @@ class Commit(Body):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.n < 0:
-            raise Refused(400, f"field 'n' must be a version number (>= 0; 0: the next), "
-                          f"got {self.n}")
+        if not 0 <= self.n < 2**53:  # (a metric, a float, reads it exactly)
+            raise Refused(400, f"field 'n' must be a version number (>= 0, below 2**53; 0: "
+                          f"the next), got {self.n if self.n < 10**20 else 'a larger one'}")
         if len(self.next_update) > 200:
             raise Refused(400, f"field 'next_update' must be at most 200 characters, got "
                           f"{self.next_update[:40]!r}...")
