@@ -601,3 +601,48 @@ def test_the_dtypes_a_remote_status_names_do_not_depend_on_the_workers_order():
         assert _dtypes(workers) == {"default": "bfloat16",
                                     "others": {"a_log": "float32", "ids": "int64"}}
     assert _dtypes([]) == {"default": None, "others": {}}
+
+
+def test_an_abort_as_the_drain_ends_leaves_the_engine_resumed_not_paused():
+    # the holder's abort in the loop's turn that ends the last request: the abort resumed
+    # first, then the drain's wait woke and paused the scheduler, for good (the gate open,
+    # the transaction idle, every request queued in vLLM)
+    from hotweights.server.bodies import Abort, Begin, Refused
+    from hotweights.server.transaction import Transaction
+    from hotweights.vllm_plugin.gate import Gate
+    from hotweights.vllm_plugin.routes import VllmEngine
+
+    calls = []
+
+    class Core:
+        async def pause_scheduler_async(self, mode, clear_cache):
+            calls.append("pause")
+            await asyncio.sleep(0.05)
+
+    class Client:
+        engine_core = Core()
+
+        async def resume_generation(self):
+            calls.append("resume")
+
+        async def update_weight_version(self, label):
+            pass
+
+    async def main():
+        gate = Gate()
+        tx = Transaction(VllmEngine(Client(), gate), SID)
+        request = object()
+        gate._enter(request)  # one request in flight: the drain waits for it
+        begin = asyncio.ensure_future(tx.begin(Begin("h", SID, mode="wait", lease_s=30)))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        abort = asyncio.ensure_future(tx.abort(Abort("h", SID, dirty=False)))
+        gate._leave(request)  # in the same turn
+        await abort
+        with pytest.raises(Refused, match="aborted its begin"):
+            await begin
+        await asyncio.sleep(0.1)
+        return tx.state.value, gate.open.is_set()
+
+    assert asyncio.run(main()) == ("idle", True)
+    assert calls[-1] == "resume" and "pause" not in calls[calls.index("resume"):]

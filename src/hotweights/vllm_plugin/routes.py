@@ -87,6 +87,8 @@ class VllmEngine:
         self.next_update = ""  # remote: the commit's `next_update`, for the workers to arm
         self.armed = ""  # remote: the update the workers wait for since the last commit
         self.broken = False  # remote: a worker's channel broke (the status names none)
+        self._resumes = 0  # resumes sent: a pause whose wait outlived one is not sent
+        self._pausing: asyncio.Task | None = None  # the scheduler's pause call in flight
 
     async def _received(self) -> BaseException | None:
         """Wait for the receive's start in flight, if any; what it raised."""
@@ -103,11 +105,16 @@ class VllmEngine:
         self.gate.open.set()
 
     async def pause(self, mode: str) -> None:
+        resumes = self._resumes
         if mode == "wait":  # finish what already has a version header
             await self.gate.idle.wait()
         elif mode == "abort":  # streams it ends get a finish reason
             self.gate.mark_aborted()
-        await self._pause_scheduler(mode)
+        if self._resumes != resumes:  # an abort resumed meanwhile, in the loop's turn that
+            # woke this wait (its task not cancelled yet): a pause now would outlast it
+            raise asyncio.CancelledError
+        self._pausing = asyncio.ensure_future(self._pause_scheduler(mode))
+        await self._pausing
         if mode == "abort":
             await self._abort_past_the_gate()
 
@@ -135,6 +142,9 @@ class VllmEngine:
                 await asyncio.wait_for(self.gate.idle.wait(), 0.01)
 
     async def resume(self) -> None:
+        self._resumes += 1
+        if self._pausing is not None and not self._pausing.done():  # sent, maybe: the
+            await asyncio.wait([self._pausing])  # resume goes after it, never before
         await self.client.resume_generation()
 
     def busy(self) -> bool:
