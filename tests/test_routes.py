@@ -581,6 +581,32 @@ def test_a_remote_server_stages_while_serving_and_pauses_only_to_apply(monkeypat
     serve(test)
 
 
+def test_a_commit_without_a_receive_of_an_update_the_workers_wait_for_applies_nothing(
+        monkeypatch):
+    # the workers armed for the next update (the last commit's next_update): an apply would
+    # join their wait for it, forever, the server paused in its commit
+    monkeypatch.setenv("HOTWEIGHTS_REMOTE", "1")
+
+    async def test(client, stub):
+        await client.post("/hotweights/begin", json=body(stage=True), headers=AUTH)
+        await client.post("/hotweights/remote/receive", json=body(update="u1", wait_s=5.0),
+                          headers=AUTH)
+        r = await client.post("/hotweights/commit", json=body(n=1, next_update="u2"),
+                              headers=AUTH)
+        assert r.status_code == 200 and stub.args["hotweights_remote_apply"] == ("u2",)
+        await client.post("/hotweights/begin", json=body(stage=True), headers=AUTH)
+        calls = len(stub.calls)
+        r = await client.post("/hotweights/commit", json=body(n=2), headers=AUTH)  # no receive
+        assert r.status_code == 503 and "no receive of the update before its commit" in \
+            r.json()["error"]
+        assert "hotweights_remote_discard" in stub.calls[calls:]
+        assert "hotweights_remote_apply" not in stub.calls[calls:]
+        status = (await client.get("/hotweights/status", headers=AUTH)).json()
+        assert (status["state"], status["n"]) == ("idle", 1)
+
+    serve(test)
+
+
 def test_stage_is_refused_on_a_local_server():
     async def test(client, stub):
         r = await client.post("/hotweights/begin", json=body(stage=True), headers=AUTH)

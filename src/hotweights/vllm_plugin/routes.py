@@ -155,10 +155,14 @@ class VllmEngine:
         if not self.remote:
             await self.client.collective_rpc("hotweights_after_update")
             return
-        next_update, self.next_update, self.armed = self.next_update, "", ""
+        next_update, self.next_update, armed, self.armed = self.next_update, "", self.armed, ""
         if (failed := await self._received()) is not None:  # the workers' staging freed
             await self.client.collective_rpc("hotweights_remote_discard")
             raise NothingApplied(f"the update's receive failed: {failed!r}")
+        if armed:  # no receive claimed the update the workers wait for: the apply would
+            await self.client.collective_rpc("hotweights_remote_discard")  # join that wait
+            raise NothingApplied("no receive of the update before its commit (POST "
+                                 "/hotweights/remote/receive)")
         applied = await self.client.collective_rpc("hotweights_remote_apply",
                                                    args=(next_update or None,))
         if not any(a.get("applied", True) for a in applied):  # each worker's receive failed
