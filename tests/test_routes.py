@@ -672,3 +672,17 @@ def test_an_abort_as_the_drain_ends_leaves_the_engine_resumed_not_paused():
 
     assert asyncio.run(main()) == ("idle", True)
     assert calls[-1] == "resume" and "pause" not in calls[calls.index("resume"):]
+
+
+def test_an_engine_that_fails_a_begin_is_named_in_json_and_the_server_resumes(caplog):
+    async def test(client, stub):
+        async def dead(mode, clear_cache):
+            raise RuntimeError("EngineCore died")
+        stub.pause_generation = dead
+        r = await client.post("/hotweights/begin", json=body(mode="keep"), headers=AUTH)
+        assert r.status_code == 500 and r.json() == {
+            "error": "/hotweights/begin failed on the server: RuntimeError('EngineCore died')"}
+        status = (await client.get("/hotweights/status", headers=AUTH)).json()
+        assert status["state"] == "idle" and stub.calls[-1] == "resume"
+
+    serve(test)

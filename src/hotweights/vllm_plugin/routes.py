@@ -366,6 +366,10 @@ class HotweightsRoutes:
             return await method(kind.from_json(body))
         except Refused as e:
             return JSONResponse(e.to_dict(), status_code=e.status)
+        except Exception as e:  # the engine's (it died, say): named, in JSON, not a bare 500
+            logger.exception("hotweights: %s failed", request.url.path)
+            return JSONResponse({"error": f"{request.url.path} failed on the server: {e!r}"},
+                                status_code=500)
 
     # -- routes ----------------------------------------------------------------------
 
