@@ -29,6 +29,11 @@ class FileId:
     # link into the trash, say, leaves the file the same one.
     ctime_ns: int = field(default=0, compare=False)
 
+    def unchanged(self, now: FileId) -> bool:
+        """Whether `now` is this file as it was: the same, and not written since (its ctime
+        too: a write in place that put the mtime back, a `cp -p` over it)."""
+        return now == self and now.ctime_ns == self.ctime_ns
+
     @classmethod
     def of(cls, path: str | os.PathLike, *, header: bool = False) -> FileId:
         """The identity of the file at `path` (symlinks followed), with its safetensors

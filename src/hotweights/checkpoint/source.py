@@ -40,7 +40,7 @@ class Tensors(dict):
                 st = os.stat(path)
             except OSError:
                 return path
-            if (FileId.of_stat(st), st.st_ctime_ns) != (was, was.ctime_ns):
+            if not was.unchanged(FileId.of_stat(st)):
                 return path
         return None
 

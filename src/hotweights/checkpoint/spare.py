@@ -35,8 +35,8 @@ logger = logging.getLogger(__name__)
 
 MOST = 256  # spares held at once (open files), the oldest closed first
 _lock = threading.Lock()
-# shard path -> (the file cloned and its ctime, the spare's fd, its extents)
-_spares: dict[str, tuple[tuple[FileId, int], int, int | None]] = {}
+_spares: dict[str, tuple[FileId, int, int | None]] = {}  # shard path -> (the file cloned,
+# the spare's fd, its extents)
 
 
 def keep(paths: Iterable[str]) -> None:
@@ -58,9 +58,9 @@ def keep(paths: Iterable[str]) -> None:
         try:
             fd = os.open(os.path.dirname(path), os.O_RDWR | os.O_TMPFILE, 0o600)
             try:  # the file before the clone and after: a write between the two (another
-                of = _as_of(os.fstat(src))  # program's) would be in the clone or not
+                of = FileId.of_stat(os.fstat(src))  # program's) would be in the clone or not
                 fcntl.ioctl(fd, clone.FICLONE, src)
-                if _as_of(os.fstat(src)) != of:
+                if not of.unchanged(FileId.of_stat(os.fstat(src))):
                     raise OSError(f"{path} was written while it was cloned")
             except BaseException:
                 os.close(fd)
@@ -121,17 +121,13 @@ def release() -> None:
     _close(paths)
 
 
-def _current(path: str, of: tuple[FileId, int]) -> bool:
-    """Whether the file at `path` is still `of`, the file a spare was cloned from (its
-    ctime too: a file rewritten in place with its mtime put back is another)."""
+def _current(path: str, of: FileId) -> bool:
+    """Whether the file at `path` is still `of`, the file a spare was cloned from
+    (`FileId.unchanged`)."""
     try:
-        return _as_of(os.stat(path)) == of
+        return of.unchanged(FileId.of_stat(os.stat(path)))
     except OSError:
         return False
-
-
-def _as_of(st: os.stat_result) -> tuple[FileId, int]:
-    return FileId.of_stat(st), st.st_ctime_ns
 
 
 def _close(paths: list[str]) -> None:
