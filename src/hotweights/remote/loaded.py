@@ -36,9 +36,10 @@ class LoadedCheckpoint:
         self._loaded: tuple[dict, str | None, dict] | None = None  # (stats, digest, tensors)
         self._cast: Cast | None = None  # its tensors as the servers rounded them
 
-    def tensors(self) -> dict:
-        """Its tensors, memory-mapped (opened again when its files changed)."""
-        now = stats(self.path)
+    def tensors(self, now: dict | None = None) -> dict:
+        """Its tensors, memory-mapped (opened again when its files changed; `now`: their
+        `stats`, where the caller just took them)."""
+        now = now or stats(self.path)
         if self._loaded is None or self._loaded[0] != now:
             self._loaded = (now, None, open_dir(self.path))  # its digest: when needed
         return self._loaded[2]
@@ -48,12 +49,12 @@ class LoadedCheckpoint:
         to `n`, and nothing wrote into it since (another program, the trainer's own sync)."""
         if self.synced_at != n:
             return None
-        if stats(self.path) != self._synced:
+        if (now := stats(self.path)) != self._synced:
             logger.info("hotweights: %s was written since this group synced it: the servers "
                         "are synced whole", self.path)
             self.synced_at = None
             return None
-        return self.tensors()
+        return self.tensors(now)
 
     def written(self) -> bool:
         """Its files changed since their tensors were mapped (`tensors`, `held_by`)."""
