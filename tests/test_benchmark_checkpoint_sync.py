@@ -10,7 +10,7 @@ KEYS = {"model_bytes", "default_fs", "changed_bytes", "written_bytes", "speedup_
         "watched_speedup_vs_seed", "watched_speedup_vs_full", "ext4_rows_speedup_vs_full",
         "xfs_rows_speedup_vs_full", "xfs_written_bytes", "xfs_speedup_vs_seed",
         "xfs_named_speedup_vs_seed", "xfs_scattered_speedup_vs_full", "xfs_nochange_vs_hash",
-        "watch_write_cost", "skipped"}
+        "xfs_rows_ceiling_vs_full", "watch_write_cost", "skipped"}
 
 
 @pytest.fixture
@@ -49,6 +49,7 @@ def test_summary_with_xfs(bench):
     assert out["xfs_rows_speedup_vs_full"] == 20.0 and out["xfs_speedup_vs_seed"] == 10.0
     assert out["xfs_named_speedup_vs_seed"] == 20.0 and out["xfs_written_bytes"] == 1050
     assert out["xfs_nochange_vs_hash"] == 0.5 and out["skipped"] == {}
+    assert out["xfs_rows_ceiling_vs_full"] == 20.0  # full 2 s over (d)'s 0.1 s
 
 
 def test_targets_met_missed_not_measured_and_not_applicable(bench):
@@ -95,6 +96,13 @@ def test_how_counts_the_shards_by_how_they_were_written(bench):
 def test_xfs_image_holds_six_copies_and_room_for_the_filesystem(bench):
     size = bench.xfs_image_bytes(10**9)
     assert size % (1 << 20) == 0 and size >= 6 * 10**9 + (512 << 20)
+
+
+def test_xfs_image_is_written_whole_not_sparse(bench, tmp_path):
+    image = tmp_path / "xfs.img"
+    bench.write_zeros(image, 5 * 4096 + 100, chunk=8192)
+    assert image.read_bytes() == bytes(5 * 4096 + 100)
+    assert image.stat().st_blocks * 512 >= 5 * 4096 + 100  # allocated: no hole
 
 
 def test_no_xfs_without_root_or_mkfs(bench, monkeypatch, tmp_path):
