@@ -226,6 +226,18 @@ def test_sync_refuses_a_dtype_mismatch_and_writes_nothing(dirs, capsys):
     assert _equal(_disk(dirs["A"]), before)
 
 
+def test_sync_from_names_the_source_of_a_cast_that_overflows(tmp_path, capsys):
+    dst, src = tmp_path / "dst", tmp_path / "src"
+    dst.mkdir(), src.mkdir()
+    save_file({"w": torch.zeros(4, 8, dtype=torch.float16)}, dst / "model.safetensors")
+    save_file({"w": torch.full((4, 8), 1e6)}, src / "model.safetensors")  # > fp16's max
+    before = _disk(dst)
+    rc, _, err = _run(capsys, "sync", "--model-dir", dst, "--from", src, "--convert-dtype")
+    assert rc == 1 and "overflow to inf" in err, err
+    assert err.rstrip().endswith(f"(the live tensors: --from {src})"), err
+    assert _equal(_disk(dst), before)
+
+
 def test_sync_from_a_directory_of_empty_safetensors_names_it(dirs, capsys, tmp_path):
     from safetensors.torch import save_file
 

@@ -17,6 +17,11 @@ class CheckpointError(HotweightsError):
     """A checkpoint shard is wrong (names the shard file and the tensor)."""
 
 
+class LiveTensorError(CheckpointError):
+    """A live tensor the checkpoint cannot take as it is (its dtype or shape differs from
+    the file's, a cast overflows): names the tensor and the shard."""
+
+
 class ServerError(HotweightsError):
     """The vLLM server refused or failed (names the route and the HTTP status); `status`:
     that status, None where no answer came (unreachable, timed out, connection broken)."""

@@ -30,7 +30,7 @@ from hotweights.checkpoint.dtypes import TORCH
 from hotweights.checkpoint.mapped import mapped
 from hotweights.checkpoint.result import Progress
 from hotweights.checkpoint.shards import Shard
-from hotweights.errors import CheckpointError
+from hotweights.errors import LiveTensorError
 
 HASH_THREADS = 4  # shards hashed at once, at most (`_threads`)
 PAGE = 4096  # a changed block is narrowed page by page: only the pages that differ
@@ -68,7 +68,7 @@ def _cast(name: str, t: torch.Tensor, dtype: torch.dtype, path: str) -> torch.Te
     the narrower dtype's range) is refused, naming the tensor."""
     out = t.to(dtype).contiguous()
     if t.dtype != dtype and (lost := int((torch.isinf(out) & torch.isfinite(t)).sum())):
-        raise CheckpointError(
+        raise LiveTensorError(
             f"{name} in {os.path.basename(path)}: cast to the file's "
             f"{str(dtype).removeprefix('torch.')}, {lost} finite value(s) overflow to inf "
             f"(beyond {torch.finfo(dtype).max:.6g}); nothing was written")

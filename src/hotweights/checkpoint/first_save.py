@@ -34,7 +34,7 @@ from hotweights.checkpoint.names import reverted, storage_key
 from hotweights.checkpoint.result import SyncResult, mib
 from hotweights.checkpoint.shards import INDEX_NAME, read_shard
 from hotweights.checkpoint.writes import syncfs
-from hotweights.errors import CheckpointError
+from hotweights.errors import CheckpointError, LiveTensorError
 
 _CHUNK = 64 << 20  # bytes per copy, write and hash call
 _NONE = np.zeros(0, np.uint64)
@@ -70,7 +70,7 @@ def save(model_dir: Path, live: Mapping[str, torch.Tensor], *, mode: str,
     split = split_torch_state_dict_into_shards(sizing, max_shard_size=max_shard_size)
     for filename, names in split.filename_to_tensors.items():
         if bad := next((n for n in names if tensors[n].dtype not in NAMES), None):
-            raise CheckpointError(f"{bad} in {filename}: the live tensor is "
+            raise LiveTensorError(f"{bad} in {filename}: the live tensor is "
                                   f"{str(tensors[bad].dtype).removeprefix('torch.')}, which "
                                   "has no safetensors dtype; nothing was written")
     config_text = _config_text(config, model)

@@ -73,7 +73,7 @@ from hotweights.checkpoint.result import Progress, SyncResult, mib
 from hotweights.checkpoint.shards import Shard, TensorInfo, read_dir
 from hotweights.checkpoint.writable import shared_file
 from hotweights.checkpoint.writes import syncfs
-from hotweights.errors import CheckpointError
+from hotweights.errors import CheckpointError, LiveTensorError
 
 logger = logging.getLogger(__name__)
 
@@ -329,14 +329,14 @@ def _check(name: str, t: torch.Tensor, shard: Shard, info: TensorInfo,
     where = f"{name} in {shard.path}"
     want = TORCH.get(info.dtype)
     if want is None:  # first: F4's torch form packs two values an element, another shape
-        raise CheckpointError(f"{where}: the file holds {info.dtype}, which has no torch "
+        raise LiveTensorError(f"{where}: the file holds {info.dtype}, which has no torch "
                               "dtype: hotweights cannot sync it; nothing was written")
     if tuple(t.shape) != info.shape:
-        raise CheckpointError(f"{where}: the file holds shape {list(info.shape)}, the live "
+        raise LiveTensorError(f"{where}: the file holds shape {list(info.shape)}, the live "
                               f"tensor {list(t.shape)}; nothing was written")
     floats = castable(want, t.dtype)
     if want != t.dtype and not (convert and floats):
-        raise CheckpointError(f"{where}: the file holds {info.dtype}, the live tensor is "
+        raise LiveTensorError(f"{where}: the file holds {info.dtype}, the live tensor is "
                               f"{str(t.dtype).removeprefix('torch.')}; nothing was written" + (
                                   " (convert_dtype=True, or --convert-dtype, casts it)"
                                   if floats else ": only floats of 16 bits or more are cast "

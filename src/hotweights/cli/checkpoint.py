@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from hotweights.checkpoint.result import not_a_directory
-from hotweights.errors import CheckpointError
+from hotweights.errors import CheckpointError, LiveTensorError
 
 _PHASES = {"hash": "hashing", "write": "writing"}
 _SHOWN = 5  # names listed of each kind
@@ -157,10 +157,8 @@ def _sync_from(args: argparse.Namespace, progress):
                     convert_dtype=args.convert_dtype, changed=_expand(args.changed, tensors),
                     config=config if isinstance(config, dict) else None, progress=progress,
                     after_read=read)
-    except CheckpointError as e:
-        if "the live tensor" not in str(e):
-            raise
-        raise CheckpointError(f"{e} (the live tensors: --from {src})") from e
+    except LiveTensorError as e:  # say whose the live tensors are
+        raise LiveTensorError(f"{e} (the live tensors: --from {src})") from e
     finally:
         tensors.close()
 
