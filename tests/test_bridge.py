@@ -30,7 +30,7 @@ def _bridge() -> Bridge:
     b = Bridge.__new__(Bridge)  # no server: only the transaction's client side
     b.url, b._token, b.server_id, b.holder, b.version = "http://x", "t", "s", "h", "0@s"
     b.tensors, b.remote, b.cafile, b._leased = {}, None, None, threading.Lock()
-    b._model, b.report, b.closed = None, None, False
+    b._model, b.report, b.closed, b._versions = None, None, False, {}
     return b
 
 
@@ -347,6 +347,36 @@ def test_an_update_of_a_model_whose_parameters_became_copies_is_refused(monkeypa
         with b.update():
             pytest.fail("the body must not run")
     assert rec.calls == [] and not b._leased.locked()
+
+
+def test_writes_outside_an_update_are_named_at_the_next_one(monkeypatch, caplog):
+    # outside `update()` the server computes with each write as it lands, under the
+    # version it served: no new number, no prefix-cache reset
+    monkeypatch.setattr(bridge_module, "request", Recorder({}))
+    served = {"w": torch.zeros(4, 4), "b": torch.zeros(4)}
+    model = torch.nn.Linear(4, 4)
+    model.weight, model.bias = (torch.nn.Parameter(served["w"]),
+                                torch.nn.Parameter(served["b"]))  # views of the server's
+    b = _bridge()
+    b.tensors, b._model, b._versions = served, model, bridge_module._versions(model)
+    with torch.no_grad():
+        model.bias.add_(1.0)  # a step outside the update
+    with caplog.at_level("WARNING", logger=bridge_module.__name__), b.update():
+        torch.optim.SGD(model.parameters(), lr=0.1).zero_grad()
+        with torch.no_grad():
+            model.weight.add_(1.0)  # inside: this update's
+    (warned,) = [r.getMessage() for r in caplog.records]
+    assert warned.startswith("update(): 1 parameter(s) of the model `model()` built were "
+                             "written outside `bridge.update()`") and "(e.g. bias)" in warned
+    assert "as version 0@s" in warned
+    caplog.clear()
+    with caplog.at_level("WARNING", logger=bridge_module.__name__), b.update():
+        pass
+    assert caplog.records == []  # the first update's writes were its own
+    model.weight.data.add_(1.0)  # `.data` bypasses the counter: not seen (documented)
+    with caplog.at_level("WARNING", logger=bridge_module.__name__), b.update():
+        pass
+    assert caplog.records == []
 
 
 def test_a_checkpoint_never_writes_the_zeros_of_parameters_no_vllm_tensor_holds(tmp_path):

@@ -54,6 +54,8 @@ class Bridge:
         self.tensors = shm.attach(manifests[0])
         self._model: torch.nn.Module | None = None
         self.report: ViewReport | None = None  # of the model `model()` built
+        self._versions: dict[str, int] = {}  # its parameters' version counters when built
+        # or when the last update ended (`_written_outside`)
         self.remote = None  # a RemoteGroup updated with this server (add_remote)
         self.remote_result: dict | None = None  # its last update's (`RemoteGroup.update`)
         self._leased = threading.Lock()  # held by this bridge's update or exclusive read
@@ -132,7 +134,7 @@ class Bridge:
                         "server_id"):
                     raise
                 logger.warning("views not compared with %s: an update began meanwhile", source)
-        self._model = model
+        self._model, self._versions = model, _versions(model)
         return model
 
     def checkpoint(self, model_dir: str | os.PathLike, *, exclusive: bool = False,
@@ -159,6 +161,7 @@ class Bridge:
         from hotweights.checkpoint import recover, sync
 
         model = self._model or self.model(check_loaded=False)  # what it serves, as is
+        self._written_outside("checkpoint()")
         if missing := self.report.missing if self.report else ():
             raise CheckpointError(
                 f"checkpoint(): {len(missing)} parameter(s) of the model no vLLM tensor holds "
@@ -265,7 +268,29 @@ class Bridge:
             RemoteError: a remote server failed (named; see above).
         """
         with self._exclusive("update()"):
-            yield from self._update(mode, lease_s)
+            self._written_outside("update()")
+            try:
+                yield from self._update(mode, lease_s)
+            finally:  # the body's writes are this update's, committed or aborted
+                self._versions = _versions(self._model)
+
+    def _written_outside(self, what: str) -> None:
+        """Warn where parameters of the model `model()` built were written in place since
+        it was built or the last update ended: outside an update, the server computed with
+        each write as it landed, under the version it served (no new number, its prefix
+        cache not reset), and the sidecars of a checkpoint name that version. Seen by the
+        tensors' version counters: an optimizer's step or an in-place op counts, a write
+        through `.data` or by another process does not."""
+        now = _versions(self._model)
+        if written := [n for n, v in now.items() if self._versions.get(n, v) != v]:
+            logger.warning(
+                "%s: %d parameter(s) of the model `model()` built were written outside "
+                "`bridge.update()` since it was built or the last update (e.g. %s): the "
+                "server computed with them as they landed, as version %s, with no new "
+                "version and its prefix cache not reset; write the weights inside `with "
+                "bridge.update():` (the optimizer's step, a load)", what, len(written),
+                written[0], self.version)
+        self._versions = now
 
     @contextlib.contextmanager
     def _check_views(self, what: str) -> None:
@@ -488,3 +513,11 @@ def _local_model_dir(path: str, trust_remote_code: bool) -> str:
                               "that another user owns or can write; pass "
                               "bridge.model(config=DIR) for a directory you trust")
     return path
+
+
+def _versions(model: Any) -> dict[str, int]:
+    """Each parameter's version counter (torch bumps it at every in-place write through
+    the tensor or a view sharing its counter, here every view of one vLLM tensor)."""
+    if not isinstance(model, torch.nn.Module):
+        return {}
+    return {n: p._version for n, p in model.named_parameters()}
