@@ -253,6 +253,31 @@ def test_demo_trains_the_served_weights_in_place(tmp_path, capsys):
     assert f"kept in {tmp_path}: the model" in " ".join(out.split())  # rich wraps lines
 
 
+@pytest.mark.parametrize("rl", [[], ["--rl"]])
+def test_demo_never_writes_over_a_directory_it_did_not_make(rl, tmp_path, capsys):
+    (tmp_path / "checkpoint").mkdir()  # the user's: the demo would replace it
+    (tmp_path / "checkpoint" / "notes.txt").write_text("mine")
+    assert main(["demo", *rl, "--workdir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert f"error: --workdir {tmp_path}: not empty, and no demo's" in err, err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["checkpoint", "notes.txt"]
+    (tmp_path / "afile").write_text("")
+    assert main(["demo", *rl, "--workdir", str(tmp_path / "afile" / "sub")]) == 1
+    err = capsys.readouterr().err
+    assert f"error: --workdir {tmp_path / 'afile' / 'sub'}: cannot write there: " in err, err
+
+
+def test_a_demo_s_directory_is_reused_and_an_empty_one_taken(tmp_path):
+    from hotweights.cli.demo import MARK, workdir_for
+
+    assert workdir_for(str(tmp_path / "new"), "x") == tmp_path / "new"
+    (tmp_path / "new" / "llama").mkdir()  # what the demo built there
+    assert workdir_for(str(tmp_path / "new"), "x") == tmp_path / "new"  # an earlier demo's
+    made = workdir_for(None, "hotweights-test-")
+    assert (made / MARK).exists()
+    shutil.rmtree(made)
+
+
 def test_demo_checkpoint_every_without_rl_is_refused(capsys):
     with pytest.raises(SystemExit) as e:
         main(["demo", "--checkpoint-every", "3"])

@@ -118,6 +118,33 @@ def quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
+MARK = ".hotweights-demo"  # in a directory a demo works in: another may reuse it
+
+
+def workdir_for(path: str | None, prefix: str) -> Path:
+    """Where a demo writes its model, `checkpoint/`, `server.log` (and `grpo/`), replacing
+    what those hold: `path` (made where missing) if it is empty or an earlier demo's,
+    else a new temporary directory. It is marked as a demo's (`MARK`).
+
+    Raises:
+        ConfigError: `path` holds other files, or cannot be written.
+    """
+    out = Path(path) if path else Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        if not (out / MARK).exists() and any(out.iterdir()):
+            raise ConfigError(
+                f"--workdir {out}: not empty, and no demo's: the demo writes its model, "
+                "checkpoint/, server.log (and grpo/) there, replacing what they hold; give "
+                "a new or empty directory, or one an earlier demo used")
+        (out / MARK).touch()
+    except OSError as e:
+        raise ConfigError(f"--workdir {out}: cannot write there: "
+                          f"{e.strerror or e}{f' ({e.filename})' if e.filename else ''}"
+                          ) from e
+    return out
+
+
 def first_checkpoint(model_dir: Path, workdir: Path) -> Path:
     """A copy of the served files: the step-0 checkpoint the demo syncs into."""
     ckpt = workdir / "checkpoint"
@@ -148,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
     # The tiny model needs one. A real trainer: give it cores vLLM does not bind.
     torch.set_num_threads(1)
     quiet_transformers()
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="hotweights-demo-"))
+    workdir = workdir_for(args.workdir, "hotweights-demo-")
     with console.status(f"building a tiny random {args.arch} model in {workdir}"):
         model_dir = tiny.build(args.arch, workdir / args.arch)
 

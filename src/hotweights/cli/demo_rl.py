@@ -11,7 +11,6 @@ loaded in plain transformers and answers in digits too.
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -28,6 +27,7 @@ from hotweights.cli.demo import (
     first_checkpoint,
     quiet_transformers,
     serving,
+    workdir_for,
 )
 from hotweights.errors import ConfigError
 from hotweights.protocol.version import parse_version
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     console = make_console()
     torch.set_num_threads(1)  # vLLM's CPU worker binds and spins its own (see demo.py)
     quiet_transformers()
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="hotweights-demo-rl-"))
+    workdir = workdir_for(args.workdir, "hotweights-demo-rl-")
     with console.status(f"building a tiny random llama model (float32) in {workdir}"):
         model_dir = tiny.build("llama", workdir / "llama", dtype="float32")
     name = str(model_dir)

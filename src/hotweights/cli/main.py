@@ -199,7 +199,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=_count(1), default=None,
                    help="training steps (default: 30; with --rl: 20)")
     p.add_argument("--workdir", default=None, type=_path,
-                   help="where to build the model (default: temp)")
+                   help="where the demo writes the model, checkpoint/, server.log (and "
+                   "grpo/ with --rl), kept after it: a new or empty directory, or one an "
+                   "earlier demo used (default: a new temporary one)")
     p.add_argument("--rl", action="store_true", help="reinforcement learning instead: TRL's "
                    "GRPOTrainer through hotweights.integrations.trl teaches the served model "
                    "to answer in digits (reward: their share), live, while a client keeps "
