@@ -78,6 +78,18 @@ def test_help_says_the_memory_default(capsys):
     assert f"sets VLLM_CPU_KVCACHE_SPACE={serve.KV_CACHE_GIB} (GiB" in out
 
 
+@pytest.mark.parametrize(("host", "url"), [
+    ("0.0.0.0", "http://127.0.0.1:8000"), ("::", "http://[::1]:8000"),
+    ("::1", "http://[::1]:8000"), ("10.1.2.3", "http://10.1.2.3:8000"),
+    ("gpu01", "http://gpu01:8000")])
+def test_the_serving_line_names_a_url_this_machine_reaches(host, url):
+    # what `hotweights status` and `Bridge.connect` take (a loopback URL finds the token
+    # file); "http://:::8000" or "http://0.0.0.0:8000" did not
+    from hotweights.protocol.urls import server_url
+
+    assert serve._probe_url("http", host, 8000) == url == server_url(url)
+
+
 def _runner(tmp_path, port, mode, token_file, **popen):
     return subprocess.Popen(
         [sys.executable, "-c", RUNNER.format(fake=str(FAKE), mode=mode), "serve",

@@ -177,7 +177,7 @@ def recovered(model: str, revision: str | None) -> str | None:
     a sync cut short in it finished or undone before vLLM reads it; None: none here."""
     found = local_dir(model, revision)
     if found and (outcome := journal.recover(found)) in ("replayed", "discarded"):
-        print(f"hotweights: {found}: {outcome} an interrupted checkpoint sync")
+        print(f"hotweights: {found}: {outcome} an interrupted checkpoint sync", flush=True)
     return found
 
 
@@ -201,7 +201,7 @@ def run(args: argparse.Namespace, vllm_args: list[str]) -> int:
     token_file = Path(args.token_file or token_path(args.port))
     check_token_file(token_file)
     for path in shm.sweep_stale():
-        print(f"removed stale shared weights {path}")
+        print(f"removed stale shared weights {path}", flush=True)  # before vLLM's lines
     found = recovered(args.model, _flag(vllm_args, "--revision"))
     server_id = secrets.token_hex(4)  # 8 hex digits: versions read 7@3f9a1c2b
     env = server_env(os.environ, vllm_args, token=token, server_id=server_id,
@@ -237,12 +237,14 @@ def run(args: argparse.Namespace, vllm_args: list[str]) -> int:
         # The token file is written once the port is ours: a second server on a busy port
         # must not replace the token of the one that answers there.
         scheme = "https" if https else "http"
-        if _wait_answering(child[0], _probe_url(scheme, args.host, args.port), token,
-                           server_id, tls.probe_context(args.ssl_certfile) if https else None):
+        url = _probe_url(scheme, args.host, args.port)
+        if _wait_answering(child[0], url, token, server_id,
+                           tls.probe_context(args.ssl_certfile) if https else None):
             write_token(token_file, token)
             owned = True
-            print(f"hotweights: serving {args.model} at {scheme}://{args.host}:{args.port} "
-                  f"(token in {token_file})", flush=True)
+            listening = f"listening on {args.host}; " if _ANY.get(args.host) else ""
+            print(f"hotweights: serving {args.model} at {url} ({listening}token in "
+                  f"{token_file})", flush=True)
         code = child[0].wait()
     finally:
         if owned:
@@ -276,8 +278,14 @@ def _refuse_busy_port(host: str, port: int) -> None:
                           "give an address of this machine (127.0.0.1, 0.0.0.0, ...)") from None
 
 
+_ANY = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}  # every interface: reached
+# from this machine through loopback
+
+
 def _probe_url(scheme: str, host: str, port: int) -> str:
-    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    """The URL this machine reaches a server listening on `host` at (what `hotweights
+    status` and `Bridge.connect` take; a loopback one finds the token file)."""
+    host = _ANY.get(host, host)
     return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
