@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hotweights.checkpoint.load import load_plan
 from hotweights.errors import ConfigError, ServerError
 from hotweights.layout.views import outside_served
 from hotweights.protocol.http import CA_FILE_ENV
@@ -477,17 +478,22 @@ class _OnServedWeights:
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str,
                               model: torch.nn.Module | None = None) -> None:
-        """Resuming loads the checkpoint's weights into the served tensors: as an update
-        (server: paused, a version of its own; colocate: the prefix cache reset)."""
-        with self.weights.update():
-            super()._load_from_checkpoint(resume_from_checkpoint, model)
-        self._check_shared("loading the checkpoint")
+        """Resuming loads the checkpoint's weights into the served tensors, as
+        `save_pretrained` named and converted them (`checkpoint.load`; transformers' own
+        load leaves out fused MoE experts, saved per expert): as an update (server: paused,
+        a version of its own; colocate: the prefix cache reset). A checkpoint that does not
+        fit the model is refused before the pause, with nothing written."""
+        self._load(resume_from_checkpoint, "loading the checkpoint")
 
     def _load_best_model(self) -> None:
         """`load_best_model_at_end`: as `_load_from_checkpoint`."""
+        self._load(self.state.best_model_checkpoint, "loading the best model")
+
+    def _load(self, directory: str, what: str) -> None:
+        load = load_plan(self.model, directory)
         with self.weights.update():
-            super()._load_best_model()
-        self._check_shared("loading the best model")
+            load()
+        self._check_shared(what)
 
     def _move_model_to_device(self, model: torch.nn.Module, device: Any) -> None:
         """Nothing to move: the views lie where vLLM keeps its weights, and `.to()` onto

@@ -1,0 +1,69 @@
+"""Load a safetensors checkpoint into a model's own tensors, in place: the reverse of
+`sync`, through the same name conversions (`save_pretrained`'s: transformers 5 saves
+fused MoE experts per expert, which `load_state_dict` does not match and leaves as
+they were, with a warning only).
+
+`load_plan` checks everything first and returns the load: a trainer runs it inside an
+update, so that nothing is written, and no server paused, for a checkpoint that does not
+fit the model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+
+import torch
+
+from hotweights.checkpoint.names import _few, to_disk, unwrapped
+from hotweights.checkpoint.source import open_dir
+from hotweights.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["load_plan"]
+
+
+def load_plan(model: torch.nn.Module, model_dir: str | os.PathLike) -> Callable[[], int]:
+    """Check that the safetensors in `model_dir` fill every tensor of `model`'s state dict
+    (under the names and in the layout `save_pretrained` gives them), and return the load:
+    it copies each stored tensor into the model's own bytes (cast to their dtype) and
+    returns the bytes it copied. Nothing is written until it runs.
+
+    Raises:
+        CheckpointError: no safetensors in `model_dir`, a tensor of the model the
+            checkpoint lacks or stores in another shape (another model's checkpoint?), or
+            one a conversion gives as a copy (the load would not reach the model).
+    """
+    disk = open_dir(model_dir)
+    live = unwrapped({n: t.detach() for n, t in model.state_dict(keep_vars=True).items()})
+    names = to_disk(live, disk.keys(), model=model)
+    if names.only_live:
+        raise CheckpointError(
+            f"{model_dir}: holds no tensor for {len(names.only_live)} of the model's "
+            f"({_few(names.only_live)}): is it this model's checkpoint? Nothing was loaded")
+    if names.only_disk:
+        logger.warning("%s: %d tensor(s) no tensor of the model takes, not loaded: %s",
+                       model_dir, len(names.only_disk), _few(names.only_disk))
+    own = {t.untyped_storage().data_ptr() for t in live.values()}
+    for name, t in names.tensors.items():
+        if tuple(t.shape) != tuple(disk[name].shape):
+            raise CheckpointError(
+                f"{name} in {model_dir}: shape {list(disk[name].shape)}, the model's "
+                f"{list(t.shape)}: is it this model's checkpoint? Nothing was loaded")
+        if t.untyped_storage().data_ptr() not in own:
+            raise CheckpointError(
+                f"{name} in {model_dir}: transformers' conversion of the model's tensor is "
+                "a copy, which a load cannot write back through; nothing was loaded")
+
+    def load() -> int:
+        try:
+            with torch.no_grad():
+                for name, t in names.tensors.items():
+                    t.copy_(disk[name])
+        finally:
+            disk.close()
+        return sum(t.numel() * t.element_size() for t in names.tensors.values())
+
+    return load

@@ -1,0 +1,62 @@
+"""checkpoint.load: a checkpoint loaded into a model's own tensors through save_pretrained's
+name conversions (what a trainer resuming into the served weights runs inside an update),
+or refused before anything is written."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from hotweights.checkpoint.load import load_plan
+from hotweights.errors import CheckpointError
+from hotweights.testing.tiny import make_config
+
+
+def _model(arch: str, seed: int, **overrides) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(make_config(arch, 300, **overrides),
+                                            dtype=torch.bfloat16)
+
+
+def _same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[n], sb[n]) for n in sa)
+
+
+@pytest.mark.parametrize("arch", ["llama_tied", "qwen3_moe", "mixtral"])
+def test_a_saved_model_loads_into_another_s_own_tensors(arch, tmp_path):
+    saved, into = _model(arch, 0), _model(arch, 1)
+    saved.save_pretrained(tmp_path)
+    views = {n: p.data_ptr() for n, p in into.named_parameters()}
+    assert load_plan(into, tmp_path)() > 0
+    assert _same(saved, into)
+    assert {n: p.data_ptr() for n, p in into.named_parameters()} == views  # in place
+
+
+def test_fused_experts_are_what_a_plain_load_state_dict_leaves_out(tmp_path):
+    # why: transformers 5 saves fused experts per expert, and load_state_dict(strict=False)
+    # (Trainer's resume) matches none of them, with a warning only
+    from safetensors.torch import load_file
+
+    _model("qwen3_moe", 0).save_pretrained(tmp_path)
+    into = _model("qwen3_moe", 1)
+    missing = into.load_state_dict(load_file(tmp_path / "model.safetensors"),
+                                   strict=False).missing_keys
+    assert missing and all(".experts." in n for n in missing)
+
+
+@pytest.mark.parametrize(("other", "message"), [
+    (dict(num_hidden_layers=1), r"holds no tensor for \d+ of the model's \(model\.layers\.1\."),
+    (dict(intermediate_size=96), r"shape \[\d+, \d+\], the model's \[\d+, \d+\]")])
+def test_another_model_s_checkpoint_is_refused_before_anything_is_written(other, message,
+                                                                         tmp_path):
+    _model("llama", 0, **other).save_pretrained(tmp_path)
+    into = _model("llama", 1)
+    before = {n: t.clone() for n, t in into.state_dict().items()}
+    with pytest.raises(CheckpointError, match=message + r".*Nothing was loaded"):
+        load_plan(into, tmp_path)
+    assert all(torch.equal(before[n], t) for n, t in into.state_dict().items())
+
+
+def test_a_directory_without_safetensors_is_named(tmp_path):
+    with pytest.raises(CheckpointError, match=rf"{tmp_path}: no safetensors checkpoint"):
+        load_plan(_model("llama", 0), tmp_path)
