@@ -12,6 +12,7 @@ import contextlib
 import importlib.util
 import subprocess
 import sys
+import types
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -464,13 +465,39 @@ def test_an_optimizer_that_moves_the_weights_outside_its_step_is_refused(served)
     bridge = Bridge.connect(url, token=TOKEN)
     model = bridge.model()
     before = bridge.version
-    trainer = GRPOTrainer(model=model, bridge=bridge, reward_funcs=_reward,
-                          train_dataset=_data(), args=_config(tmp, max_steps=1),
-                          optimizers=(ScheduleFree(model.parameters(), lr=0.1), None))
     with pytest.raises(ConfigError, match=r"ScheduleFree: a schedule-free optimizer moves "
                                           r"every weight in its train\(\) and eval\(\)"):
-        trainer.train()
-    assert bridge.version == before
+        GRPOTrainer(model=model, bridge=bridge, reward_funcs=_reward,  # refused at once:
+                    train_dataset=_data(), args=_config(tmp, max_steps=1),  # evaluate()
+                    optimizers=(ScheduleFree(model.parameters(), lr=0.1), None))  # first
+    assert bridge.version == before  # would call its eval()
+
+
+def test_an_optimizer_wrapping_another_steps_whole_inside_the_update(served):
+    class Lookahead(torch.optim.Optimizer):  # its own writes after the inner step's
+        def __init__(self, optimizer):
+            self.optimizer, self.param_groups = optimizer, optimizer.param_groups
+            self.defaults, self.state = optimizer.defaults, optimizer.state
+            self.states = []
+
+        def step(self, closure=None):
+            self.optimizer.step()
+            self.states.append(bridge.status()["state"])  # its slow-weight write, here
+
+    url, tmp = served
+    bridge = Bridge.connect(url, token=TOKEN)
+    model = bridge.model()
+    outer = Lookahead(torch.optim.SGD(model.parameters(), lr=0.0))
+    trainer = GRPOTrainer(model=model, bridge=bridge, reward_funcs=_reward,
+                          train_dataset=_data(), args=_config(tmp, max_steps=1),
+                          optimizers=(outer, None))
+    assert trainer.create_optimizer() is outer
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param)
+    before = parse_version(bridge.version)[0]
+    outer.step()
+    assert outer.states == ["paused"] and parse_version(bridge.version)[0] == before + 1
+    assert not getattr(outer.optimizer.step, "hotweights_update", False)  # once, outside
 
 
 def test_rloo_refuses_what_grpo_refuses_and_a_grpo_config(served):
@@ -528,3 +555,20 @@ def test_distillation_wants_a_teacher(served):
     bridge = Bridge.connect(url, token=TOKEN)
     with pytest.raises(ConfigError, match="teacher_model=None"):
         DistillationTrainer(bridge=bridge, train_dataset=_data())
+
+
+def test_allow_missing_zeros_are_no_copy_trl_made():
+    # `bridge.model(allow_missing=...)` builds those parameters as zeros of their own: by
+    # design, not TRL's or accelerate's copies
+    from hotweights.integrations.trl import _OnServedWeights
+
+    served = torch.zeros(2, 2)
+    model = torch.nn.Linear(2, 2)
+    model.weight = torch.nn.Parameter(served)
+    trainer = types.SimpleNamespace(model=model, weights=types.SimpleNamespace(
+        tensors={"w": served}, missing=("bias",)))
+    _OnServedWeights._check_shared(trainer, "TRL's setup")
+    trainer.weights.missing = ()
+    with pytest.raises(ConfigError, match=r"1 trainable parameter\(s\) no longer lie in "
+                                          r"vLLM's memory after TRL's setup \(e\.g\. bias\)"):
+        _OnServedWeights._check_shared(trainer, "TRL's setup")

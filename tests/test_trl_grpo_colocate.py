@@ -8,6 +8,7 @@ import torch
 
 pytest.importorskip("trl")
 
+from hotweights.errors import ConfigError  # noqa: E402
 from hotweights.integrations.trl import (  # noqa: E402
     DistillationTrainer,
     GRPOTrainer,
@@ -126,6 +127,8 @@ def test_close_or_a_failed_setup_stops_the_engine_and_puts_the_environment_back(
         llm = trainer.weights.llm
     assert trainer.weights.llm is None and trainer.vllm_generation.llm is None
     assert dict(os.environ) == before
+    with pytest.raises(ConfigError, match=r"this trainer was closed \(close\(\) stopped "):
+        trainer.train()  # not an AttributeError deep in TRL
     # the engine is gone and its distributed state freed: another one starts here
     with GRPOTrainer(model=str(model_dir), reward_funcs=_reward, train_dataset=_data(),
                      args=_config(tmp_path, vllm_mode="colocate", max_steps=1)) as again:

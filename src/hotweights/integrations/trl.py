@@ -155,6 +155,10 @@ class _Server:
         self.tensors = bridge.tensors
 
     @property
+    def missing(self) -> tuple[str, ...]:  # `allow_missing`'s zeros: copies by design
+        return self.bridge.report.missing if self.bridge.report else ()
+
+    @property
     def version(self) -> int:
         return parse_version(self.bridge.version)[0]
 
@@ -179,6 +183,7 @@ class _Colocated:
 
         self.llm, self.version, self.samples = llm, 0, 0
         self.tensors = live_params(llm)
+        self.missing = ()  # the model is built on every tensor vLLM holds
 
     def watch(self, generation) -> None:
         """Counts the samples of every generation of the engine: TRL's, and a
@@ -194,13 +199,20 @@ class _Colocated:
         return counted
 
     def begin_batch(self) -> None:
+        self._check_open()
         self.samples = 0
+
+    def _check_open(self) -> None:
+        if self.llm is None:
+            raise ConfigError("this trainer was closed (close() stopped its vLLM engine, "
+                              "whose weights the model's parameters were): make a new one")
 
     def batch_versions(self) -> list[int]:
         return [self.version] * self.samples  # TRL generates between steps
 
     @contextlib.contextmanager
     def update(self) -> Iterator[None]:
+        self._check_open()
         try:
             yield
         finally:  # also after a step that raised half way: it may have written some
@@ -327,6 +339,19 @@ _SCHEDULE_FREE = ("a schedule-free optimizer moves every weight in its train() a
                   "optimizer that writes the weights only in optimizer.step()")
 
 
+def _own(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The trainer's optimizer inside accelerate's wrapper (which forwards `step` to it);
+    any other wrapper (Lookahead's, say) is the optimizer: its whole step is the update."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    return optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    if any(callable(getattr(optimizer, mode, None)) for mode in ("train", "eval")):
+        raise ConfigError(f"{type(optimizer).__name__}: {_SCHEDULE_FREE}")
+
+
 def _check_dtypes(args: _Config, tensors: Mapping[str, torch.Tensor]) -> None:
     """Refuse `bf16_full_eval` / `fp16_full_eval` on weights of another dtype (evaluation
     would `.to()` the model: a copy); warn of bf16 autocast on float32 weights."""
@@ -419,6 +444,8 @@ class _OnServedWeights:
             _check_device(self.accelerator.device, {t.device for t in self.weights.tensors
                                                     .values()}, type(args).__name__)
             self._check_shared("TRL's setup")
+            if self.optimizer is not None:  # given (`optimizers=`): an evaluation before
+                _check_optimizer(_own(self.optimizer))  # train() calls its eval()
         except BaseException:
             self.close()
             raise
@@ -428,11 +455,12 @@ class _OnServedWeights:
         self.vllm_generation.sync_weights = lambda: None
 
     def close(self) -> None:
-        """Colocate mode: stop the in-process vLLM engine (its memory and distributed
-        state freed, so another can start) and put back the environment variables its
-        setup and TRL's changed (those set since, by the program, stay). The model's
-        parameters were the engine's: do not train it after. Server mode: nothing to free
-        (the server keeps serving)."""
+        """Colocate mode: stop the in-process vLLM engine (its distributed state and the
+        memory of its cache freed, so another can start) and put back the environment
+        variables its setup and TRL's changed (those set since, by the program, stay). The
+        model's parameters are the engine's weights: their memory goes once the model and
+        its optimizer are dropped too; training or generating after is refused. Server
+        mode: nothing to free (the server keeps serving)."""
         if isinstance(self.weights, _Colocated) and self.weights.llm is not None:
             from hotweights.vllm_plugin.local import restore_environ, stop_engine
 
@@ -450,7 +478,8 @@ class _OnServedWeights:
         self.close()
 
     def _check_shared(self, after: str) -> None:
-        if outside := outside_served(self.model, self.weights.tensors):
+        if outside := [n for n in outside_served(self.model, self.weights.tensors)
+                       if n not in self.weights.missing]:
             raise ConfigError(
                 f"{len(outside)} trainable parameter(s) no longer lie in vLLM's memory "
                 f"after {after} (e.g. {outside[0]}): TRL or accelerate copied them, and "
@@ -501,9 +530,8 @@ class _OnServedWeights:
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         optimizer = super().create_optimizer(model)
-        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper forwards
-        if any(callable(getattr(inner, mode, None)) for mode in ("train", "eval")):
-            raise ConfigError(f"{type(inner).__name__}: {_SCHEDULE_FREE}")
+        inner = _own(optimizer)
+        _check_optimizer(inner)
         if not getattr(inner.step, "hotweights_update", False):  # the optimizer itself:
             # a second `train()` gets accelerate's wrapper back, which steps it (one update
             # a step, not one in another); a bound method, as torch's LR schedulers expect
