@@ -161,6 +161,7 @@ def test_serve_refuses_flags_that_split_the_weights_or_the_updates(flags, named,
 def test_serve_refuses_what_it_cannot_serve_by_name_before_vllm_starts(argv, named,
                                                                         tmp_path, capsys):
     argv = [a.format(tmp=tmp_path) for a in argv]
+    (tmp_path / "config.json").write_text("{}")
     token = [] if "--token-file" in argv else ["--token-file", str(tmp_path / "t")]
     assert main(["serve", str(tmp_path), *token, *argv]) == 1
     err = capsys.readouterr().err
@@ -174,6 +175,8 @@ def test_serve_refuses_a_model_path_that_is_no_directory_and_a_bad_port(tmp_path
     (tmp_path / "afile").write_text("")
     assert main(["serve", str(tmp_path / "afile"), "--token-file", str(tmp_path / "t")]) == 1
     assert f"error: MODEL {tmp_path / 'afile'}: not a directory" in capsys.readouterr().err
+    assert main(["serve", str(tmp_path), "--token-file", str(tmp_path / "t")]) == 1
+    assert f"error: MODEL {tmp_path}: no config.json in it" in capsys.readouterr().err
     for port in ("0", "70000"):
         with pytest.raises(SystemExit) as e:
             main(["serve", str(tmp_path), "--port", port])

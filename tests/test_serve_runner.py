@@ -91,6 +91,7 @@ def test_the_serving_line_names_a_url_this_machine_reaches(host, url):
 
 
 def _runner(tmp_path, port, mode, token_file, **popen):
+    (tmp_path / "config.json").write_text("{}")
     return subprocess.Popen(
         [sys.executable, "-c", RUNNER.format(fake=str(FAKE), mode=mode), "serve",
          str(tmp_path), "--port", str(port), "--token-file", str(token_file)],
@@ -256,3 +257,11 @@ def test_killed_runner_takes_its_vllm_server_down(tiny_model, tmp_path):
             runner.wait()
         if vllm is not None and _alive(vllm):
             os.killpg(vllm, signal.SIGKILL)  # its own session: processes this test started
+
+
+def test_model_paths_are_expanded_for_vllm_and_the_recovery(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    assert serve.check_model("~/m") == str(tmp_path / "m")  # vLLM got "~/m" as is
+    assert serve.check_model("org/name") == "org/name"  # a hub id: vLLM's to find

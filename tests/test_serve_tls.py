@@ -77,6 +77,7 @@ def test_an_encrypted_key_is_refused_without_a_prompt(tls, tmp_path):
 
 def test_the_runner_refuses_bad_files_before_starting_anything(tmp_path):
     missing = tmp_path / "missing.pem"
+    (tmp_path / "config.json").write_text("{}")
     out = subprocess.run(
         [sys.executable, "-m", "hotweights", "serve", str(tmp_path), "--ssl-keyfile",
          str(missing), "--ssl-certfile", str(missing)], capture_output=True, text=True,

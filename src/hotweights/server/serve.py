@@ -149,12 +149,20 @@ def refuse_ours(vllm_args: list[str]) -> None:
             raise ConfigError(f"{name}: {why}; drop it")
 
 
-def check_model(model: str) -> None:
-    """Refuse a MODEL that is written as a path (./x, /x, ~/x) but is no directory: vLLM
-    would take it for a hub name and fail late."""
-    if model.startswith((".", "/", "~")) and not (path := Path(model).expanduser()).is_dir():
+def check_model(model: str) -> str:
+    """MODEL as vLLM and the checkpoint recovery take it (``~`` expanded). Refuse one that
+    is written as a path (./x, /x, ~/x) but is no directory (vLLM would take it for a hub
+    name), or a directory with no model config (vLLM would fail late, once started)."""
+    if not model.startswith((".", "/", "~")):
+        return model
+    path = Path(model).expanduser()
+    if not path.is_dir():
         raise ConfigError(f"MODEL {model}: " + ("not a directory" if path.exists() else
                                                 "no such directory"))
+    if not any((path / name).is_file() for name in ("config.json", "params.json")):
+        raise ConfigError(f"MODEL {model}: no config.json in it (nor Mistral's params.json): "
+                          "give the directory of a model (its config and safetensors)")
+    return str(path)
 
 
 def check_token_file(path: Path) -> None:
@@ -193,7 +201,7 @@ def run(args: argparse.Namespace, vllm_args: list[str]) -> int:
     require_vllm("hotweights serve")
     refuse_unshareable(vllm_args)
     refuse_ours(vllm_args)
-    check_model(args.model)
+    args.model = check_model(args.model)
     https = tls.check_files(args.ssl_keyfile, args.ssl_certfile)
     _refuse_busy_port(args.host, args.port)
     token = checked(args.token or os.environ.get("HOTWEIGHTS_TOKEN") or
