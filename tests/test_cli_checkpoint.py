@@ -216,6 +216,17 @@ def test_sync_refuses_reflink_where_there_are_none(dirs, capsys):
     assert _equal(_disk(dirs["A"]), before)
 
 
+def test_sync_json_in_a_terminal_draws_its_progress_on_stderr(dirs, capsys, monkeypatch):
+    from hotweights.cli import checkpoint as cli
+
+    drawn, progress = [], cli._progress
+    monkeypatch.setattr(cli, "_progress", lambda on: (drawn.append(on), progress(on))[1])
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    rc, out, _ = _run(capsys, "sync", "--model-dir", dirs["A"], "--from", dirs["B"], "--json")
+    assert rc == 0 and drawn == [True]  # a long sync --json showed nothing before
+    assert json.loads(out)["tensors_changed"] == 2  # stdout: the JSON alone
+
+
 def test_sync_refuses_a_dtype_mismatch_and_writes_nothing(dirs, capsys):
     before = _disk(dirs["A"])
     rc, _, err = _run(capsys, "sync", "--model-dir", dirs["A"], "--from", dirs["F"])

@@ -31,7 +31,7 @@ def run_sync(args: argparse.Namespace) -> int:
     created, commits = not os.path.lexists(args.model_dir), journal.commits
     config = _read(Path(args.model_dir) / "config.json")  # what a first save may replace
     try:
-        with (_progress(sys.stderr.isatty() and not args.json) as progress,
+        with (_progress(sys.stderr.isatty()) as progress,  # on stderr: not in the JSON
               _said_below(args, "hotweights.checkpoint.incremental")):
             if args.source is not None:
                 result = _sync_from(args, progress)

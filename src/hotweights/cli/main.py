@@ -246,7 +246,8 @@ def _parser() -> argparse.ArgumentParser:
                    "others are not hashed where their shard's sidecar is fresh. Give only "
                    "what you know (e.g. the trainable parameters): a change outside it is "
                    "not written until a sync without --changed. Default: hash every tensor")
-    p.add_argument("--json", action="store_true", help="print the result as JSON only")
+    p.add_argument("--json", action="store_true", help="print the result as JSON only, on "
+                   "stdout (a terminal still shows the progress, on stderr)")
     p.set_defaults(run=_run_sync)
 
     p = sub.add_parser(
