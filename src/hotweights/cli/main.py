@@ -194,8 +194,8 @@ def _parser() -> argparse.ArgumentParser:
         "completions and weight versions before and after: the server serves the trained "
         "weights without any copy or reload.",
     )
-    p.add_argument("--arch", default="llama", choices=ARCHS,
-                   help="tiny model architecture (default: llama)")
+    p.add_argument("--arch", default="llama", choices=ARCHS, metavar="ARCH",
+                   help=f"tiny model architecture: {', '.join(ARCHS)} (default: llama)")
     p.add_argument("--steps", type=_count(1), default=None,
                    help="training steps (default: 30; with --rl: 20)")
     p.add_argument("--workdir", default=None, type=_path,
