@@ -25,6 +25,8 @@ def test_every_state_prints(state):
         assert printed["lease"] == "host:1:abc (wait)" and "in-flight" in printed["state"]
     if state == "paused":
         assert printed["lease"] == "host:1:abc (wait), expires in 30 s"
+        status["lease_left_s"] = 12.0  # the server's own count: its clock may be another's
+        assert dict(rows(status, now=5000.0))["lease"] == "host:1:abc (wait), expires in 12 s"
     assert printed["state"] != state  # every state has its words
     assert (printed["to pause"], printed["paused"], printed["commit"], printed["update"]) == (
         "20.0 ms", "12.0 ms", "3.0 ms", "50.0 ms")

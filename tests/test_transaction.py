@@ -189,6 +189,7 @@ def test_status_while_draining_has_a_deadline_and_says_paused():
         status = tx.status()
         assert status["state"] == "draining" and status["paused"] is True  # requests held
         assert status["holder"] == "h1" and status["lease_expires"] > 0
+        assert 0 < status["lease_left_s"] <= 30
         engine.block["pause"].set()
         await task
 

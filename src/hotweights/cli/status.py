@@ -24,14 +24,16 @@ STATUS_TIMEOUT_S = 15  # a server answers its status at once, even mid-update
 
 def rows(status: dict, now: float) -> list[tuple[str, str]]:
     """What `status` prints, line by line (a status of any state, any server version)."""
-    lease = status.get("lease_expires")
+    lease, left = status.get("lease_expires"), status.get("lease_left_s")
+    if isinstance(lease, int | float) and not isinstance(left, int | float):
+        left = lease - now  # a server before lease_left_s: by this machine's clock
     holder = status.get("holder")
     out = [
         ("weight version", str(status["version"])),
         ("state", _STATES.get(status.get("state"), str(status.get("state")))),
         ("lease", "none" if holder is None else
          f"{holder} ({status.get('mode')})" + (
-             f", expires in {lease - now:.0f} s" if isinstance(lease, int | float) else "")),
+             f", expires in {left:.0f} s" if isinstance(left, int | float) else "")),
     ]
     if status.get("dirty"):
         out.append(("weights", f"DIRTY: {status.get('dirty_reason') or 'update interrupted'}; "

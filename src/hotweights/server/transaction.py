@@ -218,6 +218,8 @@ class Transaction:
             server_id=self.server_id, version=self.version, n=self.n, state=self.state.value,
             paused=self._held_at is not None,
             holder=self.holder, mode=self.mode, lease_expires=self.lease.expires,
+            lease_left_s=None if self.lease.expires is None else max(
+                0.0, self.lease.expires - self.clock()),  # by this server's clock
             dirty=self.dirty, dirty_reason=self.versions.dirty_reason,
             dirty_versions=self.versions.dirty_labels(),
             expired=self.expired, updates=self.updates, last_pause_s=self.last_pause_s,
