@@ -139,8 +139,10 @@ def test_connecting_to_a_remote_server_says_how_to_update_it(monkeypatch):
     monkeypatch.setattr(bridge_module, "request", lambda *a, **k: {
         "manifests": [], "version": "0@s", "server_id": "s", "remote": True})
     with pytest.raises(ServerError, match=r"http://127.0.0.1:8000 is a `hotweights serve "
-                                          r"--remote`: it shares no memory; update it with "
-                                          r"RemoteGroup"):
+                                          r"--remote`: it shares no memory, and a bridge "
+                                          r"\(so `sync` or `diagnose --server`\) maps .*"
+                                          r"update it with RemoteGroup.*checkpoint from that "
+                                          r"server"):
         Bridge.connect("http://127.0.0.1:8000", token="t")
 
 

@@ -86,9 +86,11 @@ class Bridge:
         manifests = [shm.Manifest.from_dict(m, source=f"{url}/hotweights/manifest")
                      for m in data["manifests"]]
         if not manifests and data.get("remote"):
-            raise ServerError(f"{url} is a `hotweights serve --remote`: it shares no memory; "
-                              "update it with RemoteGroup, or bridge.add_remote(...) from the "
-                              "bridge of a server on the trainer's machine")
+            raise ServerError(f"{url} is a `hotweights serve --remote`: it shares no memory, "
+                              "and a bridge (so `sync` or `diagnose --server`) maps a server's "
+                              "weights on this machine; update it with RemoteGroup, or "
+                              "bridge.add_remote(...) from the bridge of a server on the "
+                              "trainer's machine, and checkpoint from that server")
         if len(manifests) != 1:
             raise ServerError(f"{url}: {len(manifests)} workers; the bridge maps tp=1 servers")
         if manifests[0].server_id != data.get("server_id"):
