@@ -46,10 +46,12 @@ def test_fused_experts_are_what_a_plain_load_state_dict_leaves_out(tmp_path):
 
 @pytest.mark.parametrize(("other", "message"), [
     (dict(num_hidden_layers=1), r"holds no tensor for \d+ of the model's \(model\.layers\.1\."),
-    (dict(intermediate_size=96), r"shape \[\d+, \d+\], the model's \[\d+, \d+\]")])
+    (dict(intermediate_size=96), r"bfloat16 \[\d+, \d+\], the model's bfloat16 \[\d+, \d+\]"),
+    (dict(dtype="float16"), r"float16 \[\d+, \d+\], the model's bfloat16")])  # no silent cast
 def test_another_model_s_checkpoint_is_refused_before_anything_is_written(other, message,
                                                                          tmp_path):
-    _model("llama", 0, **other).save_pretrained(tmp_path)
+    dtype = getattr(torch, other.pop("dtype", "bfloat16"))
+    _model("llama", 0, **other).to(dtype).save_pretrained(tmp_path)
     into = _model("llama", 1)
     before = {n: t.clone() for n, t in into.state_dict().items()}
     with pytest.raises(CheckpointError, match=message + r".*Nothing was loaded"):

@@ -272,10 +272,14 @@ def test_demo_never_writes_over_a_directory_it_did_not_make(rl, tmp_path, capsys
 
 def test_a_demo_s_directory_is_reused_and_an_empty_one_taken(tmp_path):
     from hotweights.cli.demo import MARK, workdir_for
+    from hotweights.errors import ConfigError
 
     assert workdir_for(str(tmp_path / "new"), "x") == tmp_path / "new"
     (tmp_path / "new" / "llama").mkdir()  # what the demo built there
     assert workdir_for(str(tmp_path / "new"), "x") == tmp_path / "new"  # an earlier demo's
+    (tmp_path / "new" / "notes.txt").write_text("mine")  # put there since: not replaced
+    with pytest.raises(ConfigError, match="not empty, and no demo's"):
+        workdir_for(str(tmp_path / "new"), "x")
     made = workdir_for(None, "hotweights-test-")
     assert (made / MARK).exists()
     shutil.rmtree(made)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from hotweights.errors import ConfigError
 from hotweights.protocol import shm
 from hotweights.server import serve
 from hotweights.server.launch import free_port
@@ -265,3 +266,7 @@ def test_model_paths_are_expanded_for_vllm_and_the_recovery(tmp_path, monkeypatc
     (tmp_path / "m" / "config.json").write_text("{}")
     assert serve.check_model("~/m") == str(tmp_path / "m")  # vLLM got "~/m" as is
     assert serve.check_model("org/name") == "org/name"  # a hub id: vLLM's to find
+    (tmp_path / "w").mkdir()  # weights only: the config given apart, as vLLM takes it
+    with pytest.raises(ConfigError, match=r"MODEL ~/w: no config\.json in it"):
+        serve.check_model("~/w")
+    assert serve.check_model("~/w", ["--hf-config-path", "./cfg"]) == str(tmp_path / "w")

@@ -163,7 +163,8 @@ class Bridge:
         from hotweights.checkpoint import recover, sync
 
         model = self._model or self.model(check_loaded=False)  # what it serves, as is
-        self._written_outside("checkpoint()")
+        if not self._leased.locked():  # (not from another thread inside an update's body)
+            self._written_outside("checkpoint()")
         if missing := self.report.missing if self.report else ():
             raise CheckpointError(
                 f"checkpoint(): {len(missing)} parameter(s) of the model no vLLM tensor holds "
@@ -286,12 +287,12 @@ class Bridge:
         now = _versions(self._model)
         if written := [n for n, v in now.items() if self._versions.get(n, v) != v]:
             logger.warning(
-                "%s: %d parameter(s) of the model `model()` built were written outside "
-                "`bridge.update()` since it was built or the last update (e.g. %s): the "
-                "server computed with them as they landed, as version %s, with no new "
-                "version and its prefix cache not reset; write the weights inside `with "
-                "bridge.update():` (the optimizer's step, a load)", what, len(written),
-                written[0], self.version)
+                "%s: the model `model()` built was written outside `bridge.update()` since "
+                "it was built or the last update (%s or a view of the same vLLM tensor): "
+                "the server computed with the writes as they landed, as version %s, with "
+                "no new version and its prefix cache not reset; write the weights inside "
+                "`with bridge.update():` (the optimizer's step, a load)", what, written[0],
+                self.version)
         self._versions = now
 
     @contextlib.contextmanager
@@ -519,7 +520,8 @@ def _local_model_dir(path: str, trust_remote_code: bool) -> str:
 
 def _versions(model: Any) -> dict[str, int]:
     """Each parameter's version counter (torch bumps it at every in-place write through
-    the tensor or a view sharing its counter, here every view of one vLLM tensor)."""
+    the tensor or a view sharing its counter, here every view of one vLLM tensor); an
+    inference tensor has none."""
     if not isinstance(model, torch.nn.Module):
         return {}
-    return {n: p._version for n, p in model.named_parameters()}
+    return {n: p._version for n, p in model.named_parameters() if not p.is_inference()}

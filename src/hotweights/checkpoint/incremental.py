@@ -329,7 +329,7 @@ def _check(name: str, t: torch.Tensor, shard: Shard, info: TensorInfo,
     where = f"{name} in {shard.path}"
     want = TORCH.get(info.dtype)
     if want is None:  # first: F4's torch form packs two values an element, another shape
-        raise LiveTensorError(f"{where}: the file holds {info.dtype}, which has no torch "
+        raise CheckpointError(f"{where}: the file holds {info.dtype}, which has no torch "
                               "dtype: hotweights cannot sync it; nothing was written")
     if tuple(t.shape) != info.shape:
         raise LiveTensorError(f"{where}: the file holds shape {list(info.shape)}, the live "

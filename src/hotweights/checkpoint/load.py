@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 import torch
 
-from hotweights.checkpoint.names import _few, to_disk, unwrapped
-from hotweights.checkpoint.source import open_dir
+from hotweights.checkpoint.names import NameMap, _few, to_disk, unwrapped
+from hotweights.checkpoint.source import Tensors, open_dir
 from hotweights.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -28,34 +28,23 @@ __all__ = ["load_plan"]
 def load_plan(model: torch.nn.Module, model_dir: str | os.PathLike) -> Callable[[], int]:
     """Check that the safetensors in `model_dir` fill every tensor of `model`'s state dict
     (under the names and in the layout `save_pretrained` gives them), and return the load:
-    it copies each stored tensor into the model's own bytes (cast to their dtype) and
-    returns the bytes it copied. Nothing is written until it runs.
+    it copies each stored tensor into the model's own bytes and returns the bytes it
+    copied. Nothing is written until it runs.
 
     Raises:
         CheckpointError: no safetensors in `model_dir`, a tensor of the model the
-            checkpoint lacks or stores in another shape (another model's checkpoint?), or
-            one a conversion gives as a copy (the load would not reach the model).
+            checkpoint lacks or stores in another shape or dtype (another model's
+            checkpoint?), or one a conversion gives as a copy (the load would not reach
+            the model).
     """
     disk = open_dir(model_dir)
-    live = unwrapped({n: t.detach() for n, t in model.state_dict(keep_vars=True).items()})
-    names = to_disk(live, disk.keys(), model=model)
-    if names.only_live:
-        raise CheckpointError(
-            f"{model_dir}: holds no tensor for {len(names.only_live)} of the model's "
-            f"({_few(names.only_live)}): is it this model's checkpoint? Nothing was loaded")
-    if names.only_disk:
-        logger.warning("%s: %d tensor(s) no tensor of the model takes, not loaded: %s",
-                       model_dir, len(names.only_disk), _few(names.only_disk))
-    own = {t.untyped_storage().data_ptr() for t in live.values()}
-    for name, t in names.tensors.items():
-        if tuple(t.shape) != tuple(disk[name].shape):
-            raise CheckpointError(
-                f"{name} in {model_dir}: shape {list(disk[name].shape)}, the model's "
-                f"{list(t.shape)}: is it this model's checkpoint? Nothing was loaded")
-        if t.untyped_storage().data_ptr() not in own:
-            raise CheckpointError(
-                f"{name} in {model_dir}: transformers' conversion of the model's tensor is "
-                "a copy, which a load cannot write back through; nothing was loaded")
+    try:
+        live = unwrapped({n: t.detach() for n, t in model.state_dict(keep_vars=True).items()})
+        names = to_disk(live, disk.keys(), model=model)
+        _check(model_dir, names, disk, {t.untyped_storage().data_ptr() for t in live.values()})
+    except BaseException:
+        disk.close()
+        raise
 
     def load() -> int:
         try:
@@ -67,3 +56,30 @@ def load_plan(model: torch.nn.Module, model_dir: str | os.PathLike) -> Callable[
         return sum(t.numel() * t.element_size() for t in names.tensors.values())
 
     return load
+
+
+def _check(model_dir: str | os.PathLike, names: NameMap, disk: Tensors, own: set[int]
+           ) -> None:
+    """Refuse what a load of `disk` into the model's `names` cannot do in place (see
+    `load_plan`); `own`: the model's storages."""
+    if names.only_live:
+        raise CheckpointError(
+            f"{model_dir}: holds no tensor for {len(names.only_live)} of the model's "
+            f"({_few(names.only_live)}): is it this model's checkpoint? Nothing was loaded")
+    if names.only_disk:
+        logger.warning("%s: %d tensor(s) no tensor of the model takes, not loaded: %s",
+                       model_dir, len(names.only_disk), _few(names.only_disk))
+    for name, t in names.tensors.items():
+        stored = disk[name]
+        if (tuple(t.shape), t.dtype) != (tuple(stored.shape), stored.dtype):
+            raise CheckpointError(
+                f"{name} in {model_dir}: {_form(stored)}, the model's {_form(t)}: is it this "
+                "model's checkpoint? Nothing was loaded")
+        if t.untyped_storage().data_ptr() not in own:
+            raise CheckpointError(
+                f"{name} in {model_dir}: transformers' conversion of the model's tensor is "
+                "a copy, which a load cannot write back through; nothing was loaded")
+
+
+def _form(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}"

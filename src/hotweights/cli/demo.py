@@ -119,20 +119,25 @@ def quiet_transformers() -> None:
 
 
 MARK = ".hotweights-demo"  # in a directory a demo works in: another may reuse it
+_WRITES = ("checkpoint", "server.log", "grpo")  # what a demo writes there, beside its model
 
 
 def workdir_for(path: str | None, prefix: str) -> Path:
     """Where a demo writes its model, `checkpoint/`, `server.log` (and `grpo/`), replacing
-    what those hold: `path` (made where missing) if it is empty or an earlier demo's,
-    else a new temporary directory. It is marked as a demo's (`MARK`).
+    what those hold: `path` (made where missing) if it is empty or an earlier demo's (it
+    holds `MARK` and nothing a demo does not write), else a new temporary directory. It is
+    marked as a demo's.
 
     Raises:
         ConfigError: `path` holds other files, or cannot be written.
     """
+    from hotweights.testing.tiny import ARCHS
+
     out = Path(path) if path else Path(tempfile.mkdtemp(prefix=prefix))
     try:
         out.mkdir(parents=True, exist_ok=True)
-        if not (out / MARK).exists() and any(out.iterdir()):
+        names = {p.name for p in out.iterdir()}
+        if names and (MARK not in names or names - {MARK, *ARCHS, *_WRITES}):
             raise ConfigError(
                 f"--workdir {out}: not empty, and no demo's: the demo writes its model, "
                 "checkpoint/, server.log (and grpo/) there, replacing what they hold; give "

@@ -149,17 +149,21 @@ def refuse_ours(vllm_args: list[str]) -> None:
             raise ConfigError(f"{name}: {why}; drop it")
 
 
-def check_model(model: str) -> str:
+def check_model(model: str, vllm_args: list[str] = ()) -> str:
     """MODEL as vLLM and the checkpoint recovery take it (``~`` expanded). Refuse one that
     is written as a path (./x, /x, ~/x) but is no directory (vLLM would take it for a hub
-    name), or a directory with no model config (vLLM would fail late, once started)."""
+    name), or a directory with no model config where vLLM reads it from there (it would
+    fail late, once started; not with --hf-config-path or another --config-format)."""
     if not model.startswith((".", "/", "~")):
         return model
     path = Path(model).expanduser()
     if not path.is_dir():
         raise ConfigError(f"MODEL {model}: " + ("not a directory" if path.exists() else
                                                 "no such directory"))
-    if not any((path / name).is_file() for name in ("config.json", "params.json")):
+    elsewhere = _flag(vllm_args, "--hf-config-path") or _flag(
+        vllm_args, "--config-format") not in (None, "auto", "hf", "mistral")
+    if not elsewhere and not any((path / name).is_file()
+                                 for name in ("config.json", "params.json")):
         raise ConfigError(f"MODEL {model}: no config.json in it (nor Mistral's params.json): "
                           "give the directory of a model (its config and safetensors)")
     return str(path)
@@ -201,7 +205,7 @@ def run(args: argparse.Namespace, vllm_args: list[str]) -> int:
     require_vllm("hotweights serve")
     refuse_unshareable(vllm_args)
     refuse_ours(vllm_args)
-    args.model = check_model(args.model)
+    args.model = check_model(args.model, vllm_args)
     https = tls.check_files(args.ssl_keyfile, args.ssl_certfile)
     _refuse_busy_port(args.host, args.port)
     token = checked(args.token or os.environ.get("HOTWEIGHTS_TOKEN") or
@@ -250,7 +254,7 @@ def run(args: argparse.Namespace, vllm_args: list[str]) -> int:
                            tls.probe_context(args.ssl_certfile) if https else None):
             write_token(token_file, token)
             owned = True
-            listening = f"listening on {args.host}; " if _ANY.get(args.host) else ""
+            listening = f"listening on {args.host}; " if args.host and args.host in _ANY else ""
             print(f"hotweights: serving {args.model} at {url} ({listening}token in "
                   f"{token_file})", flush=True)
         code = child[0].wait()
