@@ -457,6 +457,26 @@ def test_llama_4_is_refused_by_name_before_any_shape() -> None:
             plan(config, {})
 
 
+@pytest.mark.parametrize(("model_type", "fields", "refused"), [
+    ("bloom", {}, "Bloom"),
+    ("falcon", dict(new_decoder_architecture=True, num_kv_heads=2), "Falcon"),
+    ("falcon", dict(multi_query=False), "Falcon"),  # one k and v per head: regrouped too
+    ("falcon", dict(multi_query=True), None)])  # [q; k; v] as vLLM keeps it
+def test_models_whose_qkv_vllm_regroups_at_load_are_refused(model_type, fields, refused):
+    # same name and shape, other row order: a remote server's update would land on the
+    # wrong rows (`check_loaded` guards only the bridge's model)
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type, hidden_size=64, n_head=4, num_attention_heads=4,
+                                  **fields)
+    if refused is None:
+        plan(config, {}, strict=False)  # mapped (nothing here to map)
+        return
+    with pytest.raises(LayoutError, match=rf"{refused} is not supported.*regroups its fused "
+                                          r"query_key_value"):
+        plan(config, {})
+
+
 def test_expert_gate_and_up_halves_are_named_in_a_row_mismatch() -> None:
     """tp=2: each rank's w13 holds its chunk of gate, then of up; a wrong count names both
     halves, and no attention heads."""

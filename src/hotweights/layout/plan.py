@@ -49,6 +49,20 @@ _REFUSED = dict.fromkeys(("llama4", "llama4_text"), (
     "Llama 4 is not supported: transformers keeps its experts transposed (gate and up "
     "apart), and vLLM reorders its q/k rows for its rotary at load, which no view of "
     "vLLM's qkv_proj can present in transformers' order"))
+_REGROUPED = ("vLLM regroups its fused query_key_value from per-head [q, k, v] blocks into "
+              "[all q; all k; all v] at load, keeping its name and shape: no view of it can "
+              "present transformers' order")
+_REFUSED |= {"bloom": f"Bloom is not supported: {_REGROUPED}",
+             "falcon": f"Falcon is not supported (but for its multi-query form): {_REGROUPED}"}
+
+
+def _refused(config: Any) -> str | None:
+    """Why no map can serve a model of `config`, or None."""
+    kind = getattr(config, "model_type", None)
+    if kind == "falcon" and getattr(config, "multi_query", False) and not getattr(
+            config, "new_decoder_architecture", False):  # one k and v head: [q; k; v] as is
+        return None
+    return _REFUSED.get(kind)
 # A vLLM module that packs several HF modules, concatenated on dim 0 in this order.
 PACKED = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
@@ -298,7 +312,7 @@ def plan(
     if not 0 <= tp_rank < tp_size:
         raise LayoutError(f"tp_rank={tp_rank} is outside tp_size={tp_size}")
     config = load_config(config, trust_remote_code=trust_remote_code)
-    if why := _REFUSED.get(getattr(config, "model_type", None)):
+    if why := _refused(config):
         raise LayoutError(why)
     shapes, ties = hf_shapes if hf_shapes is not None else hf_params(
         config, trust_remote_code=trust_remote_code)
