@@ -119,7 +119,7 @@ def quiet_transformers() -> None:
 
 
 MARK = ".hotweights-demo"  # in a directory a demo works in: another may reuse it
-_WRITES = ("checkpoint", "server.log", "grpo")  # what a demo writes there, beside its model
+_WRITES = ("checkpoint", "server.log", "server.token", "grpo")  # a demo's, beside its model
 
 
 def workdir_for(path: str | None, prefix: str) -> Path:
