@@ -295,16 +295,13 @@ class Bridge:
                 self.version)
         self._versions = now
 
-    @contextlib.contextmanager
     def _check_views(self, what: str) -> None:
         """Refuse where the model this bridge built has trainable parameters that are no
         longer views of the server's weights: training them would not reach the server."""
         if not isinstance(self._model, torch.nn.Module):
             return
-        missing = set(self.report.missing if self.report else ())  # `allow_missing`'s
-        # zeros: copies by design
-        if outside := [n for n in outside_served(self._model, self.tensors)
-                       if n not in missing]:
+        if outside := outside_served(self._model, self.tensors,
+                                     self.report.missing if self.report else ()):
             raise LayoutError(
                 f"{what}: {len(outside)} trainable parameter(s) of the model `model()` built "
                 f"are copies, no longer the server's weights (e.g. {outside[0]}): a "

@@ -478,8 +478,7 @@ class _OnServedWeights:
         self.close()
 
     def _check_shared(self, after: str) -> None:
-        if outside := [n for n in outside_served(self.model, self.weights.tensors)
-                       if n not in self.weights.missing]:
+        if outside := outside_served(self.model, self.weights.tensors, self.weights.missing):
             raise ConfigError(
                 f"{len(outside)} trainable parameter(s) no longer lie in vLLM's memory "
                 f"after {after} (e.g. {outside[0]}): TRL or accelerate copied them, and "

@@ -63,6 +63,8 @@ def _refused(config: Any) -> str | None:
             config, "new_decoder_architecture", False):  # one k and v head: [q; k; v] as is
         return None
     return _REFUSED.get(kind)
+
+
 # A vLLM module that packs several HF modules, concatenated on dim 0 in this order.
 PACKED = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -249,9 +249,12 @@ def verify_shared(model: torch.nn.Module, vllm_params: Mapping[str, torch.Tensor
     return checked
 
 
-def outside_served(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> list[str]:
+def outside_served(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor],
+                   missing: Collection[str] = ()) -> list[str]:
     """The trainable parameters of `model` that are not views of `tensors` (vLLM's
-    weights): a copy has a storage of its own (a `.float()`, `.to(...)` of the model)."""
+    weights): a copy has a storage of its own (a `.float()`, `.to(...)` of the model).
+    `missing`: names built as copies by design (`allow_missing`'s zeros), left out."""
     served = {(t.device, t.untyped_storage().data_ptr()) for t in tensors.values()}
     return [name for name, param in model.named_parameters() if param.requires_grad
-            and (param.device, param.untyped_storage().data_ptr()) not in served]
+            and (param.device, param.untyped_storage().data_ptr()) not in served
+            and name not in missing]
