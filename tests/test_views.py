@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from hotweights import build_hf_model
+from hotweights.layout.plan import meta_model
 from hotweights.testing import tiny
 
 VOCAB = 300  # vLLM pads the vocabulary rows to a multiple of 64 (320)
@@ -74,3 +75,38 @@ def test_a_config_whose_vocabulary_is_smaller_than_the_server_s_is_refused():
     with pytest.raises(LayoutError, match=r"model.embed_tokens.weight: vLLM holds 320 rows "
                        r"\(x tp=1\), more than HF model.embed_tokens.weight's 200"):
         build_hf_model(tiny.make_config("llama", 200), params)
+
+
+def test_the_meta_model_reserves_no_memory_for_its_parameters():
+    # petabytes of parameters: allocating them, even untouched, fails on any machine
+    config = tiny.make_config("llama", 2**31, hidden_size=2**20, intermediate_size=2**22,
+                              num_attention_heads=16, num_key_value_heads=16)
+    model = meta_model(config, dtype=torch.bfloat16)
+    assert model.model.embed_tokens.weight.shape == (2**31, 2**20)
+    assert all(p.is_meta and p.dtype == torch.bfloat16 for p in model.parameters())
+    inv_freq = model.model.rotary_emb.inv_freq  # computed, so real
+    assert not inv_freq.is_meta and inv_freq.shape == (config.head_dim // 2,)
+
+
+@pytest.mark.parametrize("extra", ["a buffer made by a filler", "a filler's value read"])
+def test_a_model_computing_with_fillers_is_built_parameter_by_parameter(monkeypatch, extra):
+    from transformers.models.llama import modeling_llama
+
+    original = modeling_llama.LlamaRotaryEmbedding.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if extra == "a buffer made by a filler":
+            self.register_buffer("scale", torch.full((3,), 2.0), persistent=False)
+        else:
+            self.factor = float(torch.ones(1))  # raises on meta
+
+    monkeypatch.setattr(modeling_llama.LlamaRotaryEmbedding, "__init__", init)
+    model = meta_model(tiny.make_config("llama", VOCAB))
+    assert all(p.is_meta for p in model.parameters())
+    if extra == "a buffer made by a filler":
+        assert torch.equal(model.model.rotary_emb.scale, torch.full((3,), 2.0))
+    else:
+        assert model.model.rotary_emb.factor == 1.0
+    want = meta_model(tiny.make_config("llama", VOCAB)).model.rotary_emb.inv_freq
+    assert torch.equal(model.model.rotary_emb.inv_freq, want)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from hotweights.errors import LayoutError
 
@@ -174,6 +175,21 @@ def _params_on_meta() -> Iterator[None]:
         torch.nn.Module.register_parameter = original
 
 
+class _FillersOnMeta(TorchFunctionMode):
+    """`torch.empty`/`zeros`/`ones`/`full` without a device make `meta` tensors: the
+    parameters of nn.Linear, nn.Embedding and fused experts are made so, and are never
+    allocated, not even as untouched memory (a DeepSeek-V3 `gate_up_proj` would ask for
+    30 GB). The buffers a model computes (rotary tables) come from `arange` and stay real."""
+
+    _FILLERS = frozenset((torch.empty, torch.zeros, torch.ones, torch.full))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self._FILLERS and kwargs.get("device") is None:
+            kwargs = {**kwargs, "device": "meta"}
+        return func(*args, **kwargs)
+
+
 def meta_model(config: Any, *, dtype: torch.dtype | None = None,
                trust_remote_code: bool = False) -> torch.nn.Module:
     """The HF model of `config` with every parameter on `meta` (no memory).
@@ -187,13 +203,25 @@ def meta_model(config: Any, *, dtype: torch.dtype | None = None,
     auto = transformers.AutoModelForCausalLM
     if hasattr(config, "vision_config") and hasattr(config, "text_config"):
         auto = transformers.AutoModelForImageTextToText
-    with _params_on_meta():
-        try:
+
+    def build() -> torch.nn.Module:
+        with _params_on_meta():
             return auto.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
-        except Exception as e:  # a field out of range: heads 0, a negative size, ...
-            where = getattr(config, "_name_or_path", "") or type(config).__name__
-            raise LayoutError(f"{where}: transformers cannot build the model of this config "
-                              f"({type(e).__name__}: {e}); check its fields") from e
+
+    try:  # the model's own code may compute a buffer from a filler, or read one's value
+        with _FillersOnMeta():
+            model = build()
+        if not any(buf.is_meta for buf in _computed_buffers(model)):
+            return model
+    except Exception as e:  # noqa: BLE001 - built the plain way below, which says why
+        logger.debug("%s: building on meta failed (%s); building parameter by parameter",
+                     type(config).__name__, e)
+    try:
+        return build()
+    except Exception as e:  # a field out of range: heads 0, a negative size, ...
+        where = getattr(config, "_name_or_path", "") or type(config).__name__
+        raise LayoutError(f"{where}: transformers cannot build the model of this config "
+                          f"({type(e).__name__}: {e}); check its fields") from e
 
 
 def hf_params(config: Any, *, trust_remote_code: bool = False
@@ -229,6 +257,13 @@ def persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             for prefix, module in model.named_modules()
             for leaf, buf in module._buffers.items()
             if buf is not None and leaf not in module._non_persistent_buffers_set}
+
+
+def _computed_buffers(model: torch.nn.Module) -> Iterator[torch.Tensor]:
+    """The buffers of `model` its checkpoint does not hold (rotary tables)."""
+    for module in model.modules():
+        yield from (buf for leaf, buf in module._buffers.items()
+                    if buf is not None and leaf in module._non_persistent_buffers_set)
 
 
 def renamings(config: Any, *, trust_remote_code: bool = False) -> list:
