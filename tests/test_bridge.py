@@ -407,3 +407,25 @@ def test_an_exclusive_checkpoint_whose_renewals_cannot_start_resumes_the_server(
         b.checkpoint(tmp_path / "ckpt", exclusive=True)
     assert [route for route, _, _ in rec.calls] == ["/hotweights/begin", "/hotweights/abort"]
     assert not b._leased.locked()
+
+
+def test_a_checkpoint_records_the_version_the_server_serves(monkeypatch, tmp_path):
+    # a commit whose answer was lost, and whose status read failed too, left the bridge
+    # the version before: the sidecars must not name it for the new weights
+    import hotweights.checkpoint
+
+    b = _bridge()
+    b._model = types.SimpleNamespace(config=None)
+    monkeypatch.setattr(b, "status", lambda timeout: {"version": "1@s", "server_id": "s"})
+    recorded = []
+    monkeypatch.setattr(hotweights.checkpoint, "sync",
+                        lambda model_dir, model, *, version, **kw: recorded.append(version))
+    b.checkpoint(tmp_path / "ckpt")
+    assert recorded == ["1@s"]
+
+    def unreachable(timeout):
+        raise ServerError("GET /hotweights/status: no answer")
+    monkeypatch.setattr(b, "status", unreachable)  # the live weights are still here
+    b.version = "2@s"
+    b.checkpoint(tmp_path / "ckpt")
+    assert recorded == ["1@s", "2@s"]

@@ -143,7 +143,7 @@ class Bridge:
                    **kwargs: Any):
         """Write the live weights into `model_dir`, only what changed (`checkpoint.sync`).
 
-        The sidecars record the bridge's version. Call it between steps: the weights must
+        The sidecars record the version the server serves. Call it between steps: the weights must
         not change while they are read. A process that is not the trainer passes
         `exclusive=True`: the update lease (mode "keep") then holds off every trainer
         while the live bytes are read, and the server resumes, at the same version, before
@@ -171,7 +171,8 @@ class Bridge:
                 f"(allow_missing=; zeros here, e.g. {missing[0]}) would be written over the "
                 "checkpoint's values; sync the served ones yourself "
                 "(hotweights.checkpoint.sync with a state dict that leaves them out)")
-        if not exclusive:
+        if not exclusive:  # the version the server serves (after a commit whose answer was
+            self._refresh_version()  # lost, the bridge's own may be the one before)
             return sync(model_dir, model, version=self.version, config=model.config, **kwargs)
         if os.path.isdir(model_dir):  # another writer's sync first, and what a crashed one
             recover(model_dir)  # left finished: not while the server is paused
