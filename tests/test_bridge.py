@@ -429,3 +429,36 @@ def test_a_checkpoint_records_the_version_the_server_serves(monkeypatch, tmp_pat
     b.version = "2@s"
     b.checkpoint(tmp_path / "ckpt")
     assert recorded == ["1@s", "2@s"]
+
+
+def test_an_update_waits_while_another_holds_the_lease(monkeypatch):
+    # an exclusive checkpoint reading the weights, say: the step goes on after it
+    refusals = [ServerError("POST /hotweights/begin: HTTP 409: update lease held by cp", 409,
+                            {"error": "update lease held by cp", "holder": "cp"})] * 2
+    calls = []
+
+    def request(url, method, route, token, body=None, *, timeout=120, cafile=None):
+        calls.append(route)
+        if route == "/hotweights/begin" and refusals:
+            raise refusals.pop()
+        return {"version": "1@s", "n": 0}
+    monkeypatch.setattr(bridge_module, "request", request)
+    b = _bridge()
+    b.tensors = {"w": torch.zeros(1)}
+    with b.update():
+        pass
+    assert calls == ["/hotweights/begin"] * 3 + ["/hotweights/commit"]
+    # not for ever: up to lease_s + 30 s, then the refusal
+    clock = iter(range(0, 1000, 20))
+    monkeypatch.setattr(bridge_module.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(bridge_module.time, "sleep", lambda s: None)
+    refusals[:] = [ServerError("held", 409, {"holder": "cp"})] * 10
+    with pytest.raises(ServerError, match="held"):
+        with b.update(lease_s=10):
+            pytest.fail("the body must not run")
+    assert len(refusals) == 8  # at 0 and 20 s (the deadline: 40 s)
+    # nor for a refusal of this holder's own, or of a restarted server
+    refusals[:] = [ServerError("restarted", 409, {"server_id": "s2"})]
+    with pytest.raises(ServerError, match="restarted"):
+        with b.update():
+            pass

@@ -111,6 +111,14 @@ def test_a_server_without_the_route_is_told_apart_from_a_hotweights_error():
         with pytest.raises(ServerError, match=r"HTTP 401: .*wrong bearer token.* \(the token "
                            r"is not this server's"):
             request(url, "GET", "/hotweights/status", "t")
+    with _served(409, b'{"error":"update lease held by h2","holder":"h2"}') as url:
+        with pytest.raises(ServerError, match=r"HTTP 409: .*lease held by h2") as e:
+            request(url, "GET", "/hotweights/status", "t")
+    assert e.value.status == 409 and e.value.detail["holder"] == "h2"  # the refusal's fields
+    with _served(500, b"[1]") as url:
+        with pytest.raises(ServerError) as e:
+            request(url, "GET", "/hotweights/status", "t")
+    assert e.value.detail == {}
     with _served(200, b"{}") as url:  # then gone: nothing listens on the port
         pass
     with pytest.raises(ServerError, match=r"cannot reach .*refused \(is a `hotweights serve` "

@@ -232,6 +232,12 @@ def test_bridge_checkpoint_writes_only_what_changed(server, tmp_path, monkeypatc
         status = bridge.status()
         assert status["state"] == "idle" and status["version"] == bridge.version
         assert status["dirty"] is False
+        # While another holds the lease, the trainer's step waits for it, then goes on.
+        other._begin(mode="keep", lease_s=30)
+        threading.Timer(1.0, other._abort, kwargs=dict(dirty=False)).start()
+        with bridge.update():
+            pass
+        assert bridge.status()["version"] == bridge.version != again.version
         # Another writer's sync, or what a crashed one left, is waited for and finished
         # before the server is paused, not while it is.
         calls, recover, post = [], hotweights.checkpoint.recover, Bridge._post
@@ -336,15 +342,24 @@ def test_metrics_expose_version_and_update_latency(server):
     assert "hotweights_update_seconds_count" in text and "hotweights_commit_seconds" in text
 
 
-def test_second_trainer_gets_409_naming_the_holder(server):
+def test_a_second_trainer_gets_409_naming_the_holder_and_its_update_waits(server):
     first, second = Bridge.connect(server.url, token=TOKEN), Bridge.connect(server.url, token=TOKEN)
     second.holder = "other-trainer"
+    done = threading.Event()
+
+    def step() -> None:
+        with second.update():
+            done.set()
     with first.update():
         with pytest.raises(ServerError, match=rf"POST /hotweights/begin: HTTP 409: .*"
-                           rf"held by {first.holder}"):
-            with second.update():
-                pass
-    assert first.status()["holder"] is None
+                           rf"held by {first.holder}") as e:
+            second._post("/hotweights/begin", mode="wait", lease_s=10)
+        assert e.value.detail["holder"] == first.holder
+        waiting = threading.Thread(target=step)
+        waiting.start()
+        assert not done.wait(1.0)
+    waiting.join(60)
+    assert done.is_set() and first.status()["holder"] is None
 
 
 def test_exception_in_update_aborts_resumes_and_serves_a_new_dirty_version(server):

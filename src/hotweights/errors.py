@@ -24,11 +24,13 @@ class LiveTensorError(CheckpointError):
 
 class ServerError(HotweightsError):
     """The vLLM server refused or failed (names the route and the HTTP status); `status`:
-    that status, None where no answer came (unreachable, timed out, connection broken)."""
+    that status, None where no answer came (unreachable, timed out, connection broken);
+    `detail`: the fields of the server's JSON answer (a refusal's `holder`), or {}."""
 
-    def __init__(self, message: str, status: int | None = None):
+    def __init__(self, message: str, status: int | None = None,
+                 detail: dict | None = None):
         super().__init__(message)
-        self.status = status
+        self.status, self.detail = status, detail or {}
 
 
 class ConfigError(HotweightsError):

@@ -7,6 +7,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -266,9 +267,10 @@ class Bridge:
         ones, written in place) and its error is raised.
 
         Raises:
-            ServerError: the server refused (another trainer holds the lease, it restarted
-                since `connect`, ...) or failed; an exception of the body is re-raised
-                after the update was aborted.
+            ServerError: the server refused (it restarted since `connect`; another
+                holder, e.g. an exclusive checkpoint reading the weights, kept the lease
+                longer than the `lease_s` + 30 s the update waits for it) or failed; an
+                exception of the body is re-raised after the update was aborted.
             RemoteError: a remote server failed (named; see above).
         """
         with self._exclusive("update()"):
@@ -417,11 +419,23 @@ class Bridge:
         self._post("/hotweights/renew", timeout=max(1.0, lease_s / 3), lease_s=lease_s)
 
     def _begin(self, *, timeout: float = 120, **body: Any) -> dict:
-        """Begin an update; if the begin fails or is interrupted (a timeout, a Ctrl-C), it
-        is aborted: nothing was written, and no server stays paused for a trainer that
-        gave up."""
+        """Begin an update, waiting up to `timeout` for the lease while another holds it
+        (an exclusive checkpoint reading the weights, another trainer's step); if the begin
+        fails or is interrupted (a timeout, a Ctrl-C), it is aborted: nothing was written,
+        and no server stays paused for a trainer that gave up."""
+        deadline, waited = time.monotonic() + timeout, None
         try:
-            return self._post("/hotweights/begin", timeout=timeout, **body)
+            while True:
+                try:
+                    return self._post("/hotweights/begin", timeout=timeout, **body)
+                except ServerError as e:
+                    other = e.detail.get("holder") if e.status == 409 else None
+                    if other in (None, self.holder) or time.monotonic() >= deadline:
+                        raise
+                    if other != waited:
+                        logger.info("hotweights: waiting for the update lease %s holds", other)
+                    waited = other
+                    time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
         except BaseException:
             self._abort(dirty=False, quiet=True)
             raise

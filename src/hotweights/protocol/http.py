@@ -10,6 +10,7 @@ goes to the server named and nowhere else.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import http.client
 import json
@@ -78,8 +79,12 @@ def request(url: str, method: str, route: str, token: str, body: dict | None = N
             raise ServerError(f"{method} {route}: {url} answered {_what(answer, resp.headers)}"
                               ", not JSON: is it a `hotweights serve`?") from None
     except urllib.error.HTTPError as e:
+        fields = {}
         try:
-            detail = _what(e.read(), e.headers, whole=True)
+            answer = e.read()
+            detail = _what(answer, e.headers, whole=True)
+            with contextlib.suppress(ValueError, RecursionError):
+                fields = json.loads(answer)
         except (OSError, http.client.HTTPException) as broke:  # cut off mid-body
             detail = f"(the answer broke off: {broke!r})"
         if e.code == 404:  # every hotweights serve has its routes (the remote ones: --remote)
@@ -95,7 +100,8 @@ def request(url: str, method: str, route: str, token: str, body: dict | None = N
         elif e.code == 401:
             detail += (" (the token is not this server's: `hotweights serve` writes its "
                        "token file, or takes --token / $HOTWEIGHTS_TOKEN, at each start)")
-        raise ServerError(f"{method} {route}: HTTP {e.code}: {detail}", e.code) from None
+        raise ServerError(f"{method} {route}: HTTP {e.code}: {detail}", e.code,
+                          fields if isinstance(fields, dict) else None) from None
     except urllib.error.URLError as e:
         raise ServerError(f"{method} {route}: {_unreachable(url, e.reason)}") from None
     except TimeoutError:
