@@ -844,3 +844,29 @@ def test_a_shard_replaced_while_the_journal_is_written_is_refused_at_the_commit(
     ((shard, theirs),) = replaced
     assert all(torch.equal(t, theirs[k]) for k, t in load_file(shard).items())
     assert journal.recover(d) == "none"
+
+
+@pytest.mark.parametrize("threads_to_be_had", [0, 1])
+@pytest.mark.parametrize("mode", ["auto", "journal"])
+def test_a_sync_with_few_threads_to_be_had_runs_with_those(saved, monkeypatch, mode,
+                                                           threads_to_be_had):
+    # a limit on threads (a container's pids.max): the hashing, staging and fsyncs run in
+    # the threads that could start, else in the sync's own
+    d, live = saved
+    sync(d, live, version="0@s")
+    for name in list(live)[::3]:
+        live[name][0] += 1.0
+    start, left = threading.Thread.start, [threads_to_be_had]
+
+    def limited(self):
+        if not left[0]:
+            raise RuntimeError("can't start new thread")
+        left[0] -= 1
+        start(self)
+    monkeypatch.setattr(threading.Thread, "start", limited)
+    result = sync(d, live, version="1@s", mode=mode)
+    finisher.finish()  # the commit made durable: raises where it could not be
+    monkeypatch.undo()
+    assert result.tensors_changed == len(list(live)[::3])
+    assert not (d / journal.JOURNAL_NAME).exists()
+    assert all(torch.equal(t, live[n]) for n, t in _disk(d).items())

@@ -43,7 +43,27 @@ class _Here(Executor):
         return done
 
 
+class _Pool(ThreadPoolExecutor):
+    """A thread pool that works with the threads it has where no more can be started (a
+    limit on threads): a job queued then waits for one of them."""
+
+    def _adjust_thread_count(self) -> None:
+        try:
+            super()._adjust_thread_count()
+        except RuntimeError:  # "can't start new thread"
+            if not self._threads:
+                raise
+
+
 def pool(workers: int, **kwargs) -> Executor:
-    """A `ThreadPoolExecutor(workers, **kwargs)`; while the interpreter exits (`exiting`),
-    an executor that runs each job in the caller's thread."""
-    return _Here() if exiting() else ThreadPoolExecutor(workers, **kwargs)
+    """A `ThreadPoolExecutor(workers, **kwargs)` with one worker started at least; an
+    executor that runs each job in the caller's thread where none can be: the interpreter
+    exiting (`exiting`), or no thread to be had (a limit on threads)."""
+    if not exiting():
+        executor = _Pool(workers, **kwargs)
+        try:
+            executor._adjust_thread_count()  # the first worker, now
+            return executor
+        except RuntimeError:
+            executor.shutdown(wait=False)
+    return _Here()
