@@ -433,6 +433,14 @@ def test_diagnose_a_pending_journal_then_sync_finishes_it(dirs, capsys):
             "serve finishes it too)") in out
     assert (f"  reader          run hotweights recover {a} before loading the shards: a "
             "sync was interrupted, a shard may be half written\n") in out
+    with lock.locked(a):  # its writer committing now, not cut short: its journal
+        rc, out, _ = _run(capsys, "diagnose", "--model-dir", a, "--json")
+    d = json.loads(out)
+    assert rc == 0 and d["writer_active"] and d["problems"] == [] and not d["interrupted"]
+    with lock.locked(a):
+        out = _run(capsys, "diagnose", "--model-dir", a)[1]
+    assert "  journal         not looked at: a sync holds the directory now" in out
+    assert "reader" not in out
     rc, _, _ = _run(capsys, "sync", "--model-dir", a, "--from", dirs["B"])
     assert rc == 0 and not (a / journal.JOURNAL_NAME).exists()
     assert _equal(_disk(a), _disk(dirs["B"]))  # the patched byte compared and put back

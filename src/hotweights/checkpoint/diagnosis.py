@@ -77,7 +77,8 @@ class Diagnosis:
     # A sync was cut short here (a journal, committed or not, or staged files): a reader
     # must run `hotweights recover DIR` (`journal.recover`) before loading the shards.
     interrupted: bool
-    writer_active: bool  # a sync holds the directory's writer lock right now
+    writer_active: bool  # a sync holds the directory's writer lock right now (its journal
+    # and staged files are then its own: not looked at)
     fs_type: str
     mount: str
     mode: str  # the mode asked for
@@ -177,10 +178,12 @@ def diagnose(model_dir: str | os.PathLike,
         wmode, reason = None, (f"{d}: not writable by this process: a sync cannot stage or "
                                "replace its shards here")
     kind, mount = clone.fs_type(d)
-    pending, refused, leftovers, interrupted = _journal_state(d)
+    active = lock.held(d)  # its journal and staged files are its own, mid-write
+    pending, refused, leftovers, interrupted = (None, None, (), False) if active else \
+        _journal_state(d)
     base = dict(model_dir=str(d), journal=pending, journal_refused=refused,
                 leftovers=leftovers, interrupted=interrupted,
-                writer_active=lock.held(d), fs_type=kind, mount=mount, mode=mode,
+                writer_active=active, fs_type=kind, mount=mount, mode=mode,
                 write_mode=wmode, write_reason=reason, live=live is not None)
     try:
         disk = read_to_sync(d)

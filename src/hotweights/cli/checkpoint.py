@@ -280,7 +280,10 @@ def diagnose_rows(d) -> list[tuple[str, str]]:
            ("filesystem", f"{d.fs_type} at {d.mount}" if d.mount else d.fs_type),
            ("write mode", f"{d.write_mode} (asked {d.mode}: {d.write_reason})"
             if d.write_mode else f"none: {d.write_reason}")]
-    if d.journal_refused:
+    if d.writer_active:
+        out.append(("journal", "not looked at: a sync holds the directory now, and its "
+                    "journal and staged files are its own (diagnose again once it ends)"))
+    elif d.journal_refused:
         out.append(("journal", "committed, and recover refuses it (see below)"))
     elif d.journal is not None:
         version = d.journal.get("version")
@@ -296,8 +299,6 @@ def diagnose_rows(d) -> list[tuple[str, str]]:
                     "interrupted, a shard may be half written" if d.journal is not None else
                     "the shards are whole, as before a sync that was interrupted before its "
                     f"commit; {recover} (or the next sync) removes what it left"))
-    if d.writer_active:
-        out.append(("writer", "a sync holds the directory now"))
     if d.error:
         out.append(("checkpoint", f"unreadable: {d.error}"))
     elif d.first_save:
