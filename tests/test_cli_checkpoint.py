@@ -828,3 +828,22 @@ def test_warnings_the_command_restates_are_left_out_unless_verbose(caplog):
             log.warning("said")
             log.info("told")
         assert [r.message for r in caplog.records] == seen
+
+
+@pytest.mark.parametrize("command", ["sync", "diagnose"])
+def test_from_a_source_holding_a_tensor_twice_is_refused(dirs, capsys, command):
+    # its index names one copy, a loader of it takes the later file's: which is the source?
+    a, b = dirs["A"], dirs["B"]
+    index = json.loads((b / "model.safetensors.index.json").read_text())["weight_map"]
+    first = index["model.norm.weight"]
+    other = next(fn for fn in sorted(set(index.values())) if fn != first)
+    stale = load_file(b / other) | {"model.norm.weight": torch.zeros_like(
+        load_file(b / first)["model.norm.weight"])}
+    save_file(stale, b / other, metadata={"format": "pt"})
+    before = _disk(a)
+    rc, out, err = _run(capsys, command, "--model-dir", a, "--from", b)
+    assert (rc, out) == (1, "")
+    assert err == (f"error: {b}: tensor model.norm.weight is in {first} (the index's) and in "
+                   f"{other}: transformers and vLLM load both, the later file's last; remove "
+                   "the stale copy\n")
+    assert _equal(_disk(a), before)

@@ -56,7 +56,8 @@ class Tensors(dict):
         self.mmaps = {}
 
 
-def open_dir(model_dir: str | os.PathLike, *, skip_unknown: bool = False) -> Tensors:
+def open_dir(model_dir: str | os.PathLike, *, skip_unknown: bool = False,
+             strict: bool = False) -> Tensors:
     """Map every tensor of the safetensors checkpoint in `model_dir`, without copying.
 
     Each shard is mapped copy-on-write (`mmap.ACCESS_COPY`): the tensors read the file's
@@ -67,17 +68,20 @@ def open_dir(model_dir: str | os.PathLike, *, skip_unknown: bool = False) -> Ten
         model_dir: a directory with `model.safetensors` or a sharded index.
         skip_unknown: leave out the tensors of a dtype with no torch equivalent here (e.g.
             F4) instead of raising.
+        strict: refuse a tensor that two shards hold (`shards.read_dir`): a sync's source,
+            whose copy the loader of that checkpoint may not take.
 
     Returns:
         A `Tensors` mapping (a dict) of name -> CPU tensor, in the file's dtype and shape.
 
     Raises:
         CheckpointError: the directory holds no safetensors, a header is bad (as
-            `shards.read_dir`), or a tensor's dtype has no torch equivalent here.
+            `shards.read_dir`, with `strict`), or a tensor's dtype has no torch equivalent
+            here.
     """
     if not os.path.isdir(model_dir):
         raise not_a_directory(model_dir)
-    disk = read_dir(model_dir)
+    disk = read_dir(model_dir, strict=strict)
     if disk is None:
         raise CheckpointError(f"{model_dir}: no safetensors checkpoint (neither "
                               f"{SINGLE_NAME} nor {INDEX_NAME})")

@@ -115,7 +115,7 @@ def _open_source(src: Path):
             f"{src}: a sync into it was cut short after its commit (its journal is there): "
             f"some shards may be half written; run hotweights recover {shlex.quote(str(src))} "
             "first")
-    return open_dir(src)
+    return open_dir(src, strict=True)  # a tensor two shards hold: which copy is it?
 
 
 def _interrupted(model_dir: str, committed: bool) -> str:
