@@ -164,3 +164,20 @@ def test_a_shard_written_while_its_spare_is_cloned_gets_no_spare(d, monkeypatch)
     assert sync(d, live).writes == {"model.safetensors": "reflink"}
     disk = load_file(shard)
     assert all(torch.equal(disk[n], t) for n, t in live.items())
+
+
+@pytest.mark.parametrize("then", ["a sync that changes nothing", "a copy-mode sync"])
+def test_every_sync_closes_the_spares_of_shards_changed_since(d, then):
+    # a spare holds the blocks of the file it cloned: the filesystem frees them only once
+    # it is closed
+    live = _saved(d)
+    live["a"] += 1.0
+    sync(d, live)
+    finisher.finish()
+    assert list(spare._spares) == [str(d / "model.safetensors")]
+    save_file(live, d / "model.safetensors")  # replaced by another program
+    if then == "a copy-mode sync":
+        live["a"] += 1.0
+    result = sync(d, live, mode="copy" if then == "a copy-mode sync" else "auto")
+    finisher.finish()
+    assert result.tensors_changed == (then == "a copy-mode sync") and not spare._spares

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from conftest import remove_synced
 from hotweights.changes import blocks
 from hotweights.checkpoint import changed, diagnose, finisher, incremental, journal, sync
 from hotweights.errors import CheckpointError
@@ -870,3 +871,22 @@ def test_a_sync_with_few_threads_to_be_had_runs_with_those(saved, monkeypatch, m
     assert result.tensors_changed == len(list(live)[::3])
     assert not (d / journal.JOURNAL_NAME).exists()
     assert all(torch.equal(t, live[n]) for n, t in _disk(d).items())
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+@pytest.mark.parametrize("mode", ["copy", "reflink"])
+def test_a_replaced_shard_keeps_its_owner_and_mode(saved, mode, request):
+    # a checkpoint of another user's, synced by root: the owner keeps writing into it
+    d, live = saved
+    if mode == "reflink":  # a clone with the changed pages cloned in
+        d = Path(shutil.copytree(d, request.getfixturevalue("xfs_dir") / request.node.name))
+        request.addfinalizer(lambda: remove_synced(d))
+    name = "model.layers.1.mlp.down_proj.weight"
+    shard = d / _shard_of(d, name)
+    os.chown(shard, 65534, 65534)
+    os.chmod(shard, 0o664)
+    live[name][3] += 1.0
+    result = sync(d, live, version="1@s", mode=mode)
+    assert result.shards_changed == (shard.name,) and result.write_mode != "journal"
+    st = shard.stat()
+    assert (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (65534, 65534, 0o664)

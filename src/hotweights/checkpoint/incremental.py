@@ -580,7 +580,8 @@ def _record(shards: list[ShardChanges], rewritten: Collection[str],
     """Write every shard's sidecar, after its data (a stale sidecar is only ever
     distrusted); a sidecar that cannot be written only costs the next sync a compare.
     `rewritten`: the paths of the shards just written, `placed` (name -> file) as the
-    commit left them; with `spares`, each is cloned for the next sync (`spare.keep`)."""
+    commit left them; with `spares`, each is cloned for the next sync (`spare.keep`,
+    which closes the spares of shards gone or changed in any case)."""
     for c in shards:
         with sidecar.best_effort(c.shard.path):
             shard = c.shard
@@ -592,5 +593,4 @@ def _record(shards: list[ShardChanges], rewritten: Collection[str],
                     continue
                 shard = replace(shard, file=now)
             sidecar.write(shard, c.fresh, version)
-    if spares:
-        spare.keep(sorted(rewritten))
+    spare.keep(sorted(rewritten) if spares else ())

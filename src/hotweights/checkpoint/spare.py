@@ -42,10 +42,8 @@ _spares: dict[str, tuple[FileId, int, int | None]] = {}  # shard path -> (the fi
 def keep(paths: Iterable[str]) -> None:
     """Clone each file of `paths` into a spare, in place of any spare held before; a file
     that cannot be cloned gets none. First, the spares of files gone or changed since are
-    closed (they would only hold blocks the filesystem could free)."""
-    paths = list(paths)
-    if not paths:
-        return
+    closed (they would only hold blocks the filesystem could free): every sync's record
+    calls it, with no paths where it keeps no spares."""
     with _lock:
         held = dict(_spares)
     _close([p for p, (of, *_) in held.items() if not _current(p, of)])

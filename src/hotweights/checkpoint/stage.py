@@ -6,7 +6,8 @@ file; through O_DIRECT where the filesystem takes it), the fast way when most of
 changed; `patched` clones it (a reflink: no data
 copied; the spare clone taken behind the last sync where there is one) and clones the
 changed pages into it from a scratch file. Either way the file is
-fsync'd before the caller commits, keeps the old file's permission bits, and the old file
+fsync'd before the caller commits, keeps the old file's owner (where this process may
+give it) and permission bits, and the old file
 stays untouched (a reader sees it whole) until the journal's move record replaces it.
 """
 
@@ -165,14 +166,26 @@ def range_chunks(tensors: Mapping[str, torch.Tensor], ranges: Sequence[tuple[str
 
 
 def _create(dst: Path, like: int) -> int:
-    """A new file at `dst` with the mode of the open file `like`."""
+    """A new file at `dst` with the owner and mode of the open file `like`."""
     fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.fchmod(fd, os.fstat(like).st_mode & 0o7777)
+        _keep(fd, os.fstat(like))
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def _keep(fd: int, old: os.stat_result) -> None:
+    """The old file's owner, where this process may give it (root, or its own group), and
+    its mode bits (after the owner: a chown clears set-id bits). Extended attributes and
+    ACLs are not carried over."""
+    try:
+        os.fchown(fd, old.st_uid, old.st_gid)
+    except PermissionError:  # another user's file, written by one allowed to replace it
+        with suppress(PermissionError):
+            os.fchown(fd, -1, old.st_gid)
+    os.fchmod(fd, old.st_mode & 0o7777)
 
 
 @contextmanager
@@ -290,7 +303,7 @@ def patched(shard: Shard, tensors: Mapping[str, torch.Tensor],
     with naming(shard.path):
         fd = os.open(dst, os.O_WRONLY)
         try:
-            os.fchmod(fd, os.stat(shard.path).st_mode & 0o7777)
+            _keep(fd, os.stat(shard.path))
             pages = os.open(scratch, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 with mapped(shard.path, shard.check) as old_view:  # what was cloned
