@@ -217,8 +217,9 @@ def _parser() -> argparse.ArgumentParser:
         help="write a model's weights into a checkpoint directory, only what changed",
         description="Make the safetensors in DIR hold the weights of a running "
         "`hotweights serve` (--server) or of another checkpoint directory (--from), "
-        "writing only the blocks that changed (found from per-shard fingerprint sidecars "
-        "in DIR/.hotweights/, else by comparing with the file). With --server the server "
+        "writing only the shards that changed (found from per-shard fingerprint sidecars "
+        "in DIR/.hotweights/, else by comparing with the file; only their changed pages "
+        "where the filesystem clones files or with --mode journal). With --server the server "
         "pauses (update lease, mode keep) while the live bytes are read and the changed "
         "shards staged; it resumes before they replace the files. A directory with no "
         "safetensors gets a first full save. Nothing is written if a tensor's shape or "
@@ -239,7 +240,9 @@ def _parser() -> argparse.ArgumentParser:
                    "sidecars (default: none; with --server, the server's)")
     _client_auth(p)
     p.add_argument("--convert-dtype", action="store_true",
-                   help="cast tensors to the file's dtype instead of refusing them")
+                   help="cast float tensors of 16 bits or more to the file's float dtype "
+                   "instead of refusing them (never integers or FP8; a cast that overflows "
+                   "is refused)")
     p.add_argument("--changed", action="extend", nargs="+", metavar="GLOB",
                    help="only the tensors these names or glob patterns match (live names, "
                    "e.g. 'model.layers.2[4-7].*') may have changed since the last sync: the "
@@ -272,8 +275,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", default="auto", choices=MODES,
                    help="the write mode to check (default: auto)")
     _client_auth(p)
-    p.add_argument("--convert-dtype", action="store_true", help="as for sync: a dtype "
-                   "other than the file's is cast, not counted as a mismatch")
+    p.add_argument("--convert-dtype", action="store_true", help="as for sync: a float "
+                   "dtype other than the file's float one is cast, not counted as a "
+                   "mismatch")
     p.add_argument("--json", action="store_true", help="print the diagnosis as JSON only")
     p.set_defaults(run=_run_diagnose)
 
@@ -287,8 +291,10 @@ def _parser() -> argparse.ArgumentParser:
         "than hotweights (transformers, safetensors, a copy) reads a directory in which a "
         "sync may have been interrupted: hotweights diagnose says when; hotweights sync "
         "and serve run it themselves. A sync running in DIR is waited for. Exit code 1 "
-        "when DIR is not a directory, or a committed journal no longer fits its files "
-        "(they were replaced since): the journal is then kept.",
+        "when DIR is not a directory, or recover refuses the committed journal: its files "
+        "were replaced or linked since, it is damaged or of a later version, a file it "
+        "stages is lost, or this process cannot replace or write a file it covers "
+        "(permissions, an immutable file); the journal is then kept.",
     )
     _model_dir(p, "the checkpoint directory")
     p.add_argument("--json", action="store_true", help='print {"outcome": "replayed" | '
