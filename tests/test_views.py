@@ -1,10 +1,14 @@
 """Views without vLLM: an HF model over stand-in vLLM tensors (merged qkv/gate_up, padded vocab)."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from hotweights import build_hf_model
-from hotweights.layout.plan import meta_model
+from hotweights.errors import LayoutError
+from hotweights.layout.plan import meta_model, plan
+from hotweights.layout.views import verify_shared
 from hotweights.testing import tiny
 
 VOCAB = 300  # vLLM pads the vocabulary rows to a multiple of 64 (320)
@@ -110,3 +114,54 @@ def test_a_model_computing_with_fillers_is_built_parameter_by_parameter(monkeypa
         assert model.model.rotary_emb.factor == 1.0
     want = meta_model(tiny.make_config("llama", VOCAB)).model.rotary_emb.inv_freq
     assert torch.equal(model.model.rotary_emb.inv_freq, want)
+
+
+def test_a_layout_of_another_model_is_refused():
+    # its rows would be another model's: up_proj taken from the gate half, say
+    config = tiny.make_config("llama", VOCAB)
+    params = _vllm_params(config)
+    other = tiny.make_config("llama", VOCAB, intermediate_size=config.intermediate_size // 2)
+    wrong = plan(other, tiny.vllm_llama_shapes(other))
+    with pytest.raises(LayoutError, match=r"^layout= is not the plan of these vLLM tensors"):
+        build_hf_model(config, params, layout=wrong)
+    model, _ = build_hf_model(config, params, layout=plan(config, params))  # its own: taken
+    with pytest.raises(LayoutError, match=r"gate_proj\.weight: not a view of vLLM .*gate_up"
+                                          r"_proj\.weight rows \(0, 160\) \(data_ptr .*\(320, "):
+        verify_shared(model, params, wrong)  # the same address, another shape
+    name = "model.layers.0.mlp.gate_up_proj.weight"
+    bad = dataclasses.replace(wrong, pieces={name: tuple(
+        dataclasses.replace(piece, hf_shape=(160, 7)) for piece in wrong.pieces[name])})
+    with pytest.raises(LayoutError, match=r"gate_proj\.weight: rows \(0, 160\) of its vLLM "
+                                          r"tensor \(640, 128\) are \(160, 128\), not the HF "
+                                          r"shape \(160, 7\)"):
+        verify_shared(model, params, bad)
+    with pytest.raises(LayoutError, match=r"^vLLM model\.norm\.weight: in the layout, not "
+                                          r"among the vLLM tensors"):
+        verify_shared(model, {n: t for n, t in params.items() if n != "model.norm.weight"},
+                      plan(config, params))
+    with pytest.raises(LayoutError, match=r"^vllm_params is empty"):
+        build_hf_model(config, {}, allow_missing=True)
+
+
+def test_an_hf_parameter_two_vllm_tensors_hold_is_refused():
+    # the first would be trained, the other served
+    config = tiny.make_config("llama", VOCAB)
+    params = _vllm_params(config)
+    params["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(
+        params["model.layers.0.self_attn.qkv_proj.weight"].shape[0] // 4, config.hidden_size)
+    with pytest.raises(LayoutError, match=r"k_proj\.weight is held by vLLM "
+                                          r"model\.layers\.0\.self_attn\.(qkv|k)_proj\.weight "
+                                          "already"):
+        plan(config, params)
+
+
+def test_a_parameter_cut_to_another_shape_is_no_view():
+    config = tiny.make_config("llama", VOCAB)
+    params = _vllm_params(config)
+    model, _ = build_hf_model(config, params)
+    layout = plan(config, params)
+    q = model.model.layers[0].self_attn.q_proj
+    q.weight = torch.nn.Parameter(q.weight.detach()[:8])  # the same address and strides
+    with pytest.raises(LayoutError, match=r"q_proj\.weight: not a view of vLLM "
+                                          r".*qkv_proj\.weight .*\(8, \d+\)"):
+        verify_shared(model, params, layout)

@@ -359,7 +359,7 @@ def plan(
 
     renames = renamings(config, trust_remote_code=trust_remote_code)
     pieces: dict[str, tuple[Piece, ...]] = {}
-    covered: set[str] = set()  # HF names with a vLLM home (some ranks may hold no rows)
+    owner: dict[str, str] = {}  # HF name -> the vLLM parameter that holds it
     unused: list[str] = []
     for vname, value in params.items():
         live = tuple(value.shape) if hasattr(value, "shape") else tuple(value)
@@ -377,7 +377,11 @@ def plan(
         elif parts is None or not all(p in shapes for p in parts):
             unused.append(vname)
             continue
-        covered.update(parts, *(aliases.get(p, ()) for p in parts))
+        if held := [p for p in parts if p in owner]:  # (one may hold several of its slabs)
+            raise LayoutError(f"{vname}: HF {held[0]} is held by vLLM {owner[held[0]]} "
+                              "already: one HF parameter cannot be two vLLM tensors")
+        owner.update(dict.fromkeys([*parts, *(a for p in parts for a in aliases.get(p, ()))],
+                                   vname))
         found = _pieces(vname, live, [(p, shapes[p]) for p in parts], config, tp_size, tp_rank)
         found += [
             dataclasses.replace(p, hf_name=alias)
@@ -386,7 +390,8 @@ def plan(
         ]
         pieces[vname] = tuple(found)
 
-    missing = [n for n in [*shapes, *ties] if n not in covered]
+    missing = [n for n in [*shapes, *ties] if n not in owner]  # (some ranks may hold no
+    # rows of an HF parameter that has a vLLM home: it is not missing)
     if strict and (unused or missing):
         raise LayoutError(_unmapped_message(unused, missing))
     for vname in unused:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import re
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
@@ -102,6 +103,10 @@ def view_of(tensor: torch.Tensor, piece) -> torch.Tensor:
         )
     out = slab_of(tensor, piece)
     if tuple(out.shape) != piece.hf_shape:
+        if out.numel() != math.prod(piece.hf_shape):
+            raise LayoutError(f"{piece.hf_name}: rows {piece.rows} of its vLLM tensor "
+                              f"{tuple(tensor.shape)} are {tuple(out.shape)}, not the HF "
+                              f"shape {piece.hf_shape} (a layout of another model?)")
         out = out.view(piece.hf_shape)
     return out
 
@@ -156,13 +161,20 @@ def build_hf_model(
         LayoutError: a missing HF parameter not allowed, or shapes that disagree.
     """
     trainable, allow_missing = _listed(trainable), _listed(allow_missing)
+    if not vllm_params:
+        raise LayoutError("vllm_params is empty: no vLLM tensor to view")
     config = load_config(config, trust_remote_code=trust_remote_code)
     dtypes = [t.dtype for t in vllm_params.values() if t.is_floating_point()]
     dtype = max(set(dtypes), key=dtypes.count) if dtypes else None
     if model is None:
         model = meta_model(config, dtype=dtype, trust_remote_code=trust_remote_code)
-    if layout is None:
-        layout = plan(config, vllm_params, strict=False, hf_shapes=hf_params(model))
+    planned = plan(config, vllm_params, strict=False, hf_shapes=hf_params(model),
+                   tp_size=layout.tp_size if layout else 1,
+                   tp_rank=layout.tp_rank if layout else 0)
+    if layout is not None and layout != planned:
+        raise LayoutError("layout= is not the plan of these vLLM tensors for this model "
+                          "(plan(config, vllm_params)): of another model or other tensors?")
+    layout = planned
     if layout.unused and not allow_unused:
         raise LayoutError(f"vLLM parameters hold no HF parameter: {', '.join(layout.unused)}")
     allowed = _selector(allow_missing)  # the same forms: bool, regex, names
@@ -235,15 +247,18 @@ def verify_shared(model: torch.nn.Module, vllm_params: Mapping[str, torch.Tensor
     """
     checked = 0
     for vname, pieces in layout.pieces.items():
-        tensor = vllm_params[vname]
+        if (tensor := vllm_params.get(vname)) is None:
+            raise LayoutError(f"vLLM {vname}: in the layout, not among the vLLM tensors")
         for piece in pieces:
             param = _tensor_of(model, piece.hf_name)
             want = view_of(tensor.detach(), piece)
             if (param.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr()
-                    or param.data_ptr() != want.data_ptr() or param.stride() != want.stride()):
+                    or param.data_ptr() != want.data_ptr() or param.stride() != want.stride()
+                    or param.shape != want.shape or param.dtype != want.dtype):
                 raise LayoutError(
                     f"{piece.hf_name}: not a view of vLLM {vname} rows {piece.rows} "
-                    f"(data_ptr {param.data_ptr():#x}, expected {want.data_ptr():#x})"
+                    f"(data_ptr {param.data_ptr():#x}, {tuple(param.shape)} {param.dtype}; "
+                    f"expected {want.data_ptr():#x}, {tuple(want.shape)} {want.dtype})"
                 )
             checked += 1
     return checked
