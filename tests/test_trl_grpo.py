@@ -572,3 +572,21 @@ def test_allow_missing_zeros_are_no_copy_trl_made():
     with pytest.raises(ConfigError, match=r"1 trainable parameter\(s\) no longer lie in "
                                           r"vLLM's memory after TRL's setup \(e\.g\. bias\)"):
         _OnServedWeights._check_shared(trainer, "TRL's setup")
+
+
+@pytest.mark.parametrize("given, ok", [("http://localhost:8000/", True),
+                                       ("http://[::1]:8000", True),
+                                       ("http://127.0.0.1:8001", False),
+                                       ("https://127.0.0.1:8000", False)])
+def test_the_server_url_given_to_trl_may_spell_the_bridge_s_otherwise(tmp_path, given, ok):
+    from hotweights.integrations.trl import _check_args
+
+    args = _config(tmp_path, vllm_server_base_url=given)
+    bridge = types.SimpleNamespace(url="http://127.0.0.1:8000")
+    if not ok:
+        with pytest.raises(ConfigError, match=r"vllm_server_base_url=.*: the bridge trains "
+                                              r"http://127\.0\.0\.1:8000"):
+            _check_args(args, bridge, None)
+        return
+    _check_args(args, bridge, None)
+    assert args.vllm_server_base_url == bridge.url  # TRL's client reaches it as the bridge

@@ -62,6 +62,7 @@ from hotweights.errors import ConfigError, ServerError
 from hotweights.layout.views import outside_served
 from hotweights.protocol.http import CA_FILE_ENV
 from hotweights.protocol.renewer import MAX_LEASE_S
+from hotweights.protocol.urls import same_server
 from hotweights.protocol.version import VERSION_HEADER, parse_version
 
 # TRL 1.16 warns at every import of its vLLM modules that it supports vLLM up to 0.31; this
@@ -307,7 +308,7 @@ def _check_args(args: _Config, bridge: Bridge | None, peft_config: Any) -> None:
                 "process; set vllm_mode='colocate', or pass bridge= for a server"))
     if bridge is not None:
         url = (args.vllm_server_base_url or "").rstrip("/")
-        if url and url != bridge.url:
+        if url and not same_server(url, bridge.url):
             raise ConfigError(f"{config}.vllm_server_base_url={url!r}: the bridge trains "
                               f"{bridge.url}; leave it unset or give that URL")
         args.vllm_server_base_url = bridge.url

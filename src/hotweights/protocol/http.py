@@ -22,8 +22,8 @@ import urllib.parse
 import urllib.request
 
 from hotweights.errors import ConfigError, ServerError
-from hotweights.protocol.tokens import find_token, is_loopback
-from hotweights.protocol.urls import server_url
+from hotweights.protocol.tokens import find_token
+from hotweights.protocol.urls import is_loopback, server_url
 
 logger = logging.getLogger(__name__)
 

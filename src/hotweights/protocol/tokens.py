@@ -7,13 +7,12 @@ for a loopback URL, never sends it to another host.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import urllib.parse
 from pathlib import Path
 
 from hotweights.errors import ConfigError, ServerError
-from hotweights.protocol.urls import server_url
+from hotweights.protocol.urls import is_loopback, server_url
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
@@ -48,18 +47,6 @@ def remove_token(path: Path, token: str) -> bool:
     except FileNotFoundError:
         return False
     return True
-
-
-def is_loopback(host: str | None) -> bool:
-    """Whether `host` names this machine through the loopback interface only."""
-    if not host:
-        return False
-    if host.lower() in ("localhost", "localhost."):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def find_token(url: str, token: str | None = None) -> str:

@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+import ipaddress
 import urllib.parse
 
 from hotweights.errors import ConfigError
 
 SCHEMES = ("http", "https")
+
+
+def is_loopback(host: str | None) -> bool:
+    """Whether `host` names this machine through the loopback interface only."""
+    if not host:
+        return False
+    if host.lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def server_url(url: str) -> str:
@@ -41,3 +54,16 @@ def server_url(url: str) -> str:
     if parts.query or parts.fragment:
         raise bad("a query or fragment after it (the routes follow its path)")
     return url.strip().rstrip("/")
+
+
+def same_server(a: str, b: str) -> bool:
+    """Whether the server URLs `a` and `b` name one server: the same scheme, port (80 or
+    443 where none is given) and path, and the same host, spelled alike in any case or
+    both loopback names (`localhost`, 127.0.0.1, [::1]). No name is looked up."""
+    def key(url: str) -> tuple:
+        parts = urllib.parse.urlsplit(server_url(url))
+        return parts.scheme, parts.port or (443 if parts.scheme == "https" else 80), \
+            parts.path.rstrip("/")
+    host_a, host_b = (urllib.parse.urlsplit(server_url(u)).hostname for u in (a, b))
+    return key(a) == key(b) and (host_a == host_b or is_loopback(host_a)
+                                 and is_loopback(host_b))

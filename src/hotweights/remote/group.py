@@ -54,7 +54,8 @@ from hotweights.errors import DeltaError, HotweightsError, RemoteError
 from hotweights.layout.plan import model_weights
 from hotweights.protocol.http import request
 from hotweights.protocol.renewer import MAX_LEASE_S, Renewer, unanswered
-from hotweights.protocol.tokens import find_token, is_loopback
+from hotweights.protocol.tokens import find_token
+from hotweights.protocol.urls import is_loopback
 from hotweights.remote import delta, delta_apply, packing, prefilter, served
 from hotweights.remote.hosts import channel_backend, route_address, server_urls
 from hotweights.remote.links import Link, Links, named, outcome
