@@ -56,7 +56,8 @@ def _serving(tmp: Path, dtype: str) -> Iterator[str]:
     port, log = launch.free_port(), tmp / "server.log"
     proc = launch.spawn(model_dir, port=port, token=TOKEN, log=log, vllm_args=(
         "--dtype", dtype, "--max-model-len", "256", "--enforce-eager",
-        "--max-num-seqs", "16", "--logprobs-mode", "processed_logprobs"))
+        "--max-num-seqs", "16", "--logprobs-mode", "processed_logprobs",
+        "--trust-request-chat-template"))  # a rollout_func's chat: the tiny model has none
     url = f"http://127.0.0.1:{port}"
     try:
         launch.wait_ready(proc, url, log=log)
@@ -428,7 +429,8 @@ def test_an_evaluation_between_steps_of_one_generation_keeps_their_lag(served):
 
 def test_a_rollout_func_calling_the_client_itself_gets_each_sample_s_version(served):
     """A `rollout_func` that generates through `trainer.vllm_generation.vllm_client`
-    (not TRL's generation): each of its samples still gets the version that sampled it."""
+    (not TRL's generation; its `generate` and its `chat`): each of its samples still gets
+    the version that sampled it."""
     url, tmp = served
     bridge = Bridge.connect(url, token=TOKEN)
     before = parse_version(bridge.version)[0]
@@ -436,8 +438,11 @@ def test_a_rollout_func_calling_the_client_itself_gets_each_sample_s_version(ser
 
     def rollout(prompts, trainer):
         out = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
+        client = trainer.vllm_generation.vllm_client
         for half in (prompts[:len(prompts) // 2], prompts[len(prompts) // 2:]):
-            got = trainer.vllm_generation.vllm_client.generate(prompts=half, max_tokens=8)
+            got = client.generate(prompts=half, max_tokens=8) if half[0] is prompts[0] else \
+                client.chat(messages=[[{"role": "user", "content": p}] for p in half],
+                            max_tokens=8, chat_template="{{ messages[0]['content'] }}")
             out["prompt_ids"] += got["prompt_ids"]
             out["completion_ids"] += got["completion_ids"]
             out["logprobs"] += [[lp[0] for lp in seq] for seq in got["logprobs"]]

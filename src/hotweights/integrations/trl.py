@@ -99,24 +99,31 @@ def _client_for(bridge: Bridge) -> type[VLLMClient]:
         own authenticated route, not vLLM's dev-mode `/server_info`."""
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
-            # one per sample of every generate since the trainer's batch began: TRL's
-            # generation and a `rollout_func` calling this client directly alike
+            # one per sample of every generate or chat since the trainer's batch began:
+            # TRL's generation and a `rollout_func` calling this client directly alike
             self.sample_versions: list[int] = []
-            self._version: str | None = None  # the last completion response's header
+            self._versions: list[str] = []  # the version headers of a call's responses
             super().__init__(*args, **kwargs)
             self.session.hooks["response"].append(self._keep_version)
 
         def _keep_version(self, response, *args: Any, **kwargs: Any) -> None:
             if VERSION_HEADER in response.headers:
-                self._version = response.headers[VERSION_HEADER]
+                self._versions.append(response.headers[VERSION_HEADER])
 
         def generate(self, *args: Any, **kwargs: Any) -> dict:
-            self._version = None
-            out = super().generate(*args, **kwargs)
-            if self._version is None:
+            return self._counted(super().generate, *args, **kwargs)
+
+        def chat(self, *args: Any, **kwargs: Any) -> dict:
+            return self._counted(super().chat, *args, **kwargs)
+
+        def _counted(self, call: Callable[..., dict], *args: Any, **kwargs: Any) -> dict:
+            self._versions = []
+            out = call(*args, **kwargs)
+            if not self._versions:
                 raise ServerError(f"{self.base_url}: the completion carried no "
                                   f"{VERSION_HEADER} header: is it a `hotweights serve`?")
-            n = parse_version(self._version)[0]
+            # a chat sends a request per conversation: the oldest version counts for all
+            n = min(parse_version(v)[0] for v in self._versions)
             self.sample_versions += [n] * len(out["completion_ids"])
             return out
 
@@ -490,8 +497,8 @@ class _OnServedWeights:
     def _generate(self, prompts: list):
         """TRL's generation of a batch; `sample_versions` := the versions of the weights
         that generated a training batch (one per sequence of each vLLM generation: a tool
-        call's turns count each, and so do a `rollout_func`'s own calls of the server's
-        client or of the colocated engine's `generate` and `chat`); an evaluation's batch
+        call's turns count each, and so do a `rollout_func`'s own calls of `generate` and
+        `chat`, of the server's client or of the colocated engine); an evaluation's batch
         is only logged."""
         self.weights.begin_batch()
         try:
