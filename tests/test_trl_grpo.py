@@ -595,3 +595,28 @@ def test_the_server_url_given_to_trl_may_spell_the_bridge_s_otherwise(tmp_path, 
         return
     _check_args(args, bridge, None)
     assert args.vllm_server_base_url == bridge.url  # TRL's client reaches it as the bridge
+
+
+@pytest.mark.parametrize("served", [3, None])
+def test_a_step_served_here_that_remotes_missed_goes_on(served, caplog):
+    # require="any": this server committed the step, the remotes catch up at the next one;
+    # an update that failed here stops training
+    from hotweights.errors import RemoteError
+    from hotweights.integrations.trl import _OnServedWeights
+
+    @contextlib.contextmanager
+    def update():
+        yield
+        raise RemoteError("http://x serves version 3; the remote servers did not take it "
+                          "(the next update catches them up): gpu01 is gone", served=served)
+    trainer = types.SimpleNamespace(sample_versions=[], _check_shared=lambda after: None,
+                                    weights=types.SimpleNamespace(update=update))
+    stepped = []
+    step = _OnServedWeights._step_in_update(trainer, lambda: stepped.append(1) or "loss")
+    if served is None:
+        with pytest.raises(RemoteError, match="gpu01 is gone"):
+            step(None)
+        return
+    with caplog.at_level("WARNING", logger="hotweights.integrations.trl"):
+        assert step(None) == "loss" and stepped == [1]
+    assert "gpu01 is gone; training goes on" in caplog.text

@@ -51,8 +51,10 @@ class DeltaError(HotweightsError):
 
 class RemoteError(HotweightsError):
     """A remote channel failed: a peer is gone, stalled or unproven (names the rank and peer);
-    `no_answer`: True where it only says that servers did not answer (another try may do)."""
+    `no_answer`: True where it only says that servers did not answer (another try may do);
+    `served`: the version the trainer's own server serves all the same, where an update
+    failed only on remote servers (they stay behind until the next update), else None."""
 
-    def __init__(self, message: str, no_answer: bool = False):
+    def __init__(self, message: str, no_answer: bool = False, served: int | None = None):
         super().__init__(message)
-        self.no_answer = no_answer
+        self.no_answer, self.served = no_answer, served

@@ -253,9 +253,10 @@ class Bridge:
         version number N. By default (``RemoteGroup(require="any")``) this server commits
         and resumes right after the body; then the remotes receive what changed (serving
         their old version meanwhile) and commit N. If they fail, this server serves N and
-        they stay at their old version: the error names them, and the next update catches
-        them up. Where only some fail, the others commit N: a warning and
-        ``remote_result["dropped"]`` (`RemoteGroup.update`'s result) name those left out.
+        they stay at their old version: the error (a `RemoteError`, `served` N) names them,
+        and the next update catches them up. Where only some fail, the others commit N: a
+        warning and ``remote_result["dropped"]`` (`RemoteGroup.update`'s result) name those
+        left out.
         With ``require="all"``, every remote stages what changed first; only then does
         this server commit, and the remotes; if a remote fails before that, the body's
         writes are undone here (from the group's copy of the old weights), every server
@@ -410,7 +411,7 @@ class Bridge:
             yield
         except HotweightsError as e:  # refused or failed (named), here or there
             raise RemoteError(f"{self.url} serves version {n}; {what} (the next update "
-                              f"catches them up): {e}") from e
+                              f"catches them up): {e}", served=n) from e
 
     def renew(self, lease_s: float = 60.0) -> None:
         """Extend the lease of the current update (`update()` does it by itself). A renewal

@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hotweights.checkpoint.load import load_plan
-from hotweights.errors import ConfigError, ServerError
+from hotweights.errors import ConfigError, RemoteError, ServerError
 from hotweights.layout.views import outside_served
 from hotweights.protocol.http import CA_FILE_ENV
 from hotweights.protocol.renewer import MAX_LEASE_S
@@ -555,8 +555,15 @@ class _OnServedWeights:
             if self.sample_versions:
                 lag = self.weights.version - min(self.sample_versions)
                 self._metrics["train"]["hotweights/version_lag"].append(lag)
-            with self.weights.update():
-                return step(*args, **kwargs)
+            result = None
+            try:
+                with self.weights.update():
+                    result = step(*args, **kwargs)
+            except RemoteError as e:  # the step is served here; remotes catch up next time
+                if e.served is None:
+                    raise
+                logger.warning("hotweights: %s; training goes on", e)
+            return result
 
         step_in_update.hotweights_update = True
         return step_in_update
