@@ -620,3 +620,23 @@ def test_a_step_served_here_that_remotes_missed_goes_on(served, caplog):
     with caplog.at_level("WARNING", logger="hotweights.integrations.trl"):
         assert step(None) == "loss" and stepped == [1]
     assert "gpu01 is gone; training goes on" in caplog.text
+
+
+@pytest.mark.parametrize("reset", [True, False])
+def test_a_colocated_update_resets_every_cache_the_old_weights_filled(reset):
+    from hotweights.errors import ServerError
+    from hotweights.integrations.trl import _Colocated
+
+    calls = []
+    llm = types.SimpleNamespace(
+        reset_prefix_cache=lambda **kw: calls.append(("prefix", kw)) or reset,
+        llm_engine=types.SimpleNamespace(reset_encoder_cache=lambda: calls.append("encoder")))
+    weights = _Colocated.__new__(_Colocated)
+    weights.llm, weights.version = llm, 0
+    with contextlib.ExitStack() as stack:
+        if not reset:
+            stack.enter_context(pytest.raises(ServerError, match="did not reset its prefix"))
+        with weights.update():
+            pass
+    assert calls == [("prefix", dict(reset_running_requests=True, reset_connector=True)),
+                     "encoder"] and weights.version == 1

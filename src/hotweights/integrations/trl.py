@@ -226,8 +226,14 @@ class _Colocated:
         finally:  # also after a step that raised half way: it may have written some
             if torch.cuda.is_available():  # vLLM's streams read what the step wrote
                 torch.cuda.synchronize()
-            self.llm.reset_prefix_cache()  # cached KV came from the old weights
+            # cached KV (a KV connector's too) and encoder outputs came from the old weights
+            reset = self.llm.reset_prefix_cache(reset_running_requests=True,
+                                                reset_connector=True)
+            self.llm.llm_engine.reset_encoder_cache()
             self.version += 1
+        if not reset:
+            raise ServerError("vLLM did not reset its prefix cache after the update: it "
+                              "would serve KV computed with the old weights")
 
 
 _Config = trl.GRPOConfig | trl.RLOOConfig | trl.DistillationConfig  # the trainers' configs
