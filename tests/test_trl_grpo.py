@@ -269,6 +269,12 @@ def test_resuming_loads_the_checkpoint_into_the_served_tensors_as_an_update(serv
     GRPOTrainer(bridge=bridge, reward_funcs=_reward, train_dataset=_data(), args=_config(
         tmp, max_steps=1, save_strategy="steps", save_steps=1, output_dir=str(out))).train()
     saved = bridge.model().get_output_embeddings().weight.detach().clone()
+    # written by a sync (save_pretrained would first clone every view that shares its
+    # memory with another: q, k, v of qkv_proj, ...), as save_pretrained names them
+    ckpt = out / "checkpoint-1"
+    assert (ckpt / ".hotweights").is_dir() and (ckpt / "tokenizer.json").is_file()
+    loaded = AutoModelForCausalLM.from_pretrained(ckpt)
+    assert torch.equal(loaded.get_output_embeddings().weight, saved)
     with bridge.update(), torch.no_grad():  # the served weights move on (not by a GRPO step:
         bridge.model().get_output_embeddings().weight.add_(0.01)  # with equal rewards in
     assert not torch.equal(bridge.model().get_output_embeddings().weight, saved)  # a group,

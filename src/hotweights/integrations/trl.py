@@ -537,6 +537,29 @@ class _OnServedWeights:
             load()
         self._check_shared(what)
 
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """transformers' save, the model's weights written by `checkpoint.sync` (the names
+        and shards `save_pretrained` writes; only what changed, into a directory saved
+        before): `save_pretrained` clones every tensor that shares its memory with another
+        (q, k and v in vLLM's `qkv_proj`: most of the weights) before writing, all at once
+        and on the weights' device, where vLLM left little room."""
+        if state_dict is not None:  # a state dict of the caller's: transformers' save
+            return super()._save(output_dir, state_dict)
+        from hotweights.checkpoint import sync
+
+        model = self.model
+
+        def save_pretrained(directory: str, **kwargs: Any) -> None:
+            sync(directory, model, config=model.config, version=str(self.weights.version))
+            if model.can_generate():
+                model.generation_config.save_pretrained(directory)
+
+        model.save_pretrained = save_pretrained  # what transformers' `_save` calls
+        try:
+            super()._save(output_dir)
+        finally:
+            del model.save_pretrained
+
     def _move_model_to_device(self, model: torch.nn.Module, device: Any) -> None:
         """Nothing to move: the views lie where vLLM keeps its weights, and `.to()` onto
         another device name (`cpu:0` for `cpu`) would copy them."""
