@@ -646,3 +646,28 @@ def test_a_colocated_update_resets_every_cache_the_old_weights_filled(reset):
             pass
     assert calls == [("prefix", dict(reset_running_requests=True, reset_connector=True)),
                      "encoder"] and weights.version == 1
+
+
+def test_samples_of_a_restarted_server_are_refused_at_once():
+    # its weights are not the ones the model's views map: a whole step would be wasted
+    from hotweights.errors import ServerError
+    from hotweights.integrations.trl import _client_for
+    from hotweights.protocol.version import VERSION_HEADER
+
+    cls = _client_for(types.SimpleNamespace(server_id="s1", cafile=None))
+    client = cls.__new__(cls)  # (TRL's __init__ asks the server for its model)
+    client.base_url, client.sample_versions, client._versions = "http://127.0.0.1:1", [], []
+
+    def answered(*versions):
+        def call():
+            for v in versions:  # as the session's response hook sees each answer
+                client._keep_version(types.SimpleNamespace(headers={VERSION_HEADER: v}))
+            return {"completion_ids": [[1]] * len(versions)}
+        return call
+    assert client._counted(answered("4@s1", "3@s1"))["completion_ids"] == [[1], [1]]
+    assert client.sample_versions == [3, 3]  # a chat's requests: the oldest version
+    with pytest.raises(ServerError, match=r"^http://127\.0\.0\.1:1 restarted \(server s2, "
+                                          r"not s1\)"):
+        client._counted(answered("0@s2"))
+    with pytest.raises(ServerError, match="carried no x-hotweights-version header"):
+        client._counted(answered())

@@ -122,8 +122,14 @@ def _client_for(bridge: Bridge) -> type[VLLMClient]:
             if not self._versions:
                 raise ServerError(f"{self.base_url}: the completion carried no "
                                   f"{VERSION_HEADER} header: is it a `hotweights serve`?")
+            versions = [parse_version(v) for v in self._versions]
+            if restarted := [server for _, server in versions if server != bridge.server_id]:
+                raise ServerError(  # it generated with weights the model's views are not
+                    f"{self.base_url} restarted (server {restarted[0]}, not "
+                    f"{bridge.server_id}): the model's parameters map the old server's "
+                    "weights, gone; reconnect (Bridge.connect) and make a new trainer")
             # a chat sends a request per conversation: the oldest version counts for all
-            n = min(parse_version(v)[0] for v in self._versions)
+            n = min(n for n, _ in versions)
             self.sample_versions += [n] * len(out["completion_ids"])
             return out
 
