@@ -286,8 +286,9 @@ class Bridge:
         it was built or the last update ended: outside an update, the server computed with
         each write as it landed, under the version it served (no new number, its prefix
         cache not reset), and the sidecars of a checkpoint name that version. Seen by the
-        tensors' version counters: an optimizer's step or an in-place op counts, a write
-        through `.data` or by another process does not."""
+        tensors' version counters: an in-place op and a foreach or for-loop optimizer's
+        step count; a write through `.data` or by another process, and a fused
+        optimizer's step (`AdamW(fused=True)`, transformers' default), do not."""
         now = _versions(self._model)
         if written := [n for n, v in now.items() if self._versions.get(n, v) != v]:
             logger.warning(
