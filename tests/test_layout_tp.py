@@ -580,3 +580,24 @@ def test_error_tp_rank_out_of_range(rank: int, size: int) -> None:
     config, vname, hf = _qkv_case(kv=2, heads=4)
     with pytest.raises(LayoutError, match=rf"tp_rank={rank} is outside tp_size={size}"):
         plan(config, {vname: (16, 8)}, tp_size=size, tp_rank=rank, hf_shapes=hf)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_padded_vocabulary_under_another_name_is_mapped(tp):
+    # Falcon's embedding is `word_embeddings`; vLLM pads its rows as every vocabulary's
+    import transformers
+
+    config = transformers.FalconConfig(vocab_size=300, hidden_size=128, num_hidden_layers=1,
+                                       num_attention_heads=2, multi_query=True, bias=False,
+                                       new_decoder_architecture=False, parallel_attn=True)
+    shapes, _ = hf_params(config)
+    name = "transformer.word_embeddings.weight"
+    live = {**shapes, name: (320 // tp, 128)}
+    pieces = [plan(config, live, strict=False, tp_size=tp, tp_rank=r).pieces[name][0]
+              for r in range(tp)]
+    assert [(p.rows, p.hf_start) for p in pieces] == (
+        [((0, 300), 0)] if tp == 1 else [((0, 160), 0), ((0, 140), 160)])
+    live[name] = (300 + 64, 128)  # more than the padding: another vocabulary
+    with pytest.raises(LayoutError, match=r"word_embeddings\.weight: vLLM shape \(364, 128\) "
+                                          r"does not match"):
+        plan(config, live, strict=False)

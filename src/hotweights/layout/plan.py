@@ -469,6 +469,8 @@ def _pieces(
         return _column_pieces(vname, live, subparts, config, tp, rank, dim=0)
     if module in _ROW and leaf == "weight":
         return _row_pieces(vname, live, parts[0], tp, rank, dim=1)
+    if len(parts) == 1 and _padded_vocabulary(live, hf_shape, config, tp):
+        return _vocab_pieces(vname, live, parts[0], tp, rank)
     if len(parts) > 1 or live != hf_shape:
         raise LayoutError(
             f"{vname}: vLLM shape {live} does not match HF {hf_name} shape {hf_shape}"
@@ -547,6 +549,15 @@ def _check_other_dims(vname: str, live: Shape, hf_name: str, hf_shape: Shape, di
 
 _VOCAB_PADDING = 64  # vLLM pads the vocabulary rows to a multiple of this (its
 # DEFAULT_VOCAB_PADDING_SIZE), then splits them evenly among the ranks
+
+
+def _padded_vocabulary(live: Shape, hf_shape: Shape, config: Any, tp: int) -> bool:
+    """Whether `live` holds an HF tensor of `vocab_size` rows as vLLM pads a vocabulary,
+    under a name other than `_VOCAB`'s (Falcon's `word_embeddings`; vLLM's Transformers
+    backend pads every embedding of `vocab_size` rows)."""
+    vocab = getattr(text_config(config), "vocab_size", None)
+    return bool(hf_shape) and hf_shape[0] == vocab and live[1:] == hf_shape[1:] and \
+        0 <= live[0] * tp - vocab < _VOCAB_PADDING
 
 
 def _vocab_pieces(vname, live, part, tp, rank) -> list[Piece]:
