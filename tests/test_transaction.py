@@ -481,12 +481,20 @@ def test_a_staged_commit_whose_drain_times_out_drops_the_update():
         await tx.begin(begin(stage=True, lease_s=0.05))
         engine.block["pause"] = asyncio.Event()  # a request that never finishes
         with pytest.raises(Refused, match="did not finish within lease_s=0.05 s; the staged "
-                           "update was dropped") as e:
+                           "update was dropped, the server serves 0@.*; update again with a "
+                           "longer lease, or mode=abort") as e:
             await tx.commit(Commit("h1", SID))
         assert e.value.status == 503
         status = tx.status()
         assert status["state"] == "idle" and status["n"] == 0 and not status["dirty"]
         assert engine.steps == ["pause wait", "discard"] and not engine.held
+        del engine.block["pause"]
+        engine.fail.add("pause")  # not a timeout: no lease would help
+        await tx.begin(begin(stage=True))
+        with pytest.raises(Refused, match=r"pausing failed \(RuntimeError\('pause failed'\)\); "
+                           r"the staged update was dropped, the server serves 0@\w+; update "
+                           r"again$"):
+            await tx.commit(Commit("h1", SID))
 
     run_recording(test)
 

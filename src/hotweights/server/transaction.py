@@ -317,12 +317,14 @@ class Transaction:
             except Exception as err:
                 e = err
         if e is not None:
+            mode = self.mode  # (the resume forgets it)
             await self._discard_quietly()
             await self._resume("commit's pause failed")
-            why = (f"in-flight requests did not finish within lease_s={self._drain_s} s"
-                   if isinstance(e, TimeoutError) else f"pausing failed ({e!r})")
+            why, then = (f"in-flight requests did not finish within lease_s={self._drain_s} "
+                         f"s", _retry(mode)) if isinstance(e, TimeoutError) else (
+                f"pausing failed ({e!r})", "update again")
             raise Refused(503, f"{why}; the staged update was dropped, the server serves "
-                          f"{self.version}; {_retry(self.mode)}") from None
+                          f"{self.version}; {then}") from None
         self.last_pause_s = self._paused_at - self._held_at
 
     async def renew(self, req: Renew) -> dict:
