@@ -110,8 +110,9 @@ def test_after_a_failed_body_the_version_is_the_dirty_one_served(monkeypatch):
 
 
 def test_after_a_failed_commit_the_version_is_read_from_the_server(monkeypatch):
-    monkeypatch.setattr(bridge_module, "request", Recorder({
-        "/hotweights/commit": ServerError("HTTP 409: the lease expired", 409)}))
+    expired = ServerError("HTTP 409: the lease expired", 409)
+    rec = Recorder({"/hotweights/commit": expired, "/hotweights/abort": expired})
+    monkeypatch.setattr(bridge_module, "request", rec)
     monkeypatch.setattr(bridge_module, "server_status", lambda *a, **k: {
         "version": "2@s", "server_id": "s"})
     b = _bridge()
@@ -120,6 +121,26 @@ def test_after_a_failed_commit_the_version_is_read_from_the_server(monkeypatch):
         with b.update():
             pass
     assert b.version == "2@s"
+    # a commit that got no answer: aborted (dirty: written), not left paused for the rest
+    # of the lease; where it did land, the abort is refused, as above
+    rec.fail = {"/hotweights/commit": ServerError("POST /hotweights/commit: no answer")}
+    rec.calls.clear()
+    with pytest.raises(ServerError, match="no answer"):
+        with b.update():
+            pass
+    assert [(r, body.get("dirty")) for r, body, _ in rec.calls] == [
+        ("/hotweights/begin", None), ("/hotweights/commit", None), ("/hotweights/abort", True)]
+    assert b.version == "1@s"  # the abort's answer: the new, dirty version
+    # this bridge's update still open on the server (its commit and abort both lost): the
+    # next begin is refused naming it, and aborts it dirty, not clean
+    rec.fail = {"/hotweights/begin": ServerError("HTTP 409: h already began an update in "
+                                                 "mode 'wait'", 409, {"holder": "h"})}
+    rec.calls.clear()
+    with pytest.raises(ServerError, match="already began"):
+        with b.update(mode="keep"):
+            pytest.fail("the body must not run")
+    assert [(r, body.get("dirty")) for r, body, _ in rec.calls] == [
+        ("/hotweights/begin", None), ("/hotweights/abort", True)]
 
 
 def test_a_body_that_raised_waits_for_its_device_work_before_the_abort(monkeypatch):
@@ -462,3 +483,24 @@ def test_an_update_waits_while_another_holds_the_lease(monkeypatch):
     with pytest.raises(ServerError, match="restarted"):
         with b.update():
             pass
+
+
+def test_an_exclusive_checkpoint_that_lost_its_lease_while_reading_says_so(monkeypatch,
+                                                                          tmp_path):
+    # the lease expired (renewals refused or unanswered): a trainer may have stepped while
+    # the bytes were read, and the files may mix two versions
+    import hotweights.checkpoint
+
+    rec = Recorder({"/hotweights/abort": ServerError("HTTP 409: no lease held", 409)})
+    monkeypatch.setattr(bridge_module, "request", lambda *a, **k: {**rec(*a, **k), "n": 0})
+    b = _bridge()
+    b._model = types.SimpleNamespace(config=None)
+    monkeypatch.setattr(b, "status", lambda **kw: {"version": "0@s", "server_id": "s"})
+    monkeypatch.setattr(hotweights.checkpoint, "sync",
+                        lambda model_dir, model, *, after_read, **kw: after_read())
+    with pytest.raises(CheckpointError, match=r"^checkpoint\(exclusive=True\): the update "
+                       r"lease was lost while the weights were read \(.*no lease held\): a "
+                       r"trainer may have written them meanwhile, and .*ckpt may mix two "
+                       "versions; checkpoint again"):
+        b.checkpoint(tmp_path / "ckpt", exclusive=True)
+    assert not b._leased.locked()

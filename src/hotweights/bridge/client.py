@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -181,23 +182,36 @@ class Bridge:
             self._begin(mode="keep", lease_s=60.0)
             renewer, released = Renewer(self.renew, 60.0), False
 
-            def release() -> None:
+            def release(read: bool = False) -> None:
+                """Resume the server (at the same version: nothing written); `read`: the
+                live bytes were read, which only a lease held to this end makes one
+                version."""
                 nonlocal released
-                if not released:
-                    released = True
+                if released:
+                    return
+                released = True
+                try:
+                    renewer.__exit__()
+                finally:  # (a Ctrl-C in the join): resumed all the same
                     try:
-                        renewer.__exit__()
-                    finally:  # (a Ctrl-C in the join): resumed all the same
-                        try:
-                            self._abort(dirty=False)  # nothing written: the same version
-                        finally:  # the files are written after: an update may go on
-                            unlock()
+                        self.version = self._post("/hotweights/abort", dirty=False)["version"]
+                    except ServerError as e:  # the lease expired or was taken from it
+                        self._refresh_version()
+                        if read:  # (else the caller's error is the news)
+                            raise CheckpointError(
+                                f"checkpoint(exclusive=True): the update lease was lost while "
+                                f"the weights were read ({e}): a trainer may have written "
+                                f"them meanwhile, and {model_dir} may mix two versions; "
+                                "checkpoint again") from e
+                        logger.warning("hotweights: abort failed: %s", e)
+                    finally:  # the files are written after: an update may go on
+                        unlock()
 
             try:
                 renewer.start()
                 version = self.status()["version"]
                 return sync(model_dir, model, version=version, config=model.config,
-                            after_read=release, **kwargs)
+                            after_read=functools.partial(release, read=True), **kwargs)
             finally:
                 release()
 
@@ -423,23 +437,27 @@ class Bridge:
     def _begin(self, *, timeout: float = 120, **body: Any) -> dict:
         """Begin an update, waiting up to `timeout` for the lease while another holds it
         (an exclusive checkpoint reading the weights, another trainer's step); if the begin
-        fails or is interrupted (a timeout, a Ctrl-C), it is aborted: nothing was written,
-        and no server stays paused for a trainer that gave up."""
-        deadline, waited = time.monotonic() + timeout, None
+        fails or is interrupted (a timeout, a Ctrl-C), it is aborted, so that no server
+        stays paused for a trainer that gave up: clean (nothing was written), or dirty where
+        the refusal names this bridge's own update still open (its commit and abort lost:
+        its weights were written)."""
+        deadline, waited, dirty = time.monotonic() + timeout, None, False
         try:
             while True:
                 try:
                     return self._post("/hotweights/begin", timeout=timeout, **body)
                 except ServerError as e:
                     other = e.detail.get("holder") if e.status == 409 else None
-                    if other in (None, self.holder) or time.monotonic() >= deadline:
+                    # this bridge's last update still open (its commit and abort lost): the
+                    dirty = other == self.holder  # weights were written
+                    if other is None or dirty or time.monotonic() >= deadline:
                         raise
                     if other != waited:
                         logger.info("hotweights: waiting for the update lease %s holds", other)
                     waited = other
                     time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
         except BaseException:
-            self._abort(dirty=False, quiet=True)
+            self._abort(dirty=dirty, quiet=True)
             raise
 
     def _synchronize(self) -> None:
@@ -450,12 +468,14 @@ class Bridge:
             torch.cuda.synchronize(device)
 
     def _commit(self, **body: Any) -> None:
-        """Commit; if that fails, `version` is still what the server serves (a commit that
-        failed, or came after the lease expired, leaves a new dirty version there)."""
+        """Commit; if that fails, the update is aborted (dirty: the weights were written;
+        refused where the commit did land and only its answer was lost), so that the
+        server does not stay paused for the rest of the lease, and `version` is what the
+        server serves."""
         try:
             self.version = self._post("/hotweights/commit", **body)["version"]
         except Exception:
-            self._refresh_version()
+            self._abort(dirty=True, quiet=True)
             raise
         except BaseException:  # a Ctrl-C during the round trip: committed or not, the
             self._abort(dirty=True, quiet=True)  # server does not stay paused (if it was
