@@ -180,11 +180,14 @@ def _keep(fd: int, old: os.stat_result) -> None:
     """The old file's owner, where this process may give it (root, or its own group), and
     its mode bits (after the owner: a chown clears set-id bits). Extended attributes and
     ACLs are not carried over."""
-    try:
-        os.fchown(fd, old.st_uid, old.st_gid)
-    except PermissionError:  # another user's file, written by one allowed to replace it
-        with suppress(PermissionError):
-            os.fchown(fd, -1, old.st_gid)
+    new = os.fstat(fd)
+    if (new.st_uid, new.st_gid) != (old.st_uid, old.st_gid):
+        try:
+            os.fchown(fd, old.st_uid, old.st_gid)
+        except OSError:  # another user's file (EPERM), an id this user namespace does not
+            with suppress(OSError):  # map (EINVAL), a filesystem without owners
+                if new.st_gid != old.st_gid:
+                    os.fchown(fd, -1, old.st_gid)
     os.fchmod(fd, old.st_mode & 0o7777)
 
 
