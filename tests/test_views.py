@@ -122,9 +122,15 @@ def test_a_layout_of_another_model_is_refused():
     params = _vllm_params(config)
     other = tiny.make_config("llama", VOCAB, intermediate_size=config.intermediate_size // 2)
     wrong = plan(other, tiny.vllm_llama_shapes(other))
-    with pytest.raises(LayoutError, match=r"^layout= is not the plan of these vLLM tensors"):
+    with pytest.raises(LayoutError, match=r"^layout= is not the plan of these vLLM tensors "
+                       r"for this model \(plan\(config, vllm_params\)\): the pieces of vLLM "
+                       r"model\.layers\.0\.mlp\.gate_up_proj\.weight differ"):
         build_hf_model(config, params, layout=wrong)
     model, _ = build_hf_model(config, params, layout=plan(config, params))  # its own: taken
+    extra = {"extra.a": torch.zeros(1), "extra.b": torch.zeros(1)}  # in another order
+    build_hf_model(config, {**params, **extra}, allow_unused=True,
+                   layout=plan(config, {**dict(reversed(extra.items())), **params},
+                               strict=False))
     with pytest.raises(LayoutError, match=r"gate_proj\.weight: not a view of vLLM .*gate_up"
                                           r"_proj\.weight rows \(0, 160\) \(data_ptr .*\(320, "):
         verify_shared(model, params, wrong)  # the same address, another shape

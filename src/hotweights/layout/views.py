@@ -171,9 +171,10 @@ def build_hf_model(
     planned = plan(config, vllm_params, strict=False, hf_shapes=hf_params(model),
                    tp_size=layout.tp_size if layout else 1,
                    tp_rank=layout.tp_rank if layout else 0)
-    if layout is not None and layout != planned:
-        raise LayoutError("layout= is not the plan of these vLLM tensors for this model "
-                          "(plan(config, vllm_params)): of another model or other tensors?")
+    if layout is not None and (differs := _differs(layout, planned)):
+        raise LayoutError(f"layout= is not the plan of these vLLM tensors for this model "
+                          f"(plan(config, vllm_params)): {differs}; of another model or "
+                          "other tensors?")
     layout = planned
     if layout.unused and not allow_unused:
         raise LayoutError(f"vLLM parameters hold no HF parameter: {', '.join(layout.unused)}")
@@ -236,6 +237,20 @@ def build_hf_model(
     logger.info("built HF model on views: %d parameters mapped, %d missing, %d unused",
                 len(report.mapped), len(report.missing), len(report.unused))
     return model, report
+
+
+def _differs(given: Layout, planned: Layout) -> str | None:
+    """What of `given` is not `planned` (the order of names aside), or None."""
+    if vname := next((v for v in [*planned.pieces, *given.pieces]
+                      if given.pieces.get(v) != planned.pieces.get(v)), None):
+        return f"the pieces of vLLM {vname} differ"
+    for field in ("missing", "unused"):
+        if set(getattr(given, field)) != set(getattr(planned, field)):
+            return f"its {field} names differ"
+    if (given.ties, given.tp_size, given.tp_rank) != (planned.ties, planned.tp_size,
+                                                      planned.tp_rank):
+        return "its ties or tensor-parallel rank differ"
+    return None
 
 
 def verify_shared(model: torch.nn.Module, vllm_params: Mapping[str, torch.Tensor],
