@@ -92,7 +92,8 @@ def test_the_meta_model_reserves_no_memory_for_its_parameters():
     assert not inv_freq.is_meta and inv_freq.shape == (config.head_dim // 2,)
 
 
-@pytest.mark.parametrize("extra", ["a buffer made by a filler", "a filler's value read"])
+@pytest.mark.parametrize("extra", ["a buffer made by a filler", "a filler's value read",
+                                   "a tensor attribute made by a filler"])
 def test_a_model_computing_with_fillers_is_built_parameter_by_parameter(monkeypatch, extra):
     from transformers.models.llama import modeling_llama
 
@@ -102,13 +103,15 @@ def test_a_model_computing_with_fillers_is_built_parameter_by_parameter(monkeypa
         original(self, *args, **kwargs)
         if extra == "a buffer made by a filler":
             self.register_buffer("scale", torch.full((3,), 2.0), persistent=False)
+        elif extra == "a tensor attribute made by a filler":
+            self.scale = torch.full((3,), 2.0)
         else:
             self.factor = float(torch.ones(1))  # raises on meta
 
     monkeypatch.setattr(modeling_llama.LlamaRotaryEmbedding, "__init__", init)
     model = meta_model(tiny.make_config("llama", VOCAB))
     assert all(p.is_meta for p in model.parameters())
-    if extra == "a buffer made by a filler":
+    if extra != "a filler's value read":
         assert torch.equal(model.model.rotary_emb.scale, torch.full((3,), 2.0))
     else:
         assert model.model.rotary_emb.factor == 1.0

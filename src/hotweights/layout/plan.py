@@ -211,7 +211,7 @@ def meta_model(config: Any, *, dtype: torch.dtype | None = None,
     try:  # the model's own code may compute a buffer from a filler, or read one's value
         with _FillersOnMeta():
             model = build()
-        if not any(buf.is_meta for buf in _computed_buffers(model)):
+        if not any(t.is_meta for t in _computed_tensors(model)):
             return model
     except Exception as e:  # noqa: BLE001 - built the plain way below, which says why
         logger.debug("%s: building on meta failed (%s); building parameter by parameter",
@@ -259,11 +259,13 @@ def persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             if buf is not None and leaf not in module._non_persistent_buffers_set}
 
 
-def _computed_buffers(model: torch.nn.Module) -> Iterator[torch.Tensor]:
-    """The buffers of `model` its checkpoint does not hold (rotary tables)."""
+def _computed_tensors(model: torch.nn.Module) -> Iterator[torch.Tensor]:
+    """The tensors of `model` its checkpoint does not hold: buffers it computes (rotary
+    tables), and tensors kept as plain attributes (a remote code's `self.scale`)."""
     for module in model.modules():
         yield from (buf for leaf, buf in module._buffers.items()
                     if buf is not None and leaf in module._non_persistent_buffers_set)
+        yield from (t for t in vars(module).values() if isinstance(t, torch.Tensor))
 
 
 def renamings(config: Any, *, trust_remote_code: bool = False) -> list:
