@@ -243,3 +243,20 @@ def test_a_redirect_is_refused_naming_where_it_points_and_the_token_stays():
                                               rf"does not follow \(the token would go along\)"):
             request(url, "GET", "/hotweights/status", "secret")
     assert elsewhere == []
+
+
+@pytest.mark.parametrize(("a", "b", "same"), [
+    ("http://localhost:8000", "http://127.0.0.1:8000/", True),
+    ("http://[::1]:8000", "http://LOCALHOST.:8000", True),
+    ("http://[::ffff:127.0.0.1]:8000", "http://127.0.0.1:8000", True),
+    ("http://Gpu01", "http://gpu01:80", True),
+    ("https://gpu01", "https://gpu01:443/", True),
+    ("http://127.0.0.2:8000", "http://127.0.0.1:8000", False),  # another address: another
+    ("http://gpu01:8000", "http://gpu01:8001", False),  # server may listen there
+    ("https://gpu01:8000", "http://gpu01:8000", False),
+    ("http://gpu01:8000/a", "http://gpu01:8000", False),
+])
+def test_two_spellings_of_one_server_url(a, b, same):
+    from hotweights.protocol.urls import same_server
+
+    assert same_server(a, b) is same and same_server(b, a) is same

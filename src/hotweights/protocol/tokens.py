@@ -12,9 +12,7 @@ import urllib.parse
 from pathlib import Path
 
 from hotweights.errors import ConfigError, ServerError
-from hotweights.protocol.urls import is_loopback, server_url
-
-_DEFAULT_PORTS = {"http": 80, "https": 443}
+from hotweights.protocol.urls import is_loopback, port_of, server_url
 
 
 def token_path(port: int) -> Path:
@@ -67,7 +65,7 @@ def find_token(url: str, token: str | None = None) -> str:
         raise ServerError(f"{url}: no token: pass token= (CLI: --token) or set "
                           "HOTWEIGHTS_TOKEN (the token files of local servers are sent to "
                           "loopback URLs only)")
-    port = parts.port or _DEFAULT_PORTS.get(parts.scheme, 80)
+    port = port_of(parts)
     path = token_path(port)
     if path.is_file():
         return checked(path.read_text(), url)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import urllib.parse
 
@@ -56,14 +57,25 @@ def server_url(url: str) -> str:
     return url.strip().rstrip("/")
 
 
+_LOOPBACK = ("localhost", "127.0.0.1", "::1")  # this machine, by its names
+
+
+def port_of(parts: urllib.parse.SplitResult) -> int:
+    """The port of a split server URL, its scheme's where none is given."""
+    return parts.port or (443 if parts.scheme == "https" else 80)
+
+
 def same_server(a: str, b: str) -> bool:
-    """Whether the server URLs `a` and `b` name one server: the same scheme, port (80 or
-    443 where none is given) and path, and the same host, spelled alike in any case or
-    both loopback names (`localhost`, 127.0.0.1, [::1]). No name is looked up."""
+    """Whether the server URLs `a` and `b` name one server: the same scheme, port and path,
+    and the same host, spelled alike in any case, or this machine's loopback address by
+    two of its names (`localhost`, 127.0.0.1, [::1]: a server on all of them listens on
+    0.0.0.0 or ::). No name is looked up."""
     def key(url: str) -> tuple:
         parts = urllib.parse.urlsplit(server_url(url))
-        return parts.scheme, parts.port or (443 if parts.scheme == "https" else 80), \
-            parts.path.rstrip("/")
-    host_a, host_b = (urllib.parse.urlsplit(server_url(u)).hostname for u in (a, b))
-    return key(a) == key(b) and (host_a == host_b or is_loopback(host_a)
-                                 and is_loopback(host_b))
+        host = (parts.hostname or "").rstrip(".")
+        with contextlib.suppress(ValueError):
+            address = ipaddress.ip_address(host)
+            host = str(getattr(address, "ipv4_mapped", None) or address)
+        return (parts.scheme, port_of(parts), parts.path.rstrip("/"),
+                "localhost" if host in _LOOPBACK else host)
+    return key(a) == key(b)
