@@ -671,3 +671,31 @@ def test_samples_of_a_restarted_server_are_refused_at_once():
         client._counted(answered("0@s2"))
     with pytest.raises(ServerError, match="carried no x-hotweights-version header"):
         client._counted(answered())
+
+
+def test_the_trainer_s_saves_are_syncs_that_write_what_save_pretrained_writes(tmp_path,
+                                                                             caplog):
+    from hotweights.integrations.trl import save_weights
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny.make_config("llama", 300))
+    save_weights(model, str(tmp_path), version="3@s")
+    assert (tmp_path / ".hotweights").is_dir()  # a sync's first save
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert all(torch.equal(loaded.state_dict()[n], t) for n, t in model.state_dict().items())
+    with torch.no_grad():
+        model.lm_head.weight[0] += 1.0
+    model.config.bos_token_id = 7
+    save_weights(model, str(tmp_path), version="4@s")  # a sync: the change, and the config
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+    assert loaded.config.bos_token_id == 7
+    # another model's checkpoint there (a layer fewer): replaced whole, as save_pretrained
+    # does, not synced into (the layer it lacks would be left out)
+    deeper = AutoModelForCausalLM.from_config(tiny.make_config(
+        "llama", 300, num_hidden_layers=model.config.num_hidden_layers + 1))
+    with caplog.at_level("WARNING", logger="hotweights.integrations.trl"):
+        save_weights(deeper, str(tmp_path))
+    assert "holds another checkpoint than the model's" in caplog.text
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert all(torch.equal(loaded.state_dict()[n], t) for n, t in deeper.state_dict().items())

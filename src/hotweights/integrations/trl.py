@@ -176,6 +176,10 @@ class _Server:
     def version(self) -> int:
         return parse_version(self.bridge.version)[0]
 
+    @property
+    def label(self) -> str:  # the version as a checkpoint records it
+        return self.bridge.version
+
     def watch(self, generation) -> None:
         self.client = generation.vllm_client  # it counts every generate's samples
 
@@ -223,6 +227,10 @@ class _Colocated:
 
     def batch_versions(self) -> list[int]:
         return [self.version] * self.samples  # TRL generates between steps
+
+    @property
+    def label(self) -> str:  # the version as a checkpoint records it
+        return str(self.version)
 
     @contextlib.contextmanager
     def update(self) -> Iterator[None]:
@@ -351,6 +359,38 @@ def _check_args(args: _Config, bridge: Bridge | None, peft_config: Any) -> None:
         raise ConfigError("peft_config: LoRA adapters are not vLLM's weights (vLLM would "
                           "never see them); train the base weights, e.g. "
                           "bridge.model(trainable=...)")
+
+
+def save_weights(model: torch.nn.Module, directory: str, *, version: str | None = None,
+                 **kwargs: Any) -> None:
+    """`model.save_pretrained(directory)` with the weights written by `checkpoint.sync`:
+    the names and shards `save_pretrained` writes, the config (and the generation config,
+    a remote code's files) beside them, and only what changed into a directory saved
+    before. `save_pretrained` itself would first clone every tensor that shares its memory
+    with another (q, k and v in vLLM's `qkv_proj`: most of the weights), all at once and
+    on the weights' device, where vLLM left little room. A directory that holds another
+    model's checkpoint (other names, shapes or dtypes) is left to `save_pretrained`
+    (`kwargs`), which replaces it."""
+    from transformers.dynamic_module_utils import custom_object_save
+
+    from hotweights.checkpoint import diagnose, sync
+
+    found = diagnose(directory, model)
+    if not found.first_save and (found.error or found.names_error or found.mismatches
+                                 or found.only_live or found.only_disk):
+        logger.warning("hotweights: %s holds another checkpoint than the model's: written "
+                       "whole by transformers' save_pretrained", directory)
+        type(model).save_pretrained(model, directory, **kwargs)
+        return
+    sync(directory, model, version=version)
+    # as save_pretrained: the config names the model's class and dtype
+    model.config.architectures = [type(model).__name__]
+    model.config.dtype = str(model.dtype).removeprefix("torch.")
+    if model.is_remote_code():
+        custom_object_save(model, directory, config=model.config)
+    model.config.save_pretrained(directory)
+    if model.can_generate():
+        model.generation_config.save_pretrained(directory)
 
 
 _SCHEDULE_FREE = ("a schedule-free optimizer moves every weight in its train() and eval(), "
@@ -544,23 +584,12 @@ class _OnServedWeights:
         self._check_shared(what)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """transformers' save, the model's weights written by `checkpoint.sync` (the names
-        and shards `save_pretrained` writes; only what changed, into a directory saved
-        before): `save_pretrained` clones every tensor that shares its memory with another
-        (q, k and v in vLLM's `qkv_proj`: most of the weights) before writing, all at once
-        and on the weights' device, where vLLM left little room."""
+        """transformers' save, the model's weights written by `save_weights`."""
         if state_dict is not None:  # a state dict of the caller's: transformers' save
             return super()._save(output_dir, state_dict)
-        from hotweights.checkpoint import sync
-
         model = self.model
-
-        def save_pretrained(directory: str, **kwargs: Any) -> None:
-            sync(directory, model, config=model.config, version=str(self.weights.version))
-            if model.can_generate():
-                model.generation_config.save_pretrained(directory)
-
-        model.save_pretrained = save_pretrained  # what transformers' `_save` calls
+        model.save_pretrained = functools.partial(  # what transformers' `_save` calls
+            save_weights, model, version=self.weights.label)
         try:
             super()._save(output_dir)
         finally:
