@@ -166,8 +166,9 @@ def test_a_shard_written_while_its_spare_is_cloned_gets_no_spare(d, monkeypatch)
     assert all(torch.equal(disk[n], t) for n, t in live.items())
 
 
-@pytest.mark.parametrize("then", ["a sync that changes nothing", "a copy-mode sync"])
-def test_every_sync_closes_the_spares_of_shards_changed_since(d, then):
+@pytest.mark.parametrize("then", ["a sync that changes nothing", "a copy-mode sync",
+                                  "a first save elsewhere"])
+def test_every_sync_closes_the_spares_of_shards_changed_since(d, then, tmp_path):
     # a spare holds the blocks of the file it cloned: the filesystem frees them only once
     # it is closed
     live = _saved(d)
@@ -178,6 +179,10 @@ def test_every_sync_closes_the_spares_of_shards_changed_since(d, then):
     save_file(live, d / "model.safetensors")  # replaced by another program
     if then == "a copy-mode sync":
         live["a"] += 1.0
-    result = sync(d, live, mode="copy" if then == "a copy-mode sync" else "auto")
+    if then == "a first save elsewhere":
+        assert sync(tmp_path, live).first_save
+    else:
+        result = sync(d, live, mode="copy" if then == "a copy-mode sync" else "auto")
+        assert result.tensors_changed == (then == "a copy-mode sync")
     finisher.finish()
-    assert result.tensors_changed == (then == "a copy-mode sync") and not spare._spares
+    assert not spare._spares

@@ -186,10 +186,12 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
         journal.recover(model_dir, lock=False)  # an interrupted sync is finished or dropped
         disk = read_to_sync(model_dir)
         if disk is None:
-            return first_save.save(model_dir, live, mode=mode, version=version, config=config,
-                                   model=model, model_type=model_type,
-                                   block_size=block_size, max_shard_size=max_shard_size,
-                                   progress=progress, after_read=after_read, started=started)
+            result = first_save.save(
+                model_dir, live, mode=mode, version=version, config=config, model=model,
+                model_type=model_type, block_size=block_size, max_shard_size=max_shard_size,
+                progress=progress, after_read=after_read, started=started)
+            spare.keep(())  # the spares of shards gone or changed since, closed (as `_record`)
+            return result
         patch_mode, reason = write_mode(model_dir, mode)  # under the lock: the directory a
         # writer that held it before may have made (then its shards are patched here)
         # 1. resolve: the live tensors by disk name, per shard
