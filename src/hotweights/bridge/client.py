@@ -456,6 +456,7 @@ class Bridge:
                         logger.info("hotweights: waiting for the update lease %s holds", other)
                     waited = other
                     time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+                    timeout = max(1.0, deadline - time.monotonic())  # the drain's within it
         except BaseException:
             self._abort(dirty=dirty, quiet=True)
             raise
