@@ -306,7 +306,10 @@ def test_a_restore_that_raises_is_noted_on_the_remote_s_error(monkeypatch):
     with pytest.raises(RemoteError, match="gpu01:8000 refused the round") as e:
         with b.update():
             pass
-    assert e.value.__notes__ == ["the step could not be undone here: RuntimeError('no copy')"]
+    assert e.value.__notes__ == [
+        "the step could not be undone here: RuntimeError('no copy')",
+        "http://x serves the step's weights as a new, dirty version (the group holds no copy "
+        "of the old ones here); the remote servers serve the old ones"]
     assert rec.calls[-1][0] == "/hotweights/abort" and rec.calls[-1][1]["dirty"] is True
 
 
@@ -504,3 +507,25 @@ def test_an_exclusive_checkpoint_that_lost_its_lease_while_reading_says_so(monke
                        "versions; checkpoint again"):
         b.checkpoint(tmp_path / "ckpt", exclusive=True)
     assert not b._leased.locked()
+
+
+def test_an_error_of_any_kind_on_the_remotes_says_this_server_serves_the_step(monkeypatch):
+    # require="any": this server committed n; an error of the encode (out of memory) on the
+    # remotes' side leaves it serving n all the same, and says so (a trainer goes on)
+    class Remote:
+        require, n = "any", 0
+
+        def floor(self):
+            return 0
+
+        def update(self, model, **kw):
+            raise RuntimeError("CUDA out of memory")
+    monkeypatch.setattr(bridge_module, "request", lambda *a, **k: {
+        **Recorder({})(*a, **k), "n": 0})
+    b = _bridge()
+    b.tensors, b.remote, b._model = {"w": torch.zeros(1)}, Remote(), object()
+    with pytest.raises(RemoteError, match=r"^http://x serves version 1; the remote servers "
+                       r"did not take it .*RuntimeError\('CUDA out of memory'\)") as e:
+        with b.update():
+            pass
+    assert e.value.served == 1 and isinstance(e.value.__cause__, RuntimeError)

@@ -590,9 +590,10 @@ def test_weights_changed_between_prepare_and_commit_are_synced_again(caplog):
     assert group._held == {} and "1 tensor(s) changed between prepare and commit" in caplog.text
 
 
-def test_a_commit_that_fails_before_it_knows_the_servers_leaves_none_held(monkeypatch):
-    # the reference is the new weights by then: a server still named as holding it would
-    # get deltas against values it never received
+def test_a_commit_whose_copy_cannot_be_kept_leaves_none_held(monkeypatch, caplog):
+    # the servers committed all the same (the group counts the version and cleans up as
+    # ever), but no copy says what they hold: a server still named as holding it would get
+    # deltas against values the group does not have; the next update syncs them whole
     urls = ["http://127.0.0.1:1"]
     group = RemoteGroup(urls, token="t" * 32)
     _posting(group)
@@ -602,9 +603,9 @@ def test_a_commit_that_fails_before_it_knows_the_servers_leaves_none_held(monkey
     def no_memory(*args):
         raise MemoryError("the host copy")
     monkeypatch.setattr(group.reference, "remember", no_memory)
-    with pytest.raises(MemoryError):
-        group.commit(_pending(urls, new={"w": torch.ones(4)}), 2)
-    assert group._held == {}
+    result = group.commit(_pending(urls, new={"w": torch.ones(4)}), 2)
+    assert result["version"] == 2 and group.n == 2 and group._held == {}
+    assert "version 2: the copy of what the servers now hold could not be kept" in caplog.text
 
 
 def test_the_buffers_a_checkpoint_holds_are_weights_that_cannot_change():
@@ -773,3 +774,17 @@ def test_a_step_is_not_undone_to_values_no_server_took(caplog):
         group.commit(_pending(urls, new={"w": w}), 2)
     assert not group.restore({"w": w}) and torch.equal(w, torch.ones(4))
     assert "no server holds what this group keeps" in caplog.text
+
+
+def test_asking_whether_a_cast_holds_a_tensor_makes_no_copy():
+    from hotweights.remote.served import Cast
+
+    read = []
+
+    class Counted(dict):
+        def __getitem__(self, name):
+            read.append(name)
+            return super().__getitem__(name)
+    cast = Cast(Counted(w=torch.zeros(2)), {"w": torch.bfloat16})
+    assert "w" in cast and "v" not in cast and read == []
+    assert cast["w"].dtype == torch.bfloat16 and read == ["w"]

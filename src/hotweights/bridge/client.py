@@ -399,6 +399,10 @@ class Bridge:
                 restored = self.remote.restore(model)  # restored: the old version
             except Exception as failed:  # the remote's error stays the news
                 e.add_note(f"the step could not be undone here: {failed!r}")
+            if not restored:
+                e.add_note(f"{self.url} serves the step's weights as a new, dirty version "
+                           "(the group holds no copy of the old ones here); the remote "
+                           "servers serve the old ones")
             self._abort(dirty=not restored)
             raise
         n = max(pending.floor, began["n"]) + 1
@@ -424,9 +428,10 @@ class Bridge:
         server at `n`."""
         try:
             yield
-        except HotweightsError as e:  # refused or failed (named), here or there
+        except Exception as e:  # refused or failed (named), here or there; or an error of
+            # the encode (out of memory, say): this server serves n all the same
             raise RemoteError(f"{self.url} serves version {n}; {what} (the next update "
-                              f"catches them up): {e}", served=n) from e
+                              f"catches them up): {_said(e)}", served=n) from e
 
     def renew(self, lease_s: float = 60.0) -> None:
         """Extend the lease of the current update (`update()` does it by itself). A renewal
@@ -533,9 +538,14 @@ def _noted(error: BaseException, n: int) -> Iterator[None]:
     `error` (which the caller raises), not raised in its place."""
     try:
         yield
-    except HotweightsError as e:
+    except Exception as e:
         error.add_note(f"the remote servers did not take version {n} either: "
-                       f"{e.__cause__ or e}")
+                       f"{_said(e.__cause__ or e)}")
+
+
+def _said(e: BaseException) -> str:
+    """An error for a message: ours by its words, another with its kind."""
+    return str(e) if isinstance(e, HotweightsError) else repr(e)
 
 
 def _local_model_dir(path: str, trust_remote_code: bool) -> str:

@@ -442,7 +442,14 @@ class RemoteGroup:
                 u, status[u], "/hotweights/commit", n=n, next_update=nexts.get(u, ""),
                 http_timeout=pending.lease_s + self.timeout + 60),  # the server's pause
                 errors=True, urls=list(status))  # may take the lease, then it applies
+        try:
             remembered.result()
+            kept = True
+        except Exception:  # (a pinned host copy that cannot be had, say): the servers
+            # committed all the same; with no copy of what they hold, the next update syncs
+            logger.exception("hotweights: version %d: the copy of what the servers now hold "
+                             "could not be kept; the next update syncs them whole", n)
+            kept = False  # them whole
         for u, out in outs.items():
             (failed if isinstance(out, Exception) else committed)[u] = out
         if failed:  # a commit lost on its way: not left staged (maybe paused ahead) until
@@ -451,7 +458,7 @@ class RemoteGroup:
             self._abort(status, list(failed), http_timeout=min(self.timeout, 30.0))
         self._prefilter.prints = pending.prints
         self.n = n
-        self._held = {u: (status[u]["server_id"], n) for u in committed}
+        self._held = {u: (status[u]["server_id"], n) for u in committed} if kept else {}
         if changed := _changed_since(pending):  # the copy kept is not what the servers got
             logger.warning("hotweights: %s changed between prepare and commit (e.g. %s): the "
                            "servers hold the values prepare read; the next update syncs "
@@ -678,7 +685,9 @@ class RemoteGroup:
                 self.links.drop(on[0])
             began = [u for u, f in begins.items() if not f.cancelled() and f.done()
                      and f.exception() is None]
-            silent = self._abort(status, began, http_timeout=self.timeout + 30)
+            sent = [u for u, f in begins.items() if not f.cancelled()]  # a begin whose answer
+            # was lost may have taken the lease: aborted too (where none did, it is refused)
+            silent = self._abort(status, sent, http_timeout=self.timeout + 30)
             if isinstance(e, HotweightsError) and on is not None:  # else: bad input, named
                 left = [u for u in began if u not in silent]
                 raise RemoteError(f"update not applied anywhere: {e}; servers at their "

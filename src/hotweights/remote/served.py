@@ -59,6 +59,9 @@ class Cast(Mapping):
         t = self.tensors[name]
         return t.to(self.casts[name]) if name in self.casts else t
 
+    def __contains__(self, name: object) -> bool:  # (Mapping's would make the copy)
+        return name in self.tensors
+
     def __iter__(self):
         return iter(self.tensors)
 
