@@ -679,8 +679,9 @@ def test_the_trainer_s_saves_are_syncs_that_write_what_save_pretrained_writes(tm
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny.make_config("llama", 300))
-    save_weights(model, str(tmp_path), version="3@s")
-    assert (tmp_path / ".hotweights").is_dir()  # a sync's first save
+    save_weights(model, str(tmp_path / "new"), version="3@s")  # made, as save_pretrained
+    assert (tmp_path / "new" / ".hotweights").is_dir()  # a sync's first save
+    tmp_path = tmp_path / "new"
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert all(torch.equal(loaded.state_dict()[n], t) for n, t in model.state_dict().items())
     with torch.no_grad():

@@ -375,6 +375,7 @@ def save_weights(model: torch.nn.Module, directory: str, *, version: str | None 
 
     from hotweights.checkpoint import diagnose, sync
 
+    os.makedirs(directory, exist_ok=True)  # (as save_pretrained)
     found = diagnose(directory, model)
     if not found.first_save and (found.error or found.names_error or found.mismatches
                                  or found.only_live or found.only_disk):
