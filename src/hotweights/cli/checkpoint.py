@@ -46,7 +46,7 @@ def run_sync(args: argparse.Namespace) -> int:
                 result = bridge.checkpoint(args.model_dir, exclusive=True, mode=args.mode,
                                            convert_dtype=args.convert_dtype,
                                            progress=progress, changed=changed)
-        with _status(sys.stderr.isatty() and not args.json, "fsync: making the commit durable"):
+        with _status(sys.stderr.isatty(), "fsync: making the commit durable"):  # (stderr)
             finisher.finish()  # the command ends with the files fsync'd, the journal removed
     except KeyboardInterrupt:
         raise KeyboardInterrupt(_interrupted(args.model_dir, journal.commits > commits)
