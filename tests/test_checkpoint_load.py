@@ -62,3 +62,49 @@ def test_another_model_s_checkpoint_is_refused_before_anything_is_written(other,
 def test_a_directory_without_safetensors_is_named(tmp_path):
     with pytest.raises(CheckpointError, match=rf"{tmp_path}: no safetensors checkpoint"):
         load_plan(_model("llama", 0), tmp_path)
+
+
+def test_a_compiled_moe_model_loads_through_its_wrapper(tmp_path):
+    saved, into = _model("qwen3_moe", 0), _model("qwen3_moe", 1)
+    saved.save_pretrained(tmp_path)
+    assert load_plan(torch.compile(into), tmp_path)() > 0
+    assert _same(saved, into)
+
+
+def test_a_checkpoint_whose_sync_was_cut_short_after_its_commit_is_finished_first(
+        tmp_path, monkeypatch):
+    # its shards may be half written until the journal is replayed: a load reads it whole
+    from hotweights.checkpoint import finisher, journal
+    from hotweights.checkpoint.shards import read_dir
+
+    saved, into = _model("llama", 0), _model("llama", 1)
+    saved.save_pretrained(tmp_path)
+    shard, info = read_dir(tmp_path)["model.norm.weight"]
+    new = torch.full_like(saved.model.norm.weight, 3.0)
+    journal.write_journal(tmp_path, [(shard.path.rsplit("/", 1)[1], info.begin,
+                                      new.view(torch.uint8).numpy().tobytes())])
+    assert journal.pending(tmp_path) is not None  # committed, not applied: a crash
+    load_plan(into, tmp_path)()
+    assert torch.equal(into.model.norm.weight, new) and journal.pending(tmp_path) is None
+    finisher.finish()
+
+
+def test_a_class_keyed_conversion_names_what_save_pretrained_names(tmp_path):
+    # GPT-NeoX's head is `embed_out` on disk (a conversion keyed by the model's class), and
+    # a model not loaded from a checkpoint has no conversions of its own recorded
+    from transformers import GPTNeoXConfig
+
+    from hotweights.checkpoint import sync
+
+    config = GPTNeoXConfig(vocab_size=300, hidden_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, intermediate_size=128)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp_path)
+    with torch.no_grad():
+        model.get_output_embeddings().weight[0] += 1.0
+    result = sync(tmp_path, model)
+    assert result.tensors_changed == 1 and not result.missing_on_disk
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert torch.equal(loaded.get_output_embeddings().weight,
+                       model.get_output_embeddings().weight)

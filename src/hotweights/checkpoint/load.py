@@ -16,7 +16,8 @@ from collections.abc import Callable
 
 import torch
 
-from hotweights.checkpoint.names import NameMap, _few, to_disk, unwrapped
+from hotweights.checkpoint import journal
+from hotweights.checkpoint.names import NameMap, _few, to_disk, unpack
 from hotweights.checkpoint.source import Tensors, open_dir
 from hotweights.errors import CheckpointError
 
@@ -37,10 +38,12 @@ def load_plan(model: torch.nn.Module, model_dir: str | os.PathLike) -> Callable[
             checkpoint?), or one a conversion gives as a copy (the load would not reach
             the model).
     """
+    if journal.pending(model_dir) is not None:  # a sync cut short after its commit: its
+        journal.recover(model_dir)  # shards may be half written until it is finished
     disk = open_dir(model_dir)
     try:
-        live = unwrapped({n: t.detach() for n, t in model.state_dict(keep_vars=True).items()})
-        names = to_disk(live, disk.keys(), model=model)
+        live, inner, _ = unpack(model)  # (the model inside a torch.compile or DDP wrapper)
+        names = to_disk(live, disk.keys(), model=inner)
         _check(model_dir, names, disk, {t.untyped_storage().data_ptr() for t in live.values()})
     except BaseException:
         disk.close()

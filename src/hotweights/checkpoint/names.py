@@ -309,18 +309,18 @@ class _Saved:
         from transformers.core_model_loading import PrefixChange
 
         convs = getattr(model, "_weight_conversions", None)
-        if convs is None:
-            if model_type is not None:
-                convs = get_checkpoint_conversion_mapping(model_type) or []
-            elif model is not None:
+        if convs is None:  # the model's own, as save_pretrained's (keyed by its class
+            if model is not None:  # first: GPT-NeoX's embed_out), else its type's
                 convs = get_model_conversion_mapping(model, add_legacy=False)
+            elif model_type is not None:
+                convs = get_checkpoint_conversion_mapping(model_type) or []
             else:
                 convs = []
             convs = [c for c in convs if not isinstance(c, PrefixChange)]
         self._weight_conversions = convs
         self.config = getattr(model, "config", None)
         self._model = model
-        self.what = model_type or (model and type(model).__name__)
+        self.what = model_type or (type(model).__name__ if model is not None else None)
 
     def get_parameter(self, name: str) -> torch.nn.Parameter:
         # Transpose(check_dims=True) compares with the live parameter's shape.
