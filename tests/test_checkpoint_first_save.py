@@ -208,3 +208,19 @@ def test_a_first_save_reports_its_progress_chunk_by_chunk_and_a_sync_from_the_st
     live["w"][0] = 1
     sync(tmp_path, live, progress=lambda *p: seen.append(p))
     assert seen[0] == ("hash", 0, total)
+
+
+def test_a_first_save_s_config_does_not_say_where_the_weights_were_read(tmp_path):
+    # from_pretrained records the file it read (`transformers_weights`); save_pretrained
+    # drops it, else a load of the new checkpoint looks for that file
+    from transformers import AutoModelForCausalLM
+
+    from hotweights.checkpoint import sync
+    from hotweights.testing.tiny import make_config
+
+    model = AutoModelForCausalLM.from_config(make_config("llama", 300))
+    model.config.transformers_weights = "weights.safetensors"
+    sync(tmp_path, model, config=model.config)
+    assert "transformers_weights" not in (tmp_path / "config.json").read_text()
+    assert model.config.transformers_weights == "weights.safetensors"  # the caller's as is
+    AutoModelForCausalLM.from_pretrained(tmp_path)

@@ -31,6 +31,7 @@ with warnings.catch_warnings():  # "You are importing from 'trl.experimental'"
     import trl.experimental.gmpo as gmpo  # noqa: E402
 
 from hotweights.bridge.client import Bridge  # noqa: E402
+from hotweights.checkpoint import finisher  # noqa: E402
 from hotweights.errors import ConfigError  # noqa: E402
 from hotweights.integrations.trl import (  # noqa: E402
     DistillationTrainer,
@@ -272,6 +273,7 @@ def test_resuming_loads_the_checkpoint_into_the_served_tensors_as_an_update(serv
     # written by a sync (save_pretrained would first clone every view that shares its
     # memory with another: q, k, v of qkv_proj, ...), as save_pretrained names them
     ckpt = out / "checkpoint-1"
+    finisher.finish()  # (the sidecars are written once the commit is durable)
     assert (ckpt / ".hotweights").is_dir() and (ckpt / "tokenizer.json").is_file()
     loaded = AutoModelForCausalLM.from_pretrained(ckpt)
     assert torch.equal(loaded.get_output_embeddings().weight, saved)
@@ -680,6 +682,7 @@ def test_the_trainer_s_saves_are_syncs_that_write_what_save_pretrained_writes(tm
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny.make_config("llama", 300))
     save_weights(model, str(tmp_path / "new"), version="3@s")  # made, as save_pretrained
+    finisher.finish()  # (the sidecars are written once the commit is durable)
     assert (tmp_path / "new" / ".hotweights").is_dir()  # a sync's first save
     tmp_path = tmp_path / "new"
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
@@ -691,12 +694,16 @@ def test_the_trainer_s_saves_are_syncs_that_write_what_save_pretrained_writes(tm
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
     assert loaded.config.bos_token_id == 7
-    # another model's checkpoint there (a layer fewer): replaced whole, as save_pretrained
-    # does, not synced into (the layer it lacks would be left out)
+    # another model's checkpoint there (a layer fewer, sharded): replaced whole, not synced
+    # into (the layer it lacks would be left out), and none of its files left to be loaded
+    model.save_pretrained(tmp_path, max_shard_size="200KB")
     deeper = AutoModelForCausalLM.from_config(tiny.make_config(
         "llama", 300, num_hidden_layers=model.config.num_hidden_layers + 1))
     with caplog.at_level("WARNING", logger="hotweights.integrations.trl"):
-        save_weights(deeper, str(tmp_path))
+        save_weights(deeper, str(tmp_path), state_dict=None)  # (as transformers' _save)
     assert "holds another checkpoint than the model's" in caplog.text
+    assert sorted(f.name for f in tmp_path.glob("*.safetensors*")) == ["model.safetensors"]
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert all(torch.equal(loaded.state_dict()[n], t) for n, t in deeper.state_dict().items())
+    save_weights(deeper, str(tmp_path / "sharded"), max_shard_size="200KB")
+    assert len(list((tmp_path / "sharded").glob("model-*-of-*.safetensors"))) > 1

@@ -182,6 +182,9 @@ def _config_text(config: object, model: torch.nn.Module | None) -> str | None:
             config.dtype = str(dtype).removeprefix("torch.")  # e.g. "bfloat16"
     if config is None:
         return None
+    if not isinstance(config, dict) and "transformers_weights" in config:
+        config = copy.deepcopy(config)  # where from_pretrained read the weights: not these
+        delattr(config, "transformers_weights")  # (save_pretrained drops it too)
     try:
         return (json.dumps(config, indent=2) if isinstance(config, dict)
                 else config.to_json_string())

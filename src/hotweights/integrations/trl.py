@@ -53,6 +53,7 @@ import os
 import types
 import warnings
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -369,21 +370,27 @@ def save_weights(model: torch.nn.Module, directory: str, *, version: str | None 
     before. `save_pretrained` itself would first clone every tensor that shares its memory
     with another (q, k and v in vLLM's `qkv_proj`: most of the weights), all at once and
     on the weights' device, where vLLM left little room. A directory that holds another
-    model's checkpoint (other names, shapes or dtypes) is left to `save_pretrained`
-    (`kwargs`), which replaces it."""
+    model's checkpoint (other names, shapes or dtypes) has its safetensors replaced by a
+    first save. `kwargs`: save_pretrained's; other than `max_shard_size`, one given (a
+    state dict, a variant) leaves the save to save_pretrained."""
     from transformers.dynamic_module_utils import custom_object_save
 
     from hotweights.checkpoint import diagnose, sync
 
     os.makedirs(directory, exist_ok=True)  # (as save_pretrained)
+    max_shard_size = kwargs.pop("max_shard_size", "50GB")
+    if options := [k for k, v in kwargs.items() if v is not None]:  # (a state dict, ...)
+        logger.info("hotweights: %s: saved by transformers' save_pretrained", options)
+        type(model).save_pretrained(model, directory, max_shard_size=max_shard_size, **kwargs)
+        return
     found = diagnose(directory, model)
     if not found.first_save and (found.error or found.names_error or found.mismatches
                                  or found.only_live or found.only_disk):
         logger.warning("hotweights: %s holds another checkpoint than the model's: written "
-                       "whole by transformers' save_pretrained", directory)
-        type(model).save_pretrained(model, directory, **kwargs)
-        return
-    sync(directory, model, version=version)
+                       "anew", directory)
+        for old in Path(directory).glob("model*.safetensors*"):  # its shards and index: a
+            old.unlink()  # file save_pretrained would not write again would be loaded
+    sync(directory, model, version=version, max_shard_size=max_shard_size)
     # as save_pretrained: the config names the model's class and dtype
     model.config.architectures = [type(model).__name__]
     model.config.dtype = str(model.dtype).removeprefix("torch.")
