@@ -224,3 +224,27 @@ def test_a_first_save_s_config_does_not_say_where_the_weights_were_read(tmp_path
     assert "transformers_weights" not in (tmp_path / "config.json").read_text()
     assert model.config.transformers_weights == "weights.safetensors"  # the caller's as is
     AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+class _Crash(Exception):
+    pass
+
+
+def test_a_first_save_cut_short_after_its_first_move_leaves_no_weights_beside_an_old_config(
+        tmp_path, monkeypatch):
+    (tmp_path / "config.json").write_text('{"model_type": "old"}')
+    real = journal._crash_point
+
+    def crash(step, n=0):
+        if step == "move":
+            raise _Crash
+        real(step, n)
+    monkeypatch.setattr(journal, "_crash_point", crash)
+    with pytest.raises(_Crash):
+        sync(tmp_path, _live(), config={"model_type": "new"})
+    monkeypatch.undo()
+    # the new config is in place and no weights: a loader fails, not loads a mismatch
+    assert json.loads((tmp_path / "config.json").read_text()) == {"model_type": "new"}
+    assert not (tmp_path / "model.safetensors").exists()
+    assert journal.recover(tmp_path) == "replayed"
+    assert set(load_file(tmp_path / "model.safetensors")) == set(_live())

@@ -2,10 +2,11 @@
 
 The shards (`model.safetensors`, or `model-0000i-of-0000n.safetensors` and the index), the
 config and the sidecars are staged in `DIR/.hotweights-stage/` and moved into place by one
-journal, the index last: a crash leaves no partial checkpoint behind. A tensor tied to
-another (the same storage: `lm_head.weight` and the embedding) is written once, under the
-first of its names. Names are those `save_pretrained` writes: transformers' conversions
-(fused MoE experts split one tensor per expert) are reverted by `checkpoint.names.reverted`.
+journal, the config first and the index last: a crash leaves no partial checkpoint
+behind. A tensor tied to another (the same storage: `lm_head.weight` and the embedding) is
+written once, under the first of its names. Names are those `save_pretrained` writes:
+transformers' conversions (fused MoE experts split one tensor per expert) are reverted by
+`checkpoint.names.reverted`.
 The sidecars hash the bytes written, chunk by chunk as they are written (`_write_shard`).
 """
 
@@ -94,17 +95,18 @@ def save(model_dir: Path, live: Mapping[str, torch.Tensor], *, mode: str,
                 fingerprints[filename] = _write_shard(
                     area / filename, {n: tensors[n].contiguous() for n in names}, block_size,
                     wrote)
-        extra = []
+        # config.json first, the index last: a sync cut short between moves leaves no
+        # weights beside a config.json they do not match (an older one kept there)
+        moves = [*split.filename_to_tensors]
         if config_text is not None:
             _text(area / "config.json", config_text)
-            extra.append("config.json")
+            moves.insert(0, "config.json")
         if split.is_sharded:
             _text(area / INDEX_NAME, json.dumps(
                 {"metadata": {"total_size": total}, "weight_map": split.tensor_to_filename},
                 indent=2, sort_keys=True))
-            extra.append(INDEX_NAME)
-        journal.write_journal(model_dir, [], moves=[*split.filename_to_tensors, *extra],
-                              meta={"version": version})
+            moves.append(INDEX_NAME)
+        journal.write_journal(model_dir, [], moves=moves, meta={"version": version})
     # the sidecars once the shards are durable, under the lock (a writer after this one
     # may replace a shard as soon as it is free); also when after_read raised
     stage.commit(model_dir, after_read, then=lambda placed: _sidecars(
