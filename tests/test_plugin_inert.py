@@ -36,6 +36,7 @@ def _qkv(model_dir, **env) -> dict:
     return json.loads(lines[-1].removeprefix("QKV "))
 
 
+@pytest.mark.timeout(600)  # two engine starts, one after the other
 def test_plain_vllm_keeps_its_own_kernels_and_hotweights_keeps_the_weights(tiny_model):
     model_dir = tiny_model("llama")
     cfg = json.loads((model_dir / "config.json").read_text())

@@ -240,8 +240,11 @@ def test_require_all_a_lease_lost_during_the_send_aborts_it_everywhere(remotes, 
             raise ServerError(f"{url}: POST {route}: HTTP 409: no lease held", 409)
         return out
 
-    def slow_fingerprints(*args, **kwargs):  # renewals go out meanwhile
-        time.sleep(1.5)
+    def slow_fingerprints(*args, **kwargs):  # renewals go out meanwhile, until one is
+        deadline = time.monotonic() + 30  # refused (polled, not a fixed sleep: loaded CI)
+        while not group._lease_lost:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
         return rows(*args, **kwargs)
     monkeypatch.setattr(group, "_post", refused)
     monkeypatch.setattr(group._prefilter, "rows", slow_fingerprints)

@@ -110,11 +110,12 @@ def test_token_file_written_once_answering_and_removed_at_exit(tmp_path):
                 break
         assert lines[-1] == (f"hotweights: serving {tmp_path} at http://127.0.0.1:{port} "
                              f"(token in {token_file})\n"), lines
-        assert "fake vLLM up\n" in lines  # the child answered before the line
         assert token_file.read_text() == "ours\n"
     finally:
         proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=30)
+        rest = proc.communicate(timeout=30)[0]
+    # the child's line, copied by another thread of the runner's, may come after its own
+    assert "fake vLLM up\n" in lines + rest.splitlines(keepends=True)
     assert proc.returncode == 0
     assert not token_file.exists()
 
@@ -209,6 +210,7 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.vllm
+@pytest.mark.timeout(480)  # a server start (~75 s, ~150 s loaded) and its shutdown
 def test_killed_runner_takes_its_vllm_server_down(tiny_model, tmp_path):
     """SIGKILL `hotweights serve`: its vLLM server stops (and removes its shared weights)
     instead of living on, orphaned. Started with no memory setting at all: the runner's

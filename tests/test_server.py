@@ -167,6 +167,7 @@ def _greedy(server, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
     return [int(t.removeprefix("token_id:")) for t in lp["tokens"]], lp["token_logprobs"]
 
 
+@pytest.mark.timeout(480)  # its qwen3 case starts a server (~75 s, ~150 s loaded)
 def test_k_training_steps_are_served_exactly(any_server):
     bridge = Bridge.connect(any_server.url, token=TOKEN)
     model = bridge.model(trainable=True)
@@ -303,6 +304,7 @@ def test_status_command_and_token_file(server, capsys, monkeypatch, tmp_path):
     assert "HTTP 401" in capsys.readouterr().err
 
 
+@pytest.mark.timeout(480)  # starts a server of its own (~75 s, ~150 s loaded)
 def test_tls_end_to_end(tiny_model, tmp_path, tls, capsys, monkeypatch):
     """serve --ssl-keyfile/--ssl-certfile: the runner says https, clients check the CA."""
     from hotweights.cli.main import main
@@ -312,9 +314,9 @@ def test_tls_end_to_end(tiny_model, tmp_path, tls, capsys, monkeypatch):
                  cafile=tls.ca)
     try:
         deadline = time.monotonic() + 60  # the line comes once the runner's probe answers
-        while not srv.log.with_suffix(".token").exists() and time.monotonic() < deadline:
+        while f"at {srv.url} (token in " not in srv.log.read_text():
+            assert time.monotonic() < deadline, srv.log.read_text()[-2000:]
             time.sleep(0.2)
-        assert f"at {srv.url} (token in " in srv.log.read_text()
         monkeypatch.setenv("HOTWEIGHTS_TOKEN", TOKEN)
         monkeypatch.delenv("HOTWEIGHTS_CA_FILE", raising=False)
         assert main(["status", srv.url, "--cafile", tls.ca]) == 0
@@ -525,6 +527,7 @@ def assert_served_as_claimed(model, param, clients, snapshots: dict) -> None:
                         assert claimed < error(response, client.prompt, other), (version, other)
 
 
+@pytest.mark.timeout(480)  # starts a server of its own (~75 s, ~150 s loaded)
 def test_custom_remote_code_model_through_the_transformers_backend(custom_model, tmp_path):
     custom = Server(custom_model, tmp_path, "--model-impl", "transformers",
                     "--trust-remote-code")
@@ -569,6 +572,7 @@ def test_the_trainer_maps_only_the_servers_own_file(server, tmp_path):
     assert Path(manifest.path).exists()
 
 
+@pytest.mark.timeout(480)  # restarts the server (~75 s, ~150 s loaded)
 def test_a_trainer_of_a_restarted_server_is_told_to_reconnect(server, tmp_path):
     bridge = Bridge.connect(server.url, token=TOKEN)
     path = bridge.manifests[0].path

@@ -143,6 +143,7 @@ def _data() -> Dataset:
 GMPOTrainer = on_served_weights(gmpo.GMPOTrainer, gmpo.GMPOConfig)  # a GRPO derivative
 
 
+@pytest.mark.timeout(400)  # the first use of the module's server starts it
 @pytest.mark.parametrize("trainer_class, config", [(GRPOTrainer, _config),
                                                    (RLOOTrainer, _rloo_config),
                                                    (GMPOTrainer, _gmpo_config)],
