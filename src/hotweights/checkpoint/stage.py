@@ -363,18 +363,25 @@ def _fill(out: np.ndarray, at: np.ndarray, old: np.ndarray,
     """`out[i]` := the page at file offset `at[i]` (sorted) as the new file holds it: the
     `old` file's bytes (zeros past its end), each `live` (begin, end, bytes) tensor's bytes
     over its span. Gathers, no Python per page but the (at most two) pages a tensor
-    starts or ends inside."""
-    whole = int(np.searchsorted(at, old.size - _ALIGN, "right"))  # pages inside the file
-    np.take(old[:old.size // _ALIGN * _ALIGN].reshape(-1, _ALIGN), at[:whole] // _ALIGN,
-            axis=0, out=out[:whole])
-    for i in range(whole, len(at)):  # the file's partial last page
-        tail = old[int(at[i]):]
-        out[i, :tail.size], out[i, tail.size:] = tail, 0
+    starts or ends inside. The old bytes are read only for the pages no live tensor
+    covers whole (each read faults a page of the mapped file in)."""
+    spans = []
+    covered = np.zeros(len(at), bool)  # pages wholly inside a live tensor
     for begin, end, u8 in live:
         lo = int(np.searchsorted(at, begin - _ALIGN, "right"))  # first page over the tensor
         hi = int(np.searchsorted(at, end, "left"))
         inner_lo = int(np.searchsorted(at, begin, "left"))  # pages wholly inside it
         inner_hi = max(inner_lo, int(np.searchsorted(at, end - _ALIGN, "right")))
+        covered[inner_lo:inner_hi] = True
+        spans.append((begin, end, u8, lo, hi, inner_lo, inner_hi))
+    whole = int(np.searchsorted(at, old.size - _ALIGN, "right"))  # pages inside the file
+    if (need := np.flatnonzero(~covered[:whole])).size:
+        out[need] = np.take(old[:old.size // _ALIGN * _ALIGN].reshape(-1, _ALIGN),
+                            at[need] // _ALIGN, axis=0)
+    for i in range(whole, len(at)):  # the file's partial last page
+        tail = old[int(at[i]):]
+        out[i, :tail.size], out[i, tail.size:] = tail, 0
+    for begin, end, u8, lo, hi, inner_lo, inner_hi in spans:
         if inner_hi > inner_lo:
             shift = -begin % _ALIGN
             rows = (u8[shift:shift + (u8.numel() - shift) // _ALIGN * _ALIGN]
