@@ -230,21 +230,28 @@ class _Crash(Exception):
     pass
 
 
-def test_a_first_save_cut_short_after_its_first_move_leaves_no_weights_beside_an_old_config(
-        tmp_path, monkeypatch):
+@pytest.mark.parametrize("max_shard_size, at", [("50GB", 0), (100_000, 1)],
+                         ids=["one file", "sharded"])
+def test_a_first_save_cut_short_between_moves_leaves_no_weights_beside_an_old_config(
+        tmp_path, monkeypatch, max_shard_size, at):
     (tmp_path / "config.json").write_text('{"model_type": "old"}')
     real = journal._crash_point
 
     def crash(step, n=0):
-        if step == "move":
+        if step == "move" and n == at:
             raise _Crash
         real(step, n)
     monkeypatch.setattr(journal, "_crash_point", crash)
     with pytest.raises(_Crash):
-        sync(tmp_path, _live(), config={"model_type": "new"})
+        sync(tmp_path, _live(), config={"model_type": "new"}, max_shard_size=max_shard_size)
     monkeypatch.undo()
-    # the new config is in place and no weights: a loader fails, not loads a mismatch
+    # the new config is in place, and no loadable weights (no index while sharded): a
+    # loader fails, not loads a mismatch
     assert json.loads((tmp_path / "config.json").read_text()) == {"model_type": "new"}
     assert not (tmp_path / "model.safetensors").exists()
+    assert not (tmp_path / "model.safetensors.index.json").exists()
+    assert len(list(tmp_path.glob("model-*.safetensors"))) == at
     assert journal.recover(tmp_path) == "replayed"
-    assert set(load_file(tmp_path / "model.safetensors")) == set(_live())
+    finisher.finish()
+    again = sync(tmp_path, _live())  # recovered: the directory holds every tensor
+    assert again.writes == {} and again.missing_on_disk == () and again.missing_live == ()

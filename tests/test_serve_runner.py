@@ -113,7 +113,8 @@ def test_token_file_written_once_answering_and_removed_at_exit(tmp_path):
         assert token_file.read_text() == "ours\n"
     finally:
         proc.send_signal(signal.SIGTERM)
-        rest = proc.communicate(timeout=30)[0]
+        proc.wait(timeout=30)
+        rest = proc.stdout.read()  # (through the same file: what it read ahead too)
     # the child's line, copied by another thread of the runner's, may come after its own
     assert "fake vLLM up\n" in lines + rest.splitlines(keepends=True)
     assert proc.returncode == 0

@@ -96,7 +96,7 @@ def save(model_dir: Path, live: Mapping[str, torch.Tensor], *, mode: str,
                     area / filename, {n: tensors[n].contiguous() for n in names}, block_size,
                     wrote)
         # config.json first, the index last: a sync cut short between moves leaves no
-        # weights beside a config.json they do not match (an older one kept there)
+        # new weights beside an older config.json
         moves = [*split.filename_to_tensors]
         if config_text is not None:
             _text(area / "config.json", config_text)
