@@ -193,17 +193,13 @@ class Bridge:
                 try:
                     renewer.__exit__()
                 finally:  # (a Ctrl-C in the join): resumed all the same
-                    try:
-                        self.version = self._post("/hotweights/abort", dirty=False)["version"]
-                    except ServerError as e:  # the lease expired or was taken from it
-                        self._refresh_version()
-                        if read:  # (else the caller's error is the news)
-                            raise CheckpointError(
+                    try:  # (refused: the lease expired or was taken from it)
+                        if (e := self._abort(dirty=False, quiet=read)) and read:
+                            raise CheckpointError(  # (else the caller's error is the news)
                                 f"checkpoint(exclusive=True): the update lease was lost while "
                                 f"the weights were read ({e}): a trainer may have written "
                                 f"them meanwhile, and {model_dir} may mix two versions; "
                                 "checkpoint again") from e
-                        logger.warning("hotweights: abort failed: %s", e)
                     finally:  # the files are written after: an update may go on
                         unlock()
 
@@ -487,12 +483,16 @@ class Bridge:
             self._abort(dirty=True, quiet=True)  # server does not stay paused (if it was
             raise  # committed, the abort is refused)
 
-    def _abort(self, *, dirty: bool, quiet: bool = False) -> None:
+    def _abort(self, *, dirty: bool, quiet: bool = False) -> ServerError | None:
+        """Abort the update; the server's refusal or failure, logged (`quiet`: at debug
+        level) and returned, not raised, else None."""
         try:  # its answer: the version served now (a new, dirty one where weights changed)
             self.version = self._post("/hotweights/abort", dirty=dirty)["version"]
         except ServerError as e:  # keep the caller's exception; the lease will expire
             (logger.debug if quiet else logger.warning)("hotweights: abort failed: %s", e)
             self._refresh_version()  # (it may have expired: a dirty version served)
+            return e
+        return None
 
     def _refresh_version(self) -> None:
         with contextlib.suppress(HotweightsError):  # (the caller's error is the news; the
