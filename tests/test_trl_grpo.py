@@ -10,6 +10,7 @@ what TRL would copy is refused by option name.
 
 import contextlib
 import importlib.util
+import json
 import subprocess
 import sys
 import types
@@ -708,3 +709,9 @@ def test_the_trainer_s_saves_are_syncs_that_write_what_save_pretrained_writes(tm
     assert all(torch.equal(loaded.state_dict()[n], t) for n, t in deeper.state_dict().items())
     save_weights(deeper, str(tmp_path / "sharded"), max_shard_size="200KB")
     assert len(list((tmp_path / "sharded").glob("model-*-of-*.safetensors"))) > 1
+    # FSDP2's wrapper class (FSDP<class>): named as save_pretrained names it, by the model's
+    deeper.__class__ = type(f"FSDP{type(deeper).__name__}", (type(deeper),), {})  # class
+    for again in range(2):  # a first save, then a sync
+        save_weights(deeper, str(tmp_path / "fsdp"))
+        config = json.loads((tmp_path / "fsdp" / "config.json").read_text())
+        assert config["architectures"] == ["LlamaForCausalLM"], again

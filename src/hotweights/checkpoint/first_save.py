@@ -179,9 +179,7 @@ def _config_text(config: object, model: torch.nn.Module | None) -> str | None:
     model's own config naming its class, as save_pretrained writes it (None: neither)."""
     if config is None and getattr(model, "config", None) is not None:
         config = copy.deepcopy(model.config)  # (on a copy)
-        config.architectures = [type(model).__name__.removeprefix("FSDP")]
-        if isinstance(dtype := getattr(model, "dtype", None), torch.dtype):
-            config.dtype = str(dtype).removeprefix("torch.")  # e.g. "bfloat16"
+        as_saved(config, model)
     if config is None:
         return None
     if not isinstance(config, dict) and "transformers_weights" in config:
@@ -192,6 +190,14 @@ def _config_text(config: object, model: torch.nn.Module | None) -> str | None:
                 else config.to_json_string())
     except (AttributeError, TypeError, ValueError) as e:  # not a config, or not JSON
         raise _bad_config(config, str(e)) from None
+
+
+def as_saved(config: object, model: torch.nn.Module) -> None:
+    """Make `config` name `model`'s class (an FSDP wrapper's prefix left out) and dtype,
+    as save_pretrained writes it."""
+    config.architectures = [type(model).__name__.removeprefix("FSDP")]
+    if isinstance(dtype := getattr(model, "dtype", None), torch.dtype):
+        config.dtype = str(dtype).removeprefix("torch.")  # e.g. "bfloat16"
 
 
 def _bad_config(config: object, why: str) -> CheckpointError:

@@ -376,6 +376,7 @@ def save_weights(model: torch.nn.Module, directory: str, *, version: str | None 
     from transformers.dynamic_module_utils import custom_object_save
 
     from hotweights.checkpoint import diagnose, sync
+    from hotweights.checkpoint.first_save import as_saved
 
     os.makedirs(directory, exist_ok=True)  # (as save_pretrained)
     max_shard_size = kwargs.pop("max_shard_size", "50GB")
@@ -391,9 +392,7 @@ def save_weights(model: torch.nn.Module, directory: str, *, version: str | None 
         for old in Path(directory).glob("model*.safetensors*"):  # its shards and index: a
             old.unlink()  # file save_pretrained would not write again would be loaded
     sync(directory, model, version=version, max_shard_size=max_shard_size)
-    # as save_pretrained: the config names the model's class and dtype
-    model.config.architectures = [type(model).__name__]
-    model.config.dtype = str(model.dtype).removeprefix("torch.")
+    as_saved(model.config, model)  # as save_pretrained, on the model's own config
     if model.is_remote_code():
         custom_object_save(model, directory, config=model.config)
     model.config.save_pretrained(directory)
