@@ -254,6 +254,10 @@ INDEX_CASES = {
                                  (d / "m-2.safetensors").symlink_to("../blobs/ab12")),
                       r"tensor c.weight is in shard m-2.safetensors, a symlink to "
                       r"../blobs/ab12, which does not exist \(a Hugging Face cache blob"),
+    "link_loop": (lambda d: ((d / "m-2.safetensors").unlink(),
+                             (d / "m-2.safetensors").symlink_to("m-2.safetensors")),
+                  r"tensor c.weight is in shard m-2.safetensors, a symlink to m-2.safetensors, "
+                  r"in a loop of symlinks"),
     "escaping_name": (lambda d: _edit_index(d, lambda doc: doc["weight_map"].__setitem__(
         "b.bias", "../m-1.safetensors")), r"weight_map\['b.bias'\] = '../m-1.safetensors'"),
     "absent_tensor": (lambda d: _edit_index(d, lambda doc: doc["weight_map"].__setitem__(
@@ -284,6 +288,12 @@ def test_a_dangling_single_file_link_is_named_so(tmp_path: Path):
     (tmp_path / "model.safetensors").symlink_to("../blobs/ab12")
     with pytest.raises(CheckpointError, match=r"model.safetensors: a symlink to "
                        r"../blobs/ab12, which does not exist \(a Hugging Face cache blob"):
+        read_dir(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    (tmp_path / "model.safetensors").symlink_to("x.safetensors")
+    (tmp_path / "x.safetensors").symlink_to("model.safetensors")  # exists, as a link
+    with pytest.raises(CheckpointError, match=r"model.safetensors: a symlink to "
+                       r"x.safetensors, in a loop of symlinks$"):
         read_dir(tmp_path)
 
 

@@ -177,6 +177,9 @@ def test_serve_refuses_a_model_path_that_is_no_directory_and_a_bad_port(tmp_path
     assert f"error: MODEL {tmp_path / 'afile'}: not a directory" in capsys.readouterr().err
     assert main(["serve", str(tmp_path), "--token-file", str(tmp_path / "t")]) == 1
     assert f"error: MODEL {tmp_path}: no config.json in it" in capsys.readouterr().err
+    assert main(["serve", "~no-such-user-hw/m", "--token-file", str(tmp_path / "t")]) == 1
+    assert ("error: MODEL ~no-such-user-hw/m: no such directory (no home directory for "
+            "~no-such-user-hw)") in capsys.readouterr().err
     for port in ("0", "70000"):
         with pytest.raises(SystemExit) as e:
             main(["serve", str(tmp_path), "--port", port])
@@ -320,3 +323,22 @@ def test_an_option_given_twice_is_refused_not_the_last_taken(argv, capsys):
     option = argv[-2]
     assert f"error: argument {option}: given twice ({argv[-3]} and {argv[-1]}); give it once" \
         in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["serve", "m", "--token", ""],
+                                  ["status", "--token", " "],
+                                  ["sync", "d", "--server", "http://a", "--token", ""],
+                                  ["sync", "d", "--from", "a", "--weight-version", ""]])
+def test_an_empty_value_is_refused_not_taken_as_none(argv, capsys):
+    # an unset "$TOKEN" would mean another token (serve: a random one), or no version
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert f"error: argument {argv[-2]}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["serve", "-v", "MODEL"], ["serve", "MODEL", "-v"]])
+def test_serve_takes_verbose_before_or_after_model_as_every_command(argv, tmp_path, capsys):
+    argv = [str(tmp_path / "nope") if w == "MODEL" else w for w in argv]
+    assert main([*argv, "--token-file", str(tmp_path / "t")]) == 1  # not a usage error
+    assert f"error: MODEL {tmp_path / 'nope'}: no such directory" in capsys.readouterr().err

@@ -214,6 +214,14 @@ def test_sync_refuses_reflink_where_there_are_none(dirs, capsys):
     assert rc == 1 and out == ""
     assert err.startswith("error: ") and "does not support reflinks" in err
     assert _equal(_disk(dirs["A"]), before)
+    # a first save writes whole files in any mode: diagnose says what the sync then does
+    empty = dirs["A"].parent / "empty"
+    empty.mkdir()
+    rc, out, _ = _run(capsys, "diagnose", empty, "--mode", "reflink", "--json")
+    d = json.loads(out)
+    assert rc == 0 and d["problems"] == [] and d["write_mode"] == "copy"
+    assert d["write_reason"].endswith("; a first save writes whole files, in any mode")
+    assert _run(capsys, "sync", empty, "--from", dirs["B"], "--mode", "reflink")[0] == 0
 
 
 def test_sync_json_in_a_terminal_draws_its_progress_on_stderr(dirs, capsys, monkeypatch):
@@ -530,6 +538,13 @@ def test_diagnose_leftovers_and_an_empty_directory(dirs, tmp_path, capsys):
     rc, _, err = _run(capsys, "diagnose", "--model-dir", tmp_path / "absent")
     assert rc == 1 and err == (f"error: {tmp_path / 'absent'}: no such directory (a sync "
                                "would create it and save the model whole)\n")
+    (tmp_path / "afile").write_text("")
+    rc, _, err = _run(capsys, "diagnose", tmp_path / "afile" / "sub")
+    assert rc == 1 and err == (f"error: {tmp_path / 'afile' / 'sub'}: no such directory, and a "
+                               f"sync cannot create it: {tmp_path / 'afile'} is not a "
+                               "directory\n")
+    assert "cannot create the directory" in _run(capsys, "sync", tmp_path / "afile" / "sub",
+                                                 "--from", a)[2]
 
 
 def test_diagnose_a_first_save_that_would_not_fit(dirs, tmp_path, capsys, monkeypatch):

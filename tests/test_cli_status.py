@@ -50,6 +50,9 @@ def test_fields_of_unexpected_types_print_as_they_are():
     status = dict(BASE, state="idle", dirty=True, dirty_versions=[1, 2], last_pause_s="abc")
     printed = dict(rows(status, now=0.0))
     assert printed["dirty versions"] == "1, 2" and "to pause" not in printed
+    odd = dict(rows(dict(BASE, state=["x"], dirty_versions=5), now=0.0))
+    assert (odd["state"], odd["dirty versions"]) == ("['x']", "5")
+    assert dict(rows({"version": "1@ab"}, now=0.0))["state"] == "unknown"
 
 
 def test_the_token_comes_from_token_file_and_an_unreadable_one_is_named(tmp_path, capsys,

@@ -51,6 +51,14 @@ def test_no_token_file_names_the_file(home):
         find_token("http://127.0.0.1:8000")
 
 
+def test_an_unreadable_token_file_is_named(home):
+    path = token_path(8000)
+    write_token(path, "x")
+    path.write_bytes(b"\xff\xfe")  # not UTF-8: no traceback, the file named
+    with pytest.raises(ConfigError, match=re.escape(f"cannot read the token in {path}")):
+        find_token("http://127.0.0.1:8000")
+
+
 def test_token_file_is_private_and_removed_only_if_still_ours(tmp_path):
     path = tmp_path / "sub" / "server.token"
     write_token(path, "ours")

@@ -69,7 +69,7 @@ def _cast(name: str, t: torch.Tensor, dtype: torch.dtype, path: str) -> torch.Te
     out = t.to(dtype).contiguous()
     if t.dtype != dtype and (lost := int((torch.isinf(out) & torch.isfinite(t)).sum())):
         raise LiveTensorError(
-            f"{name} in {os.path.basename(path)}: cast to the file's "
+            f"{name} in {path}: cast to the file's "
             f"{str(dtype).removeprefix('torch.')}, {lost} finite value(s) overflow to inf "
             f"(beyond {torch.finfo(dtype).max:.6g}); nothing was written")
     return out

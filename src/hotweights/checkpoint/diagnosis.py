@@ -164,16 +164,22 @@ def diagnose(model_dir: str | os.PathLike,
     """
     d = Path(model_dir)
     if not os.path.lexists(d):
+        above = next(p for p in Path(os.path.abspath(d)).parents if os.path.lexists(p))
+        if not above.is_dir():  # as the sync's mkdir would find
+            raise CheckpointError(f"{d}: no such directory, and a sync cannot create it: "
+                                  f"{above} is not a directory")
         raise CheckpointError(f"{d}: no such directory (a sync would create it and save the "
                               "model whole)")
     if not d.is_dir():
         raise not_a_directory(d)
     check_mode(mode)
     blocks.check_block_size(block_size, "diagnose")
+    no_reflink = None  # mode "reflink" where there are none: a finding, but for a first save
     try:
         wmode, reason = write_mode(d, mode)
-    except CheckpointError as e:  # mode "reflink" where there are none: a finding
-        wmode, reason = None, str(e)
+    except CheckpointError as e:
+        no_reflink = str(e)
+        wmode, reason = None, no_reflink
     if not os.access(d, os.W_OK):  # a sync stages, renames and journals in it
         wmode, reason = None, (f"{d}: not writable by this process: a sync cannot stage or "
                                "replace its shards here")
@@ -191,6 +197,9 @@ def diagnose(model_dir: str | os.PathLike,
         return Diagnosis(error=str(e), first_save=False, shards=(), tensors=0,
                          model_bytes=0, **base)
     if disk is None:
+        if reason == no_reflink:  # (writable) a first save writes whole files in any mode
+            base.update(write_mode="copy", write_reason=f"{no_reflink}; a first save writes "
+                        "whole files, in any mode")
         return Diagnosis(error=None, first_save=True, shards=(), tensors=0, model_bytes=0,
                          space=None if live is None else _room(d, live), **base)
     shards = {}

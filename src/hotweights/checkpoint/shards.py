@@ -7,6 +7,7 @@ file that a reader would refuse, and every error names the file and the tensor o
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -214,8 +215,7 @@ def read_index(model_dir: str | os.PathLike) -> dict[str, str] | None:
                                       "file name in the model directory")
             if not (d / fn).is_file():
                 where = ("which is not a file" if (d / fn).exists() else
-                         f"a symlink to {os.readlink(d / fn)}, which does not exist (a "
-                         "Hugging Face cache blob removed?)" if (d / fn).is_symlink() else
+                         _dangling(d / fn) if (d / fn).is_symlink() else
                          f"which does not exist in {d}")
                 raise CheckpointError(f"{index}: tensor {name} is in shard {fn}, {where}")
             checked.add(fn)
@@ -229,13 +229,23 @@ def read_index(model_dir: str | os.PathLike) -> dict[str, str] | None:
     if single.is_file():
         return {name: SINGLE_NAME for name in read_shard(single).tensors}
     if single.is_symlink():
-        raise CheckpointError(f"{single}: a symlink to {os.readlink(single)}, which does not "
-                              "exist (a Hugging Face cache blob removed?)")
+        raise CheckpointError(f"{single}: {_dangling(single)}")
     strays = sorted(p.name for p in d.glob("*.safetensors")) if d.is_dir() else []
     if strays:
         raise CheckpointError(f"{d}: safetensors files {strays[:5]} but neither {INDEX_NAME} "
                               f"nor {SINGLE_NAME}: which ones form the model is unknown")
     return None
+
+
+def _dangling(link: Path) -> str:
+    """Where the symlink `link`, which leads to no file, leads: a loop, or a target gone."""
+    try:
+        os.stat(link)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return f"a symlink to {os.readlink(link)}, in a loop of symlinks"
+    return (f"a symlink to {os.readlink(link)}, which does not exist (a Hugging Face cache "
+            "blob removed?)")
 
 
 def read_dir(model_dir: str | os.PathLike, *, strict: bool = False

@@ -22,6 +22,14 @@ def _path(text: str) -> str:
     return text
 
 
+def _text(text: str) -> str:
+    """An argparse type: a value, not empty (an unset "$TOKEN" would mean another token, or
+    none)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty value")
+    return text
+
+
 class _Once(argparse.Action):
     """Store an option's value, refusing the option given twice (argparse would keep the
     last, silently: `sync --from A --from B` writing from B)."""
@@ -130,8 +138,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="model directory (or name) for vLLM")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
     p.add_argument("--port", type=_port, default=8000, help="port (default: 8000)")
-    p.add_argument("--token", help="access token (default: $HOTWEIGHTS_TOKEN, else generated; "
-                   "prefer the variable: a command line is visible to other users)")
+    p.add_argument("--token", type=_text, help="access token (default: $HOTWEIGHTS_TOKEN, "
+                   "else generated; prefer the variable: a command line is visible to other "
+                   "users)")
     p.add_argument("--token-file", metavar="FILE", type=_path,
                    help="where to write the token, mode 0600 "
                    "(default: ~/.cache/hotweights/server-PORT.token, where clients on this "
@@ -236,8 +245,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", default="auto", choices=MODES,
                    help="how changed shards are written (default: auto; see below)")
     p.add_argument("--weight-version", "--version", dest="version", action=_Once,
-                   metavar="TEXT", help="with --from: the weight version recorded in the "
-                   "sidecars (default: none; with --server, the server's)")
+                   metavar="TEXT", type=_text, help="with --from: the weight version "
+                   "recorded in the sidecars (default: none; with --server, the server's)")
     _client_auth(p)
     p.add_argument("--convert-dtype", action="store_true",
                    help="cast float tensors of 16 bits or more to the file's float dtype "
@@ -300,13 +309,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help='print {"outcome": "replayed" | '
                    '"discarded" | "kept" | "none", "version": the replayed sync\'s or null}')
     p.set_defaults(run=_run_recover)
-    for name, p in sub.choices.items():  # -v after the command too (vLLM's flags follow serve's)
+    for name, p in sub.choices.items():  # -v after the command too (vLLM has no -v)
         p.set_defaults(usage_error=p.error)  # a usage error shows the command's usage
         p.epilog = "\n\n".join([*([p.epilog] if p.epilog else []), "examples:\n" + "\n".join(
             f"  {line}" for line in _EXAMPLES[name])])
-        if name != "serve":
-            p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
-                           help="show library logs")
+        p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                       help="show library logs")
     return parser
 
 
@@ -314,7 +322,7 @@ def _client_auth(p: argparse.ArgumentParser) -> None:
     """--token TOKEN or --token-file FILE, and --cafile: how a client command finds a
     server's token, and the CA bundle an https server's certificate must chain to."""
     token = p.add_mutually_exclusive_group()
-    token.add_argument("--token", help="the server's access token (default: "
+    token.add_argument("--token", type=_text, help="the server's access token (default: "
                        "$HOTWEIGHTS_TOKEN, else the token file a server on this machine "
                        "wrote for its port, ~/.cache/hotweights/server-PORT.token)")
     token.add_argument("--token-file", dest="token", metavar="FILE", type=_token_file,

@@ -27,10 +27,11 @@ def rows(status: dict, now: float) -> list[tuple[str, str]]:
     lease, left = status.get("lease_expires"), status.get("lease_left_s")
     if isinstance(lease, int | float) and not isinstance(left, int | float):
         left = lease - now  # a server before lease_left_s: by this machine's clock
-    holder = status.get("holder")
+    holder, state, versions = (status.get(k) for k in ("holder", "state", "dirty_versions"))
     out = [
         ("weight version", str(status["version"])),
-        ("state", _STATES.get(status.get("state"), str(status.get("state")))),
+        ("state", _STATES.get(state, state) if isinstance(state, str)
+         else "unknown" if state is None else str(state)),
         ("lease", "none" if holder is None else
          f"{holder} ({status.get('mode')})" + (
              f", expires in {left:.0f} s" if isinstance(left, int | float) else "")),
@@ -40,8 +41,9 @@ def rows(status: dict, now: float) -> list[tuple[str, str]]:
                     "the next clean commit clears it"))
     else:
         out.append(("weights", "clean"))
-    if status.get("dirty_versions"):
-        out.append(("dirty versions", ", ".join(map(str, status["dirty_versions"]))))
+    if versions:
+        out.append(("dirty versions", ", ".join(map(str, versions)) if isinstance(versions, list)
+                    else str(versions)))
     out.append(("updates", str(status.get("updates", 0))))
     for key, label in _TIMINGS:
         if isinstance(status.get(key), int | float):

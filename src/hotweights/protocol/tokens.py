@@ -68,7 +68,13 @@ def find_token(url: str, token: str | None = None) -> str:
     port = port_of(parts)
     path = token_path(port)
     if path.is_file():
-        return checked(path.read_text(), url)
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{url}: cannot read the token in {path} "
+                              f"({getattr(e, 'strerror', None) or e}); pass token= (CLI: "
+                              "--token or --token-file) or set HOTWEIGHTS_TOKEN") from None
+        return checked(text, url)
     raise ServerError(f"{url}: no token: no {path}, which `hotweights serve --port {port}` "
                       "run by this user writes once it answers (is it running, or was it "
                       "given --token-file?); else pass token= (CLI: --token or --token-file) "

@@ -156,7 +156,11 @@ def check_model(model: str, vllm_args: list[str] = ()) -> str:
     fail late, once started; not with --hf-config-path or another --config-format)."""
     if not model.startswith((".", "/", "~")):
         return model
-    path = Path(model).expanduser()
+    try:
+        path = Path(model).expanduser()
+    except RuntimeError:  # ~user with no such user
+        raise ConfigError(f"MODEL {model}: no such directory (no home directory for "
+                          f"{model.split('/')[0]})") from None
     if not path.is_dir():
         raise ConfigError(f"MODEL {model}: " + ("not a directory" if path.exists() else
                                                 "no such directory"))
