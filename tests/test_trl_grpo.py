@@ -715,3 +715,116 @@ def test_the_trainer_s_saves_are_syncs_that_write_what_save_pretrained_writes(tm
         save_weights(deeper, str(tmp_path / "fsdp"))
         config = json.loads((tmp_path / "fsdp" / "config.json").read_text())
         assert config["architectures"] == ["LlamaForCausalLM"], again
+
+
+def test_a_wrapped_schedule_free_optimizer_is_refused_as_accelerate_calls_it():
+    # accelerate's train()/eval() reach `.optimizer.train()` when the wrapper has none
+    from hotweights.integrations.trl import _check_optimizer
+
+    class ScheduleFree(torch.optim.SGD):
+        def train(self):
+            pass
+
+    class Wrapper:  # no train()/eval() of its own
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    with pytest.raises(ConfigError, match="ScheduleFree: a schedule-free optimizer"):
+        _check_optimizer(Wrapper(ScheduleFree(params, lr=0.1)))
+    _check_optimizer(Wrapper(torch.optim.SGD(params, lr=0.1)))
+
+
+def test_fp16_autocast_on_float16_weights_on_a_gpu_is_refused_up_front():
+    from hotweights.integrations.trl import _check_dtypes
+
+    args = types.SimpleNamespace(fp16=True, bf16=False)
+    gpu = torch.empty(2, dtype=torch.float16, device="meta")  # any device but the CPU
+    with pytest.raises(ConfigError, match=r"fp16=True on float16 weights: .* gradient scaler"):
+        _check_dtypes(args, {"w": gpu})
+    _check_dtypes(args, {"w": torch.zeros(2, dtype=torch.float16)})  # CPU: no scaler
+    _check_dtypes(types.SimpleNamespace(fp16=False, bf16=False), {"w": gpu})
+
+
+def test_allow_missing_zeros_are_never_saved_as_the_model_s_weights(tmp_path):
+    from hotweights.errors import CheckpointError
+    from hotweights.integrations.trl import _OnServedWeights
+
+    trainer = types.SimpleNamespace(weights=types.SimpleNamespace(missing=("model.bias",)))
+    with pytest.raises(CheckpointError, match=r"save_model\(\): 1 parameter\(s\) of the model "
+                                              r"no vLLM tensor holds .* e\.g\. model\.bias"):
+        _OnServedWeights._save(trainer, str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+    # nor at every save_steps: refused before TRL's setup (a bridge that never answers)
+    bridge = types.SimpleNamespace(url="http://127.0.0.1:1", server_id="s1", cafile=None,
+                                   tensors={}, report=types.SimpleNamespace(missing=("b",)))
+    with pytest.raises(ConfigError, match=r"GRPOConfig\.save_strategy='steps': 1 parameter"):
+        GRPOTrainer(model=torch.nn.Linear(2, 2), bridge=bridge, reward_funcs=_reward,
+                    args=_config(tmp_path, save_strategy="steps"), train_dataset=_data())
+
+
+def test_a_load_served_here_but_not_by_every_remote_goes_on(monkeypatch, caplog):
+    # as a step: the remotes catch up at the next update; resume and the best model alike
+    import hotweights.integrations.trl as trl_mod
+    from hotweights.errors import RemoteError
+
+    class Weights:
+        missing = ()
+
+        @contextlib.contextmanager
+        def update(self):
+            yield
+            raise RemoteError("1 of 2 remote servers failed", served=7)
+
+    loaded = []
+    monkeypatch.setattr(trl_mod, "load_plan", lambda model, d: lambda: loaded.append(d))
+    trainer = types.SimpleNamespace(model=None, weights=Weights(),
+                                    _check_shared=lambda what: loaded.append(what))
+    with caplog.at_level("WARNING", logger="hotweights.integrations.trl"):
+        trl_mod._OnServedWeights._load(trainer, "ckpt", "loading the best model")
+    assert loaded == ["ckpt", "loading the best model"]
+    assert "1 of 2 remote servers failed; training goes on" in caplog.text
+
+
+def test_calls_from_two_threads_each_count_their_own_versions():
+    # a `rollout_func` calling the client from threads: the response hook runs in TRL's
+    # request threads and cannot tell whose call an answer is
+    import threading
+    import time
+
+    from hotweights.integrations.trl import _client_for
+    from hotweights.protocol.version import VERSION_HEADER
+
+    cls = _client_for(types.SimpleNamespace(server_id="s1", cafile=None))
+    client = cls.__new__(cls)
+    client.base_url, client.sample_versions, client._versions = "http://127.0.0.1:1", [], []
+    answered, go = threading.Event(), threading.Event()
+
+    def slow():
+        client._keep_version(types.SimpleNamespace(headers={VERSION_HEADER: "5@s1"}))
+        answered.set()
+        go.wait(10)
+        return {"completion_ids": [[1]]}
+
+    def fast():
+        client._keep_version(types.SimpleNamespace(headers={VERSION_HEADER: "6@s1"}))
+        return {"completion_ids": [[1], [1]]}
+
+    errors = []
+    threads = [threading.Thread(target=lambda c=c: _record_errors(errors, client._counted, c))
+               for c in (slow, fast)]
+    threads[0].start()
+    answered.wait(10)
+    threads[1].start()
+    time.sleep(0.2)  # (a second call that did not wait would have run by now)
+    go.set()
+    for t in threads:
+        t.join(10)
+    assert errors == [] and sorted(client.sample_versions) == [5, 6, 6]
+
+
+def _record_errors(errors: list, call, *args) -> None:
+    try:
+        call(*args)
+    except Exception as e:
+        errors.append(e)

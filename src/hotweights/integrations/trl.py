@@ -50,6 +50,7 @@ import contextlib
 import functools
 import logging
 import os
+import threading
 import types
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -59,7 +60,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hotweights.checkpoint.load import load_plan
-from hotweights.errors import ConfigError, RemoteError, ServerError
+from hotweights.errors import CheckpointError, ConfigError, RemoteError, ServerError
 from hotweights.layout.views import outside_served
 from hotweights.protocol.http import CA_FILE_ENV
 from hotweights.protocol.renewer import MAX_LEASE_S
@@ -117,13 +118,18 @@ def _client_for(bridge: Bridge) -> type[VLLMClient]:
         def chat(self, *args: Any, **kwargs: Any) -> dict:
             return self._counted(super().chat, *args, **kwargs)
 
+        _counting = threading.Lock()  # one call at a time: the response hook runs in
+        # TRL's request threads, which cannot tell whose call a response answers
+
         def _counted(self, call: Callable[..., dict], *args: Any, **kwargs: Any) -> dict:
-            self._versions = []
-            out = call(*args, **kwargs)
-            if not self._versions:
+            with self._counting:  # (a `rollout_func` may call from threads of its own)
+                self._versions = []
+                out = call(*args, **kwargs)
+                headers, self._versions = self._versions, []
+            if not headers:
                 raise ServerError(f"{self.base_url}: the completion carried no "
                                   f"{VERSION_HEADER} header: is it a `hotweights serve`?")
-            versions = [parse_version(v) for v in self._versions]
+            versions = [parse_version(v) for v in headers]
             if restarted := [server for _, server in versions if server != bridge.server_id]:
                 raise ServerError(  # it generated with weights the model's views are not
                     f"{self.base_url} restarted (server {restarted[0]}, not "
@@ -415,13 +421,17 @@ def _own(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    if any(callable(getattr(optimizer, mode, None)) for mode in ("train", "eval")):
-        raise ConfigError(f"{type(optimizer).__name__}: {_SCHEDULE_FREE}")
+    """Refuse an optimizer with `train()` / `eval()`, or one it wraps as `.optimizer` (which
+    accelerate's wrapper then calls)."""
+    for opt in (optimizer, getattr(optimizer, "optimizer", None)):
+        if any(callable(getattr(opt, mode, None)) for mode in ("train", "eval")):
+            raise ConfigError(f"{type(opt).__name__}: {_SCHEDULE_FREE}")
 
 
 def _check_dtypes(args: _Config, tensors: Mapping[str, torch.Tensor]) -> None:
     """Refuse `bf16_full_eval` / `fp16_full_eval` on weights of another dtype (evaluation
-    would `.to()` the model: a copy); warn of bf16 autocast on float32 weights."""
+    would `.to()` the model: a copy) and `fp16` on float16 weights on a GPU (its gradient
+    scaler); warn of bf16 autocast on float32 weights."""
     served = {t.dtype for t in tensors.values() if t.is_floating_point()}
     for option, dtype in (("bf16_full_eval", torch.bfloat16), ("fp16_full_eval", torch.float16)):
         if getattr(args, option, False) and served != {dtype}:
@@ -430,6 +440,13 @@ def _check_dtypes(args: _Config, tensors: Mapping[str, torch.Tensor]) -> None:
                               f"weights ({', '.join(sorted(map(str, served)))}), then training "
                               "would find its parameters gone from vLLM's memory; leave it "
                               "False")
+    if getattr(args, "fp16", False) and any(t.dtype == torch.float16 and t.device.type != "cpu"
+                                            for t in tensors.values()):
+        raise ConfigError(f"{type(args).__name__}.fp16=True on float16 weights: the trainer "
+                          "trains the served weights themselves (no float32 master copy), "
+                          "and accelerate's fp16 gradient scaler refuses float16 gradients "
+                          "at the first optimizer step, after a whole generation; leave it "
+                          "False (the model computes in float16 already)")
     if args.bf16 and served == {torch.float32}:
         logger.warning("hotweights: %s.bf16=True on float32 weights: the trainer computes "
                        "in bf16 (autocast) while vLLM samples in float32, so their logprobs "
@@ -499,6 +516,10 @@ class _OnServedWeights:
             setup = _in_trl("LLM", lambda *a, **k: llm)  # TRL's engine is this one
         try:  # colocate mode: the engine stopped and the environment put back on failure
             _check_dtypes(args, self.weights.tensors)
+            if self.weights.missing and args.save_strategy != "no":
+                strategy = getattr(args.save_strategy, "value", args.save_strategy)
+                raise ConfigError(_zeros_saved(self.weights.missing, f"{type(args).__name__}"
+                                               f".save_strategy={strategy!r}"))
             with setup:
                 super().__init__(model, reward_funcs, args, *rest, **kwargs)
             if self.is_deepspeed_enabled or self.is_fsdp_enabled:  # from accelerate's config
@@ -586,7 +607,7 @@ class _OnServedWeights:
 
     def _load(self, directory: str, what: str) -> None:
         load = load_plan(self.model, directory)
-        with self.weights.update():
+        with _served_here(), self.weights.update():
             load()
         self._check_shared(what)
 
@@ -594,6 +615,8 @@ class _OnServedWeights:
         """transformers' save, the model's weights written by `save_weights`."""
         if state_dict is not None:  # a state dict of the caller's: transformers' save
             return super()._save(output_dir, state_dict)
+        if self.weights.missing:
+            raise CheckpointError(_zeros_saved(self.weights.missing, "save_model()"))
         model = self.model
         model.save_pretrained = functools.partial(  # what transformers' `_save` calls
             save_weights, model, version=self.weights.label)
@@ -627,17 +650,31 @@ class _OnServedWeights:
                 lag = self.weights.version - min(self.sample_versions)
                 self._metrics["train"]["hotweights/version_lag"].append(lag)
             result = None
-            try:
-                with self.weights.update():
-                    result = step(*args, **kwargs)
-            except RemoteError as e:  # the step is served here; remotes catch up next time
-                if e.served is None:
-                    raise
-                logger.warning("hotweights: %s; training goes on", e)
+            with _served_here(), self.weights.update():
+                result = step(*args, **kwargs)
             return result
 
         step_in_update.hotweights_update = True
         return step_in_update
+
+
+@contextlib.contextmanager
+def _served_here() -> Iterator[None]:
+    """An update served here whose remote servers failed (`RemoteError` with `served`) is
+    logged, and training goes on: the remotes catch up at the next update."""
+    try:
+        yield
+    except RemoteError as e:
+        if e.served is None:
+            raise
+        logger.warning("hotweights: %s; training goes on", e)
+
+
+def _zeros_saved(missing: tuple[str, ...], what: str) -> str:
+    return (f"{what}: {len(missing)} parameter(s) of the model no vLLM tensor holds "
+            f"(bridge.model(allow_missing=...): zeros here, e.g. {missing[0]}) would be saved "
+            "as its weights; save the served ones yourself (hotweights.checkpoint.sync with a "
+            "state dict that leaves them out) and set save_strategy=\"no\"")
 
 
 class GRPOTrainer(_OnServedWeights, trl.GRPOTrainer):
