@@ -854,6 +854,27 @@ def test_a_commit_at_interpreter_exit_is_made_durable_before_it_ends(shards):
     assert _state(d, old, new_bytes) == "new"
 
 
+# A commit at the end of a script: its finisher thread fsyncs while the interpreter shuts
+# down, its thread pools closed (here while it waits for a pool's worker) and the main
+# thread not yet ended.
+AT_END = AT_EXIT.replace("atexit.register(save)", """
+import concurrent.futures, time
+concurrent.futures.ThreadPoolExecutor(1).submit(time.sleep, 1.5)  # the exit waits for it
+real = journal._fsync_all
+journal._fsync_all = lambda fds: (time.sleep(0.5), real(fds))[1]  # fsync'd meanwhile
+save()
+""")
+
+
+def test_a_commit_at_the_end_of_a_script_is_made_durable_before_it_ends(shards):
+    d, new, old, new_bytes, spec = shards
+    done = subprocess.run([sys.executable, "-c", AT_END, str(d), str(new), json.dumps(spec)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and not done.stderr, done.stderr
+    assert not (d / journal.JOURNAL_NAME).exists()
+    assert _state(d, old, new_bytes) == "new"
+
+
 def test_a_commit_not_made_durable_is_reported_however_the_directory_is_written(
         shards, monkeypatch):
     d, _, old, new, spec = shards

@@ -717,6 +717,23 @@ def test_the_trainer_s_saves_are_syncs_that_write_what_save_pretrained_writes(tm
         assert config["architectures"] == ["LlamaForCausalLM"], again
 
 
+def test_a_save_is_whole_and_alone_when_save_weights_returns(tmp_path, monkeypatch):
+    # the Trainer may upload the directory next: no journal, staged file or trash left in
+    # it, however late the finisher thread runs
+    import time
+
+    from hotweights.integrations.trl import save_weights
+
+    real = finisher.start
+    monkeypatch.setattr(finisher, "start", lambda run: real(lambda: (time.sleep(0.3), run())))
+    model = AutoModelForCausalLM.from_config(tiny.make_config("llama", 300))
+    for _ in range(2):  # a first save, then a sync of a change
+        save_weights(model, str(tmp_path))
+        assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [".hotweights"]
+        with torch.no_grad():
+            model.lm_head.weight[0] += 1.0
+
+
 def test_a_wrapped_schedule_free_optimizer_is_refused_as_accelerate_calls_it():
     # accelerate's train()/eval() reach `.optimizer.train()` when the wrapper has none
     from hotweights.integrations.trl import _check_optimizer

@@ -16,10 +16,11 @@ MODES = ("auto", "reflink", "journal", "copy")  # how changed shards are written
 _EXPORTS = {
     "SyncResult": "hotweights.checkpoint.result",
     "diagnose": "hotweights.checkpoint.diagnosis",
+    "finish": "hotweights.checkpoint.finisher",
     "recover": "hotweights.checkpoint.journal",
     "sync": "hotweights.checkpoint.incremental",
 }
-__all__ = ["MODES", "SyncResult", "diagnose", "recover", "sync"]
+__all__ = ["MODES", "SyncResult", "diagnose", "finish", "recover", "sync"]
 
 
 def __getattr__(name: str):
@@ -36,6 +37,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
     from hotweights.checkpoint.diagnosis import diagnose
+    from hotweights.checkpoint.finisher import finish
     from hotweights.checkpoint.incremental import sync
     from hotweights.checkpoint.journal import recover
     from hotweights.checkpoint.result import SyncResult

@@ -48,8 +48,9 @@ def finish() -> None:
     """Wait until this process's last commit is on disk, its journal removed and the files
     it replaced freed (`sync` returns as soon as the commit is durable and the files hold
     it; a thread fsyncs the files, removes the journal, then another frees the trash).
-    Writers and `journal.pending` wait for it by themselves; call it before removing a
-    directory this process synced into."""
+    Writers and `journal.pending` wait for it by themselves; call it before copying,
+    uploading or removing a directory this process synced into (a copy made before would
+    hold the journal and the staged files, and be refused as another directory's)."""
     t = _finisher
     if t is not None and t is not threading.current_thread():
         t.join()

@@ -1,7 +1,7 @@
 """The threads a sync works in (hashing, staging, the finisher, the trash sweeper), and
-the caller's thread instead while the interpreter exits: a sync from an atexit handler runs
-once the main thread has ended, when thread pools take no work and a thread started is not
-waited for."""
+the caller's thread instead while the interpreter exits: the finisher of a sync at the end
+of a script runs while thread pools take no more work, and a sync from an atexit handler
+once the main thread has ended, when a thread started is not waited for either."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ __all__ = ["exiting", "pool", "started"]
 
 
 def exiting() -> bool:
-    """Whether the interpreter is exiting (the main thread has ended: atexit handlers run
-    then)."""
-    return not threading.main_thread().is_alive()
+    """Whether the interpreter is exiting: shutting down (thread pools then take no more
+    work, the main thread alive or not) or the main thread ended (atexit handlers run then).
+    """
+    return getattr(threading, "_SHUTTING_DOWN", False) or not threading.main_thread().is_alive()
 
 
 def started(target, *args, name: str) -> threading.Thread | None:

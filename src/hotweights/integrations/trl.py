@@ -381,7 +381,7 @@ def save_weights(model: torch.nn.Module, directory: str, *, version: str | None 
     state dict, a variant) leaves the save to save_pretrained."""
     from transformers.dynamic_module_utils import custom_object_save
 
-    from hotweights.checkpoint import diagnose, sync
+    from hotweights.checkpoint import diagnose, finish, sync
     from hotweights.checkpoint.first_save import as_saved
 
     os.makedirs(directory, exist_ok=True)  # (as save_pretrained)
@@ -398,6 +398,7 @@ def save_weights(model: torch.nn.Module, directory: str, *, version: str | None 
         for old in Path(directory).glob("model*.safetensors*"):  # its shards and index: a
             old.unlink()  # file save_pretrained would not write again would be loaded
     sync(directory, model, version=version, max_shard_size=max_shard_size)
+    finish()  # the journal and staged files gone, as the Trainer may upload the directory
     as_saved(model.config, model)  # as save_pretrained, on the model's own config
     if model.is_remote_code():
         custom_object_save(model, directory, config=model.config)
