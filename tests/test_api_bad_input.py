@@ -2,6 +2,8 @@
 argument or tensor, with nothing written (no server, no vLLM)."""
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +53,15 @@ def _files(d: Path) -> dict[str, bytes]:
      r"live: the name '__metadata__' cannot name a tensor in a safetensors header"),
     ({"a\ud800": torch.ones(2)}, CheckpointError,
      r"live: the name 'a\\ud800' cannot name a tensor .* not UTF-8"),
+    ({"a.weight": torch.ones(2, dtype=torch.complex64).conj()}, CheckpointError,
+     r"a.weight: a lazily conjugated view, whose memory holds other values \(pass "
+     r"t.resolve_conj\(\).resolve_neg\(\)\)"),
+    ({"a.weight": torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])},
+     CheckpointError, r"a.weight: a nested tensor; safetensors holds dense ones"),
+    ({"a.weight": torch.nn.LazyLinear(3).weight}, CheckpointError,
+     r"a.weight: not initialized yet \(a lazy module's: run a forward pass first\)"),
+    ({"a.weight": torch._to_functional_tensor(torch.ones(2))}, CheckpointError,
+     r"a.weight: a Tensor that holds no memory this process can read"),
 ])
 def test_live_that_is_no_mapping_of_tensors_is_named(ckpt, tmp_path, live, error, match):
     before = _files(ckpt)
@@ -77,6 +88,10 @@ def test_a_sync_of_no_tensors_is_refused(ckpt, tmp_path):
     (dict(block_size=12), r"field 'block_size' must be a positive multiple of 8, found 12"),
     (dict(block_size="64"), r"field 'block_size' must be a positive multiple of 8, found '64'"),
     (dict(changed=5), "changed=5: pass a collection of live tensor names"),
+    (dict(watch=1), r"sync: field 'watch' must be True, False or a WriteWatch, found 1"),
+    (dict(convert_dtype="no"), r"field 'convert_dtype' must be True or False, found 'no'"),
+    (dict(after_read=3), r"sync: field 'after_read' must be a callable or None, found 3"),
+    (dict(progress="bar"), r"sync: field 'progress' must be a callable or None"),
 ])
 def test_options_a_sync_cannot_take_are_named_before_anything_is_made(ckpt, tmp_path, kwargs,
                                                                        match):
@@ -85,9 +100,62 @@ def test_options_a_sync_cannot_take_are_named_before_anything_is_made(ckpt, tmp_
         with pytest.raises(HotweightsError, match=match):
             sync(target, _state(), **kwargs)
     assert _files(ckpt) == before and not (tmp_path / "new").exists()
-    if "changed" not in kwargs:
+    if not kwargs.keys() & {"changed", "watch", "after_read", "progress", "convert_dtype"}:
         with pytest.raises(HotweightsError, match=match):
             diagnose(ckpt, _state(), **kwargs)
+
+
+@pytest.mark.parametrize(("live", "problem"), [
+    ({}, "live holds no tensors to save"),
+    ({"a": torch.zeros(2, dtype=torch.complex128)},
+     "a: the live tensor is complex128, which has no safetensors dtype"),
+])
+def test_diagnose_foresees_what_a_first_save_refuses(tmp_path, live, problem):
+    found = diagnose(tmp_path, live, mode="journal")
+    assert found.first_save and found.write_mode == "copy"  # whole files, in any mode
+    assert [p for p in found.problems if problem in p]
+    with pytest.raises(CheckpointError):
+        sync(tmp_path, live)
+
+
+def test_diagnose_reads_a_state_dict_s_names_with_the_config_as_sync_does(tmp_path):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                            moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2,
+                            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                            head_dim=8)
+    model = Qwen3MoeForCausalLM(config)
+    sync(tmp_path, model)
+    state = model.state_dict()  # fused experts, saved per expert: the config says how
+    found = diagnose(tmp_path, state, config=config)
+    assert found.problems == [] and found.only_live == 0
+    assert sync(tmp_path, state, config=config).missing_on_disk == ()
+    with pytest.raises(CheckpointError, match="config"):
+        diagnose(tmp_path, state, config=5)
+
+
+def test_diagnose_of_a_first_save_cut_short_says_the_journal_completes_it(tmp_path):
+    child = ("import sys, torch\nfrom hotweights.checkpoint import sync\n"
+             "sync(sys.argv[1], {'a': torch.zeros(3000), 'b': torch.ones(3000)}, "
+             "max_shard_size=12000)\n")
+    d = tmp_path / "ck"
+    subprocess.run([sys.executable, "-c", child, str(d)], timeout=120,
+                   env=dict(os.environ, HOTWEIGHTS_JOURNAL_CRASH_AT="move:1"))
+    found = diagnose(d)
+    assert found.journal is not None and found.error.endswith(
+        "(as a committed journal left it: its replay, by recover or the next sync, "
+        "completes it)")
+    assert sync(d, {"a": torch.zeros(3000), "b": torch.ones(3000)}).writes == {}
+
+
+@pytest.mark.parametrize("model_dir", [None, b"ckpt", "", " "])
+def test_a_model_dir_that_is_no_path_or_empty_is_named(tmp_path, monkeypatch, model_dir):
+    monkeypatch.chdir(tmp_path)  # "" would be the current directory
+    for call in (sync, diagnose):
+        with pytest.raises(CheckpointError, match=rf"{call.__name__}: model_dir "):
+            call(model_dir, _state())
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("version", [b"v1", 5, ["v"]])

@@ -13,8 +13,8 @@ import torch
 
 from hotweights.changes import blocks
 from hotweights.checkpoint import clone, journal, lock, sidecar, trash
-from hotweights.checkpoint.dtypes import TORCH
-from hotweights.checkpoint.first_save import short_of_space
+from hotweights.checkpoint.dtypes import NAMES, TORCH
+from hotweights.checkpoint.first_save import check_options, short_of_space
 from hotweights.checkpoint.incremental import (
     castable,
     check_mode,
@@ -22,7 +22,7 @@ from hotweights.checkpoint.incremental import (
     write_mode,
 )
 from hotweights.checkpoint.names import storage_key, to_disk, unpack
-from hotweights.checkpoint.result import mib, not_a_directory
+from hotweights.checkpoint.result import check_dir_arg, mib, not_a_directory
 from hotweights.checkpoint.writable import shared_file, why_not_replaceable, why_not_writable
 from hotweights.errors import CheckpointError
 
@@ -97,7 +97,8 @@ class Diagnosis:
     names_error: str | None = None
     # shards this process could not replace (or, in journal mode, write into), and why
     unchangeable: tuple[str, ...] = ()
-    space: str | None = None  # a first save of the live tensors would not fit
+    # why a first save of the live tensors would be refused: none, a dtype, no room
+    space: str | None = None
     # why no sync can write the sidecars (each then compares every shard with the file)
     sidecars: str | None = None
 
@@ -137,7 +138,7 @@ class Diagnosis:
 def diagnose(model_dir: str | os.PathLike,
              live: Mapping[str, torch.Tensor] | torch.nn.Module | None = None, *,
              mode: str = "auto", block_size: int = blocks.DEFAULT_BLOCK_SIZE,
-             convert_dtype: bool = False) -> Diagnosis:
+             convert_dtype: bool = False, config: object = None) -> Diagnosis:
     """Look at a checkpoint directory as `sync` would, and write nothing to it.
 
     The one exception: finding the write mode probes for reflinks by cloning a small
@@ -153,6 +154,8 @@ def diagnose(model_dir: str | os.PathLike,
         block_size: the block size of the sync to check the sidecars for.
         convert_dtype: as the sync's: a live dtype other than the file's is then cast, not
             a mismatch (a dtype the file's has no torch form of still is).
+        config: as the sync's: the model's config, for a state dict whose names it
+            converts (e.g. fused MoE experts).
 
     Returns:
         A `Diagnosis`; see its `problems`.
@@ -162,6 +165,7 @@ def diagnose(model_dir: str | os.PathLike,
             names to tensors (a meta tensor named).
         FingerprintError: `block_size` not a positive multiple of 8.
     """
+    check_dir_arg(model_dir, "diagnose")
     d = Path(model_dir)
     if not os.path.lexists(d):
         above = next(p for p in Path(os.path.abspath(d)).parents if os.path.lexists(p))
@@ -174,6 +178,7 @@ def diagnose(model_dir: str | os.PathLike,
         raise not_a_directory(d)
     check_mode(mode)
     blocks.check_block_size(block_size, "diagnose")
+    check_options("50GB", config)
     no_reflink = None  # mode "reflink" where there are none: a finding, but for a first save
     try:
         wmode, reason = write_mode(d, mode)
@@ -193,19 +198,22 @@ def diagnose(model_dir: str | os.PathLike,
                 write_mode=wmode, write_reason=reason, live=live is not None)
     try:
         disk = read_to_sync(d)
-    except CheckpointError as e:
-        return Diagnosis(error=str(e), first_save=False, shards=(), tensors=0,
+    except CheckpointError as e:  # (a pending journal's replay may complete it)
+        left = (" (as a committed journal left it: its replay, by recover or the next sync, "
+                "completes it)") if pending is not None else ""
+        return Diagnosis(error=f"{e}{left}", first_save=False, shards=(), tensors=0,
                          model_bytes=0, **base)
     if disk is None:
-        if reason == no_reflink:  # (writable) a first save writes whole files in any mode
-            base.update(write_mode="copy", write_reason=f"{no_reflink}; a first save writes "
-                        "whole files, in any mode")
+        if wmode is not None or reason == no_reflink:  # (writable)
+            base.update(write_mode="copy", write_reason="a first save writes whole files, "
+                        "in any mode")
         return Diagnosis(error=None, first_save=True, shards=(), tensors=0, model_bytes=0,
-                         space=None if live is None else _room(d, live), **base)
+                         space=None if live is None else _first_save(d, live, config), **base)
     shards = {}
     for shard, _ in disk.values():
         shards.setdefault(shard.path, shard)
-    found, by_shard = _compare(d, live, disk, convert_dtype) if live is not None else ({}, {})
+    found, by_shard = _compare(d, live, disk, convert_dtype, config) if live is not None \
+        else ({}, {})
     infos = tuple(_shard_info(shard, by_shard.get(shard.path), block_size)
                   for shard in sorted(shards.values(), key=lambda s: s.path))
     return Diagnosis(**base, error=None, first_save=False, shards=infos, tensors=len(disk),
@@ -215,10 +223,17 @@ def diagnose(model_dir: str | os.PathLike,
                      **found)
 
 
-def _room(d: Path, live) -> str | None:
-    """Why a first save of `live` would not fit in `d`'s filesystem, if it would not (a
-    tied tensor written once, as the save writes it)."""
-    once = {storage_key(t) or name: t for name, t in unpack(live)[0].items()}
+def _first_save(d: Path, live, config: object) -> str | None:
+    """Why a first save of `live` would be refused: no tensors, a dtype safetensors has no
+    name for, or not enough room in `d`'s filesystem (a tied tensor written once, as the
+    save writes it)."""
+    tensors = unpack(live, config)[0]
+    if not tensors:
+        return f"{d}: live holds no tensors to save (an empty state dict?)"
+    if bad := next((n for n, t in tensors.items() if t.dtype not in NAMES), None):
+        return (f"{bad}: the live tensor is {str(tensors[bad].dtype).removeprefix('torch.')}, "
+                "which has no safetensors dtype")
+    once = {storage_key(t) or name: t for name, t in tensors.items()}
     need = sum(t.numel() * t.element_size() for t in once.values())
     if (free := short_of_space(d, need)) is not None:
         return (f"{d}: not enough free space: a first save writes {mib(need)}, {mib(free)} "
@@ -299,11 +314,11 @@ def _journal_state(d: Path) -> tuple[dict | None, str | None, tuple[str, ...], b
     return pending, refused, tuple(leftovers), interrupted
 
 
-def _compare(d: Path, live, disk, convert_dtype: bool
+def _compare(d: Path, live, disk, convert_dtype: bool, config: object
              ) -> tuple[dict, dict[str, list[torch.Tensor]]]:
     """The `Diagnosis` fields about the live tensors, and those placed in each shard (by
     its path)."""
-    tensors, model, model_type = unpack(live)
+    tensors, model, model_type = unpack(live, config)
     try:
         names = to_disk(tensors, disk.keys(), model=model, model_type=model_type)
     except CheckpointError as e:

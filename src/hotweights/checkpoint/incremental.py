@@ -69,7 +69,7 @@ from hotweights.checkpoint.changed import (
 from hotweights.checkpoint.dtypes import TORCH
 from hotweights.checkpoint.fileid import FileId
 from hotweights.checkpoint.names import matching, to_disk, unpack
-from hotweights.checkpoint.result import Progress, SyncResult, mib
+from hotweights.checkpoint.result import Progress, SyncResult, check_dir_arg, mib
 from hotweights.checkpoint.shards import Shard, TensorInfo, read_dir
 from hotweights.checkpoint.writable import shared_file
 from hotweights.checkpoint.writes import syncfs
@@ -165,8 +165,19 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
         FingerprintError: `block_size` not a positive multiple of 8.
     """
     started = time.perf_counter()
+    check_dir_arg(model_dir, "sync")
     check_mode(mode)
     block_size = blocks.check_block_size(block_size, "sync")
+    if not isinstance(watch, bool | WriteWatch):
+        raise CheckpointError(f"sync: field 'watch' must be True, False or a WriteWatch, "
+                              f"found {watch!r}")
+    if not isinstance(convert_dtype, bool):
+        raise CheckpointError(f"sync: field 'convert_dtype' must be True or False, found "
+                              f"{convert_dtype!r}")
+    for field, f in (("progress", progress), ("after_read", after_read)):
+        if f is not None and not callable(f):
+            raise CheckpointError(f"sync: field {field!r} must be a callable or None, found "
+                                  f"{f!r}")
     if version is not None and not isinstance(version, str):
         raise CheckpointError(f"sync: field 'version' must be a str (e.g. the server's "
                               f"'3@ab12cd34') or None, found {version!r}")

@@ -269,17 +269,35 @@ def _tensors(live: object) -> Mapping[str, torch.Tensor]:
             raise CheckpointError(f"live: the names must be str, found {name!r}")
         if not isinstance(t, torch.Tensor):
             raise CheckpointError(f"live[{name!r}]: a {type(t).__name__}, not a torch.Tensor")
+        if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
+            raise CheckpointError(f"{name}: not initialized yet (a lazy module's: run a "
+                                  "forward pass first)")
         if t.is_meta:
             raise CheckpointError(f"{name}: on the meta device: it holds no data to save "
                                   "(load or materialize the weights first)")
-        if t.layout != torch.strided:
-            raise CheckpointError(f"{name}: a {t.layout} tensor; safetensors holds dense "
-                                  "ones (pass t.to_dense())")
+        if t.layout != torch.strided or t.is_nested:
+            raise CheckpointError(f"{name}: a {'nested' if t.is_nested else t.layout} tensor; "
+                                  "safetensors holds dense ones (pass t.to_dense())")
+        if t.is_conj() or t.is_neg():
+            raise CheckpointError(f"{name}: a lazily {'conjugated' if t.is_conj() else 'negated'}"
+                                  " view, whose memory holds other values (pass "
+                                  "t.resolve_conj().resolve_neg())")
+        if not _readable(t):
+            raise CheckpointError(f"{name}: a {type(t).__name__} that holds no memory this "
+                                  "process can read (a fake or functional tensor?)")
         if name == "__metadata__" or _unencodable(name):
             raise CheckpointError(f"live: the name {name!r} cannot name a tensor in a "
                                   "safetensors header (reserved for its metadata, or not "
                                   "UTF-8)")
     return live
+
+
+def _readable(t: torch.Tensor) -> bool:
+    """Whether `t`'s elements lie in a storage this process can read."""
+    try:
+        return t.untyped_storage().data_ptr() != 0 or t.numel() == 0
+    except RuntimeError:  # a functional tensor's: "invalid python storage"
+        return False
 
 
 def _unencodable(name: str) -> bool:

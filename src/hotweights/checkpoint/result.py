@@ -42,6 +42,18 @@ class SyncResult:
         return json.dumps(asdict(self))
 
 
+def check_dir_arg(model_dir: object, what: str) -> None:
+    """Refuse a `model_dir` argument that is no path, or empty (an unset "$DIR" would
+    mean the current directory)."""
+    if not isinstance(model_dir, str | os.PathLike) or not isinstance(
+            path := os.fspath(model_dir), str):
+        raise CheckpointError(f"{what}: model_dir must be a path (str or os.PathLike), "
+                              f"found {model_dir!r}")
+    if not path.strip():
+        raise CheckpointError(f"{what}: model_dir is empty (an unset variable?); give the "
+                              "checkpoint directory")
+
+
 def not_a_directory(path: str | os.PathLike) -> CheckpointError:
     """The error for a checkpoint directory that is none: missing, or something else."""
     return CheckpointError(f"{path}: " + ("not a directory" if os.path.lexists(path) else

@@ -143,10 +143,6 @@ def _sync_from(args: argparse.Namespace, progress):
     if not tensors:
         raise CheckpointError(f"--from {src}: holds no tensors (its safetensors are empty); "
                               f"nothing was written to {dst}")
-    config = None  # the names need none; a first save copies it
-    with contextlib.suppress(OSError, ValueError):
-        config = json.loads((src / "config.json").read_text())
-
     def read() -> None:
         if changed := tensors.changed():
             raise CheckpointError(
@@ -155,7 +151,7 @@ def _sync_from(args: argparse.Namespace, progress):
     try:
         return sync(dst, tensors, mode=args.mode, version=args.version,
                     convert_dtype=args.convert_dtype, changed=_expand(args.changed, tensors),
-                    config=config if isinstance(config, dict) else None, progress=progress,
+                    config=_config_of(src), progress=progress,
                     after_read=read)
     except LiveTensorError as e:  # say whose the live tensors are
         raise LiveTensorError(f"{e} (the live tensors: --from {src})") from e
@@ -206,12 +202,22 @@ def sync_rows(result, disk: dict) -> list[tuple[str, str]]:
     return out
 
 
+def _config_of(src: Path) -> dict | None:
+    """The config.json of the `--from` directory, if it holds one: a first save copies it,
+    and the model type in it says how a state dict's names convert (fused MoE experts)."""
+    config = None
+    with contextlib.suppress(OSError, ValueError):
+        config = json.loads((src / "config.json").read_text())
+    return config if isinstance(config, dict) else None
+
+
 def run_diagnose(args: argparse.Namespace) -> int:
     from hotweights.checkpoint import diagnose
 
-    live, source = None, None
+    live, source, config = None, None, None
     if args.source is not None:
         live = source = _open_source(Path(args.source))
+        config = _config_of(Path(args.source))
     elif args.server is not None:
         from hotweights.bridge.client import Bridge
 
@@ -219,7 +225,8 @@ def run_diagnose(args: argparse.Namespace) -> int:
         live = Bridge.connect(args.server, token=args.token, cafile=args.cafile).model(
             check_loaded=False)
     try:
-        found = diagnose(args.model_dir, live, mode=args.mode, convert_dtype=args.convert_dtype)
+        found = diagnose(args.model_dir, live, mode=args.mode, convert_dtype=args.convert_dtype,
+                         config=config)
     finally:
         if source is not None:
             source.close()
