@@ -23,6 +23,9 @@ def test_server_urls_from_every_form():
     assert server_urls({"http://a:1": "t", "b": "u"}) == ["http://a:1", "http://b:8000"]
     assert server_urls("[::1]:9000, [fd00::2]/") == ["http://[::1]:9000",  # IPv6, no scheme
                                                      "http://[fd00::2]:8000"]
+    assert server_urls("gpu[01-02]-ib:9000, n[1-2].cluster") == [  # a suffix after the list
+        "http://gpu01-ib:9000", "http://gpu02-ib:9000", "http://n1.cluster:8000",
+        "http://n2.cluster:8000"]
 
 
 @pytest.mark.parametrize("bad, match", [

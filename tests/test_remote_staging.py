@@ -222,6 +222,25 @@ def test_indices_the_compiled_loop_writes_are_held_as_int32():
     assert _same_bits(live, new)
 
 
+def test_a_checkpoint_tensor_of_a_dtype_torch_has_no_form_of_is_named(tmp_path):
+    # F4 / F6 (quantized): the remote engine cannot check updates of it, said at the start
+    import json
+    import types
+
+    from hotweights.errors import UnsupportedModelError
+    from hotweights.vllm_plugin import remote_engine
+    header = json.dumps({"q.weight": {"dtype": "F4", "shape": [2], "data_offsets": [0, 1]}})
+    header = header.encode() + b" " * (-len(header) % 8)
+    (tmp_path / "model.safetensors").write_bytes(
+        len(header).to_bytes(8, "little") + header + b"\0")
+    engine = object.__new__(remote_engine.HotweightsEngine)
+    engine._spec_map, engine.model_dir = None, tmp_path
+    engine.model_config = types.SimpleNamespace(dtype=torch.bfloat16)
+    with pytest.raises(UnsupportedModelError, match=r"q.weight: dtype F4 in .* has no torch "
+                                                     r"form: --remote cannot check updates"):
+        engine._specs()
+
+
 def test_the_loader_gets_the_patches_a_bounded_chunk_of_one_kind_at_a_time(monkeypatch):
     # each made from the staging as the chunks before it are loaded, so a worker holds one
     # chunk's index arrays (int64 per element) and device copies, not the whole update's

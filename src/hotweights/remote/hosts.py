@@ -86,7 +86,7 @@ def server_urls(servers: str | Iterable[str], port: int = DEFAULT_PORT) -> list[
             urls.append(server_url(item))
             continue
         host, _, given = rest.partition(":") if "[" not in rest else (rest, "", "")
-        if "[" in rest and (m := re.fullmatch(r"(.*\])(?::(\d+))?/?", rest)):
+        if "[" in rest and (m := re.fullmatch(r"(.*\][^:/]*)(?::(\d+))?/?", rest)):
             host, given = m.group(1), m.group(2) or ""
         given = given or ("" if sep else str(port))
         urls += [server_url(f"{scheme}://{h}" + (f":{given}" if given else ""))

@@ -51,7 +51,7 @@ from vllm.model_executor.model_loader.checkpoint_weight_patch import (
 from hotweights.checkpoint.dtypes import TORCH
 from hotweights.checkpoint.hub import local_dir
 from hotweights.checkpoint.shards import read_dir
-from hotweights.errors import ConfigError, HotweightsError, RemoteError
+from hotweights.errors import ConfigError, HotweightsError, RemoteError, UnsupportedModelError
 from hotweights.layout.plan import hf_params, plan
 from hotweights.remote import delta_apply, jit, shards
 from hotweights.remote.channel import Channel
@@ -121,11 +121,14 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
                               "checks updates against the checkpoint's tensor names and shapes")
         served = self.model_config.dtype
 
-        def dtype(name: str) -> torch.dtype:  # FP8 (quantized weights) is served as stored
-            stored = TORCH.get(name, torch.int8)
-            return served if stored.is_floating_point and stored.itemsize > 1 else \
-                TORCH[name]
-        specs = {name: torch.empty(info.shape, device="meta", dtype=dtype(info.dtype))
+        def dtype(name: str, header: str) -> torch.dtype:  # FP8 (quantized weights) is
+            if (stored := TORCH.get(header)) is None:  # served as stored
+                raise UnsupportedModelError(
+                    f"{name}: dtype {header} in {self.model_dir} has no torch form: "
+                    "--remote cannot check updates of it (quantized checkpoints are not "
+                    "supported)")
+            return served if stored.is_floating_point and stored.itemsize > 1 else stored
+        specs = {name: torch.empty(info.shape, device="meta", dtype=dtype(name, info.dtype))
                  for name, (_, info) in found.items()}
         for name, shard in self._held().items():
             spec = specs.get(name)
