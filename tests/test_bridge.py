@@ -48,6 +48,26 @@ def test_a_failed_or_interrupted_begin_is_aborted_clean(monkeypatch, error):
     assert abort == "/hotweights/abort" and abort_body["dirty"] is False
 
 
+def test_a_begin_sent_late_in_the_wait_for_the_lease_still_gets_its_drain_s_time(monkeypatch):
+    # another holder kept the lease most of the wait: the begin that then gets it may
+    # drain for lease_s on the server, and must not be given up (and aborted) after 1 s
+    class Held(Recorder):
+        def __call__(self, url, method, route, token, body=None, *, timeout=120, cafile=None):
+            if route == "/hotweights/begin" and len(self.calls) < 3:
+                self.calls.append((route, body, timeout))
+                raise ServerError("held", status=409, detail={"holder": "other"})
+            return super().__call__(url, method, route, token, body, timeout=timeout)
+
+    rec = Held({})
+    monkeypatch.setattr(bridge_module, "request", rec)
+    monkeypatch.setattr(bridge_module.time, "sleep", lambda s: None)
+    # the deadline; then per refusal: its check, the sleep, the next begin's timeout
+    clock = iter([0.0, 0.0, 0.0, 39.0, 39.5, 39.5, 39.9, 39.9, 39.9, 39.95])
+    monkeypatch.setattr(bridge_module.time, "monotonic", lambda: next(clock))
+    _bridge()._begin(timeout=40, mode="wait", lease_s=10)
+    assert [c[2] for c in rec.calls] == [40, 20, 20, 20]  # lease_s + 10, not what was left
+
+
 def test_the_body_runs_under_background_renewals_and_commits(monkeypatch):
     rec = Recorder({})
     monkeypatch.setattr(bridge_module, "request", rec)
@@ -434,6 +454,25 @@ def test_an_exclusive_checkpoint_whose_renewals_cannot_start_resumes_the_server(
     with pytest.raises(RuntimeError, match="can't start new thread"):
         b.checkpoint(tmp_path / "ckpt", exclusive=True)
     assert [route for route, _, _ in rec.calls] == ["/hotweights/begin", "/hotweights/abort"]
+    assert not b._leased.locked()
+
+
+def test_an_exclusive_checkpoint_interrupted_before_its_renewals_leaves_no_pause(
+        monkeypatch, tmp_path):
+    # a Ctrl-C between begin and the try that releases: the server would stay paused until
+    # its lease ran out, then serve a new dirty version; nothing runs between them now
+    class Interrupted(bridge_module.Renewer):
+        def __init__(self, *args):
+            raise KeyboardInterrupt
+
+    rec = Recorder({})
+    monkeypatch.setattr(bridge_module, "request", lambda *a, **k: {**rec(*a, **k), "n": 0})
+    monkeypatch.setattr(bridge_module, "Renewer", Interrupted)
+    b = _bridge()
+    b._model = types.SimpleNamespace(config=None)
+    with pytest.raises(KeyboardInterrupt):
+        b.checkpoint(tmp_path / "ckpt", exclusive=True)
+    assert "/hotweights/begin" not in [route for route, _, _ in rec.calls]
     assert not b._leased.locked()
 
 

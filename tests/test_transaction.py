@@ -675,3 +675,44 @@ def test_a_cache_reset_that_fails_on_an_abort_is_logged(caplog):
         assert tx.dirty and "could not reset the caches" in caplog.text
 
     run(test)
+
+
+def test_a_cancelled_drain_unwinding_late_leaves_the_same_holder_s_next_begin_alone():
+    """An abort cancels h1's drain; the engine's pause takes a moment to unwind, and h1's
+    next begin (every update of one Bridge has one holder) starts its own drain meanwhile.
+    The first drain's end must not resume the second's: that begin would be told "aborted"
+    and vLLM left paused under no lease."""
+    class SlowUnwind(StubEngine):
+        calls = 0
+
+        async def pause(self, mode):
+            self.calls += 1
+            first = self.calls == 1
+            try:
+                await self.block["pause"].wait()
+            except asyncio.CancelledError:
+                if first:
+                    await asyncio.sleep(0.05)  # an RPC's cleanup
+                raise
+            self.paused = True
+
+    engine = SlowUnwind()
+
+    async def main():
+        tx = Transaction(engine, SID)
+        engine.block["pause"] = asyncio.Event()
+        first = asyncio.ensure_future(tx.begin(begin()))
+        await settle()
+        await tx.abort(Abort("h1", SID, dirty=False))
+        second = asyncio.ensure_future(tx.begin(begin()))
+        await asyncio.sleep(0.1)  # the first drain has unwound
+        assert (tx.state, tx.holder, engine.held) == (State.DRAINING, "h1", True)
+        engine.block["pause"].set()
+        with pytest.raises(Refused, match="h1 aborted its begin"):
+            await first
+        await second  # granted
+        assert (tx.state, engine.paused, engine.held) == (State.PAUSED, True, True)
+        await tx.commit(Commit("h1", SID))
+        assert (tx.state, engine.paused, engine.held) == (State.IDLE, False, False)
+
+    asyncio.run(main())

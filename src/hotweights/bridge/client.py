@@ -179,8 +179,7 @@ class Bridge:
         if os.path.isdir(model_dir):  # another writer's sync first, and what a crashed one
             recover(model_dir)  # left finished: not while the server is paused
         with self._exclusive("checkpoint(exclusive=True)") as unlock:
-            self._begin(mode="keep", lease_s=60.0)
-            renewer, released = Renewer(self.renew, 60.0), False
+            renewer, released = Renewer(self.renew, 60.0), False  # (made first: nothing
 
             def release(read: bool = False) -> None:
                 """Resume the server (at the same version: nothing written); `read`: the
@@ -203,6 +202,7 @@ class Bridge:
                     finally:  # the files are written after: an update may go on
                         unlock()
 
+            self._begin(mode="keep", lease_s=60.0)  # between begin and try)
             try:
                 renewer.start()
                 version = self.status()["version"]
@@ -437,12 +437,14 @@ class Bridge:
 
     def _begin(self, *, timeout: float = 120, **body: Any) -> dict:
         """Begin an update, waiting up to `timeout` for the lease while another holds it
-        (an exclusive checkpoint reading the weights, another trainer's step); if the begin
+        (an exclusive checkpoint reading the weights, another trainer's step), a begin sent
+        then given its drain's time all the same (`lease_s` + 10 s); if the begin
         fails or is interrupted (a timeout, a Ctrl-C), it is aborted, so that no server
         stays paused for a trainer that gave up: clean (nothing was written), or dirty where
         the refusal names this bridge's own update still open (its commit and abort lost:
         its weights were written)."""
         deadline, waited, dirty = time.monotonic() + timeout, None, False
+        drain = body.get("lease_s", 60.0) + 10  # the server bounds a begin's drain by lease_s
         try:
             while True:
                 try:
@@ -457,7 +459,7 @@ class Bridge:
                         logger.info("hotweights: waiting for the update lease %s holds", other)
                     waited = other
                     time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
-                    timeout = max(1.0, deadline - time.monotonic())  # the drain's within it
+                    timeout = max(drain, deadline - time.monotonic())
         except BaseException:
             self._abort(dirty=dirty, quiet=True)
             raise

@@ -276,11 +276,15 @@ class Transaction:
         self._paused_at = time.perf_counter()
 
     async def _pause(self, req: Begin) -> None:
+        """The drain of `req` (this task: `_pausing`). An abort ends it (`_pausing` then
+        None), and the same holder's next begin may start another before this one unwinds:
+        it is told apart by its task, not by its holder."""
+        ours = asyncio.current_task()
         try:
             await self._paused(req.mode, req.lease_s)
         except BaseException as e:
             async with self._lock:
-                if self.holder == req.holder and self.state is State.DRAINING:
+                if self._pausing is ours and self.state is State.DRAINING:
                     await self._resume("drain failed")
             if isinstance(e, TimeoutError):
                 raise Refused(503, f"in-flight requests did not finish within lease_s="
@@ -290,7 +294,7 @@ class Transaction:
                 raise Refused(409, f"{req.holder} aborted its begin") from None
             raise
         async with self._lock:
-            if self.state is not State.DRAINING or self.holder != req.holder:  # an abort
+            if self.state is not State.DRAINING or self._pausing is not ours:  # an abort
                 raise Refused(409, f"{req.holder} aborted its begin")  # came first: resumed
             self.state = State.PAUSED
             self.last_pause_s = time.perf_counter() - self._began
