@@ -845,15 +845,6 @@ atexit.register(save)
 """
 
 
-def test_a_commit_at_interpreter_exit_is_made_durable_before_it_ends(shards):
-    d, new, old, new_bytes, spec = shards
-    done = subprocess.run([sys.executable, "-c", AT_EXIT, str(d), str(new), json.dumps(spec)],
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0 and not done.stderr, done.stderr
-    assert not (d / journal.JOURNAL_NAME).exists()
-    assert _state(d, old, new_bytes) == "new"
-
-
 # A commit at the end of a script: its finisher thread fsyncs while the interpreter shuts
 # down, its thread pools closed (here while it waits for a pool's worker) and the main
 # thread not yet ended.
@@ -866,9 +857,10 @@ save()
 """)
 
 
-def test_a_commit_at_the_end_of_a_script_is_made_durable_before_it_ends(shards):
+@pytest.mark.parametrize("script", [AT_EXIT, AT_END], ids=["atexit", "end-of-script"])
+def test_a_commit_at_interpreter_exit_is_made_durable_before_it_ends(shards, script):
     d, new, old, new_bytes, spec = shards
-    done = subprocess.run([sys.executable, "-c", AT_END, str(d), str(new), json.dumps(spec)],
+    done = subprocess.run([sys.executable, "-c", script, str(d), str(new), json.dumps(spec)],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and not done.stderr, done.stderr
     assert not (d / journal.JOURNAL_NAME).exists()
