@@ -179,7 +179,7 @@ class Bridge:
         if os.path.isdir(model_dir):  # another writer's sync first, and what a crashed one
             recover(model_dir)  # left finished: not while the server is paused
         with self._exclusive("checkpoint(exclusive=True)") as unlock:
-            renewer, released = Renewer(self.renew, 60.0), False  # (made first: nothing
+            renewer, released = Renewer(self.renew, 60.0), False
 
             def release(read: bool = False) -> None:
                 """Resume the server (at the same version: nothing written); `read`: the
@@ -202,7 +202,7 @@ class Bridge:
                     finally:  # the files are written after: an update may go on
                         unlock()
 
-            self._begin(mode="keep", lease_s=60.0)  # between begin and try)
+            self._begin(mode="keep", lease_s=60.0)  # (nothing between begin and try)
             try:
                 renewer.start()
                 version = self.status()["version"]

@@ -14,7 +14,7 @@ import torch
 from hotweights.changes import blocks
 from hotweights.checkpoint import clone, journal, lock, sidecar, trash
 from hotweights.checkpoint.dtypes import NAMES, TORCH
-from hotweights.checkpoint.first_save import check_options, short_of_space
+from hotweights.checkpoint.first_save import check_config, short_of_space
 from hotweights.checkpoint.incremental import (
     castable,
     check_mode,
@@ -178,7 +178,7 @@ def diagnose(model_dir: str | os.PathLike,
         raise not_a_directory(d)
     check_mode(mode)
     blocks.check_block_size(block_size, "diagnose")
-    check_options("50GB", config)
+    check_config(config)
     no_reflink = None  # mode "reflink" where there are none: a finding, but for a first save
     try:
         wmode, reason = write_mode(d, mode)

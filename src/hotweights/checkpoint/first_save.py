@@ -162,6 +162,12 @@ def check_options(max_shard_size: object, config: object) -> int | str:
                                   f"or a size such as '5GB', as for save_pretrained, found "
                                   f"{max_shard_size!r}")
         max_shard_size = size
+    check_config(config)
+    return max_shard_size
+
+
+def check_config(config: object) -> None:
+    """Refuse a `config` a sync cannot take (a CheckpointError naming it)."""
     if isinstance(config, dict):  # (a transformers config is written at a first save only:
         _config_text(config, None)  # not serialized here, at every sync that passes it)
     elif config is not None and not hasattr(config, "to_json_string"):
@@ -171,7 +177,6 @@ def check_options(max_shard_size: object, config: object) -> int | str:
     if model_type is not None and not isinstance(model_type, str):  # it picks conversions
         raise CheckpointError(f"sync: field 'config.model_type' must be a str (e.g. "
                               f"'llama'), found {model_type!r}")
-    return max_shard_size
 
 
 def _config_text(config: object, model: torch.nn.Module | None) -> str | None:

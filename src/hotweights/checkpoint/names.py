@@ -284,7 +284,8 @@ def _tensors(live: object) -> Mapping[str, torch.Tensor]:
                                   "t.resolve_conj().resolve_neg())")
         if not _readable(t):
             raise CheckpointError(f"{name}: a {type(t).__name__} that holds no memory this "
-                                  "process can read (a fake or functional tensor?)")
+                                  "process can read (a fake, functional or distributed "
+                                  "tensor? pass the full tensor)")
         if name == "__metadata__" or _unencodable(name):
             raise CheckpointError(f"live: the name {name!r} cannot name a tensor in a "
                                   "safetensors header (reserved for its metadata, or not "
