@@ -179,13 +179,11 @@ def diagnose(model_dir: str | os.PathLike,
     check_mode(mode)
     blocks.check_block_size(block_size, "diagnose")
     check_config(config)
-    no_reflink = None  # mode "reflink" where there are none: a finding, but for a first save
     try:
         wmode, reason = write_mode(d, mode)
-    except CheckpointError as e:
-        no_reflink = str(e)
-        wmode, reason = None, no_reflink
-    if not os.access(d, os.W_OK):  # a sync stages, renames and journals in it
+    except CheckpointError as e:  # mode "reflink" where there are none: a finding, but
+        wmode, reason = None, str(e)  # for a first save (below)
+    if not (writable := os.access(d, os.W_OK)):  # a sync stages, renames and journals in it
         wmode, reason = None, (f"{d}: not writable by this process: a sync cannot stage or "
                                "replace its shards here")
     kind, mount = clone.fs_type(d)
@@ -204,7 +202,7 @@ def diagnose(model_dir: str | os.PathLike,
         return Diagnosis(error=f"{e}{left}", first_save=False, shards=(), tensors=0,
                          model_bytes=0, **base)
     if disk is None:
-        if wmode is not None or reason == no_reflink:  # (writable)
+        if writable:  # in any mode
             base.update(write_mode="copy", write_reason="a first save writes whole files, "
                         "in any mode")
         return Diagnosis(error=None, first_save=True, shards=(), tensors=0, model_bytes=0,
