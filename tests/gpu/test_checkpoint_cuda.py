@@ -69,6 +69,23 @@ def test_a_sync_of_cuda_tensors_writes_what_changed(tmp_path, mode):
         assert torch.equal(disk[n].view(torch.int16), t.cpu().view(torch.int16)), n
 
 
+def test_a_sync_waits_for_a_write_queued_on_a_side_stream(tmp_path):
+    """An optimizer step still running on another stream when `sync` starts is what the
+    checkpoint holds, not the bytes before it (the hashes run on the default stream)."""
+    live = {"lm_head.weight": torch.zeros(512, 64, dtype=torch.bfloat16, device="cuda")}
+    sync(tmp_path, live)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(2_000_000_000)  # ~1 s of spinning before the write
+        live["lm_head.weight"].add_(1)
+    result = sync(tmp_path, live)
+    finisher.finish()
+    assert result.tensors_changed == 1
+    disk = load_file(tmp_path / "model.safetensors")
+    assert torch.equal(disk["lm_head.weight"], torch.ones(512, 64, dtype=torch.bfloat16))
+
+
 def test_a_patched_shards_pages_from_cuda_tensors_equal_the_cpu_ones(tmp_path, monkeypatch):
     """`stage._write_pages` (a reflinked shard's changed pages): pages gathered on the
     device are the bytes the CPU path builds (tensors not on page boundaries, a tensor
