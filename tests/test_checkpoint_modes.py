@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from conftest import remove_synced
-from hotweights.checkpoint import clone, finisher, incremental, journal, sync
+from hotweights.checkpoint import clone, diagnose, finisher, incremental, journal, sync
 from hotweights.checkpoint.incremental import write_mode
 from hotweights.errors import CheckpointError
 from hotweights.testing.tiny import make_config
@@ -360,6 +360,37 @@ def test_a_full_disk_is_named_and_nothing_written(tmp_path, mode):
         assert asked > free and (need is None or asked == need)
         assert {p.name: p.read_bytes() for p in d.glob("*.safetensors")} == before
         assert not (d / journal.STAGE_DIR).exists() and not (d / journal.JOURNAL_NAME).exists()
+    finally:
+        subprocess.run(["umount", str(d)], check=True)
+
+
+def test_diagnose_names_the_shard_copy_mode_has_no_room_to_rewrite(tmp_path):
+    """A sync in write mode copy stages a changed shard whole beside the old one:
+    `diagnose` says so where the largest shard cannot be, before a sync fails on it."""
+    d = tmp_path / "small"
+    d.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1800k", "tmpfs", str(d)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("a small tmpfs mount needs root")
+    try:
+        live = _saved(d)
+        sync(d, live, mode="copy")
+        finisher.finish()
+        assert diagnose(d, mode="copy").space is None
+        largest = max(d.glob("*.safetensors"), key=lambda p: p.stat().st_size)
+        with open(d / "filler", "wb") as f:
+            f.write(b"\0" * (shutil.disk_usage(d).free - largest.stat().st_size // 2))
+        found = diagnose(d, mode="copy")
+        assert re.fullmatch(rf"{re.escape(str(largest))}: not enough free space to rewrite "
+                            r"it: a sync in write mode copy stages a changed shard whole "
+                            r"\([\d,.]+ MiB\), [\d,.]+ MiB are free; a sync that changes it "
+                            r"fails, writing nothing", found.space)
+        assert found.space in found.problems
+        assert diagnose(d, mode="journal").space is None  # patched in place: no staging
+        name = next(iter(load_file(largest)))
+        live[name] += 1.0
+        with pytest.raises(CheckpointError, match="not enough free space"):
+            sync(d, live, mode="copy")
     finally:
         subprocess.run(["umount", str(d)], check=True)
 

@@ -23,6 +23,7 @@ from hotweights.checkpoint.incremental import (
 )
 from hotweights.checkpoint.names import storage_key, to_disk, unpack
 from hotweights.checkpoint.result import check_dir_arg, mib, not_a_directory
+from hotweights.checkpoint.shards import Shard
 from hotweights.checkpoint.writable import shared_file, why_not_replaceable, why_not_writable
 from hotweights.errors import CheckpointError
 
@@ -97,7 +98,8 @@ class Diagnosis:
     names_error: str | None = None
     # shards this process could not replace (or, in journal mode, write into), and why
     unchangeable: tuple[str, ...] = ()
-    # why a first save of the live tensors would be refused: none, a dtype, no room
+    # why a first save of the live tensors would be refused (none, a dtype, no room), or
+    # why a sync that rewrites shards whole (write mode copy) cannot rewrite the largest
     space: str | None = None
     # why no sync can write the sidecars (each then compares every shard with the file)
     sidecars: str | None = None
@@ -218,7 +220,19 @@ def diagnose(model_dir: str | os.PathLike,
                      model_bytes=sum(info.nbytes for _, info in disk.values()),
                      unchangeable=_unchangeable(shards, wmode),
                      sidecars=None if wmode is None else _sidecars_unwritable(sorted(shards)),
+                     space=_rewrite_space(d, shards.values()) if wmode == "copy" else None,
                      **found)
+
+
+def _rewrite_space(d: Path, shards: Iterable[Shard]) -> str | None:
+    """Why a sync in write mode copy cannot rewrite the largest shard (it stages a changed
+    shard whole beside the old one until the commit), else None."""
+    largest = max(shards, key=lambda s: s.size)
+    if (free := short_of_space(d, largest.size)) is None:
+        return None
+    return (f"{largest.path}: not enough free space to rewrite it: a sync in write mode copy "
+            f"stages a changed shard whole ({mib(largest.size)}), {mib(free)} are free; a "
+            "sync that changes it fails, writing nothing")
 
 
 def _first_save(d: Path, live, config: object) -> str | None:
