@@ -227,8 +227,8 @@ def diagnose(model_dir: str | os.PathLike,
 def _rewrite_space(d: Path, shards: Iterable[Shard]) -> str | None:
     """Why a sync in write mode copy cannot rewrite the largest shard (it stages a changed
     shard whole beside the old one until the commit), else None."""
-    largest = max(shards, key=lambda s: s.size)
-    if (free := short_of_space(d, largest.size)) is None:
+    largest = max(shards, key=lambda s: s.size, default=None)
+    if largest is None or (free := short_of_space(d, largest.size)) is None:
         return None
     return (f"{largest.path}: not enough free space to rewrite it: a sync in write mode copy "
             f"stages a changed shard whole ({mib(largest.size)}), {mib(free)} are free; a "
