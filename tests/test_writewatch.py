@@ -2,6 +2,7 @@
 the kernel (userfaultfd write-protect, PAGEMAP_SCAN)."""
 
 import ctypes
+import logging
 import os
 import platform
 
@@ -122,6 +123,24 @@ def test_moved_small_and_shared_tensors_are_not_told():
         assert _settle(w, ts) == {}
         assert _settle(w, ts) == {"t0": []}
         assert w.recorded("t1") is None and w.recorded("t2") is None
+
+
+@needs_kernel
+def test_a_file_mapped_tensor_is_hashed_and_said_so_once(tmp_path, caplog):
+    """A tensor in a private mapping of a file (a model loaded from safetensors may map
+    its files) is not watched, and one INFO line says why, not one per sync."""
+    (tmp_path / "w.bin").write_bytes(bytes(N))
+    ts = {"own": torch.zeros(N // 4),
+          "mapped": torch.from_file(str(tmp_path / "w.bin"), shared=False, size=N // 4)}
+    with caplog.at_level(logging.INFO, logger=writewatch.__name__), WriteWatch() as w:
+        for _ in range(3):
+            _settle(w, ts)
+        assert w.recorded("own") is not None and w.recorded("mapped") is None
+    said = [r.getMessage() for r in caplog.records if "cannot be watched" in r.getMessage()]
+    assert said == [f"write watch: 1 tensor(s), {N} bytes, cannot be watched (pinned, not "
+                    "contiguous, or in shared or file-backed memory: a model loaded from "
+                    "safetensors may map the file): hashed at every sync; give them memory "
+                    "of their own (a copy) to watch them"]
 
 
 @needs_kernel

@@ -144,6 +144,7 @@ class WriteWatch:
                       if watched.storage.expired()  # freed,
                       or name in tensors and watched.span != _span(tensors[name])])  # or moved
         ranges, new, anonymous, self._asked = {}, [], None, set(tensors)
+        refused = []  # CPU tensors large enough to watch, newly found unwatchable
         for name, tensor in tensors.items():
             span = _span(tensor)
             watched = self._watched.get(name)
@@ -170,6 +171,14 @@ class WriteWatch:
                 new.append((name, tensor))
             else:
                 self._unwatchable[name] = span
+                if tensor.device.type == "cpu" and tensor.nbytes >= MIN_BYTES:
+                    refused.append(tensor.nbytes)
+        if refused:
+            logger.info("write watch: %d tensor(s), %d bytes, cannot be watched (pinned, not "
+                        "contiguous, or in shared or file-backed memory: a model loaded from "
+                        "safetensors may map the file): hashed at every sync; give them "
+                        "memory of their own (a copy) to watch them", len(refused),
+                        sum(refused))
         self._protect(new)
         self._spans = merge_spans(_pages(*watched.span) for watched in self._watched.values())
         return ranges
