@@ -3,8 +3,8 @@
     hotweights serve ./my-model --dtype float32 --logprobs-mode processed_logprobs &
     python examples/grpo.py http://127.0.0.1:8000 --steps 20
 
-The changes from a plain TRL script are the three marked lines: connect a Bridge, import
-GRPOTrainer from hotweights, pass `bridge=`. The policy TRL trains is the server's own
+The changes from a plain TRL script are the marked lines: import and connect a Bridge,
+import GRPOTrainer from hotweights, pass `bridge=`. The policy TRL trains is the server's own
 tensors; each optimizer step is served from the next request on. The reward here (the
 share of digits in a completion) is one a random model can learn in a few dozen steps:
 `hotweights demo --rl` runs this on a tiny model it builds itself.

@@ -11,6 +11,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may come from a hub
 
 import pytest
 
+from hotweights.errors import install
 from hotweights.testing import tiny
 
 # Found, not imported: the trainer side and the table tests run without vLLM.
@@ -85,7 +86,7 @@ def _engine_key(item):
 @pytest.hookimpl(trylast=True)  # after pytest's own grouping by fixture parameters
 def pytest_collection_modifyitems(config, items):
     if not HAVE_VLLM:
-        skip = pytest.mark.skip(reason="vLLM is not installed (pip install 'hotweights[cpu]')")
+        skip = pytest.mark.skip(reason=f"vLLM is not installed ({install('cpu')})")
         for item in items:
             if item.get_closest_marker("vllm"):
                 item.add_marker(skip)

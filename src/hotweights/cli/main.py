@@ -204,7 +204,9 @@ def _parser() -> argparse.ArgumentParser:
         "weights without any copy or reload.",
     )
     p.add_argument("--arch", default="llama", choices=ARCHS, metavar="ARCH",
-                   help=f"tiny model architecture: {', '.join(ARCHS)} (default: llama)")
+                   help=f"tiny model architecture: {', '.join(ARCHS)} (default: llama; "
+                   "qwen3_5 needs a torchvision that imports beside the CPU torch, which "
+                   "the Makefile's setup removes: docs/qwen3_5.md)")
     p.add_argument("--steps", type=_count(1), default=None,
                    help="training steps (default: 30; with --rl: 20)")
     p.add_argument("--workdir", default=None, type=_path,

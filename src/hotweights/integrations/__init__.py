@@ -1,3 +1,3 @@
-"""Integrations with RL frameworks (optional extras: `hotweights[trl]`). May import
+"""Integrations with RL frameworks (optional extras: `trl`). May import
 `bridge`, `remote`, `checkpoint`, `changes`, `layout`, `protocol`, `errors`, and
 `vllm_plugin` for colocate mode (vLLM in the trainer's process); never `server`."""

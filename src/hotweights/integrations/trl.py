@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hotweights.checkpoint.load import load_plan
-from hotweights.errors import CheckpointError, ConfigError, RemoteError, ServerError
+from hotweights.errors import CheckpointError, ConfigError, RemoteError, ServerError, install
 from hotweights.layout.views import outside_served
 from hotweights.protocol.http import CA_FILE_ENV
 from hotweights.protocol.renewer import MAX_LEASE_S
@@ -81,8 +81,8 @@ except ImportError as e:  # an optional extra, or a TRL without this seam
         _found = f"TRL {_version('trl')} is installed"
     except Exception:  # noqa: BLE001 - not installed, or unreadable metadata
         _found = "TRL is not installed"
-    raise ImportError(f"hotweights.integrations.trl needs TRL 1.16 ({_found}): pip install "
-                      f"'hotweights[trl]'") from e
+    raise ImportError(f"hotweights.integrations.trl needs TRL 1.16 ({_found}): "
+                      f"{install('trl')}") from e
 
 if TYPE_CHECKING:
     from hotweights.bridge.client import Bridge

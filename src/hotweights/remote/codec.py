@@ -44,7 +44,7 @@ import zlib
 
 import numpy as np
 
-from hotweights.errors import DeltaError
+from hotweights.errors import DeltaError, install
 from hotweights.remote import jit
 
 __all__ = ["UINT", "VALUES", "CodecError", "check_fields", "decode", "encode", "zstd_compress",
@@ -483,8 +483,8 @@ def _zstd():
     try:
         import zstandard
     except ImportError:
-        raise DeltaError("compress='zstd' needs the zstandard package: install the extra "
-                         "`pip install 'hotweights[zstd]'`") from None
+        raise DeltaError(f"compress='zstd' needs the zstandard package: {install('zstd')}"
+                         ) from None
     return zstandard
 
 

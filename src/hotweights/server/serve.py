@@ -24,7 +24,7 @@ from typing import IO
 from hotweights.checkpoint import journal
 from hotweights.checkpoint.digest import stats as checkpoint_stats
 from hotweights.checkpoint.hub import local_dir
-from hotweights.errors import ConfigError
+from hotweights.errors import ConfigError, install
 from hotweights.protocol import shm
 from hotweights.protocol.http import opener
 from hotweights.protocol.tokens import checked, remove_token, token_path, write_token
@@ -201,8 +201,9 @@ def require_vllm(what: str) -> None:
     """Refuse, saying what to install, where vLLM cannot be imported."""
     if importlib.util.find_spec("vllm") is None:
         raise ConfigError(f"{what} runs vLLM, which is not installed with this Python "
-                          f"({sys.executable}): pip install 'hotweights[cpu]' (vLLM's CPU "
-                          "build) or 'hotweights[gpu]'")
+                          f"({sys.executable}): {install('cpu')} (vLLM's CPU build; it pins "
+                          "a +cpu torch: give pip PyTorch's CPU index, see the README), or "
+                          "the extra 'gpu' for vLLM's CUDA build")
 
 
 def run(args: argparse.Namespace, vllm_args: list[str]) -> int:
