@@ -6,7 +6,11 @@ import pytest
 import torch
 
 from hotweights.errors import ConfigError, HotweightsError, UnsupportedModelError
-from hotweights.vllm_plugin.worker import _refuse_repacked_weights, _refuse_unshareable_cuda_memory
+from hotweights.vllm_plugin.worker import (
+    _refuse_borrowed_weights,
+    _refuse_repacked_weights,
+    _refuse_unshareable_cuda_memory,
+)
 
 
 # Stand-ins named like vLLM's classes (vllm/model_executor/layers/linear.py): the check
@@ -31,9 +35,11 @@ class UnquantizedEmbeddingMethod:  # not a linear method
     pass
 
 
-def _config(*, quantization=None, sleep=False):
+def _config(*, quantization=None, sleep=False, cumem=False, load_format="auto", extra=None):
     return SimpleNamespace(model_config=SimpleNamespace(
-        model="/models/tiny", quantization=quantization, enable_sleep_mode=sleep))
+        model="/models/tiny", quantization=quantization, enable_sleep_mode=sleep,
+        enable_cumem_allocator=cumem), load_config=SimpleNamespace(
+        load_format=load_format, model_loader_extra_config={} if extra is None else extra))
 
 
 def _model(qkv_method=UnquantizedLinearMethod) -> torch.nn.Module:
@@ -69,7 +75,10 @@ def test_unshareable_cuda_memory_is_a_config_error(monkeypatch):
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     _refuse_unshareable_cuda_memory(_config())
     with pytest.raises(ConfigError, match=r"--enable-sleep-mode"):
-        _refuse_unshareable_cuda_memory(_config(sleep=True))
+        _refuse_unshareable_cuda_memory(_config(sleep=True, cumem=True))  # (as vLLM sets it)
+    with pytest.raises(ConfigError, match=r"--enable-cumem-allocator allocates the weights "
+                       r"with cuMem"):
+        _refuse_unshareable_cuda_memory(_config(cumem=True))
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     with pytest.raises(HotweightsError, match=r"PYTORCH_CUDA_ALLOC_CONF enables expandable"):
         _refuse_unshareable_cuda_memory(_config())
@@ -92,3 +101,44 @@ def test_experts_on_kernels_that_rearrange_them_are_refused(backend, refused):
     with pytest.raises(UnsupportedModelError, match=r"layers.1.experts computes its experts "
                        r"with vLLM's .* MoE kernels, which rearrange .* --moe-backend triton"):
         _refuse_repacked_weights(_config(), model)
+
+
+# Stand-ins named like vLLM's offloaders (vllm/model_executor/offloader/): theirs need CUDA
+# streams to be made. The check judges the one the model runner set by its class name.
+class PrefetchOffloader:
+    pass
+
+
+class UVAOffloader:
+    pass
+
+
+@pytest.mark.parametrize(("offloader", "sharing", "refused"), [
+    (None, True, None), (PrefetchOffloader, True, r"prefetch offloading "
+                         r"\(--offload-group-size\) .* overwritten at the next forward"),
+    (PrefetchOffloader, False, "--offload-group-size"),
+    (UVAOffloader, True, r"--cpu-offload-gb .* CUDA IPC cannot share"),
+    (UVAOffloader, False, None)])
+def test_offloaded_weights_are_refused_where_an_update_would_not_reach_them(
+        monkeypatch, offloader, sharing, refused):
+    from vllm.model_executor.offloader import base
+
+    monkeypatch.setattr(base, "_instance", base.NoopOffloader())
+    base.set_offloader(offloader and offloader())
+    if refused is None:
+        _refuse_borrowed_weights(_config(), sharing=sharing)
+        return
+    with pytest.raises(ConfigError, match=refused):
+        _refuse_borrowed_weights(_config(), sharing=sharing)
+
+
+@pytest.mark.parametrize("sharing", [True, False])
+def test_the_preload_daemon_s_weights_are_refused_unless_copied(sharing):
+    with pytest.raises(ConfigError, match=r"--load-format ipc_cache maps the weights of "
+                       r"vLLM's preload daemon"):
+        _refuse_borrowed_weights(_config(load_format="ipc_cache"), sharing=sharing)
+    with pytest.raises(ConfigError, match="ipc_cache"):
+        _refuse_borrowed_weights(_config(load_format="ipc_cache",
+                                         extra={"mode": "zero_copy"}), sharing=sharing)
+    _refuse_borrowed_weights(_config(load_format="ipc_cache", extra={"mode": "copy"}),
+                             sharing=sharing)

@@ -36,6 +36,7 @@ class HotweightsWorker:
         params = dict(model.named_parameters())  # tied parameters appear once
         if any(p.is_cuda for p in params.values()):
             _refuse_unshareable_cuda_memory(self.vllm_config)
+            _refuse_borrowed_weights(self.vllm_config, sharing=True)
             _refuse_repacked_weights(self.vllm_config, model)
         alias_of = aliases(params)  # shared as views of what holds them, not copies
         placed = {name: (params[name].data, params[holder].data)  # (a few: views kept for
@@ -64,6 +65,7 @@ class HotweightsWorker:
         (`--remote`: updates are written in place all the same)."""
         model = self.model_runner.model
         if any(p.is_cuda for p in model.parameters()):
+            _refuse_borrowed_weights(self.vllm_config, sharing=False)
             _refuse_repacked_weights(self.vllm_config, model)
 
     def hotweights_after_update(self) -> None:
@@ -175,10 +177,42 @@ def _refuse_unshareable_cuda_memory(vllm_config) -> None:
     if vllm_config.model_config.enable_sleep_mode:
         raise ConfigError("hotweights: vLLM's --enable-sleep-mode allocates the weights "
                           "with cuMem, which CUDA IPC cannot share; start without it")
+    if vllm_config.model_config.enable_cumem_allocator:
+        raise ConfigError("hotweights: vLLM's --enable-cumem-allocator allocates the weights "
+                          "with cuMem, which CUDA IPC cannot share; start without it")
     for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         if "expandable_segments:true" in os.environ.get(var, "").replace(" ", "").lower():
             raise ConfigError(f"hotweights: {var} enables expandable segments, whose memory "
                               "CUDA IPC cannot share; unset expandable_segments")
+
+
+def _refuse_borrowed_weights(vllm_config, *, sharing: bool) -> None:
+    # Weights the engine computes with but does not hold in GPU memory of its own: an
+    # update in place would be lost, or would change memory that is not this server's.
+    from vllm.model_executor.offloader.base import get_offloader
+
+    offloader = type(get_offloader()).__name__  # set by the model runner at load
+    if offloader == "PrefetchOffloader":
+        raise ConfigError(
+            "hotweights: vLLM's prefetch offloading (--offload-group-size) keeps the "
+            "offloaded layers' weights in CPU memory and copies them before each use into "
+            "GPU buffers that layers share: an update in place would be overwritten at the "
+            "next forward; start without it")
+    if offloader == "UVAOffloader" and sharing:
+        raise ConfigError(
+            "hotweights: vLLM's --cpu-offload-gb keeps the offloaded weights in pinned CPU "
+            "memory, which CUDA IPC cannot share; start without it (a --remote server, "
+            "which shares nothing, takes it)")
+    load = vllm_config.load_config
+    extra = load.model_loader_extra_config
+    if load.load_format == "ipc_cache" and (
+            extra.get("mode", "zero_copy") if isinstance(extra, dict) else "zero_copy"
+    ) == "zero_copy":
+        raise ConfigError(
+            "hotweights: --load-format ipc_cache maps the weights of vLLM's preload daemon "
+            "(its zero_copy mode): an update in place would change that cache, which "
+            "outlives this server and serves other engines; load a copy "
+            "(--model-loader-extra-config '{\"mode\": \"copy\"}') or another format")
 
 
 def _refuse_repacked_weights(vllm_config, model) -> None:
