@@ -404,8 +404,12 @@ def _share_cuda(tensors, server_id, device, **manifest_fields):
         dtype = str(t.dtype).removeprefix("torch.")
         if dtype not in _DTYPES:
             raise ManifestError(f"{name}: cannot share a {t.dtype} tensor")
-        (_, _, stride, offset, _, _, _, handle, storage_bytes, storage_offset_bytes, _,
-         ref_handle, ref_offset, event_handle, event_sync) = reduce_tensor(t.detach())[1]
+        try:
+            (_, _, stride, offset, _, _, _, handle, storage_bytes, storage_offset_bytes, _,
+             ref_handle, ref_offset, event_handle, event_sync) = reduce_tensor(t.detach())[1]
+        except RuntimeError as e:  # memory CUDA IPC cannot export (cuMem, host, imported)
+            raise ManifestError(f"{name}: CUDA IPC cannot share this tensor's memory "
+                                f"({e}); serve it from vLLM's own device memory") from e
         ipc = CudaIpc(tuple(stride), offset, _b64(handle), storage_bytes,
                       storage_offset_bytes, _b64(ref_handle), ref_offset, _b64(event_handle),
                       bool(event_sync))
