@@ -92,6 +92,37 @@ def test_the_meta_model_reserves_no_memory_for_its_parameters():
     assert not inv_freq.is_meta and inv_freq.shape == (config.head_dim // 2,)
 
 
+def test_meta_builds_leave_other_threads_modules_and_torch_as_they_were():
+    """A module made in another thread while meta models build keeps its parameters, and
+    two builds that overlap in two threads leave `register_parameter` as it was."""
+    import threading
+
+    original = torch.nn.Module.register_parameter
+    config = tiny.make_config("llama", VOCAB)
+    start, errors = threading.Barrier(3), []
+
+    def builds() -> None:
+        try:
+            start.wait()
+            for _ in range(10):
+                assert all(p.is_meta for p in meta_model(config).parameters())
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=builds) for _ in range(2)]
+    for t in threads:
+        t.start()
+    start.wait()
+    made = []
+    while any(t.is_alive() for t in threads):
+        made.append(torch.nn.Linear(4, 4).weight.device.type)
+    for t in threads:
+        t.join()
+    assert not errors and made and set(made) == {"cpu"}
+    assert torch.nn.Module.register_parameter is original
+    assert torch.nn.Linear(4, 4).weight.device.type == "cpu"
+
+
 @pytest.mark.parametrize("extra", ["a buffer made by a filler", "a filler's value read",
                                    "a tensor attribute made by a filler"])
 def test_a_model_computing_with_fillers_is_built_parameter_by_parameter(monkeypatch, extra):

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -157,22 +158,41 @@ def load_config(config_or_dir: Any, *, trust_remote_code: bool = False):
                           f"({type(e).__name__}: {e})") from e
 
 
+_building = threading.local()  # `depth`: the `_params_on_meta` this thread is inside
+_builds = 0  # threads' `_params_on_meta` open now, all told
+_builds_lock = threading.Lock()
+_register_parameter = torch.nn.Module.register_parameter  # as it was before the first build
+
+
 @contextlib.contextmanager
 def _params_on_meta() -> Iterator[None]:
-    """Create parameters on `meta` while buffers (rotary tables) stay real."""
-    original = torch.nn.Module.register_parameter
-
-    def register(module, name, param):
-        original(module, name, param)
-        if param is not None and param.device.type != "meta":
-            kwargs = dict(requires_grad=param.requires_grad)
-            module._parameters[name] = type(param)(param.to("meta"), **kwargs)
-
-    torch.nn.Module.register_parameter = register
+    """Create this thread's parameters on `meta` while buffers (rotary tables) stay real.
+    `Module.register_parameter` is wrapped while any thread builds, and the wrapper acts
+    only in the threads that build: a module made meanwhile in another thread (a reward
+    model) keeps its parameters."""
+    global _builds, _register_parameter
+    with _builds_lock:
+        if _builds == 0:
+            _register_parameter = torch.nn.Module.register_parameter
+            torch.nn.Module.register_parameter = _register_on_meta
+        _builds += 1
+    depth = getattr(_building, "depth", 0)
+    _building.depth = depth + 1
     try:
         yield
     finally:
-        torch.nn.Module.register_parameter = original
+        _building.depth = depth
+        with _builds_lock:
+            _builds -= 1
+            if _builds == 0:
+                torch.nn.Module.register_parameter = _register_parameter
+
+
+def _register_on_meta(module: torch.nn.Module, name: str, param) -> None:
+    _register_parameter(module, name, param)
+    if getattr(_building, "depth", 0) and param is not None and param.device.type != "meta":
+        module._parameters[name] = type(param)(param.to("meta"),
+                                               requires_grad=param.requires_grad)
 
 
 class _FillersOnMeta(TorchFunctionMode):
