@@ -116,6 +116,19 @@ def test_a_config_field_transformers_refuses_is_a_named_layout_error(tmp_path, f
         assert main(["layout", str(tmp_path)]) == 1
 
 
+def test_a_quantized_model_is_refused_naming_the_field(llama):
+    """Colocate and the views API reach no server's refusal: the layout itself says a
+    quantized model cannot be trained (before, its fp8 weights became trainable views, or
+    an error about a float8 storage, by the dtype a tie picked)."""
+    model_dir, params = llama
+    config = _config(model_dir, quantization_config={"quant_method": "fp8",
+                                                      "weight_block_size": [128, 128]})
+    for build in (lambda: plan(config, params), lambda: build_hf_model(config, params)):
+        with pytest.raises(LayoutError, match=r"LlamaConfig: quantized \(field "
+                           r"quantization_config, quant_method 'fp8'\)"):
+            build()
+
+
 @pytest.mark.vllm
 @pytest.mark.parametrize("engine_key", [("llama", "bfloat16", "auto")], ids="-".join)
 def test_recorded_table_is_what_vllm_serves(engine_key, vllm_engines, tiny_model):

@@ -60,6 +60,14 @@ _REFUSED |= {"bloom": f"Bloom is not supported: {_REGROUPED}",
 
 def _refused(config: Any) -> str | None:
     """Why no map can serve a model of `config`, or None."""
+    for c in (config, getattr(config, "text_config", None)):
+        if (quant := getattr(c, "quantization_config", None)) is not None:
+            method = quant.get("quant_method") if isinstance(quant, dict) else getattr(
+                quant, "quant_method", None)
+            return (f"{type(c).__name__}: quantized (field quantization_config, quant_method "
+                    f"{method!r}): its weights are packed or scaled for its kernels, and "
+                    "hotweights trains unquantized weights only; serve an unquantized "
+                    "checkpoint")
     kind = getattr(config, "model_type", None)
     if kind == "falcon" and getattr(config, "multi_query", False) and not getattr(
             config, "new_decoder_architecture", False):  # one k and v head: [q; k; v] as is

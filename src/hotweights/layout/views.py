@@ -165,7 +165,8 @@ def build_hf_model(
         raise LayoutError("vllm_params is empty: no vLLM tensor to view")
     config = load_config(config, trust_remote_code=trust_remote_code)
     dtypes = [t.dtype for t in vllm_params.values() if t.is_floating_point()]
-    dtype = max(set(dtypes), key=dtypes.count) if dtypes else None
+    dtype = max(sorted(set(dtypes), key=str), key=dtypes.count) if dtypes else None  # (a
+    # tie is broken the same way every run)
     if model is None:
         model = meta_model(config, dtype=dtype, trust_remote_code=trust_remote_code)
     planned = plan(config, vllm_params, strict=False, hf_shapes=hf_params(model),
