@@ -1,5 +1,6 @@
 """`hotweights serve --ssl-keyfile/--ssl-certfile`: files checked before vLLM, passed through."""
 
+import contextlib
 import http.server
 import os
 import ssl
@@ -8,6 +9,7 @@ import sys
 import threading
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -87,20 +89,33 @@ def test_the_runner_refuses_bad_files_before_starting_anything(tmp_path):
                                   "(No such file or directory)")
 
 
-def test_the_probe_trusts_exactly_the_servers_certificate(tls):
+def test_the_probe_trusts_exactly_the_servers_certificate(tls, tmp_path):
     cert, key = tls.leaf("server.example")  # not the name the probe dials
-    other, _ = tls.leaf("another.example")  # same CA: not enough
+    other, other_key = tls.leaf("another.example")  # same CA: not enough
+    chain = tmp_path / "fullchain.pem"  # the certificate, then the CA that issued it
+    chain.write_text(Path(cert).read_text() + Path(tls.ca).read_text())
+    with _serving(cert, key) as url:
+        for trusted in (cert, str(chain)):
+            with urllib.request.urlopen(url, context=server_tls.probe_context(trusted),
+                                        timeout=10) as r:
+                assert r.read() == b"ok"
+        with pytest.raises(urllib.error.URLError, match="certificate verify failed"):
+            urllib.request.urlopen(url, context=server_tls.probe_context(other), timeout=10)
+    with _serving(other, other_key) as url:  # an impostor whose certificate the CA signed
+        with pytest.raises(urllib.error.URLError, match="certificate verify failed"):
+            urllib.request.urlopen(url, context=server_tls.probe_context(str(chain)),
+                                   timeout=10)
+
+
+@contextlib.contextmanager
+def _serving(cert: str, key: str):
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Ok)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(cert, key)
     server.socket = context.wrap_socket(server.socket, server_side=True)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"https://127.0.0.1:{server.server_address[1]}/"
     try:
-        with urllib.request.urlopen(url, context=server_tls.probe_context(cert), timeout=10) as r:
-            assert r.read() == b"ok"
-        with pytest.raises(urllib.error.URLError, match="certificate verify failed"):
-            urllib.request.urlopen(url, context=server_tls.probe_context(other), timeout=10)
+        yield f"https://127.0.0.1:{server.server_address[1]}/"
     finally:
         server.shutdown()
         server.server_close()

@@ -86,6 +86,8 @@ def test_manifest_round_trips_through_json(shared):
     (lambda d: d.pop("path"), r"src: field 'path' must be a str"),
     (lambda d: d["tensors"][0].update(dtype="complex32"), r"tensors\[0\] \(a\): unknown dtype"),
     (lambda d: d["tensors"][1].update(shape=[-1]), r"tensors\[1\] \(b\): bad shape \[-1\]"),
+    (lambda d: d["tensors"][1].update(shape=[True]), r"tensors\[1\] \(b\): bad shape \[True\]"),
+    (lambda d: d["tensors"][1].update(shape=[0, 2**64]), r"\(b\): bad shape \[0, 1844"),
     (lambda d: d["tensors"][1].update(offset=3), r"tensors\[1\] \(b\): bad offset 3"),
     (lambda d: d["tensors"][0].update(shape=[2, 3000]), r"tensors\[0\] \(a\): bytes .* run past"),
     (lambda d: d["tensors"][1].update(name="a"), r"src: tensor 'a' is listed twice"),

@@ -89,6 +89,7 @@ def test_a_token_file_is_replaced_at_once_never_seen_empty(tmp_path):
     ("http://[::1", "invalid IPv6 URL"),
     ("http://", "no host"),
     ("http://h:0", "port 0"),
+    ("http://127.0.0.1:8000/a b", "a space or control character in it"),
 ])
 def test_a_url_that_is_no_server_url_is_named_before_anything_is_sent(home, url, why):
     for token in (None, "given"):  # a given token does not skip the check

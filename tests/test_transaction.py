@@ -392,7 +392,8 @@ def test_request_types_are_frozen_and_typed():
 
 def test_version_labels():
     assert parse_version("7@3f9a1c2b") == (7, "3f9a1c2b")
-    for bad in ("7", "x@s", "7@"):
+    for bad in ("7", "x@s", "7@", "\u00b2@3f9a1c2b", "\u0661\u0662@3f9a1c2b", "7@a b", "7@@",
+                "7@3f9a1c2b\r\n", "7@ab, 7@ab", None):
         with pytest.raises(Exception, match="expected N@SERVER"):
             parse_version(bad)
 

@@ -188,9 +188,9 @@ class Manifest:
                                     f"known: {', '.join(_DTYPES)}")
             shape, offset = t.get("shape"), t.get("offset")
             if not isinstance(shape, list | tuple) or not all(
-                    isinstance(n, int) and n >= 0 for n in shape):
+                    type(n) is int and 0 <= n < 2**63 for n in shape):
                 raise ManifestError(f"{where} ({t['name']}): bad shape {shape!r}")
-            if not isinstance(offset, int) or offset < 0 or offset % _ALIGN:
+            if type(offset) is not int or not 0 <= offset < 2**63 or offset % _ALIGN:
                 raise ManifestError(f"{where} ({t['name']}): bad offset {offset!r}")
             ipc = t.get("ipc")
             if ipc is not None:

@@ -54,6 +54,8 @@ def server_url(url: str) -> str:
         raise bad("port 0")
     if parts.query or parts.fragment:
         raise bad("a query or fragment after it (the routes follow its path)")
+    if any(c.isspace() or not c.isprintable() for c in url.strip()):
+        raise bad("a space or control character in it")
     return url.strip().rstrip("/")
 
 

@@ -6,14 +6,17 @@ two weight states share a version, across restarts too.
 
 from __future__ import annotations
 
+import re
+
 from hotweights.errors import HotweightsError
 
 VERSION_HEADER = "x-hotweights-version"  # on every response of a hotweights server
+_LABEL = re.compile(r"([0-9]+)@([0-9A-Za-z_-]+)")  # ASCII digits; SERVER a word, no space
 
 
 def parse_version(label: str) -> tuple[int, str]:
     """`"7@3f9a1c2b"` -> (7, "3f9a1c2b"); a HotweightsError names a malformed label."""
-    n, at, server = label.partition("@")
-    if not (at and n.isdigit() and server):
+    found = _LABEL.fullmatch(label) if isinstance(label, str) else None
+    if found is None:
         raise HotweightsError(f"weight version {label!r}: expected N@SERVER, e.g. 7@3f9a1c2b")
-    return int(n), server
+    return int(found[1]), found[2]

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
 import ssl
 
 from hotweights.errors import ConfigError
+
+_FIRST_PEM = re.compile(r"-----BEGIN CERTIFICATE-----.+?-----END CERTIFICATE-----", re.S)
 
 
 def check_files(keyfile: str | None, certfile: str | None) -> bool:
@@ -39,8 +42,14 @@ def check_files(keyfile: str | None, certfile: str | None) -> bool:
 
 def probe_context(certfile: str) -> ssl.SSLContext:
     """TLS for the runner's own probe of its server (on loopback): trusts exactly the
-    server's certificate, whatever host names it lists."""
-    context = ssl.create_default_context(cafile=certfile)
+    server's certificate, whatever host names it lists; not the chain after it in the file
+    (an intermediate CA there would vouch for any certificate it issued: an impostor on
+    the port would get the probe's token)."""
+    with open(certfile, encoding="ascii", errors="replace") as f:
+        first = _FIRST_PEM.search(f.read())
+    if first is None:
+        raise ConfigError(f"--ssl-certfile {certfile}: no PEM certificate in it")
+    context = ssl.create_default_context(cadata=first[0])
     context.check_hostname = False  # the probe dials 127.0.0.1, the certificate a public name
     context.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN  # the leaf itself is the anchor
     return context
