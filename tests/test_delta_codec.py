@@ -216,6 +216,37 @@ def test_staged_refuses_nan_once_decoded():
         Staged(_specs(old), old=old)(r)
 
 
+def test_xor_values_for_a_tensor_targets_name_twice_are_refused():
+    """Tied weights sent under both names, in two rounds: the second round's xors would
+    decode against the first one's new values and write the old ones back."""
+    old = torch.randn(8, 16).to(torch.bfloat16)
+    new = old.clone()
+    new.view(-1)[[3, 50, 100]] += 1
+    deltas = list(encode_all({"embed": old, "lm_head": old}, {"embed": new, "lm_head": new}))
+    rounds = list(pack(deltas, max_bytes=1 << 20, values="xor", cut_bytes=1))
+    assert len(rounds) == 2
+    w = old.clone()
+    with pytest.raises(DeltaError, match=r"`embed`: xor values, and `lm_head` is the same "
+                       r"tensor in targets \(tied\).*; nothing was written"):
+        apply(rounds[0], {"embed": w, "lm_head": w})
+    assert torch.equal(w, old)
+    for r in pack(deltas, max_bytes=1 << 20, values="raw", cut_bytes=1):  # raw: exact
+        apply(r, {"embed": w, "lm_head": w})
+    assert torch.equal(w, new)
+
+
+@pytest.mark.parametrize("tail", ["garbage", "another frame", "cut off"])
+def test_a_zstd_buffer_is_one_whole_frame(tail):
+    zstandard = pytest.importorskip("zstandard")
+    frame = zstandard.ZstdCompressor().compress(b"a" * 100)
+    data = {"garbage": frame + b"garbage", "another frame": frame + frame,
+            "cut off": frame[:-3]}[tail]
+    with pytest.raises(codec.CodecError, match="cut off inside its zstd frame" if
+                       tail == "cut off" else r"holds \d+ bytes after its zstd frame"):
+        codec.zstd_decompress(data, 100)
+    assert codec.zstd_decompress(frame, 100) == b"a" * 100
+
+
 def test_zstd_shrinks_rows_and_is_named_when_missing(monkeypatch):
     old, new = _state()
     (plain,) = pack(encode_all(old, new), max_bytes=1 << 20)

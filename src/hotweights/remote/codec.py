@@ -497,15 +497,20 @@ def zstd_compress(raw: bytes | memoryview, level: int = 1) -> bytes:
 
 def zstd_decompress(data: bytes, n: int) -> bytes:
     """Exactly `n` bytes from zstd frame `data`: a frame whose header does not say `n` is
-    refused before anything is allocated, one that holds more or less raises `CodecError`."""
+    refused before anything is allocated; one that holds more or less, is cut off or is
+    followed by other bytes raises `CodecError`."""
     zstandard = _zstd()
     try:
         size = zstandard.frame_content_size(data)
         if size != n:
             raise CodecError("raw_nbytes", f"is {n}, the buffer's zstd frame says {size}")
-        out = zstandard.ZstdDecompressor().decompress(data, max_output_size=n)
+        stream = zstandard.ZstdDecompressor().decompressobj()
+        out = stream.decompress(data)
     except zstandard.ZstdError as e:
         raise CodecError("buffer", f"does not decompress ({e})") from None
+    if not stream.eof or stream.unused_data:
+        raise CodecError("buffer", "is cut off inside its zstd frame" if not stream.eof else
+                         f"holds {len(stream.unused_data)} bytes after its zstd frame")
     if len(out) != n:
         raise CodecError("raw_nbytes", f"is {n}, the buffer decompresses to {len(out)} bytes")
     return out

@@ -373,6 +373,24 @@ def _unsigned(t: torch.Tensor) -> np.ndarray:
     return t.view(_BITS[t.dtype.itemsize]).numpy().view(codec.UINT[t.dtype.itemsize])
 
 
+def _refuse_tied_xors(staged: list[tuple[dict, torch.Tensor, tuple]],
+                      targets: Mapping[str, torch.Tensor]) -> None:
+    """xor values decode against their target's bytes as they are: where another name of
+    `targets` is the same tensor (a tied weight sent under both names), a round that wrote
+    that name before has changed them, and the xors would write the old values back."""
+    names: dict[tuple, list[str]] = {}
+    for n, t in targets.items():
+        names.setdefault((str(t.device), t.data_ptr(), t.nbytes), []).append(n)
+    for e, _, _ in staged:
+        t = targets[e["name"]]
+        tied = [n for n in names[(str(t.device), t.data_ptr(), t.nbytes)] if n != e["name"]]
+        if e.get("values") == codec.XOR and tied:
+            raise DeltaError(f"`{e['name']}`: xor values, and `{tied[0]}` is the same tensor "
+                             "in targets (tied): a round that wrote it before would have "
+                             "changed the old values they decode against; name each tensor "
+                             "once, or pack with values='raw'; nothing was written")
+
+
 def apply(round: Round, targets: Mapping[str, torch.Tensor], *,
           check_finite: bool = True) -> list[str]:
     """Check a whole round against its targets, then write it into them in place.
@@ -395,6 +413,7 @@ def apply(round: Round, targets: Mapping[str, torch.Tensor], *,
             ranges out of range, a non-finite dense update, a buffer of the wrong length).
     """
     staged = checked(round, targets, check_finite=check_finite, old=targets)
+    _refuse_tied_xors(staged, targets)
     names = {}
     for e, t, v in staged:  # everything checked: write
         write(e, t, v)
