@@ -112,6 +112,36 @@ def test_sigkill_at_each_step(shards, crash, outcome, state):
     _check_after_crash(d, old, new, spec)
 
 
+@pytest.mark.parametrize("written", ["a prefix", "every other page"])
+def test_a_patch_cut_inside_is_replayed(shards, written):
+    """A write cut short (a kill or a full disk inside the apply's one pwrite of a patch:
+    the kernel stops at a page boundary) or a power loss during the apply (pages reach the
+    disk in any order) leaves a patch part new, part old, page by page: `recover` checks
+    each page as the old bytes or the new ones, and finishes the patch."""
+    d, new_dir, old, new, _ = shards
+    name, lo, hi = NAMES[0], 100, SIZE - 100  # one patch over most of the file, unaligned
+    assert _run(d, new_dir, [(name, lo, hi - lo)], "after-rename:0") == -signal.SIGKILL
+    torn = bytearray(old[name])
+    cuts = list(range(lo, hi, journal.PAGE)) if lo % journal.PAGE == 0 else [lo, *range(
+        lo - lo % journal.PAGE + journal.PAGE, hi, journal.PAGE)]
+    pieces = list(zip(cuts, [*cuts[1:], hi], strict=True))
+    assert len(pieces) > 4 and all(b % journal.PAGE == 0 for _, b in pieces[:-1])
+    for i, (a, b) in enumerate(pieces):
+        if (i < len(pieces) // 2) if written == "a prefix" else i % 2 == 0:
+            torn[a:b] = new[name][a:b]
+    (d / name).write_bytes(torn)
+    assert journal.recover(d) == "replayed"
+    assert (d / name).read_bytes() == old[name][:lo] + new[name][lo:hi] + old[name][hi:]
+    (d / name).write_bytes(old[name])  # a copy of the old file put back: still refused
+    assert _run(d, new_dir, [(name, lo, hi - lo)], "after-rename:0") == -signal.SIGKILL
+    torn = bytearray(old[name])
+    torn[lo + journal.PAGE:lo + journal.PAGE + 8] = b"\0" * 8  # neither old nor new there
+    (d / name).write_bytes(torn)
+    with pytest.raises(CheckpointError, match=rf"{name}: not the file journal .* was "
+                       rf"committed for \(its bytes at offset {journal.PAGE}"):
+        journal.recover(d)
+
+
 def test_uncrashed_run_writes_new(shards):
     d, new_dir, old, new, spec = shards
     assert _run(d, new_dir, spec) == 0

@@ -67,13 +67,16 @@ _written: tuple | None = None  # (path, FileId, records) of the journal this pro
 commits = 0  # the journals this process committed: whether an interrupted sync did
 _MAGIC = b"HWJRNL\r\n"
 # Formats read: 1 (no file records, moves without the staged file's identity), 2 (no
-# record of a move's target), both replayed without those checks; 3, written.
+# record of a move's target), both replayed without those checks; 3, written (its identity
+# records hash the bytes the patches replace per page piece, "old_pages"; an older
+# version's hashed them per patch, "old", which is not checked).
 _FORMATS = (1, 2, 3)
 _FORMAT = _FORMATS[-1]
 _HEAD = struct.Struct("<8sII")
 _REC = struct.Struct("<cHQQ")
 _COMMIT = struct.Struct("<cQQ")
 _CHUNK = 8 << 20
+PAGE = 4096  # what a write cut short or a power loss leaves whole: old or new (`_pages`)
 
 # Test-only crash hook: tests/test_checkpoint_journal.py sets it to "<step>:<n>" to SIGKILL
 # the process at a named step, so every crash point is reached deterministically.
@@ -173,27 +176,50 @@ def _identity(path: str) -> dict:
     return out
 
 
+def _pages(offset: int, length: int) -> Iterator[tuple[int, int]]:
+    """The pieces [start, end) of a patch of `length` bytes at file offset `offset`, cut at
+    the file's page boundaries: a write cut short (a kill, a full disk) or a power loss
+    during the apply leaves each page of a patch whole old or whole new, not the patch."""
+    at = 0
+    while at < length:
+        end = min(length, at + PAGE - (offset + at) % PAGE)
+        yield at, end
+        at = end
+
+
+def _old_hashes(old: bytes, offset: int) -> list[int]:
+    """The xxh3 of each page piece (`_pages`) of the bytes `old` a patch at `offset`
+    replaces."""
+    view = memoryview(old)
+    return [xxhash.xxh3_64_intdigest(view[a:b]) for a, b in _pages(offset, len(old))]
+
+
 def _check_bytes(path: str, old: list[int], patches: list[tuple[int, int, int]],
                  data: Any, journal: str) -> None:
-    """Refuse to replay onto `path` unless each of its `patches` (offset, length, payload
-    position in the journal's `data`) holds the bytes it replaces (their xxh3 in `old`,
-    in order) or its own (applied before a crash): else it is another file, whatever its
-    identity says (the device of a filesystem can change across a reboot, and the inode
-    is then not compared; a copy of the same size and header put back)."""
-    if len(old) != len(patches):
-        raise CheckpointError(f"{journal}: a damaged journal: {len(patches)} patches of "
+    """Refuse to replay onto `path` unless each page piece (`_pages`) of each of its
+    `patches` (offset, length, payload position in the journal's `data`) holds the bytes
+    it replaces (their xxh3 in `old`, in order) or its own (applied before a crash): else
+    it is another file, whatever its identity says (the device of a filesystem can change
+    across a reboot, and the inode is then not compared; a copy of the same size and header
+    put back)."""
+    pieces = sum(1 for offset, length, _ in patches for _ in _pages(offset, length))
+    if len(old) != pieces:
+        raise CheckpointError(f"{journal}: a damaged journal: {pieces} patch pieces of "
                               f"{path}, {len(old)} of their old bytes' hashes; nothing was "
                               "written and the journal is kept")
+    hashes = iter(old)
     fd = os.open(path, os.O_RDONLY)
     try:
-        for was, (offset, length, pos) in zip(old, patches, strict=True):
-            now = os.pread(fd, length, offset)
-            if xxhash.xxh3_64_intdigest(now) != was and now != data[pos:pos + length]:
-                raise CheckpointError(
-                    f"{path}: not the file journal {journal} was committed for (its bytes "
-                    f"at offset {offset} are neither those the journal replaces nor its "
-                    "own), e.g. a copy put back after a crash; nothing was written. Remove "
-                    "the journal if these files are the ones to keep")
+        for offset, length, pos in patches:
+            now = memoryview(os.pread(fd, length, offset))
+            for a, b in _pages(offset, length):
+                if xxhash.xxh3_64_intdigest(now[a:b]) != next(hashes) and \
+                        now[a:b] != data[pos + a:pos + b]:
+                    raise CheckpointError(
+                        f"{path}: not the file journal {journal} was committed for (its "
+                        f"bytes at offset {offset + a} are neither those the journal "
+                        "replaces nor its own), e.g. a copy put back after a crash; nothing "
+                        "was written. Remove the journal if these files are the ones to keep")
     finally:
         os.close(fd)
 
@@ -295,7 +321,8 @@ def write_journal(directory: str | os.PathLike, patches: Iterable[tuple[str, int
             add(b"M", name, raw, fid.ino, fid.size)
         header_ends: dict[str, int] = {}  # per patched file: where its header ends
         # per patched file: its identity record, written after its patches with the xxh3
-        # of the bytes each patch replaces ("old"), which a replay after a crash checks
+        # of the bytes each page piece of each patch replaces ("old_pages", `_pages`),
+        # which a replay after a crash checks
         idents: dict[str, tuple[bytes, dict]] = {}
         for name, offset, data in patches:
             raw, view = _validate(directory, name, offset, data, sizes)
@@ -310,15 +337,15 @@ def write_journal(directory: str | os.PathLike, patches: Iterable[tuple[str, int
                                           "sync again (it rewrites the file whole)")
                 ident = _identity(os.path.join(directory, name))
                 header_ends[name] = ident.get("header_end", 0)
-                ident["old"] = []
+                ident["old_pages"] = []
                 idents[name] = raw, ident
                 readers[name] = os.open(os.path.join(directory, name), os.O_RDONLY)
             if offset < header_ends[name]:
                 raise CheckpointError(f"{os.path.join(directory, name)}: patch at offset "
                                       f"{offset} falls in the safetensors header (it ends "
                                       f"at {header_ends[name]}); patches never change it")
-            idents[name][1]["old"].append(
-                xxhash.xxh3_64_intdigest(os.pread(readers[name], view.nbytes, offset)))
+            idents[name][1]["old_pages"] += _old_hashes(
+                os.pread(readers[name], view.nbytes, offset), offset)
             written += _REC.size + len(raw) + view.nbytes
             add(b"R", name, raw, offset, view.nbytes)
             pos += view.nbytes  # the payload, below
@@ -519,8 +546,8 @@ def _checked(directory: str, path: str, records: list, verify: bool
             want = json.loads(bytes(data[pos:pos + length]))
             if name not in done:  # a file moved is the staged one by now (`_moved`)
                 _check_identity(os.path.join(directory, name), want, path)
-            if verify and isinstance(want, dict) and "old" in want:
-                _check_bytes(os.path.join(directory, name), want["old"],
+            if verify and isinstance(want, dict) and "old_pages" in want:
+                _check_bytes(os.path.join(directory, name), want["old_pages"],
                              [(o, n, p) for f, o, n, p in patches if f == name], data, path)
     for name, offset, length, _ in patches:
         if offset + length > _target_size(directory, name, sizes):
