@@ -987,16 +987,18 @@ def test_a_link_made_after_the_crash_is_not_written_through_by_recover(shards, t
         assert other.read_bytes() == old[NAMES[0]]
 
 
-def test_a_link_made_while_the_journal_is_written_fails_the_commit(shards, tmp_path):
+@pytest.mark.parametrize("linked", [0, 1])
+def test_a_link_made_while_the_journal_is_written_fails_the_commit(shards, tmp_path, linked):
+    """Linked before its first patch is streamed (1), or after (0): not committed."""
     d, _, old, new, spec = shards
     other = tmp_path / "backup.safetensors"
 
     def patches():
         for k, (name, off, n) in enumerate(spec):
             if k == 1:  # the first file's identity is recorded, its first patch too
-                os.link(d / NAMES[1], other)
+                os.link(d / NAMES[linked], other)
             yield name, off, new[name][off:off + n]
-    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(d / NAMES[1]))}: now 1 "
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(d / NAMES[linked]))}: now 1 "
                        r"other hard link\(s\) \(made while this sync ran\)"):
         journal.write_journal(d, patches())
     assert journal.recover(d) == "none" and _state(d, old, new) == "old"

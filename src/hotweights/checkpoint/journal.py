@@ -330,11 +330,7 @@ def write_journal(directory: str | os.PathLike, patches: Iterable[tuple[str, int
                 if why := why_not_writable(os.path.join(directory, name)):
                     raise CheckpointError(f"{os.path.join(directory, name)}: this process "
                                           f"cannot write into it ({why}); nothing was written")
-                if why := shared_file(os.path.join(directory, name)):  # since it was planned
-                    raise CheckpointError(f"{os.path.join(directory, name)}: now {why} "
-                                          "(made while this sync ran), which a patch in "
-                                          "place would write through; nothing was written: "
-                                          "sync again (it rewrites the file whole)")
+                _refuse_shared(os.path.join(directory, name))  # since it was planned
                 ident = _identity(os.path.join(directory, name))
                 header_ends[name] = ident.get("header_end", 0)
                 ident["old_pages"] = []
@@ -366,6 +362,8 @@ def write_journal(directory: str | os.PathLike, patches: Iterable[tuple[str, int
         os.fsync(fd)
         if check:
             check()
+        for name in idents:  # linked since its first patch was streamed
+            _refuse_shared(os.path.join(directory, name))
     except BaseException as e:  # a bad patch, a full disk, ^C: nothing stays behind
         os.close(fd)
         os.unlink(tmp)
@@ -390,6 +388,13 @@ def write_journal(directory: str | os.PathLike, patches: Iterable[tuple[str, int
     _written = (journal, FileId.of(journal), records)
     logger.info("%s: journal committed, %d records", journal, len(records))
     return journal
+
+
+def _refuse_shared(path: str) -> None:
+    if why := shared_file(path):
+        raise CheckpointError(f"{path}: now {why} (made while this sync ran), which a patch "
+                              "in place would write through; nothing was written: sync again "
+                              "(it rewrites the file whole)")
 
 
 def _records(path: str, mine: bool) -> list[tuple[bytes, str, int, int, int]]:
