@@ -287,6 +287,23 @@ def _prepared(group, status, new, monkeypatch):
     return group._prepare(new, new, status, "wait", None, 0.0, {}, False, {})
 
 
+def test_a_checkpoint_in_a_wider_float_is_refused_at_the_first_update(tmp_path,
+                                                                      monkeypatch):
+    """reference="checkpoint" on a float32 checkpoint that bf16 servers loaded: their
+    deltas could be taken against its rounded values, but its sync after the commit would
+    be refused (and the next update be a full one): refused before anything is sent."""
+    weights = {"a.weight": torch.randn(64, 32), "b.weight": torch.randn(32)}
+    save_file(weights, tmp_path / "model.safetensors")
+    group = RemoteGroup(["http://127.0.0.1:1"], token="t" * 32, checkpoint=tmp_path,
+                        reference="checkpoint")
+    new = {k: t.to(torch.bfloat16) for k, t in weights.items()}
+    status = {u: {"server_id": "s", "n": 0, "checkpoint": digest(tmp_path)}
+              for u in group.urls}
+    with pytest.raises(RemoteError, match=r"reference='checkpoint': `a.weight` is "
+                       r"torch.bfloat16 \(64, 32\), the checkpoint .* holds torch.float32"):
+        _prepared(group, status, new, monkeypatch)
+
+
 def test_servers_all_synced_from_the_checkpoint_leave_the_reference_whole(checkpoint,
                                                                          monkeypatch):
     # the deltas were taken against the checkpoint, not against `reference`: patching the
