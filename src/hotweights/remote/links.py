@@ -102,7 +102,8 @@ class Links:
             raise RemoteError(f"joining the channel failed on {named(failed)}") from error
         if error is not None:
             raise error
-        # values as few bits as flipped, where every server holds every tensor whole
+        # values as few bits as flipped, where every server's workers hold each tensor (or
+        # their run of it) in one slab
         link = Link(channel, members, channel_id(self.master_addr, port, token), ranks,
                     all(out.get("xor") for out in outs.values()))
         self._by_members[members] = link
