@@ -250,6 +250,23 @@ def test_a_symlinked_shard_is_replaced_never_written_through(tmp_path, mode):
     assert torch.equal(load_file(other / shard)[name], _live(_model())[name])
 
 
+def test_reflink_patches_on_blocks_larger_than_a_page(xfs64k_dir):
+    """On a 64 KiB-block XFS a page run is copied, not cloned, from the scratch file of
+    pages: a change in the file's last, partial page is written (it was an EINVAL: the
+    scratch file stayed O_DIRECT for the copy's unaligned read)."""
+    d = xfs64k_dir / "last-page"
+    live = {"w": torch.randn(1_000_001).to(torch.bfloat16)}
+    sync(d, live)
+    for at in (-1, 0, 500_000):
+        live["w"][at] += 1.0
+        result = sync(d, live)
+        assert result.writes == {"model.safetensors": "reflink"}, at
+        finisher.finish()
+        assert torch.equal(load_file(d / "model.safetensors")["w"].view(torch.int16),
+                           live["w"].view(torch.int16)), at
+    remove_synced(d)
+
+
 def test_a_shard_linked_onto_another_filesystem_is_rewritten_not_cloned(tmp_path, xfs_dir):
     mine, _, live = _hf_cache(tmp_path)  # its blobs here, the snapshot on the XFS
     d = xfs_dir / "linked-snapshot"

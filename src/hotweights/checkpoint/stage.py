@@ -311,6 +311,8 @@ def patched(shard: Shard, tensors: Mapping[str, torch.Tensor],
             try:
                 with mapped(shard.path, shard.check) as old_view:  # what was cloned
                     _write_pages(pages, offsets, np.frombuffer(old_view, np.uint8), live)
+                _direct(pages, False)  # read back buffered: a run that cannot be cloned
+                # (not aligned to the filesystem's blocks) is copied, by any length
                 for pos, at, n in runs:
                     copy_all(pages, fd, n, pos, at)
                     progress(n)
