@@ -250,6 +250,32 @@ def test_a_symlinked_shard_is_replaced_never_written_through(tmp_path, mode):
     assert torch.equal(load_file(other / shard)[name], _live(_model())[name])
 
 
+def test_a_journal_sync_after_reflinked_ones_does_not_run_out_of_space_in_its_apply(xfs_dir):
+    """A reflinked sync keeps a spare clone of each shard it wrote, which shares its blocks:
+    a journal-mode sync after it would write each page in place as a copy on write, room
+    it does not count, and could fill the disk after its commit, leaving a torn shard. Its
+    shards' spares are let go first."""
+    d = xfs_dir / "journal-after-reflink"
+    live = {"model.embed.weight": torch.zeros(8192, 1024, dtype=torch.bfloat16)}  # 16 MiB
+    sync(d, live)
+    live["model.embed.weight"][0] += 1
+    assert sync(d, live).writes == {"model.safetensors": "reflink"}  # keeps a spare
+    finisher.finish()
+    live["model.embed.weight"][:3000] += 1  # ~6 MiB
+    filler = xfs_dir / "filler"
+    os.sync()
+    subprocess.run(["fallocate", "-l", str(shutil.disk_usage(d).free - (9 << 20)), filler],
+                   check=True)
+    try:
+        assert sync(d, live, mode="journal").writes == {"model.safetensors": "journal"}
+        finisher.finish()
+    finally:
+        filler.unlink()
+    assert torch.equal(load_file(d / "model.safetensors")["model.embed.weight"],
+                       live["model.embed.weight"])
+    remove_synced(d)
+
+
 def test_reflink_patches_on_blocks_larger_than_a_page(xfs64k_dir):
     """On a 64 KiB-block XFS a page run is copied, not cloned, from the scratch file of
     pages: a change in the file's last, partial page is written (it was an EINVAL: the

@@ -484,6 +484,9 @@ class _Stager:
         if how != "journal":
             self.staged += need
             self.area.mkdir(exist_ok=True)
+        elif spare.drop([c.shard.path]):  # its blocks shared with a spare: each page the
+            # apply writes in place would take a new block (copy on write), not counted
+            syncfs(self.model_dir)  # the spare's blocks let go (XFS: in the background)
         if c.copied:  # its copies are held until it is staged: the hashing waits while
             # two shards wait for the stager, not every shard's copies pile up behind it
             futures.wait([j for j in self.jobs if not j.done()][:-1])

@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from hotweights.checkpoint import clone
 from hotweights.checkpoint.fileid import FileId
 
-__all__ = ["extents", "keep", "release", "take"]
+__all__ = ["drop", "extents", "keep", "release", "take"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def keep(paths: Iterable[str]) -> None:
     calls it, with no paths where it keeps no spares."""
     with _lock:
         held = dict(_spares)
-    _close([p for p, (of, *_) in held.items() if not _current(p, of)])
+    drop([p for p, (of, *_) in held.items() if not _current(p, of)])
     for path in paths:
         try:
             src = os.open(path, os.O_RDONLY)
@@ -75,7 +75,7 @@ def keep(paths: Iterable[str]) -> None:
             oldest = list(_spares)[:-MOST] if len(_spares) > MOST else []
         if old is not None:
             os.close(old[1])
-        _close(oldest)
+        drop(oldest)
 
 
 def take(path: str, dst: str | os.PathLike) -> bool:
@@ -116,7 +116,7 @@ def release() -> None:
     """Close every spare this process holds (their blocks are freed)."""
     with _lock:
         paths = list(_spares)
-    _close(paths)
+    drop(paths)
 
 
 def _current(path: str, of: FileId) -> bool:
@@ -128,12 +128,16 @@ def _current(path: str, of: FileId) -> bool:
         return False
 
 
-def _close(paths: list[str]) -> None:
+def drop(paths: Iterable[str]) -> bool:
+    """Close the spares of `paths`; whether there was one."""
+    dropped = False
     for p in paths:
         with _lock:
             got = _spares.pop(p, None)
         if got is not None:
             os.close(got[1])
+            dropped = True
+    return dropped
 
 
 def _forget() -> None:
