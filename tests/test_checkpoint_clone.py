@@ -220,6 +220,36 @@ def test_two_threads_probing_one_directory_both_get_the_filesystem_s_answer(tmp_
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_probe_s_answer_is_not_taken_for_the_next_filesystem_on_the_device(tmp_path,
+                                                                                monkeypatch):
+    """An unmount frees the device number and the next mount of the loop device takes it,
+    another filesystem maybe: an XFS's "clones" was the ext4's answer after it, and `auto`
+    failed to clone instead of rewriting whole."""
+    mkfs = {k: shutil.which(f"mkfs.{k}") or shutil.which(f"mkfs.{k}", path="/usr/sbin:/sbin")
+            for k in ("xfs", "ext4")}
+    if os.geteuid() != 0 or None in mkfs.values():
+        pytest.skip("needs root, mkfs.xfs and mkfs.ext4")
+    monkeypatch.setattr(clone, "_probed", {})
+    image, mnt = tmp_path / "img", tmp_path / "mnt"
+    mnt.mkdir()
+    with open(image, "wb") as f:
+        f.truncate(512 << 20)
+    answers, devices = [], []
+    for kind, options in (("xfs", ["-q", "-m", "reflink=1"]), ("ext4", ["-q", "-F"])):
+        subprocess.run([mkfs[kind], *options, str(image)], check=True, capture_output=True)
+        if subprocess.run(["mount", "-o", "loop", str(image), str(mnt)],
+                          capture_output=True).returncode != 0:
+            pytest.skip("cannot loop-mount here")
+        try:
+            devices.append(os.stat(mnt).st_dev)
+            answers.append(clone.supports_reflink(mnt)[0])
+        finally:
+            subprocess.run(["umount", str(mnt)], check=True)
+    if devices[0] != devices[1]:
+        pytest.skip("the second mount got another device number")
+    assert answers == [True, False]
+
+
 def test_recover_removes_the_probes_of_processes_gone_only(tmp_path):
     from hotweights.checkpoint import journal
 

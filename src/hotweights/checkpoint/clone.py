@@ -29,7 +29,7 @@ FICLONE = 0x40049409  # _IOW(0x94, 9, int), linux/fs.h
 # FICLONE's answers for "no reflinks here"; ENOTTY where the filesystem has no such ioctl.
 _NO_REFLINK = {errno.EOPNOTSUPP, errno.EINVAL, errno.ENOTTY}
 PROBE = ".hotweights-probe-"  # then the pid of the process probing, and a random part
-_probed: dict[int, tuple[bool, str]] = {}  # st_dev -> supports_reflink's answer
+_probed: dict[tuple[int, int], tuple[bool, str]] = {}  # (st_dev, f_fsid) -> the answer
 FS_IOC_FIEMAP = 0xC020660B  # _IOWR('f', 11, struct fiemap), linux/fs.h
 # struct fiemap without its extent array: fm_start, fm_length, fm_flags,
 # fm_mapped_extents, fm_extent_count (0: only count them), fm_reserved
@@ -111,11 +111,12 @@ def supports_reflink(directory: str | os.PathLike) -> tuple[bool, str]:
     Returns:
         (ok, reason), e.g. (True, "xfs at /mnt/x supports reflinks") or (False, "ext4 at /
         does not support reflinks (FICLONE: Operation not supported)"). The answer is
-        cached per filesystem (st_dev); a read-only directory is checked every time.
+        cached per filesystem (st_dev and f_fsid: a device number is reused by the next
+        mount, of another filesystem maybe); a read-only directory is checked every time.
     """
     directory = os.path.realpath(os.fspath(directory))
     try:
-        dev = os.stat(directory).st_dev
+        dev = os.stat(directory).st_dev, os.statvfs(directory).f_fsid
         if not os.access(directory, os.W_OK):
             ro_mount = os.statvfs(directory).f_flag & os.ST_RDONLY
             how = "a read-only mount" if ro_mount else "no write permission"
