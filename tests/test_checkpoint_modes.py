@@ -276,6 +276,36 @@ def test_a_journal_sync_after_reflinked_ones_does_not_run_out_of_space_in_its_ap
     remove_synced(d)
 
 
+@pytest.mark.parametrize(("changed", "free_mib"), [("a row in each of 120 blocks", 3),
+                                                     ("most of the shard", 12)])
+def test_near_a_full_disk_a_reflinked_shard_needs_the_pages_that_differ(xfs_dir, changed,
+                                                                         free_mib):
+    """The free space a patch needs was counted by changed 64 KiB blocks (16x a row's
+    pages), and a shard more than half changed was to be rewritten whole (its whole size):
+    both refused a sync whose pages fit. Near a full disk, the need is the pages, patched."""
+    d = xfs_dir / f"near-full-{free_mib}"
+    live = {"model.embed.weight": torch.zeros(8192, 1024, dtype=torch.bfloat16)}  # 16 MiB
+    sync(d, live)
+    if changed == "most of the shard":
+        live["model.embed.weight"][:5000] += 1
+    else:
+        live["model.embed.weight"][::64][:120] += 1  # 2 KiB rows, 128 KiB apart
+    filler = xfs_dir / "filler"
+    finisher.finish()
+    os.sync()
+    subprocess.run(["fallocate", "-l", str(shutil.disk_usage(d).free - (free_mib << 20)),
+                    filler], check=True)
+    try:
+        result = sync(d, live)
+        finisher.finish()
+    finally:
+        filler.unlink()
+    assert result.writes == {"model.safetensors": "reflink"}
+    assert torch.equal(load_file(d / "model.safetensors")["model.embed.weight"],
+                       live["model.embed.weight"])
+    remove_synced(d)
+
+
 def test_reflink_patches_on_blocks_larger_than_a_page(xfs64k_dir):
     """On a 64 KiB-block XFS a page run is copied, not cloned, from the scratch file of
     pages: a change in the file's last, partial page is written (it was an EINVAL: the

@@ -426,8 +426,7 @@ def _how(shard: Shard, changed_bytes: int, mode: str, patch_mode: str) -> str:
     if patch_mode == "journal" and (why := shared_file(shard.path)):
         logger.info("%s: %s; rewritten whole, not patched in place", shard.path, why)
         return "whole"
-    if patch_mode == "reflink" and shard.file.dev != os.stat(os.path.dirname(shard.path)
-                                                             ).st_dev:
+    if patch_mode == "reflink" and not _clonable(shard):
         logger.info("%s: a link to %s, on another filesystem: rewritten whole, not cloned",
                     shard.path, os.path.realpath(shard.path))
         return "whole"
@@ -437,6 +436,18 @@ def _how(shard: Shard, changed_bytes: int, mode: str, patch_mode: str) -> str:
                     "whole, not cloned", shard.path, n)
         return "whole"
     return patch_mode
+
+
+def _need(c: ShardChanges, how: str) -> int:
+    """The bytes writing `c` `how` takes until the commit (a patch's at most: its changed
+    blocks, and a record per range)."""
+    return c.shard.size if how == "whole" else ranges_bytes(c.ranges) + 64 * len(c.ranges)
+
+
+def _clonable(shard: Shard) -> bool:
+    """Whether the shard lies on its directory's filesystem (a link to another cannot be
+    cloned into it)."""
+    return shard.file.dev == os.stat(os.path.dirname(shard.path)).st_dev
 
 
 def _extents(path: str) -> int:
@@ -475,12 +486,22 @@ class _Stager:
     def add(self, c: ShardChanges) -> None:
         if not c.ranges:
             return
-        changed = ranges_bytes(c.ranges)
-        how = _how(c.shard, changed, self.mode, self.patch_mode)
-        need = c.shard.size if how == "whole" else changed + 64 * len(c.ranges)
-        if self.short or not self._room(need, how == "journal"):
-            self.short += need  # not staged: counted for what `wait` says is missing
-            return
+        how = _how(c.shard, ranges_bytes(c.ranges), self.mode, self.patch_mode)
+        if not self._fits(c, how):
+            fits = False
+            if how != "whole" or self.patch_mode == "reflink" and _clonable(c.shard):
+                # near a full disk: the need once narrowed to the pages that differ (the
+                # changed blocks counted whole overstate it), patched where the whole
+                # rewrite was chosen for speed only
+                how = "journal" if how == "journal" else "reflink"
+                c = replace(c, ranges=to_pages(c), compared=True)
+                if not c.ranges:
+                    return
+                fits = self._fits(c, how)
+            if not fits:  # not staged: counted for what `wait` says is missing
+                self.short += _need(c, how)
+                return
+        need = _need(c, how)
         if how != "journal":
             self.staged += need
             self.area.mkdir(exist_ok=True)
@@ -491,6 +512,10 @@ class _Stager:
             # two shards wait for the stager, not every shard's copies pile up behind it
             futures.wait([j for j in self.jobs if not j.done()][:-1])
         self.jobs.append(self.pool.submit(self._stage, c, how))
+
+    def _fits(self, c: ShardChanges, how: str) -> bool:
+        """Whether `c` written `how` fits, counted if so (never once one did not)."""
+        return not self.short and self._room(_need(c, how), how == "journal")
 
     def _room(self, need: int, journaled: bool) -> bool:
         """Count `need` more bytes for this sync (`journaled`: in the journal, written at
