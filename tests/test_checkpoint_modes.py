@@ -409,63 +409,61 @@ def test_a_read_only_directory_is_named_and_nothing_written(tmp_path):
         subprocess.run(["umount", str(ro)], check=True)
 
 
-@pytest.mark.parametrize("mode", ["journal", "copy"])
-def test_a_full_disk_is_named_and_nothing_written(tmp_path, mode):
+@pytest.fixture
+def small(tmp_path):
+    """An empty 1800 KiB tmpfs (a mount: root only, else a skip)."""
     d = tmp_path / "small"
     d.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1800k", "tmpfs", str(d)],
                       capture_output=True).returncode != 0:
         pytest.skip("a small tmpfs mount needs root")
-    try:
-        live = _saved(d)
+    yield d
+    subprocess.run(["umount", str(d)], check=True)
+
+
+@pytest.mark.parametrize("mode", ["journal", "copy"])
+def test_a_full_disk_is_named_and_nothing_written(small, mode):
+    d = small
+    live = _saved(d)
+    sync(d, live, mode=mode)
+    for n in live:  # a change far larger than the space left
+        live[n] += 1.0
+    before = {p.name: p.read_bytes() for p in d.glob("*.safetensors")}
+    free = shutil.disk_usage(d).free
+    need = sum(p.stat().st_size for p in d.glob("*.safetensors")) if mode == "copy" \
+        else None  # every shard rewritten whole: each one's size, all told at once
+    with pytest.raises(CheckpointError, match=rf"{d}: not enough free space: this sync "
+                       r"needs [\d,.]+ MiB \((\d+) bytes\) for .*, [\d,.]+ MiB are free: "
+                       r"free [\d,.]+ MiB more; nothing was written") as e:
         sync(d, live, mode=mode)
-        for n in live:  # a change far larger than the space left
-            live[n] += 1.0
-        before = {p.name: p.read_bytes() for p in d.glob("*.safetensors")}
-        free = shutil.disk_usage(d).free
-        need = sum(p.stat().st_size for p in d.glob("*.safetensors")) if mode == "copy" \
-            else None  # every shard rewritten whole: each one's size, all told at once
-        with pytest.raises(CheckpointError, match=rf"{d}: not enough free space: this sync "
-                           r"needs [\d,.]+ MiB \((\d+) bytes\) for .*, [\d,.]+ MiB are free: "
-                           r"free [\d,.]+ MiB more; nothing was written") as e:
-            sync(d, live, mode=mode)
-        asked = int(re.search(r"\((\d+) bytes\)", str(e.value))[1])
-        assert asked > free and (need is None or asked == need)
-        assert {p.name: p.read_bytes() for p in d.glob("*.safetensors")} == before
-        assert not (d / journal.STAGE_DIR).exists() and not (d / journal.JOURNAL_NAME).exists()
-    finally:
-        subprocess.run(["umount", str(d)], check=True)
+    asked = int(re.search(r"\((\d+) bytes\)", str(e.value))[1])
+    assert asked > free and (need is None or asked == need)
+    assert {p.name: p.read_bytes() for p in d.glob("*.safetensors")} == before
+    assert not (d / journal.STAGE_DIR).exists() and not (d / journal.JOURNAL_NAME).exists()
 
 
-def test_diagnose_names_the_shard_copy_mode_has_no_room_to_rewrite(tmp_path):
+def test_diagnose_names_the_shard_copy_mode_has_no_room_to_rewrite(small):
     """A sync in write mode copy stages a changed shard whole beside the old one:
     `diagnose` says so where the largest shard cannot be, before a sync fails on it."""
-    d = tmp_path / "small"
-    d.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1800k", "tmpfs", str(d)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("a small tmpfs mount needs root")
-    try:
-        live = _saved(d)
+    d = small
+    live = _saved(d)
+    sync(d, live, mode="copy")
+    finisher.finish()
+    assert diagnose(d, mode="copy").space is None
+    largest = max(d.glob("*.safetensors"), key=lambda p: p.stat().st_size)
+    with open(d / "filler", "wb") as f:
+        f.write(b"\0" * (shutil.disk_usage(d).free - largest.stat().st_size // 2))
+    found = diagnose(d, mode="copy")
+    assert re.fullmatch(rf"{re.escape(str(largest))}: not enough free space to rewrite "
+                        r"it: a sync in write mode copy stages a changed shard whole "
+                        r"\([\d,.]+ MiB\), [\d,.]+ MiB are free; a sync that changes it "
+                        r"fails, writing nothing", found.space)
+    assert found.space in found.problems
+    assert diagnose(d, mode="journal").space is None  # patched in place: no staging
+    name = next(iter(load_file(largest)))
+    live[name] += 1.0
+    with pytest.raises(CheckpointError, match="not enough free space"):
         sync(d, live, mode="copy")
-        finisher.finish()
-        assert diagnose(d, mode="copy").space is None
-        largest = max(d.glob("*.safetensors"), key=lambda p: p.stat().st_size)
-        with open(d / "filler", "wb") as f:
-            f.write(b"\0" * (shutil.disk_usage(d).free - largest.stat().st_size // 2))
-        found = diagnose(d, mode="copy")
-        assert re.fullmatch(rf"{re.escape(str(largest))}: not enough free space to rewrite "
-                            r"it: a sync in write mode copy stages a changed shard whole "
-                            r"\([\d,.]+ MiB\), [\d,.]+ MiB are free; a sync that changes it "
-                            r"fails, writing nothing", found.space)
-        assert found.space in found.problems
-        assert diagnose(d, mode="journal").space is None  # patched in place: no staging
-        name = next(iter(load_file(largest)))
-        live[name] += 1.0
-        with pytest.raises(CheckpointError, match="not enough free space"):
-            sync(d, live, mode="copy")
-    finally:
-        subprocess.run(["umount", str(d)], check=True)
 
 
 def test_a_whole_shard_write_the_disk_refuses_names_the_shard_and_writes_nothing(
