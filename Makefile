@@ -14,15 +14,18 @@ $(STAMP): pyproject.toml
 	# PyPI's torchvision/torchaudio/torchcodec do not import beside the CPU torch;
 	# text models need none of them.
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	# As root, xfsprogs lets the tests loop-mount an XFS and clone files for real
-	# (tests/test_checkpoint_clone.py); without it those tests skip. Never fails the build.
-	@if [ "$$(id -u)" = 0 ] && ! command -v mkfs.xfs >/dev/null 2>&1 \
+	# As root, xfsprogs and btrfs-progs let the tests loop-mount an XFS and a btrfs and
+	# clone files for real (tests/test_checkpoint_modes.py); without them those tests skip.
+	# Never fails the build.
+	@if [ "$$(id -u)" = 0 ] && { ! command -v mkfs.xfs >/dev/null 2>&1 \
+	    || ! command -v mkfs.btrfs >/dev/null 2>&1; } \
 	    && command -v apt-get >/dev/null 2>&1; then \
 	  export DEBIAN_FRONTEND=noninteractive; \
-	  apt-get install -y -q xfsprogs >/dev/null 2>&1 \
+	  apt-get install -y -q xfsprogs btrfs-progs >/dev/null 2>&1 \
 	  || { apt-get update -q >/dev/null 2>&1 \
-	       && apt-get install -y -q xfsprogs >/dev/null 2>&1; } \
-	  || echo "note: could not install xfsprogs (apt-get failed); the XFS tests will skip"; \
+	       && apt-get install -y -q xfsprogs btrfs-progs >/dev/null 2>&1; } \
+	  || echo "note: could not install xfsprogs, btrfs-progs (apt-get failed); the XFS" \
+	          "and btrfs tests will skip"; \
 	fi
 	touch $(STAMP)
 

@@ -180,31 +180,39 @@ def xfs_dir(tmp_path_factory):
     Shared by the session: a test makes its own subdirectory, e.g.
     `d = xfs_dir / request.node.name; d.mkdir()`.
     """
-    yield from _xfs(tmp_path_factory, "xfs_dir")
+    yield from _loop_mounted(tmp_path_factory, "xfs_dir", "xfs", "-m", "reflink=1")
 
 
 @pytest.fixture(scope="session")
 def xfs64k_dir(tmp_path_factory):
     """As `xfs_dir`, with 64 KiB blocks, larger than a page (Linux 6.12+, else a skip):
     a clone of a range not aligned to them is a copy."""
-    yield from _xfs(tmp_path_factory, "xfs64k_dir", "-b", "size=65536")
+    yield from _loop_mounted(tmp_path_factory, "xfs64k_dir", "xfs", "-m", "reflink=1", "-b",
+                             "size=65536")
 
 
-def _xfs(tmp_path_factory, what: str, *options: str):
+@pytest.fixture(scope="session")
+def btrfs_dir(tmp_path_factory):
+    """As `xfs_dir`, on a btrfs (btrfs-progs needed: `make` tries)."""
+    yield from _loop_mounted(tmp_path_factory, "btrfs_dir", "btrfs")
+
+
+def _loop_mounted(tmp_path_factory, what: str, kind: str, *options: str):
     import shutil
     import subprocess
 
     if os.geteuid() != 0:
-        pytest.skip(f"{what}: loop-mounting an XFS needs root")
-    mkfs = shutil.which("mkfs.xfs") or shutil.which("mkfs.xfs", path="/usr/sbin:/sbin")
+        pytest.skip(f"{what}: loop-mounting a {kind} needs root")
+    mkfs = shutil.which(f"mkfs.{kind}") or shutil.which(f"mkfs.{kind}", path="/usr/sbin:/sbin")
     if mkfs is None:
-        pytest.skip(f"{what}: mkfs.xfs not found (apt-get install xfsprogs; `make` tries)")
+        pytest.skip(f"{what}: mkfs.{kind} not found (apt-get install "
+                    f"{'xfsprogs' if kind == 'xfs' else 'btrfs-progs'}; `make` tries)")
     root = tmp_path_factory.mktemp("xfs")
     image, mount = root / "xfs.img", root / "mnt"
     mount.mkdir()
     with open(image, "wb") as f:
         f.truncate(512 << 20)  # sparse: costs only what XFS writes
-    for cmd in ([mkfs, "-q", "-m", "reflink=1", *options, str(image)],
+    for cmd in ([mkfs, "-q", *options, str(image)],
                 ["mount", "-o", "loop", str(image), str(mount)]):
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:

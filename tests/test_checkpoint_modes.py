@@ -306,6 +306,24 @@ def test_near_a_full_disk_a_reflinked_shard_needs_the_pages_that_differ(xfs_dir,
     remove_synced(d)
 
 
+def test_a_shard_without_its_directory_s_nodatacow_flag_is_cloned(btrfs_dir):
+    """btrfs clones no file with nodatacow (`chattr +C`) into one without, or back, and a
+    new file takes its directory's flag: after `chattr +C` on the directory, the clone of
+    each shard written before failed ("does not support reflinks"), every sync. The clone
+    and the spare take their shard's flag."""
+    d = btrfs_dir / "nocow"
+    live = {"w": torch.randn(300_000).to(torch.bfloat16)}
+    sync(d, live)
+    subprocess.run(["chattr", "+C", str(d)], check=True)
+    for at in (7, 70_000):  # the second from the spare the first one kept
+        live["w"][at] += 1.0
+        assert sync(d, live).writes == {"model.safetensors": "reflink"}, at
+        finisher.finish()
+        assert torch.equal(load_file(d / "model.safetensors")["w"].view(torch.int16),
+                           live["w"].view(torch.int16)), at
+    remove_synced(d)
+
+
 def test_reflink_patches_on_blocks_larger_than_a_page(xfs64k_dir):
     """On a 64 KiB-block XFS a page run is copied, not cloned, from the scratch file of
     pages: a change in the file's last, partial page is written (it was an EINVAL: the

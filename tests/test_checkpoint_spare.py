@@ -147,15 +147,14 @@ def test_a_shard_written_while_its_spare_is_cloned_gets_no_spare(d, monkeypatch)
     # keep them where the new file already equals the live tensors
     live = _saved(d)
     shard = d / "model.safetensors"
-    real = spare.fcntl.ioctl
+    real = spare.clone.clone_into
 
-    def written_meanwhile(fd, request, arg):
-        done = real(fd, request, arg)
+    def written_meanwhile(dfd, sfd):
+        real(dfd, sfd)
         with open(shard, "r+b") as f:
             f.seek(-2, os.SEEK_END)
             f.write(b"\x80\x3f")  # the last element: 1.0
-        return done
-    monkeypatch.setattr(spare.fcntl, "ioctl", written_meanwhile)
+    monkeypatch.setattr(spare.clone, "clone_into", written_meanwhile)
     spare.keep([str(shard)])
     monkeypatch.undo()
     assert not spare._spares

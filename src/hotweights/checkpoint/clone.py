@@ -10,6 +10,7 @@ per extent of its source, so `extents` tells `sync` when a shard is better writt
 
 from __future__ import annotations
 
+import array
 import contextlib
 import errno
 import fcntl
@@ -30,6 +31,9 @@ FICLONE = 0x40049409  # _IOW(0x94, 9, int), linux/fs.h
 _NO_REFLINK = {errno.EOPNOTSUPP, errno.EINVAL, errno.ENOTTY}
 PROBE = ".hotweights-probe-"  # then the pid of the process probing, and a random part
 _probed: dict[tuple[int, int], tuple[bool, str]] = {}  # (st_dev, f_fsid) -> the answer
+FS_IOC_GETFLAGS, FS_IOC_SETFLAGS = 0x80086601, 0x40086602  # linux/fs.h (on 64-bit)
+FS_NOCOW_FL = 0x00800000  # btrfs's nodatacow (`chattr +C`): no clone between a file with it
+# and one without (EINVAL); a new file takes its directory's
 FS_IOC_FIEMAP = 0xC020660B  # _IOWR('f', 11, struct fiemap), linux/fs.h
 # struct fiemap without its extent array: fm_start, fm_length, fm_flags,
 # fm_mapped_extents, fm_extent_count (0: only count them), fm_reserved
@@ -42,7 +46,7 @@ def _clone(src: str, dst: str) -> None:
     try:
         dfd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            fcntl.ioctl(dfd, FICLONE, sfd)
+            clone_into(dfd, sfd)
         except BaseException:
             os.close(dfd)
             os.unlink(dst)
@@ -50,6 +54,23 @@ def _clone(src: str, dst: str) -> None:
         os.close(dfd)
     finally:
         os.close(sfd)
+
+
+def clone_into(dfd: int, sfd: int) -> None:
+    """FICLONE the file `sfd` into the empty file `dfd`, which first takes `sfd`'s
+    nodatacow flag (btrfs: a shard written before `chattr +C` on its directory, or moved in
+    from another). Raises OSError."""
+    flags = array.array("i", [0])  # an int, as the filesystems read and write it
+    try:
+        fcntl.ioctl(sfd, FS_IOC_GETFLAGS, flags, True)
+        nocow = flags[0] & FS_NOCOW_FL
+        fcntl.ioctl(dfd, FS_IOC_GETFLAGS, flags, True)
+        if flags[0] & FS_NOCOW_FL != nocow:
+            flags[0] ^= FS_NOCOW_FL
+            fcntl.ioctl(dfd, FS_IOC_SETFLAGS, flags)
+    except OSError:  # no such flags here (tmpfs), or none to set (XFS): clone as they are
+        pass
+    fcntl.ioctl(dfd, FICLONE, sfd)
 
 
 def reflink(src: str | os.PathLike, dst: str | os.PathLike) -> None:

@@ -20,7 +20,6 @@ them all (before a directory's filesystem is unmounted, say).
 from __future__ import annotations
 
 import atexit
-import fcntl
 import logging
 import os
 import threading
@@ -57,7 +56,7 @@ def keep(paths: Iterable[str]) -> None:
             fd = os.open(os.path.dirname(path), os.O_RDWR | os.O_TMPFILE, 0o600)
             try:  # the file before the clone and after: a write between the two (another
                 of = FileId.of_stat(os.fstat(src))  # program's) would be in the clone or not
-                fcntl.ioctl(fd, clone.FICLONE, src)
+                clone.clone_into(fd, src)
                 if not of.unchanged(FileId.of_stat(os.fstat(src))):
                     raise OSError(f"{path} was written while it was cloned")
             except BaseException:
