@@ -862,3 +862,18 @@ def test_from_a_source_holding_a_tensor_twice_is_refused(dirs, capsys, command):
                    f"{other}: transformers and vLLM load both, the later file's last; remove "
                    "the stale copy\n")
     assert _equal(_disk(a), before)
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path):
+    """`hotweights diagnose DIR | head -1`: stdout's reader gone, the command ends as a
+    shell's SIGPIPE-killed one would, with no traceback."""
+    sync(tmp_path / "ck", {"w": torch.zeros(4)})
+    r, w = os.pipe()
+    os.close(r)  # the reader left before the command printed
+    try:
+        done = subprocess.run([sys.executable, "-m", "hotweights", "diagnose",
+                               str(tmp_path / "ck")], stdout=w, stderr=subprocess.PIPE,
+                              text=True, timeout=120)
+    finally:
+        os.close(w)
+    assert done.returncode == 128 + signal.SIGPIPE and done.stderr == ""

@@ -364,7 +364,8 @@ def test_a_second_trainer_gets_409_naming_the_holder_and_its_update_waits(server
     assert done.is_set() and first.status()["holder"] is None
 
 
-def test_exception_in_update_aborts_resumes_and_serves_a_new_dirty_version(server):
+def test_exception_in_update_aborts_resumes_and_serves_a_new_dirty_version(server, tmp_path,
+                                                                          caplog):
     bridge = Bridge.connect(server.url, token=TOKEN)
     n, _ = parse_version(bridge.version)
     with pytest.raises(RuntimeError, match="boom"):
@@ -375,9 +376,14 @@ def test_exception_in_update_aborts_resumes_and_serves_a_new_dirty_version(serve
     dirty = f"{n + 1}@{bridge.server_id}"  # the body may have written half an update
     assert status["version"] == dirty and dirty in status["dirty_versions"]
     assert server.logprobs()[1] == dirty  # serving again, under the dirty version
+    for exclusive in (False, True):  # a checkpoint of them says so
+        result = bridge.checkpoint(tmp_path / "ck", exclusive=exclusive)
+        assert result.version == dirty and result.dirty == status["dirty_reason"]
+    assert f"the server serves dirty version {dirty}" in caplog.text
     with bridge.update():  # a clean commit vouches for the weights again
         pass
     assert bridge.status()["dirty"] is False
+    assert bridge.checkpoint(tmp_path / "ck").dirty is None
 
 
 def test_a_step_longer_than_the_lease_is_kept_alive_by_renewal(server):

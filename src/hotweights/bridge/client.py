@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -11,7 +12,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,7 +32,20 @@ from hotweights.protocol.renewer import Renewer
 from hotweights.protocol.tokens import find_token
 from hotweights.protocol.urls import server_url
 
+if TYPE_CHECKING:
+    from hotweights.checkpoint.result import SyncResult
+
 logger = logging.getLogger(__name__)
+
+
+def _dirty(result: SyncResult, status: dict | None) -> SyncResult:
+    """`result`, with why the version the server serves is dirty where it is (logged)."""
+    if not status or not status.get("dirty"):
+        return result
+    why = str(status.get("dirty_reason") or "an update that raised after writing")
+    logger.warning("checkpoint(): the server serves dirty version %s (%s): the weights "
+                   "checkpointed may be half updated", status.get("version"), why)
+    return dataclasses.replace(result, dirty=why)
 
 
 class Bridge:
@@ -174,8 +188,9 @@ class Bridge:
                 "checkpoint's values; sync the served ones yourself "
                 "(hotweights.checkpoint.sync with a state dict that leaves them out)")
         if not exclusive:  # the version the server serves (after a commit whose answer was
-            self._refresh_version()  # lost, the bridge's own may be the one before)
-            return sync(model_dir, model, version=self.version, config=model.config, **kwargs)
+            status = self._refresh_version()  # lost, the bridge's own may be the one before)
+            return _dirty(sync(model_dir, model, version=self.version, config=model.config,
+                               **kwargs), status)
         if os.path.isdir(model_dir):  # another writer's sync first, and what a crashed one
             recover(model_dir)  # left finished: not while the server is paused
         with self._exclusive("checkpoint(exclusive=True)") as unlock:
@@ -205,9 +220,10 @@ class Bridge:
             self._begin(mode="keep", lease_s=60.0)  # (nothing between begin and try)
             try:
                 renewer.start()
-                version = self.status()["version"]
-                return sync(model_dir, model, version=version, config=model.config,
-                            after_read=functools.partial(release, read=True), **kwargs)
+                status = self.status()
+                return _dirty(sync(model_dir, model, version=status["version"],
+                                   config=model.config, after_read=functools.partial(
+                                       release, read=True), **kwargs), status)
             finally:
                 release()
 
@@ -496,11 +512,14 @@ class Bridge:
             return e
         return None
 
-    def _refresh_version(self) -> None:
+    def _refresh_version(self) -> dict | None:
+        """The server's status (None: no answer), its version taken as the bridge's."""
         with contextlib.suppress(HotweightsError):  # (the caller's error is the news; the
             status = self.status(timeout=10)  # remotes' commit may follow)
             if status.get("server_id") == self.server_id:  # not a restarted server's
                 self.version = status["version"]
+            return status
+        return None
 
     def status(self, *, timeout: float = 120) -> dict:
         return server_status(self.url, self._token, cafile=self.cafile, timeout=timeout)

@@ -37,6 +37,8 @@ class SyncResult:
     # first save: "copy"); a shard mostly changed is rewritten whole in any (`writes`)
     bytes_trusted: int = 0  # live bytes not hashed: `changed=` left them out, or a
     # `WriteWatch` saw them unwritten
+    dirty: str | None = None  # `Bridge.checkpoint`: why the version the server served is
+    # dirty (an update that raised after writing some weights), else None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

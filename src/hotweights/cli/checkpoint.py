@@ -56,6 +56,10 @@ def run_sync(args: argparse.Namespace) -> int:
                               f"be made durable ({why}): its journal is kept; run hotweights "
                               f"recover {shlex.quote(str(args.model_dir))} once the cause is "
                               "fixed")
+    if result.dirty:
+        print(f"warning: {args.model_dir}: the server serves a dirty version, "
+              f"{result.version} ({result.dirty}): the weights written may be half updated",
+              file=sys.stderr)
     error = None
     if lost := result.missing_on_disk:  # written all else, but a script must not go on
         total = _n(result.tensors_synced + len(lost), "live tensor")

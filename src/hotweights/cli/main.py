@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 
 from hotweights.checkpoint import MODES
@@ -482,12 +483,17 @@ def main(argv: list[str] | None = None) -> int:
         format=LOG_FORMAT,
     )
     try:
-        return args.run(args)
+        code = args.run(args)
+        sys.stdout.flush()  # here: a reader gone is a BrokenPipeError below, not at exit
+        return code
     except HotweightsError as e:
         print(f"error: {e}", file=sys.stderr)
         if getattr(args, "json", False):  # a script reading stdout gets JSON all the same
             print(json.dumps({"error": str(e)}))
         return 1
+    except BrokenPipeError:  # stdout's reader left (`| head`): what was done stays done
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (the exit's flush)
+        return 128 + signal.SIGPIPE  # as a shell tells a command its pipe ended
     except KeyboardInterrupt as e:  # a sync's commit is never cut in two (`checkpoint.held`)
         said = f"interrupted: {e}" if str(e) else "interrupted"
         print(said, file=sys.stderr)
