@@ -55,7 +55,8 @@ def rows(status: dict, now: float) -> list[tuple[str, str]]:
 
 _TIMINGS = (  # the last update's, from the server's clock
     ("last_pause_s", "to pause"),  # begin (or the staged commit) until generation paused
-    ("last_paused_s", "paused"),  # generation paused: pause to resume
+    ("last_paused_s", "paused"),  # generation paused: pause to resume (an update's, or a
+    # reader's: `sync --server` holds it while it reads)
     ("last_commit_s", "commit"),
     ("last_update_s", "update"),  # begin to the end of the commit
 )
