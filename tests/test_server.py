@@ -380,6 +380,9 @@ def test_exception_in_update_aborts_resumes_and_serves_a_new_dirty_version(serve
         result = bridge.checkpoint(tmp_path / "ck", exclusive=exclusive)
         assert result.version == dirty and result.dirty == status["dirty_reason"]
     assert f"the server serves dirty version {dirty}" in caplog.text
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        # the first save: a directory that serves (the served model's files beside it)
+        assert (tmp_path / "ck" / name).read_bytes() == Path(server.model_dir, name).read_bytes()
     with bridge.update():  # a clean commit vouches for the weights again
         pass
     assert bridge.status()["dirty"] is False

@@ -7,11 +7,13 @@ import dataclasses
 import functools
 import logging
 import os
+import shutil
 import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,14 +40,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def _dirty(result: SyncResult, status: dict | None) -> SyncResult:
-    """`result`, with why the version the server serves is dirty where it is (logged)."""
-    if not status or not status.get("dirty"):
-        return result
-    why = str(status.get("dirty_reason") or "an update that raised after writing")
-    logger.warning("checkpoint(): the server serves dirty version %s (%s): the weights "
-                   "checkpointed may be half updated", status.get("version"), why)
-    return dataclasses.replace(result, dirty=why)
+# What a first save copies from the served model's directory (`Bridge._saved`)
+_SERVING_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*",
+                  "merges.txt", "chat_template*", "generation_config.json")
 
 
 class Bridge:
@@ -165,6 +162,10 @@ class Bridge:
         while the live bytes are read, and the server resumes, at the same version, before
         the files are replaced.
 
+        A first save (a directory with no safetensors) also gets the served model's
+        tokenizer and generation config, where its directory is on this machine: a
+        directory `hotweights serve` can serve.
+
         Args:
             model_dir: the checkpoint directory (its safetensors name the tensors; one
                 with none gets a first full save).
@@ -189,8 +190,8 @@ class Bridge:
                 "(hotweights.checkpoint.sync with a state dict that leaves them out)")
         if not exclusive:  # the version the server serves (after a commit whose answer was
             status = self._refresh_version()  # lost, the bridge's own may be the one before)
-            return _dirty(sync(model_dir, model, version=self.version, config=model.config,
-                               **kwargs), status)
+            return self._saved(sync(model_dir, model, version=self.version,
+                                    config=model.config, **kwargs), model_dir, status)
         if os.path.isdir(model_dir):  # another writer's sync first, and what a crashed one
             recover(model_dir)  # left finished: not while the server is paused
         with self._exclusive("checkpoint(exclusive=True)") as unlock:
@@ -221,11 +222,31 @@ class Bridge:
             try:
                 renewer.start()
                 status = self.status()
-                return _dirty(sync(model_dir, model, version=status["version"],
-                                   config=model.config, after_read=functools.partial(
-                                       release, read=True), **kwargs), status)
+                return self._saved(sync(
+                    model_dir, model, version=status["version"], config=model.config,
+                    after_read=functools.partial(release, read=True), **kwargs), model_dir,
+                    status)
             finally:
                 release()
+
+    def _saved(self, result: SyncResult, model_dir: str | os.PathLike,
+               status: dict | None) -> SyncResult:
+        """`result`, with why the version the server serves is dirty where it is (logged);
+        after a first save, the served model's tokenizer and generation config copied
+        beside the weights where it lies on this machine (a directory that serves)."""
+        if result.first_save and os.path.isdir(source := self.manifests[0].model):
+            for src in sorted({p for pattern in _SERVING_FILES
+                               for p in Path(source).glob(pattern) if p.is_file()}):
+                if not (dst := Path(model_dir) / src.name).exists():
+                    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+                    shutil.copyfile(src, tmp)  # whole or not at all
+                    os.replace(tmp, dst)
+        if not status or not status.get("dirty"):
+            return result
+        why = str(status.get("dirty_reason") or "an update that raised after writing")
+        logger.warning("checkpoint(): the server serves dirty version %s (%s): the weights "
+                       "checkpointed may be half updated", status.get("version"), why)
+        return dataclasses.replace(result, dirty=why)
 
     def close(self) -> None:
         """Let go of the server's memory (`tensors`, the model this bridge built: the
