@@ -324,6 +324,28 @@ def test_a_shard_without_its_directory_s_nodatacow_flag_is_cloned(btrfs_dir):
     remove_synced(d)
 
 
+def test_a_reflinked_patch_writes_the_file_pages_that_differ(xfs_dir):
+    """Changes are narrowed to the file's pages, not the tensor's: a tensor's data seldom
+    starts on a page boundary, and a page of the tensor's own straddles two of the file's
+    (both were written, twice the clones and extents)."""
+    d = xfs_dir / "file-pages"
+    live = {"w": torch.randn(3_000_000).to(torch.bfloat16)}
+    sync(d, live)
+    begin = 8 + int.from_bytes((d / "model.safetensors").read_bytes()[:8], "little")
+    assert begin % 4096  # the data starts inside a page
+    elements = [*range(1000, 1000 + 20 * 4096, 4096), 2_999_999]  # 8 KiB apart
+    live["w"][elements] += 1.0
+    result = sync(d, live)
+    finisher.finish()
+    assert result.writes == {"model.safetensors": "reflink"}
+    pages, size = {(begin + 2 * i) // 4096 for i in elements}, begin + 2 * 3_000_000
+    assert len(pages) == len(elements)  # (the last one partial: the file ends inside it)
+    assert result.bytes_written == sum(min(4096, size - 4096 * p) for p in pages)
+    assert torch.equal(load_file(d / "model.safetensors")["w"].view(torch.int16),
+                       live["w"].view(torch.int16))
+    remove_synced(d)
+
+
 def test_reflink_patches_on_blocks_larger_than_a_page(xfs64k_dir):
     """On a 64 KiB-block XFS a page run is copied, not cloned, from the scratch file of
     pages: a change in the file's last, partial page is written (it was an EINVAL: the

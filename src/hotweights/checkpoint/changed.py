@@ -240,17 +240,37 @@ def _from_file(s: ShardTensors, block_size: int, kind: str) -> ShardChanges:
 
 
 def _differing(shard: Shard, tensors: Mapping[str, torch.Tensor], ranges: Ranges) -> Ranges:
-    """The pages of `ranges` whose bytes differ from the file's."""
+    """The pieces of `ranges` whose bytes differ from the file's, cut at the file's page
+    boundaries (a tensor seldom starts on one: a page of the tensor's own would straddle
+    two of the file's, both then written)."""
     per: dict[str, list[tuple[int, int]]] = {}
-    for name, lo, hi in ranges:  # from page starts: a block size under a page, or not a
-        per.setdefault(name, []).append((lo - lo % PAGE, hi))  # multiple of it, is fine
+    for name, lo, hi in ranges:
+        per.setdefault(name, []).append((lo, hi))
     out = []
     with mapped(shard.path, shard.check) as view:
         for name, spans in per.items():
             info = shard.tensors[name]
-            change = blocks.compare_bytes(name, tensors[name], view[info.begin:info.end],
-                                          block_size=PAGE, ranges=spans)
-            out += [(name, int(a), int(b)) for a, b in change.ranges]
+            out += [(name, a, b) for a, b in _pages_differing(
+                name, tensors[name], view[info.begin:info.end], -info.begin % PAGE, spans)]
+    return out
+
+
+def _pages_differing(name: str, t: torch.Tensor, disk: memoryview, head: int,
+                     spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The byte ranges of `spans` of tensor `t` that differ from its bytes in the file,
+    `disk`, in the file's pages: the first `head` bytes, then pages (the slices of the
+    file's map go with this call)."""
+    live, head = t.detach().reshape(-1).view(torch.uint8), min(head, len(disk))
+    out = []
+    if head and any(lo < head for lo, _ in spans) and not np.array_equal(
+            live[:head].cpu().numpy(), np.frombuffer(disk[:head], np.uint8)):
+        out.append((0, head))
+    body = [((max(lo, head) - head) // PAGE * PAGE, hi - head) for lo, hi in spans
+            if hi > head]  # in the file's pages from `head` on
+    if body:
+        change = blocks.compare_bytes(name, live[head:], disk[head:], block_size=PAGE,
+                                      ranges=body)
+        out += [(int(a) + head, int(b) + head) for a, b in change.ranges]
     return out
 
 
