@@ -26,6 +26,9 @@ class Recorder:
         return {"version": "1@s"}
 
 
+_SYNCED = types.SimpleNamespace(first_save=False)  # a stand-in sync's result
+
+
 def _bridge() -> Bridge:
     b = Bridge.__new__(Bridge)  # no server: only the transaction's client side
     b.url, b._token, b.server_id, b.holder, b.version = "http://x", "t", "s", "h", "0@s"
@@ -353,6 +356,7 @@ def test_an_exclusive_checkpoint_holds_the_bridge_only_while_it_reads(monkeypatc
         held.append(b._leased.locked())
         after_read()
         held.append(b._leased.locked())  # writing the files
+        return _SYNCED
     monkeypatch.setattr(hotweights.checkpoint, "sync", sync)
     b.checkpoint(tmp_path / "ckpt", exclusive=True)
     assert held == [True, False] and not b._leased.locked()
@@ -486,7 +490,8 @@ def test_a_checkpoint_records_the_version_the_server_serves(monkeypatch, tmp_pat
     monkeypatch.setattr(b, "status", lambda timeout: {"version": "1@s", "server_id": "s"})
     recorded = []
     monkeypatch.setattr(hotweights.checkpoint, "sync",
-                        lambda model_dir, model, *, version, **kw: recorded.append(version))
+                        lambda model_dir, model, *, version, **kw: recorded.append(version)
+                        or _SYNCED)
     b.checkpoint(tmp_path / "ckpt")
     assert recorded == ["1@s"]
 
@@ -543,7 +548,7 @@ def test_an_exclusive_checkpoint_that_lost_its_lease_while_reading_says_so(monke
     b._model = types.SimpleNamespace(config=None)
     monkeypatch.setattr(b, "status", lambda **kw: {"version": "0@s", "server_id": "s"})
     monkeypatch.setattr(hotweights.checkpoint, "sync",
-                        lambda model_dir, model, *, after_read, **kw: after_read())
+                        lambda model_dir, model, *, after_read, **kw: after_read() or _SYNCED)
     with pytest.raises(CheckpointError, match=r"^checkpoint\(exclusive=True\): the update "
                        r"lease was lost while the weights were read \(.*no lease held\): a "
                        r"trainer may have written them meanwhile, and .*ckpt may mix two "
