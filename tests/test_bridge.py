@@ -577,3 +577,27 @@ def test_an_error_of_any_kind_on_the_remotes_says_this_server_serves_the_step(mo
         with b.update():
             pass
     assert e.value.served == 1 and isinstance(e.value.__cause__, RuntimeError)
+
+
+def test_a_first_save_whose_tokenizer_copy_fails_warns_and_keeps_the_weights(tmp_path,
+                                                                              monkeypatch,
+                                                                              caplog):
+    served, ckpt = tmp_path / "served", tmp_path / "ckpt"
+    served.mkdir(), ckpt.mkdir()
+    (served / "tokenizer.json").write_text("{}")
+    (served / "generation_config.json").write_text("{}")
+    b = _bridge()
+    b.manifests = [types.SimpleNamespace(model=str(served))]
+    real = bridge_module.shutil.copyfile
+
+    def full(src, dst):  # the disk fills on the tokenizer
+        if "tokenizer" in str(src):
+            with open(dst, "w") as f:
+                f.write("{")
+            raise OSError(28, "No space left on device")
+        return real(src, dst)
+    monkeypatch.setattr(bridge_module.shutil, "copyfile", full)
+    result = types.SimpleNamespace(first_save=True)
+    assert b._saved(result, ckpt, None) is result
+    assert sorted(p.name for p in ckpt.iterdir()) == ["generation_config.json"]  # no .tmp
+    assert "tokenizer.json not copied beside the weights" in caplog.text

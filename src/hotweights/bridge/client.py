@@ -239,8 +239,14 @@ class Bridge:
                                for p in Path(source).glob(pattern) if p.is_file()}):
                 if not (dst := Path(model_dir) / src.name).exists():
                     tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
-                    shutil.copyfile(src, tmp)  # whole or not at all
-                    os.replace(tmp, dst)
+                    try:
+                        shutil.copyfile(src, tmp)  # whole or not at all
+                        os.replace(tmp, dst)
+                    except OSError as e:  # the weights are saved: say what is missing
+                        tmp.unlink(missing_ok=True)
+                        logger.warning("checkpoint(): %s not copied beside the weights (%s): "
+                                       "copy it into %s before serving that directory",
+                                       src, e, model_dir)
         if not status or not status.get("dirty"):
             return result
         why = str(status.get("dirty_reason") or "an update that raised after writing")

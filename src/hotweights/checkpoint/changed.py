@@ -30,10 +30,11 @@ from hotweights.checkpoint.dtypes import TORCH
 from hotweights.checkpoint.mapped import mapped
 from hotweights.checkpoint.result import Progress
 from hotweights.checkpoint.shards import Shard
+from hotweights.checkpoint.stage import raw
+from hotweights.checkpoint.writes import PAGE
 from hotweights.errors import LiveTensorError
 
 HASH_THREADS = 4  # shards hashed at once, at most (`_threads`)
-PAGE = 4096  # a changed block is narrowed page by page: only the pages that differ
 Ranges = list[tuple[str, int, int]]  # (tensor, byte range [lo, hi) within it)
 _KEPT = 4096  # shards whose last changes this process remembers (`_order`)
 # shard path -> (the number of the last sync that found it changed, the bytes it found)
@@ -260,7 +261,7 @@ def _pages_differing(name: str, t: torch.Tensor, disk: memoryview, head: int,
     """The byte ranges of `spans` of tensor `t` that differ from its bytes in the file,
     `disk`, in the file's pages: the first `head` bytes, then pages (the slices of the
     file's map go with this call)."""
-    live, head = t.detach().reshape(-1).view(torch.uint8), min(head, len(disk))
+    live, head = raw(t), min(head, len(disk))
     out = []
     if head and any(lo < head for lo, _ in spans) and not np.array_equal(
             live[:head].cpu().numpy(), np.frombuffer(disk[:head], np.uint8)):

@@ -53,7 +53,7 @@ from hotweights.checkpoint.held import interrupts_held
 from hotweights.checkpoint.lock import locked
 from hotweights.checkpoint.mapped import mapped
 from hotweights.checkpoint.writable import shared_file, why_not_replaceable, why_not_writable
-from hotweights.checkpoint.writes import write_all
+from hotweights.checkpoint.writes import PAGE, write_all
 from hotweights.errors import CheckpointError
 
 __all__ = ["JOURNAL_NAME", "STAGE_DIR", "apply", "pending", "recover", "write_journal"]
@@ -76,7 +76,6 @@ _HEAD = struct.Struct("<8sII")
 _REC = struct.Struct("<cHQQ")
 _COMMIT = struct.Struct("<cQQ")
 _CHUNK = 8 << 20
-PAGE = 4096  # what a write cut short or a power loss leaves whole: old or new (`_pages`)
 
 # Test-only crash hook: tests/test_checkpoint_journal.py sets it to "<step>:<n>" to SIGKILL
 # the process at a named step, so every crash point is reached deterministically.

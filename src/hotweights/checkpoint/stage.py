@@ -30,14 +30,13 @@ from hotweights.checkpoint import clone, journal, spare
 from hotweights.checkpoint.fileid import FileId
 from hotweights.checkpoint.mapped import mapped
 from hotweights.checkpoint.shards import Shard
-from hotweights.checkpoint.writes import copy_all, write_all
+from hotweights.checkpoint.writes import PAGE, copy_all, write_all
 from hotweights.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
 _CHUNK = 64 << 20  # bytes per device-to-host copy
 _DIRECT_BUFFER = 8 << 20  # bytes per O_DIRECT write (2 shards at a time: 2 in flight)
-_ALIGN = 4096  # O_DIRECT: buffer address, file offset and length, a multiple of this
 DIRECT = True  # whole shards through O_DIRECT where the filesystem takes it
 
 
@@ -85,7 +84,7 @@ class _Direct:
 
     def end(self) -> None:
         if self.fill:
-            self._flush(-(-self.fill // _ALIGN) * _ALIGN)
+            self._flush(-(-self.fill // PAGE) * PAGE)
             os.ftruncate(self.fd, self.size)
 
     def close(self) -> None:
@@ -135,7 +134,7 @@ def _sink(fd: int) -> _Direct | _Buffered:
 
 def raw(t: torch.Tensor) -> torch.Tensor:
     """The bytes of a contiguous tensor as a flat uint8 tensor on its device."""
-    return t.reshape(-1).view(torch.uint8)
+    return t.detach().reshape(-1).view(torch.uint8)
 
 
 def host_chunks(u8: torch.Tensor) -> Iterator[memoryview]:
@@ -329,18 +328,18 @@ def _page_offsets(shard: Shard, ranges: Sequence[tuple[str, int, int]]) -> np.nd
     """The file offsets of the pages that `ranges` touch, sorted, each once."""
     spans = np.array([(shard.tensors[n].begin + lo, shard.tensors[n].begin + hi)
                       for n, lo, hi in ranges if hi > lo], np.int64).reshape(-1, 2)
-    first, count = spans[:, 0] // _ALIGN, (spans[:, 1] - 1) // _ALIGN - spans[:, 0] // _ALIGN + 1
+    first, count = spans[:, 0] // PAGE, (spans[:, 1] - 1) // PAGE - spans[:, 0] // PAGE + 1
     starts = np.cumsum(count) - count  # each span's first page's place in the expansion
     pages = np.repeat(first - starts, count) + np.arange(int(count.sum()))
-    return np.unique(pages) * _ALIGN
+    return np.unique(pages) * PAGE
 
 
 def _runs(offsets: np.ndarray, size: int) -> list[tuple[int, int, int]]:
     """(scratch offset, file offset, bytes) of each run of consecutive pages, the pages
     lying back to back in the scratch file; the last page of the file may be partial."""
-    cut = np.flatnonzero(np.diff(offsets) != _ALIGN) + 1
+    cut = np.flatnonzero(np.diff(offsets) != PAGE) + 1
     first, stop = np.concatenate(([0], cut)), np.concatenate((cut, [len(offsets)]))
-    return [(i * _ALIGN, int(offsets[i]), min(size - int(offsets[i]), (j - i) * _ALIGN))
+    return [(i * PAGE, int(offsets[i]), min(size - int(offsets[i]), (j - i) * PAGE))
             for i, j in zip(first.tolist(), stop.tolist(), strict=True) if j > i]
 
 
@@ -349,12 +348,12 @@ def _write_pages(fd: int, offsets: np.ndarray, old: np.ndarray,
     """Write the new file's pages at `offsets` (of the `old` file's bytes, with the `live`
     (begin, end, bytes) tensors over them) back to back into `fd`, a batch at a time;
     the last page of the file only as far as the file goes."""
-    batch = _DIRECT_BUFFER // _ALIGN
-    out, sink = np.empty((min(batch, len(offsets)), _ALIGN), np.uint8), _sink(fd)
+    batch = _DIRECT_BUFFER // PAGE
+    out, sink = np.empty((min(batch, len(offsets)), PAGE), np.uint8), _sink(fd)
     for k in range(0, len(offsets), batch):
         at = offsets[k:k + batch]
         _fill(out[:len(at)], at, old, live)
-        n = len(at) * _ALIGN - max(0, int(at[-1]) + _ALIGN - old.size)
+        n = len(at) * PAGE - max(0, int(at[-1]) + PAGE - old.size)
         sink.write(memoryview(out[:len(at)].reshape(-1)[:n]))
     sink.end()
     sink.close()  # not after an error (see `whole`)
@@ -370,27 +369,27 @@ def _fill(out: np.ndarray, at: np.ndarray, old: np.ndarray,
     spans = []
     covered = np.zeros(len(at), bool)  # pages wholly inside a live tensor
     for begin, end, u8 in live:
-        lo = int(np.searchsorted(at, begin - _ALIGN, "right"))  # first page over the tensor
+        lo = int(np.searchsorted(at, begin - PAGE, "right"))  # first page over the tensor
         hi = int(np.searchsorted(at, end, "left"))
         inner_lo = int(np.searchsorted(at, begin, "left"))  # pages wholly inside it
-        inner_hi = max(inner_lo, int(np.searchsorted(at, end - _ALIGN, "right")))
+        inner_hi = max(inner_lo, int(np.searchsorted(at, end - PAGE, "right")))
         covered[inner_lo:inner_hi] = True
         spans.append((begin, end, u8, lo, hi, inner_lo, inner_hi))
-    whole = int(np.searchsorted(at, old.size - _ALIGN, "right"))  # pages inside the file
+    whole = int(np.searchsorted(at, old.size - PAGE, "right"))  # pages inside the file
     if (need := np.flatnonzero(~covered[:whole])).size:
-        out[need] = np.take(old[:old.size // _ALIGN * _ALIGN].reshape(-1, _ALIGN),
-                            at[need] // _ALIGN, axis=0)
+        out[need] = np.take(old[:old.size // PAGE * PAGE].reshape(-1, PAGE),
+                            at[need] // PAGE, axis=0)
     for i in range(whole, len(at)):  # the file's partial last page
         tail = old[int(at[i]):]
         out[i, :tail.size], out[i, tail.size:] = tail, 0
     for begin, end, u8, lo, hi, inner_lo, inner_hi in spans:
         if inner_hi > inner_lo:
-            shift = -begin % _ALIGN
-            rows = (u8[shift:shift + (u8.numel() - shift) // _ALIGN * _ALIGN]
-                    .view(-1, _ALIGN))
-            index = torch.from_numpy((at[inner_lo:inner_hi] - begin - shift) // _ALIGN)
+            shift = -begin % PAGE
+            rows = (u8[shift:shift + (u8.numel() - shift) // PAGE * PAGE]
+                    .view(-1, PAGE))
+            index = torch.from_numpy((at[inner_lo:inner_hi] - begin - shift) // PAGE)
             out[inner_lo:inner_hi] = rows.index_select(0, index.to(u8.device)).cpu().numpy()
         for i in [*range(lo, inner_lo), *range(inner_hi, hi)]:  # a tensor's edge pages
             page = int(at[i])
-            a, b = max(page, begin), min(page + _ALIGN, end)
+            a, b = max(page, begin), min(page + PAGE, end)
             out[i, a - page:b - page] = u8[a - begin:b - begin].cpu().numpy()

@@ -12,6 +12,8 @@ import os
 logger = logging.getLogger(__name__)
 
 _CHUNK = 64 << 20  # bytes per call at the most
+PAGE = 4096  # what a write cut short or a power loss leaves whole (old or new), the unit
+# of O_DIRECT's alignment and of a changed block's narrowing
 
 
 def write_all(fd: int, data: bytes | memoryview, offset: int | None = None) -> None:
