@@ -1,5 +1,6 @@
 """Bridge.update's client side: what it sends when begin fails, and the lease renewal."""
 
+import os
 import threading
 import time
 import types
@@ -10,6 +11,7 @@ import torch
 from hotweights.bridge import client as bridge_module
 from hotweights.bridge.client import Bridge
 from hotweights.errors import CheckpointError, LayoutError, RemoteError, ServerError
+from hotweights.protocol import process
 
 
 class Recorder:
@@ -47,11 +49,13 @@ def test_a_failed_or_interrupted_begin_is_aborted_clean(monkeypatch, error):
             pytest.fail("the body must not run")
     (begin, body, timeout), (abort, abort_body, _) = rec.calls
     assert begin == "/hotweights/begin" and timeout == 40  # bounded by the lease, not 600 s
-    assert body == dict(holder="h", server_id="s", mode="wait", lease_s=10)
+    assert body == dict(holder="h", server_id="s", mode="wait", lease_s=10, pid=os.getpid(),
+                        pid_start=process.start_time())  # the server watches this process
     assert abort == "/hotweights/abort" and abort_body["dirty"] is False
 
 
-def test_a_begin_sent_late_in_the_wait_for_the_lease_still_gets_its_drain_s_time(monkeypatch):
+def test_a_begin_sent_late_in_the_wait_for_the_lease_still_gets_its_drain_s_time(monkeypatch,
+                                                                                caplog):
     # another holder kept the lease most of the wait: the begin that then gets it may
     # drain for lease_s on the server, and must not be given up (and aborted) after 1 s
     class Held(Recorder):
@@ -63,12 +67,13 @@ def test_a_begin_sent_late_in_the_wait_for_the_lease_still_gets_its_drain_s_time
 
     rec = Held({})
     monkeypatch.setattr(bridge_module, "request", rec)
-    monkeypatch.setattr(bridge_module.time, "sleep", lambda s: None)
-    # the deadline; then per refusal: its check, the sleep, the next begin's timeout
-    clock = iter([0.0, 0.0, 0.0, 39.0, 39.5, 39.5, 39.9, 39.9, 39.9, 39.95])
-    monkeypatch.setattr(bridge_module.time, "monotonic", lambda: next(clock))
+    now, waits = [0.0], iter([39.0, 0.5, 0.4])  # the clock after each refusal's sleep
+    monkeypatch.setattr(bridge_module.time, "sleep", lambda s: now.append(now.pop() +
+                                                                          next(waits)))
+    monkeypatch.setattr(bridge_module.time, "monotonic", lambda: now[0])
     _bridge()._begin(timeout=40, mode="wait", lease_s=10)
     assert [c[2] for c in rec.calls] == [40, 20, 20, 20]  # lease_s + 10, not what was left
+    assert caplog.text.count("still waiting for the update lease other holds") == 1
 
 
 def test_the_body_runs_under_background_renewals_and_commits(monkeypatch):

@@ -419,6 +419,30 @@ def test_killed_trainer_lease_expires_and_server_resumes(server, tmp_path):
     assert server.logprobs()[1] == status["version"] == status["expired"]["version"]
 
 
+def test_a_killed_holder_s_lease_ends_once_its_process_is_gone(server):
+    # no wait for the lease (600 s): the server watches the holder's process; a reader's
+    # (an exclusive checkpoint's) ends clean, a trainer's dirty
+    before = _http(server.url, "/hotweights/status")[2]
+    for holder, body in (("reader", "mode='keep', read=True"), ("writer", "mode='wait'")):
+        code = ("import os, signal; from hotweights.bridge.client import Bridge\n"
+                f"b = Bridge.connect({server.url!r}, token={TOKEN!r})\n"
+                f"b.holder = {holder!r}\n"
+                f"b._begin({body}, lease_s=600)\n"
+                "os.kill(os.getpid(), signal.SIGKILL)\n")
+        began = time.time()
+        assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == \
+            -signal.SIGKILL
+        while (status := _http(server.url, "/hotweights/status")[2])["holder"] is not None:
+            assert time.time() < began + 60, status
+            time.sleep(0.2)
+        assert status["paused"] is False and status["expired"]["holder"] == holder
+        assert f"the process of {holder} (pid " in status["expired"]["why"]
+        if holder == "reader":
+            assert (status["version"], status["dirty"]) == (before["version"], before["dirty"])
+    assert status["dirty"] is True and status["version"] != before["version"]
+    assert server.logprobs()[1] == status["version"]
+
+
 class _StreamingClient(threading.Thread):
     """Streams greedy completions in a loop; records what each response was served with."""
 

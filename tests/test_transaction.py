@@ -372,6 +372,8 @@ def test_bad_requests_are_400_naming_the_field(body, message):
     (Commit, {"n": 10**400}, r"field 'n' must be a version number .*got a larger one$"),
     (Commit, {"n": 2**53}, r"field 'n' must be a version number .*below 2\*\*53"),
     (Receive, {"update": "u" * 201}, "field 'update' must be at most 200"),
+    (Begin, {"pid": -1}, r"field 'pid' must be a process's \(>= 0.*got -1$"),
+    (Begin, {"pid_start": 10**30}, r"field 'pid_start' must be a process's .*got more$"),
     (Receive, {"wait_s": -1.0}, r"field 'wait_s' must be in \[0, 86400\] seconds, got -1.0$"),
 ])
 def test_each_bad_field_is_named_alone(kind, fields, message):
@@ -716,4 +718,77 @@ def test_a_cancelled_drain_unwinding_late_leaves_the_same_holder_s_next_begin_al
         await tx.commit(Commit("h1", SID))
         assert (tx.state, engine.paused, engine.held) == (State.IDLE, False, False)
 
+    asyncio.run(main())
+
+
+def test_a_reader_s_lease_ends_clean_however_it_ends():
+    async def test(tx, engine):
+        await tx.begin(begin(read=True, mode="keep"))
+        with pytest.raises(Refused, match="began to read the weights .* not to update them"):
+            await tx.commit(Commit("h1", SID))
+        assert tx.state is State.PAUSED  # still its lease: it aborts
+        await tx.abort(Abort("h1", SID, dirty=True))  # a reader wrote nothing
+        assert (tx.n, tx.dirty, tx.state) == (0, False, State.IDLE)
+        await tx.begin(begin(read=True, lease_s=0.01))
+        await asyncio.sleep(0.05)  # its lease ran out (a killed `hotweights sync --server`)
+        assert (tx.n, tx.dirty, engine.held) == (0, False, False)
+        assert tx.expired["dirty"] is False
+        with pytest.raises(Refused, match=r"serves version 0@s1$"):  # not "marked dirty"
+            await tx.renew(Renew("h1", SID))
+        await tx.begin(begin())  # the next holder writes: its abort is dirty
+        with pytest.raises(Refused, match="in mode 'wait' .*, not 'wait' read"):
+            await tx.begin(begin(read=True))
+        await tx.abort(Abort("h1", SID))
+        assert (tx.n, tx.dirty) == (1, True)
+
+    run(test)
+
+
+@pytest.mark.parametrize("read", [False, True])
+def test_a_lease_ends_when_its_holder_s_process_exits(read, caplog):
+    running = {7: 70}  # pid: start time
+
+    def alive(pid, start):
+        return running.get(pid) == start
+
+    async def main():
+        engine = StubEngine()
+        tx = Transaction(engine, SID, alive=alive, poll_s=0.01)
+        await tx.begin(begin(pid=7, pid_start=70, read=read))
+        await asyncio.sleep(0.05)
+        assert tx.state is State.PAUSED  # alive: the lease holds
+        del running[7]  # killed
+        await asyncio.sleep(0.05)
+        assert tx.state is (State.IDLE if read else State.EXPIRED) and not engine.held
+        assert (tx.n, tx.dirty) == ((0, False) if read else (1, True))
+        assert "the process of h1 (pid 7) exited" in caplog.text
+        if not read:
+            assert tx.versions.dirty_reason == "the process of h1 (pid 7) exited"
+        await tx.begin(begin("h2", pid=8, pid_start=80))  # not running here (another
+        running[8] = 81  # pid namespace, or reused): not watched, the lease runs its course
+        await asyncio.sleep(0.05)
+        assert (tx.state, tx.holder) == (State.PAUSED, "h2")
+
+    asyncio.run(main())
+
+
+def test_a_killed_trainer_s_lease_ends_within_a_poll():
+    import subprocess
+
+    from hotweights.protocol import process
+
+    async def main():
+        tx = Transaction(StubEngine(), SID, poll_s=0.05)  # the real /proc check
+        child = subprocess.Popen(["sleep", "60"])
+        start = process.start_time(child.pid)
+        await tx.begin(begin(pid=child.pid, pid_start=start, lease_s=60))
+        await asyncio.sleep(0.2)
+        assert tx.state is State.PAUSED
+        child.kill()  # a zombie until reaped: exited all the same
+        await asyncio.sleep(0.3)
+        assert tx.state is State.EXPIRED and tx.dirty
+        child.wait()
+
+    if not process.start_time():
+        pytest.skip("no /proc here: the holder's process cannot be watched")
     asyncio.run(main())

@@ -28,7 +28,7 @@ from hotweights.errors import (
 )
 from hotweights.layout.plan import text_config
 from hotweights.layout.views import ViewReport, build_hf_model, outside_served
-from hotweights.protocol import shm
+from hotweights.protocol import process, shm
 from hotweights.protocol.http import request, server_status
 from hotweights.protocol.renewer import Renewer
 from hotweights.protocol.tokens import find_token
@@ -218,7 +218,8 @@ class Bridge:
                     finally:  # the files are written after: an update may go on
                         unlock()
 
-            self._begin(mode="keep", lease_s=60.0)  # (nothing between begin and try)
+            self._begin(mode="keep", lease_s=60.0, read=True)  # (nothing between begin
+            # and try; read: however the lease ends, the version stays clean)
             try:
                 renewer.start()
                 status = self.status()
@@ -486,8 +487,10 @@ class Bridge:
         stays paused for a trainer that gave up: clean (nothing was written), or dirty where
         the refusal names this bridge's own update still open (its commit and abort lost:
         its weights were written)."""
-        deadline, waited, dirty = time.monotonic() + timeout, None, False
+        deadline, waited, warn_at, dirty = time.monotonic() + timeout, None, None, False
         drain = body.get("lease_s", 60.0) + 10  # the server bounds a begin's drain by lease_s
+        if start := process.start_time():  # the server ends the lease once we exit
+            body.update(pid=os.getpid(), pid_start=start)
         try:
             while True:
                 try:
@@ -500,7 +503,12 @@ class Bridge:
                         raise
                     if other != waited:
                         logger.info("hotweights: waiting for the update lease %s holds", other)
-                    waited = other
+                        waited, warn_at = other, time.monotonic() + 5
+                    elif warn_at is not None and time.monotonic() > warn_at:  # (said once
+                        logger.warning("hotweights: still waiting for the update lease %s "
+                                       "holds (at most %.0f s more)", other,  # where seen)
+                                       deadline - time.monotonic())
+                        warn_at = None
                     time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
                     timeout = max(drain, deadline - time.monotonic())
         except BaseException:

@@ -82,6 +82,17 @@ class Begin(Body):
     mode: str = "wait"
     lease_s: float = DEFAULT_LEASE_S
     stage: bool = False  # lease without pausing: the commit pauses (remote servers)
+    read: bool = False  # the holder only reads the weights (a checkpoint): its lease ends
+    #                     clean, at the same version, however it ends; it cannot commit
+    pid: int = 0  # the holder's process on this machine and its start (`protocol.process`):
+    pid_start: int = 0  # its lease ends once that process exits, not when it runs out
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("pid", "pid_start"):
+            if not 0 <= (value := getattr(self, name)) < 2**63:
+                raise Refused(400, f"field {name!r} must be a process's (>= 0, below 2**63; "
+                              f"0: none), got {value if abs(value) < 10**20 else 'more'}")
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,11 @@ runs out: the version stays, not dirty.
 A version is `N@SERVER` (e.g. `7@3f9a1c2b`): N counts the weight states one server has
 served, SERVER is random per server start, so two weight states never share a version,
 across restarts too. Any resume that may follow a write gets a new N: a commit, an abort
-that says the trainer may have written, a lease that expired. `dirty` says that no commit
+that says the trainer may have written, a lease that expired. A holder that began to read
+only (`read`, an exclusive checkpoint) writes nothing: its lease ends at the same version.
+A lease whose holder's process runs on this machine (`pid`) also ends, as if it ran out,
+once that process exits (`_watch`): a killed trainer freezes generation for a poll, not
+for the rest of its lease. `dirty` says that no commit
 vouched for the weights being served (an abort, an expiry, a failed post-update hook or
 cache reset); the next clean commit clears it. `dirty_versions` keeps which versions were
 served dirty.
@@ -38,6 +42,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from hotweights.protocol import process
 from hotweights.server.bodies import (
     DEFAULT_LEASE_S,
     Abort,
@@ -178,10 +183,16 @@ class Transaction:
         engine: the server's generation control (see `Engine`).
         server_id: this server start's id; every update request must name it.
         clock: wall-clock time for lease deadlines (tests may pass their own).
+        alive: whether a holder's process (pid, start) still runs (`process.alive`).
+        poll_s: how often a holder's process is looked at.
     """
 
-    def __init__(self, engine: Engine, server_id: str, *, clock=time.time):
+    def __init__(self, engine: Engine, server_id: str, *, clock=time.time,
+                 alive: Callable[[int, int], bool] = process.alive, poll_s: float = 0.5):
         self.engine, self.server_id, self.clock = engine, server_id, clock
+        self.alive, self.poll_s = alive, poll_s
+        self._read = False  # the holder only reads the weights (`Begin.read`)
+        self._watcher: asyncio.Task | None = None  # the holder's process (`_watch`)
         self.state = State.IDLE
         self.versions = Versions(server_id)
         self.lease = Lease(clock, self.expire)
@@ -242,29 +253,52 @@ class Transaction:
             if self.state in (State.DRAINING, State.PAUSED, State.STAGING):
                 if req.holder != self.holder:
                     raise self._held()
-                if req.mode != self.mode or req.stage != (self.state is State.STAGING):
+                if req.mode != self.mode or req.stage != (self.state is State.STAGING) \
+                        or req.read != self._read:
                     raise Refused(409, f"{req.holder} already began an update in mode "
-                                  f"{self.mode!r} ({self.state.value}), not {req.mode!r}"
-                                  f"{' staged' if req.stage else ''}", holder=self.holder)
+                                  f"{self.mode!r} ({self.state.value}{', read' * self._read}),"
+                                  f" not {req.mode!r}{' staged' if req.stage else ''}"
+                                  f"{' read' if req.read else ''}", holder=self.holder)
                 if self.state is not State.DRAINING:  # a retry: the lease runs from now
                     self.lease.arm(self.holder, req.lease_s)
                     return self._granted()
                 pausing = self._pausing
             elif req.stage:
                 self.state, self.holder, self.mode = State.STAGING, req.holder, req.mode
-                self._expiry_news = None  # a lease since: old news
+                self._read, self._expiry_news = req.read, None  # (a lease since: old news)
+                self._watch(req)
                 self._began, self._drain_s = time.perf_counter(), req.lease_s
                 self.lease.arm(self.holder, req.lease_s)
                 return self._granted()
             else:
                 self.state, self.holder, self.mode = State.DRAINING, req.holder, req.mode
-                self._expiry_news = None  # a lease since: old news
+                self._read, self._expiry_news = req.read, None  # (a lease since: old news)
+                self._watch(req)
                 self.lease.expires = self.clock() + req.lease_s  # the drain's deadline
                 self._began = time.perf_counter()
                 self._hold()
                 pausing = self._pausing = asyncio.ensure_future(self._pause(req))
         await asyncio.shield(pausing)  # a cancelled caller leaves the drain to its owner
         return self._granted()
+
+    def _watch(self, req: Begin) -> None:
+        """Watch the process of `req`'s holder where it runs on this machine (its pid and
+        start time match one here): once it exits (a trainer killed, crashed or out of
+        memory), its lease ends as if it ran out, without the wait."""
+        if self._watcher is not None:  # (the last holder's: over, or about to notice)
+            self._watcher.cancel()
+        self._watcher = None
+        if req.pid and self.alive(req.pid, req.pid_start):
+            self._watcher = asyncio.ensure_future(self._watch_exit(req.holder, req.pid,
+                                                                   req.pid_start))
+
+    async def _watch_exit(self, holder: str, pid: int, start: int) -> None:
+        while self.holder == holder:
+            await asyncio.sleep(self.poll_s)
+            if self.holder == holder and self.state in (State.PAUSED, State.STAGING) \
+                    and not self.alive(pid, start):  # (draining: once paused)
+                await self.expire(holder, f"the process of {holder} (pid {pid}) exited")
+                return
 
     def _hold(self) -> None:
         self._held_at = time.perf_counter()
@@ -346,6 +380,9 @@ class Transaction:
         A staged update pauses first (a drain that fails: resumed, the update dropped)."""
         async with self._lock:
             self.check_lease(req, "commit")
+            if self._read:
+                raise Refused(409, f"{req.holder} began to read the weights (read=true), "
+                              "not to update them: abort, or begin again without read")
             if req.n and req.n <= self.n:
                 raise Refused(409, f"field 'n' ({req.n}) must be above the version number "
                               f"served ({self.n})", n=self.n)
@@ -411,36 +448,39 @@ class Transaction:
             if self.state is not State.DRAINING:
                 self.lease.disarm()
             await self._discard_quietly()
-            if req.dirty and self.state not in (State.STAGING, State.DRAINING):  # in those
-                # the trainer wrote nothing: its begin has not returned, or it only stages
+            if req.dirty and self.state not in (State.STAGING, State.DRAINING) \
+                    and not self._read:  # in those the trainer wrote nothing: its begin
+                # has not returned, it only stages, or it only reads
                 await self._reset_quietly()
                 await self._new_version(f"update aborted by {req.holder}")
             await self._resume("aborted")
             return {"version": self.version, "n": self.n, "dirty": self.dirty}
 
-    async def expire(self, holder: str) -> None:
-        """The lease of `holder` ran out: resume on weights it may have half-written."""
+    async def expire(self, holder: str, why: str | None = None) -> None:
+        """The lease of `holder` ran out (or its process exited: `why`): resume on weights
+        it may have half-written."""
+        why = why or f"lease of {holder} expired"
         async with self._lock:
             if self.holder != holder or self.state not in (State.PAUSED, State.STAGING):
                 return
-            if self.state is State.STAGING:  # nothing written: the version stays
-                logger.warning("hotweights: lease of %s expired; its staged update dropped",
-                               holder)
+            staged = self.state is State.STAGING
+            if staged or self._read:  # nothing written: the version stays
+                logger.warning("hotweights: %s; %s", why, "its staged update dropped"
+                               if staged else "resuming (it only read the weights)")
                 if self._pausing is not None:
                     self._pausing.cancel()
                 await self._discard_quietly()
                 self.expired = dict(holder=holder, at=self.clock(), version=self.version,
-                                    staged=True)
+                                    staged=staged, dirty=False, why=why)
                 self._expiry_news = holder
                 await self._resume("expired")
                 return
-            logger.warning("hotweights: lease of %s expired; resuming, weights marked dirty",
-                           holder)
+            logger.warning("hotweights: %s; resuming, weights marked dirty", why)
             await self._discard_quietly()
             await self._reset_quietly()
-            await self._new_version(f"lease of {holder} expired")
+            await self._new_version(why)
             self.expired = dict(holder=holder, at=self.clock(), version=self.version,
-                                staged=False)
+                                staged=False, dirty=True, why=why)
             self._expiry_news = holder
             try:
                 await self._resume("expired")
@@ -475,7 +515,7 @@ class Transaction:
                           f"{self.expired['at']:.0f} (unix time); the server "
                           f"{'dropped the staged update' if self.expired['staged'] else 'resumed'}"
                           f" and serves version {self.expired['version']}"
-                          f"{'' if self.expired['staged'] else ', marked dirty'}",
+                          f"{', marked dirty' if self.expired['dirty'] else ''}",
                           expired=self.expired)
         else:
             raise Refused(409, f"no update in progress for {req.holder}")
@@ -520,7 +560,7 @@ class Transaction:
         """End the update: idle, resume generation, let requests in (even if resume fails)."""
         self.lease.end()
         self.state, self.holder, self.mode = State.IDLE, None, None
-        self._pausing = None
+        self._pausing, self._read = None, False
         if self._held_at is None:  # a staged update that never paused
             logger.info("hotweights: %s; serving version %s", why, self.version)
             return
