@@ -20,6 +20,7 @@ import re
 import struct
 import tempfile
 
+from hotweights.checkpoint.writes import write_all
 from hotweights.errors import CheckpointError
 
 __all__ = ["extents", "fs_type", "reflink", "supports_reflink"]
@@ -147,11 +148,18 @@ def supports_reflink(directory: str | os.PathLike) -> tuple[bool, str]:
     if dev in _probed:
         return _probed[dev]
     kind, mount = fs_type(directory)
-    src = None
+    src, full = None, False
     try:  # a name of this call's own: another thread may probe the directory meanwhile
         fd, src = tempfile.mkstemp(prefix=f"{PROBE}{os.getpid()}-", dir=directory)
-        with open(fd, "wb") as f:
-            f.write(b"\0" * 4096)
+        try:
+            write_all(fd, bytes(4096))
+        except OSError as e:  # a full disk: an empty file's clone takes no block (and
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):  # answers the same where
+                raise  # the filesystem has no reflinks)
+            os.ftruncate(fd, 0)
+            full = True
+        finally:
+            os.close(fd)
         _clone(src, src + ".clone")
         os.unlink(src + ".clone")
         answer = True, f"{kind} at {mount} supports reflinks"
@@ -163,7 +171,8 @@ def supports_reflink(directory: str | os.PathLike) -> tuple[bool, str]:
         if src is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(src)
-    _probed[dev] = answer
+    if not full:  # (probed on an empty file: asked again once there is room)
+        _probed[dev] = answer
     logger.debug("%s: %s", directory, answer[1])
     return answer
 
