@@ -1,6 +1,5 @@
 """Bridge.update's client side: what it sends when begin fails, and the lease renewal."""
 
-import os
 import threading
 import time
 import types
@@ -49,8 +48,8 @@ def test_a_failed_or_interrupted_begin_is_aborted_clean(monkeypatch, error):
             pytest.fail("the body must not run")
     (begin, body, timeout), (abort, abort_body, _) = rec.calls
     assert begin == "/hotweights/begin" and timeout == 40  # bounded by the lease, not 600 s
-    assert body == dict(holder="h", server_id="s", mode="wait", lease_s=10, pid=os.getpid(),
-                        pid_start=process.start_time())  # the server watches this process
+    assert body == dict(holder="h", server_id="s", mode="wait", lease_s=10,
+                        process=process.identity())  # the server watches this process
     assert abort == "/hotweights/abort" and abort_body["dirty"] is False
 
 
@@ -606,3 +605,20 @@ def test_a_first_save_whose_tokenizer_copy_fails_warns_and_keeps_the_weights(tmp
     assert b._saved(result, ckpt, None) is result
     assert sorted(p.name for p in ckpt.iterdir()) == ["generation_config.json"]  # no .tmp
     assert "tokenizer.json not copied beside the weights" in caplog.text
+
+
+def test_an_older_server_that_knows_no_process_or_read_field_is_begun_without(monkeypatch):
+    class Older(Recorder):
+        def __call__(self, url, method, route, token, body=None, *, timeout=120, cafile=None):
+            if route == "/hotweights/begin" and body.keys() & {"process", "read"}:
+                self.calls.append((route, body, timeout))
+                raise ServerError(f"POST /hotweights/begin: HTTP 400: unknown field(s) "
+                                  f"{sorted(body.keys() & {'process', 'read'})}", 400, {})
+            return super().__call__(url, method, route, token, body, timeout=timeout)
+
+    rec = Older({})
+    monkeypatch.setattr(bridge_module, "request", rec)
+    _bridge()._begin(mode="keep", lease_s=10, read=True)
+    (_, first, _), (_, second, _) = rec.calls
+    assert first["read"] is True and "process" not in second and "read" not in second
+    assert second == dict(holder="h", server_id="s", mode="keep", lease_s=10)

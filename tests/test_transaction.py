@@ -372,9 +372,7 @@ def test_bad_requests_are_400_naming_the_field(body, message):
     (Commit, {"n": 10**400}, r"field 'n' must be a version number .*got a larger one$"),
     (Commit, {"n": 2**53}, r"field 'n' must be a version number .*below 2\*\*53"),
     (Receive, {"update": "u" * 201}, "field 'update' must be at most 200"),
-    (Begin, {"pid": -1}, r"field 'pid' must be a process's \(>= 0.*got -1$"),
-    (Begin, {"pid_start": 10**30}, r"field 'pid_start' must be a process's .*got more$"),
-    (Receive, {"wait_s": -1.0}, r"field 'wait_s' must be in \[0, 86400\] seconds, got -1.0$"),
+    (Begin, {"process": "p" * 201}, "field 'process' must be at most 200 characters"),
 ])
 def test_each_bad_field_is_named_alone(kind, fields, message):
     with pytest.raises(Refused, match=message) as e:
@@ -746,49 +744,103 @@ def test_a_reader_s_lease_ends_clean_however_it_ends():
 
 @pytest.mark.parametrize("read", [False, True])
 def test_a_lease_ends_when_its_holder_s_process_exits(read, caplog):
-    running = {7: 70}  # pid: start time
+    running = {"a:b:7:70"}  # the processes beside the server
 
-    def alive(pid, start):
-        return running.get(pid) == start
+    def watch(ident):
+        return (lambda: ident not in running) if ident in running else None
 
     async def main():
         engine = StubEngine()
-        tx = Transaction(engine, SID, alive=alive, poll_s=0.01)
-        await tx.begin(begin(pid=7, pid_start=70, read=read))
+        tx = Transaction(engine, SID, watch=watch, poll_s=0.01)
+        await tx.begin(begin(process="a:b:7:70", read=read))
         await asyncio.sleep(0.05)
-        assert tx.state is State.PAUSED  # alive: the lease holds
-        del running[7]  # killed
+        assert tx.state is State.PAUSED  # running: the lease holds
+        with pytest.raises(Refused, match=r"h1 already began an update from another "
+                           r"process \(a:b:7:70\)"):  # the same holder name, elsewhere
+            await tx.begin(begin(process="a:b:8:80", read=read))
+        running.clear()  # killed
         await asyncio.sleep(0.05)
         assert tx.state is (State.IDLE if read else State.EXPIRED) and not engine.held
         assert (tx.n, tx.dirty) == ((0, False) if read else (1, True))
         assert "the process of h1 (pid 7) exited" in caplog.text
         if not read:
             assert tx.versions.dirty_reason == "the process of h1 (pid 7) exited"
-        await tx.begin(begin("h2", pid=8, pid_start=80))  # not running here (another
-        running[8] = 81  # pid namespace, or reused): not watched, the lease runs its course
+        await tx.begin(begin("h2", process="a:c:8:80"))  # not beside the server (another
+        # machine, pid namespace, or exited): not watched, the lease runs its course
         await asyncio.sleep(0.05)
         assert (tx.state, tx.holder) == (State.PAUSED, "h2")
 
     asyncio.run(main())
 
 
+def test_a_holder_that_dies_in_its_begin_s_drain_ends_it_clean(caplog):
+    running = {"a:b:7:70"}
+
+    def watch(ident):
+        return (lambda: ident not in running) if ident in running else None
+
+    async def main():
+        engine = StubEngine()
+        engine.block["pause"] = asyncio.Event()  # requests in flight: the drain waits
+        tx = Transaction(engine, SID, watch=watch, poll_s=0.01)
+        task = asyncio.ensure_future(tx.begin(begin(process="a:b:7:70", lease_s=600)))
+        await asyncio.sleep(0.05)
+        assert tx.state is State.DRAINING
+        running.clear()  # killed: its begin never returned, nothing was written
+        await asyncio.sleep(0.05)
+        assert (tx.state, tx.n, tx.dirty, engine.held) == (State.IDLE, 0, False, False)
+        assert "the process of h1 (pid 7) exited in its begin; resuming" in caplog.text
+        with pytest.raises(Refused, match="aborted its begin"):
+            await task
+
+    asyncio.run(main())
+
+
 def test_a_killed_trainer_s_lease_ends_within_a_poll():
     import subprocess
+    import sys
 
     from hotweights.protocol import process
 
+    if not process.identity():
+        pytest.skip("no /proc here: the holder's process cannot be watched")
+    code = "from hotweights.protocol import process; print(process.identity(), flush=True)"
+    child = subprocess.Popen([sys.executable, "-c", code + "; import time; time.sleep(60)"],
+                             stdout=subprocess.PIPE, text=True)
+    ident = child.stdout.readline().strip()
+    assert process.watch(ident) is not None
+    for other in (ident.replace(":", "x", 1), ident[:-1] + "9", "", "a:b:c"):
+        assert process.watch(other) is None  # another boot, start time, or none
+
     async def main():
         tx = Transaction(StubEngine(), SID, poll_s=0.05)  # the real /proc check
-        child = subprocess.Popen(["sleep", "60"])
-        start = process.start_time(child.pid)
-        await tx.begin(begin(pid=child.pid, pid_start=start, lease_s=60))
+        await tx.begin(begin(process=ident, lease_s=60))
         await asyncio.sleep(0.2)
         assert tx.state is State.PAUSED
         child.kill()  # a zombie until reaped: exited all the same
         await asyncio.sleep(0.3)
         assert tx.state is State.EXPIRED and tx.dirty
+
+    try:
+        asyncio.run(main())
+    finally:
+        child.kill()
         child.wait()
 
-    if not process.start_time():
-        pytest.skip("no /proc here: the holder's process cannot be watched")
-    asyncio.run(main())
+
+def test_an_error_reading_proc_is_not_taken_for_an_exit(monkeypatch):
+    import builtins
+
+    from hotweights.protocol import process
+
+    if not (ident := process.identity()):
+        pytest.skip("no /proc here")
+    exited = process.watch(ident)
+    real = builtins.open
+
+    def full(path, *a, **kw):  # a full descriptor table
+        if str(path).startswith("/proc/"):
+            raise OSError(24, "Too many open files")
+        return real(path, *a, **kw)
+    monkeypatch.setattr(builtins, "open", full)
+    assert exited() is False and process.identity() == ""

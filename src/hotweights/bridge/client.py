@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+_NEW = {"process", "read"}  # begin's fields an older server refuses (dropped there)
 # What a first save copies from the served model's directory (`Bridge._saved`)
 _SERVING_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*",
                   "merges.txt", "chat_template*", "generation_config.json")
@@ -160,7 +161,8 @@ class Bridge:
         not change while they are read. A process that is not the trainer passes
         `exclusive=True`: the update lease (mode "keep") then holds off every trainer
         while the live bytes are read, and the server resumes, at the same version, before
-        the files are replaced.
+        the files are replaced (also, not dirty, if this process dies meanwhile: its lease
+        only reads).
 
         A first save (a directory with no safetensors) also gets the served model's
         tokenizer and generation config, where its directory is on this machine: a
@@ -489,13 +491,18 @@ class Bridge:
         its weights were written)."""
         deadline, waited, warn_at, dirty = time.monotonic() + timeout, None, None, False
         drain = body.get("lease_s", 60.0) + 10  # the server bounds a begin's drain by lease_s
-        if start := process.start_time():  # the server ends the lease once we exit
-            body.update(pid=os.getpid(), pid_start=start)
+        if ident := process.identity():  # the server ends the lease once we exit
+            body["process"] = ident
         try:
             while True:
                 try:
                     return self._post("/hotweights/begin", timeout=timeout, **body)
                 except ServerError as e:
+                    if e.status == 400 and "unknown field" in str(e) and body.keys() & _NEW:
+                        logger.info("hotweights: an older server (%s): begun without %s", e,
+                                    sorted(body.keys() & _NEW))
+                        body = {k: v for k, v in body.items() if k not in _NEW}
+                        continue
                     other = e.detail.get("holder") if e.status == 409 else None
                     # this bridge's last update still open (its commit and abort lost): the
                     dirty = other == self.holder  # weights were written

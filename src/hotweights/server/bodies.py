@@ -84,15 +84,14 @@ class Begin(Body):
     stage: bool = False  # lease without pausing: the commit pauses (remote servers)
     read: bool = False  # the holder only reads the weights (a checkpoint): its lease ends
     #                     clean, at the same version, however it ends; it cannot commit
-    pid: int = 0  # the holder's process on this machine and its start (`protocol.process`):
-    pid_start: int = 0  # its lease ends once that process exits, not when it runs out
+    process: str = ""  # the holder's process (`protocol.process.identity`): where it runs
+    #                    beside this server, the lease ends once it exits
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("pid", "pid_start"):
-            if not 0 <= (value := getattr(self, name)) < 2**63:
-                raise Refused(400, f"field {name!r} must be a process's (>= 0, below 2**63; "
-                              f"0: none), got {value if abs(value) < 10**20 else 'more'}")
+        if len(self.process) > 200:
+            raise Refused(400, f"field 'process' must be at most 200 characters, got "
+                          f"{self.process[:40]!r}...")
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,9 @@ served, SERVER is random per server start, so two weight states never share a ve
 across restarts too. Any resume that may follow a write gets a new N: a commit, an abort
 that says the trainer may have written, a lease that expired. A holder that began to read
 only (`read`, an exclusive checkpoint) writes nothing: its lease ends at the same version.
-A lease whose holder's process runs on this machine (`pid`) also ends, as if it ran out,
-once that process exits (`_watch`): a killed trainer freezes generation for a poll, not
-for the rest of its lease. `dirty` says that no commit
+A lease whose holder's process runs beside the server (`process`) also ends, as if it ran
+out, once that process exits (`_watch`): a killed trainer freezes generation for a poll,
+not for the rest of its lease. `dirty` says that no commit
 vouched for the weights being served (an abort, an expiry, a failed post-update hook or
 cache reset); the next clean commit clears it. `dirty_versions` keeps which versions were
 served dirty.
@@ -183,16 +183,19 @@ class Transaction:
         engine: the server's generation control (see `Engine`).
         server_id: this server start's id; every update request must name it.
         clock: wall-clock time for lease deadlines (tests may pass their own).
-        alive: whether a holder's process (pid, start) still runs (`process.alive`).
+        watch: a begin's `process` -> a probe that says whether it exited, or None where
+            it cannot be watched (`process.watch`).
         poll_s: how often a holder's process is looked at.
     """
 
     def __init__(self, engine: Engine, server_id: str, *, clock=time.time,
-                 alive: Callable[[int, int], bool] = process.alive, poll_s: float = 0.5):
+                 watch: Callable[[str], Callable[[], bool] | None] = process.watch,
+                 poll_s: float = 0.5):
         self.engine, self.server_id, self.clock = engine, server_id, clock
-        self.alive, self.poll_s = alive, poll_s
+        self.watch, self.poll_s = watch, poll_s
         self._read = False  # the holder only reads the weights (`Begin.read`)
-        self._watcher: asyncio.Task | None = None  # the holder's process (`_watch`)
+        self._process = ""  # the holder's (`Begin.process`)
+        self._watcher: asyncio.Task | None = None  # its exit (`_watch`)
         self.state = State.IDLE
         self.versions = Versions(server_id)
         self.lease = Lease(clock, self.expire)
@@ -253,6 +256,10 @@ class Transaction:
             if self.state in (State.DRAINING, State.PAUSED, State.STAGING):
                 if req.holder != self.holder:
                     raise self._held()
+                if req.process != self._process:  # (the same holder name, another
+                    raise Refused(409, f"{req.holder} already began an update from "  # process)
+                                  f"another process ({self._process or 'unnamed'})",
+                                  holder=self.holder)
                 if req.mode != self.mode or req.stage != (self.state is State.STAGING) \
                         or req.read != self._read:
                     raise Refused(409, f"{req.holder} already began an update in mode "
@@ -282,23 +289,29 @@ class Transaction:
         return self._granted()
 
     def _watch(self, req: Begin) -> None:
-        """Watch the process of `req`'s holder where it runs on this machine (its pid and
-        start time match one here): once it exits (a trainer killed, crashed or out of
-        memory), its lease ends as if it ran out, without the wait."""
+        """Watch the process of `req`'s holder where it runs beside this server (same
+        machine, same pid namespace): once it exits (a trainer killed, crashed or out of
+        memory), its lease ends as if it ran out, without the wait; in its drain, as an
+        abort (its begin never returned: nothing was written)."""
         if self._watcher is not None:  # (the last holder's: over, or about to notice)
             self._watcher.cancel()
-        self._watcher = None
-        if req.pid and self.alive(req.pid, req.pid_start):
-            self._watcher = asyncio.ensure_future(self._watch_exit(req.holder, req.pid,
-                                                                   req.pid_start))
+        self._process, self._watcher = req.process, None
+        if req.process and (exited := self.watch(req.process)) is not None:
+            self._watcher = asyncio.ensure_future(self._watch_exit(req.holder, exited))
 
-    async def _watch_exit(self, holder: str, pid: int, start: int) -> None:
+    async def _watch_exit(self, holder: str, exited: Callable[[], bool]) -> None:
         while self.holder == holder:
             await asyncio.sleep(self.poll_s)
-            if self.holder == holder and self.state in (State.PAUSED, State.STAGING) \
-                    and not self.alive(pid, start):  # (draining: once paused)
-                await self.expire(holder, f"the process of {holder} (pid {pid}) exited")
-                return
+            if self.holder != holder or self.state is State.COMMITTING or not exited():
+                continue
+            why = f"the process of {holder} (pid {self._process.rsplit(':', 2)[1]}) exited"
+            if self.state is State.DRAINING:  # (dead then: it never got the answer)
+                logger.warning("hotweights: %s in its begin; resuming", why)
+                with contextlib.suppress(Refused):  # (another lease meanwhile)
+                    await self.abort(Abort(holder, self.server_id, dirty=False))
+            else:
+                await self.expire(holder, why)
+            return
 
     def _hold(self) -> None:
         self._held_at = time.perf_counter()
