@@ -45,6 +45,17 @@ def test_dirty_weights_say_why_and_what_clears_it():
     assert printed["dirty versions"] == "2@ab12cd34, 3@ab12cd34"
 
 
+def test_the_last_lease_that_ended_unasked_says_how():
+    gone = dict(holder="h", at=990.0, version="3@ab12cd34", staged=False, dirty=False,
+                why="the process of h (pid 7) exited")
+    printed = dict(rows(dict(BASE, state="idle", expired=gone), now=1000.0))
+    assert printed["lease ended"] == "the process of h (pid 7) exited, 10 s ago"
+    older = dict(holder="h", at="?", version="3@ab12cd34", staged=True)  # an older server
+    assert dict(rows(dict(BASE, state="idle", expired=older), now=0.0))["lease ended"] == \
+        "lease of h expired"
+    assert "lease ended" not in dict(rows(dict(BASE, state="idle", expired=None), now=0.0))
+
+
 def test_fields_of_unexpected_types_print_as_they_are():
     """Another version's server, say: printed, never a traceback."""
     status = dict(BASE, state="idle", dirty=True, dirty_versions=[1, 2], last_pause_s="abc")

@@ -3,6 +3,7 @@
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -441,6 +442,11 @@ def test_a_killed_holder_s_lease_ends_once_its_process_is_gone(server):
             assert (status["version"], status["dirty"]) == (before["version"], before["dirty"])
     assert status["dirty"] is True and status["version"] != before["version"]
     assert server.logprobs()[1] == status["version"]
+    log = server.log.read_text()  # said in the server's log (vLLM's format), not lost
+    assert re.search(r"WARNING .*\] hotweights: the process of reader \(pid \d+\) exited; "
+                     r"resuming \(it only read the weights\)", log), log[-3000:]
+    assert re.search(r"the process of writer \(pid \d+\) exited; resuming, weights marked "
+                     r"dirty", log)
 
 
 class _StreamingClient(threading.Thread):

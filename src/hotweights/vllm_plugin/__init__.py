@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 
-from hotweights.server.env import ACTIVE, REMOTE_ENGINE
+from hotweights.server.env import ACTIVE, REMOTE_ENGINE, SERVER_ID
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +30,8 @@ def register() -> None:
                      "serve` (HOTWEIGHTS_ACTIVE is not 1)")
         return
     _done = True
+    if os.environ.get(SERVER_ID):  # a server's processes (not a trainer's own engine)
+        _log_beside_vllm()
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     from vllm.platforms import current_platform
 
@@ -43,3 +45,28 @@ def register() -> None:
         from hotweights.vllm_plugin.cpu_keep_weights import install
 
         install()
+
+
+class _VllmLog(logging.Handler):
+    """Hands each record to the handlers the `vllm` logger has when it is emitted (vLLM
+    sets them up, and replaces them, as its engine starts)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        for handler in logging.getLogger("vllm").handlers:
+            if record.levelno >= handler.level:
+                handler.handle(record)
+
+
+def _log_beside_vllm() -> None:
+    """hotweights' records in the server's log as vLLM's own are: through its handlers, at
+    its level (VLLM_LOGGING_LEVEL). Left to the root logger they were lost: an import in
+    vLLM's API server (`model_hosting_container_standards`) sets it to ERROR, and no
+    handler is on it. Where vLLM leaves logging alone (VLLM_CONFIGURE_LOGGING=0), so do
+    we."""
+    import vllm.envs as envs
+
+    ours = logging.getLogger("hotweights")
+    if envs.VLLM_CONFIGURE_LOGGING and not any(isinstance(h, _VllmLog) for h in ours.handlers):
+        ours.addHandler(_VllmLog())
+        ours.setLevel(envs.VLLM_LOGGING_LEVEL)
+        ours.propagate = False

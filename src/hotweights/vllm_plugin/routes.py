@@ -48,7 +48,7 @@ from hotweights.server.bodies import (
     Refused,
     Renew,
 )
-from hotweights.server.env import CHECKPOINT_STATS, REMOTE, REMOTE_ENGINE
+from hotweights.server.env import CHECKPOINT_STATS, REMOTE, REMOTE_ENGINE, SERVER_ID
 from hotweights.server.launch import free_port
 from hotweights.server.transaction import NothingApplied, Transaction
 from hotweights.vllm_plugin.gate import Gate, GateMiddleware
@@ -282,7 +282,7 @@ class HotweightsRoutes:
     required_tasks = ("generate",)
 
     def __init__(self) -> None:
-        self.server_id = os.environ.get("HOTWEIGHTS_SERVER_ID", "")
+        self.server_id = os.environ.get(SERVER_ID, "")
         self.token = os.environ.get("HOTWEIGHTS_TOKEN", "")
         self.metrics = _metrics()
         self.gate = Gate()
