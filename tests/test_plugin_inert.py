@@ -70,3 +70,39 @@ def test_an_in_process_engine_s_variables_hold_for_its_start_only(monkeypatch):
     assert (seen["VLLM_LOGGING_LEVEL"], seen["HOTWEIGHTS_TEST_VAR"]) == ("WARNING", "1")
     assert seen["HOTWEIGHTS_ACTIVE"] == "1"
     assert dict(os.environ) == before
+
+
+LOGS = """
+import logging
+from hotweights import vllm_plugin
+from vllm.config.logging import LoggingConfig
+from vllm.logger import configure_logging
+vllm_plugin.register()
+log = logging.getLogger("hotweights.server.transaction")
+log.warning("hotweights: before vLLM set its logging up")
+log.info("hotweights: an info before")
+configure_logging(LoggingConfig())
+import model_hosting_container_standards  # (sets the root logger to ERROR)
+log.warning("hotweights: after")
+log.info("hotweights: an info after")
+"""
+
+
+@pytest.mark.parametrize("server", [True, False])
+def test_a_server_s_log_has_hotweights_lines_as_vllm_s_own(server):
+    env = {k: v for k, v in os.environ.items() if k != "HOTWEIGHTS_SERVER_ID"}
+    env.update(HOTWEIGHTS_ACTIVE="1", VLLM_LOGGING_LEVEL="INFO", VLLM_PLUGINS="")
+    if server:
+        env["HOTWEIGHTS_SERVER_ID"] = "s"
+    out = subprocess.run([sys.executable, "-c", LOGS], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout + out.stderr
+    if not server:  # a trainer's own engine: its logging is the trainer's (the root's)
+        assert "hotweights: an info after" not in text
+        return
+    assert "hotweights: before vLLM set its logging up" in out.stderr  # (stderr, bare)
+    assert "hotweights: an info before" not in text
+    for line in ("WARNING", "hotweights: after"), ("INFO", "hotweights: an info after"):
+        assert any(line[0] in row and row.endswith(line[1]) and "pid=" in row
+                   for row in text.splitlines()), text[-2000:]

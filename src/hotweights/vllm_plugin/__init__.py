@@ -52,8 +52,9 @@ class _VllmLog(logging.Handler):
     sets them up, and replaces them, as its engine starts)."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        for handler in logging.getLogger("vllm").handlers:
-            if record.levelno >= handler.level:
+        handlers = logging.getLogger("vllm").handlers or [logging.lastResort]  # (before
+        for handler in handlers:  # vLLM set its own up: stderr, warnings and worse)
+            if handler is not None and record.levelno >= handler.level:
                 handler.handle(record)
 
 
