@@ -50,6 +50,9 @@ def test_the_last_lease_that_ended_unasked_says_how():
                 why="the process of h (pid 7) exited")
     printed = dict(rows(dict(BASE, state="idle", expired=gone), now=1000.0))
     assert printed["lease ended"] == "the process of h (pid 7) exited, 10 s ago"
+    gone["ago_s"] = 3.0  # the server's own count: its clock may be another's
+    assert dict(rows(dict(BASE, state="idle", expired=gone), now=9999.0))["lease ended"] == \
+        "the process of h (pid 7) exited, 3 s ago"
     older = dict(holder="h", at="?", version="3@ab12cd34", staged=True)  # an older server
     assert dict(rows(dict(BASE, state="idle", expired=older), now=0.0))["lease ended"] == \
         "lease of h expired"

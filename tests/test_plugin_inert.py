@@ -73,7 +73,7 @@ def test_an_in_process_engine_s_variables_hold_for_its_start_only(monkeypatch):
 
 
 LOGS = """
-import logging
+import logging, sys
 from hotweights import vllm_plugin
 from vllm.config.logging import LoggingConfig
 from vllm.logger import configure_logging
@@ -81,28 +81,34 @@ vllm_plugin.register()
 log = logging.getLogger("hotweights.server.transaction")
 log.warning("hotweights: before vLLM set its logging up")
 log.info("hotweights: an info before")
-configure_logging(LoggingConfig())
+if sys.argv[1] == "user":  # the user's logging: vLLM's left alone, records to the root
+    logging.basicConfig(level=logging.INFO, format="USER %(name)s %(message)s")
+configure_logging(LoggingConfig(configure_logging=sys.argv[1] != "user"))
 import model_hosting_container_standards  # (sets the root logger to ERROR)
 log.warning("hotweights: after")
 log.info("hotweights: an info after")
+log.debug("hotweights: a debug after")
 """
 
 
-@pytest.mark.parametrize("server", [True, False])
-def test_a_server_s_log_has_hotweights_lines_as_vllm_s_own(server):
+@pytest.mark.parametrize("how", ["server", "user", "trainer"])
+def test_a_server_s_log_has_hotweights_lines_as_vllm_s_own(how):
     env = {k: v for k, v in os.environ.items() if k != "HOTWEIGHTS_SERVER_ID"}
     env.update(HOTWEIGHTS_ACTIVE="1", VLLM_LOGGING_LEVEL="INFO", VLLM_PLUGINS="")
-    if server:
+    if how != "trainer":  # a trainer's own engine: its logging is the trainer's (the root's)
         env["HOTWEIGHTS_SERVER_ID"] = "s"
-    out = subprocess.run([sys.executable, "-c", LOGS], env=env, capture_output=True,
+    out = subprocess.run([sys.executable, "-c", LOGS, how], env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    text = out.stdout + out.stderr
-    if not server:  # a trainer's own engine: its logging is the trainer's (the root's)
+    text, rows = out.stdout + out.stderr, (out.stdout + out.stderr).splitlines()
+    assert "a debug after" not in text and "an info before" not in text
+    if how == "trainer":
         assert "hotweights: an info after" not in text
         return
     assert "hotweights: before vLLM set its logging up" in out.stderr  # (stderr, bare)
-    assert "hotweights: an info before" not in text
-    for line in ("WARNING", "hotweights: after"), ("INFO", "hotweights: an info after"):
-        assert any(line[0] in row and row.endswith(line[1]) and "pid=" in row
-                   for row in text.splitlines()), text[-2000:]
+    if how == "user":  # as vLLM's own records: to the root logger's handler
+        assert "USER hotweights.server.transaction hotweights: after" in rows
+        assert "USER hotweights.server.transaction hotweights: an info after" in rows
+        return
+    for level, line in ("WARNING", "hotweights: after"), ("INFO", "hotweights: an info after"):
+        assert [r for r in rows if level in r and r.endswith(line) and "pid=" in r], text

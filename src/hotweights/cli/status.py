@@ -45,10 +45,12 @@ def rows(status: dict, now: float) -> list[tuple[str, str]]:
         out.append(("dirty versions", ", ".join(map(str, versions)) if isinstance(versions, list)
                     else str(versions)))
     if isinstance(expired := status.get("expired"), dict):  # the last lease that ended
-        at = expired.get("at")  # unasked: ran out, or its holder's process exited
+        ago = expired.get("ago_s")  # unasked: ran out, or its holder's process exited
+        if not isinstance(ago, int | float) and isinstance(at := expired.get("at"), int | float):
+            ago = now - at  # a server before ago_s: by this machine's clock
         out.append(("lease ended", str(expired.get("why") or f"lease of "
                                        f"{expired.get('holder')} expired") + (
-            f", {max(0.0, now - at):.0f} s ago" if isinstance(at, int | float) else "")))
+            f", {max(0.0, ago):.0f} s ago" if isinstance(ago, int | float) else "")))
     out.append(("updates", str(status.get("updates", 0))))
     for key, label in _TIMINGS:
         if isinstance(status.get(key), int | float):

@@ -236,7 +236,9 @@ class Transaction:
                 0.0, self.lease.expires - self.clock()),  # by this server's clock
             dirty=self.dirty, dirty_reason=self.versions.dirty_reason,
             dirty_versions=self.versions.dirty_labels(),
-            expired=self.expired, updates=self.updates, last_pause_s=self.last_pause_s,
+            expired=self.expired and dict(self.expired, ago_s=max(  # (by this server's
+                0.0, self.clock() - self.expired["at"])),  # clock, as lease_left_s)
+            updates=self.updates, last_pause_s=self.last_pause_s,
             last_paused_s=self.last_paused_s, last_commit_s=self.last_commit_s,
             last_update_s=self.last_update_s,
         )

@@ -48,26 +48,24 @@ def register() -> None:
 
 
 class _VllmLog(logging.Handler):
-    """Hands each record to the handlers the `vllm` logger has when it is emitted (vLLM
-    sets them up, and replaces them, as its engine starts)."""
+    """Hands each record on as the `vllm` logger would its own, when it is emitted: at its
+    level, to its handlers (vLLM sets them up, and replaces them, as its engine starts; a
+    user's logging config may leave it none and pass its records to the root logger)."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        handlers = logging.getLogger("vllm").handlers or [logging.lastResort]  # (before
-        for handler in handlers:  # vLLM set its own up: stderr, warnings and worse)
-            if handler is not None and record.levelno >= handler.level:
-                handler.handle(record)
+        theirs = logging.getLogger("vllm")
+        if record.levelno >= theirs.getEffectiveLevel():
+            if not hasattr(record, "vllm_process_name"):  # (made before vLLM's record
+                record.vllm_process_name = record.processName  # factory: its format's)
+            theirs.handle(record)
 
 
 def _log_beside_vllm() -> None:
-    """hotweights' records in the server's log as vLLM's own are: through its handlers, at
-    its level (VLLM_LOGGING_LEVEL). Left to the root logger they were lost: an import in
-    vLLM's API server (`model_hosting_container_standards`) sets it to ERROR, and no
-    handler is on it. Where vLLM leaves logging alone (VLLM_CONFIGURE_LOGGING=0), so do
-    we."""
-    import vllm.envs as envs
-
+    """hotweights' records in the server's log as vLLM's own are (its format, level and
+    handlers, whatever configured them). Left to the root logger they were lost: an
+    import in vLLM's API server (`model_hosting_container_standards`) sets it to ERROR."""
     ours = logging.getLogger("hotweights")
-    if envs.VLLM_CONFIGURE_LOGGING and not any(isinstance(h, _VllmLog) for h in ours.handlers):
+    if not any(isinstance(h, _VllmLog) for h in ours.handlers):
         ours.addHandler(_VllmLog())
-        ours.setLevel(envs.VLLM_LOGGING_LEVEL)
+        ours.setLevel(logging.DEBUG)  # (`_VllmLog` filters at vLLM's level)
         ours.propagate = False
