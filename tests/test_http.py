@@ -5,7 +5,9 @@ import http.server
 import logging
 import re
 import socket
+import ssl
 import threading
+import time
 
 import pytest
 
@@ -260,3 +262,40 @@ def test_two_spellings_of_one_server_url(a, b, same):
     from hotweights.protocol.urls import same_server
 
     assert same_server(a, b) is same and same_server(b, a) is same
+
+
+@pytest.mark.parametrize("tls_on", [False, True])
+def test_an_answer_trickled_slower_than_the_timeout_ends_at_the_timeout(tls_on, tls):
+    # each read came within the timeout: bounded per read, a renewal could outlast a lease
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+    context = None
+    if tls_on:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(*tls.leaf("127.0.0.1"))
+
+    def answer():
+        conn, _ = listener.accept()
+        if context is not None:
+            conn = context.wrap_socket(conn, server_side=True)
+        with conn:
+            _read_request(conn)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n")
+            with contextlib.suppress(OSError):
+                while not stop.wait(0.2):
+                    conn.sendall(b" ")  # a byte at a time, each well within the timeout
+
+    thread = threading.Thread(target=answer)
+    thread.start()
+    url = f"{'https' if tls_on else 'http'}://127.0.0.1:{listener.getsockname()[1]}"
+    began = time.monotonic()
+    try:
+        with pytest.raises(ServerError, match=rf"POST /hotweights/renew: no answer from "
+                           rf"{url} within 1 s \(its answer still coming"):
+            request(url, "POST", "/hotweights/renew", "t", {}, timeout=1.0,
+                    cafile=tls.ca if tls_on else None)
+        assert time.monotonic() - began < 3
+    finally:
+        stop.set()
+        thread.join()
+        listener.close()

@@ -16,7 +16,10 @@ import http.client
 import json
 import logging
 import os
+import socket
 import ssl
+import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -70,8 +73,23 @@ def request(url: str, method: str, route: str, token: str, body: dict | None = N
         data=None if body is None else json.dumps(body).encode(),
         headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
     )
+    deadline = _Deadline(timeout)
     try:
-        with opener(url, context).open(req, timeout=timeout) as resp:
+        with deadline:
+            return _exchange(req, url, method, route, context, timeout, deadline)
+    except ServerError as e:
+        if not deadline.passed:
+            raise
+        raise ServerError(f"{method} {route}: no answer from {url} within {timeout:.0f} s "
+                          f"(its answer still coming: {e})") from None
+
+
+def _exchange(req: urllib.request.Request, url: str, method: str, route: str,
+              context: ssl.SSLContext | None, timeout: float, deadline: _Deadline) -> dict:
+    """`request`'s exchange: the JSON answer, or a `ServerError` that says what failed."""
+    parts = urllib.parse.urlsplit(url)
+    try:
+        with opener(url, context, deadline=deadline).open(req, timeout=timeout) as resp:
             answer = resp.read()
         try:
             return json.loads(answer)
@@ -117,17 +135,78 @@ def request(url: str, method: str, route: str, token: str, body: dict | None = N
                           "`hotweights serve`, and did it stay up?)") from None
 
 
-def opener(url: str, context: ssl.SSLContext | None = None, *, direct: bool = False
-           ) -> urllib.request.OpenerDirector:
+def opener(url: str, context: ssl.SSLContext | None = None, *, direct: bool = False,
+           deadline: _Deadline | None = None) -> urllib.request.OpenerDirector:
     """What opens every request to the server at `url`: https checked with `context`, a
     redirect answered as the HTTPError it is (not followed, with the request's headers), the
-    environment's proxy skipped for a loopback host (any host: `direct`)."""
+    environment's proxy skipped for a loopback host (any host: `direct`), the connection
+    cut at `deadline`."""
     handlers: list[urllib.request.BaseHandler] = [_NoRedirect()]
-    if context is not None:
-        handlers.append(urllib.request.HTTPSHandler(context=context))
+    if deadline is not None:
+        handlers.append(_Bounded(deadline))
+    if context is not None or deadline is not None:
+        handlers.append(_BoundedHTTPS(deadline, context))
     if direct or is_loopback(urllib.parse.urlsplit(url).hostname):
         handlers.append(urllib.request.ProxyHandler({}))
     return urllib.request.build_opener(*handlers)
+
+
+class _Deadline:
+    """The end of one request's whole exchange. The socket timeout bounds each read on
+    its own: a server or proxy that trickles its answer would hold a request (a lease's
+    renewal, say) past it. At the deadline the connection is shut down (`passed`)."""
+
+    def __init__(self, seconds: float):
+        self.at, self.passed = time.monotonic() + seconds, False
+        self._timer: threading.Timer | None = None
+
+    def watch(self, sock: socket.socket) -> None:
+        self._timer = threading.Timer(max(0.0, self.at - time.monotonic()), self._cut, (sock,))
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _cut(self, sock: socket.socket) -> None:
+        self.passed = True
+        with contextlib.suppress(OSError):  # (closed meanwhile)
+            socket.socket.shutdown(sock, socket.SHUT_RDWR)  # (an SSLSocket's own as well)
+
+    def __enter__(self) -> _Deadline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+
+def _watched(cls: type[http.client.HTTPConnection], deadline: _Deadline | None) -> type:
+    """`cls`, its socket shut down at `deadline` once connected (None: as it is)."""
+    if deadline is None:
+        return cls
+
+    class Watched(cls):
+        def connect(self) -> None:
+            super().connect()
+            deadline.watch(self.sock)
+    return Watched
+
+
+class _Bounded(urllib.request.HTTPHandler):
+    def __init__(self, deadline: _Deadline):
+        super().__init__()
+        self.deadline = deadline
+
+    def http_open(self, req):
+        return self.do_open(_watched(http.client.HTTPConnection, self.deadline), req)
+
+
+class _BoundedHTTPS(urllib.request.HTTPSHandler):
+    def __init__(self, deadline: _Deadline | None, context: ssl.SSLContext | None):
+        super().__init__(context=context)
+        self.deadline = deadline
+
+    def https_open(self, req):
+        return self.do_open(_watched(http.client.HTTPSConnection, self.deadline), req,
+                            context=self._context)
 
 
 class _NoRedirect(urllib.request.HTTPRedirectHandler):
