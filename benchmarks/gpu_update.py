@@ -259,7 +259,8 @@ def ipc_copy_ms(own: dict, own_model, tensors: dict, server, name: str, repeat: 
 
 
 def nccl_bcast_ms(own: dict, own_model, name: str, repeat: int, device: str) -> float:
-    """Rank 0 broadcasts its updated copy to a receiver on the next GPU (gloo, CPU)."""
+    """Rank 0 broadcasts its updated copy to a receiver on the next GPU (NCCL; gloo where
+    no CUDA)."""
     import torch
     import torch.distributed as dist
 

@@ -321,7 +321,7 @@ def time_rounds(rounds: list[int], phases: dict[str, float]) -> None:
         finally:
             phases["zstd"] = phases.get("zstd", 0.0) + time.perf_counter() - t0
     packing.pack = timed_pack  # the module `group` calls
-    codec.zstd_compress = timed_compress  # the module `rounds` calls
+    codec.zstd_compress = timed_compress  # (`packing` calls it through `codec`)
 
 
 def split_cpus(server_cpus: int) -> tuple[set[int], set[int]]:

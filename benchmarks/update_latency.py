@@ -45,6 +45,7 @@ import importlib
 import json
 import os
 import secrets
+import signal
 import statistics
 import subprocess
 import sys
@@ -102,7 +103,8 @@ def running(name: str, model_dir: Path, args: argparse.Namespace,
                    VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
         with open(log, "w") as out:
             proc = subprocess.Popen(vllm_command(model_dir, port), stdout=out,
-                                    stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                                    stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                    preexec_fn=serve.term_with_parent)  # (even if killed)
     try:
         launch.wait_ready(proc, url, log=log, timeout=args.start_timeout)
         yield url
@@ -340,4 +342,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # (`finally`
+    # stops the server it runs)
     sys.exit(main())

@@ -8,10 +8,17 @@ import GRPOTrainer from hotweights, pass `bridge=`. The policy TRL trains is the
 tensors; each optimizer step is served from the next request on. The reward here (the
 share of digits in a completion) is one a random model can learn in a few dozen steps:
 `hotweights demo --rl` runs this on a tiny model it builds itself.
+
+Train a copy you can lose: the server's weights are the only copy, trained in place with
+a high learning rate for a toy reward, and nothing is saved (`save_strategy="no"`): the
+clients of that server are served each step. On one CPU machine, the trainer gets its
+own cores (`torch.set_num_threads` below; docs/training.md "CPU: give the trainer its own
+cores"): vLLM's CPU worker spins on the ones it binds.
 """
 
 import argparse
 
+import torch
 from datasets import Dataset
 from trl import GRPOConfig
 
@@ -52,4 +59,5 @@ if __name__ == "__main__":
     parser.add_argument("--token", help="the server's token (default: $HOTWEIGHTS_TOKEN, "
                         "else the token file the server wrote for its port)")
     args = parser.parse_args()
+    torch.set_num_threads(1)  # the cores vLLM's CPU worker does not bind (docs/training.md)
     main(args.url, args.steps, args.token)
