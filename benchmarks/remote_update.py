@@ -76,8 +76,9 @@ The last line is one JSON object: {"model_bytes", "rows_bytes_sent",
 "step_client_stall_ms", "full_client_stall_ms", "scattered_bytes_compressed",
 "trainer_copies", "xor",
 "partial_trainable_extra_memory_pct", "skipped"}. Targets: full / rows >= 10, full /
-scattered >= 5, rows, scattered and step paused <= 100 ms (full paused and the client stalls are
-reported), partial trainable extra memory <= 20 %. Where the servers cannot start on this
+scattered >= 5, rows and scattered bytes sent <= 1.5 % of the model's, rows, scattered and
+step paused <= 100 ms (full paused and the client stalls are reported), partial trainable
+extra memory <= 20 %. Where the servers cannot start on this
 machine (one dies: SIGILL, ...), the last line is {"model_bytes", "skipped": {"servers":
 reason}} and the exit status 1.
 
@@ -621,6 +622,10 @@ def main() -> int:
               f"{target(out['time_ratio_full_vs_rows'] >= 10)}")
         print(f"  {'full / scattered':<24}{out['time_ratio_full_vs_scattered']:7.2f} x   "
               f">= 5 x     {target(out['time_ratio_full_vs_scattered'] >= 5)}")
+        for how in ("rows", "scattered"):  # docs/remote.md's: bytes sent, of the model's
+            pct = 100 * out[f"{how}_bytes_sent"] / out["model_bytes"]
+            print(f"  {how + ' bytes sent':<24}{pct:7.2f} %   <= 1.5 %    "
+                  f"{target(pct <= 1.5)}")
         for how in rows:
             ms = out[f"{how}_paused_ms"]
             print(f"  {how + ' paused':<24}{fmt_ms(ms):>7} ms  " + (
