@@ -264,6 +264,7 @@ def test_two_spellings_of_one_server_url(a, b, same):
     assert same_server(a, b) is same and same_server(b, a) is same
 
 
+@pytest.mark.timeout(30)  # (the old code waited for all 1000 bytes: 200 s)
 @pytest.mark.parametrize("tls_on", [False, True])
 def test_an_answer_trickled_slower_than_the_timeout_ends_at_the_timeout(tls_on, tls):
     # each read came within the timeout: bounded per read, a renewal could outlast a lease
@@ -299,3 +300,54 @@ def test_an_answer_trickled_slower_than_the_timeout_ends_at_the_timeout(tls_on, 
         stop.set()
         thread.join()
         listener.close()
+
+
+@contextlib.contextmanager
+def _trickling(first: bytes):
+    """A server on localhost that reads a request (or a proxy's CONNECT), sends `first`,
+    then a header line every 0.2 s until the block ends; its URL's port."""
+    listener, stop = socket.create_server(("127.0.0.1", 0)), threading.Event()
+
+    def answer():
+        conn, _ = listener.accept()
+        with conn:
+            _read_request(conn)
+            with contextlib.suppress(OSError):
+                conn.sendall(first)
+                while not stop.wait(0.2):
+                    conn.sendall(b"X: y\r\n" if first.endswith(b"\r\n") else b" ")
+
+    thread = threading.Thread(target=answer)
+    thread.start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        stop.set()
+        thread.join()
+        listener.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_proxy_s_tunnel_trickled_ends_at_the_timeout(monkeypatch, tls):
+    # the deadline runs from the connection's first byte: a CONNECT's answer (and a TLS
+    # handshake) inside it
+    with _trickling(b"HTTP/1.1 200 Connection established\r\n") as port:
+        monkeypatch.setenv("https_proxy", f"http://127.0.0.1:{port}")
+        monkeypatch.delenv("no_proxy", raising=False)
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        began = time.monotonic()
+        with pytest.raises(ServerError, match=r"no answer from https://server.example:8000 "
+                           r"within 1 s"):
+            request("https://server.example:8000", "POST", "/hotweights/renew", "t", {},
+                    timeout=1.0, cafile=tls.ca)
+        assert time.monotonic() - began < 3
+
+
+@pytest.mark.timeout(30)
+def test_a_refusal_whose_body_trickles_keeps_its_status():
+    # a 409 (the lease is gone) is no "no answer": a renewer must stop, not retry
+    with _trickling(b"HTTP/1.1 409 Conflict\r\nContent-Length: 1000\r\n\r\n{") as port:
+        with pytest.raises(ServerError, match="HTTP 409") as e:
+            request(f"http://127.0.0.1:{port}", "POST", "/hotweights/renew", "t", {},
+                    timeout=1.0)
+    assert e.value.status == 409

@@ -78,7 +78,7 @@ def request(url: str, method: str, route: str, token: str, body: dict | None = N
         with deadline:
             return _exchange(req, url, method, route, context, timeout, deadline)
     except ServerError as e:
-        if not deadline.passed:
+        if not deadline.passed or e.status is not None:  # (a refusal read whole: its own)
             raise
         raise ServerError(f"{method} {route}: no answer from {url} within {timeout:.0f} s "
                           f"(its answer still coming: {e})") from None
@@ -152,23 +152,31 @@ def opener(url: str, context: ssl.SSLContext | None = None, *, direct: bool = Fa
 
 
 class _Deadline:
-    """The end of one request's whole exchange. The socket timeout bounds each read on
-    its own: a server or proxy that trickles its answer would hold a request (a lease's
-    renewal, say) past it. At the deadline the connection is shut down (`passed`)."""
+    """The end of one request's whole exchange (None: no end). The socket timeout bounds
+    each read on its own: a server or proxy that trickles its answer (or a proxy's tunnel,
+    or a TLS handshake) would hold a request, a lease's renewal say, past it. At the
+    deadline the connection is shut down (`passed`)."""
 
-    def __init__(self, seconds: float):
-        self.at, self.passed = time.monotonic() + seconds, False
+    def __init__(self, seconds: float | None):
+        self.at = None if seconds is None else time.monotonic() + seconds
+        self.passed = False
         self._timer: threading.Timer | None = None
+        self._sock: socket.socket | None = None
 
     def watch(self, sock: socket.socket) -> None:
-        self._timer = threading.Timer(max(0.0, self.at - time.monotonic()), self._cut, (sock,))
+        """Shut the connection of `sock` down at the deadline: through a duplicate of its
+        own, which a TLS wrap (that detaches `sock`) leaves alone."""
+        if self.at is None or self._timer is not None:
+            return
+        self._sock = sock.dup()
+        self._timer = threading.Timer(max(0.0, self.at - time.monotonic()), self._cut)
         self._timer.daemon = True
         self._timer.start()
 
-    def _cut(self, sock: socket.socket) -> None:
+    def _cut(self) -> None:
         self.passed = True
-        with contextlib.suppress(OSError):  # (closed meanwhile)
-            socket.socket.shutdown(sock, socket.SHUT_RDWR)  # (an SSLSocket's own as well)
+        with contextlib.suppress(OSError):  # (the peer closed it meanwhile)
+            self._sock.shutdown(socket.SHUT_RDWR)
 
     def __enter__(self) -> _Deadline:
         return self
@@ -176,17 +184,26 @@ class _Deadline:
     def __exit__(self, *exc: object) -> None:
         if self._timer is not None:
             self._timer.cancel()
+            self._timer.join()  # (a cut under way ends before its socket is closed)
+            self._sock.close()
 
 
 def _watched(cls: type[http.client.HTTPConnection], deadline: _Deadline | None) -> type:
-    """`cls`, its socket shut down at `deadline` once connected (None: as it is)."""
+    """`cls`, its connection shut down at `deadline` from its first byte on, proxy
+    tunnel and TLS handshake included (None: `cls` as it is)."""
     if deadline is None:
         return cls
 
     class Watched(cls):
-        def connect(self) -> None:
-            super().connect()
-            deadline.watch(self.sock)
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            create = self._create_connection  # what `connect` makes its socket with
+
+            def created(*a, **kw) -> socket.socket:
+                sock = create(*a, **kw)
+                deadline.watch(sock)
+                return sock
+            self._create_connection = created
     return Watched
 
 
