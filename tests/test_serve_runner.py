@@ -121,6 +121,23 @@ def test_token_file_written_once_answering_and_removed_at_exit(tmp_path):
     assert not token_file.exists()
 
 
+@pytest.mark.parametrize("mode", ["noisy", "serve"])
+def test_a_stop_says_vllms_engine_dead_traceback_is_no_crash(tmp_path, mode):
+    proc = _runner(tmp_path, free_port(), mode, tmp_path / "t", stdout=subprocess.PIPE,
+                   stderr=subprocess.PIPE)
+    try:
+        for line in proc.stdout:
+            if line.startswith("hotweights: serving"):
+                break
+        proc.send_signal(signal.SIGINT)  # a terminal's Ctrl-C
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0
+    note = "the EngineDeadError traceback above is vLLM's, logged as it stops"
+    assert (note in err) == (mode == "noisy"), err
+
+
 def test_a_second_server_on_a_busy_port_leaves_the_first_ones_token(tmp_path):
     port, token_file = free_port(), tmp_path / "server.token"
     first = subprocess.Popen([sys.executable, str(FAKE), str(port), "serve"], text=True,

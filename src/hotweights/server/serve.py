@@ -269,12 +269,20 @@ def run(args: argparse.Namespace, vllm_args: list[str]) -> int:
         shm.remove_server_files(server_id)  # what a killed worker could not remove itself
     for tee in tees:
         tee.join(timeout=5)
+    if received and code == 0 and any(_STOP_NOISE in line for tee in tees for line in tee.tail):
+        print("hotweights: vLLM stopped cleanly; the EngineDeadError traceback above is "
+              "vLLM's, logged as it stops (vllm-project/vllm#48745), not a crash",
+              file=sys.stderr, flush=True)
     if code != 0:
         tail = "".join(line for tee in tees for line in tee.tail)
         for pattern, why in _MEMORY_FAILURES.items():
             if pattern in tail:
                 raise ConfigError(f"{args.model}: {why}")
     return 128 - code if code < 0 else code  # killed by a signal: as a shell says it
+
+
+# the last line of the traceback vLLM's API server may log as it stops its engine, asked to
+_STOP_NOISE = "EngineDeadError: EngineCore encountered an issue"
 
 
 def _refuse_busy_port(host: str, port: int) -> None:
