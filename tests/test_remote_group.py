@@ -350,6 +350,22 @@ def test_servers_of_another_channel_protocol_are_named_before_any_join(monkeypat
         group.update({"w": torch.zeros(4)})
 
 
+def test_an_update_waits_for_the_device_work_queued_on_the_weights_first(monkeypatch):
+    from hotweights.remote import group as group_module
+
+    class Settled(Exception):
+        pass
+
+    def settle(tensors):  # torch.accelerator.synchronize per device: a GPU's side streams
+        assert list(tensors) == ["w"]
+        raise Settled
+    monkeypatch.setattr(group_module, "settle", settle)
+    monkeypatch.setattr(group_module, "request", lambda *a, **k: pytest.fail("read first"))
+    group = RemoteGroup(["http://127.0.0.1:1"], token="t" * 32)
+    with pytest.raises(Settled):
+        group.prepare({"w": torch.zeros(4)})
+
+
 def test_a_fixed_master_port_takes_the_next_free_ports_for_more_channels():
     import socket
 

@@ -45,12 +45,14 @@ RECEIVER = textwrap.dedent('''
     addrs = {k: v.data_ptr() for k, v in w.items()}
     ch = Channel(master_addr="127.0.0.1", master_port=port, rank=1, world_size=2, token=token,
                  timeout=30.0, backend="gloo")
+    held, keep = [], Staged._keep  # what staging holds: each piece's host copy
+    Staged._keep = lambda self, v: held.append(keep(self, v)) or held[-1]
     for _ in range(2):
+        held.clear()
         staged = Staged(specs, shards={k: shards.whole(v) for k, v in w.items()},
                         pin=device.startswith("cuda"))
         ch.receive(staged)
-        held = [v for pieces in staged._pieces.values() for _, views in pieces for v in views]
-        pinned = all(v.is_pinned() for v in held) if staged.pin else None
+        pinned = bool(held) and all(v.is_pinned() for v in held) if staged.pin else None
         assert staged.apply_in_place()
         if device.startswith("cuda"):
             torch.cuda.synchronize()

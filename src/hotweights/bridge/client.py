@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hotweights.bridge import loaded
+from hotweights.changes.streams import settle
 from hotweights.errors import (
     CheckpointError,
     HotweightsError,
@@ -412,9 +413,9 @@ class Bridge:
                     yield
                 except BaseException:  # what the body queued lands before the server
                     with contextlib.suppress(Exception):  # resumes (its error is the news)
-                        self._synchronize()
+                        settle(self.tensors)
                     raise
-                self._synchronize()
+                settle(self.tensors)
         except BaseException:
             self._abort(dirty=True)
             raise
@@ -521,13 +522,6 @@ class Bridge:
         except BaseException:
             self._abort(dirty=dirty, quiet=True)
             raise
-
-    def _synchronize(self) -> None:
-        """Wait for this process's device work: the server's stream is not ordered after
-        ours (CUDA IPC)."""
-        device = next(iter(self.tensors.values())).device
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
 
     def _commit(self, **body: Any) -> None:
         """Commit; if that fails, the update is aborted (dirty: the weights were written;

@@ -56,6 +56,7 @@ import torch
 
 from hotweights.changes import blocks, writewatch
 from hotweights.changes.spans import merge_spans
+from hotweights.changes.streams import settle
 from hotweights.changes.writewatch import WriteWatch
 from hotweights.checkpoint import MODES, clone, journal, lock, sidecar, spare, stage, threads
 from hotweights.checkpoint.changed import (
@@ -195,7 +196,7 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
     made = _existing(model_dir)
     with lock.locked(model_dir), _removed_on_failure(made):
         journal.recover(model_dir, lock=False)  # an interrupted sync is finished or dropped
-        _settle(live)
+        settle(live)
         disk = read_to_sync(model_dir)
         if disk is None:
             result = first_save.save(
@@ -241,14 +242,6 @@ def sync(model_dir: str | os.PathLike, live: Mapping[str, torch.Tensor] | torch.
         missing_live=resolved.only_disk, seconds=time.perf_counter() - started,
         writes={w.name: w.how for w in writes}, tied=resolved.tied, reason=reason,
         write_mode=patch_mode)
-
-
-def _settle(live: Mapping[str, torch.Tensor]) -> None:
-    """Wait for the work queued on every stream of the live tensors' devices: an
-    optimizer step on a side stream lands before its tensors are hashed and written (the
-    hashes run on the default stream, which does not wait for the others)."""
-    for device in {t.device for t in live.values() if t.device.type not in ("cpu", "meta")}:
-        torch.accelerator.synchronize(device)
 
 
 def read_to_sync(model_dir: Path) -> dict[str, tuple[Shard, TensorInfo]] | None:

@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from hotweights.changes.streams import settle
 from hotweights.checkpoint.names import reverted
 from hotweights.errors import DeltaError, HotweightsError, RemoteError
 from hotweights.layout.plan import model_weights
@@ -291,6 +292,7 @@ class RemoteGroup:
         """
         started, self._lost = time.perf_counter(), 0
         new = _weights(weights)
+        settle(new)  # a step still running on a side stream lands before anything reads it
         written = {k: (t, t._version) for k, t in new.items()}  # before the encode reads them
         status, dropped = self._status(self.urls, {})
         self._abort_left(status)
