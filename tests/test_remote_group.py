@@ -492,6 +492,23 @@ def test_a_server_that_refuses_to_join_is_named_not_a_rendezvous_timeout():
         links.connect({"http://b:8000": {"server_id": "s", "channel_ranks": 1}}, "gloo")
 
 
+def test_an_nccl_channel_lies_on_the_device_it_is_given(monkeypatch):
+    from hotweights.remote import links as links_module
+
+    made = []
+
+    def channel(**kwargs):  # (an NCCL channel needs GPUs)
+        made.append(kwargs)
+        raise RemoteError("no GPU here")
+    monkeypatch.setattr(links_module, "Channel", channel)
+    links = Links(master_addr="127.0.0.1", master_port=0, timeout=1.0,
+                  max_round_bytes=1 << 20, post=lambda *a, **k: {})
+    with pytest.raises(RemoteError, match="no GPU here"):  # the trainer's weights on GPU 1
+        links.connect({"http://b:8000": {"server_id": "s", "channel_ranks": 1}}, "nccl",
+                      torch.device("cuda", 1))
+    assert made[0]["backend"] == "nccl" and made[0]["device"] == torch.device("cuda", 1)
+
+
 def test_the_first_update_compiles_the_encode_ahead_on_a_thread_of_its_own(monkeypatch):
     """The first `prepare` (a full sync, whatever it finds) starts compiling the loops the
     next updates encode with, for the weights' dtypes, on a thread that is not a daemon;

@@ -384,7 +384,10 @@ class RemoteGroup:
                                               use=plans[0].held))  # kept: `frozen_prints`
         backend = channel_backend(status)  # one kind of device for the whole group
         self.links.drop_gone(status)
-        links = [self.links.connect({u: status[u] for u in p.urls}, backend) for p in plans]
+        # NCCL: on the weights' GPU, not the current one (maybe another server's)
+        device = next((t.device for t in new.values() if t.device.type == "cuda"), None)
+        links = [self.links.connect({u: status[u] for u in p.urls}, backend, device)
+                 for p in plans]
         sends = self._send(status, list(zip(plans, links, strict=True)),
                            lambda p: self._encode(p, new, kept, found[0][0]),
                            max(_MIN_CUT, -(-sum(t.nbytes for t in new.values()) // _CUTS)),

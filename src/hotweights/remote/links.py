@@ -13,6 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from hotweights.errors import RemoteError, ServerError
 from hotweights.remote.channel import Channel
 from hotweights.remote.hosts import free_port
@@ -64,9 +66,11 @@ class Links:
     def __len__(self) -> int:
         return len(self._by_members)
 
-    def connect(self, status: dict, backend: str) -> Link:
+    def connect(self, status: dict, backend: str, device: torch.device | None = None) -> Link:
         """The channel of the servers of `status`: (re)built when one of them joined,
-        restarted or is on another channel (a channel whose send failed is dropped)."""
+        restarted or is on another channel (a channel whose send failed is dropped). Its
+        buffers on `device` (NCCL: the trainer's weights' GPU; None: the channel's
+        default)."""
         members = tuple((u, st["server_id"]) for u, st in status.items())
         link = self._by_members.get(members)
         if link is not None and all(st.get("channel") == link.id for st in status.values()):
@@ -91,7 +95,7 @@ class Links:
             try:
                 channel = Channel(master_addr=self.master_addr, master_port=port, rank=0,
                                   world_size=offset, token=token, timeout=self.timeout,
-                                  backend=backend)
+                                  backend=backend, device=device)
             except RemoteError as e:  # a server that refused to join says why (below)
                 error = e
             finally:
