@@ -279,7 +279,7 @@ def test_a_server_restarted_from_the_synced_checkpoint_shares_the_delta(checkpoi
 
 def _prepared(group, status, new, monkeypatch):
     """`prepare`'s bookkeeping without servers: each plan encoded, nothing sent."""
-    monkeypatch.setattr(group.links, "connect", lambda status, backend: None)
+    monkeypatch.setattr(group.links, "connect", lambda status, backend, device: None)
     def send(status, plans, encode, cut, mode, lease_s, meanwhile, pause_ahead):
         meanwhile()
         return [(list(encode(plan)), 0, 0) for plan, _ in plans]
@@ -545,7 +545,7 @@ def test_a_float32_trainer_sends_bf16_servers_its_weights_as_they_hold_them(monk
     status = {group.urls[0]: {"server_id": "s", "n": 0, "device": "cpu", "dtypes": {
         "default": "bfloat16", "others": {"router": "float32", "ids": "int64"}}}}
     monkeypatch.setattr(group, "_status", lambda urls, dropped: (status, dropped))
-    monkeypatch.setattr(group.links, "connect", lambda status, backend: None)
+    monkeypatch.setattr(group.links, "connect", lambda status, backend, device: None)
     sent = []
 
     def send(status, plans, encode, cut, mode, lease_s, meanwhile, pause_ahead):
