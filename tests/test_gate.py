@@ -110,3 +110,36 @@ def test_what_may_reach_the_engine_waits_for_the_commit(method, path, gated, roo
             return True
 
     assert asyncio.run(main()) is gated
+
+
+def test_a_request_is_past_the_gate_once_its_body_is_all_here():
+    """A client trickling its body (or never ending it) holds no update back: `wait`
+    waits for `idle`, and `abort` cannot abort what has not reached the engine."""
+    gate = Gate()
+    read = []
+
+    async def app(scope, receive, send):
+        assert not gate.idle.is_set()  # counted while vLLM has it
+        while (message := await receive())["more_body"]:
+            read.append(message["body"])
+        read.append(message["body"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def main():
+        parts: asyncio.Queue = asyncio.Queue()
+        await parts.put({"type": "http.request", "body": b'{"model":', "more_body": True})
+
+        async def send(message):
+            pass
+
+        call = asyncio.ensure_future(GateMiddleware(app, gate, lambda: 0)(
+            {"type": "http", "method": "POST", "path": "/v1/completions"}, parts.get, send))
+        await asyncio.sleep(0.05)
+        assert gate.idle.is_set() and not read  # the rest of the body still to come
+        await parts.put({"type": "http.request", "body": b' "m"}', "more_body": False})
+        await asyncio.wait_for(call, 5)
+        assert gate.idle.is_set()
+
+    asyncio.run(main())
+    assert b"".join(read) == b'{"model": "m"}'

@@ -61,6 +61,10 @@ class GateMiddleware:
             exchange = _Exchange(scope["path"], self.version())
             return await self.app(scope, receive, exchange.send(send))
         gate = self.gate
+        # past the gate once its body is all here: a client that trickles its body, or
+        # never ends it, holds back no update (a `wait` would wait for it, an `abort` could
+        # not abort it: it has not reached the engine)
+        receive = await _whole_body(receive)
         while not gate.open.is_set():  # re-check: a new update may close it again
             await gate.open.wait()
         exchange = _Exchange(scope["path"], self.version())
@@ -69,6 +73,21 @@ class GateMiddleware:
             await self.app(scope, exchange.receive(receive), exchange.send(send))
         finally:
             gate._leave(exchange)
+
+
+async def _whole_body(receive):
+    """Read the request's messages up to its last body part (or the client's disconnect);
+    a `receive` that gives them again, then the next messages (a disconnect)."""
+    read = []
+    while True:
+        read.append(message := await receive())
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            break
+
+    async def again():
+        return read.pop(0) if read else await receive()
+
+    return again
 
 
 class _Exchange:
