@@ -151,6 +151,18 @@ def test_serve_refuses_flags_that_split_the_weights_or_the_updates(flags, named,
     assert not token.exists()  # refused before anything was written or started
 
 
+@pytest.mark.parametrize("value", ["1", "true", " 2"])
+def test_serve_refuses_vllms_dev_mode_whose_routes_no_token_guards(value, tmp_path, capsys,
+                                                                   monkeypatch):
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", value)
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["serve", str(tmp_path), "--token-file", str(tmp_path / "t")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: VLLM_SERVER_DEV_MODE={value.strip()}: vLLM then adds its "
+                          "development routes (/collective_rpc") and "unset it" in err
+    assert not (tmp_path / "t").exists()
+
+
 @pytest.mark.parametrize(("argv", "named"), [
     (["--model", "other"], "--model: give the model as MODEL"),
     (["--worker-extension-cls=x.Y"], "--worker-extension-cls: hotweights serve sets"),

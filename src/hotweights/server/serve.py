@@ -149,6 +149,18 @@ def refuse_ours(vllm_args: list[str]) -> None:
             raise ConfigError(f"{name}: {why}; drop it")
 
 
+def refuse_dev_mode(environ: dict[str, str] | os._Environ) -> None:
+    """Refuse vLLM's development mode: it adds routes that no token guards and that move
+    the weights behind the lease and the version (`/collective_rpc` runs any worker method,
+    `reload_weights` from a path the caller names; `/update_weights`, `/sleep`)."""
+    value = environ.get("VLLM_SERVER_DEV_MODE", "0").strip()
+    if value not in ("", "0"):  # vLLM reads bool(int(...)): any other value turns it on
+        raise ConfigError(f"VLLM_SERVER_DEV_MODE={value}: vLLM then adds its development "
+                          "routes (/collective_rpc, /update_weights, /sleep, ...), which no "
+                          "token guards: any caller could replace the served weights behind "
+                          "hotweights' lease and versions; unset it")
+
+
 def check_model(model: str, vllm_args: list[str] = ()) -> str:
     """MODEL as vLLM and the checkpoint recovery take it (``~`` expanded). Refuse one that
     is written as a path (./x, /x, ~/x) but is no directory (vLLM would take it for a hub
@@ -210,6 +222,7 @@ def run(args: argparse.Namespace, vllm_args: list[str]) -> int:
     require_vllm("hotweights serve")
     refuse_unshareable(vllm_args)
     refuse_ours(vllm_args)
+    refuse_dev_mode(os.environ)
     args.model = check_model(args.model, vllm_args)
     https = tls.check_files(args.ssl_keyfile, args.ssl_certfile)
     _refuse_busy_port(args.host, args.port)
