@@ -117,6 +117,8 @@ def test_token_file_written_once_answering_and_removed_at_exit(tmp_path):
         rest = proc.stdout.read()  # (through the same file: what it read ahead too)
     # the child's line, copied by another thread of the runner's, may come after its own
     assert "fake vLLM up\n" in lines + rest.splitlines(keepends=True)
+    # the probe carried no token: over http, whatever held the port first would read it
+    assert not any("was sent a token" in line for line in lines + rest.splitlines())
     assert proc.returncode == 0
     assert not token_file.exists()
 

@@ -16,7 +16,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import IO
@@ -28,6 +27,7 @@ from hotweights.errors import ConfigError, install
 from hotweights.protocol import shm
 from hotweights.protocol.http import opener
 from hotweights.protocol.tokens import checked, remove_token, token_path, write_token
+from hotweights.protocol.version import VERSION_HEADER
 from hotweights.server import tls
 from hotweights.server.env import ACTIVE, CHECKPOINT_STATS, REMOTE, REMOTE_ENGINE, SERVER_ID
 
@@ -268,7 +268,7 @@ def run(args: argparse.Namespace, vllm_args: list[str]) -> int:
         # must not replace the token of the one that answers there.
         scheme = "https" if https else "http"
         url = _probe_url(scheme, args.host, args.port)
-        if _wait_answering(child[0], url, token, server_id,
+        if _wait_answering(child[0], url, server_id,
                            tls.probe_context(args.ssl_certfile) if https else None):
             write_token(token_file, token)
             owned = True
@@ -327,19 +327,16 @@ def _probe_url(scheme: str, host: str, port: int) -> str:
     return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
-def _wait_answering(proc: subprocess.Popen, url: str, token: str, server_id: str,
+def _wait_answering(proc: subprocess.Popen, url: str, server_id: str,
                     context: ssl.SSLContext | None) -> bool:
-    """Wait until our server answers at `url` (its status names our server id: not
-    another server on the same port); False if it exits first."""
-
+    """Wait until our server answers at `url`: its version header, on every response, names
+    our server id (not another server on the same port); False if it exits first. The
+    probe carries no token: over http, whatever holds the port first would read it."""
     probe = opener(url, context, direct=True)  # this machine's own server
-    req = urllib.request.Request(url + "/hotweights/status",
-                                 headers={"Authorization": f"Bearer {token}"})
     while proc.poll() is None:
         try:
-            with probe.open(req, timeout=5) as resp:
-                answer = json.loads(resp.read())
-                if isinstance(answer, dict) and answer.get("server_id") == server_id:
+            with probe.open(url + "/health", timeout=5) as resp:
+                if resp.headers.get(VERSION_HEADER, "").partition("@")[2] == server_id:
                     return True
         except (OSError, ValueError, http.client.HTTPException):  # not up yet, or not ours
             pass
