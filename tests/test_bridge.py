@@ -177,7 +177,7 @@ def test_after_a_failed_commit_the_version_is_read_from_the_server(monkeypatch):
 def test_a_body_that_raised_waits_for_its_device_work_before_the_abort(monkeypatch):
     rec = Recorder({})
     monkeypatch.setattr(bridge_module, "request", rec)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device: rec.calls.append(
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda device: rec.calls.append(
         ("synchronize", device, None)))
     b = _bridge()
     b.tensors = {"w": types.SimpleNamespace(device=torch.device("cuda", 0))}

@@ -351,3 +351,12 @@ def test_a_refusal_whose_body_trickles_keeps_its_status():
             request(f"http://127.0.0.1:{port}", "POST", "/hotweights/renew", "t", {},
                     timeout=1.0)
     assert e.value.status == 409
+
+
+def test_an_answer_past_the_bound_is_refused_not_read_whole(json_server, monkeypatch):
+    monkeypatch.setattr(hw_http, "MAX_ANSWER", 1000)
+    url = f"http://127.0.0.1:{json_server(answer={'x': 'y' * 5000})}"
+    with pytest.raises(ServerError, match=rf"^GET /x: {url} answered more than 0 MiB: is it "):
+        request(url, "GET", "/x", "tok")
+    assert request(f"http://127.0.0.1:{json_server(answer={'x': 'y' * 900})}", "GET", "/x",
+                   "tok") == {"x": "y" * 900}

@@ -84,13 +84,27 @@ def request(url: str, method: str, route: str, token: str, body: dict | None = N
                           f"(its answer still coming: {e})") from None
 
 
+MAX_ANSWER = 64 << 20  # bytes: a manifest of thousands of tensors takes a few MB
+
+
+def _bounded(resp, method: str, route: str, url: str) -> bytes:
+    """The answer's body; a `ServerError` past `MAX_ANSWER` bytes (not held in memory)."""
+    answer = resp.read(MAX_ANSWER + 1)
+    if len(answer) > MAX_ANSWER:
+        raise ServerError(f"{method} {route}: {url} answered more than {MAX_ANSWER >> 20} MiB: "
+                          "is it a `hotweights serve`?")
+    if left := getattr(resp, "length", None):  # a read of so many bytes stops short where
+        raise http.client.IncompleteRead(answer, left)  # the connection broke, silently
+    return answer
+
+
 def _exchange(req: urllib.request.Request, url: str, method: str, route: str,
               context: ssl.SSLContext | None, timeout: float, deadline: _Deadline) -> dict:
     """`request`'s exchange: the JSON answer, or a `ServerError` that says what failed."""
     parts = urllib.parse.urlsplit(url)
     try:
         with opener(url, context, deadline=deadline).open(req, timeout=timeout) as resp:
-            answer = resp.read()
+            answer = _bounded(resp, method, route, url)
         try:
             return json.loads(answer)
         except (ValueError, RecursionError):  # not JSON, or nested past Python's stack
@@ -99,7 +113,7 @@ def _exchange(req: urllib.request.Request, url: str, method: str, route: str,
     except urllib.error.HTTPError as e:
         fields = {}
         try:
-            answer = e.read()
+            answer = _bounded(e, method, route, url)
             detail = _what(answer, e.headers, whole=True)
             with contextlib.suppress(ValueError, RecursionError):
                 fields = json.loads(answer)
