@@ -12,6 +12,7 @@ import pytest
 
 from hotweights.cli.main import main
 from hotweights.errors import install
+from hotweights.server import serve
 
 
 def test_help_explains_every_command():
@@ -149,6 +150,30 @@ def test_serve_refuses_flags_that_split_the_weights_or_the_updates(flags, named,
     err = capsys.readouterr().err
     assert err.startswith("error: ") and named in err
     assert not token.exists()  # refused before anything was written or started
+
+
+def test_serve_refuses_a_token_file_others_could_replace(tmp_path, capsys):
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)  # (the umask)
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["serve", str(tmp_path), "--token-file", str(shared / "t")]) == 1
+    assert (f"error: --token-file {shared / 't'}: {shared} is writable by other users (mode "
+            "777, not sticky): they could replace the token file") in capsys.readouterr().err
+    shared.chmod(0o1777)  # sticky, as /tmp: nobody replaces another's file
+    serve.check_token_file(shared / "t")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes a file of another user's (root only)")
+def test_serve_refuses_a_token_file_of_another_users(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{}")
+    theirs = tmp_path / "t"
+    theirs.write_text("their token\n")
+    os.chown(theirs, 65534, 65534)
+    assert main(["serve", str(tmp_path), "--token-file", str(theirs)]) == 1
+    assert (f"error: --token-file {theirs}: owned by another user (uid 65534); give a path of "
+            "your own") in capsys.readouterr().err
+    assert theirs.read_text() == "their token\n"
 
 
 @pytest.mark.parametrize("value", ["1", "true", " 2"])

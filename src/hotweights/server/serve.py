@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import errno
 import http.client
 import importlib.util
@@ -12,6 +13,7 @@ import os
 import secrets
 import signal
 import ssl
+import stat
 import subprocess
 import sys
 import threading
@@ -192,12 +194,33 @@ def check_token_file(path: Path) -> None:
         raise ConfigError(f"--token-file {path}: a directory; give a file path")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        _refuse_others(path)
         probe = path.with_name(f".{path.name}.{os.getpid()}.probe")
         os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
         probe.unlink()
     except OSError as e:
         raise ConfigError(f"--token-file {path}: cannot write there ({e.strerror or e})"
                           ) from None
+
+
+def _refuse_others(path: Path) -> None:
+    """Refuse a token file another user owns (it could not be replaced once vLLM answers,
+    and clients would read that user's token), or one in a directory that other users may
+    write and that is not sticky (/tmp is: none can then replace another's file)."""
+    me = os.geteuid()
+    with contextlib.suppress(FileNotFoundError):
+        if (owner := path.lstat().st_uid) != me:
+            raise ConfigError(f"--token-file {path}: owned by another user (uid {owner}); "
+                              "give a path of your own")
+    st = path.parent.stat()
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX or \
+            st.st_uid not in (me, 0):
+        raise ConfigError(f"--token-file {path}: {path.parent} is "
+                          + (f"owned by another user (uid {st.st_uid})" if st.st_uid not in
+                             (me, 0) else f"writable by other users (mode "
+                             f"{stat.S_IMODE(st.st_mode):o}, not sticky)")
+                          + ": they could replace the token file; give a directory only you "
+                          "can write (the default: ~/.cache/hotweights)")
 
 
 def recovered(model: str, revision: str | None) -> str | None:
