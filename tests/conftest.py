@@ -159,6 +159,16 @@ def custom_model(tiny_model, tmp_path_factory):
     return out
 
 
+def without_reflinks(path) -> None:
+    """Skip the calling test where `path`'s filesystem clones files (/tmp on XFS or btrfs):
+    it expects what `auto` does on one that does not."""
+    from hotweights.checkpoint import clone
+
+    found, why = clone.supports_reflink(path)
+    if found:
+        pytest.skip(f"{why}: the test expects a filesystem without reflinks")
+
+
 def remove_synced(d) -> None:
     """Remove a directory this process synced into, once nothing of those syncs runs behind
     them: `sync` returns at its commit, its finisher thread then writes the sidecars and

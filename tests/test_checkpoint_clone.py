@@ -120,7 +120,8 @@ def test_extents_are_counted_where_the_filesystem_says(xfs, tmp_path):
         os.fsync(f.fileno())
     assert clone.extents(xfs / "b") == 3
     (tmp_path / "c").write_bytes(b"c" * 4096)
-    assert clone.extents(tmp_path / "c") >= 1  # ext4 (tmp_path) counts them too
+    if clone.fs_type(tmp_path)[0] != "tmpfs":  # (no FIEMAP there: below)
+        assert clone.extents(tmp_path / "c") >= 1  # ext4 (tmp_path) counts them too
     assert clone.extents(tmp_path / "missing") is None
     if os.path.isdir("/dev/shm"):
         (shm := Path("/dev/shm") / f"hotweights-extents-{os.getpid()}").write_bytes(b"s")

@@ -410,15 +410,16 @@ def test_another_trainer_s_commit_during_the_holder_s_leaves_its_next_update_alo
     async def test(client, stub):
         await client.post("/hotweights/remote/join", json=JOIN, headers=AUTH)
         await client.post("/hotweights/begin", json=body(stage=True), headers=AUTH)
-        go, pause = asyncio.Event(), stub.pause_generation
+        go, paused, pause = asyncio.Event(), asyncio.Event(), stub.pause_generation
 
         async def slow_pause(mode, clear_cache):  # the engine step in flight ends
+            paused.set()
             await go.wait()
             await pause(mode, clear_cache)
         stub.pause_generation = slow_pause
         mine = asyncio.ensure_future(client.post("/hotweights/commit", json=body(
             next_update="mine"), headers=AUTH))
-        await asyncio.sleep(0.05)  # the holder's commit waits for the pause
+        await asyncio.wait_for(paused.wait(), 30)  # the holder's commit waits for the pause
         theirs = [asyncio.ensure_future(client.post(f"/hotweights/{route}", json={
             **body(**extra), "holder": "h2"}, headers=AUTH)) for route, extra in (
             ("commit", {"next_update": "theirs"}), ("remote/receive", {}))]

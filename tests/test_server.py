@@ -64,7 +64,9 @@ class Server:
         """Until it answers; stopped if it does not (starting several at once: spawn
         them all with wait=False from this thread, the servers' parent, then wait)."""
         try:
-            launch.wait_ready(self.proc, self.url, log=self.log, cafile=self.cafile)
+            # 400 s: up to three start at once on two cores (one alone: 20-150 s)
+            launch.wait_ready(self.proc, self.url, log=self.log, cafile=self.cafile,
+                              timeout=400)
         except BaseException:
             launch.stop(self.proc)
             raise

@@ -809,7 +809,8 @@ def test_a_killed_trainer_s_lease_ends_within_a_poll():
                              stdout=subprocess.PIPE, text=True)
     ident = child.stdout.readline().strip()
     assert process.watch(ident) is not None
-    for other in (ident.replace(":", "x", 1), ident[:-1] + "9", "", "a:b:c"):
+    here, start = ident.rsplit(":", 1)
+    for other in (ident.replace(":", "x", 1), f"{here}:{int(start) + 1}", "", "a:b:c"):
         assert process.watch(other) is None  # another boot, start time, or none
 
     async def main():
