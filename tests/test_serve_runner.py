@@ -91,11 +91,11 @@ def test_the_serving_line_names_a_url_this_machine_reaches(host, url):
     assert serve._probe_url("http", host, 8000) == url == server_url(url)
 
 
-def _runner(tmp_path, port, mode, token_file, **popen):
+def _runner(tmp_path, port, mode, token_file, *flags, **popen):
     (tmp_path / "config.json").write_text("{}")
     return subprocess.Popen(
         [sys.executable, "-c", RUNNER.format(fake=str(FAKE), mode=mode), "serve",
-         str(tmp_path), "--port", str(port), "--token-file", str(token_file)],
+         str(tmp_path), "--port", str(port), "--token-file", str(token_file), *flags],
         env=dict(os.environ, HOTWEIGHTS_TOKEN="ours"), text=True, **popen)
 
 
@@ -123,10 +123,11 @@ def test_token_file_written_once_answering_and_removed_at_exit(tmp_path):
     assert not token_file.exists()
 
 
-@pytest.mark.parametrize("mode", ["noisy", "serve"])
-def test_a_stop_says_vllms_engine_dead_traceback_is_no_crash(tmp_path, mode):
-    proc = _runner(tmp_path, free_port(), mode, tmp_path / "t", stdout=subprocess.PIPE,
-                   stderr=subprocess.PIPE)
+@pytest.mark.parametrize(("mode", "host"), [("noisy", "127.0.0.1"), ("serve", "0.0.0.0")])
+def test_a_stop_says_vllms_engine_dead_traceback_is_no_crash(tmp_path, mode, host):
+    """(and plain http on every interface is said to carry the token in the clear)"""
+    proc = _runner(tmp_path, free_port(), mode, tmp_path / "t", "--host", host,
+                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         for line in proc.stdout:
             if line.startswith("hotweights: serving"):
@@ -138,6 +139,9 @@ def test_a_stop_says_vllms_engine_dead_traceback_is_no_crash(tmp_path, mode):
     assert proc.returncode == 0
     note = "the EngineDeadError traceback above is vLLM's, logged as it stops"
     assert (note in err) == (mode == "noisy"), err
+    clear = (f"hotweights: --host {host} without TLS: the token crosses the network in the "
+             "clear with every request; on a network you do not trust, give --ssl-keyfile")
+    assert (clear in err) == (host == "0.0.0.0"), err
 
 
 def test_a_second_server_on_a_busy_port_leaves_the_first_ones_token(tmp_path):

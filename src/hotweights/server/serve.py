@@ -29,6 +29,7 @@ from hotweights.errors import ConfigError, install
 from hotweights.protocol import shm
 from hotweights.protocol.http import opener
 from hotweights.protocol.tokens import checked, remove_token, token_path, write_token
+from hotweights.protocol.urls import is_loopback
 from hotweights.protocol.version import VERSION_HEADER
 from hotweights.server import tls
 from hotweights.server.env import ACTIVE, CHECKPOINT_STATS, REMOTE, REMOTE_ENGINE, SERVER_ID
@@ -249,6 +250,11 @@ def run(args: argparse.Namespace, vllm_args: list[str]) -> int:
     args.model = check_model(args.model, vllm_args)
     https = tls.check_files(args.ssl_keyfile, args.ssl_certfile)
     _refuse_busy_port(args.host, args.port)
+    if not https and not is_loopback(args.host):
+        print(f"hotweights: --host {args.host or '(every interface)'} without TLS: the token "
+              "crosses the network in the clear with every request; on a network you do not "
+              "trust, give --ssl-keyfile and --ssl-certfile (docs/remote.md)",
+              file=sys.stderr, flush=True)
     token = checked(args.token or os.environ.get("HOTWEIGHTS_TOKEN") or
                     secrets.token_hex(24), "hotweights serve")
     token_file = Path(args.token_file or token_path(args.port))
