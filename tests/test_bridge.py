@@ -622,3 +622,19 @@ def test_an_older_server_that_knows_no_process_or_read_field_is_begun_without(mo
     (_, first, _), (_, second, _) = rec.calls
     assert first["read"] is True and "process" not in second and "read" not in second
     assert second == dict(holder="h", server_id="s", mode="keep", lease_s=10)
+
+
+def test_remote_code_runs_only_from_files_others_cannot_write(tmp_path):
+    from hotweights.errors import ServerError
+
+    (tmp_path / "config.json").write_text("{}")
+    code = tmp_path / "modeling_x.py"
+    code.write_text("")
+    code.chmod(0o644)
+    tmp_path.chmod(0o755)
+    assert bridge_module._local_model_dir(str(tmp_path), True) == str(tmp_path)
+    code.chmod(0o666)  # anyone may put code in it
+    with pytest.raises(ServerError, match=rf"^{code}: trust_remote_code would run code from a "
+                                          "file that another user owns or can write"):
+        bridge_module._local_model_dir(str(tmp_path), True)
+    assert bridge_module._local_model_dir(str(tmp_path), False) == str(tmp_path)

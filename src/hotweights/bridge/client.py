@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import glob
 import logging
 import os
 import shutil
@@ -611,12 +612,14 @@ def _local_model_dir(path: str, trust_remote_code: bool) -> str:
         raise ServerError(f"the server loaded {path!r}, which is not a directory on this "
                           "machine; pass the model's config or directory: "
                           "bridge.model(config=...)")
-    if trust_remote_code:  # its code runs here: only from a directory others cannot write
-        st = os.stat(path)
-        if st.st_uid not in (os.getuid(), 0) or st.st_mode & 0o022:
-            raise ServerError(f"{path}: trust_remote_code would run code from a directory "
-                              "that another user owns or can write; pass "
-                              "bridge.model(config=DIR) for a directory you trust")
+    if trust_remote_code:  # its code runs here: only from files others cannot write
+        for code in [path, *sorted(glob.glob(os.path.join(glob.escape(path), "*.py")))]:
+            st = os.stat(code)
+            if st.st_uid not in (os.getuid(), 0) or st.st_mode & 0o022:
+                raise ServerError(f"{code}: trust_remote_code would run code from a "
+                                  f"{'directory' if code == path else 'file'} that another "
+                                  "user owns or can write; pass bridge.model(config=DIR) "
+                                  "for a directory you trust")
     return path
 
 
