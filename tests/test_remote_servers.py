@@ -167,6 +167,25 @@ def test_k_updates_are_served_identically_with_one_version_number(remotes, train
     _assert_serves(model, served[0])
 
 
+def test_a_receive_sent_late_still_reaches_its_server_before_the_commit(remotes, trainer,
+                                                                       monkeypatch):
+    """Armed workers (waiting since the last commit) stage an update before their server
+    has its receive request, which a loaded machine may send late: the commit goes once
+    every receive has answered, not before (else: "no receive of the update before its
+    commit", and nothing applied)."""
+    model, group = trainer
+    post = RemoteGroup._post
+
+    def late(self, url, status, route, **body):
+        if route == "/hotweights/remote/receive":
+            time.sleep(1.0)  # the tiny model's update is sent and staged meanwhile
+        return post(self, url, status, route, **body)
+    monkeypatch.setattr(RemoteGroup, "_post", late)
+    assert all(_status(s)["armed"] for s in remotes[:2])
+    out = _step_and_update(model, group)
+    assert [v.split("@")[0] for v in out["servers"].values()] == [str(group.n)] * 2
+
+
 def _assert_serves(model, served: tuple[list[int], list[float]]) -> None:
     """The served greedy tokens' logprobs are the trainer's model's."""
     tokens, logprobs = served

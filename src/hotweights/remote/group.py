@@ -42,7 +42,7 @@ import urllib.parse
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent import futures
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -622,6 +622,7 @@ class RemoteGroup:
         a thread while the begins travel, the lease renewed from theirs on until it ends."""
         pool = ThreadPoolExecutor(2 * len(status) + 1)
         begins, out, on, hints, meantime = {}, [], None, [], []  # on: (link, update) sent
+        received: list[Future] = []  # each server's receive request
         counted = [(link.channel, link.channel.bytes_sent) for _, link in plans]
         deltas, started = _Encoded(), False
         try:
@@ -644,6 +645,7 @@ class RemoteGroup:
                     on, link.next, started = (link, link.next or uuid.uuid4().hex), "", False
                     receipts = self._receive(pool, {u: status[u] for u in plan.urls}, on[1],
                                              lease_s)
+                    received.extend(receipts.values())
                     deltas = _Encoded()
                     rounds = packing.pack(
                         deltas.read(encode(plan)), max_bytes=self.max_round_bytes,
@@ -667,9 +669,12 @@ class RemoteGroup:
                     out.append((deltas, sent, sent * link.channel.copies))
                     on = None
             self._check_leased()  # (the last round's renewals)
-            # every worker has staged it all (the channel's acknowledgement): a server's
-            # commit waits for its own receive to answer, so this process need not; a late
-            # pause must not reach the server's next update
+            # every worker has staged it all (the channel's acknowledgement), maybe before
+            # its server had the receive (workers armed by the last commit take the update
+            # without it; a loaded machine may send that request late): the commit goes once
+            # each receive has answered (a server's refusal then reaches its commit), and a
+            # late pause must not reach the server's next update
+            futures.wait(received, timeout=self.timeout)
             futures.wait(hints)
             pool.shutdown(wait=False)
             return out
