@@ -158,9 +158,11 @@ def test_serve_refuses_a_token_file_others_could_replace(tmp_path, capsys):
     shared.chmod(0o777)  # (the umask)
     (tmp_path / "config.json").write_text("{}")
     assert main(["serve", str(tmp_path), "--token-file", str(shared / "t")]) == 1
-    assert (f"error: --token-file {shared / 't'}: {shared} is writable by other users (mode "
+    assert (f"error: --token-file {shared / 't'}: {shared} is writable by every user (mode "
             "777, not sticky): they could replace the token file") in capsys.readouterr().err
     shared.chmod(0o1777)  # sticky, as /tmp: nobody replaces another's file
+    serve.check_token_file(shared / "t")
+    shared.chmod(0o775)  # a group's (a umask of 002): as meant
     serve.check_token_file(shared / "t")
 
 

@@ -206,19 +206,20 @@ def check_token_file(path: Path) -> None:
 
 def _refuse_others(path: Path) -> None:
     """Refuse a token file another user owns (it could not be replaced once vLLM answers,
-    and clients would read that user's token), or one in a directory that other users may
-    write and that is not sticky (/tmp is: none can then replace another's file)."""
+    and clients would read that user's token), or one in a directory that another user
+    owns, or that every user may write and that is not sticky (/tmp is: none can then
+    replace another's file). A group's write is taken as meant (a umask of 002)."""
     me = os.geteuid()
     with contextlib.suppress(FileNotFoundError):
         if (owner := path.lstat().st_uid) != me:
             raise ConfigError(f"--token-file {path}: owned by another user (uid {owner}); "
                               "give a path of your own")
     st = path.parent.stat()
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX or \
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX or \
             st.st_uid not in (me, 0):
         raise ConfigError(f"--token-file {path}: {path.parent} is "
                           + (f"owned by another user (uid {st.st_uid})" if st.st_uid not in
-                             (me, 0) else f"writable by other users (mode "
+                             (me, 0) else f"writable by every user (mode "
                              f"{stat.S_IMODE(st.st_mode):o}, not sticky)")
                           + ": they could replace the token file; give a directory only you "
                           "can write (the default: ~/.cache/hotweights)")
