@@ -296,3 +296,31 @@ def test_model_paths_are_expanded_for_vllm_and_the_recovery(tmp_path, monkeypatc
     with pytest.raises(ConfigError, match=r"MODEL ~/w: no config\.json in it"):
         serve.check_model("~/w")
     assert serve.check_model("~/w", ["--hf-config-path", "./cfg"]) == str(tmp_path / "w")
+
+
+def test_the_runner_acts_on_a_signal_the_kernel_gave_another_thread():
+    """The kernel may give a process's SIGTERM to any thread that does not block it (the
+    runner's tees); Python runs the handler in the main thread once that one runs Python:
+    a wait blocked in the kernel would never see it (seen once: a runner that did not
+    forward the SIGTERM of a test, and waited forever)."""
+    import threading
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    other = threading.Thread(target=lambda: (time.sleep(0.3),
+                                             os.kill(os.getpid(), signal.SIGTERM)))
+    old = signal.signal(signal.SIGTERM, lambda *_: child.kill())  # as `forward` sends it on
+    other.start()  # (before the main thread blocks it: the other one takes the signal)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        done = threading.Timer(20, child.kill)  # a wait that never sees the handler: ends
+        done.start()
+        started = time.monotonic()
+        assert serve._wait(child) == -signal.SIGKILL
+        assert time.monotonic() - started < 10
+    finally:
+        done.cancel()
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        signal.signal(signal.SIGTERM, old)
+        other.join()
+        child.kill()
+        child.wait()

@@ -305,7 +305,7 @@ def run(args: argparse.Namespace, vllm_args: list[str]) -> int:
             listening = f"listening on {args.host}; " if args.host and args.host in _ANY else ""
             print(f"hotweights: serving {args.model} at {url} ({listening}token in "
                   f"{token_file})", flush=True)
-        code = child[0].wait()
+        code = _wait(child[0])
     finally:
         if owned:
             remove_token(token_file, token)
@@ -326,6 +326,15 @@ def run(args: argparse.Namespace, vllm_args: list[str]) -> int:
 
 # the last line of the traceback vLLM's API server may log as it stops its engine, asked to
 _STOP_NOISE = "EngineDeadError: EngineCore encountered an issue"
+
+
+def _wait(proc: subprocess.Popen) -> int:
+    """`proc`'s exit code, waited for in steps: a signal the kernel gave another thread (a
+    tee's) runs its handler here only when this thread runs Python, which a wait blocked
+    in the kernel never does (Ctrl-C would not reach vLLM)."""
+    while True:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            return proc.wait(timeout=0.5)
 
 
 def _refuse_busy_port(host: str, port: int) -> None:
