@@ -2,7 +2,7 @@
 
 `RemoteGroup` must know what the servers hold to send only what changed. Three options,
 measured side by side in one run on the same model and the same changes (no servers needed:
-what goes on the wire is what `packing.pack` / the block ranges would put there):
+what goes on the wire is what `packing.pack` would put there, its headers included):
 
 - **snapshot** (the default, `RemoteGroup.reference`): a host copy of what the servers
   hold. Exact element deltas. Extra memory: one copy of the weights, in this process.
@@ -52,6 +52,27 @@ ROUND = 64 << 20
 def wire(deltas: list) -> int:
     """Bytes `packing.pack` puts on the wire (headers and buffers)."""
     return sum(r.wire_bytes for r in packing.pack(deltas, max_bytes=ROUND))
+
+
+def block_wire(weights: dict, changes: blocks.Changes) -> int:
+    """Bytes on the wire for every changed block sent whole: each byte range a dense element
+    range, framed as `packing.pack` frames one (a header entry per piece, with "start" and
+    "stop", and each round's header), buffers included."""
+    deltas, where = [], []  # where: each range's tensor shape and first element
+    for name, c in changes.tensors.items():
+        t = weights[name]
+        s = t.element_size()
+        for a, b in c.ranges.tolist():
+            deltas.append(delta.dense(name, t.view(-1)[a // s:b // s]))
+            where.append((list(t.shape), a // s))
+    total, k = 0, -1
+    for r in packing.pack(deltas, max_bytes=ROUND):
+        for e in r.header["entries"]:  # the slice's entry as the whole tensor's would read
+            k += e["start"] == 0  # a range's first piece (later ones go on where it ended)
+            shape, at = where[k]
+            e.update(shape=shape, start=e["start"] + at, stop=e["stop"] + at)
+        total += r.wire_bytes
+    return total
 
 
 def diff(old: blocks.Fingerprints, weights: dict) -> blocks.Changes:
@@ -110,10 +131,9 @@ def main() -> None:
                 bs = kb << 10
                 old = blocks.fingerprint(snapshot, block_size=bs)
                 s, changes = best(partial(diff, old, weights), args.repeat)
-                sent = changes.bytes_changed + sum(16 * len(c.ranges)  # a (start, stop) each
-                                                   for c in changes.tensors.values())
                 row[f"fingerprints_{kb}k"] = dict(
-                    bytes=sent, s=s, memory=sum(8 * len(h) for _, h in old.tensors.values()))
+                    bytes=block_wire(weights, changes), s=s,
+                    memory=sum(8 * len(h) for _, h in old.tensors.values()))
 
             print(f"({how})")
             for name, r in row.items():

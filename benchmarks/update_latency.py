@@ -7,8 +7,10 @@ Models: a tiny llama (1 MB), a ~1 GB dense bf16 llama and a ~1 GB bf16 Qwen3-MoE
 experts, 2 per token). On CPU a 1-token answer of the dense model costs about a second of
 compute with or without any update, which hides what the update costs; the MoE model
 holds as many weight bytes but computes as little per token as the tiny one, so its
-numbers show how the update's cost depends on the bytes. The JSON's `large_*` and
-`reload_*` figures are the MoE model's; the dense rows are printed beside them.
+numbers show how the update's cost depends on the bytes. The JSON's `large_*` figures are
+the MoE model's; `reload_p50_ms` and `speedup_vs_reload` are the pair `speedup_model` names
+(the MoE model's, else the dense model's: never one model's reload against the other's
+hotweights); the dense rows are printed beside them.
 
 - hotweights (`hotweights serve`): the step runs inside `with bridge.update():`; clock
   from the end of the step, just before the block commits, until a 1-token

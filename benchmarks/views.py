@@ -9,8 +9,9 @@ model. Measured per architecture:
   counted independently of `ViewReport.bytes_copied` (both must agree; expected 0),
   and `verify_shared` must pass;
 - build_s: wall time of `build_hf_model` (which plans, too);
-- overhead_pct: peak process RSS during the build (sampled every 1 ms) minus RSS before it,
-  as a percentage of the weight bytes (sum of numel * element_size of vLLM's parameters).
+- overhead_pct: peak process RSS during the build (the kernel's high-water mark, VmHWM,
+  reset just before it: nothing samples while the build is timed) minus RSS before it, as a
+  percentage of the weight bytes (sum of numel * element_size of vLLM's parameters).
 
 Every architecture runs in its own subprocess (vLLM's Transformers backend patches
 transformers classes in-process, and RSS is per process). The parent prints a table, then
@@ -32,7 +33,6 @@ import json
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -67,27 +67,17 @@ def skip_reason(arch: str) -> str | None:
     return None if arch == "transformers_backend" else unservable(arch)
 
 
-@contextlib.contextmanager
-def peak_rss(interval: float = 0.001):
-    """Yield a one-item list that holds this process's peak RSS once the block exits."""
-    import psutil
+def reset_peak_rss() -> None:
+    """Set the kernel's peak RSS mark (VmHWM) to the current RSS (Linux >= 4.0)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
-    proc = psutil.Process()
-    peak = [proc.memory_info().rss]
-    stop = threading.Event()
 
-    def sample() -> None:
-        while not stop.wait(interval):
-            peak[0] = max(peak[0], proc.memory_info().rss)
-
-    thread = threading.Thread(target=sample, daemon=True)
-    thread.start()
-    try:
-        yield peak
-    finally:
-        stop.set()
-        thread.join()
-        peak[0] = max(peak[0], proc.memory_info().rss)
+def peak_rss() -> int:
+    """This process's peak RSS since `reset_peak_rss`, in bytes: kept by the kernel, so a
+    timed block runs without a sampling thread taking the GIL beside it."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
 def build_model(arch: str, size: str, workdir: Path) -> Path:
@@ -122,10 +112,12 @@ def run_one(arch: str, size: str, workdir: Path) -> dict:
         weight_bytes = sum(p.numel() * p.element_size() for p in params.values())
         gc.collect()
         rss_before = psutil.Process().memory_info().rss
-        with hf_context(llm), peak_rss() as peak:
+        with hf_context(llm):
+            reset_peak_rss()
             start = time.perf_counter()
             model, report = build_hf_model(model_dir, params)  # plans, too
             build_s = time.perf_counter() - start
+            peak = peak_rss()
         layout = plan(model_dir, params, strict=False, hf_shapes=hf_params(model))
         if verify_shared(model, params, layout) != layout.num_mapped:
             raise RuntimeError("verify_shared did not check every mapped parameter")
@@ -138,7 +130,7 @@ def run_one(arch: str, size: str, workdir: Path) -> dict:
     finally:
         stop_engine(llm)
     return dict(mapped=len(report.mapped), bytes_copied=copied,
-                overhead_pct=round(100 * (peak[0] - rss_before) / weight_bytes, 3),
+                overhead_pct=round(100 * (peak - rss_before) / weight_bytes, 3),
                 build_s=round(build_s, 3), weight_bytes=weight_bytes)
 
 

@@ -784,10 +784,7 @@ def test_a_shard_another_program_writes_behind_the_commit_gets_no_sidecar(saved,
 
     def then_another_writer(fds):
         fsync_all(fds)
-        time.sleep(0.02)  # past the tick of the filesystem's clock: a new mtime
-        with open(shard, "r+b") as f:
-            f.seek(-2, os.SEEK_END)
-            f.write(b"\x80\x7f")  # +inf in its last element, in place
+        _write_with_a_new_mtime(shard, b"\x80\x7f")  # +inf in its last element, in place
     monkeypatch.setattr(journal, "_fsync_all", then_another_writer)
     live[name][:2] += 1
     assert sync(d, live, mode=mode).shards_changed == (shard.name,)
@@ -800,6 +797,17 @@ def test_a_shard_another_program_writes_behind_the_commit_gets_no_sidecar(saved,
     assert all(torch.equal(disk[k], t) for k, t in live.items())
 
 
+def _write_with_a_new_mtime(path: Path, tail: bytes) -> None:
+    """`tail` over the file's last bytes, in place, until its mtime is not the one it had
+    (the filesystem's clock ticks coarsely: a write in the same tick keeps it)."""
+    before = path.stat().st_mtime_ns
+    while path.stat().st_mtime_ns == before:
+        time.sleep(0.005)
+        with open(path, "r+b") as f:
+            f.seek(-len(tail), os.SEEK_END)
+            f.write(tail)
+
+
 def test_a_first_saved_shard_another_program_writes_behind_the_commit_gets_no_sidecar(
         tmp_path, monkeypatch):
     live = {"a": torch.zeros(64, dtype=torch.bfloat16), "b": torch.ones(64, dtype=torch.bfloat16)}
@@ -807,10 +815,7 @@ def test_a_first_saved_shard_another_program_writes_behind_the_commit_gets_no_si
 
     def then_another_writer(fds):
         fsync_all(fds)
-        time.sleep(0.02)  # past the tick of the filesystem's clock: a new mtime
-        with open(d / "model.safetensors", "r+b") as f:
-            f.seek(-2, os.SEEK_END)
-            f.write(b"\x80\x7f")
+        _write_with_a_new_mtime(d / "model.safetensors", b"\x80\x7f")
     monkeypatch.setattr(journal, "_fsync_all", then_another_writer)
     assert sync(d, live).first_save
     finisher.finish()

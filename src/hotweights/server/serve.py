@@ -215,14 +215,15 @@ def _refuse_others(path: Path) -> None:
             raise ConfigError(f"--token-file {path}: owned by another user (uid {owner}); "
                               "give a path of your own")
     st = path.parent.stat()
-    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX or \
-            st.st_uid not in (me, 0):
-        raise ConfigError(f"--token-file {path}: {path.parent} is "
-                          + (f"owned by another user (uid {st.st_uid})" if st.st_uid not in
-                             (me, 0) else f"writable by every user (mode "
-                             f"{stat.S_IMODE(st.st_mode):o}, not sticky)")
-                          + ": they could replace the token file; give a directory only you "
-                          "can write (the default: ~/.cache/hotweights)")
+    if st.st_uid not in (me, 0):
+        why = f"owned by another user (uid {st.st_uid})"
+    elif st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        why = f"writable by every user (mode {stat.S_IMODE(st.st_mode):o}, not sticky)"
+    else:
+        return
+    raise ConfigError(f"--token-file {path}: {path.parent} is {why}: they could replace the "
+                      "token file; give a directory only you can write (the default: "
+                      "~/.cache/hotweights)")
 
 
 def recovered(model: str, revision: str | None) -> str | None:
