@@ -4,6 +4,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from hotweights.cli.main import main
-from hotweights.errors import install
+from hotweights.errors import ConfigError, install
+from hotweights.protocol import tokens
 from hotweights.server import serve
 
 
@@ -159,11 +161,25 @@ def test_serve_refuses_a_token_file_others_could_replace(tmp_path, capsys):
     (tmp_path / "config.json").write_text("{}")
     assert main(["serve", str(tmp_path), "--token-file", str(shared / "t")]) == 1
     assert (f"error: --token-file {shared / 't'}: {shared} is writable by every user (mode "
-            "777, not sticky): they could replace the token file") in capsys.readouterr().err
-    shared.chmod(0o1777)  # sticky, as /tmp: nobody replaces another's file
-    serve.check_token_file(shared / "t")
+            "777): they could replace the token file") in capsys.readouterr().err
+    shared.chmod(0o1777)  # sticky, as /tmp: another user could still take the name first
+    with pytest.raises(ConfigError, match="writable by every user \\(mode 1777\\)"):
+        serve.check_token_file(shared / "t")
     shared.chmod(0o775)  # a group's (a umask of 002): as meant
     serve.check_token_file(shared / "t")
+
+
+def test_serve_s_token_directory_is_its_user_s_under_any_umask(tmp_path):
+    old = os.umask(0)
+    try:
+        serve.check_token_file(tmp_path / "new" / "t")
+        tokens.write_token(tmp_path / "other" / "t", "secret")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "new").stat().st_mode) == 0o700
+    assert stat.S_IMODE((tmp_path / "other").stat().st_mode) == 0o700
+    assert stat.S_IMODE((tmp_path / "other" / "t").stat().st_mode) == 0o600
+    assert os.listdir(tmp_path / "other") == ["t"]
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="makes a file of another user's (root only)")
@@ -178,16 +194,24 @@ def test_serve_refuses_a_token_file_of_another_users(tmp_path, capsys):
     assert theirs.read_text() == "their token\n"
 
 
-@pytest.mark.parametrize("value", ["1", "true", " 2"])
-def test_serve_refuses_vllms_dev_mode_whose_routes_no_token_guards(value, tmp_path, capsys,
-                                                                   monkeypatch):
+@pytest.mark.parametrize(("value", "said"), [
+    ("1", "vLLM then adds its development routes (/collective_rpc"),
+    (" 2", "vLLM then adds its development routes (/collective_rpc"),
+    ("true", "not an integer (vLLM would fail on it)"),
+])
+def test_serve_refuses_vllms_dev_mode_whose_routes_no_token_guards(value, said, tmp_path,
+                                                                   capsys, monkeypatch):
     monkeypatch.setenv("VLLM_SERVER_DEV_MODE", value)
     (tmp_path / "config.json").write_text("{}")
     assert main(["serve", str(tmp_path), "--token-file", str(tmp_path / "t")]) == 1
     err = capsys.readouterr().err
-    assert err.startswith(f"error: VLLM_SERVER_DEV_MODE={value.strip()}: vLLM then adds its "
-                          "development routes (/collective_rpc") and "unset it" in err
+    assert err.startswith(f"error: VLLM_SERVER_DEV_MODE={value}: {said}") and "unset it" in err
     assert not (tmp_path / "t").exists()
+
+
+@pytest.mark.parametrize("value", ["0", "00", "-0"])
+def test_serve_takes_vllms_dev_mode_off_as_vllm_reads_it(value):
+    serve.refuse_dev_mode({"VLLM_SERVER_DEV_MODE": value})
 
 
 @pytest.mark.parametrize(("argv", "named"), [

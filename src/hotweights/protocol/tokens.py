@@ -8,6 +8,7 @@ for a loopback URL, never sends it to another host.
 from __future__ import annotations
 
 import os
+import tempfile
 import urllib.parse
 from pathlib import Path
 
@@ -23,15 +24,14 @@ def token_path(port: int) -> Path:
 def write_token(path: Path, token: str) -> None:
     """Write `token` to `path`, mode 0600 (created or replaced at once: a client reading it
     meanwhile finds the old file or the new one, never an empty one)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:  # (mode 0600, a name nobody could take first)
         with os.fdopen(fd, "w") as f:
             f.write(token + "\n")
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        Path(tmp).unlink(missing_ok=True)
         raise
 
 

@@ -384,8 +384,10 @@ class RemoteGroup:
                                               use=plans[0].held))  # kept: `frozen_prints`
         backend = channel_backend(status)  # one kind of device for the whole group
         self.links.drop_gone(status)
-        # NCCL: on the weights' GPU, not the current one (maybe another server's)
-        device = next((t.device for t in new.values() if t.device.type == "cuda"), None)
+        # NCCL: on the weights' GPU, not the current one (maybe another server's); gloo:
+        # the channel's default (CPU)
+        device = next((t.device for t in new.values() if t.device.type == "cuda"),
+                      None) if backend == "nccl" else None
         links = [self.links.connect({u: status[u] for u in p.urls}, backend, device)
                  for p in plans]
         sends = self._send(status, list(zip(plans, links, strict=True)),
@@ -668,14 +670,17 @@ class RemoteGroup:
                         raise RemoteError(link.named(str(e))) from e
                     out.append((deltas, sent, sent * link.channel.copies))
                     on = None
+                # every worker has staged it all (the channel's acknowledgement), maybe
+                # before its server had the receive (workers armed by the last commit take
+                # the update without it; a loaded machine may send that request late): the
+                # commit goes once each receive has answered (a server's refusal, or one
+                # still unanswered, then reaches its commit), the lease renewed meanwhile
+                if late := futures.wait(received, timeout=self.timeout).not_done:
+                    logger.warning("hotweights: %d receive request(s) unanswered after %.0f "
+                                   "s: their servers refuse the commit", len(late),
+                                   self.timeout)
             self._check_leased()  # (the last round's renewals)
-            # every worker has staged it all (the channel's acknowledgement), maybe before
-            # its server had the receive (workers armed by the last commit take the update
-            # without it; a loaded machine may send that request late): the commit goes once
-            # each receive has answered (a server's refusal then reaches its commit), and a
-            # late pause must not reach the server's next update
-            futures.wait(received, timeout=self.timeout)
-            futures.wait(hints)
+            futures.wait(hints)  # a late pause must not reach the server's next update
             pool.shutdown(wait=False)
             return out
         except BaseException as e:

@@ -156,8 +156,13 @@ def refuse_dev_mode(environ: dict[str, str] | os._Environ) -> None:
     """Refuse vLLM's development mode: it adds routes that no token guards and that move
     the weights behind the lease and the version (`/collective_rpc` runs any worker method,
     `reload_weights` from a path the caller names; `/update_weights`, `/sleep`)."""
-    value = environ.get("VLLM_SERVER_DEV_MODE", "0").strip()
-    if value not in ("", "0"):  # vLLM reads bool(int(...)): any other value turns it on
+    value = environ.get("VLLM_SERVER_DEV_MODE", "0")
+    try:
+        on = bool(int(value))  # as vLLM reads it
+    except ValueError:
+        raise ConfigError(f"VLLM_SERVER_DEV_MODE={value}: not an integer (vLLM would fail on "
+                          "it); unset it") from None
+    if on:
         raise ConfigError(f"VLLM_SERVER_DEV_MODE={value}: vLLM then adds its development "
                           "routes (/collective_rpc, /update_weights, /sleep, ...), which no "
                           "token guards: any caller could replace the served weights behind "
@@ -194,7 +199,7 @@ def check_token_file(path: Path) -> None:
     if path.is_dir():
         raise ConfigError(f"--token-file {path}: a directory; give a file path")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # (any umask)
         _refuse_others(path)
         probe = path.with_name(f".{path.name}.{os.getpid()}.probe")
         os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
@@ -207,8 +212,9 @@ def check_token_file(path: Path) -> None:
 def _refuse_others(path: Path) -> None:
     """Refuse a token file another user owns (it could not be replaced once vLLM answers,
     and clients would read that user's token), or one in a directory that another user
-    owns, or that every user may write and that is not sticky (/tmp is: none can then
-    replace another's file). A group's write is taken as meant (a umask of 002)."""
+    owns or that every user may write (/tmp too: another user could take the file's name
+    while vLLM loads, and the token could then not be written). A group's write is taken
+    as meant (a umask of 002)."""
     me = os.geteuid()
     with contextlib.suppress(FileNotFoundError):
         if (owner := path.lstat().st_uid) != me:
@@ -217,13 +223,13 @@ def _refuse_others(path: Path) -> None:
     st = path.parent.stat()
     if st.st_uid not in (me, 0):
         why = f"owned by another user (uid {st.st_uid})"
-    elif st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
-        why = f"writable by every user (mode {stat.S_IMODE(st.st_mode):o}, not sticky)"
+    elif st.st_mode & stat.S_IWOTH:
+        why = f"writable by every user (mode {stat.S_IMODE(st.st_mode):o})"
     else:
         return
     raise ConfigError(f"--token-file {path}: {path.parent} is {why}: they could replace the "
-                      "token file; give a directory only you can write (the default: "
-                      "~/.cache/hotweights)")
+                      "token file or take its name; give a directory only you can write "
+                      "(the default: ~/.cache/hotweights)")
 
 
 def recovered(model: str, revision: str | None) -> str | None:
