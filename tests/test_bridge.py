@@ -632,6 +632,7 @@ def test_remote_code_runs_only_from_files_others_cannot_write(tmp_path):
     code.write_text("")
     code.chmod(0o644)
     tmp_path.chmod(0o755)
+    (tmp_path / "configuration_x.py").symlink_to(tmp_path / "gone.py")  # a cut download's
     assert bridge_module._local_model_dir(str(tmp_path), True) == str(tmp_path)
     code.chmod(0o666)  # anyone may put code in it
     with pytest.raises(ServerError, match=rf"^{code}: trust_remote_code would run code from a "

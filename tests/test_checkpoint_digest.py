@@ -95,6 +95,11 @@ def test_a_server_started_from_a_hub_id_reports_the_snapshot_it_loaded(tmp_path,
     monkeypatch.setenv(CHECKPOINT_STATS, json.dumps(stats(v2)))
     assert _loaded("org/tiny", "v2") == digest(v2) != digest(main)
     assert _loaded("org/tiny") is None  # main's shards are not the ones seen before the load
+    # vLLM's --download-dir: a cache of its own
+    elsewhere = _hub_snapshot(tmp_path / "dl", "org/tiny", "main", "c" * 40, _tensors(seed=4))
+    assert local_dir("org/tiny", None, str(tmp_path / "dl")) == str(elsewhere)
+    monkeypatch.setenv(CHECKPOINT_STATS, json.dumps(stats(elsewhere)))
+    assert _loaded("org/tiny", None, str(tmp_path / "dl")) == digest(elsewhere)
 
 
 def test_a_server_started_from_a_hub_id_recovers_its_snapshot_first(tmp_path, monkeypatch,

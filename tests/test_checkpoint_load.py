@@ -108,3 +108,54 @@ def test_a_class_keyed_conversion_names_what_save_pretrained_names(tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert torch.equal(loaded.get_output_embeddings().weight,
                        model.get_output_embeddings().weight)
+
+
+def test_a_tensor_two_shards_hold_is_refused(tmp_path):
+    # transformers and vLLM load the later file's copy, the index names the first's
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    _model("llama", 0).save_pretrained(tmp_path, max_shard_size="100KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    name = "model.norm.weight"
+    other = next(f for f in sorted(set(index.values())) if f != index[name])
+    tensors = load_file(tmp_path / other)
+    tensors[name] = torch.full((300,), 7.0, dtype=torch.bfloat16)
+    save_file(tensors, tmp_path / other, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"{name} is in .* and in "):
+        load_plan(_model("llama", 1), tmp_path)
+
+
+def test_a_tied_model_s_two_names_stored_unequal_are_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _model("llama_tied", 0).save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()  # equal: loads
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    into = _model("llama_tied", 1)
+    load_plan(into, tmp_path)()
+    assert torch.equal(into.lm_head.weight, tensors["lm_head.weight"])
+    tensors["lm_head.weight"] += 1  # saved untied
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    into = _model("llama_tied", 1)
+    before = into.lm_head.weight.clone()
+    with pytest.raises(CheckpointError, match=r"model\.embed_tokens\.weight and lm_head\.weight "
+                                              r"in .*: stored with different values, tied in "
+                                              r"the model .*Nothing was loaded"):
+        load_plan(into, tmp_path)
+    assert torch.equal(into.lm_head.weight, before)
+
+
+def test_a_missing_expert_names_the_live_tensor_it_converts_from(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _model("qwen3_moe", 0).save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.1.mlp.experts.3.down_proj.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"^model\.layers\.1\.mlp\.experts\.3\.down_proj\."
+                                              r"weight: converted from live model\.layers\.1\."
+                                              r"mlp\.experts\.down_proj by transformers"):
+        load_plan(_model("qwen3_moe", 1), tmp_path)

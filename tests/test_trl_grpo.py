@@ -11,6 +11,7 @@ what TRL would copy is refused by option name.
 import contextlib
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 import types
@@ -33,7 +34,7 @@ with warnings.catch_warnings():  # "You are importing from 'trl.experimental'"
 
 from hotweights.bridge.client import Bridge  # noqa: E402
 from hotweights.checkpoint import finisher  # noqa: E402
-from hotweights.errors import ConfigError  # noqa: E402
+from hotweights.errors import CheckpointError, ConfigError  # noqa: E402
 from hotweights.integrations.trl import (  # noqa: E402
     DistillationTrainer,
     GRPOTrainer,
@@ -284,6 +285,13 @@ def test_resuming_loads_the_checkpoint_into_the_served_tensors_as_an_update(serv
     assert not torch.equal(bridge.model().get_output_embeddings().weight, saved)  # a group,
     # its advantages are 0 and the step changes nothing)
     before, seen = parse_version(bridge.version)[0], []
+    no_state = tmp / "no_state"  # (as a save_model() output)
+    shutil.copytree(ckpt, no_state, ignore=shutil.ignore_patterns("trainer_state.json"))
+    with pytest.raises(CheckpointError, match=r"no trainer_state\.json in it .* nothing loaded"):
+        GRPOTrainer(bridge=bridge, reward_funcs=_reward, train_dataset=_data(),
+                    args=_config(tmp, max_steps=2, output_dir=str(out))).train(
+            resume_from_checkpoint=str(no_state))
+    assert parse_version(bridge.version)[0] == before
 
     class _Begin(TrainerCallback):
         def on_train_begin(self, *args, **kwargs):  # after the resume's load
@@ -715,6 +723,46 @@ def test_the_trainer_s_saves_are_syncs_that_write_what_save_pretrained_writes(tm
         save_weights(deeper, str(tmp_path / "fsdp"))
         config = json.loads((tmp_path / "fsdp" / "config.json").read_text())
         assert config["architectures"] == ["LlamaForCausalLM"], again
+
+
+def test_save_pretrained_s_options_at_their_defaults_keep_the_save_a_sync(tmp_path,
+                                                                         monkeypatch):
+    from hotweights.integrations.trl import save_weights
+
+    model = AutoModelForCausalLM.from_config(tiny.make_config("llama", 300))
+    monkeypatch.setattr(type(model), "save_pretrained",
+                        lambda *a, **k: pytest.fail(f"save_pretrained{k}"))
+    save_weights(model, str(tmp_path), is_main_process=True, push_to_hub=False,
+                 safe_serialization=True, variant=None)
+    assert (tmp_path / ".hotweights").is_dir()
+    with pytest.raises(pytest.fail.Exception, match="variant"):
+        save_weights(model, str(tmp_path), variant="ema")
+
+
+def test_a_save_cut_short_between_its_moves_is_finished_by_the_next_save(tmp_path,
+                                                                       monkeypatch, caplog):
+    from hotweights.checkpoint import journal
+    from hotweights.integrations.trl import save_weights
+
+    class Killed(BaseException):
+        pass
+
+    real = journal._crash_point
+
+    def killed_at_the_second_move(step, n=0):
+        if step == "move" and n == 1:
+            raise Killed
+        real(step, n)
+    model = AutoModelForCausalLM.from_config(tiny.make_config("llama", 300))
+    monkeypatch.setattr(journal, "_crash_point", killed_at_the_second_move)
+    with pytest.raises(Killed):
+        save_weights(model, str(tmp_path), max_shard_size="200KB")
+    monkeypatch.undo()
+    with caplog.at_level("WARNING", logger="hotweights.integrations.trl"):
+        save_weights(model, str(tmp_path), max_shard_size="200KB")
+    assert "holds another checkpoint" not in caplog.text
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert all(torch.equal(loaded.state_dict()[n], t) for n, t in model.state_dict().items())
 
 
 def test_a_save_is_whole_and_alone_when_save_weights_returns(tmp_path, monkeypatch):

@@ -8,6 +8,7 @@ import torch
 from hotweights.errors import ConfigError, HotweightsError, UnsupportedModelError
 from hotweights.vllm_plugin.worker import (
     _refuse_borrowed_weights,
+    _refuse_drafter_copies,
     _refuse_repacked_weights,
     _refuse_unshareable_cuda_memory,
 )
@@ -142,3 +143,13 @@ def test_the_preload_daemon_s_weights_are_refused_unless_copied(sharing):
                                          extra={"mode": "zero_copy"}), sharing=sharing)
     _refuse_borrowed_weights(_config(load_format="ipc_cache", extra={"mode": "copy"}),
                              sharing=sharing)
+
+
+def test_a_drafter_s_quantized_copy_of_the_head_is_refused():
+    _refuse_drafter_copies(SimpleNamespace(speculative_config=None))  # (vLLM 0.32: no field)
+    _refuse_drafter_copies(SimpleNamespace(speculative_config=SimpleNamespace(
+        draft_lm_head_quantization=None)))
+    with pytest.raises(ConfigError, match=r"draft_lm_head_quantization=fp8 computes with a "
+                                          r"copy of lm_head"):
+        _refuse_drafter_copies(SimpleNamespace(speculative_config=SimpleNamespace(
+            draft_lm_head_quantization="fp8")))

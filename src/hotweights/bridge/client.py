@@ -614,7 +614,10 @@ def _local_model_dir(path: str, trust_remote_code: bool) -> str:
                           "bridge.model(config=...)")
     if trust_remote_code:  # its code runs here: only from files others cannot write
         for code in [path, *sorted(glob.glob(os.path.join(glob.escape(path), "*.py")))]:
-            st = os.stat(code)
+            try:
+                st = os.stat(code)
+            except FileNotFoundError:  # a dangling link (a download cut short): no code
+                continue
             if st.st_uid not in (os.getuid(), 0) or st.st_mode & 0o022:
                 raise ServerError(f"{code}: trust_remote_code would run code from a "
                                   f"{'directory' if code == path else 'file'} that another "

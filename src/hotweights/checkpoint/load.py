@@ -40,7 +40,7 @@ def load_plan(model: torch.nn.Module, model_dir: str | os.PathLike) -> Callable[
     """
     if journal.pending(model_dir) is not None:  # a sync cut short after its commit: its
         journal.recover(model_dir)  # shards may be half written until it is finished
-    disk = open_dir(model_dir)
+    disk = open_dir(model_dir, strict=True)  # (a tensor in two shards: which loaders take?)
     try:
         live, inner, _ = unpack(model)  # (the model inside a torch.compile or DDP wrapper)
         names = to_disk(live, disk.keys(), model=inner)
@@ -72,12 +72,19 @@ def _check(model_dir: str | os.PathLike, names: NameMap, disk: Tensors, own: set
     if names.only_disk:
         logger.warning("%s: %d tensor(s) no tensor of the model takes, not loaded: %s",
                        model_dir, len(names.only_disk), _few(names.only_disk))
+    tied: dict[tuple, str] = {}  # the model's bytes -> the first stored name loaded there
     for name, t in names.tensors.items():
         stored = disk[name]
         if (tuple(t.shape), t.dtype) != (tuple(stored.shape), stored.dtype):
             raise CheckpointError(
                 f"{name} in {model_dir}: {_form(stored)}, the model's {_form(t)}: is it this "
                 "model's checkpoint? Nothing was loaded")
+        first = tied.setdefault((t.data_ptr(), t.shape, t.stride()), name)
+        if first != name and not torch.equal(disk[first], stored):  # tied in the model
+            raise CheckpointError(
+                f"{first} and {name} in {model_dir}: stored with different values, tied in "
+                "the model (one tensor): a load would keep only one; is it this model's "
+                "checkpoint (saved untied)? Nothing was loaded")
         if t.untyped_storage().data_ptr() not in own:
             raise CheckpointError(
                 f"{name} in {model_dir}: transformers' conversion of the model's tensor is "

@@ -110,9 +110,12 @@ def to_disk(
                 placed[n] = t
         for name, t in _revert(saved, placed, views=True).items():
             if name not in disk:
+                ptr = t.untyped_storage().data_ptr()  # its live tensor's storage
+                source = sorted(n for n, p in placed.items()
+                                if p.untyped_storage().data_ptr() == ptr) or sorted(placed)
                 raise CheckpointError(
-                    f"{name}: converted from live {sorted(placed)} by transformers, but the "
-                    f"checkpoint has no such tensor; is it the same model?")
+                    f"{name}: converted from live {_few(tuple(source))} by transformers, but "
+                    "the checkpoint has no such tensor; is it the same model?")
             if name in tensors:
                 raise CheckpointError(f"{name}: filled twice, as itself and by a conversion")
             tensors[name] = t

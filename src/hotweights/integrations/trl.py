@@ -378,19 +378,21 @@ def save_weights(model: torch.nn.Module, directory: str, *, version: str | None 
     on the weights' device, where vLLM left little room. A directory that holds another
     model's checkpoint (other names, shapes or dtypes) has its safetensors replaced by a
     first save. `kwargs`: save_pretrained's; other than `max_shard_size`, one given (a
-    state dict, a variant) leaves the save to save_pretrained."""
+    state dict, a variant; not one at its default) leaves the save to save_pretrained."""
     from transformers.dynamic_module_utils import custom_object_save
 
-    from hotweights.checkpoint import diagnose, finish, sync
+    from hotweights.checkpoint import diagnose, finish, recover, sync
     from hotweights.checkpoint.first_save import as_saved
 
     os.makedirs(directory, exist_ok=True)  # (as save_pretrained)
     max_shard_size = kwargs.pop("max_shard_size", "50GB")
-    if options := [k for k, v in kwargs.items() if v is not None]:  # (a state dict, ...)
+    if options := [k for k, v in kwargs.items()  # (a state dict, a variant, ...)
+                   if v is not None and v != _SAVE_DEFAULTS.get(k, v is None)]:
         logger.info("hotweights: %s: saved by transformers' save_pretrained", options)
         type(model).save_pretrained(model, directory, max_shard_size=max_shard_size, **kwargs)
         return
-    found = diagnose(directory, model)
+    recover(directory)  # a save cut short: finished first (its files, half moved, would
+    found = diagnose(directory, model)  # read as another checkpoint's, and be deleted)
     if not found.first_save and (found.error or found.names_error or found.mismatches
                                  or found.only_live or found.only_disk):
         logger.warning("hotweights: %s holds another checkpoint than the model's: written "
@@ -405,6 +407,11 @@ def save_weights(model: torch.nn.Module, directory: str, *, version: str | None 
     model.config.save_pretrained(directory)
     if model.can_generate():
         model.generation_config.save_pretrained(directory)
+
+
+_SAVE_DEFAULTS = dict(is_main_process=True, push_to_hub=False, save_peft_format=True,
+                      save_original_format=True, distributed_checkpoint=False,
+                      safe_serialization=True)  # save_pretrained's options, as if not given
 
 
 _SCHEDULE_FREE = ("a schedule-free optimizer moves every weight in its train() and eval(), "
@@ -599,7 +606,14 @@ class _OnServedWeights:
         `save_pretrained` named and converted them (`checkpoint.load`; transformers' own
         load leaves out fused MoE experts, saved per expert): as an update (server: paused,
         a version of its own; colocate: the prefix cache reset). A checkpoint that does not
-        fit the model is refused before the pause, with nothing written."""
+        fit the model is refused before the pause, with nothing written, and so is a
+        directory with no trainer state (transformers reads it only after this load: a
+        refusal then would leave the served weights the directory's)."""
+        if not os.path.isfile(os.path.join(resume_from_checkpoint, "trainer_state.json")):
+            raise CheckpointError(f"resume_from_checkpoint={resume_from_checkpoint}: no "
+                                  "trainer_state.json in it (a save_model() output, not a "
+                                  "Trainer checkpoint): nothing loaded, the served weights "
+                                  "untouched")
         self._load(resume_from_checkpoint, "loading the checkpoint")
 
     def _load_best_model(self) -> None:

@@ -405,11 +405,16 @@ def _share_cuda(tensors, server_id, device, **manifest_fields):
         if dtype not in _DTYPES:
             raise ManifestError(f"{name}: cannot share a {t.dtype} tensor")
         try:
-            (_, _, stride, offset, _, _, _, handle, storage_bytes, storage_offset_bytes, _,
-             ref_handle, ref_offset, event_handle, event_sync) = reduce_tensor(t.detach())[1]
+            fields = reduce_tensor(t.detach())[1]
         except RuntimeError as e:  # memory CUDA IPC cannot export (cuMem, host, imported)
             raise ManifestError(f"{name}: CUDA IPC cannot share this tensor's memory "
                                 f"({e}); serve it from vLLM's own device memory") from e
+        if len(fields) != 15:  # torch's private layout, read as torch 2.6-2.13 have it
+            raise ManifestError(f"{name}: torch {torch.__version__} exports a CUDA tensor in "
+                                f"{len(fields)} fields, not the 15 this hotweights reads: "
+                                "its private layout changed; serve with a torch it knows")
+        (_, _, stride, offset, _, _, _, handle, storage_bytes, storage_offset_bytes, _,
+         ref_handle, ref_offset, event_handle, event_sync) = fields
         ipc = CudaIpc(tuple(stride), offset, _b64(handle), storage_bytes,
                       storage_offset_bytes, _b64(ref_handle), ref_offset, _b64(event_handle),
                       bool(event_sync))

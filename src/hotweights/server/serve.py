@@ -232,10 +232,11 @@ def _refuse_others(path: Path) -> None:
                       "(the default: ~/.cache/hotweights)")
 
 
-def recovered(model: str, revision: str | None) -> str | None:
-    """The model's directory here (`model`, or the cached snapshot of hub id `model`), with
-    a sync cut short in it finished or undone before vLLM reads it; None: none here."""
-    found = local_dir(model, revision)
+def recovered(model: str, revision: str | None, cache_dir: str | None = None) -> str | None:
+    """The model's directory here (`model`, or the cached snapshot of hub id `model` in
+    `cache_dir`), with a sync cut short in it finished or undone before vLLM reads it;
+    None: none here."""
+    found = local_dir(model, revision, cache_dir)
     if found and (outcome := journal.recover(found)) in ("replayed", "discarded"):
         print(f"hotweights: {found}: {outcome} an interrupted checkpoint sync", flush=True)
     return found
@@ -269,7 +270,8 @@ def run(args: argparse.Namespace, vllm_args: list[str]) -> int:
     check_token_file(token_file)
     for path in shm.sweep_stale():
         print(f"removed stale shared weights {path}", flush=True)  # before vLLM's lines
-    found = recovered(args.model, _flag(vllm_args, "--revision"))
+    found = recovered(args.model, _flag(vllm_args, "--revision"),
+                      _flag(vllm_args, "--download-dir"))
     server_id = secrets.token_hex(4)  # 8 hex digits: versions read 7@3f9a1c2b
     env = server_env(os.environ, vllm_args, token=token, server_id=server_id,
                      token_file=token_file, remote=getattr(args, "remote", False))

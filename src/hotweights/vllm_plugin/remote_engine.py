@@ -106,7 +106,7 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
         self._spec_map: dict[str, torch.Tensor] | None = None  # (`_specs`)
         self._receiving: _Receiving | None = None
         self._gave_up = False  # a receive was left behind with the channels
-        self.model_dir = _local_dir(self.model_config)
+        self.model_dir = _local_dir(self.model_config, vllm_config.load_config.download_dir)
 
     def _specs(self) -> dict[str, torch.Tensor]:
         """HF name -> meta tensor of its shape and the served dtype, from the checkpoint; a
@@ -394,10 +394,10 @@ class _Receiving(threading.Thread):
             channel.close()
 
 
-def _local_dir(model_config) -> Path:
+def _local_dir(model_config, download_dir: str | None) -> Path:
     """The directory vLLM loaded the weights from: the model's, or its hub snapshot at its
-    revision (vLLM downloaded it before any worker builds this engine)."""
-    found = local_dir(str(model_config.model), model_config.revision)
+    revision in `download_dir` (vLLM downloaded it before any worker builds this engine)."""
+    found = local_dir(str(model_config.model), model_config.revision, download_dir)
     if found is None:
         raise ConfigError(f"hotweights: no local copy of {model_config.model} (revision "
                           f"{model_config.revision}); the remote engine reads the "

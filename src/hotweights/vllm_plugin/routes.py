@@ -225,12 +225,13 @@ class Join(Body):
                           f"{self.world_size}), got {self.rank_offset}")
 
 
-def _loaded(model: str, revision: str | None = None) -> str | None:
+def _loaded(model: str, revision: str | None = None, cache_dir: str | None = None
+            ) -> str | None:
     """The digest of the checkpoint vLLM loaded from `model` (a directory, or a hub id at
-    `revision` found in the local cache), if its shards are those `hotweights serve` saw
-    before the load (none written since); else None."""
+    `revision` found in the local cache, `cache_dir`), if its shards are those `hotweights
+    serve` saw before the load (none written since); else None."""
     before = os.environ.get(CHECKPOINT_STATS)
-    if not before or not (model := local_dir(model, revision)):
+    if not before or not (model := local_dir(model, revision, cache_dir)):
         return None
     found = digest(model)
     if stats(model) != json.loads(before):
@@ -334,7 +335,8 @@ class HotweightsRoutes:
         if self.remote:  # updates come over the transfer engine: nothing to share
             self.workers = len(await engine_client.collective_rpc("hotweights_check_in_place"))
             self.loaded = await asyncio.to_thread(_loaded, str(getattr(args, "model", "")),
-                                                  getattr(args, "revision", None))
+                                                  getattr(args, "revision", None),
+                                                  getattr(args, "download_dir", None))
             self.dtypes = _dtypes(await engine_client.collective_rpc(
                 "hotweights_remote_dtypes"))
             logger.info("hotweights: server %s, %d worker(s) receive updates from a "

@@ -34,6 +34,7 @@ class HotweightsWorker:
 
         model = self.model_runner.model
         params = dict(model.named_parameters())  # tied parameters appear once
+        _refuse_drafter_copies(self.vllm_config)
         if any(p.is_cuda for p in params.values()):
             _refuse_unshareable_cuda_memory(self.vllm_config)
             _refuse_borrowed_weights(self.vllm_config, sharing=True)
@@ -184,6 +185,18 @@ def _refuse_unshareable_cuda_memory(vllm_config) -> None:
         if "expandable_segments:true" in os.environ.get(var, "").replace(" ", "").lower():
             raise ConfigError(f"hotweights: {var} enables expandable segments, whose memory "
                               "CUDA IPC cannot share; unset expandable_segments")
+
+
+def _refuse_drafter_copies(vllm_config) -> None:
+    # vLLM >= 0.33: a speculative drafter may compute with a quantized copy of the target's
+    # lm_head, which vLLM re-derives only in its own weight transfer (finish_weight_update:
+    # a --remote server's path), not after a write in place
+    spec = getattr(vllm_config, "speculative_config", None)
+    if quantized := getattr(spec, "draft_lm_head_quantization", None):
+        raise ConfigError(
+            f"hotweights: the speculative drafter's draft_lm_head_quantization={quantized} "
+            "computes with a copy of lm_head that an update in place leaves stale; start "
+            "without it (a --remote server takes it)")
 
 
 def _refuse_borrowed_weights(vllm_config, *, sharing: bool) -> None:
