@@ -1070,3 +1070,60 @@ def test_a_file_put_back_after_a_crash_is_refused_when_its_device_changed(
     assert journal.inspect(d)[1].startswith(f"{d / NAMES[1]}: not the file journal")
     (d / NAMES[1]).write_bytes(old[NAMES[1]])  # the file it was committed for, back
     assert journal.recover(d) == "replayed" and _state(d, old, new) == "new"
+
+
+def _patches(new, spec):
+    return [(n, off, (new / n).read_bytes()[off:off + k]) for n, off, k in spec]
+
+
+def test_apply_refuses_a_file_whose_patched_bytes_changed_since_the_commit(shards):
+    d, new, old, newb, spec = shards
+    journal.write_journal(d, _patches(new, spec))
+    name, off, k = spec[0]
+    with open(d / name, "r+b") as f:  # same inode, size, header: bytes written in place
+        f.seek(off)
+        f.write(b"\x55" * k)
+    with pytest.raises(CheckpointError, match="neither those the journal replaces"):
+        journal.apply(d)
+
+
+def test_the_journal_is_unlinked_only_after_every_patched_file_is_fsynced(shards, monkeypatch):
+    d, new, old, newb, spec = shards
+    log = []
+    real_fsync, real_unlink = os.fsync, os.unlink
+    def fsync(fd):
+        log.append(("fsync", os.fstat(fd).st_ino))
+        real_fsync(fd)
+    def unlink(p, *a, **k):
+        log.append(("unlink", os.path.basename(os.fspath(p))))
+        real_unlink(p, *a, **k)
+    journal.write_journal(d, _patches(new, spec))
+    inos = {os.stat(d / n).st_ino for n in NAMES}
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "unlink", unlink)
+    journal.apply(d, wait=True)
+    finisher.finish()
+    at = log.index(("unlink", journal.JOURNAL_NAME))
+    assert inos <= {ino for op, ino in log[:at] if op == "fsync"}
+    assert _state(d, old, newb) == "new"
+
+
+def test_a_check_that_raises_discards_the_journal(shards):
+    d, new, old, newb, spec = shards
+    def check():
+        raise CheckpointError("changed meanwhile")
+    with pytest.raises(CheckpointError, match="changed meanwhile"):
+        journal.write_journal(d, _patches(new, spec), check=check)
+    assert journal.pending(d) is None and not os.path.exists(d / (journal.JOURNAL_NAME + ".tmp"))
+
+
+def test_an_old_format_patch_beyond_the_file_s_end_is_refused(shards):
+    d, new, old, newb, spec = shards
+    raw = NAMES[0].encode()
+    body = (journal._HEAD.pack(journal._MAGIC, 2, 2) + b"{}"
+            + journal._REC.pack(b"R", len(raw), (64 << 10) - 10, 100) + raw + b"x" * 100)
+    (d / journal.JOURNAL_NAME).write_bytes(
+        body + journal._COMMIT.pack(b"C", 1, xxhash.xxh3_64_intdigest(body)))
+    with pytest.raises(CheckpointError, match="beyond the file's end"):
+        journal.recover(d)
+    assert (d / NAMES[0]).read_bytes() == old[NAMES[0]]

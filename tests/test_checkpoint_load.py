@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from hotweights.checkpoint import load as load_module
 from hotweights.checkpoint.load import load_plan
 from hotweights.errors import CheckpointError
 from hotweights.testing.tiny import make_config
@@ -159,3 +160,48 @@ def test_a_missing_expert_names_the_live_tensor_it_converts_from(tmp_path):
                                               r"weight: converted from live model\.layers\.1\."
                                               r"mlp\.experts\.down_proj by transformers"):
         load_plan(_model("qwen3_moe", 1), tmp_path)
+
+
+def _counting(monkeypatch):
+    closed = []
+    real = load_module.open_dir
+    def open_dir(*a, **k):
+        disk = real(*a, **k)
+        close = disk.close
+        def counted():
+            closed.append(True)
+            close()
+        disk.close = counted
+        return disk
+    monkeypatch.setattr(load_module, "open_dir", open_dir)
+    return closed
+
+
+def test_the_load_returns_the_bytes_copied_and_closes_the_checkpoint(tmp_path, monkeypatch):
+    _model("llama", 0).save_pretrained(tmp_path)
+    into = _model("llama", 1)
+    closed = _counting(monkeypatch)
+    n = load_plan(into, tmp_path)()
+    assert n == sum(t.numel() * t.element_size() for t in into.state_dict().values())
+    assert closed == [True]
+
+
+def test_a_refused_load_closes_the_checkpoint(tmp_path, monkeypatch):
+    _model("llama", 0, intermediate_size=96).save_pretrained(tmp_path)
+    closed = _counting(monkeypatch)
+    with pytest.raises(CheckpointError):
+        load_plan(_model("llama", 1), tmp_path)
+    assert closed == [True]
+
+
+def test_a_conversion_that_gives_a_copy_is_refused(tmp_path, monkeypatch):
+    _model("llama", 0).save_pretrained(tmp_path)
+    real = load_module.to_disk
+    def to_disk(*a, **k):
+        names = real(*a, **k)
+        first = next(iter(names.tensors))
+        names.tensors[first] = names.tensors[first].clone()
+        return names
+    monkeypatch.setattr(load_module, "to_disk", to_disk)
+    with pytest.raises(CheckpointError, match="is a copy"):
+        load_plan(_model("llama", 1), tmp_path)

@@ -143,3 +143,108 @@ def test_a_request_is_past_the_gate_once_its_body_is_all_here():
 
     asyncio.run(main())
     assert b"".join(read) == b'{"model": "m"}'
+
+
+def _ok_app(started=None, finish=None, fail=False):
+    async def app(scope, receive, send):
+        if started is not None:
+            started.set()
+        if finish is not None:
+            await finish.wait()
+        if fail:
+            raise RuntimeError("app failed")
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    return app
+
+
+async def _recv():
+    return {"type": "http.request", "body": b""}
+
+
+async def _send(m):
+    pass
+
+
+def _scope(path="/v1/completions", method="POST"):
+    return {"type": "http", "method": method, "path": path}
+
+
+def test_a_request_woken_as_the_gate_closes_again_waits_again():
+    async def main():
+        gate = Gate()
+        gate.open.clear()
+        middleware = GateMiddleware(_ok_app(), gate, lambda: 0)
+        call = asyncio.ensure_future(middleware(_scope(), _recv, _send))
+        await asyncio.sleep(0.01)
+        gate.open.set()
+        gate.open.clear()  # the next update closes it before the waiter runs
+        await asyncio.sleep(0.05)
+        assert not call.done() and gate.idle.is_set()
+        gate.open.set()
+        await asyncio.wait_for(call, 5)
+    asyncio.run(main())
+
+
+def test_idle_only_once_the_last_request_leaves():
+    async def main():
+        gate = Gate()
+        f1, f2 = asyncio.Event(), asyncio.Event()
+        mw1 = GateMiddleware(_ok_app(finish=f1), gate, lambda: 0)
+        mw2 = GateMiddleware(_ok_app(finish=f2), gate, lambda: 0)
+        c1 = asyncio.ensure_future(mw1(_scope(), _recv, _send))
+        c2 = asyncio.ensure_future(mw2(_scope(), _recv, _send))
+        await asyncio.sleep(0.02)
+        f1.set()
+        await c1
+        assert not gate.idle.is_set() and len(gate.live) == 1
+        f2.set()
+        await c2
+        assert gate.idle.is_set()
+    asyncio.run(main())
+
+
+def test_a_failing_app_still_leaves_the_gate():
+    async def main():
+        gate = Gate()
+        with pytest.raises(RuntimeError):
+            await GateMiddleware(_ok_app(fail=True), gate, lambda: 0)(_scope(), _recv, _send)
+        assert gate.idle.is_set() and not gate.live
+    asyncio.run(main())
+
+
+def test_ungated_responses_carry_the_version_too():
+    async def main():
+        sent = []
+        async def send(m):
+            sent.append(m)
+        await GateMiddleware(_ok_app(), Gate(), lambda: 3)(_scope("/health", "GET"), _recv, send)
+        return dict(sent[0]["headers"])
+    assert asyncio.run(main())[VERSION_HEADER.encode()] == b"3"
+
+
+def test_the_app_sees_the_disconnect_after_the_whole_body():
+    got = []
+    async def app(scope, receive, send):
+        got.append(await receive())
+        got.append(await receive())
+    async def main():
+        msgs = [{"type": "http.request", "body": b"x", "more_body": False},
+                {"type": "http.disconnect"}]
+        async def receive():
+            return msgs.pop(0)
+        await GateMiddleware(app, Gate(), lambda: 0)(_scope(), receive, _send)
+    asyncio.run(main())
+    assert [m["type"] for m in got] == ["http.request", "http.disconnect"]
+
+
+def test_a_stream_not_aborted_gets_no_abort_notice():
+    _, events = _run("/v1/completions", {"model": "m", "prompt": "x"}, _sse(), abort=False)
+    assert events == []
+
+
+@pytest.mark.parametrize(("prompt", "ends"), [(["a", "b"], 4), ([[1, 2], [3]], 4), ([1, 2], 2)])
+def test_a_batched_prompt_gets_one_end_per_prompt_and_choice(prompt, ends):
+    _, events = _run("/v1/completions", {"model": "m", "n": 2, "prompt": prompt}, _sse(),
+                     abort=True)
+    assert sorted(c["index"] for e in events for c in e["choices"]) == list(range(ends))

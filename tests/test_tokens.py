@@ -5,6 +5,7 @@ import re
 import pytest
 
 from hotweights.errors import ConfigError, ServerError
+from hotweights.protocol import tokens
 from hotweights.protocol.tokens import find_token, remove_token, token_path, write_token
 
 
@@ -96,3 +97,32 @@ def test_a_url_that_is_no_server_url_is_named_before_anything_is_sent(home, url,
         with pytest.raises(ConfigError, match=rf"'{re.escape(url)}' is not a server URL: "
                                               rf"{re.escape(why)}"):
             find_token(url, token)
+
+
+def test_a_token_with_a_space_inside_is_refused(home):
+    with pytest.raises(ConfigError, match="holds whitespace"):
+        find_token("http://10.0.0.1:8000", "s3cr3t token")
+
+
+@pytest.mark.parametrize("where", ["env", "file"])
+def test_a_blank_token_is_refused(home, monkeypatch, where):
+    if where == "env":
+        monkeypatch.setenv("HOTWEIGHTS_TOKEN", "  ")
+    else:
+        write_token(token_path(8000), "")
+    with pytest.raises(ConfigError, match="is empty"):
+        find_token("http://127.0.0.1:8000")
+
+
+def test_the_token_directory_is_private(tmp_path):
+    write_token(tmp_path / "d" / "server.token", "t")
+    assert (tmp_path / "d").stat().st_mode & 0o777 == 0o700
+
+
+def test_a_failed_token_write_leaves_no_temp_file(tmp_path, monkeypatch):
+    def boom(a, b):
+        raise OSError("replace failed")
+    monkeypatch.setattr(tokens.os, "replace", boom)
+    with pytest.raises(OSError):
+        write_token(tmp_path / "server.token", "t")
+    assert list(tmp_path.iterdir()) == []

@@ -6,7 +6,7 @@ import pytest
 
 from hotweights.protocol.version import parse_version
 from hotweights.server.bodies import Abort, Begin, Commit, Receive, Refused, Renew
-from hotweights.server.transaction import State, Transaction
+from hotweights.server.transaction import _KEPT_DIRTY, State, Transaction
 
 SID = "s1"
 
@@ -845,3 +845,113 @@ def test_an_error_reading_proc_is_not_taken_for_an_exit(monkeypatch):
         return real(path, *a, **kw)
     monkeypatch.setattr(builtins, "open", full)
     assert exited() is False and process.identity() == ""
+
+
+# Pinned down by a mutation review: each fails where the behaviour it names is lost.
+
+def test_an_expiry_whose_engine_resume_awaits_still_resumes():
+    async def test(tx, engine):
+        done = []
+        async def slow_resume():
+            await asyncio.sleep(0.01)  # an RPC to the workers
+            engine.paused = False
+            done.append(True)
+        engine.resume = slow_resume
+        await tx.begin(begin(lease_s=0.01))
+        await asyncio.sleep(0.5)
+        assert done == [True] and not engine.paused and tx.state is State.EXPIRED
+    run(test)
+
+
+def test_a_stale_watcher_does_not_end_the_same_holder_s_next_lease():
+    running = {"a:b:7:70", "a:b:8:80"}
+    def watch(ident):
+        return (lambda: ident not in running) if ident in running else None
+    async def main():
+        engine = StubEngine()
+        tx = Transaction(engine, SID, watch=watch, poll_s=0.05)
+        await tx.begin(begin(process="a:b:7:70"))
+        await tx.commit(Commit("h1", SID))
+        running.discard("a:b:7:70")  # the first trainer exits after its commit
+        await tx.begin(begin(process="a:b:8:80"))  # the next one, same holder name
+        await asyncio.sleep(0.2)
+        assert tx.state is State.PAUSED and tx.holder == "h1" and tx.n == 1
+    asyncio.run(main())
+
+
+def test_an_expiry_for_another_holder_changes_nothing():
+    async def test(tx, engine):
+        await tx.begin(begin("h2"))
+        await tx.expire("h1")
+        assert (tx.state, tx.holder, tx.n) == (State.PAUSED, "h2", 0)
+    run(test)
+
+
+def test_an_expired_lease_resets_the_caches():
+    async def test(tx, engine):
+        resets = []
+        async def reset():
+            resets.append(tx.state)
+        engine.reset_caches = reset
+        await tx.begin(begin(lease_s=0.01))
+        await asyncio.sleep(0.5)
+        assert tx.state is State.EXPIRED and resets == [State.PAUSED]
+    run(test)
+
+
+def test_an_expiry_while_a_pause_ahead_waits_cancels_that_pause():
+    async def test(tx, engine):
+        await tx.begin(begin(stage=True, lease_s=5))  # the drain's bound
+        engine.block["pause"] = asyncio.Event()
+        await tx.renew(Renew("h1", SID, lease_s=0.05, pause=True))
+        await asyncio.sleep(0.5)
+        assert tx.state is State.IDLE
+        engine.block["pause"].set()
+        await settle()
+        assert not engine.paused and not engine.held
+    run_recording(test)
+
+
+def test_a_cancelled_staged_commit_discards_the_staged_update():
+    async def test(tx, engine):
+        await tx.begin(begin(stage=True, lease_s=5))
+        engine.block["pause"] = asyncio.Event()
+        task = asyncio.ensure_future(tx.commit(Commit("h1", SID)))
+        await settle()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert engine.steps[-1] == "discard"
+    run_recording(test)
+
+
+def test_a_staged_begin_after_an_expiry_clears_the_expiry_news():
+    async def test(tx, engine):
+        await tx.begin(begin(lease_s=0.01))
+        await asyncio.sleep(0.5)
+        await tx.begin(begin(stage=True))
+        await tx.commit(Commit("h1", SID))
+        with pytest.raises(Refused, match="no update in progress for h1"):
+            await tx.renew(Renew("h1", SID, lease_s=5))
+    run(test)
+
+
+def test_dirty_versions_keep_only_the_last_ones():
+    async def test(tx, engine):
+        for _ in range(_KEPT_DIRTY + 5):
+            await tx.begin(begin())
+            await tx.abort(Abort("h1", SID, dirty=True))
+        labels = tx.status()["dirty_versions"]
+        assert len(labels) == _KEPT_DIRTY and labels[-1] == f"{tx.n}@{SID}"
+    run(test)
+
+
+def test_a_begin_retried_restarts_the_lease_from_now():
+    async def test(tx, engine):
+        first = await tx.begin(begin(lease_s=1.0))
+        await asyncio.sleep(0.6)
+        again = await tx.begin(begin(lease_s=1.0))
+        assert again["lease_expires"] > first["lease_expires"]
+        await asyncio.sleep(0.6)  # 1.2 s since the first begin, 0.6 since the retry
+        assert tx.state is State.PAUSED and tx.n == 0
+    run(test)

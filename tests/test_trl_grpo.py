@@ -737,6 +737,8 @@ def test_save_pretrained_s_options_at_their_defaults_keep_the_save_a_sync(tmp_pa
     assert (tmp_path / ".hotweights").is_dir()
     with pytest.raises(pytest.fail.Exception, match="variant"):
         save_weights(model, str(tmp_path), variant="ema")
+    with pytest.raises(pytest.fail.Exception, match="some_option"):  # one it does not know
+        save_weights(model, str(tmp_path), some_option=False)
 
 
 def test_a_save_cut_short_between_its_moves_is_finished_by_the_next_save(tmp_path,

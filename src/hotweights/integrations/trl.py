@@ -387,7 +387,7 @@ def save_weights(model: torch.nn.Module, directory: str, *, version: str | None 
     os.makedirs(directory, exist_ok=True)  # (as save_pretrained)
     max_shard_size = kwargs.pop("max_shard_size", "50GB")
     if options := [k for k, v in kwargs.items()  # (a state dict, a variant, ...)
-                   if v is not None and v != _SAVE_DEFAULTS.get(k, v is None)]:
+                   if v is not None and (k not in _SAVE_DEFAULTS or v != _SAVE_DEFAULTS[k])]:
         logger.info("hotweights: %s: saved by transformers' save_pretrained", options)
         type(model).save_pretrained(model, directory, max_shard_size=max_shard_size, **kwargs)
         return
