@@ -63,6 +63,7 @@ def test_a_server_shares_an_alias_as_a_view_of_its_holder_s_shared_bytes(monkeyp
         model.register_parameter(name.replace(".", "_"), torch.nn.Parameter(t, False))
     worker = HotweightsWorker()
     worker.model_runner = SimpleNamespace(model=model, model_config=SimpleNamespace(model="m"))
+    worker.vllm_config = SimpleNamespace(speculative_config=None)
     manifest = shm.Manifest.from_dict(worker.hotweights_share("aliases-test"))
     try:
         assert [e.name for e in manifest.tensors] == ["kv_b_proj_weight", "o_proj_weight"]
