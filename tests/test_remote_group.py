@@ -5,6 +5,7 @@ server that fails a renewal, a send or a join, or a step that cannot be undone, 
 import os
 import re
 import threading
+import types
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from hotweights.checkpoint.digest import digest
 from hotweights.errors import ServerError
 from hotweights.protocol import tokens
 from hotweights.remote import delta, packing
-from hotweights.remote.group import _Plan
+from hotweights.remote.group import _Plan, channel_device
 from hotweights.remote.links import Links
 from hotweights.remote.rendezvous import PROTOCOL
 from hotweights.testing import tiny
@@ -838,3 +839,12 @@ def test_asking_whether_a_cast_holds_a_tensor_makes_no_copy():
     cast = Cast(Counted(w=torch.zeros(2)), {"w": torch.bfloat16})
     assert "w" in cast and "v" not in cast and read == []
     assert cast["w"].dtype == torch.bfloat16 and read == ["w"]
+
+
+def test_a_channel_s_buffers_go_on_the_weights_gpu_for_nccl_only():
+    # gloo's on the CPU beside CUDA weights (its broadcasts of CUDA tensors go through host
+    # memory); NCCL's on the weights' GPU, not the current device
+    weights = [torch.zeros(1), types.SimpleNamespace(device=torch.device("cuda:1"))]
+    assert channel_device("nccl", weights) == torch.device("cuda:1")
+    assert channel_device("gloo", weights) is None
+    assert channel_device("nccl", weights[:1]) is None

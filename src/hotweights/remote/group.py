@@ -384,10 +384,7 @@ class RemoteGroup:
                                               use=plans[0].held))  # kept: `frozen_prints`
         backend = channel_backend(status)  # one kind of device for the whole group
         self.links.drop_gone(status)
-        # NCCL: on the weights' GPU, not the current one (maybe another server's); gloo:
-        # the channel's default (CPU)
-        device = next((t.device for t in new.values() if t.device.type == "cuda"),
-                      None) if backend == "nccl" else None
+        device = channel_device(backend, new.values())
         links = [self.links.connect({u: status[u] for u in p.urls}, backend, device)
                  for p in plans]
         sends = self._send(status, list(zip(plans, links, strict=True)),
@@ -821,6 +818,14 @@ def _then_last(items: Iterator, then: Callable[[Any], None]) -> Iterator:
         yield last
     if last is not none:
         then(last)
+
+
+def channel_device(backend: str, tensors: Iterable[torch.Tensor]) -> torch.device | None:
+    """Where a channel's buffers go: NCCL's on the weights' GPU (not the current one,
+    maybe another server's); gloo's on the CPU (its default), beside CUDA weights too."""
+    if backend != "nccl":
+        return None
+    return next((t.device for t in tensors if t.device.type == "cuda"), None)
 
 
 def _raise_failed(futures: dict, what: str, *, wait: bool = True) -> None:
