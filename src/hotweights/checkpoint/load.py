@@ -43,7 +43,10 @@ def load_plan(model: torch.nn.Module, model_dir: str | os.PathLike) -> Callable[
     disk = open_dir(model_dir, strict=True)  # (a tensor in two shards: which loaders take?)
     try:
         live, inner, _ = unpack(model)  # (the model inside a torch.compile or DDP wrapper)
-        names = to_disk(live, disk.keys(), model=inner)
+        try:
+            names = to_disk(live, disk.keys(), model=inner)
+        except CheckpointError as e:  # (a name conversion that does not fit)
+            raise CheckpointError(f"{model_dir}: {e} Nothing was loaded") from None
         _check(model_dir, names, disk, {t.untyped_storage().data_ptr() for t in live.values()})
     except BaseException:
         disk.close()
