@@ -1127,3 +1127,23 @@ def test_an_old_format_patch_beyond_the_file_s_end_is_refused(shards):
     with pytest.raises(CheckpointError, match="beyond the file's end"):
         journal.recover(d)
     assert (d / NAMES[0]).read_bytes() == old[NAMES[0]]
+
+
+def test_held_unlocks_the_lock_it_tried_not_only_closes_its_fd(tmp_path, monkeypatch):
+    # a child forked between held()'s flock and its close shares the open file
+    # description (simulated by a dup): closing alone would leave the lock held by it
+    real_close, shared = os.close, []
+
+    def close(fd):
+        if not shared:
+            shared.append(os.dup(fd))
+        real_close(fd)
+    monkeypatch.setattr(lock.os, "close", close)
+    assert not lock.held(tmp_path)
+    monkeypatch.undo()
+    try:
+        assert shared and not lock.held(tmp_path)
+        with lock.locked(tmp_path):
+            assert lock.held(tmp_path)
+    finally:
+        os.close(shared[0])

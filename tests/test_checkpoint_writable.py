@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -174,3 +175,60 @@ def test_diagnose_names_a_sidecar_directory_no_sync_can_write(saved):
     assert problem == (f"{saved / '.hotweights'}: the sidecars cannot be written (its directory "
                        f"{saved / '.hotweights'} is not writable by this process): every sync "
                        "compares every shard with the file, byte by byte")
+
+
+def _sticky(tmp_path: Path) -> Path:
+    d = tmp_path / "shared"
+    d.mkdir()
+    (d / "theirs").write_bytes(b"x")
+    try:
+        os.chown(d / "theirs", 4242, 4242)
+        os.chown(d, 4343, 4343)
+    except OSError as e:
+        pytest.skip(f"cannot make files of other users here ({e.strerror})")
+    os.chmod(d, 0o1777)
+    return d / "theirs"
+
+
+def test_the_sticky_rule_lets_the_directory_s_owner_and_cap_fowner_rename(tmp_path,
+                                                                          monkeypatch):
+    theirs = _sticky(tmp_path)
+    monkeypatch.setattr(writable, "_may_own_any", lambda: False)
+    monkeypatch.setattr(os, "geteuid", lambda: 4343)  # the directory's owner: may
+    assert writable.why_not_replaceable(str(theirs)) is None
+    monkeypatch.setattr(os, "geteuid", lambda: 4242)  # the file's owner: may
+    assert writable.why_not_replaceable(str(theirs)) is None
+    monkeypatch.setattr(os, "geteuid", lambda: 5555)  # anyone else: may not
+    assert "its directory is sticky" in writable.why_not_replaceable(str(theirs))
+    monkeypatch.setattr(writable, "_may_own_any", lambda: True)  # unless CAP_FOWNER
+    assert writable.why_not_replaceable(str(theirs)) is None
+
+
+def test_a_directory_this_process_may_write_but_not_search_is_refused():
+    setpriv = shutil.which("setpriv")
+    if os.geteuid() != 0 or setpriv is None:
+        pytest.skip("needs root and setpriv (util-linux) to run as another user")
+    top = Path(tempfile.mkdtemp(prefix="hw-search-"))  # pytest's tmp_path: root's only
+    try:
+        os.chmod(top, 0o755)
+        d = top / "d"
+        d.mkdir()
+        (d / "f").write_bytes(b"x")
+        os.chown(d, 4242, 4242)
+        src = str(Path(writable.__file__).resolve().parents[1])
+        code = (f"import sys, types; pkg = types.ModuleType('hotweights'); "
+                f"pkg.__path__ = [{src!r}]; sys.modules['hotweights'] = pkg\n"
+                "from hotweights.checkpoint.writable import why_not_replaceable\n"
+                f"print(why_not_replaceable({str(d / 'f')!r}))")
+        got = {}
+        for mode in (0o300, 0o200):  # write and search; write only
+            os.chmod(d, mode)
+            out = subprocess.run([setpriv, "--reuid=4242", "--regid=4242", "--clear-groups",
+                                  sys.executable, "-c", code], capture_output=True, text=True)
+            if out.returncode != 0 and "Traceback" not in out.stderr:
+                pytest.skip(f"setpriv could not run as another user: {out.stderr[-200:]}")
+            got[mode] = (out.returncode, out.stdout.strip(), out.stderr[-300:])
+        assert got[0o300][:2] == (0, "None"), got
+        assert got[0o200][0] == 0 and "is not writable by this process" in got[0o200][1], got
+    finally:
+        shutil.rmtree(top, ignore_errors=True)

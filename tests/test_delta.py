@@ -725,3 +725,32 @@ def test_a_widened_entry_into_a_non_contiguous_target_is_refused_before_any_writ
         apply(r, got)
     assert all(torch.equal(got[k], before[k]) for k in got)
     assert not delta_apply.widens(torch.float8_e4m3fn, torch.bfloat16)  # FP8 stays FP8
+
+
+def _more_bad_rounds():
+    old, r = _one_round()
+    a, b, c = (_entry(r, n) for n in "abc")
+    total = r.header["nbytes"]
+    assert c["offset"] + c["nbytes"] == total  # c ends the buffer
+    return old, {
+        # c slid 8 bytes: its last 8 bytes past the buffer's end
+        "past_end": (_with(r, "c", offset=c["offset"] + 8), r"`c`: field 'offset'"),
+        "misaligned": (_with(r, "a", offset=a["offset"] + 4), r"`a`: field 'offset'"),
+        "entry_longer": (_with(r, "b", nbytes=b["nbytes"] + 8), r"`b`: field 'nbytes' is"),
+        "long_buffer": (Round(r.header, torch.cat([r.buffer, torch.zeros(8, dtype=torch.uint8)])),
+                        r"field 'nbytes' is \d+, the buffer holds \d+"),
+        # a's first run [5, 9) made empty [9, 9), its second [100, 101) made [96, 101):
+        # the rows still sum to 5
+        "empty_run": (_set_bytes(r, a["offset"], torch.tensor([9, 9, 96, 101])),
+                      r"`a`: field 'ranges'"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_more_bad_rounds()[1]))
+def test_more_bad_rounds_are_refused_by_name_and_nothing_is_written(case):
+    old, cases = _more_bad_rounds()
+    r, match = cases[case]
+    targets = {k: v.clone() for k, v in old.items()}
+    with pytest.raises(DeltaError, match=match):
+        apply(r, targets)
+    assert _same_bits(targets, old)

@@ -4,6 +4,7 @@ import contextlib
 import json
 import re
 import sys
+import zlib
 from dataclasses import replace
 from unittest import mock
 
@@ -675,3 +676,76 @@ def test_warm_compiles_what_an_update_then_runs():
                                    values="xor"))
         assert {e["kind"] for r_ in rounds for e in r_.header["entries"]} == {delta.PATCH}
     assert {n: list(getattr(loops, n).signatures) for n in names} == compiled
+
+
+ARGS = dict(numel=1000, itemsize=2, floating=True)
+
+
+def test_an_escaped_gap_that_wraps_to_a_negative_index_is_refused(decoder):
+    # an escape of 2**64 - 2 is -2 as int64: the second index would be -1 (the last
+    # element, written through numpy's negative indexing) were escapes not bounded
+    escape = np.array([(1 << 64) - 2], "<u8").view(np.uint8)
+    data = np.concatenate([[255], escape, [0x7F, 0x7F], [0, 0]]).astype(np.uint8)
+    fields = {"count": 2, "first": 0, "shift": 0, "values": "raw",
+              "sections": [0, 1, 8, 2, 2], "zipped": []}
+    assert codec.check_fields(fields, 1000, 2) == len(data)
+    with pytest.raises(codec.CodecError, match="hold a gap past the 1000 elements"):
+        codec.decode(fields, data, **ARGS)
+
+
+def test_an_xor_bit_length_past_the_element_size_is_refused_by_name(decoder):
+    # a length of 17 bits in a 2-byte element: a CodecError, never an IndexError
+    fields = {"count": 1, "first": 5, "shift": 0, "values": "xor",
+              "sections": [0, 0, 0, 1, 2], "zipped": []}
+    data = np.array([17, 0xFF, 0xFF], np.uint8)
+    assert codec.check_fields(fields, 1000, 2) == len(data)
+    with pytest.raises(codec.CodecError, match="hold an xor of 17 bits, more than 16"):
+        codec.decode(fields, data, **ARGS)
+
+
+def test_a_deflated_section_followed_by_other_bytes_is_refused(decoder):
+    z = zlib.compressobj(1, zlib.DEFLATED, -15)
+    zipped = z.compress(bytes([0x7F, 0x7F])) + z.flush() + b"\x00"  # a byte after the stream
+    data = np.concatenate([np.frombuffer(zipped, np.uint8), [0, 0]]).astype(np.uint8)
+    fields = {"count": 2, "first": 0, "shift": 0, "values": "raw",
+              "sections": [0, 1, 0, len(zipped), 2], "zipped": [3]}
+    data = np.concatenate([[0], data]).astype(np.uint8)  # section [1]: one gap of 0
+    assert codec.check_fields(fields, 1000, 2) == len(data)
+    ok = dict(fields, sections=[0, 1, 0, len(zipped) - 1, 2])
+    assert codec.decode(ok, np.delete(data, len(zipped)), **ARGS)[0].tolist() == [0, 1]
+    with pytest.raises(codec.CodecError, match="inflates to 2 bytes, expected 2"):
+        codec.decode(fields, data, **ARGS)
+
+
+def test_an_escape_section_not_whole_uint64s_is_refused_by_check_fields():
+    fields = {"count": 2, "first": 0, "shift": 0, "values": "raw",
+              "sections": [0, 1, 3, 2, 2], "zipped": []}
+    with pytest.raises(codec.CodecError, match=r"\[2\] is 3 bytes: not 8 per escaped gap"):
+        codec.check_fields(fields, 1000, 2)
+
+
+def test_a_deflated_section_far_longer_than_its_elements_is_refused():
+    fields = {"count": 2, "first": 0, "shift": 0, "values": "raw",
+              "sections": [0, 1, 0, 2 + 1024, 2], "zipped": [3]}
+    assert codec.check_fields(fields, 1000, 2) == 2 + 1024 + 3
+    fields["sections"][3] += 1
+    with pytest.raises(codec.CodecError, match="too long for 2 elements"):
+        codec.check_fields(fields, 1000, 2)
+
+
+def test_a_zstd_frame_that_does_not_state_the_expected_size_is_refused_unread():
+    zstandard = pytest.importorskip("zstandard")
+    raw = bytes(1 << 20)
+    for frame in (zstandard.ZstdCompressor(write_content_size=True).compress(raw),
+                  zstandard.ZstdCompressor(write_content_size=False).compress(raw)):
+        with pytest.raises(codec.CodecError, match=r"is 10, the buffer's zstd frame says"):
+            codec.zstd_decompress(frame, 10)
+
+
+def test_xor_bits_longer_than_the_elements_hold_are_refused_by_check_fields():
+    fields = {"count": 1, "first": 0, "shift": 0, "values": "xor",
+              "sections": [0, 0, 0, 1, 2], "zipped": []}
+    assert codec.check_fields(fields, 1000, 2) == 3
+    fields["sections"][4] = 3
+    with pytest.raises(codec.CodecError, match=r"\[4\] is 3 bytes, more than 1 values hold"):
+        codec.check_fields(fields, 1000, 2)

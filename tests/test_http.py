@@ -8,12 +8,14 @@ import socket
 import ssl
 import threading
 import time
+import urllib.request
 
 import pytest
 
 from hotweights.errors import ConfigError, ServerError
 from hotweights.protocol import http as hw_http
 from hotweights.protocol.http import request
+from hotweights.protocol.urls import is_loopback, server_url
 
 
 @pytest.fixture(autouse=True)
@@ -360,3 +362,79 @@ def test_an_answer_past_the_bound_is_refused_not_read_whole(json_server, monkeyp
         request(url, "GET", "/x", "tok")
     assert request(f"http://127.0.0.1:{json_server(answer={'x': 'y' * 900})}", "GET", "/x",
                    "tok") == {"x": "y" * 900}
+
+
+def test_an_answer_of_exactly_the_bound_is_read(monkeypatch):
+    body = b'{"x": "' + b"y" * 100 + b'"}'
+    monkeypatch.setattr(hw_http, "MAX_ANSWER", len(body))
+    with _served(200, body, "application/json") as url:
+        assert request(url, "GET", "/x", "t") == {"x": "y" * 100}
+
+
+def test_an_endless_answer_is_cut_at_the_bound_not_read_to_the_timeout(monkeypatch):
+    # no Content-Length, a body that never ends: refused once the bound is passed
+    monkeypatch.setattr(hw_http, "MAX_ANSWER", 1000)
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def answer():
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                         b"Connection: close\r\n\r\n[")
+            try:
+                while not stop.is_set():
+                    conn.sendall(b"1," * 512)
+            except OSError:
+                pass
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        with pytest.raises(ServerError, match=rf"^GET /x: {url} answered more than 0 MiB"):
+            request(url, "GET", "/x", "t", timeout=10)
+    finally:
+        stop.set()
+        thread.join(10)
+        listener.close()
+
+
+def test_an_answer_nested_past_the_stack_is_a_server_error():
+    body = b"[" * 200_000 + b"]" * 200_000
+    with _served(200, body, "application/json") as url:
+        with pytest.raises(ServerError, match=r"not JSON: is it a `hotweights serve`"):
+            request(url, "GET", "/x", "t")
+
+
+def test_a_cafile_given_as_argument_wins_over_the_variable(tls, json_server, monkeypatch,
+                                                           tmp_path):
+    port = json_server(*tls.leaf("127.0.0.1"))
+    monkeypatch.setenv("HOTWEIGHTS_CA_FILE", str(tmp_path / "missing.pem"))
+    assert request(f"https://127.0.0.1:{port}", "GET", "/x", "t",
+                   cafile=tls.ca)["route"] == "/x"
+
+
+def test_a_direct_opener_skips_the_environments_proxy_for_any_host(monkeypatch):
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")
+    for direct in (True, False):
+        op = hw_http.opener("http://10.255.255.1:8000", direct=direct)
+        proxied = [h.proxies.get("http") for h in op.handlers
+                   if isinstance(h, urllib.request.ProxyHandler)]
+        assert proxied == ([] if direct else ["http://127.0.0.1:9"]), direct
+
+
+@pytest.mark.parametrize(("url", "why"), [
+    ("http://h:1/#frag", "a query or fragment after it"),
+    ("http://h:1/a\x00b", "a space or control character in it"),
+    ("http://h:1/a\x7fb", "a space or control character in it"),
+])
+def test_more_urls_that_are_no_server_urls(url, why):
+    with pytest.raises(ConfigError, match=why):
+        server_url(url)
+
+
+def test_localhost_with_its_root_dot_is_loopback():
+    assert is_loopback("localhost.") and is_loopback("LOCALHOST")
+    assert not is_loopback("localhost.example") and not is_loopback("10.0.0.1")

@@ -311,3 +311,43 @@ def test_round_digests_in_a_forked_child_use_threads_of_its_own():
     got = os.read(read, 64)
     os.waitpid(pid, 0)
     assert got == want
+
+
+TOKEN = "a-shared-secret-token"
+
+
+def test_a_round_digest_binds_each_parts_length_even_at_a_chunk_boundary():
+    # without each part's length, a whole chunk moved between parts (or an empty part added)
+    # hashes the same chunks in the same order
+    key = signing.channel_key(TOKEN, "n1")
+    a = torch.zeros(signing.CHUNK, dtype=torch.uint8)
+    b = torch.ones(16, dtype=torch.uint8)
+    whole = torch.cat([a, b])
+    assert signing.round_digest(key, 0, (a, b)) != signing.round_digest(key, 0, (whole,))
+    empty = torch.empty(0, dtype=torch.uint8)
+    assert signing.round_digest(key, 0, (b, empty)) != signing.round_digest(key, 0, (empty, b))
+    assert signing.round_digest(key, 0, (b, empty)) != signing.round_digest(key, 0, (b,))
+
+
+def test_a_round_digest_covers_the_last_byte_of_every_chunk_and_a_one_byte_tail():
+    key = signing.channel_key(TOKEN, "n1")
+    for n in (1, 2 * signing.CHUNK + 1):
+        buf = torch.zeros(n, dtype=torch.uint8)
+        digest = signing.round_digest(key, 0, (buf,))
+        idx = [n - 1] + [k * signing.CHUNK - 1 for k in range(1, n // signing.CHUNK + 1)]
+        for i in idx:
+            bad = buf.clone()
+            bad[i] = 1
+            assert signing.round_digest(key, 0, (bad,)) != digest, (n, i)
+
+
+def test_a_message_whose_mac_differs_in_its_last_digit_only_is_not_opened():
+    key = signing.channel_key(TOKEN, "n1")
+    msg = signing.sign(key, "ns/failed", "ValueError: rank 2 stopped")
+    assert signing.opened(key, "ns/failed", msg) == "ValueError: rank 2 stopped"
+    mac, rest = msg[:64], msg[64:]
+    for i in (0, 31, 63):
+        forged = mac[:i] + ("0" if mac[i] != "0" else "1") + mac[i + 1:] + rest
+        assert signing.opened(key, "ns/failed", forged) is None, i
+    assert signing.opened(key, "ns/failed", mac[:63] + rest) is None  # a shortened MAC
+    assert signing.opened(signing.channel_key(TOKEN, "n2"), "ns/failed", msg) is None

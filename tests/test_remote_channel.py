@@ -17,9 +17,9 @@ import torch
 from torch.distributed import TCPStore
 
 from hotweights.errors import RemoteError
-from hotweights.remote import delta
+from hotweights.remote import delta, signing
 from hotweights.remote.announce import Announcements
-from hotweights.remote.channel import _FIRST, _INLINE, Channel
+from hotweights.remote.channel import _FIELDS, _FIRST, _INLINE, Channel
 from hotweights.remote.packing import pack
 from hotweights.testing import tiny
 
@@ -683,3 +683,41 @@ def test_a_receiver_that_stops_waiting_withdraws_its_ready_key(end):
                                            "cancel": "cancelled the update"}[end]):
         rx.await_word("u", 0.2)
     assert not store.check([rx.key("ready", "u", 1)])
+
+
+TOKEN = "a-shared-secret-token"
+
+
+def _receiver(update: int, nonce: str = "n1") -> Channel:
+    """A channel's receiving side as far as round verification goes (no store, no group)."""
+    ch = Channel.__new__(Channel)
+    ch._mac, ch._updates = signing.channel_key(TOKEN, nonce), update
+    ch.name, ch.addr, ch.port, ch.rank = "channel", "127.0.0.1", 1, 1
+    return ch
+
+
+def _signed(update: int, head: bytes = b'{"round": 0}', buf: bytes = b"\x07" * 64,
+            nonce: str = "n1"):
+    head_t = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+    buf_t = torch.frombuffer(bytearray(buf), dtype=torch.uint8)
+    fields = torch.tensor([len(head), len(buf), 0, 1], dtype=torch.int64)
+    sender = _receiver(update, nonce)
+    meta = torch.cat([fields, sender._digest(signing.round_hashes((fields, head_t, buf_t)))])
+    return meta, head_t, buf_t
+
+
+def test_a_round_verifies_only_under_its_update_and_its_channel():
+    meta, head, buf = _signed(3)
+    _receiver(3)._verify(meta, head, buf, "round 1")  # as sent
+    for ch in (_receiver(2), _receiver(4), _receiver(3, "n2")):  # replayed, or another channel
+        with pytest.raises(RemoteError, match="round 1 is not from the trainer"):
+            ch._verify(meta, head, buf, "round 1")
+
+
+@pytest.mark.parametrize("word", range(_FIELDS + signing.DIGEST_BYTES // 8))
+def test_every_word_of_the_meta_and_digest_is_checked(word):
+    meta, head, buf = _signed(0)
+    bad = meta.clone()
+    bad[word] ^= 1
+    with pytest.raises(RemoteError, match="is not from the trainer"):
+        _receiver(0)._verify(bad, head, buf, "round 1")
