@@ -136,22 +136,27 @@ def test_another_user_s_shard_in_a_sticky_directory_is_refused_before_the_commit
     sync(saved, _live(1))
 
 
-def test_the_sticky_rule_agrees_with_the_kernel_without_cap_fowner(tmp_path):
-    """Root whose container dropped CAP_FOWNER may not rename over another user's file in
-    a sticky directory: the check says so exactly when the kernel refuses."""
-    setpriv = shutil.which("setpriv")
-    if os.geteuid() != 0 or setpriv is None:
-        pytest.skip("needs root and setpriv (util-linux) to drop CAP_FOWNER")
+def _sticky(tmp_path: Path) -> Path:
     d = tmp_path / "shared"
     d.mkdir()
     (d / "theirs").write_bytes(b"x")
-    (d / "new").write_bytes(b"y")
     try:
         os.chown(d / "theirs", 4242, 4242)
         os.chown(d, 4343, 4343)
     except OSError as e:
         pytest.skip(f"cannot make files of other users here ({e.strerror})")
     os.chmod(d, 0o1777)
+    return d / "theirs"
+
+
+def test_the_sticky_rule_agrees_with_the_kernel_without_cap_fowner(tmp_path):
+    """Root whose container dropped CAP_FOWNER may not rename over another user's file in
+    a sticky directory: the check says so exactly when the kernel refuses."""
+    setpriv = shutil.which("setpriv")
+    if os.geteuid() != 0 or setpriv is None:
+        pytest.skip("needs root and setpriv (util-linux) to drop CAP_FOWNER")
+    d = _sticky(tmp_path).parent
+    (d / "new").write_bytes(b"y")
     src = str(Path(writable.__file__).resolve().parents[1])
     code = (f"import sys, types, os; pkg = types.ModuleType('hotweights'); "
             f"pkg.__path__ = [{src!r}]; sys.modules['hotweights'] = pkg\n"
@@ -175,19 +180,6 @@ def test_diagnose_names_a_sidecar_directory_no_sync_can_write(saved):
     assert problem == (f"{saved / '.hotweights'}: the sidecars cannot be written (its directory "
                        f"{saved / '.hotweights'} is not writable by this process): every sync "
                        "compares every shard with the file, byte by byte")
-
-
-def _sticky(tmp_path: Path) -> Path:
-    d = tmp_path / "shared"
-    d.mkdir()
-    (d / "theirs").write_bytes(b"x")
-    try:
-        os.chown(d / "theirs", 4242, 4242)
-        os.chown(d, 4343, 4343)
-    except OSError as e:
-        pytest.skip(f"cannot make files of other users here ({e.strerror})")
-    os.chmod(d, 0o1777)
-    return d / "theirs"
 
 
 def test_the_sticky_rule_lets_the_directory_s_owner_and_cap_fowner_rename(tmp_path,
