@@ -1147,3 +1147,23 @@ def test_held_unlocks_the_lock_it_tried_not_only_closes_its_fd(tmp_path, monkeyp
             assert lock.held(tmp_path)
     finally:
         os.close(shared[0])
+
+
+def test_a_journal_another_writer_put_in_place_meanwhile_is_not_removed(shards, monkeypatch):
+    """The finisher thread removes the journal only if it is still the one its commit
+    replayed: one another writer committed since (its own file) is left for its writer."""
+    d, _, old, new, spec = shards
+    real, path = journal._fsync_all, d / journal.JOURNAL_NAME
+
+    def replaced(fds):
+        real(fds)
+        os.replace(d / "other.tmp", path)  # another writer's journal, a new file
+    monkeypatch.setattr(journal, "_fsync_all", replaced)
+    then = []
+    with lock.locked(d):
+        journal.write_journal(d, [(n, o, new[n][o:o + k]) for n, o, k in spec])
+        (d / "other.tmp").write_bytes(b"another writer's journal")
+        journal.apply(d, wait=False, mine=True, then=then.append)
+    finisher.finish()
+    assert path.read_bytes() == b"another writer's journal" and then == []
+    assert _state(d, old, new) == "new" and journal.not_durable(d) is None

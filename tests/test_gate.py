@@ -248,3 +248,27 @@ def test_a_batched_prompt_gets_one_end_per_prompt_and_choice(prompt, ends):
     _, events = _run("/v1/completions", {"model": "m", "n": 2, "prompt": prompt}, _sse(),
                      abort=True)
     assert sorted(c["index"] for e in events for c in e["choices"]) == list(range(ends))
+
+
+def test_the_gate_keeps_at_most_a_mebibyte_of_a_body_and_the_app_gets_it_all():
+    chunk, parts = b"x" * (256 << 10), 12  # 3 MiB
+    got, kept = [], []
+
+    async def app(scope, receive, send):
+        while (m := await receive())["more_body"]:
+            got.append(m["body"])
+        got.append(m["body"])
+        kept.extend(len(e.request) for e in gate.live)
+
+    async def main():
+        msgs = [{"type": "http.request", "body": chunk, "more_body": i < parts - 1}
+                for i in range(parts)]
+
+        async def receive():
+            return msgs.pop(0)
+        await GateMiddleware(app, gate, lambda: 0)(_scope(), receive, _send)
+
+    gate = Gate()
+    asyncio.run(main())
+    assert b"".join(got) == chunk * parts
+    assert kept and kept[0] <= (1 << 20) + len(chunk)  # (the part that crossed the cap)

@@ -21,6 +21,7 @@ from torch.distributed import PrefixStore, TCPStore
 from hotweights.errors import RemoteError
 from hotweights.remote import delta, packing, signing
 from hotweights.remote.channel import _FIRST, _META, Channel
+from hotweights.remote.hosts import free_port
 from hotweights.remote.rendezvous import NS
 
 TOKEN = "a-shared-secret-token"
@@ -53,12 +54,6 @@ except HotweightsError as e:
     print(json.dumps({"error": str(e), "applied": applied, "staged": len(staged)}), flush=True)
     sys.exit(3)
 """
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _receivers(port: int, world: int, updates: int = 1, *, budget: int = 1 << 30,
@@ -133,7 +128,7 @@ def _wait_key(store: TCPStore, key: str) -> bytes:
 def _before_the_receivers_go() -> tuple[list, _Trainer, TCPStore]:
     """Two receivers and a trainer of a channel whose nonce is in its store, the receivers
     held back: (receivers, trainer, an attacker's connection to the store)."""
-    port = _port()
+    port = free_port("127.0.0.1")
     procs = _receivers(port, 3)
     trainer = _Trainer(port, 3)
     trainer.start()
@@ -170,7 +165,7 @@ def test_a_nonce_overwritten_in_the_store_is_named_and_nothing_is_sent():
 
 
 def test_a_forged_failure_message_is_ignored_and_the_real_one_is_named():
-    port = _port()
+    port = free_port("127.0.0.1")
     procs = _receivers(port, 3, updates=2, r2="kill")
     trainer = _Trainer(port, 3, updates=2)
     trainer.start()
@@ -190,7 +185,7 @@ def test_a_forged_failure_message_is_ignored_and_the_real_one_is_named():
 
 
 def test_process_group_keys_rewritten_by_a_stranger_deliver_nothing(monkeypatch):
-    port = _port()
+    port = free_port("127.0.0.1")
     procs = _receivers(port, 3)
     held, group = threading.Event(), Channel._group
 
@@ -239,7 +234,7 @@ def _impersonate(s: TCPStore, nonce: str) -> None:
 
 
 def test_a_round_over_the_budget_agreed_at_join_is_refused_before_allocation():
-    port = _port()
+    port = free_port("127.0.0.1")
     procs = _receivers(port, 2, budget=1024)
     _go(procs)
     with pytest.raises(RemoteError, match=r"round 1 failed: rank 1 refused round 1: the "
@@ -254,7 +249,7 @@ def test_a_round_over_the_budget_agreed_at_join_is_refused_before_allocation():
 
 @pytest.mark.skipif(sys.platform != "linux", reason="127.0.0.2 is local on Linux only")
 def test_the_store_listens_on_the_channels_address_only():
-    port = _port()
+    port = free_port("127.0.0.1")
     th = threading.Thread(target=lambda: pytest.raises(RemoteError, Channel, rank=0,
                                                        master_addr="127.0.0.1",
                                                        master_port=port, world_size=2,

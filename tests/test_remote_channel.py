@@ -20,6 +20,7 @@ from hotweights.errors import RemoteError
 from hotweights.remote import delta, signing
 from hotweights.remote.announce import Announcements
 from hotweights.remote.channel import _FIELDS, _FIRST, _INLINE, Channel
+from hotweights.remote.hosts import free_port
 from hotweights.remote.packing import pack
 from hotweights.testing import tiny
 
@@ -168,12 +169,6 @@ def _full(w, g):
     return {k: t + 0.25 for k, t in w.items()}
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(port: int, rank: int, world: int, updates: int, *, token: str = TOKEN,
            mode: str = "ok", relay: dict | None = None) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
@@ -215,7 +210,7 @@ def _nbytes(w) -> int:
 
 
 def test_updates_arrive_bit_identical_and_only_what_changed_goes_on_the_wire():
-    port, old = _port(), weights()
+    port, old = free_port("127.0.0.1"), weights()
     procs = _receivers(port, 3, 3)
     g = torch.Generator().manual_seed(1)
     sums, ratios = [], []
@@ -250,7 +245,7 @@ def test_reading_ahead_sends_every_round_intact_and_an_encode_failing_aborts_it(
     while this one is broadcast; the receivers get the same update, and an encode failing
     part way aborts it after the rounds before it went. Then a round whose header is longer
     than a round's first message (its rest goes in a broadcast of its own) arrives whole."""
-    port, old = _port(), weights()
+    port, old = free_port("127.0.0.1"), weights()
     procs = _receivers(port, 3, 3)
     new = _scattered(old, torch.Generator().manual_seed(3))
     staging = [torch.empty(MAX_BYTES // 16, dtype=torch.uint8) for _ in range(2)]
@@ -287,7 +282,7 @@ def test_reading_ahead_sends_every_round_intact_and_an_encode_failing_aborts_it(
 
 
 def test_a_wrong_token_fails_every_side_by_name_and_nothing_is_applied():
-    port, old = _port(), weights()
+    port, old = free_port("127.0.0.1"), weights()
     good, bad = _receivers(port, 3, 1, r2={"token": "not-the-token"})
     with pytest.raises(RemoteError, match=r"rank 0: receiver rank\(s\) \[2\] did not prove the "
                        r"channel's token"):
@@ -301,7 +296,7 @@ def test_a_wrong_token_fails_every_side_by_name_and_nothing_is_applied():
 
 
 def test_a_receiver_killed_mid_send_is_named_by_the_sender_within_the_timeout():
-    port, old = _port(), weights()
+    port, old = free_port("127.0.0.1"), weights()
     survivor, victim = _receivers(port, 3, 1, r2={"mode": "kill"})
     new = _full(old, None)
     with Channel(master_addr="127.0.0.1", master_port=port, rank=0, world_size=3,
@@ -319,7 +314,7 @@ def test_a_receiver_killed_mid_send_is_named_by_the_sender_within_the_timeout():
 
 
 def test_a_stalled_receiver_is_named_by_the_sender_within_the_timeout():
-    port, old = _port(), weights()
+    port, old = free_port("127.0.0.1"), weights()
     survivor, stalled = _receivers(port, 3, 1, r2={"mode": "stall"})
     new = _full(old, None)
     try:
@@ -338,7 +333,7 @@ def test_a_stalled_receiver_is_named_by_the_sender_within_the_timeout():
 
 
 def test_a_stranger_on_the_port_does_not_disturb_the_update():
-    port, old = _port(), weights()
+    port, old = free_port("127.0.0.1"), weights()
     procs = _receivers(port, 3, 1)
     new = _scattered(old, torch.Generator().manual_seed(2))
 
@@ -363,7 +358,7 @@ def test_a_stranger_on_the_port_does_not_disturb_the_update():
 
 
 def test_a_refusal_by_one_receiver_is_applied_by_none_and_the_channel_goes_on():
-    port, old = _port(), weights()
+    port, old = free_port("127.0.0.1"), weights()
     procs = _receivers(port, 3, 2, r2={"mode": "refuse"})
     g = torch.Generator().manual_seed(3)
     first, second = _full(old, g), _scattered(old, g)
@@ -388,7 +383,7 @@ def test_a_receiver_whose_acknowledgement_fails_after_the_senders_ended_takes_it
     # then dies: that receiver's fails, though every rank had staged (or refused) it all.
     # It takes the sender's sum from the store: the update stands (or is refused) there as
     # everywhere else, and the broken channel refuses the next update before its ready key.
-    port, old = _port(), weights()
+    port, old = free_port("127.0.0.1"), weights()
     procs = _receivers(port, 3, 1, r1={"mode": "late_ack"},
                        r2={"mode": "refuse" if refused else "ok"})
     new = _full(old, torch.Generator().manual_seed(8))
@@ -414,7 +409,7 @@ def test_a_receiver_whose_acknowledgement_fails_after_the_senders_ended_takes_it
 
 
 def test_a_broken_channel_refuses_a_receive_before_the_sender_waits_for_it():
-    port = _port()
+    port = free_port("127.0.0.1")
     with ThreadPoolExecutor(1) as pool:
         receiver = pool.submit(Channel, master_addr="127.0.0.1", master_port=port, rank=1,
                                world_size=2, token=TOKEN, timeout=TIMEOUT)
@@ -427,7 +422,7 @@ def test_a_broken_channel_refuses_a_receive_before_the_sender_waits_for_it():
 
 
 def test_announced_updates_wait_past_the_timeout_and_a_cancelled_one_changes_nothing():
-    port, old = _port(), weights()
+    port, old = free_port("127.0.0.1"), weights()
     procs = _receivers(port, 3, 3, r1={"mode": "announced"}, r2={"mode": "announced"})
     g = torch.Generator().manual_seed(4)
     first, third = _rows(old, g), _scattered(old, g)
@@ -454,7 +449,7 @@ def test_announced_updates_wait_past_the_timeout_and_a_cancelled_one_changes_not
 
 
 def test_an_update_awaited_without_bound_arrives_late_or_is_dropped_by_its_receiver():
-    port, old = _port(), weights()
+    port, old = free_port("127.0.0.1"), weights()
     procs = _receivers(port, 2, 3, r1={"mode": "armed"})
     g = torch.Generator().manual_seed(5)
     first, third = _rows(old, g), _scattered(old, g)
@@ -529,7 +524,7 @@ def test_an_interrupt_whose_wake_cannot_reach_the_store_ends_the_wait_within_a_s
 
 
 def test_receivers_waiting_for_an_announced_update_learn_the_sender_is_gone():
-    port = _port()
+    port = free_port("127.0.0.1")
     procs = _receivers(port, 3, 1, r1={"mode": "announced"}, r2={"mode": "announced"})
     ch = Channel(master_addr="127.0.0.1", master_port=port, rank=0, world_size=3, token=TOKEN,
                  timeout=TIMEOUT)
@@ -566,14 +561,14 @@ def _server(port: int, rank: int, world: int, updates: int, *, followers: int = 
     """A server on rank `rank` of the channel: its leader, which relays each round to
     `followers` more processes (relay ranks 1..); modes: ``f2={"mode": "kill"}`` for relay
     rank 2, ``lead={...}`` for the leader. Wait for them with `_ready`."""
-    relay = _port()
+    relay = free_port("127.0.0.1")
     return [_spawn(port, rank, world, updates, **modes.get(f"f{r}" if r else "lead", {}),
                    relay={"port": relay, "rank": r, "world": followers + 1})
             for r in range(followers + 1)]
 
 
 def test_a_relay_hands_each_round_to_the_servers_workers_and_the_sender_sends_it_once():
-    port, old = _port(), weights()
+    port, old = free_port("127.0.0.1"), weights()
     plain = _spawn(port, 2, 3, 2)  # a one-worker server
     server = _server(port, 1, 3, 2)
     _ready(plain, *server)
@@ -597,7 +592,7 @@ def test_a_relay_hands_each_round_to_the_servers_workers_and_the_sender_sends_it
 
 
 def test_a_followers_refusal_is_its_servers_and_no_one_applies_the_update():
-    port, old = _port(), weights()
+    port, old = free_port("127.0.0.1"), weights()
     plain = _spawn(port, 2, 3, 2)
     server = _server(port, 1, 3, 2, f2={"mode": "refuse"})
     _ready(plain, *server)
@@ -619,7 +614,7 @@ def test_a_followers_refusal_is_its_servers_and_no_one_applies_the_update():
 
 
 def test_the_senders_cancel_and_abort_reach_the_followers():
-    port, old = _port(), weights()
+    port, old = free_port("127.0.0.1"), weights()
     announced = {"mode": "announced"}
     server = _server(port, 1, 2, 3, lead=announced, f1=announced, f2=announced)
     _ready(*server)
@@ -648,7 +643,7 @@ def test_the_senders_cancel_and_abort_reach_the_followers():
 
 
 def test_a_follower_killed_mid_update_is_named_by_the_sender_within_the_timeout():
-    port, old = _port(), weights()
+    port, old = free_port("127.0.0.1"), weights()
     lead, survivor, victim = server = _server(port, 1, 2, 1, f2={"mode": "kill"})
     _ready(*server)
     with Channel(master_addr="127.0.0.1", master_port=port, rank=0, world_size=2,
