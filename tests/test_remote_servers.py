@@ -6,6 +6,7 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from hotweights import Bridge, HotweightsError, RemoteError, RemoteGroup
 from hotweights.errors import FingerprintError, ServerError
-from hotweights.remote.channel import _FIRST
+from hotweights.remote.channel import _FIRST, Channel
 from hotweights.server import launch
 from test_server import (
     LOAD_TOL,
@@ -464,6 +465,40 @@ def test_bad_input_is_refused_by_name_and_nothing_is_applied(remotes, trainer, b
     assert all(_status(s)["state"] == "idle" for s in remotes[:2])
     monkeypatch.undo()
     group.update(model)  # and the next good update goes through
+
+
+def test_a_refused_update_s_receive_that_travels_late_drops_no_later_update(
+        remotes, trainer, monkeypatch):
+    """A receive request of a refused update that reaches its server late (a loaded
+    machine) lands before the trainer's abort; under the next update's lease it would
+    start a receive of the refused update there, dropping the next one's (round 1
+    stalled behind that server, or its commit refused)."""
+    model, group = trainer
+    held, post, late = threading.Event(), group._post, []
+
+    def late_post(url, status, route, **body):
+        if route == "/hotweights/remote/receive" and url == remotes[0].url and not late:
+            late.append(body["update"])
+            held.wait(3)  # until the next update has started on the channel
+        return post(url, status, route, **body)
+
+    def start_then_wait(self, *args, **kwargs):
+        start(self, *args, **kwargs)
+        if not held.is_set():
+            held.set()
+            time.sleep(2)  # the late request lands meanwhile
+    start = Channel.start
+    monkeypatch.setattr(group, "_post", late_post)
+    monkeypatch.setattr(Channel, "start", start_then_wait)
+    weights = {k: v.detach().clone() for k, v in model.named_parameters()}
+    weights["model.norm.weight"] = torch.zeros(3, dtype=torch.bfloat16)
+    with pytest.raises(HotweightsError, match="field 'shape' differs"):
+        group.update(weights)
+    with torch.no_grad():
+        model.model.norm.weight.add_(1)
+    out = group.update(model)
+    assert late and not out["dropped"]
+    assert {s.url: _status(s)["version"] for s in remotes[:2]} == out["servers"]
 
 
 def test_the_servers_wait_for_an_encode_longer_than_the_timeout(remotes, trainer,

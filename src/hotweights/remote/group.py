@@ -686,6 +686,10 @@ class RemoteGroup:
             futures.wait([*begins.values(), *hints, *meantime])  # a begin still travelling
             # (`meanwhile` failed), a pause that must not reach the server's next update
             pool.shutdown(wait=False, cancel_futures=True)
+            # a receive request still travelling lands before the abort (one not sent yet
+            # was cancelled): later, under this holder's next lease, it would start a
+            # receive of this update there and drop the next update's
+            futures.wait(received, timeout=self.timeout)
             if on is not None and e is deltas.failed:  # the encode's (bad input, named): the
                 # receivers learn it from the send (an abort) or from a cancel, before it
                 if not started:
