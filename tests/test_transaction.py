@@ -58,9 +58,10 @@ class StubEngine:
         self.label = label
 
 
-def run(test):
-    """Run `test(tx, engine)` on a fresh transaction inside one event loop."""
-    engine = StubEngine()
+def run(test, engine_class=None):
+    """Run `test(tx, engine)` on a fresh transaction (over a `StubEngine`, or one of
+    `engine_class`) inside one event loop."""
+    engine = (engine_class or StubEngine)()
 
     async def main():
         return await test(Transaction(engine, SID), engine)
@@ -435,12 +436,7 @@ class RecordingEngine(StubEngine):
 
 
 def run_recording(test):
-    engine = RecordingEngine()
-
-    async def main():
-        return await test(Transaction(engine, SID), engine)
-
-    return asyncio.run(main())
+    return run(test, RecordingEngine)
 
 
 def test_a_staged_update_pauses_only_for_its_commit():
