@@ -230,6 +230,7 @@ class RemoteGroup:
         self._leased: dict = {}  # url -> status, of the servers an update in progress began
         self._lease_lost = ""  # require="all": the servers that refused a renewal meanwhile
         self._lost = 0  # bytes that left this process in the update's sends that failed
+        self._late: list[Future] = []  # receive requests of an earlier update not answered
         self._casts: dict[str, torch.dtype] = {}  # name -> the servers' narrower float
         self._warm: threading.Thread | None = None  # compiles the encode's loops ahead
 
@@ -619,6 +620,12 @@ class RemoteGroup:
         commit. The lease is renewed
         every `lease_s / 3` until the sends end, however long they take. `meanwhile` runs on
         a thread while the begins travel, the lease renewed from theirs on until it ends."""
+        if self._late:  # one landing under this update's lease would start that update's
+            # receive on its server, dropping this one there: each ends by its HTTP timeout
+            logger.warning("hotweights: waiting for %d receive request(s) of an earlier "
+                           "update to answer or time out", len(self._late))
+            futures.wait(self._late)
+            self._late = []
         pool = ThreadPoolExecutor(2 * len(status) + 1)
         begins, out, on, hints, meantime = {}, [], None, [], []  # on: (link, update) sent
         received: list[Future] = []  # each server's receive request
@@ -676,6 +683,7 @@ class RemoteGroup:
                     logger.warning("hotweights: %d receive request(s) unanswered after %.0f "
                                    "s: their servers refuse the commit", len(late),
                                    self.timeout)
+                    self._late = list(late)  # the next update waits for them
             self._check_leased()  # (the last round's renewals)
             futures.wait(hints)  # a late pause must not reach the server's next update
             pool.shutdown(wait=False)
@@ -688,8 +696,9 @@ class RemoteGroup:
             pool.shutdown(wait=False, cancel_futures=True)
             # a receive request still travelling lands before the abort (one not sent yet
             # was cancelled): later, under this holder's next lease, it would start a
-            # receive of this update there and drop the next update's
-            futures.wait(received, timeout=self.timeout)
+            # receive of this update there and drop the next update's (the next update
+            # waits for one that outlasts the timeout)
+            self._late = list(futures.wait(received, timeout=self.timeout).not_done)
             if on is not None and e is deltas.failed:  # the encode's (bad input, named): the
                 # receivers learn it from the send (an abort) or from a cancel, before it
                 if not started:
