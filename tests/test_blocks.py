@@ -404,3 +404,13 @@ def test_refresh_hashes_only_the_blocks_written_tells(monkeypatch):
     assert _equal_fp(dataclasses.replace(got, coarse={}), dataclasses.replace(scratch, coarse={}))
     assert list(got.coarse) == ["x"]  # w's no longer describe its bytes
     assert np.array_equal(got.coarse["x"], scratch.coarse["x"])
+
+
+def test_refresh_hashes_the_block_a_written_range_starts_inside():
+    # a watch's pages need not start on a block: the block holding the first written
+    # byte is hashed again, else its change is never written
+    old = {"w": torch.randn(4 * BS // 4)}  # 4 blocks
+    fp = fingerprint(old, block_size=BS, kind=XXH3, coarse=True)
+    new = dict(old, w=_flip(old["w"], BS + 5))
+    got = blocks.refresh(fp, new, written={"w": [(BS + 4, BS + 8)]})
+    assert changed(fp, got).tensors["w"].ranges.tolist() == [[BS, 2 * BS]]

@@ -131,3 +131,29 @@ def test_digest_reads_big_tensors_without_copies(tmp_path, shards):
     big = {f"t{i}": torch.full((256, 1024), float(i)) for i in range(3)}
     d = _save(tmp_path / "big", big, shards=shards)
     assert digest(d) == digest(_save(tmp_path / "again", big, shards=4 - shards))
+
+
+def test_digest_tells_apart_the_same_bytes_in_another_shape_or_dtype(tmp_path):
+    # a server holding them would load other weights than the trainer's
+    one = digest(_save(tmp_path / "one", _tensors()))
+    reshaped = _tensors()
+    reshaped["a.weight"] = reshaped["a.weight"].reshape(16, 8)
+    assert one != digest(_save(tmp_path / "reshaped", reshaped))
+    as_int = _tensors()
+    as_int["b.bias"] = as_int["b.bias"].view(torch.int32)
+    assert one != digest(_save(tmp_path / "as_int", as_int))
+
+
+def test_stats_tell_a_shard_replaced_by_a_copy_with_the_same_size_and_mtime(tmp_path):
+    # (`cp -p` of another checkpoint's shard: a server's digest of what it loaded is stale)
+    import os
+    import shutil
+
+    d = _save(tmp_path / "d", _tensors())
+    before, was = stats(d), os.stat(d / "model.safetensors")
+    other = _save(tmp_path / "other", _tensors(seed=1))
+    shutil.copy2(other / "model.safetensors", d / "new")
+    os.utime(d / "new", ns=(was.st_atime_ns, was.st_mtime_ns))
+    os.replace(d / "new", d / "model.safetensors")
+    assert os.stat(d / "model.safetensors").st_size == was.st_size
+    assert stats(d) != before

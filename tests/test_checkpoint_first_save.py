@@ -255,3 +255,26 @@ def test_a_first_save_cut_short_between_moves_leaves_no_weights_beside_an_old_co
     finisher.finish()
     again = sync(tmp_path, _live())  # recovered: the directory holds every tensor
     assert again.writes == {} and again.missing_on_disk == () and again.missing_live == ()
+
+
+def test_a_first_save_fsyncs_every_staged_file_before_the_journal_that_moves_it(tmp_path,
+                                                                                 monkeypatch):
+    # shards, config.json and the index: one not yet durable at the commit could be moved
+    # into place empty or torn after a power loss
+    synced, staged = set(), []
+    real_fsync, real_write = os.fsync, journal.write_journal
+
+    def fsync(fd):
+        synced.add(os.fstat(fd).st_ino)
+        real_fsync(fd)
+
+    def write_journal(directory, *args, **kwargs):
+        staged.extend((p.name, p.stat().st_ino in synced)
+                      for p in (directory / journal.STAGE_DIR).iterdir())
+        return real_write(directory, *args, **kwargs)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(journal, "write_journal", write_journal)
+    first = sync(tmp_path, _live(), max_shard_size=100_000, config={"model_type": "llama"})
+    assert first.first_save and len(first.shards_changed) > 1
+    assert sorted(staged) == sorted(
+        (n, True) for n in [*first.shards_changed, "config.json", "model.safetensors.index.json"])

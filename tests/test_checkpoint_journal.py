@@ -1167,3 +1167,31 @@ def test_a_journal_another_writer_put_in_place_meanwhile_is_not_removed(shards, 
     finisher.finish()
     assert path.read_bytes() == b"another writer's journal" and then == []
     assert _state(d, old, new) == "new" and journal.not_durable(d) is None
+
+
+def test_finish_waits_for_every_finisher_thread_not_only_the_last():
+    # each runs after the one before it: the last done means all are
+    gate, done = threading.Event(), []
+    finisher.start(lambda: (gate.wait(5), done.append(1)))
+    finisher.start(lambda: done.append(2))
+    timer = threading.Timer(0.1, gate.set)
+    timer.start()
+    finisher.finish()
+    timer.join()
+    assert done == [1, 2]
+
+
+def test_finish_called_in_a_finisher_thread_does_not_wait_for_itself():
+    # (what a commit's `then` calls may wait for the finisher, as writers do)
+    errors, started = [], threading.Event()
+
+    def run():
+        started.wait(5)  # once `start` has made it the finisher `finish` joins
+        try:
+            finisher.finish()
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+    finisher.start(run)
+    started.set()
+    finisher.finish()
+    assert errors == []

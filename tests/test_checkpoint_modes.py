@@ -719,3 +719,22 @@ def test_a_relative_directory_syncs_and_its_finisher_runs_after_a_chdir(place, m
     assert not (d / journal.JOURNAL_NAME).exists() and not (d / journal.STAGE_DIR).exists()
     _equal(d, live)
     assert sync(d, live, mode=mode).bytes_written == 0  # its sidecar written too
+
+
+def test_a_journal_sync_rewrites_a_hard_linked_shard_whole_beside_the_shards_it_patches(
+        tmp_path):
+    # one shard staged whole, another journaled: the stage area holds the staged one
+    # until the commit moves it
+    d = tmp_path / "model"
+    live = _saved(d)
+    wm = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
+    a = "model.layers.1.mlp.down_proj.weight"
+    b = next(n for n, f in wm.items() if f != wm[a] and n.endswith("proj.weight"))
+    os.link(d / wm[a], tmp_path / "kept.safetensors")  # another name of the same file
+    kept = (tmp_path / "kept.safetensors").read_bytes()
+    live[a][3] += 1.0
+    live[b][0] += 1.0
+    result = sync(d, live, mode="journal")
+    assert result.writes == {wm[a]: "whole", wm[b]: "journal"}
+    _equal(d, live)
+    assert (tmp_path / "kept.safetensors").read_bytes() == kept  # not written through

@@ -158,3 +158,26 @@ def test_changed_patterns_select_every_reading_of_a_name(tmp_path: Path) -> None
     new["a[0]"] += 1
     assert sync(d, new, changed=["a[0]"]).tensors_changed == 1
     assert torch.equal(load_file(d / "model.safetensors")["a[0]"], new["a[0]"])
+
+
+def test_live_tensors_half_of_which_have_no_place_are_taken_more_are_refused():
+    live = {n: torch.zeros(2) for n in ("a", "b", "x", "y")}
+    half = to_disk(live, ["a", "b"])
+    assert half.only_live == ("x", "y") and half.unplaced("d") is None
+    assert "3 of 4 live tensors have no place" in to_disk(live, ["a"]).unplaced("d")
+
+
+def test_a_view_of_part_of_a_tensor_is_not_taken_for_a_tied_alias(tmp_path):
+    # same storage and offset, another shape: two tensors, both written
+    base = torch.arange(8, dtype=torch.float32)
+    sync(tmp_path, {"fused.weight": base, "first.weight": base[:4]})
+    disk = load_file(tmp_path / "model.safetensors")
+    assert torch.equal(disk["fused.weight"], base) and torch.equal(disk["first.weight"],
+                                                                   base[:4])
+
+
+def test_a_pattern_of_the_names_inside_the_wrappers_matches_a_wrapped_model_s():
+    from hotweights.checkpoint.names import matching, unwrapped
+
+    live = unwrapped({"module.a.weight": torch.zeros(2), "module.b.weight": torch.zeros(2)})
+    assert matching(live, ["a.*"]) == {"a.weight"}

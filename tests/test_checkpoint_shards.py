@@ -348,3 +348,34 @@ def test_single_file_and_empty_dir(tmp_path: Path, shard: Path):
     os.rename(shard, tmp_path / "other.safetensors")
     with pytest.raises(CheckpointError, match=r"\['other.safetensors'\] but neither"):
         read_index(tmp_path)
+
+
+def test_a_header_read_before_is_checked_again_against_the_file_s_new_size(shard: Path):
+    """The same header bytes in a file grown or cut since: its tensors no longer tile
+    the data section, and the loader would refuse it."""
+    read_shard(shard)
+    with open(shard, "ab") as f:
+        f.write(b"\0" * 4)
+    with pytest.raises(CheckpointError, match="4 trailing bytes after the last tensor"):
+        read_shard(shard)
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 10)
+    with pytest.raises(CheckpointError, match="past the end of the data section"):
+        read_shard(shard)
+
+
+@pytest.mark.parametrize(("corrupt", "message"), [
+    # the tensors tile the data section, but a and c share one byte
+    (lambda p: _rewrite(p, lambda h: (
+        h["c.weight"].__setitem__("data_offsets", [61, 109]),
+        h.__setitem__("f.tail", {"dtype": "U8", "shape": [1], "data_offsets": [109, 110]}))),
+     r"tensor c.weight \[\d+, \d+\) overlaps tensor a.weight"),
+    # 9 four-bit values are 4.5 bytes: no whole number of bytes holds them
+    (lambda p: _rewrite(p, lambda h: h["d.scalar"].update(dtype="F4", shape=[9])),
+     r"tensor d.scalar: data_offsets \[28, 32\] hold 4 bytes, but F4 x \[9\] needs 4.5"),
+])
+def test_tensors_that_share_a_byte_or_end_inside_one_are_refused(shard: Path, corrupt,
+                                                                 message):
+    corrupt(shard)
+    with pytest.raises(CheckpointError, match=message):
+        read_shard(shard)

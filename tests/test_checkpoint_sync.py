@@ -914,3 +914,106 @@ def test_an_owner_that_cannot_be_given_does_not_stop_the_sync(saved, monkeypatch
     live[name][3] += 1.0
     assert sync(d, live, version="1@s", mode="copy").tensors_changed == 1
     assert all(torch.equal(t, live[n]) for n, t in _disk(d).items())
+
+
+@pytest.mark.parametrize("mode", ["copy", "reflink"])
+def test_every_staged_shard_is_fsynced_before_the_journal_that_moves_it(saved, mode,
+                                                                         monkeypatch, request):
+    # the journal's move trusts the staged file whole: one not yet durable at the commit
+    # could be moved into place empty or torn after a power loss
+    d, live = saved
+    if mode == "reflink":  # a clone with the changed pages cloned in
+        d = Path(shutil.copytree(d, request.getfixturevalue("xfs_dir") / request.node.name))
+        request.addfinalizer(lambda: remove_synced(d))
+    sync(d, live)
+    synced, staged = set(), []
+    real_fsync, real_write = os.fsync, journal.write_journal
+
+    def fsync(fd):
+        synced.add(os.fstat(fd).st_ino)
+        real_fsync(fd)
+
+    def write_journal(directory, *args, **kwargs):
+        staged.extend((p.name, p.stat().st_ino in synced)
+                      for p in (Path(directory) / journal.STAGE_DIR).iterdir())
+        return real_write(directory, *args, **kwargs)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(journal, "write_journal", write_journal)
+    name = "model.layers.1.mlp.down_proj.weight"
+    live[name][3] += 1.0
+    result = sync(d, live, mode=mode)
+    assert result.writes == {_shard_of(d, name): "whole" if mode == "copy" else "reflink"}
+    assert staged == [(_shard_of(d, name), True)]
+
+
+def test_changed_trusts_only_the_tensors_that_share_no_byte_with_a_named_one():
+    # views of one buffer (a bridge's): one overlapping a named tensor's first elements,
+    # one its last element only, one right after it, one holding it whole
+    base = torch.arange(40, dtype=torch.float32)
+    live = {"named": base[10:20], "head": base[5:11], "last": base[19:25],
+            "after": base[20:30], "around": base[0:40], "before": base[0:10]}
+    assert incremental._unchanged(live, ["named"], live) == {"after", "before"}
+
+
+def test_after_read_runs_once_the_changes_are_read_before_the_files_hold_them(saved):
+    # the trainer's cue to step again: what it changes from then on is the next sync's
+    d, live = saved
+    sync(d, live)
+    name = "model.layers.1.mlp.down_proj.weight"
+    live[name][3] += 1.0
+    synced, calls = live[name].clone(), []
+
+    def hook():
+        calls.append(torch.equal(_disk(d)[name], synced))
+        live[name][3] += 1.0  # the next step
+    result = sync(d, live, after_read=hook)
+    assert result.tensors_changed == 1 and calls == [False]
+    assert torch.equal(_disk(d)[name], synced)
+
+
+def test_a_tensor_the_last_sync_left_out_is_compared_with_its_file_when_it_is_back(saved):
+    # its shard's sidecar holds no hashes of it: the file is what to compare it with
+    d, live = saved
+    name = "model.layers.1.mlp.down_proj.weight"
+    sync(d, {n: t for n, t in live.items() if n != name})
+    live[name][3] += 1.0
+    result = sync(d, live)
+    assert result.tensors_changed == 1 and torch.equal(_disk(d)[name], live[name])
+
+
+def test_a_shard_replaced_by_another_file_of_the_same_size_and_times_is_compared(saved):
+    # only the inode tells the two apart (two files written within one clock tick)
+    from hotweights.checkpoint import sidecar
+    from hotweights.checkpoint.shards import read_dir
+
+    d, live = saved
+    sync(d, live)
+    finisher.finish()
+    name = "model.layers.1.mlp.down_proj.weight"
+    path = d / _shard_of(d, name)
+    other = {n: t.clone() for n, t in load_file(path).items()}
+    other[name][3] += 1.0
+    save_file(other, d / "other", metadata={"format": "pt"})
+    os.replace(d / "other", path)
+    side = sidecar.path_of(path)
+    doc, st = json.loads(side.read_text()), os.stat(path)
+    doc["shard"].update(size=st.st_size, mtime_ns=st.st_mtime_ns, ctime_ns=st.st_ctime_ns)
+    side.write_text(json.dumps(doc))
+    assert sidecar.state(read_dir(d)[name][0])[0] == "stale"
+    result = sync(d, live)
+    assert result.tensors_changed == 1 and torch.equal(_disk(d)[name], live[name])
+
+
+def test_a_sidecar_of_another_format_is_not_trusted(saved):
+    # (a later hotweights' sidecar: what its fields mean may differ)
+    from hotweights.checkpoint import sidecar
+    from hotweights.checkpoint.shards import read_dir
+
+    d, live = saved
+    sync(d, live)
+    finisher.finish()
+    name = "model.layers.1.mlp.down_proj.weight"
+    side = sidecar.path_of(d / _shard_of(d, name))
+    doc = json.loads(side.read_text())
+    side.write_text(json.dumps(dict(doc, format=doc["format"] + 1)))
+    assert sidecar.state(read_dir(d)[name][0]) == ("corrupt", None)

@@ -182,3 +182,37 @@ def test_patched_pages_match_a_byte_by_byte_reference(monkeypatch):
         assert len(written) == sum(n for _, _, n in runs), case
         for pos, at, n in runs:
             assert bytes(written[pos:pos + n]) == new[at:at + n].tobytes(), (case, at)
+
+
+def test_a_direct_write_refused_midway_goes_on_buffered_from_where_it_stopped(tmp_path,
+                                                                              monkeypatch):
+    """`stage._Direct`: where the device refuses an O_DIRECT write (EINVAL) after part of
+    the buffer went out, the rest is written buffered from the file's position: no byte
+    written twice, none left out."""
+    import random
+
+    from hotweights.checkpoint import stage
+
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
+    try:
+        sink = stage._sink(fd)
+        if not isinstance(sink, stage._Direct):
+            pytest.skip("no O_DIRECT on this filesystem")
+        calls, write = [], os.write
+
+        def refuse_once(f, b):  # the first page goes out, then the device says EINVAL
+            calls.append(len(b))
+            if len(calls) == 1:
+                return write(f, b[:4096])
+            if len(calls) == 2:
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return write(f, b)
+        monkeypatch.setattr(os, "write", refuse_once)
+        data = random.Random(0).randbytes(12800)  # 3 pages and a part
+        sink.write(memoryview(data))
+        sink.end()
+        sink.close()
+        monkeypatch.undo()
+    finally:
+        os.close(fd)
+    assert (tmp_path / "f").read_bytes() == data
