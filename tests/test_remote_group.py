@@ -855,6 +855,7 @@ def test_a_channel_s_buffers_go_on_the_weights_gpu_for_nccl_only():
 def test_an_update_begins_once_an_earlier_update_s_receive_requests_have_ended(caplog):
     # one landing under the next update's lease would start a receive of its own update
     # on its server, dropping the next one's there
+    caplog.set_level("INFO", logger="hotweights.remote.group")
     url = "http://127.0.0.1:1"
     group = RemoteGroup(url, token="t" * 32)
     posted, ended = _posting(group), []

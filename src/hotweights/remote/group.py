@@ -622,8 +622,8 @@ class RemoteGroup:
         a thread while the begins travel, the lease renewed from theirs on until it ends."""
         if self._late:  # one landing under this update's lease would start that update's
             # receive on its server, dropping this one there: each ends by its HTTP timeout
-            logger.warning("hotweights: waiting for %d receive request(s) of an earlier "
-                           "update to answer or time out", len(self._late))
+            logger.info("hotweights: waiting for %d receive request(s) of an earlier "
+                        "update to answer or time out", len(self._late))
             futures.wait(self._late)
             self._late = []
         pool = ThreadPoolExecutor(2 * len(status) + 1)
@@ -694,11 +694,10 @@ class RemoteGroup:
             futures.wait([*begins.values(), *hints, *meantime])  # a begin still travelling
             # (`meanwhile` failed), a pause that must not reach the server's next update
             pool.shutdown(wait=False, cancel_futures=True)
-            # a receive request still travelling lands before the abort (one not sent yet
-            # was cancelled): later, under this holder's next lease, it would start a
-            # receive of this update there and drop the next update's (the next update
-            # waits for one that outlasts the timeout)
-            self._late = list(futures.wait(received, timeout=self.timeout).not_done)
+            # a receive request still travelling (one not sent yet was cancelled) would,
+            # under this holder's next lease, start a receive of this update on its server
+            # and drop the next update's there: the next update waits for it
+            self._late = [f for f in received if not f.done()]
             if on is not None and e is deltas.failed:  # the encode's (bad input, named): the
                 # receivers learn it from the send (an abort) or from a cancel, before it
                 if not started:
