@@ -865,3 +865,9 @@ def test_an_update_begins_once_an_earlier_update_s_receive_requests_have_ended(c
                 lease_s=60.0)
     assert ended == [0] and posted[0][1] == "/hotweights/begin" and not group._late
     assert "waiting for 1 receive request(s) of an earlier update" in caplog.text
+    group.timeout, hung = 0.2, threading.Event()  # a hung server's: up to the timeout
+    group._late = [ThreadPoolExecutor(1).submit(hung.wait, 10)]
+    group._send({url: {"server_id": "s"}}, [], encode=None, cut_bytes=0, mode="keep",
+                lease_s=60.0)
+    hung.set()
+    assert "still unanswered after 0 s: the update goes on" in caplog.text

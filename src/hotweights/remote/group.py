@@ -621,10 +621,14 @@ class RemoteGroup:
         every `lease_s / 3` until the sends end, however long they take. `meanwhile` runs on
         a thread while the begins travel, the lease renewed from theirs on until it ends."""
         if self._late:  # one landing under this update's lease would start that update's
-            # receive on its server, dropping this one there: each ends by its HTTP timeout
+            # receive on its server, dropping this one there (a hung server's: up to the
+            # timeout, then this update goes on)
             logger.info("hotweights: waiting for %d receive request(s) of an earlier "
-                        "update to answer or time out", len(self._late))
-            futures.wait(self._late)
+                        "update to answer", len(self._late))
+            if late := futures.wait(self._late, timeout=self.timeout).not_done:
+                logger.warning("hotweights: %d receive request(s) of an earlier update still "
+                               "unanswered after %.0f s: the update goes on", len(late),
+                               self.timeout)
             self._late = []
         pool = ThreadPoolExecutor(2 * len(status) + 1)
         begins, out, on, hints, meantime = {}, [], None, [], []  # on: (link, update) sent
