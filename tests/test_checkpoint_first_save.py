@@ -15,6 +15,7 @@ from hotweights.changes import blocks
 from hotweights.checkpoint import finisher, first_save, journal, lock, sidecar, sync
 from hotweights.checkpoint.shards import read_shard
 from hotweights.errors import CheckpointError
+from test_checkpoint_sync import _staged_fsynced
 
 
 def _live() -> dict[str, torch.Tensor]:
@@ -261,19 +262,7 @@ def test_a_first_save_fsyncs_every_staged_file_before_the_journal_that_moves_it(
                                                                                  monkeypatch):
     # shards, config.json and the index: one not yet durable at the commit could be moved
     # into place empty or torn after a power loss
-    synced, staged = set(), []
-    real_fsync, real_write = os.fsync, journal.write_journal
-
-    def fsync(fd):
-        synced.add(os.fstat(fd).st_ino)
-        real_fsync(fd)
-
-    def write_journal(directory, *args, **kwargs):
-        staged.extend((p.name, p.stat().st_ino in synced)
-                      for p in (directory / journal.STAGE_DIR).iterdir())
-        return real_write(directory, *args, **kwargs)
-    monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(journal, "write_journal", write_journal)
+    staged = _staged_fsynced(monkeypatch)
     first = sync(tmp_path, _live(), max_shard_size=100_000, config={"model_type": "llama"})
     assert first.first_save and len(first.shards_changed) > 1
     assert sorted(staged) == sorted(

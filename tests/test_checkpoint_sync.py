@@ -916,16 +916,9 @@ def test_an_owner_that_cannot_be_given_does_not_stop_the_sync(saved, monkeypatch
     assert all(torch.equal(t, live[n]) for n, t in _disk(d).items())
 
 
-@pytest.mark.parametrize("mode", ["copy", "reflink"])
-def test_every_staged_shard_is_fsynced_before_the_journal_that_moves_it(saved, mode,
-                                                                         monkeypatch, request):
-    # the journal's move trusts the staged file whole: one not yet durable at the commit
-    # could be moved into place empty or torn after a power loss
-    d, live = saved
-    if mode == "reflink":  # a clone with the changed pages cloned in
-        d = Path(shutil.copytree(d, request.getfixturevalue("xfs_dir") / request.node.name))
-        request.addfinalizer(lambda: remove_synced(d))
-    sync(d, live)
+def _staged_fsynced(monkeypatch) -> list[tuple[str, bool]]:
+    """From now on, each file in the stage directory as a journal is written: (its name,
+    whether it was fsync'd before)."""
     synced, staged = set(), []
     real_fsync, real_write = os.fsync, journal.write_journal
 
@@ -939,6 +932,20 @@ def test_every_staged_shard_is_fsynced_before_the_journal_that_moves_it(saved, m
         return real_write(directory, *args, **kwargs)
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(journal, "write_journal", write_journal)
+    return staged
+
+
+@pytest.mark.parametrize("mode", ["copy", "reflink"])
+def test_every_staged_shard_is_fsynced_before_the_journal_that_moves_it(saved, mode,
+                                                                         monkeypatch, request):
+    # the journal's move trusts the staged file whole: one not yet durable at the commit
+    # could be moved into place empty or torn after a power loss
+    d, live = saved
+    if mode == "reflink":  # a clone with the changed pages cloned in
+        d = Path(shutil.copytree(d, request.getfixturevalue("xfs_dir") / request.node.name))
+        request.addfinalizer(lambda: remove_synced(d))
+    sync(d, live)
+    staged = _staged_fsynced(monkeypatch)
     name = "model.layers.1.mlp.down_proj.weight"
     live[name][3] += 1.0
     result = sync(d, live, mode=mode)
