@@ -871,3 +871,20 @@ def test_an_update_begins_once_an_earlier_update_s_receive_requests_have_ended(c
                 lease_s=60.0)
     hung.set()
     assert "still unanswered after 0 s: the update goes on" in caplog.text
+
+
+def test_every_request_of_an_update_carries_its_number_one_above_the_last(monkeypatch):
+    # a server refuses a request of an earlier update that arrives late (`Body.seq`)
+    from hotweights.remote import group as group_module
+
+    group = RemoteGroup(["http://127.0.0.1:1"], token="t" * 32, timeout=1)
+    status = {group.urls[0]: {"server_id": "s", "n": 0, "dtypes": {"default": "float32"}}}
+    monkeypatch.setattr(group, "_status", lambda urls, dropped: (status, dropped))
+    sent = []
+    monkeypatch.setattr(group_module, "request", lambda url, method, route, token, body,
+                        **kw: sent.append((route, body["seq"])))
+    monkeypatch.setattr(group, "_prepare", lambda *a: group._post(
+        group.urls[0], status[group.urls[0]], "/hotweights/begin"))
+    for _ in range(2):
+        group.prepare({"w": torch.zeros(4)})
+    assert sent == [("/hotweights/begin", 1), ("/hotweights/begin", 2)]

@@ -687,3 +687,30 @@ def test_an_engine_that_fails_a_begin_is_named_in_json_and_the_server_resumes(ca
         assert status["state"] == "idle" and stub.calls[-1] == "resume"
 
     serve(test)
+
+
+def test_a_late_receive_of_the_holder_s_earlier_update_leaves_the_next_one_alone(monkeypatch):
+    # it would start a receive of its update in the workers, dropping the next one's
+    monkeypatch.setenv("HOTWEIGHTS_REMOTE", "1")
+
+    async def test(client, stub):
+        await client.post("/hotweights/remote/join", json=JOIN, headers=AUTH)
+        await client.post("/hotweights/begin", json=body(stage=True, seq=1), headers=AUTH)
+        await client.post("/hotweights/remote/receive", json=body(update="u1", seq=1),
+                          headers=AUTH)
+        await client.post("/hotweights/commit", json=body(n=1, next_update="u2", seq=1),
+                          headers=AUTH)
+        await client.post("/hotweights/begin", json=body(stage=True, seq=2), headers=AUTH)
+        calls = stub.calls.count("hotweights_remote_receive")
+        r = await client.post("/hotweights/remote/receive", json=body(update="u1", seq=1),
+                              headers=AUTH)
+        assert r.status_code == 409 and "arrived late" in r.json()["error"]
+        assert stub.calls.count("hotweights_remote_receive") == calls
+        assert (await client.get("/hotweights/status", headers=AUTH)).json()["armed"]
+        r = await client.post("/hotweights/remote/receive", json=body(update="u2", seq=2),
+                              headers=AUTH)
+        assert r.status_code == 200 and r.json()["armed"]  # the workers' wait taken
+        r = await client.post("/hotweights/commit", json=body(n=2, seq=2), headers=AUTH)
+        assert r.status_code == 200 and r.json()["version"] == f"2@{SID}"
+
+    serve(test)

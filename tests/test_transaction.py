@@ -939,3 +939,40 @@ def test_a_begin_retried_restarts_the_lease_from_now():
         await asyncio.sleep(0.6)  # 1.2 s since the first begin, 0.6 since the retry
         assert tx.state is State.PAUSED and tx.n == 0
     run(test)
+
+
+def test_a_request_of_the_holder_s_earlier_update_that_arrives_late_is_refused():
+    # (one whose HTTP call the trainer gave up on, delivered after its next update began)
+    async def test(tx, engine):
+        await tx.begin(begin(stage=True, mode="keep", seq=4))
+        late = {"renew": lambda: tx.renew(Renew("h1", SID, seq=3)),
+                "commit": lambda: tx.commit(Commit("h1", SID, seq=3)),
+                "abort": lambda: tx.abort(Abort("h1", SID, seq=3)),
+                "begin": lambda: tx.begin(begin(stage=True, mode="keep", seq=3))}
+        for what, call in late.items():
+            with pytest.raises(Refused, match=f"{what} of h1's update 3, but the lease is of "
+                               "its update 4: a request that arrived late") as e:
+                await call()
+            assert e.value.status == 409
+        with pytest.raises(Refused, match="commit of h1's update 5"):  # none began it here
+            await tx.commit(Commit("h1", SID, seq=5))
+        assert tx.state is State.STAGING and engine.steps == []  # nothing done
+        await tx.renew(Renew("h1", SID))  # unnumbered: not checked
+        await tx.begin(begin(stage=True, mode="keep", seq=6))  # the holder's next update
+        # takes the lease its last left (its abort got no answer)
+        with pytest.raises(Refused, match="update 4, but the lease is of its update 6"):
+            await tx.renew(Renew("h1", SID, seq=4))
+        await tx.abort(Abort("h1", SID, seq=7, dirty=False))  # a later one clears it
+        assert tx.state is State.IDLE
+        await tx.begin(begin(stage=True, mode="keep", seq=8))
+        assert (await tx.commit(Commit("h1", SID, seq=8, n=3)))["n"] == 3
+
+    run_recording(test)
+
+
+def test_seq_is_a_whole_number_below_2_53():
+    assert Renew.from_json({"holder": "h", "server_id": SID, "seq": 7}).seq == 7
+    for bad, match in ((-1, r"must be in \[0, 2\*\*53\), got -1"), (2**53, "got 9007"),
+                       (10**30, "a larger number"), ("1", "must be a int")):
+        with pytest.raises(Refused, match=match):
+            Renew.from_json({"holder": "h", "server_id": SID, "seq": bad})

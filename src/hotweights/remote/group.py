@@ -231,6 +231,7 @@ class RemoteGroup:
         self._lease_lost = ""  # require="all": the servers that refused a renewal meanwhile
         self._lost = 0  # bytes that left this process in the update's sends that failed
         self._late: list[Future] = []  # receive requests of an earlier update not answered
+        self._seq = 0  # the number of this group's update in progress (or last)
         self._casts: dict[str, torch.dtype] = {}  # name -> the servers' narrower float
         self._warm: threading.Thread | None = None  # compiles the encode's loops ahead
 
@@ -292,6 +293,8 @@ class RemoteGroup:
         the commit, however late.
         """
         started, self._lost = time.perf_counter(), 0
+        self._seq += 1  # every request of this update carries it (`_post`): the servers
+        # refuse one of an earlier update that arrives late
         new = _weights(weights)
         settle(new)  # a step still running on a side stream lands before anything reads it
         written = {k: (t, t._version) for k, t in new.items()}  # before the encode reads them
@@ -769,7 +772,7 @@ class RemoteGroup:
 
     def _post(self, url: str, status: dict, route: str, *, http_timeout: float | None = None,
               **body: Any) -> dict:
-        body = dict(holder=self.holder, server_id=status["server_id"], **body)
+        body = dict(holder=self.holder, server_id=status["server_id"], seq=self._seq, **body)
         return request(url, "POST", route, self._tokens[url], body,
                        timeout=http_timeout or self.timeout + 60, cafile=self.cafile)
 

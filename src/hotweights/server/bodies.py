@@ -3,7 +3,7 @@ built from JSON, validated; a bad field is a `Refused` (400) that names it."""
 
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from hotweights.errors import HotweightsError
@@ -33,15 +33,20 @@ _KINDS = {"str": str, "float": float, "bool": bool, "int": int}
 @dataclass(frozen=True)
 class Body:
     """What every route's body holds: who asks (`holder`) and which server start it mapped
-    (`server_id`)."""
+    (`server_id`); and, from a holder that numbers its updates, which one it is of (`seq`,
+    rising: a request of an earlier update that arrives late is refused; 0: unnumbered)."""
 
     holder: str
     server_id: str
+    seq: int = field(default=0, kw_only=True)  # (not positional: the subclasses' fields are)
 
     def __post_init__(self) -> None:
         for name in ("holder", "server_id"):
             if not 0 < len(value := getattr(self, name)) <= 200:
                 raise Refused(400, f"field {name!r} must be 1 to 200 characters, got {value!r}")
+        if not 0 <= self.seq < 2**53:
+            raise Refused(400, f"field 'seq' must be in [0, 2**53), got "
+                          f"{self.seq if abs(self.seq) < 10**20 else 'a larger number'}")
         lease_s = getattr(self, "lease_s", DEFAULT_LEASE_S)
         if not 0 < lease_s <= MAX_LEASE_S:  # also refuses nan and inf
             raise Refused(400, f"field 'lease_s' must be in (0, {MAX_LEASE_S:.0f}] seconds, "

@@ -200,6 +200,7 @@ class Transaction:
         self.versions = Versions(server_id)
         self.lease = Lease(clock, self.expire)
         self.holder: str | None = None
+        self.seq = 0  # the holder's update the lease is of (`Body.seq`; 0: unnumbered)
         self.mode: str | None = None
         self.expired: dict | None = None  # holder, at, version of the last expired lease
         self._expiry_news: str | None = None  # its holder, until a lease is taken again
@@ -258,6 +259,8 @@ class Transaction:
             if self.state in (State.DRAINING, State.PAUSED, State.STAGING):
                 if req.holder != self.holder:
                     raise self._held()
+                self._check_seq(req, "begin", later=True)  # a later update of the holder's
+                # takes over the lease its last left (an abort that got no answer)
                 if req.process != self._process:  # (the same holder name, another
                     raise Refused(409, f"{req.holder} already began an update from "  # process)
                                   f"another process ({self._process or 'unnamed'})",
@@ -268,12 +271,14 @@ class Transaction:
                                   f"{self.mode!r} ({self.state.value}{', read' * self._read}),"
                                   f" not {req.mode!r}{' staged' if req.stage else ''}"
                                   f"{' read' if req.read else ''}", holder=self.holder)
+                self.seq = max(self.seq, req.seq)
                 if self.state is not State.DRAINING:  # a retry: the lease runs from now
                     self.lease.arm(self.holder, req.lease_s)
                     return self._granted()
                 pausing = self._pausing
             elif req.stage:
                 self.state, self.holder, self.mode = State.STAGING, req.holder, req.mode
+                self.seq = req.seq
                 self._read, self._expiry_news = req.read, None  # (a lease since: old news)
                 self._watch(req)
                 self._began, self._drain_s = time.perf_counter(), req.lease_s
@@ -281,6 +286,7 @@ class Transaction:
                 return self._granted()
             else:
                 self.state, self.holder, self.mode = State.DRAINING, req.holder, req.mode
+                self.seq = req.seq
                 self._read, self._expiry_news = req.read, None  # (a lease since: old news)
                 self._watch(req)
                 self.lease.expires = self.clock() + req.lease_s  # the drain's deadline
@@ -458,6 +464,8 @@ class Transaction:
         nothing: its version stays."""
         async with self._lock:
             self._check_holder(req)
+            self._check_seq(req, "abort", later=True)  # (one of a later update: the
+            # holder clears the lease its last update left)
             if self._pausing is not None:  # a drain, or a staged update's early pause
                 self._pausing.cancel()
             if self.state is not State.DRAINING:
@@ -547,9 +555,19 @@ class Transaction:
         """Refuse (409) `what` unless `req`'s holder holds the paused (or staging)
         weights."""
         self._check_holder(req)
+        self._check_seq(req, what)
         if self.state not in (State.PAUSED, State.STAGING):
             raise Refused(409, f"{req.holder}'s update is {self.state.value}, not paused; "
                           f"{what} after begin returned")
+
+    def _check_seq(self, req: Body, what: str, later: bool = False) -> None:
+        """Refuse (409) `what` of another of the holder's updates than the lease's (with
+        `later`, only of an earlier one): a request that arrived late, after the holder's
+        next update began. Unnumbered requests and leases are not checked."""
+        if req.seq and self.seq and (req.seq < self.seq or req.seq != self.seq and not later):
+            raise Refused(409, f"{what} of {req.holder}'s update {req.seq}, but the lease is "
+                          f"of its update {self.seq}: a request that arrived late, refused",
+                          holder=self.holder)
 
     async def _discard_quietly(self) -> None:
         try:
