@@ -472,15 +472,21 @@ def test_a_refused_update_s_receive_that_travels_late_drops_no_later_update(
     """A receive request of a refused update that reaches its server late (a loaded
     machine) lands before the trainer's abort; under the next update's lease it would
     start a receive of the refused update there, dropping the next one's (round 1
-    stalled behind that server, or its commit refused)."""
+    stalled behind that server, or its commit refused). It carries the number of its own
+    update, bound when it was queued: the server refuses it."""
     model, group = trainer
     held, post, late = threading.Event(), group._post, []
 
     def late_post(url, status, route, **body):
-        if route == "/hotweights/remote/receive" and url == remotes[0].url and not late:
-            late.append(body["update"])
-            held.wait(3)  # until the next update has started on the channel
-        return post(url, status, route, **body)
+        if route != "/hotweights/remote/receive" or url != remotes[0].url or late:
+            return post(url, status, route, **body)
+        late.append(body["update"])
+        held.wait(3)  # until the next update has started on the channel
+        try:
+            return post(url, status, route, **body)
+        except HotweightsError as e:
+            late.append(str(e))  # it carries its own update's number (queued then)
+            raise
 
     def start_then_wait(self, *args, **kwargs):
         start(self, *args, **kwargs)
@@ -497,7 +503,7 @@ def test_a_refused_update_s_receive_that_travels_late_drops_no_later_update(
     with torch.no_grad():
         model.model.norm.weight.add_(1)
     out = group.update(model)
-    assert late and not out["dropped"]
+    assert "a request that arrived late, refused" in late[1] and not out["dropped"]
     assert {s.url: _status(s)["version"] for s in remotes[:2]} == out["servers"]
 
 

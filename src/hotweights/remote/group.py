@@ -32,6 +32,7 @@ only the delta (`result["bytes"]` per server).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -230,7 +231,6 @@ class RemoteGroup:
         self._leased: dict = {}  # url -> status, of the servers an update in progress began
         self._lease_lost = ""  # require="all": the servers that refused a renewal meanwhile
         self._lost = 0  # bytes that left this process in the update's sends that failed
-        self._late: list[Future] = []  # receive requests of an earlier update not answered
         self._seq = 0  # the number of this group's update in progress (or last)
         self._casts: dict[str, torch.dtype] = {}  # name -> the servers' narrower float
         self._warm: threading.Thread | None = None  # compiles the encode's loops ahead
@@ -623,23 +623,15 @@ class RemoteGroup:
         commit. The lease is renewed
         every `lease_s / 3` until the sends end, however long they take. `meanwhile` runs on
         a thread while the begins travel, the lease renewed from theirs on until it ends."""
-        if self._late:  # one landing under this update's lease would start that update's
-            # receive on its server, dropping this one there (a hung server's: up to the
-            # timeout, then this update goes on)
-            logger.info("hotweights: waiting for %d receive request(s) of an earlier "
-                        "update to answer", len(self._late))
-            if late := futures.wait(self._late, timeout=self.timeout).not_done:
-                logger.warning("hotweights: %d receive request(s) of an earlier update still "
-                               "unanswered after %.0f s: the update goes on", len(late),
-                               self.timeout)
-            self._late = []
+        post = functools.partial(self._post, seq=self._seq)  # bound now: a request sent
+        # late by a starved thread still carries this update's number
         pool = ThreadPoolExecutor(2 * len(status) + 1)
         begins, out, on, hints, meantime = {}, [], None, [], []  # on: (link, update) sent
         received: list[Future] = []  # each server's receive request
         counted = [(link.channel, link.channel.bytes_sent) for _, link in plans]
         deltas, started = _Encoded(), False
         try:
-            begins = {u: pool.submit(self._post, u, status[u], "/hotweights/begin", mode=mode,
+            begins = {u: pool.submit(post, u, status[u], "/hotweights/begin", mode=mode,
                                      lease_s=lease_s, stage=True) for u in status}
             meantime.append(pool.submit(meanwhile))
             _raise_failed(begins, "begin")
@@ -648,7 +640,7 @@ class RemoteGroup:
             def hint_pause(last: packing.Round) -> None:  # a server that does not answer it
                 # (in _HINT_S) pauses in its commit
                 if last.header.get("raw_nbytes", last.header["nbytes"]) <= _AHEAD_BYTES:
-                    hints.extend(pool.submit(self._post, u, status[u], "/hotweights/renew",
+                    hints.extend(pool.submit(post, u, status[u], "/hotweights/renew",
                                              http_timeout=_HINT_S, lease_s=lease_s,
                                              pause=True) for u in status)
 
@@ -656,8 +648,8 @@ class RemoteGroup:
                 meantime[0].result()  # the lease renewed while it ends
                 for i, (plan, link) in enumerate(plans):
                     on, link.next, started = (link, link.next or uuid.uuid4().hex), "", False
-                    receipts = self._receive(pool, {u: status[u] for u in plan.urls}, on[1],
-                                             lease_s)
+                    receipts = self._receive(pool, post, {u: status[u] for u in plan.urls},
+                                             on[1], lease_s)
                     received.extend(receipts.values())
                     deltas = _Encoded()
                     rounds = packing.pack(
@@ -690,7 +682,6 @@ class RemoteGroup:
                     logger.warning("hotweights: %d receive request(s) unanswered after %.0f "
                                    "s: their servers refuse the commit", len(late),
                                    self.timeout)
-                    self._late = list(late)  # the next update waits for them
             self._check_leased()  # (the last round's renewals)
             futures.wait(hints)  # a late pause must not reach the server's next update
             pool.shutdown(wait=False)
@@ -700,11 +691,8 @@ class RemoteGroup:
             self._lost += sum((c.bytes_sent - before) * c.copies for c, before in counted)
             futures.wait([*begins.values(), *hints, *meantime])  # a begin still travelling
             # (`meanwhile` failed), a pause that must not reach the server's next update
-            pool.shutdown(wait=False, cancel_futures=True)
-            # a receive request still travelling (one not sent yet was cancelled) would,
-            # under this holder's next lease, start a receive of this update on its server
-            # and drop the next update's there: the next update waits for it
-            self._late = [f for f in received if not f.done()]
+            pool.shutdown(wait=False, cancel_futures=True)  # a receive request still
+            # travelling carries this update's number: the server refuses it under the next
             if on is not None and e is deltas.failed:  # the encode's (bad input, named): the
                 # receivers learn it from the send (an abort) or from a cancel, before it
                 if not started:
@@ -750,11 +738,11 @@ class RemoteGroup:
                                   for _ in range(2))
         return self._staging
 
-    def _receive(self, pool: ThreadPoolExecutor, status: dict, update: str,
-                 lease_s: float) -> dict:
+    def _receive(self, pool: ThreadPoolExecutor, post: Callable[..., dict], status: dict,
+                 update: str, lease_s: float) -> dict:
         """Ask every server to receive `update` (its workers wait for its start on the
         channel, on threads of their own); return those requests' futures."""
-        return {u: pool.submit(self._post, u, status[u], "/hotweights/remote/receive",
+        return {u: pool.submit(post, u, status[u], "/hotweights/remote/receive",
                                update=update, wait_s=lease_s,
                                http_timeout=lease_s + self.timeout + 60) for u in status}
 
@@ -771,8 +759,11 @@ class RemoteGroup:
     # -- HTTP ------------------------------------------------------------------------------
 
     def _post(self, url: str, status: dict, route: str, *, http_timeout: float | None = None,
-              **body: Any) -> dict:
-        body = dict(holder=self.holder, server_id=status["server_id"], seq=self._seq, **body)
+              seq: int | None = None, **body: Any) -> dict:
+        """`seq`: the number of the update the request belongs to (else the one in
+        progress)."""
+        body = dict(holder=self.holder, server_id=status["server_id"],
+                    seq=self._seq if seq is None else seq, **body)
         return request(url, "POST", route, self._tokens[url], body,
                        timeout=http_timeout or self.timeout + 60, cafile=self.cafile)
 

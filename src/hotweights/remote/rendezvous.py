@@ -25,9 +25,9 @@ __all__ = ["NS", "PROTOCOL", "prove"]
 NS = "hotweights/channel"  # store keys of the rendezvous
 PROTOCOL = 5  # what goes over a channel, as one number: `channel`'s framing and the rounds'
 # format (`packing.FORMAT`), and the requests' fields (5: `seq`); bumped with any change to
-# them. A server reports it in its status
-# and the group names a server of another one before any join; a server refuses a join of
-# another one by name (mixed versions would otherwise fail mid-update)
+# them. A server reports it in its status and the group names a server of another one
+# before any join; a server refuses a join of another one by name (mixed versions would
+# otherwise fail mid-update)
 
 
 def _proof(token: str, nonce: str, who: str) -> str:
