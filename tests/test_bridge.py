@@ -35,6 +35,7 @@ def _bridge() -> Bridge:
     b.url, b._token, b.server_id, b.holder, b.version = "http://x", "t", "s", "h", "0@s"
     b.tensors, b.remote, b.cafile, b._leased = {}, None, None, threading.Lock()
     b._model, b.report, b.closed, b._versions = None, None, False, {}
+    b._seq, b._numbered = 0, True
     return b
 
 
@@ -49,7 +50,7 @@ def test_a_failed_or_interrupted_begin_is_aborted_clean(monkeypatch, error):
     (begin, body, timeout), (abort, abort_body, _) = rec.calls
     assert begin == "/hotweights/begin" and timeout == 40  # bounded by the lease, not 600 s
     assert body == dict(holder="h", server_id="s", mode="wait", lease_s=10,
-                        process=process.identity())  # the server watches this process
+                        process=process.identity(), seq=1)  # the server watches this process
     assert abort == "/hotweights/abort" and abort_body["dirty"] is False
 
 
@@ -607,21 +608,44 @@ def test_a_first_save_whose_tokenizer_copy_fails_warns_and_keeps_the_weights(tmp
     assert "tokenizer.json not copied beside the weights" in caplog.text
 
 
-def test_an_older_server_that_knows_no_process_or_read_field_is_begun_without(monkeypatch):
+def test_an_older_server_that_knows_no_process_read_or_seq_field_is_begun_without(
+        monkeypatch):
+    new = {"process", "read", "seq"}
+
     class Older(Recorder):
         def __call__(self, url, method, route, token, body=None, *, timeout=120, cafile=None):
-            if route == "/hotweights/begin" and body.keys() & {"process", "read"}:
+            if body.keys() & new:
                 self.calls.append((route, body, timeout))
-                raise ServerError(f"POST /hotweights/begin: HTTP 400: unknown field(s) "
-                                  f"{sorted(body.keys() & {'process', 'read'})}", 400, {})
+                raise ServerError(f"POST {route}: HTTP 400: unknown field(s) "
+                                  f"{sorted(body.keys() & new)}", 400, {})
             return super().__call__(url, method, route, token, body, timeout=timeout)
 
     rec = Older({})
     monkeypatch.setattr(bridge_module, "request", rec)
-    _bridge()._begin(mode="keep", lease_s=10, read=True)
-    (_, first, _), (_, second, _) = rec.calls
-    assert first["read"] is True and "process" not in second and "read" not in second
+    b = _bridge()
+    b._begin(mode="keep", lease_s=10, read=True)
+    b.renew(10)  # the update's later requests are unnumbered too
+    (_, first, _), (_, second, _), (_, renewed, _) = rec.calls
+    assert first["read"] is True and first["seq"] == 1
     assert second == dict(holder="h", server_id="s", mode="keep", lease_s=10)
+    assert renewed == dict(holder="h", server_id="s", lease_s=10)
+
+
+def test_every_request_of_an_update_carries_its_number_one_above_the_last(monkeypatch):
+    # the server refuses a request of an earlier update that arrives late (`Body.seq`)
+    rec = Recorder({})
+    monkeypatch.setattr(bridge_module, "request", rec)
+    b = _bridge()
+    for _ in range(2):
+        with b.update(lease_s=10):
+            b.renew(10)
+    with pytest.raises(ServerError):
+        with b.update(lease_s=10):
+            raise ServerError("the step failed")
+    assert [(route, body["seq"]) for route, body, _ in rec.calls] == [
+        ("/hotweights/begin", 1), ("/hotweights/renew", 1), ("/hotweights/commit", 1),
+        ("/hotweights/begin", 2), ("/hotweights/renew", 2), ("/hotweights/commit", 2),
+        ("/hotweights/begin", 3), ("/hotweights/abort", 3)]
 
 
 def test_remote_code_runs_only_from_files_others_cannot_write(tmp_path):

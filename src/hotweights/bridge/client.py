@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-_NEW = {"process", "read"}  # begin's fields an older server refuses (dropped there)
+_NEW = {"process", "read", "seq"}  # fields an older server refuses (dropped there)
 # What a first save copies from the served model's directory (`Bridge._saved`)
 _SERVING_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*",
                   "merges.txt", "chat_template*", "generation_config.json")
@@ -75,6 +75,9 @@ class Bridge:
         self.remote = None  # a RemoteGroup updated with this server (add_remote)
         self.remote_result: dict | None = None  # its last update's (`RemoteGroup.update`)
         self._leased = threading.Lock()  # held by this bridge's update or exclusive read
+        self._seq = 0  # the number of its update in progress (or last), in every request
+        # of it: the server refuses one of an earlier update that arrives late (`Body.seq`)
+        self._numbered = True  # False: an older server, which knows no number
         self.closed = False  # `close` let go of the mapping
 
     @classmethod
@@ -492,6 +495,7 @@ class Bridge:
         the refusal names this bridge's own update still open (its commit and abort lost:
         its weights were written)."""
         deadline, waited, warn_at, dirty = time.monotonic() + timeout, None, None, False
+        self._seq += 1
         drain = body.get("lease_s", 60.0) + 10  # the server bounds a begin's drain by lease_s
         if ident := process.identity():  # the server ends the lease once we exit
             body["process"] = ident
@@ -500,10 +504,12 @@ class Bridge:
                 try:
                     return self._post("/hotweights/begin", timeout=timeout, **body)
                 except ServerError as e:
-                    if e.status == 400 and "unknown field" in str(e) and body.keys() & _NEW:
+                    new = body.keys() & _NEW | ({"seq"} if self._numbered else set())
+                    if e.status == 400 and "unknown field" in str(e) and new:
                         logger.info("hotweights: an older server (%s): begun without %s", e,
-                                    sorted(body.keys() & _NEW))
+                                    sorted(new))
                         body = {k: v for k, v in body.items() if k not in _NEW}
+                        self._numbered = False
                         continue
                     other = e.detail.get("holder") if e.status == 409 else None
                     # this bridge's last update still open (its commit and abort lost): the
@@ -569,6 +575,8 @@ class Bridge:
 
     def _post(self, route: str, *, timeout: float = 120, **body: Any) -> dict:
         body = dict(holder=self.holder, server_id=self.server_id, **body)
+        if self._numbered:
+            body["seq"] = self._seq
         return request(self.url, "POST", route, self._token, body, timeout=timeout,
                        cafile=self.cafile)
 
