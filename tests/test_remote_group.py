@@ -850,18 +850,28 @@ def test_a_channel_s_buffers_go_on_the_weights_gpu_for_nccl_only():
     assert channel_device("nccl", weights[:1]) is None
 
 
-def test_every_request_of_an_update_carries_its_number_one_above_the_last(monkeypatch):
-    # a server refuses a request of an earlier update that arrives late (`Body.seq`)
+def test_every_try_of_an_update_carries_its_own_number_one_above_the_last(monkeypatch):
+    # a server refuses a request of an earlier try or update that arrives late, and a
+    # begin of a number whose lease ended (`Body.seq`)
     from hotweights.remote import group as group_module
 
-    group = RemoteGroup(["http://127.0.0.1:1"], token="t" * 32, timeout=1)
-    status = {group.urls[0]: {"server_id": "s", "n": 0, "dtypes": {"default": "float32"}}}
-    monkeypatch.setattr(group, "_status", lambda urls, dropped: (status, dropped))
-    sent = []
+    group = RemoteGroup(["http://127.0.0.1:1", "http://127.0.0.1:2"], token="t" * 32,
+                        timeout=1, require="any")
+    one, two = group.urls
+    status = {u: {"server_id": "s", "n": 0, "dtypes": {"default": "float32"}}
+              for u in group.urls}
+    answers = iter([(status, {}), ({one: status[one]}, {two: "gone"}), (status, {})])
+    monkeypatch.setattr(group, "_status", lambda urls, dropped: next(answers))
+    sent, tries = [], []
     monkeypatch.setattr(group_module, "request", lambda url, method, route, token, body,
-                        **kw: sent.append((route, body["seq"])))
-    monkeypatch.setattr(group, "_prepare", lambda *a: group._post(
-        group.urls[0], status[group.urls[0]], "/hotweights/begin"))
+                        **kw: sent.append((url, body["seq"])))
+
+    def prepare(weights, new, status, *args):
+        group._send(status, [], encode=None, cut_bytes=0, mode="keep", lease_s=60.0)
+        tries.append(len(status))
+        if len(tries) == 1:
+            raise RemoteError("a server died during the send")  # tried again without it
+    monkeypatch.setattr(group, "_prepare", prepare)
     for _ in range(2):
         group.prepare({"w": torch.zeros(4)})
-    assert sent == [("/hotweights/begin", 1), ("/hotweights/begin", 2)]
+    assert sorted(sent) == [(one, 1), (one, 2), (one, 3), (two, 1), (two, 3)]

@@ -970,6 +970,37 @@ def test_a_request_of_the_holder_s_earlier_update_that_arrives_late_is_refused()
     run_recording(test)
 
 
+def test_a_begin_of_an_update_whose_lease_ended_that_arrives_late_is_refused(monkeypatch):
+    # it would take a lease no client holds (a pause, for a begin not staged, until the
+    # lease ends, then a dirty version)
+    from hotweights.server import transaction
+
+    async def test(tx, engine):
+        await tx.begin(begin(stage=True, mode="keep", seq=4))
+        await tx.commit(Commit("h1", SID, seq=4, n=1))
+        for seq in (4, 3):
+            with pytest.raises(Refused, match=f"begin of h1's update {seq}, but its update 4 "
+                               "ended: a request that arrived late") as e:
+                await tx.begin(begin(seq=seq))
+            assert e.value.status == 409 and tx.state is State.IDLE
+        await tx.begin(begin(seq=0))  # unnumbered: not checked
+        await tx.abort(Abort("h1", SID, dirty=False))
+        await tx.begin(begin("h2", mode="keep", stage=True, seq=4))  # another holder's
+        await tx.abort(Abort("h2", SID, seq=5, dirty=False))  # (a later one ends it: its
+        await tx.begin(begin("h2", mode="keep", stage=True, seq=5))  # number is free)
+        await tx.abort(Abort("h2", SID, seq=5, dirty=False))
+        with pytest.raises(Refused, match="its update 5 ended"):
+            await tx.begin(begin("h2", mode="keep", stage=True, seq=5))
+        await tx.begin(begin(stage=True, mode="keep", seq=5))  # h1's next
+        await tx.abort(Abort("h1", SID, seq=5, dirty=False))
+        monkeypatch.setattr(transaction, "_KEPT_ENDED", 2)  # the oldest forgotten first
+        await tx.begin(begin("h3", mode="keep", stage=True, seq=1))
+        await tx.abort(Abort("h3", SID, seq=1, dirty=False))
+        assert list(tx._ended) == ["h1", "h3"]
+
+    run_recording(test)
+
+
 def test_seq_is_a_whole_number_below_2_53():
     assert Renew.from_json({"holder": "h", "server_id": SID, "seq": 7}).seq == 7
     for bad, match in ((-1, r"must be in \[0, 2\*\*53\), got -1"), (2**53, "got 9007"),

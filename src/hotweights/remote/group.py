@@ -293,8 +293,6 @@ class RemoteGroup:
         the commit, however late.
         """
         started, self._lost = time.perf_counter(), 0
-        self._seq += 1  # every request of this update carries it (`_post`): the servers
-        # refuse one of an earlier update that arrives late
         new = _weights(weights)
         settle(new)  # a step still running on a side stream lands before anything reads it
         written = {k: (t, t._version) for k, t in new.items()}  # before the encode reads them
@@ -623,8 +621,10 @@ class RemoteGroup:
         commit. The lease is renewed
         every `lease_s / 3` until the sends end, however long they take. `meanwhile` runs on
         a thread while the begins travel, the lease renewed from theirs on until it ends."""
-        post = functools.partial(self._post, seq=self._seq)  # bound now: a request sent
-        # late by a starved thread still carries this update's number
+        self._seq += 1  # every request of this try of the update carries it (`_post`,
+        # bound now: also one a starved thread sends late): the servers refuse one of an
+        # earlier try or update that arrives late
+        post = functools.partial(self._post, seq=self._seq)
         pool = ThreadPoolExecutor(2 * len(status) + 1)
         begins, out, on, hints, meantime = {}, [], None, [], []  # on: (link, update) sent
         received: list[Future] = []  # each server's receive request

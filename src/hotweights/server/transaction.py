@@ -59,6 +59,7 @@ _AHEAD = {"abort": "keep"}  # a pause begun ahead of a staged commit (a renew's 
 # abort mode freezes the requests in flight: the commit ends them, an update that fails
 # before it does not
 _KEPT_DIRTY = 100  # dirty versions remembered
+_KEPT_ENDED = 1000  # holders whose last numbered lease's number is remembered
 
 
 class State(enum.Enum):
@@ -201,6 +202,8 @@ class Transaction:
         self.lease = Lease(clock, self.expire)
         self.holder: str | None = None
         self.seq = 0  # the holder's update the lease is of (`Body.seq`; 0: unnumbered)
+        self._ended: dict[str, int] = {}  # holder -> the number of its last lease that
+        # ended (the latest `_KEPT_ENDED` holders'): a begin of it or before is refused
         self.mode: str | None = None
         self.expired: dict | None = None  # holder, at, version of the last expired lease
         self._expiry_news: str | None = None  # its holder, until a lease is taken again
@@ -276,6 +279,10 @@ class Transaction:
                     self.lease.arm(self.holder, req.lease_s)
                     return self._granted()
                 pausing = self._pausing
+            elif req.seq and req.seq <= (ended := self._ended.get(req.holder, 0)):
+                raise Refused(409, f"begin of {req.holder}'s update {req.seq}, but its update "
+                              f"{ended} ended: a request that arrived late, refused (a "
+                              "holder numbers its updates rising)")
             elif req.stage:
                 self.state, self.holder, self.mode = State.STAGING, req.holder, req.mode
                 self.seq = req.seq
@@ -592,7 +599,12 @@ class Transaction:
     async def _resume(self, why: str) -> None:
         """End the update: idle, resume generation, let requests in (even if resume fails)."""
         self.lease.end()
-        self.state, self.holder, self.mode = State.IDLE, None, None
+        if self.seq:
+            self._ended.pop(self.holder, None)  # (the newest last)
+            self._ended[self.holder] = self.seq
+            if len(self._ended) > _KEPT_ENDED:
+                del self._ended[next(iter(self._ended))]
+        self.state, self.holder, self.mode, self.seq = State.IDLE, None, None, 0
         self._pausing, self._read = None, False
         if self._held_at is None:  # a staged update that never paused
             logger.info("hotweights: %s; serving version %s", why, self.version)
