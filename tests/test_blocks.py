@@ -414,3 +414,18 @@ def test_refresh_hashes_the_block_a_written_range_starts_inside():
     new = dict(old, w=_flip(old["w"], BS + 5))
     got = blocks.refresh(fp, new, written={"w": [(BS + 4, BS + 8)]})
     assert changed(fp, got).tensors["w"].ranges.tolist() == [[BS, 2 * BS]]
+
+
+def test_one_tensor_off_the_cpu_makes_the_default_kind_the_torch_hash():
+    # xxh3 only when every tensor is on the CPU: one elsewhere (here `meta`) takes all
+    # of them to the torch hash
+    cpu, off = torch.zeros(8), torch.zeros(8, device="meta")
+    assert blocks.kind_of([cpu, off]) == TORCH
+    assert blocks.kind_of([off, cpu]) == TORCH
+    assert blocks.kind_of([cpu, cpu]) == XXH3
+
+
+def test_xxh3_of_a_tensor_off_the_cpu_is_refused_by_name():
+    with pytest.raises(FingerprintError, match=r"m: xxh3_64 needs a CPU tensor, found meta; "
+                                               r"use kind='torch-mix64-v1'"):
+        fingerprint({"c": torch.zeros(8), "m": torch.zeros(8, device="meta")}, kind=XXH3)

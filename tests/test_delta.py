@@ -754,3 +754,49 @@ def test_more_bad_rounds_are_refused_by_name_and_nothing_is_written(case):
     with pytest.raises(DeltaError, match=match):
         apply(r, targets)
     assert _same_bits(targets, old)
+
+
+def test_a_complex_tensor_is_refused_by_name():
+    # complex64 is 8 bytes wide, as int64: only its dtype tells it apart
+    old = torch.zeros(4, dtype=torch.complex64)
+    with pytest.raises(DeltaError, match=r"^z: field 'dtype' complex64 is not supported"):
+        encode("z", old, old.clone())
+    with pytest.raises(DeltaError, match=r"^z: field 'dtype' complex64 is not supported"):
+        delta.dense("z", old)
+
+
+def test_the_dense_delta_of_a_tensor_without_elements_is_same():
+    d = delta.dense("e", torch.zeros(0, 4, dtype=torch.bfloat16))
+    assert (d.kind, d.changed, d.nbytes, d.tensor) == ("same", 0, 0, None)
+    (d,) = encode_all(None, {"e": torch.zeros(0)})  # a full sync of an empty tensor
+    assert d.kind == "same"
+
+
+def test_a_dtype_or_shape_mismatch_names_which_side_is_which():
+    old = torch.zeros(4, 2)
+    with pytest.raises(DeltaError, match=r"^w: field 'dtype' differs \(old torch\.float32, "
+                                         r"new torch\.bfloat16\)"):
+        encode("w", old, old.to(torch.bfloat16))
+    with pytest.raises(DeltaError, match=r"^w: field 'shape' differs \(old \(4, 2\), "
+                                         r"new \(2, 4\)\)"):
+        encode("w", old, old.reshape(2, 4))
+
+
+def test_a_dense_delta_of_a_tensor_with_rows_carries_no_ranges():
+    old = _random((6, 4), torch.float32)
+    d = encode("w", old, _flip(old, slice(None)))
+    assert d.kind == "dense" and d.ranges is None and d.indices is None
+
+
+def test_encode_all_sends_a_name_missing_from_old_dense():
+    old = {"a": _random((4, 4), torch.float32)}
+    new = {"a": old["a"].clone(), "b": _random((3,), torch.bfloat16)}
+    kinds = {d.name: d.kind for d in encode_all(old, new)}
+    assert kinds == {"a": "same", "b": "dense"}
+
+
+def test_encode_all_compares_only_the_rows_given_for_a_name():
+    old = _random((8, 16), torch.bfloat16)
+    new = _flip(old, [3, 5 * 16 + 1])  # rows 0 and 5 changed
+    (d,) = encode_all({"w": old}, {"w": new}, rows={"w": torch.tensor([0])})
+    assert d.kind == "patch" and d.indices.tolist() == [3]  # row 5: vouched unchanged

@@ -130,3 +130,65 @@ def test_spared_and_the_skip_policy(monkeypatch):
     got, prints = p.rows(everywhere)  # taken again, used at the next update
     assert got is None and prints is not None
     assert p.rows(everywhere, use=False)[0] is None
+
+
+def test_a_tensor_whose_fingerprints_are_of_another_kind_is_compared_whole(monkeypatch):
+    # hashes of another kind (a GPU's torch-mix64 vs the CPU's xxh3) say nothing: equal
+    # values must not pass for "no block changed"
+    monkeypatch.setattr(prefilter, "BLOCK_BYTES", 64)
+    t = _random((40, 8), torch.float16)
+    now = prefilter.fingerprints({"w": t})
+    k, kind, h = now["w"]
+    before = {"w": (k, "torch_mix64" if kind != "torch_mix64" else "xxh3_64", h.copy())}
+    assert "w" not in prefilter.candidates(before, now, {"w": t})
+
+
+def test_exactly_half_the_blocks_changed_is_still_gathered(monkeypatch):
+    monkeypatch.setattr(prefilter, "BLOCK_BYTES", 64)  # 4 rows of 8 float16 per block
+    old = _random((8, 8), torch.float16)  # 2 blocks
+    new = _flip(old, [8 * 5])  # one of them: DENSER (0.5) of them, not more
+    got = prefilter.candidates(prefilter.fingerprints({"w": old}),
+                               prefilter.fingerprints({"w": new}), {"w": new})
+    assert got["w"].tolist() == [4, 5, 6, 7]
+
+
+def test_a_last_block_one_row_past_the_end_gives_no_row_past_the_end(monkeypatch):
+    monkeypatch.setattr(prefilter, "BLOCK_BYTES", 64)  # 4 rows of 8 float16 per block
+    old = _random((7, 8), torch.float16)  # blocks: rows 0-3, rows 4-6 (row 7 does not exist)
+    new = _flip(old, [8 * 5])
+    got = prefilter.candidates(prefilter.fingerprints({"w": old}),
+                               prefilter.fingerprints({"w": new}), {"w": new})
+    assert got["w"].tolist() == [4, 5, 6]
+
+
+def test_tensors_without_bytes_are_all_spared_and_never_start_the_skip():
+    empty = {"w": torch.zeros(0, 8), "b": torch.zeros(0)}
+    assert prefilter.spared({}, empty) == 1.0 and prefilter.spared({}, {}) == 1.0
+    p = prefilter.Prefilter()
+    p.prints = p.rows(empty)[1]
+    got, prints = p.rows(empty)
+    assert got is not None and prints is not None  # not skipped at the next update
+    assert p.rows(empty)[1] is not None
+
+
+def test_known_prints_are_not_used_when_the_receivers_do_not_hold_them(monkeypatch):
+    # use=False: a receiver lacks what `prints` describes: every tensor is compared whole
+    monkeypatch.setattr(prefilter, "BLOCK_BYTES", 64)
+    old = {"w": _random((40, 8), torch.float16)}
+    p = prefilter.Prefilter()
+    p.prints = p.rows(old)[1]
+    got, prints = p.rows(dict(old, w=_flip(old["w"], [3])), use=False)
+    assert got is None and prints is not None
+
+
+def test_prints_that_spare_exactly_spare_are_kept(monkeypatch):
+    monkeypatch.setattr(prefilter, "BLOCK_BYTES", 64)  # 4 rows of 8 float16 per block
+    old = {"w": _random((16, 8), torch.float16)}  # 4 blocks
+    new = {"w": _flip(old["w"], [8 * 0, 8 * 4, 8 * 8])}  # 3 changed: spares 1/4 = SPARE
+    p = prefilter.Prefilter()
+    p.prints = p.rows(old)[1]
+    monkeypatch.setattr(prefilter, "DENSER", 1.0)  # gathered, not compared whole
+    got, prints = p.rows(new)
+    assert prefilter.spared(got, new) == prefilter.SPARE
+    p.prints = prints
+    assert p.rows(new)[1] is not None  # not skipped: it spared SPARE, not less

@@ -1,14 +1,15 @@
 """Views without vLLM: an HF model over stand-in vLLM tensors (merged qkv/gate_up, padded vocab)."""
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from hotweights import build_hf_model
 from hotweights.errors import LayoutError
-from hotweights.layout.plan import meta_model, plan
-from hotweights.layout.views import verify_shared
+from hotweights.layout.plan import Piece, meta_model, plan
+from hotweights.layout.views import outside_served, slab_of, verify_shared, view_of
 from hotweights.testing import tiny
 
 VOCAB = 300  # vLLM pads the vocabulary rows to a multiple of 64 (320)
@@ -205,3 +206,209 @@ def test_a_parameter_cut_to_another_shape_is_no_view():
     with pytest.raises(LayoutError, match=r"q_proj\.weight: not a view of vLLM "
                                           r".*qkv_proj\.weight .*\(8, \d+\)"):
         verify_shared(model, params, layout)
+
+
+def test_a_tied_alias_of_a_missing_parameter_is_missing_too():
+    # no vLLM tensor holds the embedding: lm_head.weight, tied to it, has no source either
+    config = tiny.make_config("llama_tied", VOCAB)
+    params = _vllm_params(config)
+    del params["model.embed_tokens.weight"]
+    layout = plan(config, params, strict=False)
+    assert set(layout.missing) == {"model.embed_tokens.weight", "lm_head.weight"}
+    model, report = build_hf_model(config, params, allow_missing=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # one zeros tensor
+    assert not model.lm_head.weight.is_meta
+    assert set(report.missing) == {"model.embed_tokens.weight", "lm_head.weight"}
+
+
+def test_a_row_parallel_bias_is_whole_on_every_rank():
+    # o_proj splits its weight by input columns; its bias (GPT-OSS) is not split
+    config = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2)
+    p = "model.layers.0.self_attn.o_proj."
+    hf = ({p + "weight": (8, 16), p + "bias": (8,)}, {})
+    for rank in (0, 1):
+        layout = plan(config, {p + "weight": (8, 8), p + "bias": (8,)}, tp_size=2,
+                      tp_rank=rank, hf_shapes=hf)
+        assert layout.pieces[p + "bias"] == (Piece(p + "bias", (8,), (0, 8)),)
+        assert layout.pieces[p + "weight"] == (Piece(p + "weight", (8, 16), (0, 8), 1, 8 * rank),)
+
+
+def test_a_packed_gate_up_of_odd_rows_is_refused_at_tp_2():
+    # no even cut into gate and up: mapping it would leave a row behind
+    config = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2)
+    name = "model.layers.0.mlp.gate_up_proj.weight"
+    with pytest.raises(LayoutError, match=r"gate_up_proj\.weight: HF .* shape \(17, 8\) packs "
+                                          r"gate_proj \+ up_proj; its cut is not mapped"):
+        plan(config, {name: (8, 8)}, tp_size=2, hf_shapes=({name: (17, 8)}, {}))
+
+
+def _embedding(vocab_rows: int, tp: int = 1):
+    config = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB)
+    name = "model.embed_tokens.weight"
+    return lambda: plan(config, {name: (vocab_rows, 8)}, tp_size=tp,
+                        hf_shapes=({name: (VOCAB, 8)}, {}))
+
+
+def test_an_embedding_one_row_short_of_the_vocabulary_is_refused():
+    with pytest.raises(LayoutError, match=r"embed_tokens\.weight: vLLM shape \(299, 8\) x "
+                                          r"tp=1 has fewer rows than HF"):
+        _embedding(VOCAB - 1)()
+    assert _embedding(VOCAB)().pieces["model.embed_tokens.weight"][0].rows == (0, VOCAB)
+
+
+def test_an_embedding_padded_by_a_whole_64_rows_more_is_another_vocabulary():
+    # vLLM pads to the next multiple of 64: 64 rows more is never padding
+    with pytest.raises(LayoutError, match=r"vLLM holds 364 rows \(x tp=1\), more than"):
+        _embedding(VOCAB + 64)()
+    assert _embedding(VOCAB + 63)().pieces["model.embed_tokens.weight"][0].rows == (0, VOCAB)
+
+
+def test_a_row_parallel_weight_of_the_wrong_width_is_refused():
+    config = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2)
+    name = "model.layers.0.mlp.down_proj.weight"
+    with pytest.raises(LayoutError, match=r"down_proj\.weight: vLLM shape \(8, 7\) does not "
+                                          r"match HF .* split over tp=2 on dim 1 \(expected 8\)"):
+        plan(config, {name: (8, 7)}, tp_size=2, hf_shapes=({name: (8, 16)}, {}))
+
+
+def test_a_weight_whose_split_dim_tp_does_not_divide_is_refused():
+    config = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2)
+    name = "model.layers.0.mlp.down_proj.weight"
+    with pytest.raises(LayoutError, match=r"down_proj\.weight: HF .* shape \(8, 15\) cannot be "
+                                          r"split over tp=2 on dim 1"):
+        plan(config, {name: (8, 7)}, tp_size=2, hf_shapes=({name: (8, 15)}, {}))
+
+
+def test_a_multimodal_config_quantized_in_its_text_config_is_refused():
+    # Qwen2.5-VL-style configs keep the text model's fields, quantization too, apart
+    config = SimpleNamespace(model_type="qwen2_5_vl", text_config=SimpleNamespace(
+        quantization_config={"quant_method": "fp8"}))
+    with pytest.raises(LayoutError, match=r"SimpleNamespace: quantized \(field "
+                                          r"quantization_config, quant_method 'fp8'\)"):
+        plan(config, {}, hf_shapes=({}, {}))
+
+
+def test_a_view_of_a_shard_is_refused_naming_the_rows_it_holds():
+    # rows 4..8 of an 8-row HF tensor (rank 1 of 2): no view can stand in for all of it,
+    # even where the shard's element count happens to match the HF shape
+    shard = Piece("w", (8, 4), (0, 4), 0, 4)
+    with pytest.raises(LayoutError, match=r"w: this rank holds only a shard of it \(rows "
+                                          r"\(0, 4\) on its dim 0\); views need tp=1"):
+        view_of(torch.zeros(4, 8), shard)
+
+
+def test_a_transposed_piece_is_viewed_with_its_last_two_dims_swapped():
+    # GPT-OSS experts: vLLM holds [E, out, in], transformers [E, in, out]
+    vllm = torch.arange(24.0).view(2, 3, 4)
+    piece = Piece("e", (2, 4, 3), (0, 3), 1, 0, True)
+    hf = view_of(vllm, piece)
+    assert hf.shape == (2, 4, 3) and hf.data_ptr() == vllm.data_ptr()
+    assert torch.equal(hf, vllm.transpose(1, 2))
+    assert torch.equal(slab_of(vllm, piece), vllm.transpose(1, 2))
+
+
+def test_the_model_takes_the_dtype_most_vllm_tensors_have():
+    # a missing parameter is made as zeros in the model's dtype: float32 here, though one
+    # tensor (the final norm) is bf16
+    config = tiny.make_config("llama", 300)
+    torch.manual_seed(0)
+    params = {n: torch.randn(s) * 0.05 for n, s in tiny.vllm_llama_shapes(config).items()}
+    params["model.norm.weight"] = params["model.norm.weight"].bfloat16()
+    del params["model.layers.0.input_layernorm.weight"]
+    model, report = build_hf_model(config, params, allow_missing=True)
+    assert report.missing == ("model.layers.0.input_layernorm.weight",)
+    assert model.model.layers[0].input_layernorm.weight.dtype == torch.float32
+    assert model.model.norm.weight.dtype == torch.bfloat16  # a view: its own dtype
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_layout_of_a_rank_of_2_is_planned_at_tp_2_and_refused_as_a_shard(rank):
+    # build_hf_model plans again at the layout's tp to compare: at tp=1 these rank-local
+    # shapes would read as another model
+    config = tiny.make_config("llama", 300)
+    halve = {"qkv_proj": 0, "gate_up_proj": 0, "o_proj": 1, "down_proj": 1,
+             "embed_tokens": 0, "lm_head": 0}
+    params = {}
+    for name, shape in tiny.vllm_llama_shapes(config).items():
+        dim = halve.get(name.split(".")[-2])
+        params[name] = torch.zeros([s // 2 if d == dim else s for d, s in enumerate(shape)])
+    layout = plan(config, params, tp_size=2, tp_rank=rank, strict=False)
+    with pytest.raises(LayoutError, match=r"this rank holds only a shard of it .*views need "
+                                          r"tp=1"):
+        build_hf_model(config, params, layout=layout)
+
+
+def _llama_params(device: str = "cpu") -> tuple[object, dict[str, torch.Tensor]]:
+    config = tiny.make_config("llama", 300)
+    torch.manual_seed(0)
+    return config, {n: (torch.randn(s) * 0.05).to(device)
+                    for n, s in tiny.vllm_llama_shapes(config).items()}
+
+
+def test_a_layout_whose_missing_or_unused_names_differ_is_refused():
+    config, params = _llama_params()
+    layout = plan(config, params, strict=False)
+    for field in ("missing", "unused"):
+        other = dataclasses.replace(layout, **{field: ("model.norm.weight",)})
+        with pytest.raises(LayoutError, match=rf"its {field} names differ"):
+            build_hf_model(config, params, layout=other)
+
+
+def test_the_report_maps_no_missing_parameter():
+    config, params = _llama_params()
+    del params["model.norm.weight"]
+    model, report = build_hf_model(config, params, allow_missing=True)
+    assert report.missing == ("model.norm.weight",)
+    assert "model.norm.weight" not in report.mapped
+    assert "lm_head.weight" in report.mapped
+
+
+def test_computed_buffers_follow_the_vllm_tensors_device():
+    # the rotary table is real (computed on the CPU), the vLLM tensors are elsewhere
+    # (`meta` stands in for a GPU)
+    config, params = _llama_params("meta")
+    model, _ = build_hf_model(config, params)
+    assert {b.device.type for b in model.buffers()} == {"meta"}
+
+
+def test_verify_shared_refuses_a_view_at_another_offset_of_the_right_tensor():
+    # gate and up lie in one vLLM gate_up_proj, same shape: swapped, each is a view of the
+    # right tensor at the wrong rows
+    config, params = _llama_params()
+    model, _ = build_hf_model(config, params)
+    layout = plan(config, params)
+    assert verify_shared(model, params, layout) > 0
+    mlp = model.model.layers[0].mlp
+    mlp.gate_proj.weight, mlp.up_proj.weight = mlp.up_proj.weight, mlp.gate_proj.weight
+    with pytest.raises(LayoutError, match=r"model\.layers\.0\.mlp\.gate_proj\.weight: not a "
+                                          r"view of vLLM model\.layers\.0\.mlp\.gate_up_proj"):
+        verify_shared(model, params, layout)
+
+
+def test_verify_shared_refuses_a_view_of_the_right_start_with_other_strides():
+    config, params = _llama_params()
+    model, _ = build_hf_model(config, params)
+    norm = params["model.norm.weight"]
+    model.model.norm.weight = torch.nn.Parameter(torch.as_strided(norm, norm.shape, (0,)))
+    with pytest.raises(LayoutError, match=r"model\.norm\.weight: not a view of vLLM "
+                                          r"model\.norm\.weight"):
+        verify_shared(model, params, plan(config, params))
+
+
+def test_outside_served_names_copies_but_leaves_out_the_missing_zeros():
+    config, params = _llama_params()
+    del params["model.norm.weight"]
+    model, report = build_hf_model(config, params, allow_missing=True)
+    assert outside_served(model, params) == ["model.norm.weight"]  # zeros: a copy
+    assert outside_served(model, params, report.missing) == []
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    assert outside_served(model, params, report.missing) == ["lm_head.weight"]
+
+
+def test_outside_served_leaves_out_frozen_copies():
+    # only what training changes must be vLLM's memory
+    config, params = _llama_params()
+    model, _ = build_hf_model(config, params)
+    frozen = model.model.embed_tokens.weight.detach().clone()
+    model.model.embed_tokens.weight = torch.nn.Parameter(frozen, requires_grad=False)
+    assert outside_served(model, params) == []

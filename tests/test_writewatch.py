@@ -248,3 +248,169 @@ def test_spans_without_holes():
         [(0, 2), (4, 8), (22, 25), (26, 30)]
     assert writewatch._without([(0, 10)], []) == [(0, 10)]
     assert writewatch._without([(0, 10)], [(0, 10)]) == []
+
+
+@needs_kernel
+def test_a_name_given_new_bytes_starts_over_while_its_old_tensor_lives_on():
+    # the old storage is still alive (not freed): only its address tells it moved
+    ts = _tensors(N)
+    old = ts["t0"]
+    with WriteWatch() as w:
+        _settle(w, ts)
+        _settle(w, ts)
+        ts["t0"] = old.clone() + 1  # other bytes under the same name
+        assert _settle(w, ts) == {}  # hashed whole, not told "nothing written"
+        assert _settle(w, ts) == {"t0": []}
+    assert old.sum() == 0
+
+
+@needs_kernel
+def test_a_tensor_a_third_written_at_two_syncs_in_a_row_is_hashed_from_then_on():
+    # more than a quarter counts as written all over
+    ts = _tensors(N)
+    with WriteWatch() as w:
+        _settle(w, ts)
+        _settle(w, ts)
+        third = N // 4 // 3
+        ts["t0"][:third].add_(1)
+        assert "t0" in _settle(w, ts)
+        ts["t0"][:third].add_(1)
+        assert _settle(w, ts) == {}
+        assert w.recorded("t0") is None
+
+
+@needs_kernel
+def test_a_sync_with_few_writes_between_two_dense_ones_keeps_the_watch():
+    # "at two syncs in a row": a quiet sync in between starts the count over
+    ts = _tensors(N)
+    with WriteWatch() as w:
+        _settle(w, ts)
+        _settle(w, ts)
+        ts["t0"].add_(1)
+        assert _settle(w, ts)["t0"] == [(0, N)]
+        ts["t0"][0] = 5.0
+        assert len(_settle(w, ts)["t0"]) == 1
+        ts["t0"].add_(1)
+        assert _settle(w, ts)["t0"] == [(0, N)]  # once since the quiet sync: still watched
+        assert w.recorded("t0") is not None
+
+
+@needs_kernel
+def test_a_name_unwatchable_once_is_watched_when_it_names_memory_of_its_own():
+    shared = torch.zeros(N // 4).share_memory_()  # another process may write it
+    with WriteWatch() as w:
+        _settle(w, {"t": shared})
+        assert _settle(w, {"t": shared}) == {}
+        own = {"t": shared.clone()}  # now a private copy: watchable
+        _settle(w, own)
+        assert _settle(w, own) == {"t": []}
+
+
+@needs_kernel
+def test_hashes_recorded_for_a_tensor_the_sync_did_not_ask_about_lose_no_write():
+    ts = _tensors(N, N)
+    with WriteWatch() as w:
+        _settle(w, ts)
+        _settle(w, ts)
+        ts["t1"][0] = 1.0
+        w.written({"t0": ts["t0"]})  # a sync of t0 alone
+        w.record({n: np.zeros(1, np.uint64) for n in ts})  # names t1 too: not its own
+        got = _settle(w, ts)["t1"]
+        assert len(got) == 1 and got[0][0] == 0
+
+
+def _pages_of(t: torch.Tensor, lo: int, hi: int) -> tuple[int, int]:
+    """Byte range [lo, hi) of `t` widened to whole pages, clipped to the tensor."""
+    p = t.data_ptr()
+    a, b = (p + lo) - (p + lo) % PAGE, -(-(p + hi) // PAGE) * PAGE
+    return max(a, p) - p, min(b, p + t.nbytes) - p
+
+
+@needs_kernel
+def test_a_non_contiguous_tensor_is_not_watched():
+    # its bytes lie beyond [data_ptr, data_ptr + nbytes): a watch of that span would miss
+    # writes to its last rows
+    rows = torch.zeros(256, 512)[:, :256]  # 256 KiB of elements over 512 KiB of memory
+    assert not rows.is_contiguous()
+    with WriteWatch() as w:
+        assert _settle(w, {"nc": rows}) == {}
+        assert _settle(w, {"nc": rows}) == {}
+        assert w.recorded("nc") is None
+
+
+@needs_kernel
+def test_a_pinned_tensor_is_never_watched(monkeypatch):
+    # a device writes pinned memory by DMA, which the page tables never see (pinning needs
+    # an accelerator: torch's own check is stood in for)
+    ts = _tensors(N)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
+    with WriteWatch() as w:
+        assert _settle(w, ts) == {}
+        assert _settle(w, ts) == {}
+        assert w.recorded("t0") is None
+
+
+@needs_kernel
+def test_an_edge_written_before_the_first_record_is_recorded_as_it_was_hashed():
+    # protected, then a sync failed: the bytes the next sync hashes (not those at
+    # protection) are what a later write of the shared page is compared with
+    big = torch.zeros((N + 3 * PAGE) // 4)
+    off = PAGE // 2 + 8  # its first page is shared with the memory before it
+    a = {"a": big[off // 4:(off + N) // 4]}
+    with WriteWatch() as w:
+        w.written(a)
+        w.record({})  # the sync failed: nothing recorded
+        a["a"][0] = 1.0
+        assert _settle(w, a) == {}  # hashed whole, with a[0] == 1
+        a["a"][0] = 0.0  # back to its bytes at protection: a change all the same
+        assert _settle(w, a) == {"a": [_pages_of(a["a"], 0, 4)]}
+
+
+def test_a_forked_child_gets_a_default_watch_of_its_own():
+    from hotweights.changes import writewatch
+    parent = writewatch.default()
+    pid = os.fork()
+    if pid == 0:
+        child = writewatch.default()
+        os._exit(0 if child is not parent and child._pid == os.getpid() else 1)
+    assert os.waitpid(pid, 0)[1] == 0
+
+
+@needs_kernel
+def test_a_freed_tensor_is_forgotten_at_the_next_sync():
+    with WriteWatch() as w:
+        ts = _tensors(N)
+        _settle(w, ts)
+        assert w.recorded("t0") is not None
+        del ts  # freed
+        _settle(w, {"other": torch.zeros(4)})
+        assert w.recorded("t0") is None
+
+
+@needs_kernel
+def test_a_tensor_whose_last_page_is_shared_memory_is_not_watched(tmp_path):
+    # private anonymous memory up to its last page, a shared file mapping there: another
+    # process may write that page
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    pages = 20  # above MIN_BYTES
+    base = libc.mmap(None, pages * PAGE, 3, 0x02 | 0x20, -1, 0)  # PRIVATE | ANONYMOUS
+    (tmp_path / "shared").write_bytes(bytes(PAGE))
+    fd = os.open(tmp_path / "shared", os.O_RDWR)
+    try:
+        last = base + (pages - 1) * PAGE
+        assert libc.mmap(last, PAGE, 3, 0x01 | 0x10, fd, 0) == last  # SHARED | FIXED
+        t = torch.frombuffer((ctypes.c_char * (pages * PAGE)).from_address(base),
+                             dtype=torch.uint8)
+        with WriteWatch() as w:
+            assert _settle(w, {"t": t}) == {}
+            assert _settle(w, {"t": t}) == {}
+            assert w.recorded("t") is None
+        del t
+    finally:
+        os.close(fd)
+        libc.munmap(base, pages * PAGE)

@@ -231,7 +231,7 @@ class RemoteGroup:
         self._leased: dict = {}  # url -> status, of the servers an update in progress began
         self._lease_lost = ""  # require="all": the servers that refused a renewal meanwhile
         self._lost = 0  # bytes that left this process in the update's sends that failed
-        self._seq = 0  # the number of this group's update in progress (or last)
+        self._seq = 0  # the number of the try of an update in progress (or the last one)
         self._casts: dict[str, torch.dtype] = {}  # name -> the servers' narrower float
         self._warm: threading.Thread | None = None  # compiles the encode's loops ahead
 
