@@ -41,6 +41,7 @@ LIBC = ctypes.CDLL(None, use_errno=True)
 LIBC.mmap.restype = ctypes.c_void_p
 LIBC.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
                       ctypes.c_int, ctypes.c_long]
+LIBC.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
 
 def _pages_of(t: torch.Tensor, lo: int, hi: int) -> tuple[int, int]:
@@ -319,13 +320,6 @@ def test_hashes_recorded_for_a_tensor_the_sync_did_not_ask_about_lose_no_write()
         assert len(got) == 1 and got[0][0] == 0
 
 
-def _pages_of(t: torch.Tensor, lo: int, hi: int) -> tuple[int, int]:
-    """Byte range [lo, hi) of `t` widened to whole pages, clipped to the tensor."""
-    p = t.data_ptr()
-    a, b = (p + lo) - (p + lo) % PAGE, -(-(p + hi) // PAGE) * PAGE
-    return max(a, p) - p, min(b, p + t.nbytes) - p
-
-
 @needs_kernel
 def test_a_non_contiguous_tensor_is_not_watched():
     # its bytes lie beyond [data_ptr, data_ptr + nbytes): a watch of that span would miss
@@ -391,19 +385,13 @@ def test_a_freed_tensor_is_forgotten_at_the_next_sync():
 def test_a_tensor_whose_last_page_is_shared_memory_is_not_watched(tmp_path):
     # private anonymous memory up to its last page, a shared file mapping there: another
     # process may write that page
-    import ctypes
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                          ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     pages = 20  # above MIN_BYTES
-    base = libc.mmap(None, pages * PAGE, 3, 0x02 | 0x20, -1, 0)  # PRIVATE | ANONYMOUS
+    base = LIBC.mmap(None, pages * PAGE, 3, 0x02 | 0x20, -1, 0)  # PRIVATE | ANONYMOUS
     (tmp_path / "shared").write_bytes(bytes(PAGE))
     fd = os.open(tmp_path / "shared", os.O_RDWR)
     try:
         last = base + (pages - 1) * PAGE
-        assert libc.mmap(last, PAGE, 3, 0x01 | 0x10, fd, 0) == last  # SHARED | FIXED
+        assert LIBC.mmap(last, PAGE, 3, 0x01 | 0x10, fd, 0) == last  # SHARED | FIXED
         t = torch.frombuffer((ctypes.c_char * (pages * PAGE)).from_address(base),
                              dtype=torch.uint8)
         with WriteWatch() as w:
@@ -413,4 +401,4 @@ def test_a_tensor_whose_last_page_is_shared_memory_is_not_watched(tmp_path):
         del t
     finally:
         os.close(fd)
-        libc.munmap(base, pages * PAGE)
+        LIBC.munmap(base, pages * PAGE)
