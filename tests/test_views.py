@@ -412,3 +412,15 @@ def test_outside_served_leaves_out_frozen_copies():
     frozen = model.model.embed_tokens.weight.detach().clone()
     model.model.embed_tokens.weight = torch.nn.Parameter(frozen, requires_grad=False)
     assert outside_served(model, params) == []
+
+
+def test_a_persistent_buffer_gets_the_vllm_bytes_as_a_buffer_not_a_parameter():
+    # (`hf_params` lists the buffers a checkpoint holds: DeepSeek-V3's router bias)
+    from hotweights.layout.views import _set_param
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    model[0].register_buffer("scale", torch.zeros(2))
+    vllm = torch.ones(2)
+    _set_param(model, "0.scale", torch.nn.Parameter(vllm))
+    assert "scale" in model[0]._buffers and "scale" not in dict(model[0].named_parameters())
+    assert model[0].scale.data_ptr() == vllm.data_ptr() and not model[0].scale.requires_grad
