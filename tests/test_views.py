@@ -221,13 +221,15 @@ def test_a_tied_alias_of_a_missing_parameter_is_missing_too():
     assert set(report.missing) == {"model.embed_tokens.weight", "lm_head.weight"}
 
 
+_HEADS = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2)  # plan's config
+
+
 def test_a_row_parallel_bias_is_whole_on_every_rank():
     # o_proj splits its weight by input columns; its bias (GPT-OSS) is not split
-    config = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2)
     p = "model.layers.0.self_attn.o_proj."
     hf = ({p + "weight": (8, 16), p + "bias": (8,)}, {})
     for rank in (0, 1):
-        layout = plan(config, {p + "weight": (8, 8), p + "bias": (8,)}, tp_size=2,
+        layout = plan(_HEADS, {p + "weight": (8, 8), p + "bias": (8,)}, tp_size=2,
                       tp_rank=rank, hf_shapes=hf)
         assert layout.pieces[p + "bias"] == (Piece(p + "bias", (8,), (0, 8)),)
         assert layout.pieces[p + "weight"] == (Piece(p + "weight", (8, 16), (0, 8), 1, 8 * rank),)
@@ -235,11 +237,10 @@ def test_a_row_parallel_bias_is_whole_on_every_rank():
 
 def test_a_packed_gate_up_of_odd_rows_is_refused_at_tp_2():
     # no even cut into gate and up: mapping it would leave a row behind
-    config = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2)
     name = "model.layers.0.mlp.gate_up_proj.weight"
     with pytest.raises(LayoutError, match=r"gate_up_proj\.weight: HF .* shape \(17, 8\) packs "
                                           r"gate_proj \+ up_proj; its cut is not mapped"):
-        plan(config, {name: (8, 8)}, tp_size=2, hf_shapes=({name: (17, 8)}, {}))
+        plan(_HEADS, {name: (8, 8)}, tp_size=2, hf_shapes=({name: (17, 8)}, {}))
 
 
 def _embedding(vocab_rows: int, tp: int = 1):
@@ -264,19 +265,17 @@ def test_an_embedding_padded_by_a_whole_64_rows_more_is_another_vocabulary():
 
 
 def test_a_row_parallel_weight_of_the_wrong_width_is_refused():
-    config = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2)
     name = "model.layers.0.mlp.down_proj.weight"
     with pytest.raises(LayoutError, match=r"down_proj\.weight: vLLM shape \(8, 7\) does not "
                                           r"match HF .* split over tp=2 on dim 1 \(expected 8\)"):
-        plan(config, {name: (8, 7)}, tp_size=2, hf_shapes=({name: (8, 16)}, {}))
+        plan(_HEADS, {name: (8, 7)}, tp_size=2, hf_shapes=({name: (8, 16)}, {}))
 
 
 def test_a_weight_whose_split_dim_tp_does_not_divide_is_refused():
-    config = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2)
     name = "model.layers.0.mlp.down_proj.weight"
     with pytest.raises(LayoutError, match=r"down_proj\.weight: HF .* shape \(8, 15\) cannot be "
                                           r"split over tp=2 on dim 1"):
-        plan(config, {name: (8, 7)}, tp_size=2, hf_shapes=({name: (8, 15)}, {}))
+        plan(_HEADS, {name: (8, 7)}, tp_size=2, hf_shapes=({name: (8, 15)}, {}))
 
 
 def test_a_multimodal_config_quantized_in_its_text_config_is_refused():

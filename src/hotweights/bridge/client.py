@@ -42,7 +42,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-_NEW = {"process", "read", "seq"}  # fields an older server refuses (dropped there)
+_NEW = {"process", "read"}  # begin fields an older server refuses (dropped there, as is
+# the number `_post` adds to every request)
 # What a first save copies from the served model's directory (`Bridge._saved`)
 _SERVING_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*",
                   "merges.txt", "chat_template*", "generation_config.json")
