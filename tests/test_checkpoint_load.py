@@ -2,12 +2,17 @@
 name conversions (what a trainer resuming into the served weights runs inside an update),
 or refused before anything is written."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from hotweights.checkpoint import load as load_module
 from hotweights.checkpoint.load import load_plan
+from hotweights.checkpoint.source import open_dir
 from hotweights.errors import CheckpointError
 from hotweights.testing.tiny import make_config
 
@@ -206,3 +211,24 @@ def test_a_conversion_that_gives_a_copy_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(load_module, "to_disk", to_disk)
     with pytest.raises(CheckpointError, match="is a copy"):
         load_plan(_model("llama", 1), tmp_path)
+
+
+def test_a_tensor_held_past_its_checkpoint_s_close_reads_its_bytes_and_unmaps_with_it(tmp_path):
+    # closing the mapping under a tensor still held (a traceback's) crashed the process
+    save_file({"w": torch.arange(16.0).reshape(4, 4)}, tmp_path / "model.safetensors")
+    code = ("import sys; from hotweights.checkpoint.source import open_dir\n"
+            "disk = open_dir(sys.argv[1]); w = disk['w']; disk.close(); print(float(w.sum()))")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                          text=True, timeout=120)
+    assert (done.returncode, done.stdout.strip()) == (0, "120.0"), done.stderr
+
+    def mapped() -> bool:
+        with open("/proc/self/maps") as f:
+            return str(tmp_path / "model.safetensors") in f.read()
+
+    disk = open_dir(tmp_path)
+    w = disk["w"]
+    disk.close()
+    assert mapped() and float(w.sum()) == 120.0
+    del w
+    assert not mapped()

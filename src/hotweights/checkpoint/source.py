@@ -19,16 +19,15 @@ __all__ = ["Tensors", "open_dir"]
 
 
 class Tensors(dict):
-    """name -> tensor, each a view of a private mapping of its shard; holds the mappings.
+    """name -> tensor, each a view of a private mapping of its shard.
 
-    The tensors keep their mapping alive by themselves (`torch.frombuffer` holds the
-    buffer); `mmaps` says so explicitly and lets `close` check that none is still in use.
+    Each tensor keeps its shard's mapping alive by itself (`torch.frombuffer` holds a
+    reference to the mmap object): a shard is unmapped once no tensor of it is left.
     """
 
-    def __init__(self, tensors: dict[str, torch.Tensor], mmaps: dict[str, mmap.mmap],
+    def __init__(self, tensors: dict[str, torch.Tensor],
                  files: dict[str, FileId] | None = None):
         super().__init__(tensors)
-        self.mmaps = mmaps  # shard path -> its mapping
         self.files = files or {}  # shard path -> the file as its header was read
 
     def changed(self) -> str | None:
@@ -45,15 +44,11 @@ class Tensors(dict):
         return None
 
     def close(self) -> None:
-        """Drop the tensors and unmap the shards (a tensor still held elsewhere keeps its
-        shard mapped: `mmap.close` refuses while a buffer is exported, which is ignored)."""
+        """Drop the tensors: each shard is unmapped with the last of them. Not `mmap.close`:
+        `torch.frombuffer` keeps no buffer export that would make it refuse, and it would
+        unmap the shard under a tensor still held elsewhere (a traceback's, a caller's),
+        whose next read crashes the process."""
         self.clear()
-        for m in self.mmaps.values():
-            try:
-                m.close()
-            except BufferError:  # a tensor of it lives on elsewhere
-                pass
-        self.mmaps = {}
 
 
 def open_dir(model_dir: str | os.PathLike, *, skip_unknown: bool = False,
@@ -103,7 +98,7 @@ def open_dir(model_dir: str | os.PathLike, *, skip_unknown: bool = False,
         flat = torch.frombuffer(mmaps[shard.path], dtype=dtype, count=count,
                                 offset=info.begin)
         tensors[name] = flat.view(info.shape)
-    return Tensors(tensors, mmaps, {shard.path: shard.file for shard, _ in disk.values()})
+    return Tensors(tensors, {shard.path: shard.file for shard, _ in disk.values()})
 
 
 def _map(path: str, size: int) -> mmap.mmap:
