@@ -877,3 +877,16 @@ def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path):
     finally:
         os.close(w)
     assert done.returncode == 128 + signal.SIGPIPE and done.stderr == ""
+
+
+def test_a_journal_that_cannot_be_read_is_named_by_diagnose_and_refused_by_sync(dirs, capsys):
+    # not "no journal": a sync cut short may have left its shards half written
+    a, b = dirs["A"], dirs["B"]
+    for d in (a, b):
+        os.symlink(journal.JOURNAL_NAME, d / journal.JOURNAL_NAME)  # ELOOP on open
+    rc, out, _ = _run(capsys, "diagnose", b)
+    assert rc == 1 and f"{b / journal.JOURNAL_NAME}: cannot read this sync journal" in out
+    for argv in (("sync", "--model-dir", a, "--from", dirs["B"]),
+                 ("diagnose", a, "--from", b)):
+        rc, _, err = _run(capsys, *argv)
+        assert rc == 1 and "cannot read this sync journal" in err and "Traceback" not in err

@@ -469,13 +469,19 @@ def _damaged(path: str, e: _Corrupt) -> str:
             "or restore the shards from a copy")
 
 
+def _unreadable(path: str, e: OSError) -> str:
+    return (f"{path}: cannot read this sync journal ({e.strerror or e}); the sync cut short "
+            "that left it may have left shards half written: make it readable, then run "
+            f"hotweights recover {os.path.dirname(path)}")
+
+
 def pending(directory: str | os.PathLike) -> dict | None:
     """The meta of a committed journal in `directory`, or None if there is none.
 
     Raises:
         CheckpointError: the journal is damaged (an apply it began may have left a shard
             half written: `inspect` says so without raising), of a format this version does
-            not know, or a directory stands in its place.
+            not know, a directory stands in its place, or it cannot be read.
     """
     finisher.finish()  # a journal this process is still removing is not pending
     path = os.path.join(os.fspath(directory), JOURNAL_NAME)
@@ -485,6 +491,8 @@ def pending(directory: str | os.PathLike) -> dict | None:
         return None
     except _Corrupt as e:
         raise CheckpointError(_damaged(path, e)) from None
+    except OSError as e:  # EACCES, EIO, ELOOP: not known to be no journal
+        raise CheckpointError(_unreadable(path, e)) from e
 
 
 def _moved(directory: str, name: str, ino: int, size: int) -> bool:
@@ -525,6 +533,8 @@ def inspect(directory: str | os.PathLike) -> tuple[dict | None, str | None]:
         return None, None
     except _Corrupt as e:
         return None, _damaged(path, e)
+    except OSError as e:
+        return None, _unreadable(path, e)
     try:
         _checked(directory, path, records, verify=True)
     except CheckpointError as e:
