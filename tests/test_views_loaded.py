@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 from hotweights import build_hf_model
 from hotweights.bridge.client import Bridge
 from hotweights.bridge.loaded import check_loaded
-from hotweights.errors import LayoutError
+from hotweights.errors import LayoutError, ServerError
 from hotweights.protocol import shm
 from hotweights.testing import tiny
 
@@ -78,7 +78,7 @@ def test_the_bridge_compares_only_while_the_server_serves_what_it_loaded(model_d
     served = _served(model_dir)
     served["model.norm.weight"].mul_(2)  # as after a step: the server's weights moved on
     b = Bridge.__new__(Bridge)  # no server: its status and manifest stand in
-    b.tensors, b.server_id, b.closed = served, "s", False
+    b.tensors, b.server_id, b.closed, b.url = served, "s", False, "http://h:8000"
     b.manifests = [shm.Manifest(shm.FORMAT, "s", "/dev/shm/x", 1, (), model=str(model_dir))]
     vocab = tiny.make_config("llama", 1).__class__.from_pretrained(model_dir).vocab_size
     monkeypatch.setattr(b, "server_info", lambda: {"model_config": {"vocab_size": vocab}})
@@ -95,6 +95,11 @@ def test_the_bridge_compares_only_while_the_server_serves_what_it_loaded(model_d
                      {"n": 0, "state": "paused", "server_id": "s"}])
     monkeypatch.setattr(b, "status", lambda: next(statuses))  # another trainer began
     b.model()  # meanwhile: its writes are no reorder (a warning, no error)
+    statuses = iter([{"n": 0, "state": "idle", "server_id": "s"},
+                     {"n": 0, "state": "idle", "server_id": "t"}])
+    monkeypatch.setattr(b, "status", lambda: next(statuses))  # restarted meanwhile: the
+    with pytest.raises(ServerError, match=r"is server t now, not s: it restarted"):  # views
+        b.model()  # are of memory that is gone
     # a vocabulary that differs inside vLLM's padding of the rows (300 vs 310 in 320)
     monkeypatch.setattr(b, "status", lambda: {"n": 0, "state": "idle", "server_id": "s"})
     monkeypatch.setattr(b, "server_info", lambda: {"model_config": {"vocab_size": vocab + 3}})

@@ -137,12 +137,7 @@ class Bridge:
         """
         if self.closed:
             raise ServerError("model(): this bridge was closed; connect again (Bridge.connect)")
-        if (now := (before := self.status()).get("server_id")) != self.server_id:
-            raise ServerError(f"{self.url} is server {now} now, not {self.server_id}: it "
-                              "restarted and the weights this bridge mapped are gone; "
-                              "reconnect (Bridge.connect), rebuild the model, and drop this "
-                              "bridge and what was built on it (bridge.close(): they keep "
-                              "its memory)")
+        self._same_server(before := self.status())
         source = self.manifests[0].model
         if config is None:
             config = _local_model_dir(source, kwargs.get("trust_remote_code", False))
@@ -152,12 +147,20 @@ class Bridge:
             try:
                 loaded.check_loaded(model, source, self.report.mapped)
             except LayoutError:
-                if _as_loaded(after := self.status()) and after.get("server_id") == before.get(
-                        "server_id"):
+                self._same_server(after := self.status())  # (a restart: the views are gone)
+                if _as_loaded(after):
                     raise
                 logger.warning("views not compared with %s: an update began meanwhile", source)
         self._model, self._versions = model, _versions(model)
         return model
+
+    def _same_server(self, status: dict) -> None:
+        if (now := status.get("server_id")) != self.server_id:
+            raise ServerError(f"{self.url} is server {now} now, not {self.server_id}: it "
+                              "restarted and the weights this bridge mapped are gone; "
+                              "reconnect (Bridge.connect), rebuild the model, and drop this "
+                              "bridge and what was built on it (bridge.close(): they keep "
+                              "its memory)")
 
     def checkpoint(self, model_dir: str | os.PathLike, *, exclusive: bool = False,
                    **kwargs: Any):
