@@ -663,3 +663,369 @@ def test_remote_code_runs_only_from_files_others_cannot_write(tmp_path):
                                           "file that another user owns or can write"):
         bridge_module._local_model_dir(str(tmp_path), True)
     assert bridge_module._local_model_dir(str(tmp_path), False) == str(tmp_path)
+
+
+def test_an_older_server_that_knows_no_seq_is_begun_without_it_when_no_other_field_is_new(
+        monkeypatch):
+    # where /proc does not say who this process is, the begin holds no `process`: `seq`
+    # alone is what the older server refuses
+    class Older(Recorder):
+        def __call__(self, url, method, route, token, body=None, *, timeout=120, cafile=None):
+            if "seq" in body:
+                self.calls.append((route, body, timeout))
+                raise ServerError(f"POST {route}: HTTP 400: unknown field(s) ['seq']", 400, {})
+            return super().__call__(url, method, route, token, body, timeout=timeout)
+
+    rec = Older({})
+    monkeypatch.setattr(bridge_module, "request", rec)
+    monkeypatch.setattr(bridge_module.process, "identity", lambda: "")
+    _bridge()._begin(mode="wait", lease_s=10)
+    assert [body for _, body, _ in rec.calls] == [
+        dict(holder="h", server_id="s", mode="wait", lease_s=10, seq=1),
+        dict(holder="h", server_id="s", mode="wait", lease_s=10)]
+
+
+def test_an_unknown_field_refusal_left_once_the_new_fields_are_dropped_is_raised(monkeypatch):
+    # nothing more to drop: retrying would ask the same for ever
+    class Refusing(Recorder):
+        def __call__(self, url, method, route, token, body=None, *, timeout=120, cafile=None):
+            if route == "/hotweights/begin" and len(self.calls) > 4:
+                raise RuntimeError("begun again and again")
+            return super().__call__(url, method, route, token, body, timeout=timeout)
+
+    rec = Refusing({"/hotweights/begin": ServerError(
+        "POST /hotweights/begin: HTTP 400: unknown field(s) ['mode']", 400, {})})
+    monkeypatch.setattr(bridge_module, "request", rec)
+    with pytest.raises(ServerError, match=r"unknown field\(s\) \['mode'\]"):
+        _bridge()._begin(mode="wait", lease_s=10)
+    assert [route for route, _, _ in rec.calls] == [
+        "/hotweights/begin", "/hotweights/begin", "/hotweights/abort"]
+
+
+def test_a_begin_refused_at_the_deadline_of_the_wait_for_the_lease_is_not_sent_again(
+        monkeypatch):
+    rec = Recorder({"/hotweights/begin": ServerError("held", 409, {"holder": "other"})})
+    monkeypatch.setattr(bridge_module, "request", rec)
+    now, clock = [0.0], iter([10.0, 20.0, 30.0])  # the clock after each refusal's sleep
+    monkeypatch.setattr(bridge_module.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(bridge_module.time, "sleep", lambda s: now.__setitem__(0, next(clock)))
+    with pytest.raises(ServerError, match="held"):
+        _bridge()._begin(timeout=10, mode="wait", lease_s=10)
+    assert [route for route, _, _ in rec.calls] == [
+        "/hotweights/begin", "/hotweights/begin", "/hotweights/abort"]  # at 0 and 10 s
+
+
+def test_a_failed_abort_never_takes_the_version_of_a_restarted_server(monkeypatch):
+    monkeypatch.setattr(bridge_module, "request", Recorder({
+        "/hotweights/abort": ServerError("HTTP 409: restarted", 409)}))
+    monkeypatch.setattr(bridge_module, "server_status", lambda *a, **k: {
+        "version": "0@t", "server_id": "t"})
+    b = _bridge()
+    with pytest.raises(ValueError):
+        with b.update():
+            raise ValueError("step failed")
+    assert b.version == "0@s"  # "0@t" numbers another server start's weights
+
+
+def test_an_older_server_that_says_no_vocab_size_is_not_refused():
+    from hotweights.testing import tiny
+
+    config = tiny.make_config("llama", 1)
+    for info in ({}, {"model_config": None}, {"model_config": {}}):
+        bridge_module._check_vocab(config, info)
+    with pytest.raises(LayoutError, match=rf"the config says {config.vocab_size}, the server "
+                                          rf"loaded {config.vocab_size + 1}"):
+        bridge_module._check_vocab(config, {"model_config": {
+            "vocab_size": config.vocab_size + 1}})
+
+
+def test_connecting_to_a_server_with_no_worker_or_another_s_manifest_is_refused(monkeypatch):
+    from hotweights.protocol import shm
+
+    answer = {"manifests": [], "version": "0@s", "server_id": "s"}
+    monkeypatch.setattr(bridge_module, "request", lambda *a, **k: answer)
+    with pytest.raises(ServerError, match=r"^http://127\.0\.0\.1:8000: 0 workers; the bridge "
+                                          r"maps tp=1 servers"):
+        Bridge.connect("http://127.0.0.1:8000", token="t")
+    answer["manifests"] = [shm.Manifest(shm.FORMAT, "s", "/dev/shm/x", 1, ()).to_dict()]
+    answer["server_id"] = "t"  # restarted between the manifest and its answer, say
+    with pytest.raises(ServerError, match=r"manifest of server s, but the server says it is "
+                                          r"'t'"):
+        Bridge.connect("http://127.0.0.1:8000", token="t")
+
+
+def test_an_exclusive_checkpoint_takes_a_read_lease_and_ends_it_clean_once(monkeypatch,
+                                                                           tmp_path):
+    import hotweights.checkpoint
+
+    rec = Recorder({})
+    monkeypatch.setattr(bridge_module, "request", lambda *a, **k: {**rec(*a, **k), "n": 0})
+    b = _bridge()
+    b._model = types.SimpleNamespace(config=None)
+    monkeypatch.setattr(b, "status", lambda: {"version": "0@s"})
+    monkeypatch.setattr(hotweights.checkpoint, "sync",
+                        lambda model_dir, model, *, after_read, **kw: after_read() or _SYNCED)
+    b.checkpoint(tmp_path / "ckpt", exclusive=True)
+    (begin, body, _), (abort, abort_body, _) = rec.calls  # released once, when read
+    assert begin == "/hotweights/begin" and (body["mode"], body["read"]) == ("keep", True)
+    assert abort == "/hotweights/abort" and abort_body["dirty"] is False  # nothing written
+
+
+def test_only_a_first_save_gets_the_serving_files_and_never_over_the_checkpoint_s(tmp_path):
+    served, ckpt = tmp_path / "served", tmp_path / "ckpt"
+    served.mkdir(), ckpt.mkdir()
+    (served / "tokenizer.json").write_text("served")
+    (served / "generation_config.json").write_text("{}")
+    (ckpt / "tokenizer.json").write_text("mine")
+    b = _bridge()
+    b.manifests = [types.SimpleNamespace(model=str(served))]
+    b._saved(types.SimpleNamespace(first_save=False), ckpt, None)  # a sync: as it was
+    assert sorted(p.name for p in ckpt.iterdir()) == ["tokenizer.json"]
+    b._saved(types.SimpleNamespace(first_save=True), ckpt, None)
+    assert (ckpt / "tokenizer.json").read_text() == "mine"
+    assert (ckpt / "generation_config.json").read_text() == "{}"
+
+
+def test_a_checkpoint_of_a_dirty_version_carries_the_server_s_reason(tmp_path, caplog):
+    from hotweights.checkpoint.result import SyncResult
+
+    result = SyncResult("auto", "3@s", 1, 1, (), 0, 0, 0, (), (), 0.0)
+    b = _bridge()
+    b.manifests = [types.SimpleNamespace(model="org/model")]
+    status = {"version": "3@s", "dirty": True, "dirty_reason": "lease of h expired"}
+    assert b._saved(result, tmp_path, status).dirty == "lease of h expired"
+    assert "serves dirty version 3@s (lease of h expired)" in caplog.text
+    assert b._saved(result, tmp_path, {"version": "3@s", "dirty": False}) is result
+
+
+def test_a_config_that_says_no_vocab_size_is_not_refused():
+    bridge_module._check_vocab(types.SimpleNamespace(), {"model_config": {"vocab_size": 300}})
+
+
+@pytest.mark.parametrize("require", ["any", "all"])
+def test_the_version_of_an_update_with_remotes_is_above_this_server_s_and_theirs(monkeypatch,
+                                                                                require):
+    # this server began at 5 (an earlier update the remotes missed), theirs are at 2: every
+    # server then serves 6, above both
+    class Remote:
+        n = 2
+
+        def floor(self):
+            return 2
+
+        def prepare(self, model, **kw):
+            return types.SimpleNamespace(floor=2)
+
+        def update(self, model, *, n, **kw):
+            self.served = n
+
+        def commit(self, pending, n):
+            self.served = n
+
+    rec = Recorder({})
+    monkeypatch.setattr(bridge_module, "request", lambda *a, **k: {**rec(*a, **k), "n": 5})
+    b = _bridge()
+    b.tensors, b.remote, b._model = {"w": torch.zeros(1)}, Remote(), object()
+    b.remote.require = require
+    with b.update():
+        pass
+    assert rec.calls[-1][0] == "/hotweights/commit" and rec.calls[-1][1]["n"] == 6
+    assert b.remote.served == 6
+
+
+def test_remotes_that_do_not_say_their_version_are_updated_above_the_group_s_last(monkeypatch):
+    # require="any": the floor read before the pause failed; this server commits all the
+    # same, at a number above the last the group served
+    class Remote:
+        require, n = "any", 7
+
+        def floor(self):
+            raise RemoteError("no remote server answered")
+
+        def update(self, model, *, n, **kw):
+            self.served = n
+
+    rec = Recorder({})
+    monkeypatch.setattr(bridge_module, "request", lambda *a, **k: {**rec(*a, **k), "n": 0})
+    b = _bridge()
+    b.tensors, b.remote, b._model = {"w": torch.zeros(1)}, Remote(), object()
+    with b.update():
+        pass
+    assert rec.calls[-1][1]["n"] == 8 and b.remote.served == 8
+
+
+def test_a_step_undone_where_a_remote_failed_resumes_this_server_clean(monkeypatch):
+    # require="all": the group's copy of the old weights put back: the old version, not dirty
+    class Remote:
+        require = "all"
+
+        def prepare(self, model, **kw):
+            raise RemoteError("gpu01:8000 refused the round")
+
+        def restore(self, model):
+            return True
+
+    rec = Recorder({})
+    monkeypatch.setattr(bridge_module, "request", lambda *a, **k: {**rec(*a, **k), "n": 0})
+    b = _bridge()
+    b.tensors, b.remote, b._model = {"w": torch.zeros(1)}, Remote(), object()
+    with pytest.raises(RemoteError, match="gpu01:8000 refused the round") as e:
+        with b.update():
+            pass
+    assert not hasattr(e.value, "__notes__")
+    assert rec.calls[-1][0] == "/hotweights/abort" and rec.calls[-1][1]["dirty"] is False
+
+
+def test_a_commit_interrupted_drops_what_the_remotes_staged(monkeypatch):
+    class Remote:
+        require, pending = "all", types.SimpleNamespace(floor=0)
+
+        def prepare(self, model, **kw):
+            return self.pending
+
+        def abort(self, pending):
+            self.aborted = pending
+
+    rec = Recorder({"/hotweights/commit": KeyboardInterrupt()})
+    monkeypatch.setattr(bridge_module, "request", lambda *a, **k: {**rec(*a, **k), "n": 0})
+    b = _bridge()
+    b.tensors, b.remote, b._model = {"w": torch.zeros(1)}, Remote(), object()
+    with pytest.raises(KeyboardInterrupt):
+        with b.update():
+            pass
+    assert b.remote.aborted is b.remote.pending
+
+
+def test_remote_code_in_a_file_its_group_may_write_is_not_run(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    code = tmp_path / "modeling_x.py"
+    code.write_text("")
+    tmp_path.chmod(0o755)
+    code.chmod(0o664)
+    with pytest.raises(ServerError, match=rf"^{code}: trust_remote_code would run code from a "
+                                          "file that another user owns or can write"):
+        bridge_module._local_model_dir(str(tmp_path), True)
+
+
+def test_the_zeros_allow_missing_made_are_no_copies_an_update_refuses(monkeypatch):
+    # `bridge.model(allow_missing=...)` builds them as tensors of their own, by design
+    rec = Recorder({})
+    monkeypatch.setattr(bridge_module, "request", rec)
+    served = torch.zeros(4, 4)
+    model = torch.nn.Linear(4, 4)
+    model.weight = torch.nn.Parameter(served)  # a view of the server's tensor; the bias not
+    b = _bridge()
+    b.tensors, b._model = {"w": served}, model
+    b.report = types.SimpleNamespace(missing=("bias",), mapped=("weight",))
+    with b.update():
+        pass
+    assert [c[0] for c in rec.calls] == ["/hotweights/begin", "/hotweights/commit"]
+
+
+def test_writes_outside_an_update_are_named_once(monkeypatch, caplog, tmp_path):
+    # a checkpoint names them first: the next update does not name them again
+    import hotweights.checkpoint
+
+    monkeypatch.setattr(bridge_module, "request", Recorder({}))
+    served = {"w": torch.zeros(2, 2)}
+    model = torch.nn.Linear(2, 2, bias=False)
+    model.weight = torch.nn.Parameter(served["w"])  # a view of the server's
+    model.config = None
+    b = _bridge()
+    b.tensors, b._model, b._versions = served, model, bridge_module._versions(model)
+    monkeypatch.setattr(b, "status", lambda timeout: {"version": "0@s", "server_id": "s"})
+    monkeypatch.setattr(hotweights.checkpoint, "sync", lambda *a, **kw: _SYNCED)
+    with torch.no_grad():
+        model.weight.add_(1.0)  # a step outside the update
+    with caplog.at_level("WARNING", logger=bridge_module.__name__):
+        b.checkpoint(tmp_path / "ckpt")
+        with b.update():
+            pass
+    (warned,) = [r.getMessage() for r in caplog.records]
+    assert warned.startswith("checkpoint(): the model `model()` built was written outside")
+
+
+def test_a_checkpoint_inside_an_update_does_not_name_the_update_s_writes(monkeypatch, caplog,
+                                                                         tmp_path):
+    import hotweights.checkpoint
+
+    monkeypatch.setattr(bridge_module, "request", Recorder({}))
+    served = {"w": torch.zeros(2, 2)}
+    model = torch.nn.Linear(2, 2, bias=False)
+    model.weight, model.config = torch.nn.Parameter(served["w"]), None
+    b = _bridge()
+    b.tensors, b._model, b._versions = served, model, bridge_module._versions(model)
+    monkeypatch.setattr(b, "status", lambda timeout: {"version": "0@s", "server_id": "s"})
+    monkeypatch.setattr(hotweights.checkpoint, "sync", lambda *a, **kw: _SYNCED)
+    with caplog.at_level("WARNING", logger=bridge_module.__name__), b.update():
+        with torch.no_grad():
+            model.weight.add_(1.0)  # this update's
+        b.checkpoint(tmp_path / "ckpt")
+    assert caplog.records == []
+
+
+def test_an_exclusive_checkpoint_finishes_a_crashed_sync_before_it_pauses_the_server(
+        monkeypatch, tmp_path):
+    import hotweights.checkpoint
+
+    calls = []
+    monkeypatch.setattr(bridge_module, "request", lambda url, method, route, *a, **k: (
+        calls.append(route) or {"version": "0@s", "n": 0}))
+    monkeypatch.setattr(hotweights.checkpoint, "recover", lambda d: calls.append(("recover", d)))
+    monkeypatch.setattr(hotweights.checkpoint, "sync", lambda *a, **kw: _SYNCED)
+    b = _bridge()
+    b._model = types.SimpleNamespace(config=None)
+    monkeypatch.setattr(b, "status", lambda: {"version": "0@s"})
+    b.checkpoint(tmp_path, exclusive=True)
+    assert calls[:2] == [("recover", tmp_path), "/hotweights/begin"]
+
+
+def test_a_body_s_device_work_lands_before_the_commit(monkeypatch):
+    rec = Recorder({})
+    monkeypatch.setattr(bridge_module, "request", rec)
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda device: rec.calls.append(
+        ("synchronize", device, None)))
+    b = _bridge()
+    b.tensors = {"w": types.SimpleNamespace(device=torch.device("cuda", 0))}
+    with b.update():
+        pass  # an optimizer step's kernels may still be queued: not served half written
+    assert [c[0] for c in rec.calls[-2:]] == ["synchronize", "/hotweights/commit"]
+
+
+def test_an_exclusive_checkpoint_records_the_version_it_read(monkeypatch, tmp_path):
+    # another trainer's updates moved the server on since this bridge's last answer
+    import hotweights.checkpoint
+
+    monkeypatch.setattr(bridge_module, "request", lambda *a, **k: {**Recorder({})(*a, **k),
+                                                                    "n": 0})
+    b = _bridge()
+    b._model = types.SimpleNamespace(config=None)
+    monkeypatch.setattr(b, "status", lambda: {"version": "5@s"})
+    recorded = []
+    monkeypatch.setattr(hotweights.checkpoint, "sync", lambda model_dir, model, *, version,
+                        **kw: recorded.append(version) or _SYNCED)
+    b.checkpoint(tmp_path / "ckpt", exclusive=True)
+    assert recorded == ["5@s"]
+
+
+def test_an_exclusive_checkpoint_stops_renewing_its_lease_once_read(monkeypatch, tmp_path):
+    # a renewal after the abort would be refused, and only logged: no thread outlives the read
+    import hotweights.checkpoint
+
+    renewers = []
+
+    class Tracked(bridge_module.Renewer):
+        def start(self):
+            renewers.append(self)
+            super().start()
+
+    monkeypatch.setattr(bridge_module, "Renewer", Tracked)
+    monkeypatch.setattr(bridge_module, "request", lambda *a, **k: {**Recorder({})(*a, **k),
+                                                                    "n": 0})
+    b = _bridge()
+    b._model = types.SimpleNamespace(config=None)
+    monkeypatch.setattr(b, "status", lambda: {"version": "0@s"})
+    monkeypatch.setattr(hotweights.checkpoint, "sync",
+                        lambda model_dir, model, *, after_read, **kw: after_read() or _SYNCED)
+    b.checkpoint(tmp_path / "ckpt", exclusive=True)
+    assert len(renewers) == 1 and not renewers[0].is_alive()

@@ -1007,3 +1007,25 @@ def test_seq_is_a_whole_number_below_2_53():
                        (10**30, "a larger number"), ("1", "must be a int")):
         with pytest.raises(Refused, match=match):
             Renew.from_json({"holder": "h", "server_id": SID, "seq": bad})
+
+
+@pytest.mark.parametrize(("kind", "fields"), [
+    (Begin, {"holder": "h" * 200, "server_id": "s" * 200, "process": "p" * 200,
+             "lease_s": 24 * 3600}),
+    (Commit, {"n": 2**53 - 1, "next_update": "u" * 200, "seq": 2**53 - 1}),
+    (Receive, {"update": "u" * 200, "wait_s": 24 * 3600}),
+])
+def test_each_field_at_its_limit_is_taken(kind, fields):
+    body = {"holder": "h", "server_id": SID, **fields}
+    assert {k: getattr(kind.from_json(body), k) for k in fields} == fields
+
+
+@pytest.mark.parametrize(("kind", "fields", "message"), [
+    (Commit, {"n": True}, "field 'n' must be a int, got True"),
+    (Renew, {"seq": False}, "field 'seq' must be a int, got False"),
+    (Renew, {"seq": -10**30}, r"must be in \[0, 2\*\*53\), got a larger number"),
+])
+def test_a_bool_is_no_number_and_a_huge_negative_one_is_not_spelled_out(kind, fields, message):
+    with pytest.raises(Refused, match=message) as e:
+        kind.from_json({"holder": "h", "server_id": SID, **fields})
+    assert e.value.status == 400

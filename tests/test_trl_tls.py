@@ -38,3 +38,13 @@ def test_without_the_ca_bundle_the_certificate_is_refused(https_url, monkeypatch
     monkeypatch.setattr(vllm_client, "HTTPAdapter", lambda **_: requests.adapters.HTTPAdapter())
     with pytest.raises(requests.exceptions.SSLError):
         _client_for(SimpleNamespace(cafile=None))(base_url=https_url)
+
+
+def test_a_ca_bundle_given_as_a_path_is_trusted_too(https_url, tls, monkeypatch):
+    # requests takes `verify` as a str only: a Path would be ignored for the system's store
+    from pathlib import Path
+
+    for name in ("REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", CA_FILE_ENV):
+        monkeypatch.delenv(name, raising=False)
+    client = _client_for(SimpleNamespace(cafile=Path(tls.ca)))(base_url=https_url)
+    assert client.model == "tiny" and client.session.verify == tls.ca

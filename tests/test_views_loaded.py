@@ -150,3 +150,61 @@ def test_a_tensor_of_a_dtype_torch_lacks_leaves_the_others_compared(tmp_path):
         f.write((model.w.detach() + 1).numpy().tobytes() + b"\0\0")
     with pytest.raises(LayoutError, match=r"1 of 1 views compared hold other values"):
         check_loaded(model, tmp_path)
+
+
+def test_only_the_parameters_named_are_compared_and_none_left_out_is_warned_of(model_dir,
+                                                                               caplog):
+    served = _served(model_dir)
+    served["model.norm.weight"].mul_(2)  # as `allow_missing` zeros: not the checkpoint's
+    model, _ = build_hf_model(model_dir, served)
+    names = [n for n, _ in model.named_parameters() if n != "model.norm.weight"]
+    with caplog.at_level("WARNING", logger="hotweights.bridge.loaded"):
+        assert check_loaded(model, model_dir, iter(names)) == len(names)
+    assert caplog.records == []  # every parameter named was compared
+
+
+def test_a_message_names_three_views_and_says_when_there_are_more():
+    from hotweights.bridge.loaded import _message
+
+    model = torch.nn.Sequential(*(torch.nn.Linear(2, 2) for _ in range(2)))
+    three = {n: n for n in ("0.weight", "0.bias", "1.weight")}
+    assert "holds for them: 0.weight, 0.bias, 1.weight. " in _message(model, "m", three, 4)
+    assert "holds for them: 0.weight, 0.bias, 1.weight ..." in _message(
+        model, "m", {**three, "1.bias": "1.bias"}, 4)
+
+
+def test_writes_between_building_the_model_and_its_first_update_are_named(model_dir,
+                                                                         monkeypatch, caplog):
+    served = _served(model_dir)
+    b = Bridge.__new__(Bridge)  # no server: its status and manifest stand in
+    b.tensors, b.server_id, b.closed, b.version = served, "s", False, "3@s"
+    b.manifests = [shm.Manifest(shm.FORMAT, "s", "/dev/shm/x", 1, (), model=str(model_dir))]
+    monkeypatch.setattr(b, "server_info", lambda: {})
+    monkeypatch.setattr(b, "status", lambda: {"n": 3, "state": "idle", "server_id": "s"})
+    model = b.model()
+    with torch.no_grad():
+        model.model.norm.weight.add_(1.0)  # a step outside `bridge.update()`
+    with caplog.at_level("WARNING", logger="hotweights.bridge.client"):
+        b._written_outside("update()")  # as the first update does before it begins
+    assert "model.norm.weight or a view of the same vLLM tensor" in caplog.text
+
+
+def test_a_view_is_compared_with_the_checkpoint_cast_to_the_served_dtype():
+    from hotweights.bridge.loaded import _differs
+
+    stored = torch.tensor([1e5, 0.3, -2.7, 1e-3])  # beyond float16's range, and rounded
+    for dtype in (torch.bfloat16, torch.float16, torch.float8_e4m3fn):
+        assert not _differs(stored.to(dtype), stored), dtype
+    assert _differs(stored.flip(0).to(torch.bfloat16), stored)
+
+
+def test_a_tensor_of_another_shape_under_the_same_name_is_not_compared(tmp_path, caplog):
+    from safetensors.torch import save_file
+
+    model = torch.nn.Linear(4, 4)
+    save_file({"weight": torch.zeros(2, 2), "bias": model.bias.detach().clone()},
+              tmp_path / "model.safetensors")
+    with caplog.at_level("WARNING", logger="hotweights.bridge.loaded"):
+        assert check_loaded(model, tmp_path) == 1
+    assert "1 of 2 parameters (the others are saved under names or shapes not found" in \
+        caplog.text

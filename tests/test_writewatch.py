@@ -402,3 +402,87 @@ def test_a_tensor_whose_last_page_is_shared_memory_is_not_watched(tmp_path):
     finally:
         os.close(fd)
         LIBC.munmap(base, pages * PAGE)
+
+
+@needs_kernel
+@pytest.mark.timeout(30)  # a walk that does not resume from where it stopped never ends
+def test_a_scan_of_more_written_regions_than_one_call_holds_resumes_where_it_stopped(
+        monkeypatch):
+    import mmap
+
+    from hotweights.changes import uffd
+
+    monkeypatch.setattr(uffd, "_REGIONS", 2)  # the walk stops after 2 regions a call
+    tracker = WriteTracker()
+    assert tracker.open() == ""
+    mapping = mmap.mmap(-1, 10 * PAGE)
+    page = (ctypes.c_char * (10 * PAGE)).from_buffer(mapping)
+    lo = ctypes.addressof(page)
+    try:
+        tracker.register(lo, lo + 10 * PAGE)
+        tracker.protect(lo, lo + 10 * PAGE)
+        for k in (0, 2, 4, 6, 8):  # 5 regions, apart
+            page[k * PAGE] = b"\x01"
+        assert tracker.written(lo, lo + 10 * PAGE, protect=False) == [
+            (lo + k * PAGE, lo + (k + 1) * PAGE) for k in (0, 2, 4, 6, 8)]
+    finally:
+        del page
+        mapping.close()
+        tracker.close()
+
+
+@needs_kernel
+@pytest.mark.parametrize("fault, why", [
+    ("unregistered", "a registered page reads as not registered"),
+    ("reprotect", "a page protected again reads as written"),
+    ("blind", "a written page does not read as written"),
+    ("no_scan", "PAGEMAP_SCAN needs Linux 6.7 or later"),
+])
+def test_a_kernel_that_fails_a_step_of_the_self_test_is_named_and_nothing_stays_open(
+        monkeypatch, fault, why):
+    import errno
+
+    real = WriteTracker.written
+
+    def written(self, lo, hi, *, protect):
+        if fault == "no_scan":
+            raise OSError(errno.ENOTTY, os.strerror(errno.ENOTTY))
+        if fault == "blind":
+            return []
+        return real(self, lo, hi, protect=protect and fault != "reprotect")
+
+    monkeypatch.setattr(WriteTracker, "written", written)
+    if fault == "unregistered":
+        monkeypatch.setattr(WriteTracker, "unregistered", lambda self, lo, hi: [(lo, hi)])
+    tracker = WriteTracker()
+    assert why in tracker.open()
+    assert not tracker.is_open and tracker.uffd == tracker.pagemap == -1
+
+
+def test_the_tracker_reads_registrations_and_writes_as_the_kernel_keeps_them(monkeypatch):
+    # checked here without the self-test, which would otherwise skip every test above on a
+    # tracker that misreads the kernel (`needs_kernel`)
+    import mmap
+
+    monkeypatch.setattr(WriteTracker, "_self_test", lambda self: "")
+    tracker = WriteTracker()
+    if why := tracker.open():
+        pytest.skip(f"no write tracking here: {why}")
+    mapping = mmap.mmap(-1, 2 * PAGE)
+    pages = (ctypes.c_char * (2 * PAGE)).from_buffer(mapping)
+    lo = ctypes.addressof(pages)
+    mid, hi = lo + PAGE, lo + 2 * PAGE
+    try:
+        tracker.register(lo, mid)
+        tracker.protect(lo, mid)
+        assert tracker.unregistered(lo, hi) == [(mid, hi)]
+        assert tracker.written(lo, mid, protect=False) == []
+        pages[0] = b"\x01"
+        for _ in range(2):  # a look without `protect` leaves the write to be read again
+            assert tracker.written(lo, mid, protect=False) == [(lo, mid)]
+        assert tracker.written(lo, mid, protect=True) == [(lo, mid)]
+        assert tracker.written(lo, mid, protect=False) == []
+    finally:
+        del pages
+        mapping.close()
+        tracker.close()
