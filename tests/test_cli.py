@@ -406,3 +406,112 @@ def test_serve_takes_verbose_before_or_after_model_as_every_command(argv, tmp_pa
     argv = [str(tmp_path / "nope") if w == "MODEL" else w for w in argv]
     assert main([*argv, "--token-file", str(tmp_path / "t")]) == 1  # not a usage error
     assert f"error: MODEL {tmp_path / 'nope'}: no such directory" in capsys.readouterr().err
+
+
+def test_every_port_up_to_65535_is_taken():
+    from hotweights.cli.main import _parser
+
+    for port in ("1", "65535"):
+        args, _ = _parser().parse_known_args(["serve", "m", "--port", port])
+        assert args.port == int(port)
+
+
+def test_demo_takes_the_least_values_its_help_allows():
+    from hotweights.cli.main import _parser
+
+    args = _parser().parse_args(["demo", "--steps", "1"])
+    assert args.steps == 1
+    args = _parser().parse_args(["demo", "--rl", "--checkpoint-every", "0"])  # at the end only
+    assert args.checkpoint_every == 0
+
+
+def test_demo_defaults_are_those_its_help_gives(monkeypatch):
+    import types
+
+    ran = []
+    for name in ("hotweights.cli.demo", "hotweights.cli.demo_rl"):  # (no model built)
+        monkeypatch.setitem(sys.modules, name, types.SimpleNamespace(
+            run=lambda args: ran.append(args) or 0))
+    assert main(["demo"]) == 0 and main(["demo", "--rl"]) == 0
+    plain, rl = ran
+    assert plain.steps == 30 and plain.checkpoint_every is None
+    assert (rl.steps, rl.checkpoint_every) == (20, 5)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama_tied"])
+def test_demo_rl_refuses_any_arch_but_llama(arch, capsys, monkeypatch):
+    import types
+
+    monkeypatch.setitem(sys.modules, "hotweights.cli.demo_rl", types.SimpleNamespace(
+        run=lambda args: 0))  # were it taken: no demo run here
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--rl", "--arch", arch])
+    assert e.value.code == 2
+    assert f"--arch {arch} with --rl: the RL demo trains a tiny llama" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("url", ["HTTP://127.0.0.1:1", " http://127.0.0.1:1"])
+def test_a_cafile_for_a_plain_http_server_is_refused_however_the_url_is_spelled(url, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["status", url, "--cafile", "ca.pem"])
+    assert e.value.code == 2
+    assert "--cafile is for an https server" in capsys.readouterr().err
+
+
+def test_ctrl_c_with_nothing_to_say_is_the_word_interrupted_and_exit_130(monkeypatch, capsys):
+    from hotweights.cli import status
+
+    def ctrl_c(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(status, "server_status", ctrl_c)
+    assert main(["status", "--token", "t"]) == 130
+    assert capsys.readouterr().err == "interrupted\n"
+
+
+@pytest.mark.parametrize(("argv", "level"), [(["-v", "recover"], "INFO"),
+                                             (["recover", "-v"], "INFO"),
+                                             (["recover"], "WARNING")])
+def test_verbose_logs_the_library_s_info_lines(argv, level, tmp_path, monkeypatch, capsys):
+    import logging
+
+    # (pytest's own log handlers would make the real basicConfig a no-op here)
+    configured = []
+    monkeypatch.setattr(logging, "basicConfig", lambda **kwargs: configured.append(kwargs))
+    assert main([*argv, str(tmp_path)]) == 0
+    assert [c["level"] for c in configured] == [getattr(logging, level)]
+
+
+def test_layout_of_a_directory_without_config_json_names_what_is_missing(tmp_path, capsys):
+    assert main(["layout", str(tmp_path)]) == 1
+    assert capsys.readouterr().err == (f"error: {tmp_path}: not a model directory (no "
+                                       "config.json)\n")
+
+
+def test_layout_s_quiet_drops_stderr_shows_hotweights_log_and_puts_all_back(capfd):
+    import logging
+    import warnings
+
+    from hotweights.cli.layout import _quiet
+
+    stderr, log = sys.stderr, logging.getLogger("hotweights")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with pytest.raises(RuntimeError), _quiet(True):  # vLLM's start failing, say
+            os.write(2, b"vllm's C++ warning\n")
+            print("vllm's log line", file=sys.stderr)
+            warnings.warn("vllm's python warning", stacklevel=1)
+            logging.getLogger("hotweights.layout").warning("hotweights' own line")
+            raise RuntimeError
+    os.write(2, b"after\n")
+    err = capfd.readouterr().err
+    assert "vllm" not in err and not seen
+    assert "hotweights' own line" in err and err.endswith("after\n")
+    assert sys.stderr is stderr and log.propagate and not log.handlers
+
+
+def test_layout_s_quiet_off_lets_everything_through(capfd):
+    from hotweights.cli.layout import _quiet
+
+    with _quiet(False):
+        os.write(2, b"vllm's C++ warning\n")
+    assert capfd.readouterr().err == "vllm's C++ warning\n"

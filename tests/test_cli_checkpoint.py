@@ -1,6 +1,5 @@
 """`hotweights sync --from` and `hotweights diagnose`, and checkpoint.source (no vLLM)."""
 
-import ctypes
 import errno
 import hashlib
 import json
@@ -607,7 +606,6 @@ def test_recover_replays_a_committed_sync(dirs, capsys, caplog):
     assert rc == 0 and out == f"{a}: nothing to recover\n"
 
 
-
 @pytest.mark.parametrize("commit", [True, False])
 def test_recover_json_says_what_it_did(dirs, capsys, commit):
     a, b = dirs["A"], dirs["B"]
@@ -811,10 +809,15 @@ def test_open_dir_maps_without_copying_and_never_writes_back(dirs):
     tensors = open_dir(b)
     assert _equal(dict(tensors), _disk(b))
     disk = read_dir(b)
+    at: dict[str, set[int]] = {}  # where each shard is mapped (from offset 0)
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if line.count(" ") >= 5 and ".safetensors" in line:
+                at.setdefault(line.split(maxsplit=5)[5].strip(), set()).add(
+                    int(line.split("-")[0], 16))
     for name, t in tensors.items():  # each tensor lies in its shard's mapping
         shard, info = disk[name]
-        base = ctypes.addressof(ctypes.c_char.from_buffer(tensors.mmaps[shard.path]))
-        assert t.data_ptr() == base + info.begin, name
+        assert t.data_ptr() - info.begin in at[shard.path], name
     for t in tensors.values():
         t.fill_(1.0)
     assert tensors["model.norm.weight"].eq(1.0).all()
@@ -890,3 +893,182 @@ def test_a_journal_that_cannot_be_read_is_named_by_diagnose_and_refused_by_sync(
                  ("diagnose", a, "--from", b)):
         rc, _, err = _run(capsys, *argv)
         assert rc == 1 and "cannot read this sync journal" in err and "Traceback" not in err
+
+
+def test_sync_summary_counts_shards_not_tensors_and_gives_the_share_written(dirs, capsys):
+    a = dirs["A"]
+    rc, out, _ = _run(capsys, "sync", "--model-dir", a, "--from", dirs["B"])
+    assert rc == 0
+    shards = list(a.glob("*.safetensors"))
+    assert f"  shards changed  2 of {len(shards)}: " in out  # 6 shards, not 21 tensors
+    written, total, share = re.search(r"  written +([\d.]+) KiB of the shards' ([\d.]+) KiB "
+                                      r"\(([\d.]+) %\)", out).groups()
+    # the share of the bytes written, to the rounding of the two sizes printed
+    low = 100 * (float(written) - 0.05) / (float(total) + 0.05)
+    high = 100 * (float(written) + 0.05) / (float(total) - 0.05)
+    assert low <= float(share) <= high, out
+
+
+def test_sync_names_the_checkpoint_tensors_no_live_tensor_fills(dirs, tmp_path, capsys):
+    fewer = tmp_path / "fewer"
+    fewer.mkdir()
+    tensors = _disk(dirs["B"])
+    del tensors["model.norm.weight"]
+    save_file(tensors, fewer / "model.safetensors", metadata={"format": "pt"})
+    before = _disk(dirs["A"])["model.norm.weight"]
+    rc, out, _ = _run(capsys, "sync", "--model-dir", dirs["A"], "--from", fewer)
+    assert rc == 0  # not an error: the file keeps what it held
+    assert ("  no live source  1 checkpoint tensor kept as before: model.norm.weight\n"
+            in out), out
+    assert torch.equal(_disk(dirs["A"])["model.norm.weight"], before)
+
+
+def test_sync_rows_name_the_live_aliases_stored_once(tmp_path):
+    from hotweights.cli.checkpoint import sync_rows
+
+    tied = torch.zeros(4, 4)
+    live = {"embed.weight": tied, "lm_head.weight": tied}
+    sync(tmp_path / "ck", live)  # a first save: one tensor stored
+    result = sync(tmp_path / "ck", live)
+    rows = dict(sync_rows(result, read_dir(tmp_path / "ck")))
+    assert rows["tied"] == "1 live alias stored once: lm_head.weight"
+
+
+def test_a_first_save_names_every_other_format_s_weights_left_beside_it(dirs, tmp_path,
+                                                                       capsys):
+    old = tmp_path / "old"
+    old.mkdir()
+    names = ["a.bin", "b.pt", "c.pth", "d.ckpt", "e.gguf"]
+    for name in names:
+        (old / name).write_bytes(b"x")
+    rc, out, _ = _run(capsys, "sync", old, "--from", dirs["B"])
+    assert rc == 0 and f"  left as is      {', '.join(names)}: weights in another " in out
+
+
+def test_sync_lists_five_names_without_an_and_more(tmp_path, capsys):
+    dst, src = tmp_path / "dst", tmp_path / "src"
+    dst.mkdir(), src.mkdir()
+    kept = {f"w{i}": torch.zeros(2) for i in range(5)}
+    save_file(kept, dst / "model.safetensors")
+    extra = {f"x{i}": torch.ones(2) for i in range(5)}  # no place in dst
+    save_file({**kept, **extra}, src / "model.safetensors")
+    rc, _, err = _run(capsys, "sync", dst, "--from", src)
+    assert rc == 1 and err == (f"error: {dst}: 5 of the 10 live tensors not written, no shard "
+                               "holds them: x0, x1, x2, x3, x4 (the wrong directory, or "
+                               "another model's?)\n")
+
+
+def test_diagnose_lists_ten_problems_without_an_and_more(tmp_path, capsys):
+    dst, src = tmp_path / "dst", tmp_path / "src"
+    dst.mkdir(), src.mkdir()
+    save_file({f"w{i}": torch.zeros(2, dtype=torch.bfloat16) for i in range(10)},
+              dst / "model.safetensors")
+    save_file({f"w{i}": torch.zeros(2) for i in range(10)}, src / "model.safetensors")
+    rc, out, _ = _run(capsys, "diagnose", dst, "--from", src)
+    assert rc == 1 and out.count("  - ") == 10 and "more" not in out, out
+
+
+def test_diagnose_names_the_filesystem_the_write_mode_and_the_sizes(tmp_path, capsys):
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    save_file({"w": torch.zeros(256)}, ck / "model.safetensors")  # 1 KiB of tensor bytes
+    d = json.loads(_run(capsys, "diagnose", ck, "--json")[1])
+    rc, out, _ = _run(capsys, "diagnose", ck)
+    assert rc == 0 and f"  filesystem      {d['fs_type']} at {d['mount']}\n" in out
+    assert "  checkpoint      1 shard, 1 tensor, 1.0 KiB\n" in out
+    save_file({}, ck / "model.safetensors")
+    assert "  checkpoint      0 shards, 0 tensors, 0 B\n" in _run(capsys, "diagnose", ck)[1]
+
+
+def test_diagnose_says_none_where_the_asked_write_mode_cannot_be_had(dirs, capsys):
+    if clone.supports_reflink(dirs["A"])[0]:
+        pytest.skip("tmp_path supports reflinks here")
+    rc, out, _ = _run(capsys, "diagnose", dirs["A"], "--mode", "reflink")
+    assert rc == 1 and re.search(r"^  write mode      none: .*does not support reflinks",
+                                 out, re.M), out
+
+
+def test_diagnose_shows_the_version_a_shard_s_sidecar_records(dirs, capsys):
+    a = dirs["A"]
+    assert _run(capsys, "sync", a, "--from", dirs["B"], "--weight-version", "7@run")[0] == 0
+    out = _run(capsys, "diagnose", a)[1]
+    assert out.count(f"sidecar fresh ({blocks.XXH3}; version 7@run)") == len(
+        list(a.glob("*.safetensors")))
+
+
+def test_diagnose_of_an_unreadable_shard_names_it(tmp_path, capsys):
+    (tmp_path / "model.safetensors").write_bytes(b"\xff" * 100)  # no safetensors header
+    rc, out, _ = _run(capsys, "diagnose", tmp_path)
+    assert rc == 1
+    assert f"  checkpoint      unreadable: {tmp_path / 'model.safetensors'}: " in out
+
+
+def test_diagnose_counts_live_names_placed_and_samples_those_left_over(dirs, tmp_path,
+                                                                      capsys):
+    # most live names under an unknown wrapper's prefix: a problem, and still counted
+    wrapped = tmp_path / "wrapped"
+    wrapped.mkdir()
+    save_file({n if i % 3 == 0 else "base." + n: t
+               for i, (n, t) in enumerate(sorted(_disk(dirs["B"]).items()))},
+              wrapped / "model.safetensors", metadata={"format": "pt"})
+    rc, out, _ = _run(capsys, "diagnose", dirs["A"], "--from", wrapped)
+    assert rc == 1
+    assert "  live            7 matched, 14 only live, 14 only on disk, 0 tied\n" in out
+    assert re.search(r"^    only live: base\.\S+, .* and 9 more$", out, re.M), out
+    assert re.search(r"^    only on disk: model\.\S+, .* and 9 more$", out, re.M), out
+
+
+def test_recover_of_a_damaged_journal_says_once_that_it_is_kept(dirs, capsys):
+    a = dirs["A"]
+    _interrupt(a, dirs["B"], commit=True)
+    path = a / journal.JOURNAL_NAME
+    path.write_bytes(path.read_bytes()[:-3])
+    rc, _, err = _run(capsys, "recover", a)
+    assert rc == 1 and "a damaged journal" in err
+    assert len(re.findall(r"\b(journal|it) is kept\b", err)) == 1, err
+
+
+def test_recover_of_a_journal_it_cannot_read_is_one_line_naming_the_directory(tmp_path,
+                                                                            capsys):
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    os.symlink(journal.JOURNAL_NAME, ck / journal.JOURNAL_NAME)  # a loop: ELOOP on open
+    rc, out, err = _run(capsys, "recover", ck)
+    assert (rc, out) == (1, "")
+    assert err.startswith(f"error: {ck}: cannot finish the interrupted sync, its journal is "
+                          f"kept: {ck / journal.JOURNAL_NAME}: cannot read this sync journal "
+                          f"({os.strerror(errno.ELOOP)}); ")
+    assert len(err.splitlines()) == 1
+
+
+def test_recover_of_a_file_says_it_is_not_a_directory(tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    assert _run(capsys, "recover", tmp_path / "afile") == (
+        1, "", f"error: {tmp_path / 'afile'}: not a directory\n")
+    assert (tmp_path / "afile").read_text() == "x"
+
+
+def test_verbose_before_the_command_shows_the_library_s_warnings(dirs, capsys, caplog):
+    a = dirs["A"]
+    _interrupt(a, dirs["B"], commit=True)
+    rc, out, _ = _run(capsys, "-v", "recover", a)  # as `recover DIR -v` would
+    assert rc == 0 and out.startswith(f"{a}: replayed an interrupted sync")
+    assert "replayed an interrupted journal" in caplog.text
+
+
+def test_a_source_that_is_a_file_is_named_so(dirs, tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    for command in ("sync", "diagnose"):
+        rc, _, err = _run(capsys, command, "--model-dir", dirs["A"], "--from", tmp_path / "afile")
+        assert (rc, err) == (1, f"error: {tmp_path / 'afile'}: not a directory\n")
+
+
+def test_a_first_save_from_a_source_whose_config_json_is_no_object_leaves_it_out(dirs,
+                                                                               tmp_path,
+                                                                               capsys):
+    src = shutil.copytree(dirs["B"], tmp_path / "src")
+    (src / "config.json").write_text("[1]")  # not a model config
+    rc, _, err = _run(capsys, "sync", tmp_path / "new", "--from", src)
+    assert (rc, err) == (0, "")
+    assert _equal(_disk(tmp_path / "new"), _disk(src))
+    assert not (tmp_path / "new" / "config.json").exists()

@@ -120,3 +120,57 @@ def test_the_server_is_a_word_or_the_flag_sync_and_diagnose_take(monkeypatch, ca
     with pytest.raises(SystemExit) as e:
         main(["status", "http://h:1", "--server", "http://h:2"])
     assert e.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+
+
+def test_dirty_weights_with_no_reason_say_an_update_was_interrupted():
+    printed = dict(rows(dict(BASE, state="idle", dirty=True, dirty_reason=None), now=0.0))
+    assert printed["weights"] == ("DIRTY: update interrupted; the next clean commit clears it")
+
+
+def test_a_lease_that_ended_by_a_clock_ahead_of_this_one_ended_0_s_ago():
+    # an older server's "at" only: its clock may run ahead of this machine's
+    gone = dict(holder="h", at=1010.0, why="lease of h expired")
+    printed = dict(rows(dict(BASE, state="idle", expired=gone), now=1000.0))
+    assert printed["lease ended"] == "lease of h expired, 0 s ago"
+
+
+def test_a_status_without_updates_or_timings_says_0_updates():
+    printed = dict(rows({"version": "1@ab", "state": "idle"}, now=0.0))
+    assert printed["updates"] == "0"
+    assert not {"to pause", "paused", "commit", "update"} & printed.keys()
+    assert "remote" not in dict(rows({"version": "1@ab", "armed": None}, now=0.0))
+
+
+def test_status_prints_the_server_then_one_line_a_row(monkeypatch, capsys):
+    from hotweights.cli import status
+    from hotweights.cli.main import main
+
+    monkeypatch.setattr(status, "server_status", lambda url, token, cafile=None, timeout=0:
+                        dict(BASE, state="idle"))
+    assert main(["status", "http://h:1", "--token", "t"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "http://h:1"
+    assert lines[1:] == [f"  {key:<15}{value}"
+                         for key, value in rows(dict(BASE, state="idle"), now=0.0)]
+    assert "  paused         12.0 ms" in lines
+
+
+def test_a_token_file_that_is_not_text_is_named(tmp_path, capsys):
+    from hotweights.cli.main import main
+
+    (tmp_path / "t").write_bytes(b"\xff\xfe\x00token")
+    with pytest.raises(SystemExit) as e:
+        main(["status", "--token-file", str(tmp_path / "t")])
+    assert e.value.code == 2
+    assert f"argument --token-file: {tmp_path / 't'}: cannot read a token: " in \
+        capsys.readouterr().err
+
+
+def test_status_json_is_the_server_s_answer_alone(monkeypatch, capsys):
+    from hotweights.cli import status
+    from hotweights.cli.main import main
+
+    monkeypatch.setattr(status, "server_status", lambda url, token, cafile=None, timeout=0:
+                        dict(BASE, state="idle"))
+    assert main(["status", "--token", "t", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == dict(BASE, state="idle")  # nothing else

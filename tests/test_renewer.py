@@ -64,3 +64,7 @@ def test_a_renewal_that_waited_out_its_timeout_is_followed_by_the_next_at_once()
         time.sleep(1.5 * lease_s)
     assert len(starts) >= 3
     assert starts[2] - (starts[1] + lease_s / 3) < 0.25 * lease_s  # not lease_s / 3 later
+
+
+def test_each_renewal_asks_for_the_whole_lease():
+    assert set(_renewals(["ok", "ok"], lease_s=0.03)) == {0.03}

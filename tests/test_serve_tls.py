@@ -130,3 +130,9 @@ class _Ok(http.server.BaseHTTPRequestHandler):
 
     def log_message(self, *args):
         pass
+
+
+def test_the_probe_refuses_a_certfile_with_no_certificate_in_it(tls):
+    _, key = tls.leaf("localhost")
+    with pytest.raises(ConfigError, match=rf"--ssl-certfile {key}: no PEM certificate in it"):
+        server_tls.probe_context(key)

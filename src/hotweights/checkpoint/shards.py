@@ -96,7 +96,7 @@ def read_shard(path: str | os.PathLike) -> Shard:
             (n,) = struct.unpack("<Q", head)
             if n > MAX_HEADER:
                 raise CheckpointError(f"{path}: header length {n} bytes is absurd "
-                                      f"(over {MAX_HEADER}); not a safetensors file?")
+                                      f"(over {MAX_HEADER}): not a safetensors file")
             if 8 + n > st.st_size:
                 raise CheckpointError(f"{path}: header length {n} runs past the end of "
                                       f"the file ({st.st_size} bytes): truncated or corrupt")
