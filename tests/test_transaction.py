@@ -1024,6 +1024,7 @@ def test_each_field_at_its_limit_is_taken(kind, fields):
     (Commit, {"n": True}, "field 'n' must be a int, got True"),
     (Renew, {"seq": False}, "field 'seq' must be a int, got False"),
     (Renew, {"seq": -10**30}, r"must be in \[0, 2\*\*53\), got a larger number"),
+    (Commit, {"n": -10**30}, r"field 'n' must be a version number .*got a larger one$"),
 ])
 def test_a_bool_is_no_number_and_a_huge_negative_one_is_not_spelled_out(kind, fields, message):
     with pytest.raises(Refused, match=message) as e:

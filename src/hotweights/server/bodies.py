@@ -118,7 +118,7 @@ class Commit(Body):
         super().__post_init__()
         if not 0 <= self.n < 2**53:  # (a metric, a float, reads it exactly)
             raise Refused(400, f"field 'n' must be a version number (>= 0, below 2**53; 0: "
-                          f"the next), got {self.n if self.n < 10**20 else 'a larger one'}")
+                          f"the next), got {self.n if abs(self.n) < 10**20 else 'a larger one'}")
         if len(self.next_update) > 200:
             raise Refused(400, f"field 'next_update' must be at most 200 characters, got "
                           f"{self.next_update[:40]!r}...")
