@@ -515,3 +515,147 @@ def test_layout_s_quiet_off_lets_everything_through(capfd):
     with _quiet(False):
         os.write(2, b"vllm's C++ warning\n")
     assert capfd.readouterr().err == "vllm's C++ warning\n"
+
+
+def test_serve_with_remote_refuses_a_weight_transfer_config_of_its_own():
+    from hotweights.cli.main import _parser
+
+    args, extra = _parser().parse_known_args(
+        ["serve", "m", "--remote", "--weight-transfer-config", '{"backend": "nccl"}'])
+    with pytest.raises(ConfigError, match="--remote selects the hotweights weight-transfer "
+                       "engine; drop --weight-transfer-config"):
+        serve.command(args, extra)
+    args, extra = _parser().parse_known_args(["serve", "m", "--remote"])
+    assert "--weight-transfer-config" in serve.command(args, extra)
+
+
+@pytest.mark.parametrize("flags", [["-dp", "2"], ["-dp", "1", "--data-parallel-size", "2"]])
+def test_serve_refuses_the_short_and_the_last_data_parallel_flag(flags):
+    # vLLM keeps the last value given
+    from hotweights.errors import ServerError
+
+    with pytest.raises(ServerError, match="--data-parallel-size 2: each data-parallel rank"):
+        serve.refuse_unshareable(flags)
+
+
+def test_a_flag_s_value_is_the_last_given_in_any_spelling_or_none():
+    assert serve._flag(["--max-model-len", "8", "--max_model_len=16"], "--max-model-len") == "16"
+    assert serve._flag(["--dtype", "half"], "--max-model-len") is None
+    assert serve._flag(["--dtype"], "--dtype") is None  # no value after it
+
+
+def test_serve_refuses_its_own_flags_even_given_empty():
+    with pytest.raises(ConfigError, match="--model: give the model as MODEL"):
+        serve.refuse_ours(["--model="])
+
+
+def test_a_mistral_model_directory_needs_its_params_json(tmp_path):
+    mistral = ["--config-format", "mistral"]
+    with pytest.raises(ConfigError, match="no config.json in it \\(nor Mistral's params.json\\)"):
+        serve.check_model(str(tmp_path), mistral)
+    (tmp_path / "params.json").write_text("{}")
+    assert serve.check_model(str(tmp_path), mistral) == str(tmp_path)
+    assert serve.check_model(str(tmp_path)) == str(tmp_path)
+
+
+def test_the_token_file_check_leaves_nothing_behind(tmp_path):
+    serve.check_token_file(tmp_path / "d" / "t")
+    assert os.listdir(tmp_path / "d") == []
+
+
+def test_serve_names_the_busy_port_as_the_fault(tmp_path):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"--port {port}: cannot listen on 127.0.0.1:"
+                           f"{port} .*is another server running there"):
+            serve._refuse_busy_port("127.0.0.1", port)
+
+
+def test_a_port_a_stopped_server_left_in_time_wait_is_free_to_serve_on():
+    # uvicorn binds with SO_REUSEADDR, and so does the check: a restart right after a stop
+    # takes the port
+    import socket
+
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            accepted, _ = listener.accept()
+            accepted.close()  # the server's side closes first: its port in TIME_WAIT
+            client.recv(1)
+    serve._refuse_busy_port("127.0.0.1", port)
+
+
+def test_serve_waits_for_its_own_server_id_in_the_version_header(monkeypatch):
+    import http.server
+    import threading
+
+    from hotweights.protocol.version import VERSION_HEADER
+
+    class Answer(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header(VERSION_HEADER, "7@abc123")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    class Running:  # a child that runs for a few probes, then exits
+        polls = 0
+
+        def poll(self):
+            self.polls += 1
+            return None if self.polls < 4 else 0
+
+    monkeypatch.setattr(serve.time, "sleep", lambda s: None)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        assert serve._wait_answering(Running(), url, "abc123", None) is True
+        assert serve._wait_answering(Running(), url, "other", None) is False  # not ours
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_serve_says_it_discarded_an_uncommitted_sync_before_vllm_reads(tmp_path, capsys):
+    from hotweights.checkpoint import journal
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / journal._TMP_NAME).write_bytes(b"half a journal")
+    assert serve.recovered(str(tmp_path), None) == str(tmp_path)
+    assert f"{tmp_path}: discarded an interrupted checkpoint sync" in capsys.readouterr().out
+    assert not (tmp_path / journal._TMP_NAME).exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs a directory and a file root owns")
+def test_a_token_file_in_root_s_directory_is_taken_but_not_one_root_owns(tmp_path,
+                                                                       monkeypatch):
+    # root is trusted with the directory; a file of root's is not the user's to replace
+    monkeypatch.setattr(serve.os, "geteuid", lambda: 12345)  # as a user, in root's tmp_path
+    serve.check_token_file(tmp_path / "t")
+    (tmp_path / "theirs").write_text("root's token\n")
+    with pytest.raises(ConfigError, match="owned by another user \\(uid 0\\)"):
+        serve.check_token_file(tmp_path / "theirs")
+
+
+def test_serve_on_every_interface_given_as_an_empty_host_checks_that_port():
+    # "" is every interface to vLLM, as 0.0.0.0: not a host name to look up
+    import socket
+
+    serve._refuse_busy_port("", 0)
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"--port {port}: cannot listen on 0.0.0.0:{port} "):
+            serve._refuse_busy_port("", port)

@@ -272,3 +272,104 @@ def test_the_gate_keeps_at_most_a_mebibyte_of_a_body_and_the_app_gets_it_all():
     asyncio.run(main())
     assert b"".join(got) == chunk * parts
     assert kept and kept[0] <= (1 << 20) + len(chunk)  # (the part that crossed the cap)
+
+
+def test_an_abort_marks_every_request_past_the_gate():
+    async def main():
+        gate, finish = Gate(), asyncio.Event()
+        calls = [asyncio.ensure_future(GateMiddleware(_ok_app(finish=finish), gate, lambda: 0)(
+            _scope(), _recv, _send)) for _ in range(3)]
+        await asyncio.sleep(0.02)
+        gate.mark_aborted()
+        aborted = [e.aborted for e in gate.live]
+        finish.set()
+        await asyncio.gather(*calls)
+        return aborted
+
+    assert asyncio.run(main()) == [True, True, True]
+
+
+def test_a_root_path_not_in_the_scope_s_path_is_not_cut_from_it():
+    # (a server whose routing leaves --root-path out of the path: /v1/... all the same)
+    gate = Gate()
+
+    async def main() -> bool:
+        gate.open.clear()  # an update is in progress
+        call = GateMiddleware(_ok_app(), gate, lambda: 0)(
+            {"type": "http", "method": "GET", "path": "/v1/models", "root_path": "/api"},
+            _recv, _send)
+        try:
+            await asyncio.wait_for(call, 0.2)
+            return False
+        except TimeoutError:
+            return True
+
+    assert asyncio.run(main()) is True  # it waits for the commit
+
+
+def test_the_abort_notice_goes_out_before_the_stream_s_end():
+    gate = Gate()
+
+    async def app(scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        gate.mark_aborted()
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n",
+                    "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def main():
+        sent = []
+
+        async def receive():
+            return {"type": "http.request", "body": b'{"model": "m", "prompt": "x"}'}
+
+        async def send(message):
+            sent.append(message)
+
+        await GateMiddleware(app, gate, lambda: 7)(_scope(), receive, send)
+        return sent[1:]
+
+    bodies = asyncio.run(main())
+    assert b'"finish_reason": "abort"' in bodies[0]["body"]
+    assert [m["more_body"] for m in bodies] == [True, True, False]  # one response, all sent
+
+
+def test_a_choice_streaming_beside_one_that_finished_still_gets_its_abort_end():
+    chunks = _sse({"choices": [
+        {"index": 0, "delta": {"content": "a"}, "finish_reason": None},
+        {"index": 1, "delta": {"content": "b"}, "finish_reason": "length"}]})
+    _, events = _run("/v1/chat/completions", {"model": "m", "n": 2, "messages": []}, chunks,
+                     abort=True)
+    ends = {c["index"]: c["finish_reason"] for e in events for c in e["choices"]
+            if c["finish_reason"]}
+    assert ends == {0: "abort", 1: "length"}
+
+
+def test_a_request_with_n_null_gets_one_abort_end():
+    _, events = _run("/v1/completions", {"model": "m", "n": None, "prompt": "x"}, _sse(),
+                     abort=True)
+    assert [c["finish_reason"] for e in events for c in e["choices"]] == ["abort"]
+
+
+@pytest.mark.parametrize("request_body", [["not", "an", "object"], "text"])
+def test_an_aborted_stream_of_a_request_that_is_no_json_object_gets_nothing_added(
+        request_body):
+    _, events = _run("/v1/completions", request_body, _sse(), abort=True)
+    assert events == []
+
+
+def test_an_aborted_stream_of_another_route_gets_nothing_added():
+    # the notice is shaped as a completion's or a chat completion's chunk
+    _, events = _run("/v1/responses", {"model": "m", "input": "x"}, _sse(), abort=True)
+    assert events == []
+
+
+# an SSE comment, or the tail of an event a previous chunk began
+@pytest.mark.parametrize("first", [b": ping\n\n", b'ex": 0}]}\n\n'])
+def test_a_finish_after_a_comment_or_an_event_s_tail_in_the_same_chunk_is_noted(first):
+    finished = _sse({"choices": [{"index": 0, "text": "a", "finish_reason": "stop"}]})
+    chunks = [first + finished[0], *finished[1:]]
+    _, events = _run("/v1/completions", {"model": "m", "prompt": "x"}, chunks, abort=True)
+    assert [c["finish_reason"] for e in events for c in e["choices"]] == ["stop"]

@@ -714,3 +714,476 @@ def test_a_late_receive_of_the_holder_s_earlier_update_leaves_the_next_one_alone
         assert r.status_code == 200 and r.json()["version"] == f"2@{SID}"
 
     serve(test)
+
+
+def test_the_checksum_and_the_remote_routes_refuse_a_wrong_token_401(monkeypatch):
+    monkeypatch.setenv("HOTWEIGHTS_REMOTE", "1")
+
+    async def test(client, stub):
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            for route in ("checksum", "remote/received"):
+                r = await client.get(f"/hotweights/{route}", headers=headers)
+                assert r.status_code == 401, route
+            for route, payload in (("remote/join", JOIN), ("remote/receive", body())):
+                r = await client.post(f"/hotweights/{route}", json=payload, headers=headers)
+                assert r.status_code == 401, route
+        assert not {"hotweights_checksum", "hotweights_remote_received",
+                    "init_weight_transfer_engine"} & set(stub.calls)
+
+    serve(test)
+
+
+def test_a_staged_update_leaves_the_checksum_answered_at_once(monkeypatch):
+    # staging has not touched the served weights: nothing to wait for
+    from hotweights.vllm_plugin import routes as routes_module
+
+    monkeypatch.setenv("HOTWEIGHTS_REMOTE", "1")
+    monkeypatch.setattr(routes_module, "_CHECKSUM_WAIT_S", 0.3)
+
+    async def test(client, stub):
+        await client.post("/hotweights/begin", json=body(stage=True), headers=AUTH)
+        r = await client.get("/hotweights/checksum", headers=AUTH)
+        assert r.status_code == 200 and r.json() == {"version": f"0@{SID}", "checksum": [None]}
+
+    serve(test)
+
+
+def test_a_remote_status_names_the_checkpoint_loaded_only_until_the_first_commit(monkeypatch):
+    from hotweights.vllm_plugin import routes as routes_module
+
+    monkeypatch.setenv("HOTWEIGHTS_REMOTE", "1")
+    monkeypatch.setattr(routes_module, "_loaded", lambda *args: "digest-of-the-load")
+
+    async def test(client, stub):
+        status = (await client.get("/hotweights/status", headers=AUTH)).json()
+        assert status["checkpoint"] == "digest-of-the-load"
+        await client.post("/hotweights/begin", json=body(), headers=AUTH)
+        await client.post("/hotweights/commit", json=body(), headers=AUTH)
+        status = (await client.get("/hotweights/status", headers=AUTH)).json()
+        assert status["version"] == f"1@{SID}" and status["checkpoint"] is None
+
+    serve(test)
+
+
+def test_a_local_server_has_no_channel_rank_and_no_remote_routes():
+    async def test(client, stub):
+        status = (await client.get("/hotweights/status", headers=AUTH)).json()
+        assert status["remote"] is False and status["channel_ranks"] == 0
+        r = await client.post("/hotweights/remote/join", json=JOIN, headers=AUTH)
+        assert r.status_code == 404
+        assert "init_weight_transfer_engine" not in stub.calls
+
+    serve(test)
+
+
+def test_hotweights_remote_0_is_a_local_server(monkeypatch):
+    monkeypatch.setenv("HOTWEIGHTS_REMOTE", "0")  # what `hotweights serve` sets without --remote
+
+    async def test(client, stub):
+        status = (await client.get("/hotweights/status", headers=AUTH)).json()
+        assert status["remote"] is False and "hotweights_share" in stub.calls
+
+    serve(test)
+
+
+def test_a_server_started_without_a_token_refuses_to_start(monkeypatch):
+    monkeypatch.delenv("HOTWEIGHTS_TOKEN")
+    with pytest.raises(ConfigError, match="HOTWEIGHTS_TOKEN is not set"):
+        serve(lambda client, stub: asyncio.sleep(0))
+
+
+def test_next_update_is_refused_on_a_local_server():
+    async def test(client, stub):
+        await client.post("/hotweights/begin", json=body(), headers=AUTH)
+        r = await client.post("/hotweights/commit", json=body(next_update="u2"), headers=AUTH)
+        assert r.status_code == 400 and "field 'next_update' needs a `hotweights serve " \
+            "--remote` server" in r.json()["error"]
+        status = (await client.get("/hotweights/status", headers=AUTH)).json()
+        assert (status["state"], status["n"]) == ("paused", 0)  # still the holder's
+
+    serve(test)
+
+
+def test_a_join_takes_its_fields_bounds_inclusively_and_needs_a_channel_token(monkeypatch):
+    from hotweights.server.bodies import MAX_LEASE_S
+
+    monkeypatch.setenv("HOTWEIGHTS_REMOTE", "1")
+
+    async def test(client, stub):
+        for bad, message in (({"token": ""}, "field 'token' is required"),
+                             ({"max_round_bytes": 63}, "field 'max_round_bytes' must be >= 64"),
+                             ({"protocol": PROTOCOL + 1}, f"channel protocol {PROTOCOL + 1}")):
+            r = await client.post("/hotweights/remote/join", json={**JOIN, **bad}, headers=AUTH)
+            assert r.status_code == 400 and message in r.json()["error"], bad
+        assert "init_weight_transfer_engine" not in stub.calls
+        for edge in ({"max_round_bytes": 64}, {"timeout": MAX_LEASE_S},
+                     {"master_port": 65535}, {"rank_offset": 2, "world_size": 3}):
+            r = await client.post("/hotweights/remote/join", json={**JOIN, **edge}, headers=AUTH)
+            assert r.status_code == 200, edge
+
+    serve(test)
+
+
+def test_a_join_is_taken_after_an_expired_lease(monkeypatch):
+    monkeypatch.setenv("HOTWEIGHTS_REMOTE", "1")
+
+    async def test(client, stub):
+        await client.post("/hotweights/begin", json=body(lease_s=0.05), headers=AUTH)
+        for _ in range(40):
+            await asyncio.sleep(0.05)
+            status = (await client.get("/hotweights/status", headers=AUTH)).json()
+            if status["state"] == "expired":
+                break
+        assert status["state"] == "expired"
+        r = await client.post("/hotweights/remote/join", json=JOIN, headers=AUTH)
+        assert r.status_code == 200
+
+    serve(test)
+
+
+def test_a_status_names_the_channel_joined_by_address_and_a_hash_of_its_token(monkeypatch):
+    from hotweights.remote.rendezvous import channel_id
+
+    monkeypatch.setenv("HOTWEIGHTS_REMOTE", "1")
+
+    async def test(client, stub):
+        await client.post("/hotweights/remote/join", json=JOIN, headers=AUTH)
+        first = (await client.get("/hotweights/status", headers=AUTH)).json()["channel"]
+        assert first == channel_id("10.0.0.1", 29500, "chan-token") and "chan-token" not in first
+        await client.post("/hotweights/remote/join", json={**JOIN, "token": "another"},
+                          headers=AUTH)
+        second = (await client.get("/hotweights/status", headers=AUTH)).json()["channel"]
+        assert second == channel_id("10.0.0.1", 29500, "another") != first  # a new channel
+
+    serve(test)
+
+
+def test_a_new_join_drops_the_armed_wait_for_the_next_update(monkeypatch):
+    monkeypatch.setenv("HOTWEIGHTS_REMOTE", "1")
+
+    async def test(client, stub):
+        await client.post("/hotweights/remote/join", json=JOIN, headers=AUTH)
+        await client.post("/hotweights/begin", json=body(stage=True), headers=AUTH)
+        await client.post("/hotweights/remote/receive", json=body(update="u1"), headers=AUTH)
+        await client.post("/hotweights/commit", json=body(next_update="u2"), headers=AUTH)
+        assert (await client.get("/hotweights/status", headers=AUTH)).json()["armed"]
+        await client.post("/hotweights/remote/join", json=JOIN, headers=AUTH)
+        assert not (await client.get("/hotweights/status", headers=AUTH)).json()["armed"]
+        await client.post("/hotweights/begin", json=body(stage=True), headers=AUTH)
+        calls = stub.calls.count("hotweights_remote_receive")
+        r = await client.post("/hotweights/remote/receive", json=body(update="u2"),
+                              headers=AUTH)
+        assert r.status_code == 200 and "armed" not in r.json()  # asked of the workers
+        assert stub.calls.count("hotweights_remote_receive") == calls + 1
+
+    serve(test)
+
+
+def test_a_broken_channel_stays_reported_through_an_abort_until_a_new_join(monkeypatch):
+    monkeypatch.setenv("HOTWEIGHTS_REMOTE", "1")
+
+    async def test(client, stub):
+        await client.post("/hotweights/remote/join", json=JOIN, headers=AUTH)
+        stub.broken = True
+        await client.post("/hotweights/begin", json=body(stage=True), headers=AUTH)
+        await client.post("/hotweights/remote/receive", json=body(update="u1"), headers=AUTH)
+        await client.post("/hotweights/commit", json=body(), headers=AUTH)
+        stub.broken = False  # a discard that finds nothing left behind
+        await client.post("/hotweights/begin", json=body(stage=True), headers=AUTH)
+        await client.post("/hotweights/abort", json=body(dirty=False), headers=AUTH)
+        assert (await client.get("/hotweights/status", headers=AUTH)).json()["channel"] is None
+
+    serve(test)
+
+
+def test_a_single_worker_joins_without_a_relay(monkeypatch):
+    monkeypatch.setenv("HOTWEIGHTS_REMOTE", "1")
+
+    # the relay hands the first worker's rounds on to the others: one worker needs none
+    async def test(client, stub):
+        await client.post("/hotweights/remote/join", json=JOIN, headers=AUTH)
+        (info,) = stub.args["init_weight_transfer_engine"]
+        assert info["rank_offset"] == 1 and "relay_port" not in info
+
+    serve(test)
+
+
+def test_with_two_workers_a_join_relays_and_every_worker_must_arm_or_decode_xor(monkeypatch):
+    monkeypatch.setenv("HOTWEIGHTS_REMOTE", "1")
+    one = StubClient.collective_rpc
+    second = {"hotweights_remote_decodes_xor": False,
+              "hotweights_remote_apply": {"armed": False, "broken": True}}
+
+    async def two_workers(self, method, args=()):  # the second worker's answer after the first's
+        (first,) = await one(self, method, args)
+        return [first, second.get(method, first)]
+    monkeypatch.setattr(StubClient, "collective_rpc", two_workers)
+
+    async def test(client, stub):
+        first = {"hotweights_remote_decodes_xor": True}
+        rpc = stub.collective_rpc
+
+        async def answers(method, args=()):
+            out = await rpc(method, args)
+            return [first.get(method, out[0]), *out[1:]]
+        stub.collective_rpc = answers
+        r = await client.post("/hotweights/remote/join", json=JOIN, headers=AUTH)
+        assert r.status_code == 200 and r.json()["workers"] == 2
+        assert r.json()["xor"] is False  # one worker cannot decode it
+        (info,) = stub.args["init_weight_transfer_engine"]
+        assert info["relay_port"] > 0 and len(info["relay_token"]) == 32
+        await client.post("/hotweights/begin", json=body(stage=True), headers=AUTH)
+        await client.post("/hotweights/remote/receive", json=body(update="u1"), headers=AUTH)
+        r = await client.post("/hotweights/commit", json=body(next_update="u2"), headers=AUTH)
+        assert r.status_code == 200
+        status = (await client.get("/hotweights/status", headers=AUTH)).json()
+        assert not status["armed"]  # the second worker does not wait for u2
+        assert status["channel"] is None  # the second worker's channel broke
+
+    serve(test)
+
+
+def test_a_failed_receive_s_commit_frees_the_workers_staging(monkeypatch):
+    monkeypatch.setenv("HOTWEIGHTS_REMOTE", "1")
+
+    async def test(client, stub):
+        rpc = stub.collective_rpc
+
+        async def failing(method, args=()):
+            if method == "hotweights_remote_receive":
+                stub.calls.append(method)
+                raise RuntimeError("round 1/1 failed: the sender is gone")
+            return await rpc(method, args)
+        stub.collective_rpc = failing
+        await client.post("/hotweights/begin", json=body(stage=True), headers=AUTH)
+        r = await client.post("/hotweights/remote/receive", json=body(), headers=AUTH)
+        assert r.status_code == 502
+        calls = len(stub.calls)
+        r = await client.post("/hotweights/commit", json=body(), headers=AUTH)
+        assert r.status_code == 503 and "the update's receive failed" in r.json()["error"]
+        assert "hotweights_remote_discard" in stub.calls[calls:]
+        assert "hotweights_remote_apply" not in stub.calls[calls:]
+
+    serve(test)
+
+
+class _Client:
+    """The engine client calls a `VllmEngine` pause and resume make, in order."""
+
+    def __init__(self, gate=None):
+        self.calls: list[str] = []
+        self.gate, self.go = gate, asyncio.Event()
+        self.go.set()
+        self.request_states: dict = {}
+        self.output_processor = self  # where vLLM keeps the requests it runs
+
+    async def pause_generation(self, mode, clear_cache):
+        self.calls.append("pause")
+        await self.go.wait()
+        self.calls.append("paused")
+
+    async def resume_generation(self):
+        self.calls.append("resume")
+
+    async def abort(self, ids, internal):
+        self.calls.append(f"abort:{','.join(ids)}")
+        for i in ids:  # their responses end
+            self.gate._leave(self.request_states.pop(i))
+
+
+def test_a_pause_whose_drain_outlived_a_resume_is_not_sent():
+    # the drain's wait woke after the abort's resume: a pause then would hold the engine
+    # paused with the gate open
+    from hotweights.vllm_plugin.gate import Gate
+    from hotweights.vllm_plugin.routes import VllmEngine
+
+    async def main():
+        gate, client = Gate(), _Client()
+        engine, request = VllmEngine(client, gate), object()
+        gate._enter(request)
+        pause = asyncio.ensure_future(engine.pause("wait"))
+        await asyncio.sleep(0)
+        await engine.resume()
+        gate._leave(request)
+        with pytest.raises(asyncio.CancelledError):
+            await pause
+        return client.calls
+
+    assert asyncio.run(main()) == ["resume"]
+
+
+def test_a_resume_waits_for_the_pause_in_flight():
+    from hotweights.vllm_plugin.gate import Gate
+    from hotweights.vllm_plugin.routes import VllmEngine
+
+    async def main():
+        client = _Client()
+        engine = VllmEngine(client, Gate())
+        client.go.clear()  # the scheduler's pause takes a while
+        pause = asyncio.ensure_future(engine.pause("keep"))
+        await asyncio.sleep(0.01)
+        resume = asyncio.ensure_future(engine.resume())
+        await asyncio.sleep(0.01)
+        assert not resume.done()
+        client.go.set()
+        await asyncio.gather(pause, resume)
+        return client.calls
+
+    assert asyncio.run(main()) == ["pause", "paused", "resume"]
+
+
+def test_an_abort_pause_aborts_every_request_past_the_gate_until_none_is_left():
+    # also those that reached the engine after the pause: vLLM would run them on the new
+    # weights
+    from hotweights.vllm_plugin.gate import Gate
+    from hotweights.vllm_plugin.routes import VllmEngine
+
+    async def main():
+        gate = Gate()
+        client = _Client(gate)
+        engine = VllmEngine(client, gate)
+        for i in ("r1", "r2"):
+            client.request_states[i] = type("Exchange", (), {"aborted": False})()
+            gate._enter(client.request_states[i])
+        exchanges = list(client.request_states.values())
+        await asyncio.wait_for(engine.pause("abort"), 5)
+        assert all(e.aborted for e in exchanges)  # their streams get a finish reason
+        return client.calls, gate.idle.is_set()
+
+    assert asyncio.run(main()) == (["pause", "paused", "abort:r1,r2"], True)
+
+
+async def _started():
+    """The routes of a server on a stub client, for tests that call their handlers."""
+    routes, stub = HotweightsRoutes(), StubClient()
+    routes.attach_router(FastAPI())
+    await routes.init_state(stub, None, type("Args", (), {})())
+    return routes, stub
+
+
+def test_a_receive_whose_caller_went_away_goes_on_for_the_commit(monkeypatch):
+    # the workers' receive runs on: cancelling it would leave the trainer's rounds unread
+    from hotweights.server.bodies import Begin, Receive
+
+    monkeypatch.setenv("HOTWEIGHTS_REMOTE", "1")
+
+    async def main():
+        routes, stub = await _started()
+        go, rpc = asyncio.Event(), stub.collective_rpc
+
+        async def slow(method, args=()):
+            if method == "hotweights_remote_receive":
+                await go.wait()
+            return await rpc(method, args)
+        stub.collective_rpc = slow
+        await routes.tx.begin(Begin("h1", SID, stage=True))
+        caller = asyncio.ensure_future(routes._receive(Receive("h1", SID, update="u1")))
+        await asyncio.sleep(0.01)
+        caller.cancel()  # the trainer's HTTP request went away
+        await asyncio.sleep(0.01)
+        receiving = routes.tx.engine.receiving
+        assert receiving is not None and not receiving.cancelled()
+        go.set()
+        await receiving
+        return stub.calls.count("hotweights_remote_receive")
+
+    assert asyncio.run(main()) == 1
+
+
+def test_a_join_that_fails_on_the_workers_is_a_502_and_leaves_no_channel(monkeypatch):
+    monkeypatch.setenv("HOTWEIGHTS_REMOTE", "1")
+
+    async def test(client, stub):
+        await client.post("/hotweights/remote/join", json=JOIN, headers=AUTH)
+        rpc = stub.collective_rpc
+
+        async def failing(method, args=()):
+            if method == "init_weight_transfer_engine":
+                raise RuntimeError("connect to 10.0.0.1:29501 timed out")
+            return await rpc(method, args)
+        stub.collective_rpc = failing
+        r = await client.post("/hotweights/remote/join", json={**JOIN, "master_port": 29501},
+                              headers=AUTH)
+        assert r.status_code == 502 and "init_weight_transfer_engine failed on a worker: " \
+            "connect to 10.0.0.1:29501 timed out" in r.json()["error"]
+        assert (await client.get("/hotweights/status", headers=AUTH)).json()["channel"] is None
+
+    serve(test)
+
+
+def test_a_join_from_a_trainer_of_a_previous_server_start_gets_409_restarted(monkeypatch):
+    monkeypatch.setenv("HOTWEIGHTS_REMOTE", "1")
+
+    async def test(client, stub):
+        r = await client.post("/hotweights/remote/join", json={**JOIN, "server_id": "old"},
+                              headers=AUTH)
+        assert r.status_code == 409 and "restarted" in r.json()["error"]
+        assert "init_weight_transfer_engine" not in stub.calls
+
+    serve(test)
+
+
+def test_received_answers_each_worker_s_bytes_and_a_worker_error_as_a_502(monkeypatch):
+    monkeypatch.setenv("HOTWEIGHTS_REMOTE", "1")
+
+    async def test(client, stub):
+        rpc = stub.collective_rpc
+        counts = {"trainer": 10, "relay": 0, "staged": 8, "peak_staging": 12}
+
+        async def received(method, args=()):
+            if method == "hotweights_remote_received":
+                if not counts:
+                    raise RuntimeError("the worker died")
+                return [counts]
+            return await rpc(method, args)
+        stub.collective_rpc = received
+        r = await client.get("/hotweights/remote/received", headers=AUTH)
+        assert r.json() == {"trainer_bytes": [10], "relay_bytes": [0], "staged_bytes": [8],
+                            "peak_staging_bytes": [12]}
+        counts.clear()
+        r = await client.get("/hotweights/remote/received", headers=AUTH)
+        assert r.status_code == 502 and r.json()["error"] == (
+            "hotweights_remote_received failed on a worker: the worker died")
+
+    serve(test)
+
+
+def test_a_local_status_counts_the_workers_that_shared_their_weights(monkeypatch):
+    one = StubClient.collective_rpc
+
+    async def two_workers(self, method, args=()):
+        return 2 * await one(self, method, args)
+    monkeypatch.setattr(StubClient, "collective_rpc", two_workers)
+
+    async def test(client, stub):
+        manifests = (await client.get("/hotweights/manifest", headers=AUTH)).json()["manifests"]
+        assert len(manifests) == 2
+        assert (await client.get("/hotweights/status", headers=AUTH)).json()["workers"] == 2
+
+    serve(test)
+
+
+def test_a_receive_cancelled_on_the_engine_s_side_applies_nothing(monkeypatch):
+    # (vLLM cancels the futures of its RPCs as it shuts its engine down)
+    from hotweights.server.bodies import Begin, Commit, Receive, Refused
+
+    monkeypatch.setenv("HOTWEIGHTS_REMOTE", "1")
+
+    async def main():
+        routes, stub = await _started()
+        rpc = stub.collective_rpc
+
+        async def cancelled(method, args=()):
+            if method == "hotweights_remote_receive":
+                raise asyncio.CancelledError
+            return await rpc(method, args)
+        stub.collective_rpc = cancelled
+        await routes.tx.begin(Begin("h1", SID, stage=True))
+        with pytest.raises(asyncio.CancelledError):
+            await routes._receive(Receive("h1", SID, update="u1"))
+        with pytest.raises(Refused, match="the update's receive failed: CancelledError"):
+            await routes.tx.commit(Commit("h1", SID))
+        return stub.calls
+
+    calls = asyncio.run(main())
+    assert "hotweights_remote_apply" not in calls and "hotweights_remote_discard" in calls

@@ -153,3 +153,21 @@ def test_a_drafter_s_quantized_copy_of_the_head_is_refused():
                                           r"copy of lm_head"):
         _refuse_drafter_copies(SimpleNamespace(speculative_config=SimpleNamespace(
             draft_lm_head_quantization="fp8")))
+
+
+@pytest.mark.parametrize(("var", "value"), [
+    ("PYTORCH_ALLOC_CONF", "expandable_segments:True"),  # torch >= 2.9's name
+    ("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512, expandable_segments: true")])
+def test_expandable_segments_are_refused_under_either_name_and_any_spacing(
+        monkeypatch, var, value):
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ConfigError, match=f"{var} enables expandable segments"):
+        _refuse_unshareable_cuda_memory(_config())
+
+
+def test_the_preload_daemon_s_weights_are_refused_when_the_loader_config_is_no_dict():
+    # its mode is then not known: taken as vLLM's default, zero_copy
+    with pytest.raises(ConfigError, match="--load-format ipc_cache"):
+        _refuse_borrowed_weights(_config(load_format="ipc_cache", extra="copy"), sharing=False)

@@ -352,14 +352,16 @@ def _refuse_busy_port(host: str, port: int) -> None:
     import socket
 
     try:
-        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        family, kind, proto, _, addr = socket.getaddrinfo(  # "": every interface, as vLLM
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
         with socket.socket(family, kind, proto) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
             s.bind(addr)
     except OSError as e:
         if e.errno == errno.EADDRINUSE:
-            raise ConfigError(f"--port {port}: cannot listen on {host}:{port} ({e.strerror}); "
-                              "is another server running there? Pick another --port") from None
+            raise ConfigError(f"--port {port}: cannot listen on {host or '0.0.0.0'}:{port} "
+                              f"({e.strerror}); is another server running there? Pick "
+                              "another --port") from None
         raise ConfigError(f"--host {host}: cannot listen on {host}:{port} ({e.strerror or e}); "
                           "give an address of this machine (127.0.0.1, 0.0.0.0, ...)") from None
 
