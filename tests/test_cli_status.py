@@ -174,3 +174,10 @@ def test_status_json_is_the_server_s_answer_alone(monkeypatch, capsys):
                         dict(BASE, state="idle"))
     assert main(["status", "--token", "t", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == dict(BASE, state="idle")  # nothing else
+
+
+def test_a_lease_past_its_expiry_by_this_machine_s_clock_expires_in_0_s():
+    # an older server's lease_expires only: its clock may run behind this machine's
+    printed = dict(rows(dict(BASE, state="paused", holder="h", mode="wait",
+                             lease_expires=990.0), now=1000.0))
+    assert printed["lease"] == "h (wait), expires in 0 s"

@@ -34,7 +34,7 @@ def rows(status: dict, now: float) -> list[tuple[str, str]]:
          else "unknown" if state is None else str(state)),
         ("lease", "none" if holder is None else
          f"{holder} ({status.get('mode')})" + (
-             f", expires in {left:.0f} s" if isinstance(left, int | float) else "")),
+             f", expires in {max(0.0, left):.0f} s" if isinstance(left, int | float) else "")),
     ]
     if status.get("dirty"):
         out.append(("weights", f"DIRTY: {status.get('dirty_reason') or 'update interrupted'}; "
