@@ -346,3 +346,59 @@ def test_a_message_whose_mac_differs_in_its_last_digit_only_is_not_opened():
         assert signing.opened(key, "ns/failed", forged) is None, i
     assert signing.opened(key, "ns/failed", mac[:63] + rest) is None  # a shortened MAC
     assert signing.opened(signing.channel_key(TOKEN, "n2"), "ns/failed", msg) is None
+
+
+def _rendezvous_store():
+    return TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=3))
+
+
+def test_a_receiver_of_another_world_size_is_named_before_it_proves_anything():
+    from hotweights.remote.rendezvous import prove
+
+    s = _rendezvous_store()
+    s.set(f"{NS}/world", "3")
+    s.set(f"{NS}/nonce", "n")
+    with pytest.raises(RemoteError, match=r"^r1: field 'world_size' is 2, the sender's is 3$"):
+        prove(s, rank=1, world_size=2, token=TOKEN, timeout=1.0, where="r1")
+    assert not s.check([f"{NS}/proof/1"])
+
+
+def test_a_receiver_refuses_a_verdict_that_does_not_prove_the_token():
+    from hotweights.remote.rendezvous import prove
+
+    s = _rendezvous_store()
+    s.set(f"{NS}/world", "2")
+    s.set(f"{NS}/nonce", "n")
+    s.set(f"{NS}/verdict", "ok:" + "0" * 64)  # a stranger's
+    with pytest.raises(RemoteError, match=r"^r1: the sender did not prove the channel's "
+                                          "token"):
+        prove(s, rank=1, world_size=2, token=TOKEN, timeout=1.0, where="r1")
+
+
+def _prove_on_a_thread(s, rank, world_size, token):
+    """A receiver proving on a connection of its own; its error lands in the list returned."""
+    from hotweights.remote.rendezvous import prove
+
+    errors, own = [], TCPStore("127.0.0.1", s.port, None, False, timeout=timedelta(seconds=3))
+
+    def receive():
+        try:
+            prove(own, rank=rank, world_size=world_size, token=token, timeout=1.0,
+                  where=f"r{rank}")
+        except RemoteError as e:
+            errors.append(e)
+    t = threading.Thread(target=receive, daemon=True)
+    t.start()
+    return t, errors
+
+
+def test_the_sender_names_the_receiver_rank_that_did_not_join():
+    from hotweights.remote.rendezvous import prove
+
+    s = _rendezvous_store()
+    t, errors = _prove_on_a_thread(s, 1, 3, TOKEN)
+    with pytest.raises(RemoteError, match=r"^s: receiver rank\(s\) \[2\] did not join within "
+                                          r"0\.3 s$"):
+        prove(s, rank=0, world_size=3, token=TOKEN, timeout=0.3, where="s")
+    t.join(5)
+    assert "the sender refused the channel: missing [2]" in str(errors[0])

@@ -716,3 +716,75 @@ def test_every_word_of_the_meta_and_digest_is_checked(word):
     bad[word] ^= 1
     with pytest.raises(RemoteError, match="is not from the trainer"):
         _receiver(0)._verify(bad, head, buf, "round 1")
+
+
+def _announcing(world_size=2, timeout=5.0):
+    store = TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=10))
+    return store, Announcements(store, "t", rank=0, world_size=world_size, addr="127.0.0.1",
+                                port=store.port, timeout=timeout, where="test")
+
+
+def test_the_sender_deletes_the_keys_of_the_update_before_last_only():
+    store, tx = _announcing()
+    for u in ("u1", "u2"):
+        store.set(tx.key("ready", u, 1), "1")
+        tx.word(u, b"go")
+    assert store.check([tx.key("word", "u1"), tx.key("ready", "u1", 1)])  # maybe still read
+    tx.word("u3", b"go")
+    assert not store.check([tx.key("word", "u1")])
+    assert not store.check([tx.key("ready", "u1", 1)])
+    assert not store.check([tx.key("wake", "u1", 1)])
+    assert store.check([tx.key("word", "u2"), tx.key("ready", "u2", 1)])
+
+
+def test_the_sender_names_only_the_receivers_not_ready_in_time():
+    store, tx = _announcing(world_size=3, timeout=0.2)
+    store.set(tx.key("ready", "u", 1), "1")
+    with pytest.raises(RemoteError, match=r"^test: rank 2 \(receiver\) did not start "
+                                          r"receiving the update within 0\.2 s$"):
+        tx.await_ready("u")
+
+
+def _peers(rank=0, world_size=3):
+    from hotweights.remote.peers import Peers
+
+    store = TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=10))
+    return store, Peers(store, "t", signing.channel_key(TOKEN, "n"), rank=rank,
+                        world_size=world_size, addr="127.0.0.1", port=store.port,
+                        timeout=0.8, where="test")
+
+
+def test_receivers_level_with_each_other_are_not_behind():
+    store, peers = _peers()
+    try:
+        store.set("t/progress/1", "3")
+        store.set("t/progress/2", "3")
+        assert peers._behind() == []
+        store.set("t/progress/1", "4")
+        assert peers._behind() == [2]
+    finally:
+        peers.close()
+
+
+def test_the_first_failure_told_is_the_one_every_rank_reads():
+    store, peers = _peers()
+    try:
+        peers.tell("rank 2 (receiver) stopped")
+        peers.tell("rank 1 (receiver) stalled behind the others")  # a later finding
+        assert peers.opened("t/failed") == "rank 2 (receiver) stopped"
+    finally:
+        peers.close()
+
+
+def test_the_peers_that_stopped_are_named_by_rank_and_role():
+    import re
+
+    store, peers = _peers()  # the sender's view: neither receiver's heartbeat ever came
+    try:
+        e = peers.blame("round 3", RuntimeError("timed out"))
+    finally:
+        peers.close()
+    assert re.fullmatch(r"test: round 3 failed: rank 1 \(receiver\), rank 2 \(receiver\) "
+                        r"stopped \(no heartbeat for 0\.\d s\); reported by rank 0 \(timed out\)",
+                        str(e))
+    assert peers.opened("t/failed") == str(e).removeprefix("test: round 3 failed: ")

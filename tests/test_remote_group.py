@@ -875,3 +875,621 @@ def test_every_try_of_an_update_carries_its_own_number_one_above_the_last(monkey
     for _ in range(2):
         group.prepare({"w": torch.zeros(4)})
     assert sorted(sent) == [(one, 1), (one, 2), (one, 3), (two, 1), (two, 3)]
+
+
+def _answering(monkeypatch, silent=(), **fields):
+    """`request` answered by a `--remote` server of this version, but not by `silent` (no
+    answer); returns the requests seen: (url, route, timeout)."""
+    from hotweights.remote import group as group_module
+
+    seen = []
+
+    def request(url, method, route, token, body=None, **kw):
+        seen.append((url, route, kw.get("timeout")))
+        if url in silent:
+            raise ServerError(f"{method} {route}: no answer from {url} within 30 s")
+        return {"remote": True, "n": 0, "server_id": "s", "protocol": PROTOCOL, **fields}
+    monkeypatch.setattr(group_module, "request", request)
+    return seen
+
+
+def test_a_server_that_does_not_answer_the_status_is_dropped_beside_those_dropped_before(
+        monkeypatch):
+    urls = ["http://127.0.0.1:1", "http://127.0.0.2:1"]
+    _answering(monkeypatch, silent={urls[1]})
+    status, dropped = RemoteGroup(urls, token="t" * 32)._status(
+        urls, {"http://127.0.0.3:1": "gone at the first try"})
+    assert list(status) == [urls[0]]
+    assert list(dropped) == ["http://127.0.0.3:1", urls[1]] and "no answer" in dropped[urls[1]]
+
+
+def test_no_answer_from_every_server_or_with_require_all_from_one_fails_the_update(
+        monkeypatch):
+    urls = ["http://127.0.0.1:1", "http://127.0.0.2:1"]
+    _answering(monkeypatch, silent={urls[1]})
+    with pytest.raises(RemoteError, match=rf"^no answer from {re.escape(urls[1])}: "):
+        RemoteGroup(urls, token="t" * 32, require="all")._status(urls, {})
+    _answering(monkeypatch, silent=set(urls))
+    with pytest.raises(RemoteError, match=rf"^no answer from {re.escape(urls[0])}: .*; "
+                                          rf"{re.escape(urls[1])}: "):
+        RemoteGroup(urls, token="t" * 32)._status(urls, {})
+
+
+def test_a_server_not_started_with_remote_is_named(monkeypatch):
+    _answering(monkeypatch, remote=False)
+    group = RemoteGroup(["http://127.0.0.1:1"], token="t" * 32)
+    with pytest.raises(RemoteError, match=r"^http://127\.0\.0\.1:1: not started with "
+                                          "`hotweights serve --remote`"):
+        group._status(group.urls, {})
+
+
+def test_the_status_asks_within_the_timeout_but_30_s_at_most(monkeypatch):
+    seen = _answering(monkeypatch)
+    RemoteGroup(["http://127.0.0.1:1"], token="t" * 32, timeout=60)._status(
+        ["http://127.0.0.1:1"], {})
+    RemoteGroup(["http://127.0.0.1:1"], token="t" * 32, timeout=5)._status(
+        ["http://127.0.0.1:1"], {})
+    assert [t for _, _, t in seen] == [30.0, 5]
+
+
+def test_with_require_all_a_failed_send_is_raised_as_it_is_not_retried(monkeypatch):
+    group = RemoteGroup(["http://127.0.0.1:1", "http://127.0.0.2:1"], token="t" * 32,
+                        require="all")
+    asked = []
+
+    def status(urls, dropped):
+        asked.append(list(urls))
+        return {u: {} for u in urls}, dropped
+
+    def prepare(*args):
+        raise RemoteError("http://127.0.0.1:1: stopped")
+    monkeypatch.setattr(group, "_status", status)
+    monkeypatch.setattr(group, "_prepare", prepare)
+    monkeypatch.setattr(group, "_abort_left", lambda status: None)
+    monkeypatch.setattr(packing, "warm", lambda dtypes: None)
+    with pytest.raises(RemoteError, match=r"^http://127\.0\.0\.1:1: stopped$"):
+        group.prepare({"w": torch.zeros(2)})
+    assert asked == [group.urls]
+
+
+def test_a_retry_asks_only_the_servers_of_the_try_that_failed(monkeypatch):
+    # a server down at the start of the update stays out of it (it is in `dropped`), even if
+    # it answers by the time another one dies
+    urls = [f"http://127.0.0.{i}:1" for i in (1, 2, 3)]
+    group, asked, tries = RemoteGroup(urls, token="t" * 32), [], []
+
+    def status(among, dropped):
+        asked.append(list(among))
+        if len(asked) == 1:
+            return {u: {} for u in urls[:2]}, {urls[2]: "no answer"}
+        return {u: {} for u in among if u != urls[1]}, {**dropped, urls[1]: "gone"}
+
+    def prepare(weights, new, status, mode, lease_s, started, dropped, *rest):
+        tries.append((sorted(status), dict(dropped)))
+        if len(tries) == 1:
+            raise RemoteError(f"{urls[1]}: stopped")
+        return "prepared"
+    monkeypatch.setattr(group, "_status", status)
+    monkeypatch.setattr(group, "_prepare", prepare)
+    monkeypatch.setattr(packing, "warm", lambda dtypes: None)
+    assert group.prepare({"w": torch.zeros(2)}) == "prepared"
+    assert asked == [urls, urls[:2]]
+    assert tries[1] == ([urls[0]], {urls[2]: "no answer", urls[1]: "gone"})
+
+
+def test_the_bytes_of_failed_tries_are_counted_once_per_update(monkeypatch):
+    group = RemoteGroup(["http://127.0.0.1:1"], token="t" * 32, require="all")
+
+    def prepare(*args):
+        group._lost += 100  # a send that failed
+        raise RemoteError("http://127.0.0.1:1: stopped")
+    monkeypatch.setattr(group, "_status", lambda urls, dropped: ({u: {} for u in urls}, {}))
+    monkeypatch.setattr(group, "_prepare", prepare)
+    monkeypatch.setattr(packing, "warm", lambda dtypes: None)
+    for _ in range(2):
+        with pytest.raises(RemoteError, match="stopped"):
+            group.prepare({"w": torch.zeros(2)})
+    assert group.bytes_sent == 200
+
+
+def test_an_update_aborts_first_what_its_last_one_left_staged_before_it_begins(monkeypatch):
+    urls = ["http://127.0.0.1:1"]
+    group = RemoteGroup(urls, token="t" * 32)
+    posted = _posting(group)
+    status = {urls[0]: {"server_id": "s", "n": 0, "holder": group.holder, "state": "paused"}}
+    monkeypatch.setattr(group, "_status", lambda urls, dropped: (status, dropped))
+    monkeypatch.setattr(group, "_prepare", lambda *args: posted.append("begin"))
+    monkeypatch.setattr(packing, "warm", lambda dtypes: None)
+    group.prepare({"w": torch.zeros(2)})
+    assert posted == [(urls[0], "/hotweights/abort", None), "begin"]
+
+
+@pytest.mark.parametrize("state", ["draining", "paused"])
+def test_an_update_aborts_first_what_its_last_one_left_draining_or_paused(state):
+    urls = ["http://127.0.0.1:1"]
+    group = RemoteGroup(urls, token="t" * 32)
+    posted = _posting(group)
+    group._abort_left({urls[0]: {"server_id": "s", "holder": group.holder, "state": state}})
+    assert posted == [(urls[0], "/hotweights/abort", None)]
+
+
+def test_the_servers_holding_what_the_group_sent_are_planned_first():
+    urls = ["http://127.0.0.1:1", "http://127.0.0.2:1"]
+    group = RemoteGroup(urls, token="t" * 32)
+    status = {u: {"server_id": "s", "n": 1} for u in urls}
+    new = {"w": torch.zeros(2)}
+    (plan,) = group._plans(status, new)  # the first update: nothing held, the whole model
+    assert plan.urls == urls and plan.reference is None and not plan.held
+    group.reference.tensors, group._held = {"w": torch.zeros(2)}, {urls[1]: ("s", 1)}
+    held, whole = group._plans(status, new)
+    assert (held.urls, held.held, whole.urls, whole.reference) == ([urls[1]], True,
+                                                                    [urls[0]], None)
+
+
+def test_a_full_sync_sends_the_tensors_that_cannot_change_too():
+    group = RemoteGroup(["http://127.0.0.1:1"], token="t" * 32)
+    new = {"a": torch.zeros(4), "b": torch.ones(4)}
+    deltas = list(group._encode(_Plan(["u"], None, False), new, {"b"}, None))
+    assert [(d.name, d.kind) for d in deltas] == [("a", "dense"), ("b", "dense")]
+
+
+def test_a_stale_server_s_delta_compares_every_row_not_the_fingerprinted_ones(checkpoint):
+    ckpt, weights = checkpoint
+    group = RemoteGroup(["http://127.0.0.1:1"], token="t" * 32, checkpoint=ckpt)
+    new = {k: t.clone() for k, t in weights.items()}
+    new["a.weight"][3] += 1
+    rows = {k: torch.tensor([], dtype=torch.int64) for k in new}  # the held copy's: none
+    held = group._checkpoint_for([{"checkpoint": digest(ckpt)}], new)  # a restarted server
+    plan = _Plan(["u"], held, False)
+    kinds = {d.name: d.kind for d in group._encode(plan, new, set(), rows)}
+    assert kinds["a.weight"] != delta.SAME and kinds["b.weight"] == delta.SAME
+
+
+def test_a_nan_in_a_patch_is_refused_by_name():
+    from hotweights.errors import DeltaError
+
+    group = RemoteGroup(["http://127.0.0.1:1"], token="t" * 32)
+    old = {"w": torch.zeros(64, 64)}
+    new = {"w": old["w"].clone()}
+    new["w"][3, 5] = float("nan")
+    with pytest.raises(DeltaError, match=r"^`w`: the patch values hold NaN or Inf; refused$"):
+        list(group._encode(_Plan(["u"], old, False), new, set(), None))
+
+
+def test_a_version_number_equal_to_the_servers_is_refused():
+    urls = ["http://127.0.0.1:1"]
+    group = RemoteGroup(urls, token="t" * 32)
+    posted = _posting(group)
+    with pytest.raises(RemoteError, match="version number 5 must be above 5"):
+        group.commit(_pending(urls, floor=5), 5)
+    assert posted == [(urls[0], "/hotweights/abort", None)]
+
+
+def test_a_commit_tells_each_server_the_id_of_its_channel_s_next_update():
+    from hotweights.remote.links import Link
+
+    urls = ["http://127.0.0.1:1"]
+    group = RemoteGroup(urls, token="t" * 32)
+    link = Link(channel=None, members=((urls[0], "s"),), id="c", ranks={urls[0]: range(1, 2)},
+                xor=False)
+    group.links._by_members[link.members] = link
+    bodies = []
+
+    def post(url, status, route, **body):
+        bodies.append(body)
+        return {"version": "1@s"}
+    group._post = post
+    group.commit(_pending(urls), 1)
+    assert link.next and bodies[0]["next_update"] == link.next
+
+
+def test_a_commit_keeps_the_fingerprints_prepare_took_and_counts_the_bytes():
+    import dataclasses
+
+    urls = ["http://127.0.0.1:1"]
+    group = RemoteGroup(urls, token="t" * 32)
+    _posting(group)
+    prints = {"w": "the fingerprints of what the servers now hold"}
+    group.commit(dataclasses.replace(_pending(urls, sent=1234), prints=prints), 1)
+    assert group._prefilter.prints is prints and group.bytes_sent == 1234
+
+
+def test_with_require_all_a_commit_lost_on_one_server_fails_the_update_by_name():
+    urls = ["http://127.0.0.1:1", "http://127.0.0.2:1"]
+    group = RemoteGroup(urls, token="t" * 32, require="all")
+    _posting(group)
+    answer = group._post
+
+    def post(url, status, route, **body):
+        if (url, route) == (urls[1], "/hotweights/commit"):
+            raise ServerError(f"POST {route}: the connection to {url} broke")
+        return answer(url, status, route, **body)
+    group._post = post
+    with pytest.raises(RemoteError, match=re.escape(
+            f"version 1 is served by ['{urls[0]}']; the commit failed on {urls[1]}: ")):
+        group.commit(_pending(urls), 1)
+
+
+def test_an_abort_ends_the_renewals_of_the_lease():
+    urls = ["http://127.0.0.1:1"]
+    group = RemoteGroup(urls, token="t" * 32)
+    _posting(group)
+    group._leased = {urls[0]: {"server_id": "s"}}
+    group.abort(_pending(urls))
+    assert group._leased == {}
+
+
+def test_with_require_all_a_refused_renewal_stops_the_send():
+    urls = ["http://127.0.0.1:1", "http://127.0.0.2:1"]
+    group = RemoteGroup(urls, token="t" * 32, require="all")
+    group._leased = {u: {"server_id": "s"} for u in urls}
+
+    def post(url, status, route, **body):
+        if url == urls[1]:
+            raise ServerError("HTTP 409: the lease expired", 409)
+    group._post = post
+    with pytest.raises(RemoteError, match="the lease expired"):
+        group.renew(30.0)
+    with pytest.raises(RemoteError, match=re.escape(
+            f"the lease of this update was lost during its send on {urls[1]}: HTTP 409")):
+        group._check_leased()
+
+
+def test_a_renewal_of_a_short_lease_waits_a_second_at_least_and_a_lease_is_a_minute():
+    urls = ["http://127.0.0.1:1"]
+    group = RemoteGroup(urls, token="t" * 32, timeout=1.0)
+    bodies = []
+
+    def post(url, status, route, *, http_timeout=None, **body):
+        bodies.append((http_timeout, body.get("lease_s")))
+    group._post = post
+    group._leased = {urls[0]: {"server_id": "s"}}
+    group.renew(1.5)
+    group.renew()
+    assert bodies == [(1.0, 1.5), (1.0, 60.0)]
+
+
+def test_a_step_is_not_undone_to_values_the_servers_rounded():
+    group = RemoteGroup(["http://127.0.0.1:1"], token="t" * 32)
+    weights = {"w": torch.randn(4, 8)}
+    _update(group, weights, dict(weights))
+    group._casts = {"w": torch.bfloat16}  # as `prepare` found the servers
+    weights["w"] += 1
+    stepped = weights["w"].clone()
+    assert not group.restore(weights) and torch.equal(weights["w"], stepped)
+
+
+def test_a_request_carries_the_number_of_the_try_it_was_made_for(monkeypatch):
+    from hotweights.remote import group as group_module
+
+    sent = []
+    monkeypatch.setattr(group_module, "request", lambda url, method, route, token, body,
+                        **kw: sent.append((body["seq"], kw["timeout"])))
+    group = RemoteGroup(["http://127.0.0.1:1"], token="t" * 32, timeout=10)
+    group._seq = 5
+    group._post(group.urls[0], {"server_id": "s"}, "/hotweights/abort", seq=3)
+    group._post(group.urls[0], {"server_id": "s"}, "/hotweights/abort")
+    assert sent == [(3, 70), (5, 70)]
+
+
+def test_a_failed_begin_aborts_every_server_it_was_sent_to(monkeypatch):
+    # one whose answer was lost may have taken the lease all the same
+    from hotweights.remote import group as group_module
+
+    urls = ["http://127.0.0.1:1", "http://127.0.0.2:1"]
+    group = RemoteGroup(urls, token="t" * 32)
+    routes = []
+
+    def request(url, method, route, token, body, **kw):
+        routes.append((url, route))
+        if (url, route) == (urls[1], "/hotweights/begin"):
+            raise ServerError(f"POST {route}: no answer from {url} within 70 s")
+        return {}
+    monkeypatch.setattr(group_module, "request", request)
+    status = {u: {"server_id": "s"} for u in urls}
+    with pytest.raises(RemoteError, match=rf"^begin failed on {re.escape(urls[1])}: "):
+        group._send(status, [], encode=None, cut_bytes=0, mode="keep", lease_s=60.0)
+    assert sorted(u for u, route in routes if route == "/hotweights/abort") == urls
+
+
+def test_the_bounds_of_each_argument_are_accepted():
+    group = RemoteGroup(["http://127.0.0.1:1"], token="t" * 32, timeout=21600,
+                        max_round_bytes=packing.MIN_ROUND_BYTES, master_port=65535)
+    assert (group.timeout, group.max_round_bytes) == (21600, packing.MIN_ROUND_BYTES)
+
+
+def test_nothing_follows_the_last_of_no_rounds():
+    from hotweights.remote.group import _then_last
+
+    after = []
+    assert list(_then_last(iter([]), after.append)) == [] and after == []
+    assert list(_then_last(iter([1, 2]), after.append)) == [1, 2] and after == [2]
+
+
+def test_a_request_that_fails_after_the_check_began_is_waited_for_and_named():
+    from concurrent.futures import Future
+
+    from hotweights.remote.group import _raise_failed
+
+    late = Future()
+    threading.Timer(0.05, late.set_exception, [ServerError("HTTP 409: busy", 409)]).start()
+    with pytest.raises(RemoteError, match=r"^begin failed on http://b:1: HTTP 409: busy$"):
+        _raise_failed({"http://b:1": late}, "begin")
+
+
+def test_weights_that_are_not_contiguous_are_sent_as_contiguous_copies():
+    from hotweights.remote.group import _weights
+
+    t = torch.arange(32.0).view(4, 8).t()
+    got = _weights({"w": t})["w"]
+    assert got.is_contiguous() and torch.equal(got, t)
+
+
+def test_the_floor_is_above_what_this_group_committed_too(monkeypatch):
+    group = RemoteGroup(["http://127.0.0.1:1"], token="t" * 32)
+    monkeypatch.setattr(group, "_status", lambda urls, dropped: (
+        {u: {"n": 3} for u in urls}, {}))
+    group.n = 7  # a server that lost its state reports less
+    assert group.floor() == 7
+
+
+class _Channel:
+    """A channel that makes no connection (`links.Channel`'s arguments and what is done to
+    it)."""
+
+    def __init__(self, **kwargs):
+        self.kwargs, self.port, self.closed, self.cancelled = kwargs, kwargs["master_port"], \
+            False, []
+
+    def close(self):
+        self.closed = True
+
+    def cancel(self, update):
+        self.cancelled.append(update)
+
+
+def _links(monkeypatch, xor=(), refuse=(), master_port=0):
+    """`Links` on `_Channel`s; returns it and the joins asked: (url, body)."""
+    from hotweights.remote import links as links_module
+
+    monkeypatch.setattr(links_module, "Channel", _Channel)
+    joins = []
+
+    def post(url, status, route, **body):
+        joins.append((url, body))
+        if url in refuse:
+            raise ServerError(f"POST {route}: HTTP 409: busy", 409)
+        return {"xor": url in xor}
+    return Links(master_addr="127.0.0.1", master_port=master_port, timeout=1.0,
+                 max_round_bytes=1 << 20, post=post), joins
+
+
+def test_a_channel_ranks_each_server_s_workers_after_the_sender(monkeypatch):
+    links, joins = _links(monkeypatch, xor={"http://a:1", "http://b:1"})
+    link = links.connect({"http://a:1": {"server_id": "a", "channel_ranks": 2},
+                          "http://b:1": {"server_id": "b", "channel_ranks": 1}}, "gloo")
+    assert link.ranks == {"http://a:1": range(1, 3), "http://b:1": range(3, 4)}
+    assert [(u, b["rank_offset"], b["world_size"]) for u, b in joins] == [
+        ("http://a:1", 1, 4), ("http://b:1", 3, 4)]
+    assert link.channel.kwargs["world_size"] == 4 and link.xor
+
+
+def test_values_go_xor_coded_only_where_every_server_decodes_them(monkeypatch):
+    links, _ = _links(monkeypatch, xor={"http://a:1"})
+    link = links.connect({"http://a:1": {"server_id": "a", "channel_ranks": 1},
+                          "http://b:1": {"server_id": "b", "channel_ranks": 1}}, "gloo")
+    assert not link.xor
+
+
+def test_a_channel_is_built_again_when_a_member_is_on_another_one(monkeypatch):
+    links, joins = _links(monkeypatch)
+    status = {"http://a:1": {"server_id": "a", "channel_ranks": 1}}
+    first = links.connect(status, "gloo")
+    status["http://a:1"]["channel"] = first.id
+    assert links.connect(status, "gloo") is first and len(joins) == 1
+    status["http://a:1"]["channel"] = "another trainer's"
+    second = links.connect(status, "gloo")
+    assert second is not first and first.channel.closed and list(links) == [second]
+
+
+def test_a_server_leaves_its_old_channel_for_a_new_one(monkeypatch):
+    links, _ = _links(monkeypatch)
+    both = links.connect({"http://a:1": {"server_id": "a", "channel_ranks": 1},
+                          "http://b:1": {"server_id": "b", "channel_ranks": 1}}, "gloo")
+    both.next = "u1"  # its servers' workers wait for that update
+    alone = links.connect({"http://a:1": {"server_id": "a", "channel_ranks": 1}}, "gloo")
+    assert list(links) == [alone] and both.channel.closed and both.channel.cancelled == ["u1"]
+
+
+def test_a_failed_join_closes_the_channel_and_names_the_server(monkeypatch):
+    links, _ = _links(monkeypatch, refuse={"http://b:1"})
+    made = []
+    from hotweights.remote import links as links_module
+    monkeypatch.setattr(links_module, "Channel", lambda **kw: made.append(_Channel(**kw))
+                        or made[-1])
+    with pytest.raises(RemoteError, match=r"^joining the channel failed on http://b:1: "):
+        links.connect({"http://a:1": {"server_id": "a", "channel_ranks": 1},
+                       "http://b:1": {"server_id": "b", "channel_ranks": 1}}, "gloo")
+    assert made[0].closed and len(links) == 0
+
+
+def test_only_the_channels_none_of_whose_servers_answer_are_left(monkeypatch):
+    links, _ = _links(monkeypatch)
+    a = links.connect({"http://a:1": {"server_id": "a", "channel_ranks": 1}}, "gloo")
+    b = links.connect({"http://b:1": {"server_id": "b", "channel_ranks": 1}}, "gloo")
+    links.drop_gone({"http://a:1": {}})
+    assert list(links) == [a] and b.channel.closed and not a.channel.closed
+
+
+def test_a_fixed_master_port_is_not_given_to_a_second_channel_while_one_holds_it(monkeypatch):
+    from hotweights.remote.hosts import free_port
+
+    base = free_port("127.0.0.1")
+    links, _ = _links(monkeypatch, master_port=base)
+    first = links.connect({"http://a:1": {"server_id": "a", "channel_ranks": 1}}, "gloo")
+    assert first.channel.port == base and links.port() > base  # (the fake binds nothing)
+
+
+def test_the_last_port_is_a_channel_s_port():
+    from hotweights.remote.hosts import free_port
+
+    if not free_port("127.0.0.1", 65535):
+        pytest.skip("port 65535 is taken here")
+    links = Links(master_addr="127.0.0.1", master_port=65535, timeout=1.0,
+                  max_round_bytes=1 << 20, post=None)
+    assert links.port() == 65535
+
+
+def test_a_channel_s_error_names_the_server_of_each_receiver_rank_it_names():
+    from hotweights.remote.links import Link
+
+    link = Link(channel=None, members=(), id="c", xor=False,
+                ranks={"http://a:1": range(1, 3), "http://b:1": range(3, 4)})
+    assert link.named("rank 2 (receiver) stopped; rank 3 (receiver) stalled; reported by "
+                      "rank 0 (http://b:1: relay rank 1 (receiver) stopped)") == (
+        "rank 2 (receiver) = http://a:1 stopped; rank 3 (receiver) = http://b:1 stalled; "
+        "reported by rank 0 (http://b:1: relay rank 1 (receiver) stopped)")
+
+
+def test_a_request_s_bug_is_raised_not_taken_as_the_server_s_answer():
+    from concurrent.futures import Future
+
+    from hotweights.remote.links import outcome
+
+    refused, bug = Future(), Future()
+    refused.set_exception(ServerError("HTTP 409: busy", 409))
+    bug.set_exception(KeyError("server_id"))
+    assert isinstance(outcome(refused), ServerError)
+    with pytest.raises(KeyError):
+        outcome(bug)
+
+
+def test_a_request_sent_late_carries_the_number_of_its_own_try(monkeypatch):
+    # the number is bound when the try begins, not read when a starved thread sends
+    from hotweights.remote import group as group_module
+
+    group = RemoteGroup(["http://127.0.0.1:1"], token="t" * 32)
+    sent = []
+    monkeypatch.setattr(group_module, "request", lambda url, method, route, token, body,
+                        **kw: sent.append((route, body["seq"])) or {})
+    post = group._post
+
+    def late(url, status, route, **body):
+        if route == "/hotweights/begin":
+            group._seq += 1  # the next try began before this thread ran
+        return post(url, status, route, **body)
+    group._post = late
+    group._send({group.urls[0]: {"server_id": "s"}}, [], encode=None, cut_bytes=0,
+                mode="keep", lease_s=60.0)
+    assert sent == [("/hotweights/begin", 1)]
+
+
+class _Sending:
+    """A channel that sends nothing: `send` reads the rounds, counts their bytes (`copies`
+    of each leave this process) and fails after them if told to."""
+
+    device, copies = None, 2
+
+    def __init__(self, log, fail=None):
+        self.log, self.fail, self.bytes_sent = log, fail, 0
+
+    def start(self, update, check):
+        pass
+
+    def send(self, rounds, ahead):
+        sent = sum(r.header["nbytes"] for r in rounds)
+        self.bytes_sent += sent
+        self.log.append("sent")
+        if self.fail:
+            raise RemoteError(self.fail)
+        return sent
+
+    def cancel(self, update):
+        pass
+
+    def close(self):
+        pass
+
+
+def _sending(monkeypatch, urls, fails=(), no_answer=()):
+    """A group whose requests are answered (but `no_answer`'s aborts) and one channel per
+    server, whose send fails where `fails` says; returns (group, plans, log of requests)."""
+    from hotweights.remote import group as group_module
+    from hotweights.remote.links import Link
+
+    log = []
+
+    def request(url, method, route, token, body, **kw):
+        if body.get("pause"):
+            log.append(("pause", url))
+        if route == "/hotweights/abort":
+            log.append(("abort", url))
+            if url in no_answer:
+                raise ServerError(f"POST {route}: no answer from {url} within 70 s")
+        return {}
+    monkeypatch.setattr(group_module, "request", request)
+    group = RemoteGroup(urls, token="t" * 32, max_round_bytes=1 << 20)
+    plans = [(_Plan([u], None, False), Link(_Sending(log, fail=u in fails and "rank 1 stopped"),
+                                             ((u, "s"),), "c", {u: range(1, 2)}, False))
+             for u in urls]
+    return group, plans, log
+
+
+def test_the_servers_are_told_to_pause_ahead_once_as_the_last_plan_s_last_round_goes(
+        monkeypatch):
+    urls = ["http://127.0.0.1:1", "http://127.0.0.2:1"]
+    group, plans, log = _sending(monkeypatch, urls)
+    status = {u: {"server_id": "s"} for u in urls}
+    new = {"w": torch.zeros(64)}
+    group._send(status, plans, lambda plan: delta.encode_each(None, new), 1 << 20, "keep",
+                60.0, pause_ahead=True)
+    pauses = sorted(e for e in log if e != "sent")  # (told as the last send reads its last
+    assert log[0] == "sent" and log.count("sent") == 2  # round: maybe before it returns)
+    assert pauses == [("pause", u) for u in urls]
+
+
+def test_a_send_that_fails_counts_every_copy_sent_and_names_the_servers_left_at_the_old_one(
+        monkeypatch):
+    urls = ["http://127.0.0.1:1", "http://127.0.0.2:1"]
+    group, plans, log = _sending(monkeypatch, urls[:1], fails=urls[:1], no_answer=urls[1:])
+    group.urls, group._tokens = urls, dict.fromkeys(urls, "t" * 32)
+    status = {u: {"server_id": "s"} for u in urls}
+    new = {"w": torch.zeros(64)}
+    with pytest.raises(RemoteError, match=re.escape(
+            f"servers at their old version: ['{urls[0]}']; no answer to the abort from "
+            f"['{urls[1]}']")):
+        group._send(status, plans, lambda plan: delta.encode_each(None, new), 1 << 20,
+                    "keep", 60.0)
+    assert group._lost == 2 * plans[0][1].channel.bytes_sent > 0
+
+
+def test_a_commit_that_breaks_midway_leaves_no_server_taken_as_holding_the_copy():
+    # the copy changes as the servers commit: until their answers are known, none holds it
+    urls = ["http://127.0.0.1:1"]
+    group = RemoteGroup(urls, token="t" * 32)
+    _posting(group)
+    group.commit(_pending(urls, new={"w": torch.zeros(4)}), 1)
+    assert group._held == {urls[0]: ("s", 1)}
+
+    def broken(url, status, route, **body):
+        raise RuntimeError("can't start new thread")  # not a server's answer
+    group._post = broken
+    with pytest.raises(RuntimeError):
+        group.commit(_pending(urls, new={"w": torch.ones(4)}), 2)
+    assert group._held == {}
+
+
+def test_a_prepared_update_counts_the_bytes_of_its_failed_tries_too(monkeypatch):
+    monkeypatch.setattr(packing, "warm", lambda dtypes: None)
+    group = RemoteGroup(["http://127.0.0.1:1"], token="t" * 32)
+    status = {group.urls[0]: {"server_id": "s", "n": 0, "device": "cpu"}}
+    monkeypatch.setattr(group, "_status", lambda urls, dropped: (status, dropped))
+    monkeypatch.setattr(group.links, "connect", lambda status, backend, device: None)
+
+    def send(status, plans, encode, cut, mode, lease_s, meanwhile, pause_ahead):
+        meanwhile()
+        group._lost += 300  # a try of this update that failed
+        return [(list(encode(plan)), 100, 200) for plan, _ in plans]
+    monkeypatch.setattr(group, "_send", send)
+    pending = group.prepare({"w": torch.zeros(4)})
+    assert pending.sent == 500 and pending.carried == {group.urls[0]: 100}

@@ -41,3 +41,34 @@ def test_server_urls_from_every_form():
 def test_bad_lists_are_named(bad, match):
     with pytest.raises(ConfigError, match=match):
         server_urls(bad)
+
+
+def test_a_range_of_one_node_and_a_stray_bracket():
+    assert expand_nodes("n[5-5],m[07-07]") == ["n5", "m07"]
+    with pytest.raises(ConfigError, match=r"cannot read 'gpu\]1'"):
+        expand_nodes("gpu]1")
+
+
+def test_bytes_are_not_a_server_list():
+    with pytest.raises(ConfigError, match=r"servers: a str or a list of str, found b'a:1'"):
+        server_urls(b"a:1")
+
+
+def test_a_free_port_on_an_ipv6_address():
+    # (not guarded by `free_port` itself: an IPv4-only one would skip the check)
+    import socket
+
+    from hotweights.remote.hosts import free_port
+
+    with socket.socket(socket.AF_INET6) as s:
+        try:
+            s.bind(("::1", 0))
+        except OSError:
+            pytest.skip("no IPv6 on this host's loopback")
+    assert free_port("::1") > 0
+
+
+def test_a_host_with_a_trailing_slash_or_a_path_gets_the_default_port_before_it():
+    # not "http://localhost/:8000": port 80, at the path "/:8000"
+    assert server_urls("localhost/, a:9000/, b/base") == [
+        "http://localhost:8000", "http://a:9000", "http://b:8000/base"]

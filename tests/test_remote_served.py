@@ -35,3 +35,10 @@ def test_servers_that_hold_a_tensor_in_different_dtypes_are_named(other):
                        f"{other} \\(the trainer's is torch.float32\\): serve the model in "
                        "one dtype on every server"):
         narrowed_to({"a": _status("bfloat16"), "b": _status(other)}, NEW)
+
+
+def test_dtypes_a_server_names_in_a_form_this_trainer_does_not_read_are_ignored():
+    # (`torch.Tensor` is an attribute of torch, not a dtype)
+    assert narrowed_to({"a": _status("Tensor"), "b": _status("bfloat16"),
+                        "c": {"dtypes": "bfloat16"}}, NEW) == {"w": torch.bfloat16,
+                                                              "a_log": torch.bfloat16}
