@@ -39,6 +39,17 @@ def _bridge() -> Bridge:
     return b
 
 
+def _checkpointing(monkeypatch, rec=None, version: str = "0@s") -> Bridge:
+    """A bridge with a model built, for `checkpoint()`: its server answers every request
+    (`rec` records them) and serves `version`."""
+    rec = rec or Recorder({})
+    monkeypatch.setattr(bridge_module, "request", lambda *a, **k: {**rec(*a, **k), "n": 0})
+    b = _bridge()
+    b._model = types.SimpleNamespace(config=None)
+    monkeypatch.setattr(b, "status", lambda: {"version": version})
+    return b
+
+
 @pytest.mark.parametrize("error", [ServerError("POST /hotweights/begin: no answer"),
                                    KeyboardInterrupt()])
 def test_a_failed_or_interrupted_begin_is_aborted_clean(monkeypatch, error):
@@ -350,11 +361,7 @@ def test_an_exclusive_checkpoint_holds_the_bridge_only_while_it_reads(monkeypatc
     # the trainer's next update may go on
     import hotweights.checkpoint
 
-    monkeypatch.setattr(bridge_module, "request", lambda *a, **k: {**Recorder({})(*a, **k),
-                                                                    "n": 0})
-    b = _bridge()
-    b._model = types.SimpleNamespace(config=None)
-    monkeypatch.setattr(b, "status", lambda: {"version": "0@s"})
+    b = _checkpointing(monkeypatch)
     held = []
 
     def sync(model_dir, model, *, after_read, **kw):
@@ -759,10 +766,7 @@ def test_an_exclusive_checkpoint_takes_a_read_lease_and_ends_it_clean_once(monke
     import hotweights.checkpoint
 
     rec = Recorder({})
-    monkeypatch.setattr(bridge_module, "request", lambda *a, **k: {**rec(*a, **k), "n": 0})
-    b = _bridge()
-    b._model = types.SimpleNamespace(config=None)
-    monkeypatch.setattr(b, "status", lambda: {"version": "0@s"})
+    b = _checkpointing(monkeypatch, rec)
     monkeypatch.setattr(hotweights.checkpoint, "sync",
                         lambda model_dir, model, *, after_read, **kw: after_read() or _SYNCED)
     b.checkpoint(tmp_path / "ckpt", exclusive=True)
@@ -996,11 +1000,7 @@ def test_an_exclusive_checkpoint_records_the_version_it_read(monkeypatch, tmp_pa
     # another trainer's updates moved the server on since this bridge's last answer
     import hotweights.checkpoint
 
-    monkeypatch.setattr(bridge_module, "request", lambda *a, **k: {**Recorder({})(*a, **k),
-                                                                    "n": 0})
-    b = _bridge()
-    b._model = types.SimpleNamespace(config=None)
-    monkeypatch.setattr(b, "status", lambda: {"version": "5@s"})
+    b = _checkpointing(monkeypatch, version="5@s")
     recorded = []
     monkeypatch.setattr(hotweights.checkpoint, "sync", lambda model_dir, model, *, version,
                         **kw: recorded.append(version) or _SYNCED)
@@ -1020,11 +1020,7 @@ def test_an_exclusive_checkpoint_stops_renewing_its_lease_once_read(monkeypatch,
             super().start()
 
     monkeypatch.setattr(bridge_module, "Renewer", Tracked)
-    monkeypatch.setattr(bridge_module, "request", lambda *a, **k: {**Recorder({})(*a, **k),
-                                                                    "n": 0})
-    b = _bridge()
-    b._model = types.SimpleNamespace(config=None)
-    monkeypatch.setattr(b, "status", lambda: {"version": "0@s"})
+    b = _checkpointing(monkeypatch)
     monkeypatch.setattr(hotweights.checkpoint, "sync",
                         lambda model_dir, model, *, after_read, **kw: after_read() or _SYNCED)
     b.checkpoint(tmp_path / "ckpt", exclusive=True)

@@ -604,6 +604,17 @@ def _posting(group):
     return posted
 
 
+def _commit_breaks_on(group: RemoteGroup, url: str) -> None:
+    """`group`'s commit to `url` breaks (the connection); its other requests go on."""
+    answer = group._post
+
+    def post(u, status, route, **body):
+        if (u, route) == (url, "/hotweights/commit"):
+            raise ServerError(f"POST {route}: the connection to {u} broke")
+        return answer(u, status, route, **body)
+    group._post = post
+
+
 def test_a_version_number_not_above_the_servers_aborts_the_staged_update_everywhere():
     urls = ["http://127.0.0.1:1", "http://127.0.0.2:1"]
     group = RemoteGroup(urls, token="t" * 32)
@@ -720,13 +731,7 @@ def test_a_commit_lost_on_its_way_is_aborted_not_left_staged():
     urls = ["http://127.0.0.1:1", "http://127.0.0.2:1"]
     group = RemoteGroup(urls, token="t" * 32)
     posted = _posting(group)
-    answer = group._post
-
-    def post(url, status, route, **body):
-        if (url, route) == (urls[1], "/hotweights/commit"):
-            raise ServerError(f"POST {route}: the connection to {url} broke")
-        return answer(url, status, route, **body)
-    group._post = post
+    _commit_breaks_on(group, urls[1])
     result = group.commit(_pending(urls), 1)
     assert list(result["servers"]) == [urls[0]] and urls[1] in result["dropped"]
     aborts = [(u, t) for u, route, t in posted if route == "/hotweights/abort"]
@@ -1098,13 +1103,7 @@ def test_with_require_all_a_commit_lost_on_one_server_fails_the_update_by_name()
     urls = ["http://127.0.0.1:1", "http://127.0.0.2:1"]
     group = RemoteGroup(urls, token="t" * 32, require="all")
     _posting(group)
-    answer = group._post
-
-    def post(url, status, route, **body):
-        if (url, route) == (urls[1], "/hotweights/commit"):
-            raise ServerError(f"POST {route}: the connection to {url} broke")
-        return answer(url, status, route, **body)
-    group._post = post
+    _commit_breaks_on(group, urls[1])
     with pytest.raises(RemoteError, match=re.escape(
             f"version 1 is served by ['{urls[0]}']; the commit failed on {urls[1]}: ")):
         group.commit(_pending(urls), 1)
