@@ -39,6 +39,16 @@ def _bridge() -> Bridge:
     return b
 
 
+def _with_remote(monkeypatch, remote, rec=None, n: int = 0) -> Bridge:
+    """A bridge with a model built and `remote` servers beside its own, which answers every
+    request (`rec` records them) with version number `n`."""
+    rec = rec or Recorder({})
+    monkeypatch.setattr(bridge_module, "request", lambda *a, **k: {**rec(*a, **k), "n": n})
+    b = _bridge()
+    b.tensors, b.remote, b._model = {"w": torch.zeros(1)}, remote, object()
+    return b
+
+
 def _checkpointing(monkeypatch, rec=None, version: str = "0@s") -> Bridge:
     """A bridge with a model built, for `checkpoint()`: its server answers every request
     (`rec` records them) and serves `version`."""
@@ -124,9 +134,7 @@ def test_this_server_s_lease_is_renewed_while_the_remotes_stage(monkeypatch):
             self.committed = n
 
     rec = Recorder({})
-    monkeypatch.setattr(bridge_module, "request", lambda *a, **k: {**rec(*a, **k), "n": 0})
-    b = _bridge()
-    b.tensors, b.remote, b._model = {"w": torch.zeros(1)}, Remote(), object()
+    b = _with_remote(monkeypatch, Remote(), rec)
     with b.update(lease_s=0.3):
         pass
     routes = [c[0] for c in rec.calls]
@@ -277,25 +285,27 @@ def test_a_commit_interrupted_does_not_leave_the_server_paused(monkeypatch):
         def abort(self, pending):
             pass
     rec = Recorder({"/hotweights/commit": KeyboardInterrupt()})  # committed or not
-    monkeypatch.setattr(bridge_module, "request", lambda *a, **k: {**rec(*a, **k), "n": 0})
-    b = _bridge()
-    b.tensors, b.remote, b._model = {"w": torch.zeros(1)}, Remote(), object()
+    b = _with_remote(monkeypatch, Remote(), rec)
     with pytest.raises(KeyboardInterrupt):
         with b.update():
             pass
     assert rec.calls[-1][0] == "/hotweights/abort" and rec.calls[-1][1]["dirty"] is True
 
 
-def test_a_failed_abort_reads_the_version_served(monkeypatch):
+@pytest.mark.parametrize(("served", "kept"), [
+    ("2@s", "2@s"),  # the expiry's dirty version, not the one before the step
+    ("0@t", "0@s"),  # never a restarted server's: "0@t" numbers another start's weights
+])
+def test_a_failed_abort_reads_the_version_served(monkeypatch, served, kept):
     monkeypatch.setattr(bridge_module, "request", Recorder({
         "/hotweights/abort": ServerError("HTTP 409: the lease expired", 409)}))
     monkeypatch.setattr(bridge_module, "server_status", lambda *a, **k: {
-        "version": "2@s", "server_id": "s"})
+        "version": served, "server_id": served.partition("@")[2]})
     b = _bridge()
     with pytest.raises(ValueError):
         with b.update():
             raise ValueError("step failed")
-    assert b.version == "2@s"  # the expiry's dirty version, not the one before the step
+    assert b.version == kept
 
 
 def test_a_failed_local_commit_is_the_error_raised_the_remotes_noted(monkeypatch):
@@ -343,9 +353,7 @@ def test_a_restore_that_raises_is_noted_on_the_remote_s_error(monkeypatch):
         def restore(self, model):
             raise RuntimeError("no copy")
     rec = Recorder({})
-    monkeypatch.setattr(bridge_module, "request", lambda *a, **k: {**rec(*a, **k), "n": 0})
-    b = _bridge()
-    b.tensors, b.remote, b._model = {"w": torch.zeros(1)}, Remote(), object()
+    b = _with_remote(monkeypatch, Remote(), rec)
     with pytest.raises(RemoteError, match="gpu01:8000 refused the round") as e:
         with b.update():
             pass
@@ -386,10 +394,7 @@ def test_remotes_that_fail_their_commit_are_said_to_leave_this_server_at_the_new
         def commit(self, pending, n):
             raise RemoteError(f"version {n} is served by no server; the commit failed on "
                               "gpu01:8000: the connection broke")
-    monkeypatch.setattr(bridge_module, "request", lambda *a, **k: {
-        **Recorder({})(*a, **k), "n": 0})
-    b = _bridge()
-    b.tensors, b.remote, b._model = {"w": torch.zeros(1)}, Remote(), object()
+    b = _with_remote(monkeypatch, Remote())
     with pytest.raises(RemoteError, match=r"^http://x serves version 1; not every remote server "
                                           r"took it .*: version 1 is served by no "
                                           "server; the commit failed on gpu01:8000"):
@@ -580,10 +585,7 @@ def test_an_error_of_any_kind_on_the_remotes_says_this_server_serves_the_step(mo
 
         def update(self, model, **kw):
             raise RuntimeError("CUDA out of memory")
-    monkeypatch.setattr(bridge_module, "request", lambda *a, **k: {
-        **Recorder({})(*a, **k), "n": 0})
-    b = _bridge()
-    b.tensors, b.remote, b._model = {"w": torch.zeros(1)}, Remote(), object()
+    b = _with_remote(monkeypatch, Remote())
     with pytest.raises(RemoteError, match=r"^http://x serves version 1; the remote servers "
                        r"did not take it .*RuntimeError\('CUDA out of memory'\)") as e:
         with b.update():
@@ -722,18 +724,6 @@ def test_a_begin_refused_at_the_deadline_of_the_wait_for_the_lease_is_not_sent_a
         "/hotweights/begin", "/hotweights/begin", "/hotweights/abort"]  # at 0 and 10 s
 
 
-def test_a_failed_abort_never_takes_the_version_of_a_restarted_server(monkeypatch):
-    monkeypatch.setattr(bridge_module, "request", Recorder({
-        "/hotweights/abort": ServerError("HTTP 409: restarted", 409)}))
-    monkeypatch.setattr(bridge_module, "server_status", lambda *a, **k: {
-        "version": "0@t", "server_id": "t"})
-    b = _bridge()
-    with pytest.raises(ValueError):
-        with b.update():
-            raise ValueError("step failed")
-    assert b.version == "0@s"  # "0@t" numbers another server start's weights
-
-
 def test_an_older_server_that_says_no_vocab_size_is_not_refused():
     from hotweights.testing import tiny
 
@@ -827,9 +817,7 @@ def test_the_version_of_an_update_with_remotes_is_above_this_server_s_and_theirs
             self.served = n
 
     rec = Recorder({})
-    monkeypatch.setattr(bridge_module, "request", lambda *a, **k: {**rec(*a, **k), "n": 5})
-    b = _bridge()
-    b.tensors, b.remote, b._model = {"w": torch.zeros(1)}, Remote(), object()
+    b = _with_remote(monkeypatch, Remote(), rec, n=5)
     b.remote.require = require
     with b.update():
         pass
@@ -850,9 +838,7 @@ def test_remotes_that_do_not_say_their_version_are_updated_above_the_group_s_las
             self.served = n
 
     rec = Recorder({})
-    monkeypatch.setattr(bridge_module, "request", lambda *a, **k: {**rec(*a, **k), "n": 0})
-    b = _bridge()
-    b.tensors, b.remote, b._model = {"w": torch.zeros(1)}, Remote(), object()
+    b = _with_remote(monkeypatch, Remote(), rec)
     with b.update():
         pass
     assert rec.calls[-1][1]["n"] == 8 and b.remote.served == 8
@@ -870,9 +856,7 @@ def test_a_step_undone_where_a_remote_failed_resumes_this_server_clean(monkeypat
             return True
 
     rec = Recorder({})
-    monkeypatch.setattr(bridge_module, "request", lambda *a, **k: {**rec(*a, **k), "n": 0})
-    b = _bridge()
-    b.tensors, b.remote, b._model = {"w": torch.zeros(1)}, Remote(), object()
+    b = _with_remote(monkeypatch, Remote(), rec)
     with pytest.raises(RemoteError, match="gpu01:8000 refused the round") as e:
         with b.update():
             pass
@@ -891,9 +875,7 @@ def test_a_commit_interrupted_drops_what_the_remotes_staged(monkeypatch):
             self.aborted = pending
 
     rec = Recorder({"/hotweights/commit": KeyboardInterrupt()})
-    monkeypatch.setattr(bridge_module, "request", lambda *a, **k: {**rec(*a, **k), "n": 0})
-    b = _bridge()
-    b.tensors, b.remote, b._model = {"w": torch.zeros(1)}, Remote(), object()
+    b = _with_remote(monkeypatch, Remote(), rec)
     with pytest.raises(KeyboardInterrupt):
         with b.update():
             pass
