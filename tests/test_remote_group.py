@@ -4,6 +4,7 @@ server that fails a renewal, a send or a join, or a step that cannot be undone, 
 
 import os
 import re
+import socket
 import threading
 import types
 
@@ -1337,6 +1338,11 @@ def test_the_last_port_is_a_channel_s_port():
     links = Links(master_addr="127.0.0.1", master_port=65535, timeout=1.0,
                   max_round_bytes=1 << 20, post=None)
     assert links.port() == 65535
+    with socket.socket() as taken:  # none above it to try: the error names the one tried
+        taken.bind(("127.0.0.1", 65535))
+        taken.listen()
+        with pytest.raises(RemoteError, match=r"^no free port in 65535\.\.65535 on "):
+            links.port()
 
 
 def test_a_channel_s_error_names_the_server_of_each_receiver_rank_it_names():

@@ -124,10 +124,11 @@ class Links:
             raise RemoteError(f"no free port on {self.master_addr} for a channel: is it an "
                               "address of this host? (RemoteGroup(master_addr=))")
         held = {link.channel.port for link in self}
-        for port in range(self.master_port, min(self.master_port + 64, 65536)):
+        ports = range(self.master_port, min(self.master_port + 64, 65536))
+        for port in ports:
             if port not in held and free_port(self.master_addr, port):
                 return port
-        raise RemoteError(f"no free port in {self.master_port}..{self.master_port + 63} on "
+        raise RemoteError(f"no free port in {ports.start}..{ports.stop - 1} on "
                           f"{self.master_addr} for a channel (master_port=)")
 
     def drop(self, link: Link) -> None:
