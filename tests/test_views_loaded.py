@@ -169,7 +169,7 @@ def test_a_message_names_three_views_and_says_when_there_are_more():
     model = torch.nn.Sequential(*(torch.nn.Linear(2, 2) for _ in range(2)))
     three = {n: n for n in ("0.weight", "0.bias", "1.weight")}
     assert "holds for them: 0.weight, 0.bias, 1.weight. " in _message(model, "m", three, 4)
-    assert "holds for them: 0.weight, 0.bias, 1.weight ..." in _message(
+    assert "holds for them: 0.weight, 0.bias, 1.weight and 1 more. " in _message(
         model, "m", {**three, "1.bias": "1.bias"}, 4)
 
 

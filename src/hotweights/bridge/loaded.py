@@ -136,7 +136,7 @@ def _message(model: torch.nn.Module, where: str, wrong: dict[str, str], compared
     arch = ", ".join(getattr(config, "architectures", None) or ["?"])
     named = ", ".join(f"{n} ({k})" if k != n else n for n, k in list(wrong.items())[:3])
     head = (f"{len(wrong)} of {compared} views compared hold other values than {where} "
-            f"holds for them: {named}{' ...' if len(wrong) > 3 else ''}. ")
+            f"holds for them: {named}{f' and {len(wrong) - 3} more' if len(wrong) > 3 else ''}. ")
     regrouped = {n.rpartition(".")[0] for n in wrong if not _flat(model, n)}
     if len(wrong) == compared or any(_flat(model, n) and n.rpartition(".")[0] not in regrouped
                                      for n in wrong):  # a norm, a lone bias: not a loader's
