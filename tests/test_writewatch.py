@@ -31,6 +31,13 @@ def _settle(watch: WriteWatch, tensors) -> dict:
     return got
 
 
+def _watched(watch: WriteWatch, tensors) -> None:
+    """Two syncs' worth: the first protects the tensors' pages, the second finds them
+    watched; a write after it is told."""
+    _settle(watch, tensors)
+    _settle(watch, tensors)
+
+
 def _page_inside(t: torch.Tensor, k: int) -> tuple[int, int]:
     """The address of the `k`-th whole page inside `t` (from 0), and its offset in `t`."""
     page = -(-t.data_ptr() // PAGE) * PAGE + k * PAGE
@@ -87,8 +94,7 @@ def test_pages_shared_with_other_memory_count_only_when_the_tensors_own_bytes_ch
     off = PAGE // 2 + 8  # no boundary on a page
     ts = {"a": big[off // 4:(off + N) // 4], "b": big[(off + N) // 4:(off + 2 * N) // 4]}
     with WriteWatch() as w:
-        _settle(w, ts)
-        _settle(w, ts)
+        _watched(w, ts)
         big[0] = 1.0  # in a's first page, not a's
         big[(off + 2 * N) // 4] = 1.0  # in b's last page, not b's
         assert _settle(w, ts) == {"a": [], "b": []}
@@ -103,8 +109,7 @@ def test_pages_shared_with_other_memory_count_only_when_the_tensors_own_bytes_ch
 def test_zeroed_pages_read_as_written():
     ts = _tensors(N)
     with WriteWatch() as w:
-        _settle(w, ts)
-        _settle(w, ts)
+        _watched(w, ts)
         ts["t0"].fill_(1.0)
         _settle(w, ts)
         page, at = _page_inside(ts["t0"], 1)
@@ -191,8 +196,7 @@ def test_where_the_kernel_cannot_watch_it_says_why(monkeypatch):
 def test_pages_mapped_anew_read_as_written():
     ts = _tensors(N)
     with WriteWatch() as w:
-        _settle(w, ts)
-        _settle(w, ts)
+        _watched(w, ts)
         page, at = _page_inside(ts["t0"], 2)
         fixed = 0x10 | 0x20 | 0x02  # MAP_FIXED | MAP_ANONYMOUS | MAP_PRIVATE: not registered
         assert LIBC.mmap(page, PAGE, 3, fixed, -1, 0) == page
@@ -205,8 +209,7 @@ def test_pages_mapped_anew_read_as_written():
 def test_a_tensor_written_all_over_at_two_syncs_in_a_row_is_hashed_from_then_on():
     ts = _tensors(N, N)
     with WriteWatch() as w, WriteWatch() as other:
-        _settle(w, ts)
-        _settle(w, ts)
+        _watched(w, ts)
         ts["t0"].add_(1)
         assert _settle(w, ts)["t0"] == [(0, N)]  # once: still watched
         ts["t0"][:N // 8].add_(1)  # half of it
@@ -257,8 +260,7 @@ def test_a_name_given_new_bytes_starts_over_while_its_old_tensor_lives_on():
     ts = _tensors(N)
     old = ts["t0"]
     with WriteWatch() as w:
-        _settle(w, ts)
-        _settle(w, ts)
+        _watched(w, ts)
         ts["t0"] = old.clone() + 1  # other bytes under the same name
         assert _settle(w, ts) == {}  # hashed whole, not told "nothing written"
         assert _settle(w, ts) == {"t0": []}
@@ -270,8 +272,7 @@ def test_a_tensor_a_third_written_at_two_syncs_in_a_row_is_hashed_from_then_on()
     # more than a quarter counts as written all over
     ts = _tensors(N)
     with WriteWatch() as w:
-        _settle(w, ts)
-        _settle(w, ts)
+        _watched(w, ts)
         third = N // 4 // 3
         ts["t0"][:third].add_(1)
         assert "t0" in _settle(w, ts)
@@ -285,8 +286,7 @@ def test_a_sync_with_few_writes_between_two_dense_ones_keeps_the_watch():
     # "at two syncs in a row": a quiet sync in between starts the count over
     ts = _tensors(N)
     with WriteWatch() as w:
-        _settle(w, ts)
-        _settle(w, ts)
+        _watched(w, ts)
         ts["t0"].add_(1)
         assert _settle(w, ts)["t0"] == [(0, N)]
         ts["t0"][0] = 5.0
@@ -311,8 +311,7 @@ def test_a_name_unwatchable_once_is_watched_when_it_names_memory_of_its_own():
 def test_hashes_recorded_for_a_tensor_the_sync_did_not_ask_about_lose_no_write():
     ts = _tensors(N, N)
     with WriteWatch() as w:
-        _settle(w, ts)
-        _settle(w, ts)
+        _watched(w, ts)
         ts["t1"][0] = 1.0
         w.written({"t0": ts["t0"]})  # a sync of t0 alone
         w.record({n: np.zeros(1, np.uint64) for n in ts})  # names t1 too: not its own
