@@ -33,7 +33,7 @@ demo: $(STAMP)
 	$(BIN)/hotweights demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
