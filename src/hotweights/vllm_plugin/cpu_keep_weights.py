@@ -9,7 +9,8 @@ AMX and ARM BF16 CPUs it also repacks the gated-delta-net conv1d weight ([D, 1, 
 bit, and compute with plain torch ops on it (vLLM's own torch path for the GDN conv, its
 reference CPU MLA backend). The result does not depend on which CPU kernel vLLM would have
 picked (AVX2, AVX-512, AMX, ARM). One fix beside: vLLM's CPU rotary kernel leaves a query
-whose heads lie apart unrotated (DeepSeek's q_pe): those take vLLM's torch path.
+whose heads lie apart unrotated (DeepSeek's q_pe): those take vLLM's torch path; and it
+misrotates a [tokens, heads, size] query of more than one head (LFM2's): it gets it flat.
 """
 
 from __future__ import annotations
@@ -73,14 +74,21 @@ def _heads_packed(t: torch.Tensor | None) -> bool:
     return t is None or t.stride(-1) == 1 and (t.dim() < 3 or t.stride(-2) == t.shape[-1])
 
 
+def _flat(t: torch.Tensor | None) -> torch.Tensor | None:
+    # a packed query as [tokens, heads * size]: the same bytes (a view)
+    return t if t is None or t.dim() < 3 else t.flatten(-2)
+
+
 def _rope_of_views(forward_cpu):
     # vLLM's CPU rotary kernel leaves a query whose heads lie apart unrotated: DeepSeek's
     # q_pe (the last 64 of every 192 of a head) got no position at all, in prefill and
     # decode. Those take vLLM's own torch path, which returns what it rotated (the
-    # callers use what it returns).
+    # callers use what it returns). It also misrotates a [tokens, heads, size] query of
+    # more than one head (LFM2's): it gets the same bytes as [tokens, heads * size].
     def forward(self, positions, query, key=None):
         if _heads_packed(query) and _heads_packed(key):
-            return forward_cpu(self, positions, query, key)
+            forward_cpu(self, positions, _flat(query), _flat(key))
+            return query, key
         return self.forward_native(positions, query, key)
 
     forward.hotweights = True
