@@ -1,9 +1,6 @@
 """remote.staging: a receiver holds every round of an update, checked, until the commit."""
 
 import json
-import math
-import threading
-import time
 
 import pytest
 import torch
@@ -266,74 +263,3 @@ def test_the_loader_gets_the_patches_a_bounded_chunk_of_one_kind_at_a_time(monke
     engine.finish_weight_update()
     # (the next tensor's patch is made before a chunk goes: it may be another kind)
     assert calls == [(["a", "b"], ["a"]), (["a", "b", "c"], ["b"]), (["a", "b", "c"], ["c"])]
-
-
-def test_a_dropped_receive_that_does_not_end_is_left_behind_with_its_own_staging(
-        monkeypatch):
-    # an armed wait, or a broadcast, whose trainer's host vanished without a reset: its
-    # store round trip waits for TCP to give up (~15 min), and the worker's main thread,
-    # which drops it (a lease's expiry, a new trainer's join), must not wait that long
-    from hotweights.vllm_plugin import remote_engine
-    old, _ = _state()
-    release, got = threading.Event(), []
-
-    class Stuck:  # the trainer's channel, its host gone
-        broken, bytes_received = False, 0
-
-        def interrupt(self, update):
-            got.append(("interrupt", update))  # cannot reach the store either
-
-        def give_up(self, why):
-            self.broken = True
-
-        def receive(self, staged, **kwargs):
-            release.wait(30)
-            got.append(staged)
-
-        def close(self):  # not under the receive: that would wait for its collective
-            got.append("closed")
-    monkeypatch.setattr(remote_engine, "_DROP_WAIT_S", 0.2)
-    engine = _engine(Stuck(), old)
-    engine.start_receiving({"update": "u", "wait": math.inf})
-    receiving, first = engine._receiving, engine.staged
-    engine.discard()  # within the bound, not at the receive's end
-    assert got == [("interrupt", "u")] and engine._receiving is None
-    assert engine.broken and engine.channel is None  # the next update: on a new channel
-    assert engine.staged is not first  # what it may still stage is not applied
-    engine.shutdown()  # a new trainer's join: the channel is the receive's to close
-    release.set()
-    receiving.join(5)
-    assert got[-2:] == [first, "closed"]
-
-
-def test_a_dropped_receive_that_still_receives_rounds_is_waited_for(monkeypatch):
-    # one whose lease ran out mid-stream: leaving it would break the channel for every
-    # server on it, while it ends by itself
-    from hotweights.vllm_plugin import remote_engine
-    old, _ = _state()
-
-    class Slow:  # a healthy channel, a round every 0.1 s
-        broken, bytes_received = False, 0
-
-        def receive(self, staged, **kwargs):
-            for _ in range(30):
-                time.sleep(0.1)
-                self.bytes_received += 1
-
-        def close(self):
-            pass
-    monkeypatch.setattr(remote_engine, "_DROP_WAIT_S", 1.0)
-    engine = _engine(Slow(), old)
-    engine.start_receiving({"update": None, "wait": None})
-    engine.discard()  # 3 s: beyond the bound, making progress
-    assert not engine.broken and engine.channel is not None
-
-
-def _engine(channel, old):
-    """A remote engine of one worker, `channel` its trainer's (the parts a receive reads)."""
-    from hotweights.vllm_plugin import remote_engine
-    engine = object.__new__(remote_engine.HotweightsEngine)
-    engine.staged, engine.channel, engine.relay = Staged(_specs(old)), channel, None
-    engine.device, engine._receiving, engine._gave_up = torch.device("cpu"), None, False
-    engine.last_staged = {}
-    return engine
