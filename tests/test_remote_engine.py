@@ -203,6 +203,25 @@ def test_a_receive_of_another_update_drops_the_armed_one_first():
     assert channel.calls[-1][1]["update"] == "other"
 
 
+def test_a_receive_that_drops_a_stuck_one_is_refused_as_its_channel_is_given_up(
+        monkeypatch):
+    from hotweights.vllm_plugin import remote_engine
+
+    class Deaf(_Channel):  # its host gone: an interrupt does not reach it
+        def interrupt(self, update):
+            self.calls.append(("interrupt", update))
+    monkeypatch.setattr(remote_engine, "_DROP_WAIT_S", 0.2)
+    old, _ = _state()
+    channel = Deaf(hold=True)
+    engine = _engine(channel, old)
+    engine.arm("next")
+    with pytest.raises(RemoteError, match="gave its channel up .* the trainer opens a new"):
+        engine.start_receiving({"update": "other", "wait": 1.0})
+    assert [c[0] for c in channel.calls] == ["receive", "interrupt"]
+    assert engine._receiving is None and engine.broken
+    channel._interrupted.set()
+
+
 def test_no_update_is_armed_on_a_broken_channel():
     old, _ = _state()
     channel = _Channel()
@@ -282,14 +301,16 @@ def test_a_receive_left_behind_closes_its_channels_once():
     assert channel.calls == ["closed"]
 
 
-def _joining(monkeypatch, *, dp_index=0, rank=0, world_size=2):
+def _joining(monkeypatch, *, dp_index=0, rank=0, world_size=2, refused=None):
     """An engine of worker `rank` of a server of `world_size` workers (its DP rank
-    `dp_index`), and the channels it opens."""
+    `dp_index`), and the channels it opens (one at `refused` fails to)."""
     from hotweights.vllm_plugin import remote_engine
     opened = []
 
     class Opened(_Channel):
         def __init__(self, **kwargs):
+            if kwargs["master_addr"] == refused:
+                raise RemoteError(f"{refused}: connection refused")
             super().__init__()
             opened.append(kwargs)
     monkeypatch.setattr(remote_engine, "Channel", Opened)
@@ -319,6 +340,19 @@ def test_the_leader_joins_the_trainer_s_channel_and_the_server_s_relay(monkeypat
         {"master_addr": "trainer", "master_port": 29500, "rank": 3, "world_size": 5,
          "token": "t", **common}]
     assert before.calls == ["closed"] and not engine.broken
+
+
+def test_a_leader_that_cannot_join_the_trainer_s_channel_leaves_its_relay(monkeypatch):
+    # else it would take its own relay for the trainer's, as a follower does
+    engine, opened = _joining(monkeypatch, refused="trainer")
+    closed = []
+    monkeypatch.setattr(_Channel, "close", lambda self: closed.append(self))
+    with pytest.raises(RemoteError, match="trainer: connection refused"):
+        engine.init_transfer_engine(_init(relay_port=4000, relay_token="r"))
+    assert [o.get("name") for o in opened] == ["relay"] and len(closed) == 1
+    assert engine.relay is None and engine.channel is None
+    with pytest.raises(ConfigError, match="has not joined a trainer's channel"):
+        engine.start_receiving({})
 
 
 @pytest.mark.parametrize("dp_index, rank", [(0, 1), (1, 0)])

@@ -151,17 +151,20 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
         cuda = self.device.type == "cuda"
         kw = {"timeout": init_info.timeout, "backend": "nccl" if cuda else "gloo",
               "device": self.device if cuda else "cpu"}
-        if init_info.relay_port:  # first: the followers wait for the leader, not the trainer
-            self.relay = Channel(master_addr="127.0.0.1", master_port=init_info.relay_port,
-                                 rank=index, world_size=pc.world_size_across_dp,
-                                 token=init_info.relay_token, name="relay",
-                                 max_round_bytes=init_info.max_round_bytes, **kw)
-        if index == 0:
-            self.channel = Channel(master_addr=init_info.master_addr,
-                                   master_port=init_info.master_port,
-                                   rank=init_info.rank_offset, world_size=init_info.world_size,
-                                   token=init_info.token,
-                                   max_round_bytes=init_info.max_round_bytes, **kw)
+        try:
+            if init_info.relay_port:  # first: the followers wait for the leader, not the
+                self.relay = Channel(  # trainer
+                    master_addr="127.0.0.1", master_port=init_info.relay_port, rank=index,
+                    world_size=pc.world_size_across_dp, token=init_info.relay_token,
+                    name="relay", max_round_bytes=init_info.max_round_bytes, **kw)
+            if index == 0:
+                self.channel = Channel(
+                    master_addr=init_info.master_addr, master_port=init_info.master_port,
+                    rank=init_info.rank_offset, world_size=init_info.world_size,
+                    token=init_info.token, max_round_bytes=init_info.max_round_bytes, **kw)
+        except BaseException:  # not half joined: a leader with a relay only would receive
+            self.shutdown()  # from it as a follower
+            raise
         if self.staged is None:  # xor-coded values decode against the live weights' views
             self.staged = Staged(self._specs(), old=self._old(), shards=self._held(),
                                  pin=cuda)
@@ -196,6 +199,7 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
         """`update_weights` on a thread of its own; `received` waits for it."""
         self._require()
         self._drop_receiving()  # an update armed for (`arm`) that is not this one
+        self._require()  # (the drop gives the channels up if that one is stuck)
         self.staged.clear()
         self._receiving = _Receiving(self, self.parse_update_info(update_info))
         self._receiving.start()
@@ -364,6 +368,9 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
         self.channel = self.relay = None
 
     def _require(self) -> None:
+        if self._gave_up:
+            raise RemoteError("hotweights: this server gave its channel up (a receive on it "
+                              "made no progress); the trainer opens a new one")
         if self.channel is None and self.relay is None:
             raise ConfigError("hotweights: this server has not joined a trainer's channel "
                               "(POST /hotweights/remote/join first)")
