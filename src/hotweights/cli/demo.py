@@ -40,8 +40,9 @@ def _generate(url: str, model: str, ready, done, last, results) -> None:
     while not done.is_set() and not 0 <= last.value <= (versions[-1] if versions else -1):
         try:
             versions.append(_complete(url, model)[1])
-        except OSError as e:
-            errors.append(str(e))
+        except Exception as e:  # (refused, a 503, a cut answer, no version header): counted
+            errors.append(f"{type(e).__name__}: {e}")
+            done.wait(0.05)  # not a tight loop while the server is away
         ready.set()
     results.put((versions, errors))
 
@@ -84,10 +85,11 @@ def _stopping(client: _Client, last: Callable[[], int] | None = None):
     block raised."""
     try:
         yield
+        at = last() if last else None
     except BaseException:
         client.stop()
         raise
-    client.stop(last() if last else None)
+    client.stop(at)
 
 
 @contextlib.contextmanager
