@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from hotweights.layout.plan import plan
+from hotweights.errors import LayoutError
+from hotweights.layout.plan import Layout, Piece, plan
 from hotweights.remote import shards
 from hotweights.remote.delta import DENSE, PATCH, ROWS, encode_all
 from hotweights.remote.packing import pack
@@ -223,3 +224,58 @@ def test_a_scalar_parameter_is_mapped_viewed_and_staged():
     new = {"logit_scale": torch.tensor(0.75), "w": old["w"] + 1}
     _stage(old, new, held, max_bytes=1 << 16).apply_in_place()
     assert params["logit_scale"].item() == 0.75 and torch.equal(params["w"], new["w"])
+
+
+def _layout(*pieces, missing=()) -> Layout:
+    """vLLM name -> one piece each: (vLLM name, HF rows on dim `dim` it holds, dim)."""
+    return Layout({v: (Piece("w", (8, 6), (0, n), dim, start),) for v, start, n, dim in pieces},
+                  missing=missing)
+
+
+def test_runs_listed_out_of_order_are_held_in_order():
+    # vLLM's parameters need not come in the HF order of what they hold
+    old = {"w": torch.randn(8, 6)}
+    params = {"hi": old["w"][5:8].clone(), "lo": old["w"][0:2].clone()}
+    held = shards.of(_layout(("hi", 5, 3, 0), ("lo", 0, 2, 0)), params, {"w": (8, 6)})
+    assert held["w"].runs == ((0, 2), (5, 3)) and held["w"].held == (5, 6)
+    new = {"w": _flip(old["w"], slice(None))}
+    assert _stage(old, new, held, max_bytes=1 << 20).apply_in_place() == {"w"}
+    assert torch.equal(params["lo"], new["w"][0:2]) and torch.equal(params["hi"], new["w"][5:])
+
+
+def test_pieces_on_two_dims_or_overlapping_are_refused_and_touching_runs_are_not():
+    params = {"a": torch.zeros(8, 6), "b": torch.zeros(8, 6)}
+    with pytest.raises(LayoutError, match=r"w: held split on dims \[0, 1\]; one expected"):
+        shards.of(_layout(("a", 0, 2, 0), ("b", 0, 2, 1)), params, {})
+    with pytest.raises(LayoutError, match=r"w: held runs \[0, 4\) and \[3, \.\.\.\) overlap"):
+        shards.of(_layout(("a", 0, 4, 0), ("b", 3, 2, 0)), params, {})
+    held = shards.of(_layout(("a", 0, 3, 0), ("b", 3, 2, 0)), params, {})
+    assert held["w"].runs == ((0, 3), (3, 2))
+
+
+def test_a_tensor_the_layout_lists_as_missing_gets_no_shard():
+    # it goes through the loader whole; a name no piece holds on this rank holds nothing
+    held = shards.of(_layout(("a", 0, 8, 0), missing=("gone",)), {"a": torch.zeros(8, 6)},
+                     {"w": (8, 6), "gone": (4,), "pad": (3,)})
+    assert set(held) == {"w", "pad"} and held["pad"].runs == () and held["w"].whole
+
+
+def test_a_run_two_parameters_hold_is_written_into_both():
+    # tied weights: one HF run, two vLLM slabs (neither is written through the other)
+    old = {"w": torch.randn(8, 6)}
+    params = {"a": old["w"].clone(), "b": old["w"].clone()}
+    pieces = {v: (Piece("w", (8, 6), (0, 8)),) for v in params}
+    held = shards.of(Layout(pieces), params, {"w": (8, 6)})
+    new = {"w": _flip(old["w"], [1, 17, 40])}
+    assert _stage(old, new, held, max_bytes=1 << 20).apply_in_place() == {"w"}
+    assert torch.equal(params["a"], new["w"]) and torch.equal(params["b"], new["w"])
+
+
+def test_a_scalar_held_whole_is_staged_and_written():
+    old = {"s": torch.tensor(0.5)}
+    live = old["s"].clone()
+    held = {"s": shards.whole(live)}
+    assert held["s"].whole and held["s"].held == ()
+    assert _stage(old, {"s": torch.tensor(0.75)}, held, max_bytes=1 << 20).apply_in_place() == {"s"}
+    assert live.item() == 0.75
+

@@ -9,6 +9,7 @@ from hotweights.errors import DeltaError
 from hotweights.remote import shards
 from hotweights.remote.delta import encode_all
 from hotweights.remote.packing import Round, pack
+from hotweights.remote.shards import Shard
 from hotweights.remote.staging import Staged
 from test_delta import _flip, _same_bits, _state
 
@@ -263,3 +264,199 @@ def test_the_loader_gets_the_patches_a_bounded_chunk_of_one_kind_at_a_time(monke
     engine.finish_weight_update()
     # (the next tensor's patch is made before a chunk goes: it may be another kind)
     assert calls == [(["a", "b"], ["a"]), (["a", "b", "c"], ["b"]), (["a", "b", "c"], ["c"])]
+
+
+def _edited(r: Round, at: int, ints: list, dtype=torch.int64) -> Round:
+    """`r` (a copy of its buffer) with `ints` written as `dtype` at byte `at`: a sender's
+    malformed piece, which `delta_apply.checked` passes."""
+    buf = r.buffer.clone()
+    data = torch.tensor(ints, dtype=dtype).view(torch.uint8)
+    buf[at:at + data.numel()] = data
+    return Round(json.loads(json.dumps(r.header)), buf)
+
+
+def _flat():
+    """(old, new, its one round: `r` rows [1, 3) and [4, 6) at byte 0, `p` patch indices
+    [3, 9] as int32 at byte 96)."""
+    old = {"r": torch.arange(32.).view(8, 4), "p": torch.arange(16.)}
+    new = {"r": _flip(_flip(old["r"], slice(4, 12)), slice(16, 24)),
+           "p": _flip(old["p"], [3, 9])}
+    (r,) = pack(encode_all(old, new), max_bytes=1 << 20, patches="flat")
+    assert [(e["name"], e["offset"]) for e in r.header["entries"]] == [("r", 0), ("p", 96)]
+    return old, new, r
+
+
+def test_rows_ranges_that_touch_are_taken_and_ranges_that_overlap_are_refused():
+    old, _, r = _flat()
+    touching = _edited(r, 0, [1, 3, 3, 5])  # rows [1, 3) and [3, 5): still 4 rows
+    staged = Staged(_specs(old))
+    staged(touching)
+    got = {k: v.clone() for k, v in old.items()}
+    _load(got, staged.patches())
+    rows = r.buffer[32:96].view(torch.float32).view(4, 4)  # the 4 rows sent
+    assert torch.equal(got["r"][1:5], rows) and torch.equal(got["r"][5:], old["r"][5:])
+    with pytest.raises(DeltaError, match="`r`: the rows ranges do not increase; refused"):
+        Staged(_specs(old))(_edited(r, 0, [1, 3, 2, 4]))
+
+
+def test_patch_indices_that_repeat_are_refused():
+    old, _, r = _flat()
+    with pytest.raises(DeltaError, match="`p`: the patch indices do not increase; refused"):
+        Staged(_specs(old))(_edited(r, 96, [3, 3], torch.int32))
+
+
+@pytest.mark.parametrize("name,first", [("c", 0), ("p", 9)])
+def test_a_piece_that_repeats_the_last_element_staged_is_refused(name, first):
+    # a dense tensor sent twice; a patch piece starting at the index the one before ended on
+    old, new = _state()
+    old["p"] = torch.arange(16.)
+    new["p"] = _flip(old["p"], [3, 9])
+    old, new = {name: old[name]}, {name: new[name]}
+    (r,) = pack(encode_all(old, new), max_bytes=1 << 20, patches="flat")
+    again = r if name == "c" else _edited(r, 0, [9, 12], torch.int32)  # indices [3, 9]
+    staged = Staged(_specs(old))
+    staged(Round({**r.header, "rounds": 2}, r.buffer))
+    with pytest.raises(DeltaError, match=rf"`{name}`: a \w+ piece starts at element {first}, "
+                                         "before"):
+        staged(Round({**again.header, "round": 1, "rounds": 2}, again.buffer))
+
+
+def test_a_shard_of_another_shape_than_its_spec_sends_the_tensor_to_the_loader():
+    old, new = _state()
+    live = {k: v.clone() for k, v in old.items()}
+    staged = Staged(_specs(old), shards={"c": shards.whole(live["c"].view(-1))})  # flat
+    for r in pack(encode_all(old, new), max_bytes=200):
+        staged(r)
+    assert staged.apply_in_place() == set()
+    _load(live, staged.patches())
+    assert _same_bits(live, new)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.int64])
+def test_integer_patches_are_staged_without_a_nan_check(dtype):
+    old = {"w": torch.arange(600).view(50, 12).to(dtype)}
+    new = {"w": _flip(old["w"], [3, 77, 500])}
+    staged = Staged(_specs(old))
+    for r in pack(encode_all(old, new), max_bytes=1 << 20):
+        staged(r)
+    (p,) = staged.patches()  # (torch has no CPU index_copy_ of uint16 / uint32)
+    assert p.indices.tolist() == [3, 77, 500]
+    assert torch.equal(p.values, new["w"].view(-1)[[3, 77, 500]])
+
+
+def _jit(compiled: bool, monkeypatch) -> None:
+    from hotweights.remote import jit
+    if not compiled:
+        monkeypatch.setattr(jit, "_loops", False)
+    elif not jit.enabled():
+        pytest.skip("numba is not installed: no compiled loops")
+
+
+def test_indices_the_loader_takes_are_held_as_int64():
+    # converted while the server still serves, not at the commit: 8 bytes per index
+    old = {"p": torch.arange(16.)}
+    new = {"p": _flip(old["p"], [3, 9])}
+    staged = Staged(_specs(old))
+    for r in pack(encode_all(old, new), max_bytes=1 << 20, patches="flat"):  # int32 on the wire
+        staged(r)
+    assert staged.nbytes == 2 * (8 + 4)
+    (p,) = staged.patches()
+    assert p.indices.dtype == torch.int64 and p.indices.tolist() == [3, 9]
+
+
+def test_a_tp_shards_xor_indices_are_held_as_int32(monkeypatch):
+    # cut to the shard (int64 there), then narrowed for the compiled loop that applies them
+    _jit(True, monkeypatch)
+    old = {"w": torch.randn(8, 16, generator=torch.Generator().manual_seed(0))}
+    new = {"w": _flip(old["w"], [3, 20, 70, 100])}  # rows 0, 1 (held), 4, 6 (not)
+    slab = old["w"][:4].clone()
+    staged = Staged(_specs(old), shards={"w": Shard((8, 16), 0, ((0, 4),), ((slab,),))})
+    for r in pack(encode_all(old, new), max_bytes=1 << 20, values="xor"):
+        staged(r)
+    assert staged.nbytes == 2 * (4 + 4)  # the two held: int32 indices, float32 xors
+    assert staged.apply_in_place() == {"w"}
+    assert torch.equal(slab.view(torch.int32), new["w"][:4].view(torch.int32))
+
+
+def test_peak_and_rounds_count_every_round_until_clear_and_clear_takes_the_update_again():
+    old = {"big": torch.randn(1024), "small": torch.randn(16)}
+    new = {"big": _flip(old["big"], slice(None)), "small": _flip(old["small"], [5])}
+    staged = Staged(_specs(old))
+    rounds = list(pack(encode_all(old, new), max_bytes=4096))  # the small one in a round 2
+    for _ in range(2):
+        held = []
+        for r in rounds:
+            staged(r)
+            held.append(staged.nbytes + r.buffer.nbytes)
+        assert staged.rounds == len(rounds) == 2 and staged.peak == max(held) > held[-1]
+        got = {k: v.clone() for k, v in old.items()}
+        _load(got, staged.patches())
+        assert _same_bits(got, new)
+        staged.clear()  # the next update may write the same elements again
+        assert staged.nbytes == staged.peak == staged.rounds == 0
+
+
+def test_a_fresh_staging_keeps_the_old_values_and_the_shards(monkeypatch):
+    _jit(False, monkeypatch)  # xor values decoded against `old` when staged
+    old, new = _state()
+    live = {k: v.clone() for k, v in old.items()}
+    staged = Staged(_specs(old), old=live,
+                    shards={k: shards.whole(v) for k, v in live.items()}).fresh()
+    for r in pack(encode_all(old, new), max_bytes=1 << 20, values="xor"):
+        staged(r)
+    assert staged.apply_in_place() == {"a", "b", "c"}
+    assert _same_bits(live, new)
+
+
+def test_two_tensors_of_one_size_each_keep_their_xors_for_the_commit(monkeypatch):
+    # only one slab under two names (tied) is decoded when staged: two slabs of the same size
+    # and dtype are not one, and need no old values
+    _jit(True, monkeypatch)
+    g = torch.Generator().manual_seed(0)
+    old = {k: torch.randn(64, 16, generator=g).bfloat16() for k in ("x", "y")}
+    new = {k: _flip(v, [1, 99, 500 + i]) for i, (k, v) in enumerate(old.items())}
+    live = {k: v.clone() for k, v in old.items()}
+    staged = Staged(_specs(old), shards={k: shards.whole(v) for k, v in live.items()})
+    for r in pack(encode_all(old, new), max_bytes=1 << 20, values="xor"):
+        staged(r)
+    assert staged.apply_in_place() == {"x", "y"}
+    assert _same_bits(live, new)
+
+
+def test_rows_of_a_3d_tensor_load_and_a_repeat_is_refused_at_its_first_element():
+    old = {"e": torch.randn(6, 5, 4)}
+    new = {"e": _flip(old["e"], slice(2 * 20, 4 * 20))}  # rows 2 and 3: elements [40, 80)
+    (r,) = pack(encode_all(old, new), max_bytes=1 << 20)
+    assert r.header["entries"][0]["kind"] == "rows"
+    staged = Staged(_specs(old))
+    staged(Round({**r.header, "rounds": 2}, r.buffer))
+    with pytest.raises(DeltaError, match="`e`: a rows piece starts at element 40, before"):
+        staged(Round({**r.header, "round": 1, "rounds": 2}, r.buffer))
+    got = {"e": old["e"].clone()}
+    _load(got, staged.patches())  # what the first round staged
+    assert _same_bits(got, new)
+
+
+def test_an_empty_patch_piece_is_taken():
+    old, new, r = _flat()
+    e = {**r.header["entries"][1], "count": 0, "nbytes": 0, "offset": 0}  # `p`, no element
+    staged = Staged(_specs(old))
+    staged(Round({"format": 4, "round": 0, "rounds": 0, "nbytes": 0, "entries": [e]},
+                 torch.empty(0, dtype=torch.uint8)))
+    staged(Round({**r.header, "round": 1, "rounds": 2}, r.buffer))
+    got = {k: v.clone() for k, v in old.items()}
+    _load(got, staged.patches())
+    assert _same_bits(got, new)
+
+
+def test_what_the_commit_wrote_is_freed_and_not_written_again(monkeypatch):
+    # xors applied twice would put the old values back
+    _jit(True, monkeypatch)
+    old, new = _state()
+    live = {k: v.clone() for k, v in old.items()}
+    staged = Staged(_specs(old), shards={k: shards.whole(v) for k, v in live.items()})
+    for r in pack(encode_all(old, new), max_bytes=1 << 20, values="xor"):
+        staged(r)
+    assert staged.apply_in_place() == {"a", "b", "c"}
+    assert staged.apply_in_place() == set()
+    assert _same_bits(live, new)
