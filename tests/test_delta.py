@@ -800,3 +800,51 @@ def test_encode_all_compares_only_the_rows_given_for_a_name():
     new = _flip(old, [3, 5 * 16 + 1])  # rows 0 and 5 changed
     (d,) = encode_all({"w": old}, {"w": new}, rows={"w": torch.tensor([0])})
     assert d.kind == "patch" and d.indices.tolist() == [3]  # row 5: vouched unchanged
+
+
+def _units(n: int, changed) -> tuple[np.ndarray, np.ndarray]:
+    """(old, new) int64 units, `n` of them, `new` differing at `changed` (lowest bit)."""
+    old = np.arange(n, dtype=np.int64) * 1000003
+    new = old.copy()
+    new[changed] ^= 1
+    return old, new
+
+
+def _compare(old, new, **kwargs):
+    if not jit.enabled():
+        pytest.skip("numba is not installed: no compiled compare")
+    kwargs = {"per_row": 0, "limit": 1 << 20} | kwargs
+    return jit.compare(old, new, np.int64, **kwargs)
+
+
+def test_the_compiled_compare_of_equal_chunks_finds_nothing_itself():
+    # 0 changed elements is an answer, not a hand-back to numpy's compare
+    c, pos, olds, news, flags = _compare(*_units(4096, []), per_row=64)
+    assert c == 0 and len(pos) == len(olds) == len(news) == 0
+    assert flags.tolist() == [False] * 64
+
+
+@pytest.mark.parametrize("rows", [None, np.array([1, 3, 6], np.int64)])
+def test_the_compiled_compare_keeps_exactly_limit_changes_and_refuses_one_more(rows):
+    changed = [70, 71, 200, 230, 401]  # rows (of 64 units) 1, 3, 6
+    old, new = _units(512, changed)
+    c, pos, olds, news, flags = _compare(old, new, per_row=64, limit=5, rows=rows)
+    want = changed if rows is None else [6, 7, 72, 102, 145]  # places in the gathered rows
+    assert c == 5 and pos.tolist() == want
+    assert np.array_equal(olds, old[changed]) and np.array_equal(news, new[changed])
+    assert flags.nonzero()[0].tolist() == ([1, 3, 6] if rows is None else [0, 1, 2])
+    assert _compare(old, new, per_row=64, limit=4, rows=rows) is None
+
+
+def test_the_compiled_compare_stops_at_the_limit_in_any_row():
+    # the limit passed in the first of the given rows: later rows do not bring it back
+    old, new = _units(512, list(range(64, 74)) + [400])
+    assert _compare(old, new, per_row=64, limit=5, rows=np.array([1, 6], np.int64)) is None
+
+
+def test_the_compiled_compare_hands_back_chunks_whose_sample_mostly_differs():
+    # every 61st unit sampled: 2 of 122 here; half of them differing is not most
+    old, new = _units(122, [0])
+    assert _compare(old, new)[0] == 1
+    assert _compare(*_units(122, [0, 61])) is None
+    assert _compare(*_units(6100, slice(None))) is None  # a full update: numpy counts it

@@ -3,7 +3,9 @@
 import contextlib
 import json
 import re
+import subprocess
 import sys
+import textwrap
 import zlib
 from dataclasses import replace
 from unittest import mock
@@ -749,3 +751,109 @@ def test_xor_bits_longer_than_the_elements_hold_are_refused_by_check_fields():
     fields["sections"][4] = 3
     with pytest.raises(codec.CodecError, match=r"\[4\] is 3 bytes, more than 1 values hold"):
         codec.check_fields(fields, 1000, 2)
+
+
+def _compiled(fields, data, numel, itemsize, floating, old):
+    """`jit.decode` of a piece straight from its sections (no numpy fallback): None where
+    the compiled loop refuses it."""
+    k, parts = fields["count"], np.split(data, np.cumsum(fields["sections"])[:-1])
+    third = codec._unzip(parts[3], k, "values") if 3 in fields["zipped"] else parts[3]
+    if "widths" in fields:
+        third = jit.unary_widths(third, k, fields["wmin"], 8 * itemsize - fields["wmin"])
+        assert third is not None
+    return jit.decode(k, fields["first"], numel, fields["shift"], parts[0], parts[1],
+                      "high" in fields, parts[2].view("<u8"), fields["values"] == "xor",
+                      third, parts[4], old, floating, codec.UINT[itemsize])
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_compiled_decode_takes_every_valid_piece_itself(seed):
+    # a valid piece handed back (None) still decodes, the numpy way: only this notices
+    _, utype, numel, idx, old, new = _random_piece(seed)
+    for xor in (True, False):
+        for floating in (True, False):
+            fields, data = codec.encode(idx, new, floating=floating,
+                                        old=old[idx] if xor else None)
+            got = _compiled(fields, data, numel, utype().itemsize, floating, old)
+            assert got is not None, fields
+            assert np.array_equal(got[0], idx) and np.array_equal(got[1], new)
+
+
+def test_a_gap_of_exactly_the_unary_escape_is_decoded_compiled():
+    # high parts of 16 (the escape itself: 16 zeros, then the gap in section [2]) and 15
+    if not jit.enabled():
+        pytest.skip("numba is not installed")
+    idx = np.r_[np.arange(100), 116, 132, np.arange(133, 233)]  # gaps 16 and 15, else 0
+    new = np.arange(len(idx), dtype=np.uint16)
+    fields, data = codec.encode(idx, new, floating=False)
+    assert fields["shift"] == 0 and fields["sections"][2] == 8  # one escaped gap
+    got = _compiled(fields, data, 1000, 2, False, None)
+    assert got is not None and np.array_equal(got[0], idx) and np.array_equal(got[1], new)
+
+
+def test_the_compiled_loops_are_on_where_numba_is_installed(monkeypatch):
+    pytest.importorskip("numba")
+    monkeypatch.setattr(jit, "_loops", None)
+    monkeypatch.delenv("HOTWEIGHTS_JIT", raising=False)
+    assert jit.enabled()
+
+
+def test_warm_compiles_what_a_staged_update_then_runs():
+    """`jit.warm` (a server joining a trainer) compiles the decode, the unary bit lengths and
+    both scatters for int32 and int64 indices: decoding pieces read from a received buffer
+    (read-only) and applying them compiles nothing more. A fresh process: the loops that
+    other tests ran are not yet there."""
+    if not jit.enabled():
+        pytest.skip("numba is not installed")
+    script = textwrap.dedent("""
+        import numpy as np
+        from hotweights.remote import codec, jit
+        loops = jit._get()
+        names = ("decode", "xor_gather", "unary_widths", "scatter", "xor_scatter")
+        jit.warm((2,))
+        before = {n: list(getattr(loops, n).signatures) for n in names}
+        idx = np.arange(0, 4000, 7)
+        old = np.arange(4000, dtype=np.uint16)
+        i = np.arange(1, len(idx) + 1)
+        new = old[idx] ^ (i & -i).astype(np.uint16)  # xors of 1, 2, 3.. bits: unary lengths
+        for xor in (True, False):
+            fields, data = codec.encode(idx, new, floating=True, old=old[idx] if xor else None)
+            assert ("widths" in fields) == xor
+            data = np.frombuffer(data.tobytes(), np.uint8)  # read-only, as received
+            for index in (np.int32, np.int64):
+                for o in (old, None):
+                    i, v = codec.decode(fields, data, numel=4000, itemsize=2, floating=True,
+                                        old=o, index=index)
+                    assert jit.scatter(old.copy(), i, v) and jit.xor_scatter(old.copy(), i, v)
+        after = {n: list(getattr(loops, n).signatures) for n in names}
+        assert after == before, (before, after)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_the_compiled_encode_counts_xor_bit_lengths_only():
+    if not jit.enabled():
+        pytest.skip("numba is not installed")
+    idx, old = np.array([3, 9, 40, 41], np.int64), np.full(4, 5, np.uint16)
+    new = old ^ np.array([1, 0x300, 0x8000, 0], np.uint16)  # xors of 1, 10, 16 and 0 bits
+    _, hist = jit.encode(idx, new, old, True, 0, codec._BIT_LENGTH16)
+    assert hist.nonzero()[0].tolist() == [0, 1, 10, 16] and hist.sum() == 4
+    assert jit.encode(idx, new, None, True, 0, codec._BIT_LENGTH16)[1] is None  # raw values
+
+
+def test_an_escape_that_no_gap_uses_is_refused():
+    # section [2] one escape longer than the gaps escape: refused by both decoders
+    if not jit.enabled():
+        pytest.skip("numba is not installed")
+    fields, data = codec.encode(np.array([2, 5, 9], np.int64), np.arange(3, dtype=np.uint16),
+                                floating=False)
+    s = fields["sections"]
+    at = s[0] + s[1]
+    data = np.concatenate([data[:at], np.zeros(8, np.uint8), data[at:]])
+    fields = {**fields, "sections": [s[0], s[1], 8, s[3], s[4]]}
+    assert codec.check_fields(fields, 1000, 2) == len(data)
+    assert _compiled(fields, data, 1000, 2, False, None) is None
+    with pytest.raises(codec.CodecError, match=r"hold 0 escaped gaps, section \[2\] 1"):
+        codec.decode(fields, data, numel=1000, itemsize=2, floating=False)
