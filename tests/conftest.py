@@ -326,13 +326,19 @@ def tls(tmp_path_factory):
     return TLS(tmp_path_factory.mktemp("tls"))
 
 
-class _JSONHandler(http.server.BaseHTTPRequestHandler):
+class JSONHandler(http.server.BaseHTTPRequestHandler):
+    """Answers every GET with the server's `answer` (JSON), else its route and Authorization
+    header; `send_json` for subclasses."""
+
     def do_GET(self):  # noqa: N802 - the stdlib's name
-        answer = self.server.answer or {"route": self.path,
-                                        "auth": self.headers.get("Authorization")}
+        self.send_json(self.server.answer or {"route": self.path,
+                                              "auth": self.headers.get("Authorization")})
+
+    def send_json(self, answer, **headers: str) -> None:
         body = json.dumps(answer).encode()
         self.send_response(200)
-        self.send_header("Content-Type", "application/json")
+        for name, value in {"Content-Type": "application/json", **headers}.items():
+            self.send_header(name, value)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
@@ -349,7 +355,7 @@ def json_server():
     servers = []
 
     def start(cert=None, key=None, answer=None) -> int:
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _JSONHandler)
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), JSONHandler)
         server.answer = answer
         if cert is not None:
             context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)

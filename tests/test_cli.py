@@ -282,22 +282,6 @@ def test_what_runs_vllm_says_how_to_install_it_where_it_is_missing(argv, what, t
     assert f"{install('cpu')} (vLLM's CPU build" in err and not (tmp_path / "t").exists()
 
 
-def test_demo_rl_says_how_to_install_the_trl_extra_where_it_is_missing(capsys, monkeypatch):
-    import builtins
-
-    real = builtins.__import__
-
-    def no_trl(name, *args, **kwargs):
-        if name == "trl":
-            raise ModuleNotFoundError("No module named 'trl'", name="trl")
-        return real(name, *args, **kwargs)
-    monkeypatch.setattr(builtins, "__import__", no_trl)
-    assert main(["demo", "--rl"]) == 1
-    assert capsys.readouterr().err == ("error: hotweights demo --rl needs the trl extra, which "
-                                       "is not installed (no module 'trl'): "
-                                       f"{install('trl')}\n")
-
-
 def test_serve_passes_other_data_parallel_flags_to_vllm():
     from hotweights.server.serve import refuse_unshareable
 

@@ -9,11 +9,12 @@ import types
 
 import pytest
 
+from conftest import JSONHandler
 from hotweights.cli.main import main
 from hotweights.errors import ConfigError
 
 
-class _Completions(http.server.BaseHTTPRequestHandler):
+class _Completions(JSONHandler):
     """vLLM's /v1/completions as the demo's client sees it: the n-th request (from 0) gets
     the version `server.version(n)`, or the HTTP status `server.failing[n]`."""
 
@@ -29,16 +30,8 @@ class _Completions(http.server.BaseHTTPRequestHandler):
         version = server.version(n)
         if server.done is not None and n >= server.last_request:
             server.done.set()  # before it answers: the client stops after this one
-        body = json.dumps({"choices": [{"text": f" {n}"}]}).encode()
-        self.send_response(200)
-        if version is not None:  # (None: an answer without it)
-            self.send_header(VERSION_HEADER, f"{version}@s1")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
+        self.send_json({"choices": [{"text": f" {n}"}]},  # (version None: no header)
+                       **({} if version is None else {VERSION_HEADER: f"{version}@s1"}))
 
 
 @pytest.fixture
@@ -266,21 +259,23 @@ def test_the_rl_demo_checkpoints_every_k_steps(every, at, tmp_path, capsys):
     assert [f"  step {s}: checkpoint, 12,345 bytes written" for s in at] == out.splitlines()
 
 
-def test_demo_rl_names_the_module_of_the_trl_extra_that_is_missing(capsys, monkeypatch):
+@pytest.mark.parametrize("module", ["trl", "datasets"])
+def test_demo_rl_names_the_module_of_the_trl_extra_that_is_missing(module, capsys,
+                                                                   monkeypatch):
     import builtins
 
     from hotweights.errors import install
 
     real = builtins.__import__
 
-    def no_datasets(name, *args, **kwargs):
-        if name == "datasets":
-            raise ModuleNotFoundError("No module named 'datasets'", name="datasets")
+    def missing(name, *args, **kwargs):
+        if name == module:
+            raise ModuleNotFoundError(f"No module named '{module}'", name=module)
         return real(name, *args, **kwargs)
-    monkeypatch.setattr(builtins, "__import__", no_datasets)
+    monkeypatch.setattr(builtins, "__import__", missing)
     assert main(["demo", "--rl"]) == 1
     assert capsys.readouterr().err == ("error: hotweights demo --rl needs the trl extra, which "
-                                       "is not installed (no module 'datasets'): "
+                                       f"is not installed (no module '{module}'): "
                                        f"{install('trl')}\n")
 
 
