@@ -437,13 +437,16 @@ def test_rows_of_a_3d_tensor_load_and_a_repeat_is_refused_at_its_first_element()
     assert _same_bits(got, new)
 
 
-def test_an_empty_patch_piece_is_taken():
+def test_an_empty_patch_piece_is_taken_before_or_after_the_others():
+    # it writes nothing: no order to keep (as `delta_apply.apply` takes it)
     old, new, r = _flat()
     e = {**r.header["entries"][1], "count": 0, "nbytes": 0, "offset": 0}  # `p`, no element
+    empty = Round({"format": 4, "round": 0, "rounds": 0, "nbytes": 0, "entries": [e]},
+                  torch.empty(0, dtype=torch.uint8))
     staged = Staged(_specs(old))
-    staged(Round({"format": 4, "round": 0, "rounds": 0, "nbytes": 0, "entries": [e]},
-                 torch.empty(0, dtype=torch.uint8)))
-    staged(Round({**r.header, "round": 1, "rounds": 2}, r.buffer))
+    staged(empty)
+    staged(Round({**r.header, "round": 1, "rounds": 0}, r.buffer))
+    staged(Round({**empty.header, "round": 2, "rounds": 3}, empty.buffer))
     got = {k: v.clone() for k, v in old.items()}
     _load(got, staged.patches())
     assert _same_bits(got, new)

@@ -115,10 +115,10 @@ class Staged:
             decoded = "sections" in e  # a compact patch: fresh tensors, not buffer views
             bare = decoded and e["values"] == XOR and name in self._bare
             start, stop = self._span(e, t, views, decoded)
-            if start < self._next.get(name, 0):
-                raise DeltaError(f"`{name}`: a {kind} piece starts at element {start}, before "
-                                 f"the end of the pieces staged before it; refused")
-            if start < stop:
+            if start < stop:  # (an empty piece writes nothing: it may come anywhere)
+                if start < self._next.get(name, 0):
+                    raise DeltaError(f"`{name}`: a {kind} piece starts at element {start}, "
+                                     "before the end of the pieces staged before it; refused")
                 self._next[name] = stop
             # the indices as the commit takes them, made here while the server still serves,
             # not while it is paused: int32 where the compiled loop writes them (half the
