@@ -55,12 +55,12 @@ def completions():
 
 
 def test_the_demo_asks_the_served_model_for_a_greedy_completion_of_its_prompt(completions):
-    from hotweights.cli.demo import PROMPT, _complete
+    from hotweights.cli.demo import PROMPT, TOKENS, _complete
 
     url, server = completions(version=lambda n: 7)
     assert _complete(url, "/tmp/m") == (" 0", 7)
     body, = server.bodies
-    assert (body["model"], body["prompt"], body["temperature"]) == ("/tmp/m", PROMPT, 0.0)
+    assert body == dict(model="/tmp/m", prompt=PROMPT, max_tokens=TOKENS, temperature=0.0)
 
 
 @pytest.mark.parametrize(("last", "versions", "failed"), [

@@ -23,11 +23,12 @@ from hotweights.protocol.http import opener
 from hotweights.protocol.version import VERSION_HEADER, parse_version
 
 PROMPT = "The server generates,"
+TOKENS = 8  # a completion's, greedy
 TARGET = " the trainer learns."
 
 
 def _complete(url: str, model: str) -> tuple[str, int]:
-    body = dict(model=model, prompt=PROMPT, max_tokens=8, temperature=0.0)
+    body = dict(model=model, prompt=PROMPT, max_tokens=TOKENS, temperature=0.0)
     req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     with opener(url).open(req, timeout=120) as resp:

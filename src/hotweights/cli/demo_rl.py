@@ -21,6 +21,7 @@ from transformers import TrainerCallback
 from hotweights.cli.console import make_console
 from hotweights.cli.demo import (
     PROMPT,
+    TOKENS,
     _Client,
     _complete,
     _stopping,
@@ -120,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     reloaded = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16)
     ids = tok(PROMPT, return_tensors="pt")["input_ids"]
     with torch.no_grad():
-        out = reloaded.generate(ids, max_new_tokens=8, do_sample=False,
+        out = reloaded.generate(ids, max_new_tokens=TOKENS, do_sample=False,
                                 pad_token_id=tok.pad_token_id)
     text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
     console.print(f"reloaded in plain transformers from {ckpt}: [bold]{PROMPT}[/bold]"
