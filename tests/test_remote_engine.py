@@ -96,10 +96,11 @@ class _Channel:
     def __init__(self, rounds=(), hold=False, fail=None, later=()):
         self.rounds, self.hold, self.fail, self.later = list(rounds), hold, fail, list(later)
         self.broken, self.bytes_received, self.calls = False, 0, []
-        self._interrupted = threading.Event()
+        self._interrupted, self.started = threading.Event(), threading.Event()
 
     def receive(self, staged, **kwargs):
         self.calls.append(("receive", kwargs))
+        self.started.set()
         for r in self.rounds:
             staged(r)
             self.bytes_received += r.buffer.nbytes
@@ -119,6 +120,13 @@ class _Channel:
 
     def close(self):
         self.calls.append("closed")
+
+
+def _armed(engine, channel, update="next"):
+    """`engine` waiting for `update` on `channel` (its receive begun: no interrupt before)."""
+    engine.arm(update)
+    assert channel.started.wait(5)
+    return engine
 
 
 def _rounds(old, new):
@@ -173,8 +181,7 @@ def test_a_server_that_has_not_joined_refuses_an_update_and_a_follower_takes_one
 def test_an_armed_update_waits_without_a_bound_and_is_interrupted_by_a_discard():
     old, _ = _state()
     relay = _Channel(hold=True)  # a follower's
-    engine = _engine(None, old, relay)
-    engine.arm("next")
+    engine = _armed(_engine(None, old, relay), relay)
     engine.discard()
     assert relay.calls == [("receive", {"update": "next", "wait": math.inf, "relay": None}),
                            ("interrupt", "next")]
@@ -194,8 +201,7 @@ def test_a_receive_of_an_update_not_announced_is_not_interrupted():
 def test_a_receive_of_another_update_drops_the_armed_one_first():
     old, _ = _state()
     channel = _Channel(hold=True)
-    engine = _engine(channel, old)
-    engine.arm("next")
+    engine = _armed(_engine(channel, old), channel)
     engine.start_receiving({"update": "other", "wait": 1.0})
     engine.received()
     assert [c[0] if c[0] == "receive" else c for c in channel.calls] == [
@@ -213,8 +219,7 @@ def test_a_receive_that_drops_a_stuck_one_is_refused_as_its_channel_is_given_up(
     monkeypatch.setattr(remote_engine, "_DROP_WAIT_S", 0.2)
     old, _ = _state()
     channel = Deaf(hold=True)
-    engine = _engine(channel, old)
-    engine.arm("next")
+    engine = _armed(_engine(channel, old), channel)
     with pytest.raises(RemoteError, match="gave its channel up .* the trainer opens a new"):
         engine.start_receiving({"update": "other", "wait": 1.0})
     assert [c[0] for c in channel.calls] == ["receive", "interrupt"]
@@ -234,8 +239,7 @@ def test_no_update_is_armed_on_a_broken_channel():
 def test_shutdown_drops_the_receive_before_it_closes_the_channels():
     old, _ = _state()
     trainer, relay = _Channel(hold=True), _Channel()
-    engine = _engine(trainer, old, relay)
-    engine.arm("next")
+    engine = _armed(_engine(trainer, old, relay), trainer)
     engine.shutdown()
     assert trainer.calls[1:] == [("interrupt", "next"), "closed"] and relay.calls == ["closed"]
     assert engine.channel is None and engine.relay is None
