@@ -475,24 +475,27 @@ def test_a_refused_update_s_receive_that_travels_late_drops_no_later_update(
     stalled behind that server, or its commit refused). It carries the number of its own
     update, bound when it was queued: the server refuses it."""
     model, group = trainer
-    held, post, late = threading.Event(), group._post, []
+    held, landed, post, late = threading.Event(), threading.Event(), group._post, []
 
     def late_post(url, status, route, **body):
         if route != "/hotweights/remote/receive" or url != remotes[0].url or late:
             return post(url, status, route, **body)
         late.append(body["update"])
-        held.wait(3)  # until the next update has started on the channel
+        held.wait(60)  # until the next update has started on the channel (not a fixed
+        # time: on a loaded machine the request then reached its server before the abort)
         try:
             return post(url, status, route, **body)
         except HotweightsError as e:
             late.append(str(e))  # it carries its own update's number (queued then)
             raise
+        finally:
+            landed.set()
 
     def start_then_wait(self, *args, **kwargs):
         start(self, *args, **kwargs)
         if not held.is_set():
             held.set()
-            time.sleep(2)  # the late request lands meanwhile
+            landed.wait(60)  # the late request lands meanwhile
     start = Channel.start
     monkeypatch.setattr(group, "_post", late_post)
     monkeypatch.setattr(Channel, "start", start_then_wait)

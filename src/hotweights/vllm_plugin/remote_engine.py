@@ -197,9 +197,8 @@ class HotweightsEngine(WeightTransferEngine[RemoteInit, RemoteUpdate]):
 
     def start_receiving(self, update_info: dict[str, Any]) -> None:
         """`update_weights` on a thread of its own; `received` waits for it."""
-        self._require()
         self._drop_receiving()  # an update armed for (`arm`) that is not this one
-        self._require()  # (the drop gives the channels up if that one is stuck)
+        self._require()  # (after the drop: it gives the channels up if that one is stuck)
         self.staged.clear()
         self._receiving = _Receiving(self, self.parse_update_info(update_info))
         self._receiving.start()
