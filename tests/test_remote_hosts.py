@@ -72,3 +72,10 @@ def test_a_host_with_a_trailing_slash_or_a_path_gets_the_default_port_before_it(
     # not "http://localhost/:8000": port 80, at the path "/:8000"
     assert server_urls("localhost/, a:9000/, b/base") == [
         "http://localhost:8000", "http://a:9000", "http://b:8000/base"]
+
+
+def test_a_node_list_with_a_path_keeps_it_after_each_node_s_port():
+    assert server_urls("gpu[01-02]:9000/v1, n[1-2]/x/") == [
+        "http://gpu01:9000/v1", "http://gpu02:9000/v1", "http://n1:8000/x", "http://n2:8000/x"]
+    assert server_urls("https://gpu[1-2]:8443/base") == ["https://gpu1:8443/base",
+                                                          "https://gpu2:8443/base"]

@@ -75,7 +75,6 @@ def server_urls(servers: str | Iterable[str], port: int = DEFAULT_PORT) -> list[
     urls = []
     for item in filter(None, (s.strip() for s in items)):
         scheme, sep, rest = item.partition("://")
-        path = ""  # of a server given without a scheme: after its port, which may be added
         if not sep:
             scheme, rest = "http", item
             if rest.startswith("["):  # an IPv6 literal: [::1] or [::1]:8000
@@ -86,11 +85,9 @@ def server_urls(servers: str | Iterable[str], port: int = DEFAULT_PORT) -> list[
         elif not re.match(r"[^/\[]+\[", rest):  # a URL, not a node list
             urls.append(server_url(item))
             continue
-        if not sep and "[" not in rest:
-            rest, _, path = rest.partition("/")
-        host, _, given = rest.partition(":") if "[" not in rest else (rest, "", "")
-        if "[" in rest and (m := re.fullmatch(r"(.*\][^:/]*)(?::(\d+))?/?", rest)):
-            host, given = m.group(1), m.group(2) or ""
+        at = rest.rfind("]") + 1  # past a node list's last bracket: its port and path follow
+        tail, _, path = rest[at:].partition("/")
+        host, _, given = (rest[:at] + tail).partition(":")
         given = given or ("" if sep else str(port))
         urls += [server_url(f"{scheme}://{h}" + (f":{given}" if given else "") +
                             (f"/{path}" if path else "")) for h in expand_nodes(host)]
