@@ -618,10 +618,10 @@ def test_a_writer_waiting_for_another_says_so_and_one_alone_says_nothing(shards,
     def other_writer():
         with lock.locked(d, finish_first=False):
             held.set()
-            go.wait(10)
+            go.wait(60)  # set once this writer waits for it
     t = threading.Thread(target=other_writer)
     t.start()
-    held.wait(10)
+    assert held.wait(60)
 
     class Waiting(logging.Handler):  # the other writer lets go once this one waits for it
         def emit(self, record):
@@ -754,7 +754,7 @@ def test_a_writer_whose_directory_is_removed_while_it_waits_says_so(tmp_path):
     d.rmdir()
     fcntl.flock(fd, fcntl.LOCK_UN)
     os.close(fd)
-    waiter.join(10)
+    waiter.join(60)
     assert failed == [f"{d}: removed while this writer waited for its lock (a sync that had "
                       "made it failed): nothing was written; run it again"]
 

@@ -297,7 +297,7 @@ def test_an_answer_trickled_slower_than_the_timeout_ends_at_the_timeout(tls_on, 
                            rf"{url} within 1 s \(its answer still coming"):
             request(url, "POST", "/hotweights/renew", "t", {}, timeout=1.0,
                     cafile=tls.ca if tls_on else None)
-        assert time.monotonic() - began < 3
+        assert time.monotonic() - began < 10  # not the trickle's 200 s (loaded CI: margin)
     finally:
         stop.set()
         thread.join()
@@ -342,7 +342,7 @@ def test_a_proxy_s_tunnel_trickled_ends_at_the_timeout(monkeypatch, tls):
                            r"within 1 s"):
             request("https://server.example:8000", "POST", "/hotweights/renew", "t", {},
                     timeout=1.0, cafile=tls.ca)
-        assert time.monotonic() - began < 3
+        assert time.monotonic() - began < 10  # not the test's 30 s (loaded CI: margin)
 
 
 @pytest.mark.timeout(30)

@@ -458,10 +458,13 @@ def test_an_update_awaited_without_bound_arrives_late_or_is_dropped_by_its_recei
         time.sleep(TIMEOUT * 1.3)  # past the timeout and any lease: still waited for
         ch.start("u0")
         ch.send(pack(delta.encode_all(old, first), max_bytes=MAX_BYTES))
-        time.sleep(2.5)  # u1 never comes: the receiver stops waiting for it after 1 s
+        # u1 never comes: the receiver drops it after 1 s; u2 goes once it has said so (a
+        # fixed wait let a loaded receiver still be waiting for u1 when u2 was announced)
+        early = [json.loads(procs[0].stdout.readline() or "{}") for _ in range(2)]
+        assert "refused" in early[1], early
         ch.start("u2")
         ch.send(pack(delta.encode_all(first, third), max_bytes=MAX_BYTES))
-        lines = _lines(procs[0])
+        lines = early + _lines(procs[0])
     assert [x.get("sum") for x in lines] == [checksum(first), checksum(first), checksum(third)]
     assert "stopped waiting for update u1 (dropped by this side)" in lines[1]["refused"]
 

@@ -52,7 +52,7 @@ def test_a_dropped_receive_that_does_not_end_is_left_behind_with_its_own_staging
     assert engine.staged is not first  # what it may still stage is not applied
     engine.shutdown()  # a new trainer's join: the channel is the receive's to close
     release.set()
-    receiving.join(5)
+    receiving.join(60)
     assert got[-2:] == [first, "closed"]
 
 
@@ -125,7 +125,7 @@ class _Channel:
 def _armed(engine, channel, update="next"):
     """`engine` waiting for `update` on `channel` (its receive begun: no interrupt before)."""
     engine.arm(update)
-    assert channel.started.wait(5)
+    assert channel.started.wait(60)
     return engine
 
 
@@ -267,7 +267,7 @@ def test_a_dropped_receive_left_behind_does_not_report_its_staging(monkeypatch):
     engine.discard()  # left behind
     assert engine.broken and engine.channel is None and channel.broken  # given up
     channel._interrupted.set()  # it stages the update after all, into its own staging
-    receiving.join(5)
+    receiving.join(60)
     assert engine.last_staged == {} and engine.staged.nbytes == 0
     assert channel.calls[-1] == "closed"
 
@@ -282,7 +282,7 @@ def test_a_dropped_receive_that_stops_receiving_midway_is_left_behind(monkeypatc
             for _ in range(4):
                 time.sleep(0.1)
                 self.bytes_received += 1
-            self._interrupted.wait(5)
+            self._interrupted.wait(30)
     channel = Stalls()
     monkeypatch.setattr(channel, "interrupt", lambda update: None)  # cannot reach it
     monkeypatch.setattr(remote_engine, "_DROP_WAIT_S", 0.25)
@@ -290,7 +290,7 @@ def test_a_dropped_receive_that_stops_receiving_midway_is_left_behind(monkeypatc
     engine.start_receiving({"update": "u", "wait": math.inf})
     start = time.monotonic()
     engine.discard()
-    assert engine.broken and time.monotonic() - start < 3
+    assert engine.broken and time.monotonic() - start < 10  # not the receive's 30 s
     channel._interrupted.set()
 
 

@@ -50,7 +50,7 @@ MIN_BYTES = 64 << 10  # smaller tensors are hashed whole: fewer registrations (V
 # A fault per page written costs about what hashing 2-3 unwritten pages saves: a tensor more
 # than a quarter written at this many syncs in a row is no longer watched.
 _DENSE = 2
-ENV = "HOTWEIGHTS_WRITE_WATCH"  # "0": syncs that are given no watch use none
+ENV = "HOTWEIGHTS_WRITE_WATCH"  # "0": no watch even for sync(watch=True)
 _default: WriteWatch | None = None
 _default_lock = threading.Lock()
 _watches: weakref.WeakSet[WriteWatch] = weakref.WeakSet()  # this process's open watches
@@ -280,8 +280,8 @@ class WriteWatch:
 
 
 def default() -> WriteWatch | None:
-    """The watch `checkpoint.sync` uses when it is given none: one per process, made at its
-    first use; None where the environment says HOTWEIGHTS_WRITE_WATCH=0."""
+    """The watch `checkpoint.sync(watch=True)` uses: one per process, made at its first use;
+    None where the environment says HOTWEIGHTS_WRITE_WATCH=0."""
     global _default
     if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
         return None
