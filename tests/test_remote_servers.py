@@ -474,13 +474,18 @@ def test_a_refused_update_s_receive_that_travels_late_drops_no_later_update(
     start a receive of the refused update there, dropping the next one's (round 1
     stalled behind that server, or its commit refused). It carries the number of its own
     update, bound when it was queued: the server refuses it."""
+    from hotweights.remote import delta
     model, group = trainer
-    held, landed, post, late = threading.Event(), threading.Event(), group._post, []
+    refused = group._seq + 1  # the number of the refused update's requests
+    held, landed, queued = threading.Event(), threading.Event(), threading.Event()
+    post, encode_each, late = group._post, delta.encode_each, []
 
     def late_post(url, status, route, **body):
-        if route != "/hotweights/remote/receive" or url != remotes[0].url or late:
+        if route != "/hotweights/remote/receive" or url != remotes[0].url or \
+                body.get("seq") != refused:
             return post(url, status, route, **body)
         late.append(body["update"])
+        queued.set()
         held.wait(60)  # until the next update has started on the channel (not a fixed
         # time: on a loaded machine the request then reached its server before the abort)
         try:
@@ -496,8 +501,13 @@ def test_a_refused_update_s_receive_that_travels_late_drops_no_later_update(
         if not held.is_set():
             held.set()
             landed.wait(60)  # the late request lands meanwhile
+
+    def encode_once_queued(*args, **kwargs):  # the bad input fails the encode at once:
+        queued.wait(60)  # not before the receive request is on its way (else it is
+        yield from encode_each(*args, **kwargs)  # cancelled unsent and none travels late)
     start = Channel.start
     monkeypatch.setattr(group, "_post", late_post)
+    monkeypatch.setattr(delta, "encode_each", encode_once_queued)
     monkeypatch.setattr(Channel, "start", start_then_wait)
     weights = {k: v.detach().clone() for k, v in model.named_parameters()}
     weights["model.norm.weight"] = torch.zeros(3, dtype=torch.bfloat16)
