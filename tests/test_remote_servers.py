@@ -486,8 +486,7 @@ def test_a_refused_update_s_receive_that_travels_late_drops_no_later_update(
             return post(url, status, route, **body)
         late.append(body["update"])
         queued.set()
-        held.wait(60)  # until the next update has started on the channel (not a fixed
-        # time: on a loaded machine the request then reached its server before the abort)
+        held.wait(60)  # until the next update has started on the channel
         try:
             return post(url, status, route, **body)
         except HotweightsError as e:
